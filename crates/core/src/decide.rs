@@ -1,0 +1,312 @@
+//! `decide(state) -> Next`: what the decision writer should do next, as pure functions.
+//!
+//! The step service loops: fold the journal, [`decide`], carry out the answer (commit decisions, or
+//! call the model and then commit [`complete_step`]'s decisions), fold again, until [`Next::Idle`].
+//! Duplicate and early wakes land on `Idle`: the model is never called while a tool result is
+//! missing (seed 004, 难点 4).
+
+use crate::event::{
+    AssistantMessage, Budget, Digest, Draft, Event, FailureReason, FinishReason, QuestionAsked,
+    RunCancelled, RunCancelling, RunFailed, RunResumed, RunRevived, RunStarted, RunSucceeded,
+    RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
+};
+use crate::fold::{ASK_USER_TOOL, ChatMessage, OpStatus, RunState};
+use crate::ids::{Attempt, ModelRequestId, OperationId, QuestionId, StepNo};
+use crate::machine::RunStatus;
+
+/// Why there is nothing to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Idle {
+    Terminal,
+    /// Tool results still missing.
+    WaitingTools {
+        missing: usize,
+    },
+    WaitingUser,
+    WaitingApproval,
+    WaitingExternal,
+    /// Cancelling: operations still running.
+    Stopping {
+        running: usize,
+    },
+    /// An ambiguous operation waits for a person.
+    Unknown,
+}
+
+/// A model call to make.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepPlan {
+    pub step: StepNo,
+    pub attempt: Attempt,
+    pub request_id: ModelRequestId,
+    /// An earlier attempt of this step that was journaled and never completed or failed: a worker
+    /// that died after the model answered may have stored the response under this id. The shell
+    /// looks there first and, when found with the same context digest, commits
+    /// [`complete_step`] with `reused = true` instead of calling the model.
+    pub unfinished: Option<(ModelRequestId, Digest)>,
+    pub context: Vec<ChatMessage>,
+    pub context_digest: Digest,
+    /// Decisions to journal (as one group) before calling the model.
+    pub start: Vec<Draft>,
+}
+
+/// What to do next.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Next {
+    Idle(Idle),
+    /// Journal these decisions (one group), then decide again.
+    Commit(Vec<Draft>),
+    /// Journal `plan.start`, call the model, then journal [`complete_step`].
+    Step(Box<StepPlan>),
+}
+
+/// The model's answer, provider-neutral.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelResponse {
+    pub message: AssistantMessage,
+    pub usage: Usage,
+    pub finish: FinishReason,
+}
+
+/// Decides the next action for a run.
+pub fn decide(state: &RunState) -> Next {
+    let budget = &state.bundle.budget;
+    match state.status {
+        RunStatus::Cancelled => Next::Idle(Idle::Terminal),
+        RunStatus::Succeeded | RunStatus::Failed => {
+            if state.pending_messages.is_empty() {
+                return Next::Idle(Idle::Terminal);
+            }
+            let revive = Draft::new(Event::RunRevived(RunRevived {
+                turn: state.turn.saturating_add(1),
+            }));
+            new_step(state, budget, vec![revive])
+        }
+        RunStatus::Cancelling => finish_cancel(state),
+        status if state.cancel_requested.is_some() => {
+            let reason = state.cancel_requested.clone().unwrap_or_default();
+            let mut drafts = vec![Draft::new(Event::RunCancelling(RunCancelling { reason }))];
+            if running_ops(state) == 0 && status != RunStatus::Unknown {
+                drafts.push(cancelled(state));
+            }
+            Next::Commit(drafts)
+        }
+        RunStatus::Unknown => {
+            if state
+                .ops
+                .values()
+                .any(|o| matches!(o.status, OpStatus::Ambiguous { .. }))
+            {
+                Next::Idle(Idle::Unknown)
+            } else {
+                Next::Commit(vec![Draft::new(Event::RunResumed(RunResumed {}))])
+            }
+        }
+        RunStatus::Queued => new_step(
+            state,
+            budget,
+            vec![Draft::new(Event::RunStarted(RunStarted {}))],
+        ),
+        RunStatus::Running => match &state.open_step {
+            Some(open) => {
+                if open.attempt.get() >= budget.max_attempts_per_step {
+                    return fail(
+                        FailureReason::AttemptsExhausted,
+                        format!(
+                            "step {} failed {} attempts",
+                            open.step, budget.max_attempts_per_step
+                        ),
+                    );
+                }
+                let attempt = open.attempt.next();
+                let unfinished =
+                    (!open.failed).then(|| (open.request_id.clone(), open.context_digest.clone()));
+                Next::Step(Box::new(plan(
+                    state,
+                    open.step,
+                    attempt,
+                    unfinished,
+                    vec![],
+                )))
+            }
+            None => new_step(state, budget, vec![]),
+        },
+        RunStatus::WaitingTool
+        | RunStatus::WaitingUser
+        | RunStatus::WaitingApproval
+        | RunStatus::WaitingExternal => {
+            let missing = state
+                .last_step_ops()
+                .iter()
+                .filter(|o| o.result.is_none())
+                .count();
+            if missing == 0 {
+                return new_step(state, budget, vec![]);
+            }
+            Next::Idle(match state.status {
+                RunStatus::WaitingUser => Idle::WaitingUser,
+                RunStatus::WaitingApproval => Idle::WaitingApproval,
+                RunStatus::WaitingExternal => Idle::WaitingExternal,
+                _ => Idle::WaitingTools { missing },
+            })
+        }
+    }
+}
+
+fn running_ops(state: &RunState) -> usize {
+    state
+        .ops
+        .values()
+        .filter(|o| matches!(o.status, OpStatus::Started { .. }))
+        .count()
+}
+
+fn cancelled(state: &RunState) -> Draft {
+    Draft::new(Event::RunCancelled(RunCancelled {
+        operations: state.op_summaries(),
+    }))
+}
+
+fn finish_cancel(state: &RunState) -> Next {
+    let running = running_ops(state);
+    if running > 0 {
+        return Next::Idle(Idle::Stopping { running });
+    }
+    Next::Commit(vec![cancelled(state)])
+}
+
+fn fail(reason: FailureReason, message: String) -> Next {
+    Next::Commit(vec![Draft::new(Event::RunFailed(RunFailed {
+        reason,
+        message,
+    }))])
+}
+
+fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>) -> Next {
+    if state.step.get() >= budget.max_steps {
+        return fail(
+            FailureReason::MaxSteps,
+            format!("the run used its {} steps", budget.max_steps),
+        );
+    }
+    if state.usage.total() >= budget.max_tokens {
+        return fail(
+            FailureReason::MaxTokens,
+            format!(
+                "the run used {} of its {} tokens",
+                state.usage.total(),
+                budget.max_tokens
+            ),
+        );
+    }
+    let step = state.step.next();
+    let p = plan(state, step, Attempt(1), None, std::mem::take(&mut prefix));
+    Next::Step(Box::new(p))
+}
+
+fn plan(
+    state: &RunState,
+    step: StepNo,
+    attempt: Attempt,
+    unfinished: Option<(ModelRequestId, Digest)>,
+    mut start: Vec<Draft>,
+) -> StepPlan {
+    let request_id = ModelRequestId::new(&state.run_id, step, attempt);
+    let context = state.next_context();
+    let context_digest = Digest::of(&context);
+    start.push(
+        Draft::new(Event::StepStarted(StepStarted {
+            request_id: request_id.clone(),
+            context_digest: context_digest.clone(),
+            inputs_through: state.last_seq,
+        }))
+        .step(step)
+        .attempt(attempt),
+    );
+    StepPlan {
+        step,
+        attempt,
+        request_id,
+        unfinished,
+        context,
+        context_digest,
+        start,
+    }
+}
+
+/// The decisions that complete a step with the model's response: `step.completed`, one
+/// `tool.requested` per tool call (operation id `(run, step, index)`), `question.asked` for
+/// `ask_user` calls, and then `run.waiting` or `run.succeeded`. One group, committed atomically.
+pub fn complete_step(
+    state: &RunState,
+    step: StepNo,
+    attempt: Attempt,
+    request_id: ModelRequestId,
+    response: ModelResponse,
+    reused: bool,
+) -> Vec<Draft> {
+    let mut drafts = Vec::with_capacity(response.message.tool_calls.len() * 2 + 2);
+    let mut waits_on_user = false;
+    let mut tool_drafts = Vec::new();
+    for (index, call) in response.message.tool_calls.iter().enumerate() {
+        let op = OperationId::new(&state.run_id, step, index as u32);
+        tool_drafts.push(
+            Draft::new(Event::ToolRequested(ToolRequested {
+                call_id: call.call_id.clone(),
+                tool: call.name.clone(),
+                arguments: call.arguments.clone(),
+                args_digest: Digest::of_json(&call.arguments),
+            }))
+            .step(step)
+            .op(op.clone()),
+        );
+        if call.name == ASK_USER_TOOL {
+            waits_on_user = true;
+            let prompt = call
+                .arguments
+                .get("question")
+                .and_then(|q| q.as_str())
+                .map(str::to_owned)
+                .unwrap_or_else(|| call.arguments.to_string());
+            tool_drafts.push(
+                Draft::new(Event::QuestionAsked(QuestionAsked {
+                    question_id: QuestionId::for_operation(&op),
+                    prompt,
+                }))
+                .step(step)
+                .op(op),
+            );
+        }
+    }
+    let has_tools = !tool_drafts.is_empty();
+    let output = response.message.text.clone();
+    drafts.push(
+        Draft::new(Event::StepCompleted(StepCompleted {
+            request_id,
+            message: response.message,
+            usage: response.usage,
+            finish: response.finish,
+            reused,
+        }))
+        .step(step)
+        .attempt(attempt),
+    );
+    drafts.extend(tool_drafts);
+    if has_tools {
+        let on = if waits_on_user {
+            WaitReason::User
+        } else {
+            WaitReason::Tool
+        };
+        drafts.push(Draft::new(Event::RunWaiting(RunWaiting { on })).step(step));
+    } else {
+        drafts.push(
+            Draft::new(Event::RunSucceeded(RunSucceeded {
+                output,
+                validation: Default::default(),
+            }))
+            .step(step),
+        );
+    }
+    drafts
+}

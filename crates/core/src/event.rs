@@ -1,0 +1,942 @@
+//! Journal events: the envelope and every event type's data.
+//!
+//! An event is either a **decision** (appended only by the holder of the run's lease, on
+//! `agent.run.<id>.d.<type>`, with an optimistic-concurrency check) or an **input** (appended by
+//! anyone, on `agent.run.<id>.i.<type>`, deduplicated by `Nats-Msg-Id`). [`EventKind`] says which;
+//! the split is part of the type, not a convention.
+//!
+//! On the wire an event is one JSON envelope: `run_id, type, at, step, attempt, op, data, digest`,
+//! where `digest` is the SHA-256 of `data` in canonical JSON (keys sorted, no whitespace).
+
+use std::borrow::Cow;
+use std::fmt;
+use std::str::FromStr;
+
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use crate::ids::{
+    AgentName, ApprovalId, Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, RunId,
+    StepNo, TenantId, TimerId,
+};
+
+/// A UTC instant, RFC 3339 on the wire.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Timestamp(#[serde(with = "time::serde::rfc3339")] pub OffsetDateTime);
+
+impl Timestamp {
+    pub fn now() -> Self {
+        Self(OffsetDateTime::now_utc())
+    }
+}
+
+impl fmt::Debug for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Display for Timestamp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0.format(&Rfc3339) {
+            Ok(s) => f.write_str(&s),
+            Err(_) => write!(f, "{:?}", self.0),
+        }
+    }
+}
+
+impl JsonSchema for Timestamp {
+    fn schema_name() -> Cow<'static, str> {
+        "Timestamp".into()
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({ "type": "string", "format": "date-time" })
+    }
+}
+
+/// `sha256:<64 hex digits>`: the digest of a canonical JSON value (or of raw bytes).
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Digest(String);
+
+/// A string that is not `sha256:<64 lowercase hex>`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{0}` is not a digest of the form sha256:<64 lowercase hex digits>")]
+pub struct DigestError(String);
+
+impl Digest {
+    /// Digest of raw bytes.
+    pub fn of_bytes(bytes: &[u8]) -> Self {
+        let hash = Sha256::digest(bytes);
+        let mut s = String::with_capacity(7 + 64);
+        s.push_str("sha256:");
+        for b in hash.iter() {
+            s.push_str(&format!("{b:02x}"));
+        }
+        Self(s)
+    }
+
+    /// Digest of a JSON value in canonical form. `serde_json::Map` keeps keys sorted (the crate's
+    /// `preserve_order` feature is off in this workspace), so equal values give equal digests.
+    pub fn of_json(value: &serde_json::Value) -> Self {
+        // Serializing a `Value` cannot fail.
+        let bytes = serde_json::to_vec(value).unwrap_or_default();
+        Self::of_bytes(&bytes)
+    }
+
+    /// Digest of any serializable value, through its canonical JSON form.
+    pub fn of<T: Serialize>(value: &T) -> Self {
+        Self::of_json(&serde_json::to_value(value).unwrap_or(serde_json::Value::Null))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for Digest {
+    type Err = DigestError;
+    fn from_str(s: &str) -> Result<Self, DigestError> {
+        let hex = s
+            .strip_prefix("sha256:")
+            .ok_or_else(|| DigestError(s.to_owned()))?;
+        if hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            Ok(Self(s.to_owned()))
+        } else {
+            Err(DigestError(s.to_owned()))
+        }
+    }
+}
+
+impl TryFrom<String> for Digest {
+    type Error = DigestError;
+    fn try_from(s: String) -> Result<Self, DigestError> {
+        s.parse()
+    }
+}
+
+impl From<Digest> for String {
+    fn from(d: Digest) -> String {
+        d.0
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Digest({})", &self.0[..self.0.len().min(19)])
+    }
+}
+
+impl JsonSchema for Digest {
+    fn schema_name() -> Cow<'static, str> {
+        "Digest".into()
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({ "type": "string", "pattern": "^sha256:[0-9a-f]{64}$" })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data shared by several events.
+// ---------------------------------------------------------------------------------------------
+
+/// Which wire format a model speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Provider {
+    Openai,
+    Anthropic,
+}
+
+/// The model a run is frozen to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ModelSpec {
+    pub provider: Provider,
+    pub name: String,
+    /// Base URL of the API; `None` means the provider's public endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_url: Option<String>,
+}
+
+/// Limits a run is held to. Frozen into `run.created`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Budget {
+    /// Model calls (steps) the run may make in all its turns.
+    pub max_steps: u32,
+    /// Input + output tokens the run may spend.
+    pub max_tokens: u64,
+    /// Attempts per step (crash retries and retryable model errors) before the run fails.
+    pub max_attempts_per_step: u32,
+    /// Wall-clock limit of the run in seconds, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_secs: Option<u64>,
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Self {
+            max_steps: 50,
+            max_tokens: 1_000_000,
+            max_attempts_per_step: 3,
+            deadline_secs: None,
+        }
+    }
+}
+
+/// Tokens spent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.input_tokens.saturating_add(self.output_tokens)
+    }
+    pub fn add(&mut self, other: Usage) {
+        self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
+    }
+}
+
+/// One tool call the model asked for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolCall {
+    /// The provider's id for the call (`call_…`, `toolu_…`); answered by the matching result.
+    pub call_id: String,
+    pub name: String,
+    pub arguments: serde_json::Value,
+}
+
+/// The assistant's turn as the model returned it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AssistantMessage {
+    #[serde(default)]
+    pub text: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+}
+
+/// Why the model stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Stop,
+    ToolCalls,
+    Length,
+    Other,
+}
+
+/// How a model error should be treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// 429, 5xx, 529, timeouts, dropped connections: try again (a new attempt).
+    Retryable,
+    /// 4xx other than 429: the same request will fail again.
+    Fatal,
+}
+
+/// The outcome of one model call attempt that did not produce a committed step.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum AttemptOutcome {
+    Error {
+        class: ErrorClass,
+        message: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        status: Option<u16>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retry_after_ms: Option<u64>,
+    },
+    /// The worker lost its lease while the model ran; the call was aborted.
+    LeaseLost,
+}
+
+/// What a waiting run waits on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitReason {
+    Tool,
+    User,
+    Approval,
+    External,
+}
+
+/// Risk level of a tool operation, for approval policy.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Risk {
+    Low,
+    Medium,
+    High,
+}
+
+/// What a timer is for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TimerPurpose {
+    /// The `wait` tool: the operation's result is the timer firing.
+    Wait {
+        op: OperationId,
+    },
+    RunDeadline,
+    ApprovalExpiry {
+        approval_id: ApprovalId,
+    },
+    QuestionTimeout {
+        question_id: QuestionId,
+    },
+}
+
+/// Whether a run's output passed its validation. Reported apart from the run's status
+/// (DESIGN principle 9).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum OutputValidation {
+    #[default]
+    NotChecked,
+    Valid,
+    Invalid {
+        errors: Vec<String>,
+    },
+}
+
+/// Why a run failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureReason {
+    AttemptsExhausted,
+    MaxSteps,
+    MaxTokens,
+    Deadline,
+    ModelRejected,
+    Operator,
+    Internal,
+}
+
+/// An approver's verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Approve,
+    Deny,
+}
+
+/// A person's resolution of an operation whose outcome was ambiguous.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "resolution", rename_all = "snake_case")]
+pub enum Resolution {
+    /// It did not happen: run it again under the same operation id.
+    Retry,
+    /// It happened; this is its result.
+    Completed { content: String },
+    /// Give the model an error result for it.
+    Failed { reason: String },
+}
+
+/// How an operation ended, as listed by `run.cancelled`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OpFate {
+    Completed,
+    Failed,
+    Stopped,
+    NeverStarted,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct OpSummary {
+    pub op: OperationId,
+    pub fate: OpFate,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Event data, one struct per event type.
+// ---------------------------------------------------------------------------------------------
+
+/// The frozen run bundle: everything a run's behaviour depends on, fixed at creation so that
+/// replaying the journal through newer code takes the same path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct RunCreated {
+    pub agent: AgentName,
+    /// Revision of the agent definition in `kedge_agents`.
+    pub agent_revision: u64,
+    pub agent_digest: Digest,
+    pub model: ModelSpec,
+    pub prompt_digest: Digest,
+    pub tools_digest: Digest,
+    pub policy_digest: Digest,
+    pub budget: Budget,
+    pub tenant: TenantId,
+    /// Who submitted the task (token subject, NATS user, …), if known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caller: Option<String>,
+    /// The client's idempotency key (the task's `Nats-Msg-Id`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    /// The user's first message.
+    pub input: String,
+    /// Kedge version that created the run.
+    pub runtime_version: String,
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub struct RunStarted {}
+
+/// Intent before effect: journaled before the model is called.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct StepStarted {
+    pub request_id: ModelRequestId,
+    /// Digest of the exact context sent to the model.
+    pub context_digest: Digest,
+    /// The journal sequence of the last input the context includes. Inputs after it (even if they
+    /// land before this event) belong to the next step.
+    pub inputs_through: u64,
+}
+
+/// A model attempt that did not complete the step (error or lost lease).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ModelAttempt {
+    pub request_id: ModelRequestId,
+    #[serde(flatten)]
+    pub outcome: AttemptOutcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct StepCompleted {
+    pub request_id: ModelRequestId,
+    pub message: AssistantMessage,
+    pub usage: Usage,
+    pub finish: FinishReason,
+    /// True when the response was taken from `kedge_idempotency` (stored by a worker that died
+    /// before committing) instead of calling the model again.
+    #[serde(default)]
+    pub reused: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolRequested {
+    pub call_id: String,
+    pub tool: String,
+    pub arguments: serde_json::Value,
+    pub args_digest: Digest,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct QuestionAsked {
+    pub question_id: QuestionId,
+    pub prompt: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalRequested {
+    pub approval_id: ApprovalId,
+    pub tool: String,
+    pub args_digest: Digest,
+    pub risk: Risk,
+    /// Why this needs approval (the policy rule that matched).
+    pub basis: String,
+    pub expires_at: Timestamp,
+    pub plan_version: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalInvalidated {
+    pub approval_id: ApprovalId,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalExpired {
+    pub approval_id: ApprovalId,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TimerScheduled {
+    pub timer_id: TimerId,
+    pub fire_at: Timestamp,
+    pub purpose: TimerPurpose,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct CallbackExpected {
+    pub key: CallbackKey,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<Timestamp>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunWaiting {
+    pub on: WaitReason,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunCancelling {
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunUnknown {
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub struct RunResumed {}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunRevived {
+    /// The turn that starts (turn 1 is the one `run.created` began).
+    pub turn: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunSucceeded {
+    pub output: String,
+    #[serde(default)]
+    pub validation: OutputValidation,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunFailed {
+    pub reason: FailureReason,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunCancelled {
+    pub operations: Vec<OpSummary>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct UserMessage {
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolStarted {
+    /// Which worker took the operation.
+    pub runner: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolResult {
+    pub content: String,
+    #[serde(default)]
+    pub is_error: bool,
+    /// True when the tool reported it was stopped by a cancel.
+    #[serde(default)]
+    pub stopped: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct QuestionAnswered {
+    pub question_id: QuestionId,
+    pub answer: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ApprovalDecided {
+    pub approval_id: ApprovalId,
+    pub verdict: Verdict,
+    /// The argument digest the approver was shown.
+    pub args_digest: Digest,
+    pub approver: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TimerFired {
+    pub timer_id: TimerId,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CallbackReceived {
+    pub key: CallbackKey,
+    pub payload: serde_json::Value,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct CancelRequested {
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct OutcomeConfirmed {
+    pub content: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
+pub struct OutcomeNotFound {}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct OutcomeAmbiguous {
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct OutcomeResolved {
+    #[serde(flatten)]
+    pub resolution: Resolution,
+    pub by: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Nudge {
+    pub reason: String,
+}
+
+/// Whether an event is written by the run's single decision writer or by anyone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    Decision,
+    Input,
+}
+
+impl EventKind {
+    /// The subject token between the run id and the event type: `d` or `i`.
+    pub fn token(self) -> &'static str {
+        match self {
+            EventKind::Decision => "d",
+            EventKind::Input => "i",
+        }
+    }
+}
+
+/// An unknown event type name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown event type `{0}`")]
+pub struct UnknownEventType(pub String);
+
+macro_rules! events {
+    ($($kind:ident $variant:ident($data:ty) = $name:literal;)*) => {
+        /// A journal event: its type and data. Serialized as `{"type": …, "data": …}` inside the
+        /// envelope.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+        #[serde(tag = "type", content = "data")]
+        pub enum Event {
+            $(#[serde(rename = $name)] $variant($data),)*
+        }
+
+        /// The type of an event, without its data.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum EventType {
+            $($variant,)*
+        }
+
+        impl EventType {
+            /// Every event type, in declaration order.
+            pub const ALL: &'static [EventType] = &[$(EventType::$variant,)*];
+
+            /// The wire name (`run.created`), also the last tokens of the event's subject.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(EventType::$variant => $name,)*
+                }
+            }
+
+            pub fn kind(self) -> EventKind {
+                match self {
+                    $(EventType::$variant => EventKind::$kind,)*
+                }
+            }
+        }
+
+        impl FromStr for EventType {
+            type Err = UnknownEventType;
+            fn from_str(s: &str) -> Result<Self, UnknownEventType> {
+                match s {
+                    $($name => Ok(EventType::$variant),)*
+                    other => Err(UnknownEventType(other.to_owned())),
+                }
+            }
+        }
+
+        impl Event {
+            pub fn event_type(&self) -> EventType {
+                match self {
+                    $(Event::$variant(_) => EventType::$variant,)*
+                }
+            }
+
+            /// The event's data as JSON (what the envelope's `data` holds and `digest` covers).
+            pub fn data_json(&self) -> serde_json::Value {
+                let value = match self {
+                    $(Event::$variant(d) => serde_json::to_value(d),)*
+                };
+                value.unwrap_or(serde_json::Value::Null)
+            }
+        }
+    };
+}
+
+events! {
+    Decision RunCreated(Box<RunCreated>) = "run.created";
+    Decision RunStarted(RunStarted) = "run.started";
+    Decision StepStarted(StepStarted) = "step.started";
+    Decision ModelAttempt(ModelAttempt) = "model.attempt";
+    Decision StepCompleted(StepCompleted) = "step.completed";
+    Decision ToolRequested(ToolRequested) = "tool.requested";
+    Decision QuestionAsked(QuestionAsked) = "question.asked";
+    Decision ApprovalRequested(ApprovalRequested) = "approval.requested";
+    Decision ApprovalInvalidated(ApprovalInvalidated) = "approval.invalidated";
+    Decision ApprovalExpired(ApprovalExpired) = "approval.expired";
+    Decision TimerScheduled(TimerScheduled) = "timer.scheduled";
+    Decision CallbackExpected(CallbackExpected) = "callback.expected";
+    Decision RunWaiting(RunWaiting) = "run.waiting";
+    Decision RunCancelling(RunCancelling) = "run.cancelling";
+    Decision RunUnknown(RunUnknown) = "run.unknown";
+    Decision RunResumed(RunResumed) = "run.resumed";
+    Decision RunRevived(RunRevived) = "run.revived";
+    Decision RunSucceeded(RunSucceeded) = "run.succeeded";
+    Decision RunFailed(RunFailed) = "run.failed";
+    Decision RunCancelled(RunCancelled) = "run.cancelled";
+    Input UserMessage(UserMessage) = "user.message";
+    Input ToolStarted(ToolStarted) = "tool.started";
+    Input ToolResult(ToolResult) = "tool.result";
+    Input QuestionAnswered(QuestionAnswered) = "question.answered";
+    Input ApprovalDecided(ApprovalDecided) = "approval.decided";
+    Input TimerFired(TimerFired) = "timer.fired";
+    Input CallbackReceived(CallbackReceived) = "callback.received";
+    Input CancelRequested(CancelRequested) = "cancel.requested";
+    Input OutcomeConfirmed(OutcomeConfirmed) = "outcome.confirmed";
+    Input OutcomeNotFound(OutcomeNotFound) = "outcome.not_found";
+    Input OutcomeAmbiguous(OutcomeAmbiguous) = "outcome.ambiguous";
+    Input OutcomeResolved(OutcomeResolved) = "outcome.resolved";
+    Input Nudge(Nudge) = "nudge";
+}
+
+impl Event {
+    pub fn kind(&self) -> EventKind {
+        self.event_type().kind()
+    }
+}
+
+impl fmt::Display for EventType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An event before it is stamped with its run and time: what `decide` produces and the shells
+/// append.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Draft {
+    pub event: Event,
+    pub step: Option<StepNo>,
+    pub attempt: Option<Attempt>,
+    pub op: Option<OperationId>,
+}
+
+impl Draft {
+    pub fn new(event: Event) -> Self {
+        Self {
+            event,
+            step: None,
+            attempt: None,
+            op: None,
+        }
+    }
+    pub fn step(mut self, step: StepNo) -> Self {
+        self.step = Some(step);
+        self
+    }
+    pub fn attempt(mut self, attempt: Attempt) -> Self {
+        self.attempt = Some(attempt);
+        self
+    }
+    pub fn op(mut self, op: OperationId) -> Self {
+        self.op = Some(op);
+        self
+    }
+}
+
+/// The journal envelope: what one message on `agent.run.<run_id>.{d,i}.<type>` carries.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Envelope {
+    pub run_id: RunId,
+    pub at: Timestamp,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<StepNo>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<Attempt>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<OperationId>,
+    #[serde(flatten)]
+    pub event: Event,
+    /// SHA-256 of `data` in canonical JSON.
+    pub digest: Digest,
+}
+
+/// A message that is not a valid envelope.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvelopeError {
+    #[error("not a valid journal envelope: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("digest mismatch for {event_type}: envelope says {claimed}, data hashes to {actual}")]
+    DigestMismatch {
+        event_type: EventType,
+        claimed: Digest,
+        actual: Digest,
+    },
+}
+
+impl Envelope {
+    /// Stamps a draft with its run and time and computes the data digest.
+    pub fn new(run_id: RunId, at: Timestamp, draft: Draft) -> Self {
+        let digest = Digest::of_json(&draft.event.data_json());
+        Self {
+            run_id,
+            at,
+            step: draft.step,
+            attempt: draft.attempt,
+            op: draft.op,
+            event: draft.event,
+            digest,
+        }
+    }
+
+    pub fn event_type(&self) -> EventType {
+        self.event.event_type()
+    }
+
+    pub fn kind(&self) -> EventKind {
+        self.event.kind()
+    }
+
+    /// The subject this event is journaled on: `agent.run.<run_id>.<d|i>.<type>`.
+    pub fn subject(&self) -> String {
+        crate::subjects::event(&self.run_id, self.event_type())
+    }
+
+    pub fn to_json_bytes(&self) -> Vec<u8> {
+        // An envelope is plain data with string keys: serialization cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses an envelope and checks its digest.
+    pub fn from_json_bytes(bytes: &[u8]) -> Result<Self, EnvelopeError> {
+        let env: Envelope = serde_json::from_slice(bytes)?;
+        env.verify_digest()?;
+        Ok(env)
+    }
+
+    pub fn verify_digest(&self) -> Result<(), EnvelopeError> {
+        let actual = Digest::of_json(&self.event.data_json());
+        if actual == self.digest {
+            Ok(())
+        } else {
+            Err(EnvelopeError::DigestMismatch {
+                event_type: self.event_type(),
+                claimed: self.digest.clone(),
+                actual,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run() -> RunId {
+        "run_t1".parse().expect("valid")
+    }
+
+    #[test]
+    fn every_event_type_name_round_trips_and_is_subject_safe() {
+        for t in EventType::ALL {
+            assert_eq!(t.as_str().parse::<EventType>(), Ok(*t));
+            assert!(
+                t.as_str()
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c == '.' || c == '_'),
+                "{t}"
+            );
+        }
+        assert!("run.exploded".parse::<EventType>().is_err());
+    }
+
+    #[test]
+    fn decisions_and_inputs_are_split() {
+        use EventType as T;
+        for t in [
+            T::RunCreated,
+            T::StepStarted,
+            T::ToolRequested,
+            T::RunSucceeded,
+        ] {
+            assert_eq!(t.kind(), EventKind::Decision, "{t}");
+        }
+        for t in [T::UserMessage, T::ToolResult, T::CancelRequested, T::Nudge] {
+            assert_eq!(t.kind(), EventKind::Input, "{t}");
+        }
+    }
+
+    #[test]
+    fn envelope_round_trips_with_digest() {
+        let op = OperationId::new(&run(), StepNo(1), 0);
+        let env = Envelope::new(
+            run(),
+            Timestamp::now(),
+            Draft::new(Event::ToolResult(ToolResult {
+                content: "ok".into(),
+                is_error: false,
+                stopped: false,
+            }))
+            .step(StepNo(1))
+            .op(op.clone()),
+        );
+        let bytes = env.to_json_bytes();
+        let value: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(value["type"], "tool.result");
+        assert_eq!(value["op"], op.to_string());
+        assert_eq!(value["data"]["content"], "ok");
+        assert_eq!(env.subject(), "agent.run.run_t1.i.tool.result");
+        let back = Envelope::from_json_bytes(&bytes).expect("parses");
+        assert_eq!(back, env);
+    }
+
+    #[test]
+    fn tampered_data_fails_the_digest_check() {
+        let env = Envelope::new(
+            run(),
+            Timestamp::now(),
+            Draft::new(Event::UserMessage(UserMessage { text: "hi".into() })),
+        );
+        let mut value: serde_json::Value =
+            serde_json::from_slice(&env.to_json_bytes()).expect("json");
+        value["data"]["text"] = "bye".into();
+        let bytes = serde_json::to_vec(&value).expect("json");
+        assert!(matches!(
+            Envelope::from_json_bytes(&bytes),
+            Err(EnvelopeError::DigestMismatch { .. })
+        ));
+    }
+
+    #[test]
+    fn digest_ignores_key_order() {
+        let a: serde_json::Value = serde_json::from_str(r#"{"a":1,"b":[1,2]}"#).expect("json");
+        let b: serde_json::Value = serde_json::from_str(r#"{"b":[1,2],"a":1}"#).expect("json");
+        assert_eq!(Digest::of_json(&a), Digest::of_json(&b));
+        assert!(Digest::of_json(&a).as_str().parse::<Digest>().is_ok());
+    }
+}

@@ -1,0 +1,766 @@
+//! `fold(journal) -> RunState`: a run's state is a pure function of its journal.
+//!
+//! Decisions go through the transition table ([`crate::machine::apply`]); a decision the table
+//! refuses makes the fold fail, because the single writer never journals one. Inputs never change
+//! the status; an input that no longer matters (a result for an unknown operation, a second result
+//! for the same operation, a message to a cancelled run) is counted in
+//! [`RunState::ignored_inputs`] and otherwise ignored, since anyone may append inputs.
+//!
+//! Context consumption is explicit: `step.started` records `inputs_through`, the sequence of the
+//! last input its model context includes, and the fold moves exactly those inputs into the
+//! transcript. An input that lands between the worker's read and its `step.started` stays pending
+//! for the next step, never lost.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::{
+    ApprovalRequested, AssistantMessage, Envelope, Event, EventType, OpFate, OpSummary, Resolution,
+    RunCreated, RunFailed, TimerPurpose, Timestamp, ToolCall, Usage, Verdict, WaitReason,
+};
+use crate::ids::{
+    ApprovalId, Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, RunId, StepNo,
+    TimerId,
+};
+use crate::machine::{RunStatus, TransitionError, apply};
+
+/// The name of the built-in tool that asks the user a question; the run waits for the answer.
+pub const ASK_USER_TOOL: &str = "ask_user";
+
+/// One message of the provider-neutral conversation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum ChatMessage {
+    User {
+        text: String,
+    },
+    Assistant {
+        #[serde(flatten)]
+        message: AssistantMessage,
+    },
+    Tool {
+        call_id: String,
+        content: String,
+        is_error: bool,
+    },
+}
+
+/// Where one tool operation stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpStatus {
+    /// Requested; no runner has reported starting it (or it is to be retried).
+    Requested,
+    Started {
+        runner: String,
+    },
+    Done,
+    /// A runner died mid-operation and its confirm query could not tell whether it happened.
+    Ambiguous {
+        detail: String,
+    },
+}
+
+/// The result the model will see for an operation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpResult {
+    pub content: String,
+    pub is_error: bool,
+    pub stopped: bool,
+    /// Journal sequence of the input that carried it.
+    pub seq: u64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolOp {
+    pub op: OperationId,
+    pub call: ToolCall,
+    pub args_digest: crate::event::Digest,
+    pub status: OpStatus,
+    pub result: Option<OpResult>,
+}
+
+/// The step whose `step.started` has no `step.completed` yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OpenStep {
+    pub step: StepNo,
+    pub attempt: Attempt,
+    pub request_id: ModelRequestId,
+    pub context_digest: crate::event::Digest,
+    /// The attempt ended with a recorded error (so there is no stored response to reuse).
+    pub failed: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingInput {
+    pub seq: u64,
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuestionState {
+    pub op: Option<OperationId>,
+    pub prompt: String,
+    pub answer: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ApprovalStatus {
+    Open,
+    Decided {
+        verdict: Verdict,
+        args_digest: crate::event::Digest,
+        approver: String,
+    },
+    Invalidated,
+    Expired,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApprovalState {
+    pub op: Option<OperationId>,
+    pub request: ApprovalRequested,
+    pub status: ApprovalStatus,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimerState {
+    pub fire_at: Timestamp,
+    pub purpose: TimerPurpose,
+    pub fired: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CallbackState {
+    pub expected: bool,
+    pub expires_at: Option<Timestamp>,
+    /// Payloads received (the first one is the one that counts).
+    pub received: Vec<serde_json::Value>,
+}
+
+/// Everything the services need to know about a run, derived from its journal.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunState {
+    pub run_id: RunId,
+    pub status: RunStatus,
+    pub bundle: RunCreated,
+    pub turn: u32,
+    /// Sequence of the last event folded.
+    pub last_seq: u64,
+    /// Sequence of the last decision: the expected-last-sequence of the next decision append.
+    pub last_decision_seq: u64,
+    /// The last step started (0 before the first).
+    pub step: StepNo,
+    pub open_step: Option<OpenStep>,
+    /// The conversation the next model call continues (user input, assistant turns, consumed
+    /// tool results and messages).
+    pub transcript: Vec<ChatMessage>,
+    pub ops: BTreeMap<OperationId, ToolOp>,
+    pub pending_messages: Vec<PendingInput>,
+    pub questions: BTreeMap<QuestionId, QuestionState>,
+    pub approvals: BTreeMap<ApprovalId, ApprovalState>,
+    pub timers: BTreeMap<TimerId, TimerState>,
+    pub callbacks: BTreeMap<CallbackKey, CallbackState>,
+    pub cancel_requested: Option<String>,
+    pub usage: Usage,
+    pub output: Option<String>,
+    pub failure: Option<RunFailed>,
+    pub ignored_inputs: u32,
+}
+
+/// A journal that does not fold.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum FoldError {
+    #[error("the journal is empty")]
+    Empty,
+    #[error("event {seq}: the first event must be `run.created`, found `{found}`")]
+    NotCreatedFirst { seq: u64, found: EventType },
+    #[error("event {seq} belongs to {found}, not {expected}")]
+    WrongRun {
+        seq: u64,
+        expected: RunId,
+        found: RunId,
+    },
+    #[error("event {seq} is out of order (after {last})")]
+    OutOfOrder { seq: u64, last: u64 },
+    #[error("event {seq} (`{event}`): {source}")]
+    Transition {
+        seq: u64,
+        event: EventType,
+        source: TransitionError,
+    },
+    #[error("event {seq} (`{event}`): {why}")]
+    Inconsistent {
+        seq: u64,
+        event: EventType,
+        why: String,
+    },
+}
+
+/// Folds a run's journal, in sequence order, into its state.
+pub fn fold<'a>(
+    events: impl IntoIterator<Item = (u64, &'a Envelope)>,
+) -> Result<RunState, FoldError> {
+    let mut iter = events.into_iter();
+    let (seq, first) = iter.next().ok_or(FoldError::Empty)?;
+    let mut state = RunState::created(seq, first)?;
+    for (seq, env) in iter {
+        state.apply(seq, env)?;
+    }
+    Ok(state)
+}
+
+impl RunState {
+    /// The state right after `run.created`.
+    pub fn created(seq: u64, env: &Envelope) -> Result<RunState, FoldError> {
+        let Event::RunCreated(created) = &env.event else {
+            return Err(FoldError::NotCreatedFirst {
+                seq,
+                found: env.event_type(),
+            });
+        };
+        let status =
+            apply(None, EventType::RunCreated, None).map_err(|source| FoldError::Transition {
+                seq,
+                event: EventType::RunCreated,
+                source,
+            })?;
+        Ok(RunState {
+            run_id: env.run_id.clone(),
+            status,
+            bundle: (**created).clone(),
+            turn: 1,
+            last_seq: seq,
+            last_decision_seq: seq,
+            step: StepNo(0),
+            open_step: None,
+            transcript: vec![ChatMessage::User {
+                text: created.input.clone(),
+            }],
+            ops: BTreeMap::new(),
+            pending_messages: Vec::new(),
+            questions: BTreeMap::new(),
+            approvals: BTreeMap::new(),
+            timers: BTreeMap::new(),
+            callbacks: BTreeMap::new(),
+            cancel_requested: None,
+            usage: Usage::default(),
+            output: None,
+            failure: None,
+            ignored_inputs: 0,
+        })
+    }
+
+    /// Folds one more event.
+    pub fn apply(&mut self, seq: u64, env: &Envelope) -> Result<(), FoldError> {
+        if env.run_id != self.run_id {
+            return Err(FoldError::WrongRun {
+                seq,
+                expected: self.run_id.clone(),
+                found: env.run_id.clone(),
+            });
+        }
+        if seq <= self.last_seq {
+            return Err(FoldError::OutOfOrder {
+                seq,
+                last: self.last_seq,
+            });
+        }
+        let event = env.event_type();
+        match event.kind() {
+            crate::event::EventKind::Decision => {
+                let wait = match &env.event {
+                    Event::RunWaiting(w) => Some(w.on),
+                    _ => None,
+                };
+                self.status = apply(Some(self.status), event, wait)
+                    .map_err(|source| FoldError::Transition { seq, event, source })?;
+                self.apply_decision(seq, env)?;
+                self.last_decision_seq = seq;
+            }
+            crate::event::EventKind::Input => {
+                if !self.apply_input(seq, env) {
+                    self.ignored_inputs = self.ignored_inputs.saturating_add(1);
+                }
+            }
+        }
+        self.last_seq = seq;
+        Ok(())
+    }
+
+    fn inconsistent(seq: u64, env: &Envelope, why: impl Into<String>) -> FoldError {
+        FoldError::Inconsistent {
+            seq,
+            event: env.event_type(),
+            why: why.into(),
+        }
+    }
+
+    fn apply_decision(&mut self, seq: u64, env: &Envelope) -> Result<(), FoldError> {
+        match &env.event {
+            Event::RunCreated(_) => {
+                // The table refuses a second `run.created` before we get here.
+                return Err(Self::inconsistent(seq, env, "second run.created"));
+            }
+            Event::RunStarted(_) | Event::RunWaiting(_) | Event::RunResumed(_) => {}
+            Event::StepStarted(started) => {
+                let (Some(step), Some(attempt)) = (env.step, env.attempt) else {
+                    return Err(Self::inconsistent(
+                        seq,
+                        env,
+                        "step and attempt are required",
+                    ));
+                };
+                let expected = match &self.open_step {
+                    Some(open) => (open.step, open.attempt.next()),
+                    None => (self.step.next(), Attempt(1)),
+                };
+                if (step, attempt) != expected {
+                    return Err(Self::inconsistent(
+                        seq,
+                        env,
+                        format!(
+                            "expected step {} attempt {}, got step {step} attempt {attempt}",
+                            expected.0, expected.1
+                        ),
+                    ));
+                }
+                if started.request_id != ModelRequestId::new(&self.run_id, step, attempt) {
+                    return Err(Self::inconsistent(seq, env, "request id does not match"));
+                }
+                if started.inputs_through > seq {
+                    return Err(Self::inconsistent(
+                        seq,
+                        env,
+                        "inputs_through is in the future",
+                    ));
+                }
+                let consumed = self.consumable(started.inputs_through);
+                self.transcript.extend(consumed);
+                self.pending_messages
+                    .retain(|m| m.seq > started.inputs_through);
+                self.step = step;
+                self.open_step = Some(OpenStep {
+                    step,
+                    attempt,
+                    request_id: started.request_id.clone(),
+                    context_digest: started.context_digest.clone(),
+                    failed: false,
+                });
+            }
+            Event::ModelAttempt(attempt) => match &mut self.open_step {
+                Some(open) if open.request_id == attempt.request_id => open.failed = true,
+                _ => {
+                    return Err(Self::inconsistent(
+                        seq,
+                        env,
+                        "model.attempt for a request that is not open",
+                    ));
+                }
+            },
+            Event::StepCompleted(done) => {
+                match &self.open_step {
+                    Some(open) if open.step == done.request_id.step() => {}
+                    _ => {
+                        return Err(Self::inconsistent(
+                            seq,
+                            env,
+                            "step.completed for a step that is not open",
+                        ));
+                    }
+                }
+                self.open_step = None;
+                self.usage.add(done.usage);
+                self.transcript.push(ChatMessage::Assistant {
+                    message: done.message.clone(),
+                });
+            }
+            Event::ToolRequested(req) => {
+                let Some(op) = env.op.clone() else {
+                    return Err(Self::inconsistent(seq, env, "op is required"));
+                };
+                let call = ToolCall {
+                    call_id: req.call_id.clone(),
+                    name: req.tool.clone(),
+                    arguments: req.arguments.clone(),
+                };
+                match self.ops.get_mut(&op) {
+                    // A retry under the same operation id (after `outcome.not_found`).
+                    Some(existing) if existing.result.is_none() => {
+                        existing.status = OpStatus::Requested;
+                    }
+                    Some(_) => {
+                        return Err(Self::inconsistent(
+                            seq,
+                            env,
+                            "operation already has a result",
+                        ));
+                    }
+                    None => {
+                        self.ops.insert(
+                            op.clone(),
+                            ToolOp {
+                                op,
+                                call,
+                                args_digest: req.args_digest.clone(),
+                                status: OpStatus::Requested,
+                                result: None,
+                            },
+                        );
+                    }
+                }
+            }
+            Event::QuestionAsked(q) => {
+                self.questions.insert(
+                    q.question_id.clone(),
+                    QuestionState {
+                        op: env.op.clone(),
+                        prompt: q.prompt.clone(),
+                        answer: None,
+                    },
+                );
+            }
+            Event::ApprovalRequested(req) => {
+                self.approvals.insert(
+                    req.approval_id.clone(),
+                    ApprovalState {
+                        op: env.op.clone(),
+                        request: req.clone(),
+                        status: ApprovalStatus::Open,
+                    },
+                );
+            }
+            Event::ApprovalInvalidated(a) => {
+                self.set_approval(seq, env, &a.approval_id, ApprovalStatus::Invalidated)?;
+            }
+            Event::ApprovalExpired(a) => {
+                self.set_approval(seq, env, &a.approval_id, ApprovalStatus::Expired)?;
+            }
+            Event::TimerScheduled(t) => {
+                self.timers.insert(
+                    t.timer_id.clone(),
+                    TimerState {
+                        fire_at: t.fire_at,
+                        purpose: t.purpose.clone(),
+                        fired: false,
+                    },
+                );
+            }
+            Event::CallbackExpected(c) => {
+                let cb = self.callbacks.entry(c.key.clone()).or_default();
+                cb.expected = true;
+                cb.expires_at = c.expires_at;
+            }
+            Event::RunCancelling(_) | Event::RunUnknown(_) => {}
+            Event::RunRevived(r) => {
+                if r.turn != self.turn.saturating_add(1) {
+                    return Err(Self::inconsistent(seq, env, "turn must grow by one"));
+                }
+                self.turn = r.turn;
+                self.output = None;
+                self.failure = None;
+            }
+            Event::RunSucceeded(s) => self.output = Some(s.output.clone()),
+            Event::RunFailed(f) => self.failure = Some(f.clone()),
+            Event::RunCancelled(_) => {}
+            Event::UserMessage(_)
+            | Event::ToolStarted(_)
+            | Event::ToolResult(_)
+            | Event::QuestionAnswered(_)
+            | Event::ApprovalDecided(_)
+            | Event::TimerFired(_)
+            | Event::CallbackReceived(_)
+            | Event::CancelRequested(_)
+            | Event::OutcomeConfirmed(_)
+            | Event::OutcomeNotFound(_)
+            | Event::OutcomeAmbiguous(_)
+            | Event::OutcomeResolved(_)
+            | Event::Nudge(_) => {
+                return Err(Self::inconsistent(seq, env, "input on a decision path"));
+            }
+        }
+        Ok(())
+    }
+
+    fn set_approval(
+        &mut self,
+        seq: u64,
+        env: &Envelope,
+        id: &ApprovalId,
+        status: ApprovalStatus,
+    ) -> Result<(), FoldError> {
+        match self.approvals.get_mut(id) {
+            Some(a) => {
+                a.status = status;
+                Ok(())
+            }
+            None => Err(Self::inconsistent(
+                seq,
+                env,
+                format!("unknown approval {id}"),
+            )),
+        }
+    }
+
+    /// Folds an input; `false` if it was ignored.
+    fn apply_input(&mut self, seq: u64, env: &Envelope) -> bool {
+        if self.status == RunStatus::Cancelled && !matches!(env.event, Event::ToolResult(_)) {
+            return false;
+        }
+        match &env.event {
+            Event::UserMessage(m) => {
+                self.pending_messages.push(PendingInput {
+                    seq,
+                    text: m.text.clone(),
+                });
+                true
+            }
+            Event::ToolStarted(s) => match self.open_op(env) {
+                Some(op) if op.status == OpStatus::Requested => {
+                    op.status = OpStatus::Started {
+                        runner: s.runner.clone(),
+                    };
+                    true
+                }
+                _ => false,
+            },
+            Event::ToolResult(r) => {
+                self.set_result(env, seq, r.content.clone(), r.is_error, r.stopped)
+            }
+            Event::OutcomeConfirmed(c) => {
+                self.set_result(env, seq, c.content.clone(), false, false)
+            }
+            Event::OutcomeNotFound(_) => match self.open_op(env) {
+                Some(op) => {
+                    op.status = OpStatus::Requested;
+                    true
+                }
+                None => false,
+            },
+            Event::OutcomeAmbiguous(a) => match self.open_op(env) {
+                Some(op) => {
+                    op.status = OpStatus::Ambiguous {
+                        detail: a.detail.clone(),
+                    };
+                    true
+                }
+                None => false,
+            },
+            Event::OutcomeResolved(r) => {
+                let is_ambiguous = matches!(
+                    self.open_op(env).map(|o| &o.status),
+                    Some(OpStatus::Ambiguous { .. })
+                );
+                if !is_ambiguous {
+                    return false;
+                }
+                match &r.resolution {
+                    Resolution::Retry => match self.open_op(env) {
+                        Some(op) => {
+                            op.status = OpStatus::Requested;
+                            true
+                        }
+                        None => false,
+                    },
+                    Resolution::Completed { content } => {
+                        self.set_result(env, seq, content.clone(), false, false)
+                    }
+                    Resolution::Failed { reason } => {
+                        self.set_result(env, seq, reason.clone(), true, false)
+                    }
+                }
+            }
+            Event::QuestionAnswered(a) => {
+                let Some(q) = self.questions.get_mut(&a.question_id) else {
+                    return false;
+                };
+                if q.answer.is_some() {
+                    return false;
+                }
+                q.answer = Some(a.answer.clone());
+                let op = q.op.clone();
+                if let Some(op) = op
+                    && let Some(tool) = self.ops.get_mut(&op)
+                    && tool.result.is_none()
+                {
+                    tool.status = OpStatus::Done;
+                    tool.result = Some(OpResult {
+                        content: a.answer.clone(),
+                        is_error: false,
+                        stopped: false,
+                        seq,
+                    });
+                }
+                true
+            }
+            Event::ApprovalDecided(d) => match self.approvals.get_mut(&d.approval_id) {
+                Some(a) if a.status == ApprovalStatus::Open => {
+                    a.status = ApprovalStatus::Decided {
+                        verdict: d.verdict,
+                        args_digest: d.args_digest.clone(),
+                        approver: d.approver.clone(),
+                    };
+                    true
+                }
+                _ => false,
+            },
+            Event::TimerFired(t) => match self.timers.get_mut(&t.timer_id) {
+                Some(timer) if !timer.fired => {
+                    timer.fired = true;
+                    true
+                }
+                _ => false,
+            },
+            Event::CallbackReceived(c) => {
+                // Kept even before `callback.expected`: an early callback is matched later.
+                self.callbacks
+                    .entry(c.key.clone())
+                    .or_default()
+                    .received
+                    .push(c.payload.clone());
+                true
+            }
+            Event::CancelRequested(c) => {
+                if self.status.is_terminal() || self.cancel_requested.is_some() {
+                    return false;
+                }
+                self.cancel_requested = Some(c.reason.clone());
+                true
+            }
+            Event::Nudge(_) => !self.status.is_terminal(),
+            Event::RunCreated(_)
+            | Event::RunStarted(_)
+            | Event::StepStarted(_)
+            | Event::ModelAttempt(_)
+            | Event::StepCompleted(_)
+            | Event::ToolRequested(_)
+            | Event::QuestionAsked(_)
+            | Event::ApprovalRequested(_)
+            | Event::ApprovalInvalidated(_)
+            | Event::ApprovalExpired(_)
+            | Event::TimerScheduled(_)
+            | Event::CallbackExpected(_)
+            | Event::RunWaiting(_)
+            | Event::RunCancelling(_)
+            | Event::RunUnknown(_)
+            | Event::RunResumed(_)
+            | Event::RunRevived(_)
+            | Event::RunSucceeded(_)
+            | Event::RunFailed(_)
+            | Event::RunCancelled(_) => false,
+        }
+    }
+
+    /// The operation named by the envelope's `op`, if it exists and has no result yet.
+    fn open_op(&mut self, env: &Envelope) -> Option<&mut ToolOp> {
+        let op = env.op.as_ref()?;
+        self.ops.get_mut(op).filter(|o| o.result.is_none())
+    }
+
+    fn set_result(
+        &mut self,
+        env: &Envelope,
+        seq: u64,
+        content: String,
+        is_error: bool,
+        stopped: bool,
+    ) -> bool {
+        match self.open_op(env) {
+            Some(op) => {
+                op.status = OpStatus::Done;
+                op.result = Some(OpResult {
+                    content,
+                    is_error,
+                    stopped,
+                    seq,
+                });
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The operations of the last completed step, in call order.
+    pub fn last_step_ops(&self) -> Vec<&ToolOp> {
+        let last = match &self.open_step {
+            Some(open) => StepNo(open.step.get().saturating_sub(1)),
+            None => self.step,
+        };
+        self.ops.values().filter(|o| o.op.step() == last).collect()
+    }
+
+    /// Operations that have no result yet (of any step).
+    pub fn unresolved_ops(&self) -> impl Iterator<Item = &ToolOp> {
+        self.ops.values().filter(|o| o.result.is_none())
+    }
+
+    /// What a step whose context includes inputs up to `through` adds to the transcript: the
+    /// results of the previous step's tool calls (in call order), then the user's new messages.
+    pub fn consumable(&self, through: u64) -> Vec<ChatMessage> {
+        let mut out = Vec::new();
+        let answered_in_transcript = |call_id: &str| {
+            self.transcript
+                .iter()
+                .any(|m| matches!(m, ChatMessage::Tool { call_id: c, .. } if c == call_id))
+        };
+        for op in self.last_step_ops() {
+            if let Some(result) = &op.result
+                && result.seq <= through
+                && !answered_in_transcript(&op.call.call_id)
+            {
+                out.push(ChatMessage::Tool {
+                    call_id: op.call.call_id.clone(),
+                    content: result.content.clone(),
+                    is_error: result.is_error,
+                });
+            }
+        }
+        for m in self.pending_messages.iter().filter(|m| m.seq <= through) {
+            out.push(ChatMessage::User {
+                text: m.text.clone(),
+            });
+        }
+        out
+    }
+
+    /// The model context of a step that starts now: the transcript plus everything consumable.
+    pub fn next_context(&self) -> Vec<ChatMessage> {
+        let mut context = self.transcript.clone();
+        context.extend(self.consumable(self.last_seq));
+        context
+    }
+
+    /// What the run waits on, derived from open work (for status reports).
+    pub fn waiting_on(&self) -> Option<WaitReason> {
+        match self.status {
+            RunStatus::WaitingTool => Some(WaitReason::Tool),
+            RunStatus::WaitingUser => Some(WaitReason::User),
+            RunStatus::WaitingApproval => Some(WaitReason::Approval),
+            RunStatus::WaitingExternal => Some(WaitReason::External),
+            RunStatus::Queued
+            | RunStatus::Running
+            | RunStatus::Cancelling
+            | RunStatus::Unknown
+            | RunStatus::Succeeded
+            | RunStatus::Failed
+            | RunStatus::Cancelled => None,
+        }
+    }
+
+    /// How every operation of the run ended, for `run.cancelled`.
+    pub fn op_summaries(&self) -> Vec<OpSummary> {
+        self.ops
+            .values()
+            .map(|o| OpSummary {
+                op: o.op.clone(),
+                fate: match (&o.result, &o.status) {
+                    (Some(r), _) if r.stopped => OpFate::Stopped,
+                    (Some(r), _) if r.is_error => OpFate::Failed,
+                    (Some(_), _) => OpFate::Completed,
+                    (None, OpStatus::Requested) => OpFate::NeverStarted,
+                    (None, _) => OpFate::Stopped,
+                },
+            })
+            .collect()
+    }
+}

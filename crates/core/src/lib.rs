@@ -1,0 +1,24 @@
+//! Kedge's pure core. No I/O, no clock, no randomness except id generation at the edges.
+//!
+//! - [`ids`]: typed identifiers with prefixed string forms.
+//! - [`event`]: the journal envelope and every event type, split into decisions and inputs.
+//! - [`subjects`]: stream, bucket and subject names (the broker layout).
+//! - [`machine`]: the run state machine as one declared transition table.
+//! - [`fold`]: `fold(journal) -> RunState`.
+//! - [`decide`]: what the step service should do next, as pure functions of the state.
+//!
+//! Invariant: a run's state is a function of its journal alone (DESIGN principle 1); everything
+//! time- or configuration-dependent arrives as a recorded event or in the frozen run bundle.
+
+pub mod decide;
+pub mod event;
+pub mod fold;
+pub mod ids;
+pub mod machine;
+pub mod subjects;
+
+pub use decide::{ModelResponse, Next, StepPlan, complete_step, decide};
+pub use event::{Draft, Envelope, Event, EventKind, EventType};
+pub use fold::{ChatMessage, FoldError, RunState, fold};
+pub use ids::{Attempt, OperationId, RunId, StepNo};
+pub use machine::{RunStatus, TransitionError};

@@ -1,0 +1,100 @@
+//! The broker layout's names: streams, buckets and subjects (DESIGN.md, "Broker layout").
+//!
+//! Every service builds subjects through these functions, so the layout is stated once.
+
+use crate::event::{EventKind, EventType};
+use crate::ids::{AgentName, RunId};
+
+/// Task intake stream (work-queue retention), subjects `agent.task.>`.
+pub const TASKS_STREAM: &str = "KEDGE_TASKS";
+/// The journal stream (limits retention, file storage), subjects `agent.run.>`.
+pub const RUNS_STREAM: &str = "KEDGE_RUNS";
+pub const LEASES_BUCKET: &str = "kedge_leases";
+pub const IDEMPOTENCY_BUCKET: &str = "kedge_idempotency";
+pub const RUNS_BUCKET: &str = "kedge_runs";
+pub const AGENTS_BUCKET: &str = "kedge_agents";
+pub const BLOBS_BUCKET: &str = "kedge_blobs";
+
+/// `agent.task.<agent>`: where clients publish tasks.
+pub fn task(agent: &AgentName) -> String {
+    format!("agent.task.{agent}")
+}
+
+/// `agent.run.<run_id>.>`: a run's whole journal.
+pub fn run_all(run: &RunId) -> String {
+    format!("agent.run.{run}.>")
+}
+
+/// `agent.run.<run_id>.d.>`: a run's decisions (the optimistic-concurrency scope).
+pub fn run_decisions(run: &RunId) -> String {
+    format!("agent.run.{run}.d.>")
+}
+
+/// `agent.run.<run_id>.i.>`: a run's inputs.
+pub fn run_inputs(run: &RunId) -> String {
+    format!("agent.run.{run}.i.>")
+}
+
+/// `agent.run.<run_id>.<d|i>.<type>`: where one event is journaled.
+pub fn event(run: &RunId, event_type: EventType) -> String {
+    format!(
+        "agent.run.{run}.{}.{}",
+        event_type.kind().token(),
+        event_type.as_str()
+    )
+}
+
+/// `agent.delta.<run_id>`: core-NATS token deltas, never journaled.
+pub fn delta(run: &RunId) -> String {
+    format!("agent.delta.{run}")
+}
+
+/// What a journal subject names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventSubject {
+    pub run_id: RunId,
+    pub kind: EventKind,
+    pub event_type: EventType,
+}
+
+/// Parses `agent.run.<run_id>.<d|i>.<type>`; `None` for anything else, including a type filed
+/// under the wrong kind.
+pub fn parse_event(subject: &str) -> Option<EventSubject> {
+    let rest = subject.strip_prefix("agent.run.")?;
+    let (run, rest) = rest.split_once('.')?;
+    let (kind, ty) = rest.split_once('.')?;
+    let kind = match kind {
+        "d" => EventKind::Decision,
+        "i" => EventKind::Input,
+        _ => return None,
+    };
+    let event_type: EventType = ty.parse().ok()?;
+    if event_type.kind() != kind {
+        return None;
+    }
+    Some(EventSubject {
+        run_id: run.parse().ok()?,
+        kind,
+        event_type,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_subjects_parse_back() {
+        let run: RunId = "run_abc".parse().expect("valid");
+        for t in EventType::ALL {
+            let s = event(&run, *t);
+            let parsed = parse_event(&s).expect("parses");
+            assert_eq!(parsed.run_id, run);
+            assert_eq!(parsed.event_type, *t);
+            assert_eq!(parsed.kind, t.kind());
+        }
+        assert_eq!(parse_event("agent.run.run_abc.i.run.created"), None);
+        assert_eq!(parse_event("agent.task.x"), None);
+        assert_eq!(run_decisions(&run), "agent.run.run_abc.d.>");
+    }
+}

@@ -1,0 +1,526 @@
+//! The agent loop driven through `fold` and `decide` alone, with an in-memory journal: the pure
+//! half of every scenario the services will run against a real broker.
+
+use kedge_core::decide::{Idle, ModelResponse, Next, StepPlan, complete_step, decide};
+use kedge_core::event::{
+    AssistantMessage, Budget, CancelRequested, Digest, Draft, Envelope, Event, FailureReason,
+    FinishReason, ModelAttempt, ModelSpec, Provider, QuestionAnswered, RunCreated, Timestamp,
+    ToolCall, ToolResult, ToolStarted, Usage, UserMessage,
+};
+use kedge_core::fold::{ChatMessage, RunState, fold};
+use kedge_core::ids::{OperationId, QuestionId, RunId, StepNo};
+use kedge_core::machine::RunStatus;
+
+/// An in-memory journal: sequence numbers grow across all of a run's events as in the stream.
+struct Sim {
+    run: RunId,
+    events: Vec<(u64, Envelope)>,
+    seq: u64,
+}
+
+impl Sim {
+    fn new(budget: Budget) -> Sim {
+        let run: RunId = "run_sim".parse().expect("valid");
+        let created = RunCreated {
+            agent: "demo".parse().expect("valid"),
+            agent_revision: 1,
+            agent_digest: Digest::of_bytes(b"agent"),
+            model: ModelSpec {
+                provider: Provider::Openai,
+                name: "mock".into(),
+                base_url: None,
+            },
+            prompt_digest: Digest::of_bytes(b"prompt"),
+            tools_digest: Digest::of_bytes(b"tools"),
+            policy_digest: Digest::of_bytes(b"policy"),
+            budget,
+            tenant: "acme".parse().expect("valid"),
+            caller: None,
+            idempotency_key: Some("task-1".into()),
+            input: "research kedging".into(),
+            runtime_version: "test".into(),
+            metadata: Default::default(),
+        };
+        let mut sim = Sim {
+            run,
+            events: Vec::new(),
+            seq: 0,
+        };
+        sim.push(Draft::new(Event::RunCreated(Box::new(created))));
+        sim
+    }
+
+    fn push(&mut self, draft: Draft) -> u64 {
+        // Other subjects of the stream (other runs) interleave: sequences have gaps.
+        self.seq += 3;
+        let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
+        self.events.push((self.seq, env));
+        self.seq
+    }
+
+    fn commit(&mut self, drafts: Vec<Draft>) {
+        for d in drafts {
+            self.push(d);
+        }
+        // Every commit must fold: the table accepts what decide produced.
+        self.state();
+    }
+
+    fn state(&self) -> RunState {
+        fold(self.events.iter().map(|(s, e)| (*s, e))).expect("journal folds")
+    }
+
+    fn input(&mut self, event: Event, op: Option<OperationId>) -> u64 {
+        let mut d = Draft::new(event);
+        d.op = op;
+        self.push(d)
+    }
+
+    fn result(&mut self, op: &OperationId, content: &str) {
+        self.input(
+            Event::ToolResult(ToolResult {
+                content: content.into(),
+                is_error: false,
+                stopped: false,
+            }),
+            Some(op.clone()),
+        );
+    }
+
+    fn expect_step(&self) -> StepPlan {
+        match decide(&self.state()) {
+            Next::Step(plan) => *plan,
+            other => panic!("expected a step, got {other:?}"),
+        }
+    }
+
+    /// Starts the next step and answers it with `response`; returns the plan.
+    fn run_step(&mut self, response: ModelResponse) -> StepPlan {
+        let plan = self.expect_step();
+        self.commit(plan.start.clone());
+        let state = self.state();
+        let drafts = complete_step(
+            &state,
+            plan.step,
+            plan.attempt,
+            plan.request_id.clone(),
+            response,
+            false,
+        );
+        self.commit(drafts);
+        plan
+    }
+
+    fn ops_of(&self, step: u32) -> Vec<OperationId> {
+        self.state()
+            .ops
+            .keys()
+            .filter(|o| o.step() == StepNo(step))
+            .cloned()
+            .collect()
+    }
+}
+
+fn tools(calls: &[(&str, &str)]) -> ModelResponse {
+    ModelResponse {
+        message: AssistantMessage {
+            text: String::new(),
+            tool_calls: calls
+                .iter()
+                .map(|(id, name)| ToolCall {
+                    call_id: (*id).into(),
+                    name: (*name).into(),
+                    arguments: serde_json::json!({"path": id}),
+                })
+                .collect(),
+        },
+        usage: Usage {
+            input_tokens: 10,
+            output_tokens: 5,
+        },
+        finish: FinishReason::ToolCalls,
+    }
+}
+
+fn text(t: &str) -> ModelResponse {
+    ModelResponse {
+        message: AssistantMessage {
+            text: t.into(),
+            tool_calls: vec![],
+        },
+        usage: Usage {
+            input_tokens: 10,
+            output_tokens: 5,
+        },
+        finish: FinishReason::Stop,
+    }
+}
+
+/// Checks the provider rule both APIs enforce: every assistant tool call is answered by a tool
+/// message before the next user or assistant message.
+fn assert_well_formed(context: &[ChatMessage]) {
+    let mut open: Vec<String> = Vec::new();
+    for m in context {
+        match m {
+            ChatMessage::Tool { call_id, .. } => {
+                let pos = open.iter().position(|c| c == call_id);
+                assert!(pos.is_some(), "tool result {call_id} answers nothing open");
+                open.retain(|c| c != call_id);
+            }
+            ChatMessage::User { .. } | ChatMessage::Assistant { .. } => {
+                assert!(
+                    open.is_empty(),
+                    "unanswered tool calls {open:?} before {m:?}"
+                );
+                if let ChatMessage::Assistant { message } = m {
+                    open = message
+                        .tool_calls
+                        .iter()
+                        .map(|c| c.call_id.clone())
+                        .collect();
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn three_steps_with_parallel_tools_succeed() {
+    let mut sim = Sim::new(Budget::default());
+    assert_eq!(sim.state().status, RunStatus::Queued);
+    for step in 1..=3u32 {
+        let a = format!("call_{step}a");
+        let b = format!("call_{step}b");
+        let plan = sim.run_step(tools(&[(&a, "read_file"), (&b, "read_file")]));
+        assert_eq!(plan.step, StepNo(step));
+        assert_well_formed(&plan.context);
+        assert_eq!(sim.state().status, RunStatus::WaitingTool);
+        let ops = sim.ops_of(step);
+        assert_eq!(ops.len(), 2);
+        // Results arrive in reverse order; the context still answers in call order.
+        sim.result(&ops[1], "B");
+        assert_eq!(
+            decide(&sim.state()),
+            Next::Idle(Idle::WaitingTools { missing: 1 }),
+            "an early wake must not call the model"
+        );
+        sim.result(&ops[0], "A");
+    }
+    let plan = sim.run_step(text("done"));
+    assert_well_formed(&plan.context);
+    // 1 user input + 3 x (assistant + 2 results) in the final context.
+    assert_eq!(plan.context.len(), 1 + 3 * 3);
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::Succeeded);
+    assert_eq!(state.output.as_deref(), Some("done"));
+    assert_eq!(state.usage.total(), 4 * 15);
+    assert_eq!(decide(&state), Next::Idle(Idle::Terminal));
+}
+
+#[test]
+fn a_duplicate_result_is_ignored_and_does_not_wake_twice() {
+    let mut sim = Sim::new(Budget::default());
+    sim.run_step(tools(&[("call_1", "write_file")]));
+    let op = sim.ops_of(1).remove(0);
+    sim.result(&op, "first");
+    sim.result(&op, "second");
+    let state = sim.state();
+    assert_eq!(state.ignored_inputs, 1);
+    assert_eq!(
+        state.ops[&op].result.as_ref().map(|r| r.content.as_str()),
+        Some("first")
+    );
+    let plan = sim.run_step(text("ok"));
+    assert!(
+        plan.context
+            .iter()
+            .any(|m| matches!(m, ChatMessage::Tool { content, .. } if content == "first"))
+    );
+}
+
+#[test]
+fn a_user_message_during_an_in_flight_step_reaches_the_next_step() {
+    let mut sim = Sim::new(Budget::default());
+    // The worker reads and plans...
+    let plan = sim.expect_step();
+    // ...a user message lands before the worker's step.started...
+    sim.input(
+        Event::UserMessage(UserMessage {
+            text: "also check the tides".into(),
+        }),
+        None,
+    );
+    sim.commit(plan.start.clone());
+    let state = sim.state();
+    assert_eq!(
+        state.pending_messages.len(),
+        1,
+        "not consumed: not in this step's context"
+    );
+    let drafts = complete_step(
+        &state,
+        plan.step,
+        plan.attempt,
+        plan.request_id,
+        tools(&[("call_1", "read_file")]),
+        false,
+    );
+    sim.commit(drafts);
+    let op = sim.ops_of(1).remove(0);
+    sim.result(&op, "tide table");
+    let next = sim.expect_step();
+    assert_well_formed(&next.context);
+    let last = next.context.last().expect("context");
+    assert_eq!(
+        last,
+        &ChatMessage::User {
+            text: "also check the tides".into()
+        },
+        "the message follows the tool results"
+    );
+    sim.commit(next.start);
+    assert!(sim.state().pending_messages.is_empty());
+}
+
+#[test]
+fn a_crash_after_step_started_resumes_with_the_stored_request_then_a_new_attempt() {
+    let mut sim = Sim::new(Budget::default());
+    let plan = sim.expect_step();
+    sim.commit(plan.start.clone());
+    // The worker died here. The next one is told which request may have a stored response.
+    let retry = sim.expect_step();
+    assert_eq!(retry.step, plan.step);
+    assert_eq!(retry.attempt.get(), 2);
+    let (req, digest) = retry.unfinished.clone().expect("unfinished attempt");
+    assert_eq!(req, plan.request_id);
+    assert_eq!(digest, plan.context_digest);
+    assert_eq!(
+        retry.context, plan.context,
+        "same context for the same step"
+    );
+    // Found the stored response: complete with the first attempt, no new step.started.
+    let state = sim.state();
+    let drafts = complete_step(&state, plan.step, plan.attempt, req, text("hi"), true);
+    sim.commit(drafts);
+    assert_eq!(sim.state().status, RunStatus::Succeeded);
+}
+
+#[test]
+fn attempts_are_capped_and_errors_are_not_reused() {
+    let budget = Budget {
+        max_attempts_per_step: 2,
+        ..Budget::default()
+    };
+    let mut sim = Sim::new(budget);
+    let first = sim.expect_step();
+    sim.commit(first.start.clone());
+    sim.commit(vec![
+        Draft::new(Event::ModelAttempt(ModelAttempt {
+            request_id: first.request_id.clone(),
+            outcome: kedge_core::event::AttemptOutcome::Error {
+                class: kedge_core::event::ErrorClass::Retryable,
+                message: "529 overloaded".into(),
+                status: Some(529),
+                retry_after_ms: None,
+            },
+        }))
+        .step(first.step)
+        .attempt(first.attempt),
+    ]);
+    let second = sim.expect_step();
+    assert_eq!(second.unfinished, None, "a failed attempt stored nothing");
+    sim.commit(second.start);
+    match decide(&sim.state()) {
+        Next::Commit(drafts) => {
+            assert!(matches!(
+                &drafts[0].event,
+                Event::RunFailed(f) if f.reason == FailureReason::AttemptsExhausted
+            ));
+            sim.commit(drafts);
+        }
+        other => panic!("expected failure, got {other:?}"),
+    }
+    assert_eq!(sim.state().status, RunStatus::Failed);
+}
+
+#[test]
+fn max_steps_and_max_tokens_are_enforced() {
+    let mut sim = Sim::new(Budget {
+        max_steps: 1,
+        ..Budget::default()
+    });
+    sim.run_step(tools(&[("call_1", "read_file")]));
+    let op = sim.ops_of(1).remove(0);
+    sim.result(&op, "x");
+    assert!(matches!(
+        decide(&sim.state()),
+        Next::Commit(d) if matches!(&d[0].event, Event::RunFailed(f) if f.reason == FailureReason::MaxSteps)
+    ));
+
+    let mut sim = Sim::new(Budget {
+        max_tokens: 15,
+        ..Budget::default()
+    });
+    sim.run_step(tools(&[("call_1", "read_file")]));
+    let op = sim.ops_of(1).remove(0);
+    sim.result(&op, "x");
+    assert!(matches!(
+        decide(&sim.state()),
+        Next::Commit(d) if matches!(&d[0].event, Event::RunFailed(f) if f.reason == FailureReason::MaxTokens)
+    ));
+}
+
+#[test]
+fn ask_user_waits_for_the_answer_which_becomes_the_tool_result() {
+    let mut sim = Sim::new(Budget::default());
+    sim.run_step(tools(&[("call_q", "ask_user"), ("call_r", "read_file")]));
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::WaitingUser);
+    let ops = sim.ops_of(1);
+    let q = QuestionId::for_operation(&ops[0]);
+    assert!(state.questions.contains_key(&q));
+    sim.result(&ops[1], "file");
+    assert_eq!(decide(&sim.state()), Next::Idle(Idle::WaitingUser));
+    sim.input(
+        Event::QuestionAnswered(QuestionAnswered {
+            question_id: q,
+            answer: "yes, go on".into(),
+        }),
+        None,
+    );
+    let plan = sim.run_step(text("thanks"));
+    assert_well_formed(&plan.context);
+    assert!(plan.context.iter().any(
+        |m| matches!(m, ChatMessage::Tool { call_id, content, .. } if call_id == "call_q" && content == "yes, go on")
+    ));
+}
+
+#[test]
+fn a_new_message_revives_a_succeeded_run_but_not_a_cancelled_one() {
+    let mut sim = Sim::new(Budget::default());
+    sim.run_step(text("first answer"));
+    assert_eq!(sim.state().status, RunStatus::Succeeded);
+    sim.input(
+        Event::UserMessage(UserMessage {
+            text: "and then?".into(),
+        }),
+        None,
+    );
+    let plan = sim.expect_step();
+    assert!(matches!(plan.start[0].event, Event::RunRevived(_)));
+    sim.run_step(text("second answer"));
+    let state = sim.state();
+    assert_eq!(state.turn, 2);
+    assert_eq!(state.status, RunStatus::Succeeded);
+    assert_eq!(state.output.as_deref(), Some("second answer"));
+
+    let mut sim = Sim::new(Budget::default());
+    sim.input(
+        Event::CancelRequested(CancelRequested {
+            reason: "user".into(),
+            by: None,
+        }),
+        None,
+    );
+    let Next::Commit(d) = decide(&sim.state()) else {
+        panic!("cancel expected")
+    };
+    sim.commit(d);
+    assert_eq!(sim.state().status, RunStatus::Cancelled);
+    sim.input(
+        Event::UserMessage(UserMessage {
+            text: "wake up".into(),
+        }),
+        None,
+    );
+    let state = sim.state();
+    assert_eq!(state.ignored_inputs, 1);
+    assert_eq!(decide(&state), Next::Idle(Idle::Terminal));
+}
+
+#[test]
+fn cancel_waits_for_running_operations_and_names_every_outcome() {
+    let mut sim = Sim::new(Budget::default());
+    sim.run_step(tools(&[("call_1", "shell"), ("call_2", "write_file")]));
+    let ops = sim.ops_of(1);
+    sim.input(
+        Event::ToolStarted(ToolStarted {
+            runner: "tool-1".into(),
+        }),
+        Some(ops[0].clone()),
+    );
+    sim.input(
+        Event::CancelRequested(CancelRequested {
+            reason: "stop".into(),
+            by: Some("alice".into()),
+        }),
+        None,
+    );
+    let Next::Commit(d) = decide(&sim.state()) else {
+        panic!("cancelling expected")
+    };
+    assert_eq!(d.len(), 1, "an operation is running: only cancelling");
+    sim.commit(d);
+    assert_eq!(sim.state().status, RunStatus::Cancelling);
+    assert_eq!(
+        decide(&sim.state()),
+        Next::Idle(Idle::Stopping { running: 1 })
+    );
+    sim.input(
+        Event::ToolResult(ToolResult {
+            content: "killed".into(),
+            is_error: true,
+            stopped: true,
+        }),
+        Some(ops[0].clone()),
+    );
+    let Next::Commit(d) = decide(&sim.state()) else {
+        panic!("cancelled expected")
+    };
+    let Event::RunCancelled(c) = &d[0].event else {
+        panic!("cancelled expected")
+    };
+    let fates: Vec<_> = c.operations.iter().map(|o| o.fate).collect();
+    use kedge_core::event::OpFate;
+    assert_eq!(fates, vec![OpFate::Stopped, OpFate::NeverStarted]);
+    sim.commit(d);
+    assert_eq!(sim.state().status, RunStatus::Cancelled);
+}
+
+#[test]
+fn cancel_mid_step_is_reachable() {
+    // Seed 004 8.3: a cancel while a step is in flight must still end the run.
+    let mut sim = Sim::new(Budget::default());
+    let plan = sim.expect_step();
+    sim.commit(plan.start);
+    sim.input(
+        Event::CancelRequested(CancelRequested {
+            reason: "stop".into(),
+            by: None,
+        }),
+        None,
+    );
+    let Next::Commit(d) = decide(&sim.state()) else {
+        panic!("cancel expected")
+    };
+    sim.commit(d);
+    assert_eq!(sim.state().status, RunStatus::Cancelled);
+}
+
+#[test]
+fn a_refused_decision_does_not_fold() {
+    let mut sim = Sim::new(Budget::default());
+    sim.run_step(text("done"));
+    sim.push(Draft::new(Event::RunSucceeded(
+        kedge_core::event::RunSucceeded {
+            output: "again".into(),
+            validation: Default::default(),
+        },
+    )));
+    let err = fold(sim.events.iter().map(|(s, e)| (*s, e))).expect_err("terminal overwritten");
+    assert!(
+        err.to_string()
+            .contains("not allowed in status `succeeded`"),
+        "{err}"
+    );
+}

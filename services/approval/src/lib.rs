@@ -1,0 +1,1 @@
+//! The approval service (shell; built in its issue).

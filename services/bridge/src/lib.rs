@@ -1,0 +1,1 @@
+//! The bridge service (shell; built in its issue).

@@ -1,0 +1,1 @@
+//! The intake service (shell; built in its issue).

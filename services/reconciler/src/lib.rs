@@ -1,0 +1,1 @@
+//! The reconciler service (shell; built in its issue).

@@ -1,0 +1,1 @@
+//! The step service (shell; built in its issue).

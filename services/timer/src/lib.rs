@@ -1,0 +1,1 @@
+//! The timer service (shell; built in its issue).

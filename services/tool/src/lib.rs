@@ -1,0 +1,1 @@
+//! The tool service (shell; built in its issue).
