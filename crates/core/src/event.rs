@@ -677,6 +677,11 @@ macro_rules! events {
                 }
             }
 
+            /// JSON Schema of each event type's `data`, in declaration order.
+            pub fn data_schemas() -> Vec<(EventType, Schema)> {
+                vec![$((EventType::$variant, schemars::schema_for!($data)),)*]
+            }
+
             /// The event's data as JSON (what the envelope's `data` holds and `digest` covers).
             pub fn data_json(&self) -> serde_json::Value {
                 let value = match self {

@@ -6,6 +6,8 @@
 //! - [`machine`]: the run state machine as one declared transition table.
 //! - [`fold`]: `fold(journal) -> RunState`.
 //! - [`decide`]: what the step service should do next, as pure functions of the state.
+//! - [`task`]: the task submission and its validation.
+//! - [`schema`]: the JSON Schemas under `schemas/`, generated from these types.
 //!
 //! Invariant: a run's state is a function of its journal alone (DESIGN principle 1); everything
 //! time- or configuration-dependent arrives as a recorded event or in the frozen run bundle.
@@ -15,7 +17,9 @@ pub mod event;
 pub mod fold;
 pub mod ids;
 pub mod machine;
+pub mod schema;
 pub mod subjects;
+pub mod task;
 
 pub use decide::{ModelResponse, Next, StepPlan, complete_step, decide};
 pub use event::{Draft, Envelope, Event, EventKind, EventType};

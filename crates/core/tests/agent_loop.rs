@@ -11,6 +11,30 @@ use kedge_core::fold::{ChatMessage, RunState, fold};
 use kedge_core::ids::{OperationId, QuestionId, RunId, StepNo};
 use kedge_core::machine::RunStatus;
 
+/// Every envelope the simulated runs journal must validate against `schemas/envelope.schema.json`.
+fn assert_valid(env: &Envelope) {
+    static VALIDATOR: std::sync::OnceLock<jsonschema::Validator> = std::sync::OnceLock::new();
+    let validator = VALIDATOR.get_or_init(|| {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../schemas/envelope.schema.json"
+        );
+        let text = std::fs::read_to_string(path).expect("schemas/envelope.schema.json");
+        let schema: serde_json::Value = serde_json::from_str(&text).expect("json");
+        jsonschema::validator_for(&schema).expect("valid schema")
+    });
+    let value: serde_json::Value = serde_json::from_slice(&env.to_json_bytes()).expect("json");
+    let errors: Vec<String> = validator
+        .iter_errors(&value)
+        .map(|e| e.to_string())
+        .collect();
+    assert!(
+        errors.is_empty(),
+        "{} does not validate: {errors:?}",
+        env.event_type()
+    );
+}
+
 /// An in-memory journal: sequence numbers grow across all of a run's events as in the stream.
 struct Sim {
     run: RunId,
@@ -54,6 +78,7 @@ impl Sim {
         // Other subjects of the stream (other runs) interleave: sequences have gaps.
         self.seq += 3;
         let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
+        assert_valid(&env);
         self.events.push((self.seq, env));
         self.seq
     }
@@ -215,6 +240,78 @@ fn three_steps_with_parallel_tools_succeed() {
     assert_eq!(state.output.as_deref(), Some("done"));
     assert_eq!(state.usage.total(), 4 * 15);
     assert_eq!(decide(&state), Next::Idle(Idle::Terminal));
+    record_fixture("three-steps-parallel-tools", &sim);
+}
+
+/// With `KEDGE_BLESS=1`, writes a scenario's journal as a replay fixture (JSON lines of
+/// `{"seq": …, "event": <envelope>}`) with a summary of the state it must fold into. Fixtures are
+/// never rewritten silently: a changed fixture shows in review.
+fn record_fixture(name: &str, sim: &Sim) {
+    if std::env::var_os("KEDGE_BLESS").is_none() {
+        return;
+    }
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let mut lines = String::new();
+    for (seq, env) in &sim.events {
+        let line = serde_json::json!({ "seq": seq, "event": env });
+        lines.push_str(&line.to_string());
+        lines.push('\n');
+    }
+    std::fs::write(dir.join(format!("{name}.jsonl")), lines).expect("write");
+    let summary = summary(&sim.state());
+    let text = serde_json::to_string_pretty(&summary).expect("json") + "\n";
+    std::fs::write(dir.join(format!("{name}.expect.json")), text).expect("write");
+}
+
+fn summary(state: &RunState) -> serde_json::Value {
+    serde_json::json!({
+        "status": state.status,
+        "turn": state.turn,
+        "step": state.step,
+        "ops": state.ops.len(),
+        "usage": state.usage,
+        "output": state.output,
+        "transcript_len": state.transcript.len(),
+        "last_decision_seq": state.last_decision_seq,
+    })
+}
+
+#[test]
+fn recorded_journals_replay_through_the_current_machine() {
+    // Canned histories: journals recorded by earlier versions must fold to the same state.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut replayed = 0;
+    for entry in std::fs::read_dir(&dir).expect("tests/fixtures exists") {
+        let path = entry.expect("entry").path();
+        if path.extension().and_then(|e| e.to_str()) != Some("jsonl") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("read");
+        let mut events = Vec::new();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("json line");
+            let seq = v["seq"].as_u64().expect("seq");
+            let bytes = serde_json::to_vec(&v["event"]).expect("json");
+            let env = Envelope::from_json_bytes(&bytes).expect("envelope with a valid digest");
+            assert_valid(&env);
+            events.push((seq, env));
+        }
+        let state = fold(events.iter().map(|(s, e)| (*s, e))).expect("old journal folds");
+        let expect_path = path.with_extension("expect.json");
+        let expected: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&expect_path).expect("expect file"))
+                .expect("json");
+        assert_eq!(summary(&state), expected, "{}", path.display());
+        assert_eq!(
+            decide(&state),
+            Next::Idle(Idle::Terminal),
+            "{}",
+            path.display()
+        );
+        replayed += 1;
+    }
+    assert!(replayed > 0, "no fixtures in {}", dir.display());
 }
 
 #[test]
@@ -485,6 +582,7 @@ fn cancel_waits_for_running_operations_and_names_every_outcome() {
     assert_eq!(fates, vec![OpFate::Stopped, OpFate::NeverStarted]);
     sim.commit(d);
     assert_eq!(sim.state().status, RunStatus::Cancelled);
+    record_fixture("cancel-with-running-tool", &sim);
 }
 
 #[test]

@@ -1,0 +1,271 @@
+//! The task a client publishes to `agent.task.<agent>` to start a run.
+//!
+//! Validation here is pure: intake calls [`TaskSubmission::parse`] and answers a rejection naming
+//! the field. The client's `Nats-Msg-Id` is the idempotency key and is not part of the body.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::event::Budget;
+use crate::ids::{AgentName, RunId};
+
+/// Largest accepted `input`, in bytes. Larger inputs belong in the object store.
+pub const MAX_INPUT_BYTES: usize = 256 * 1024;
+/// Largest accepted task body, in bytes.
+pub const MAX_TASK_BYTES: usize = 512 * 1024;
+
+/// A task submission.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSubmission {
+    /// The agent to run; must match the subject's last token when published over NATS.
+    pub agent: AgentName,
+    /// The user's first message.
+    pub input: String,
+    /// A run id of the client's choosing (`run_` + up to 64 of `[A-Za-z0-9_-]`), so it can watch
+    /// `agent.run.<run_id>.>` at once. Intake generates one when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<RunId>,
+    /// Tightens the agent's default budget; a field left out keeps the default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<BudgetOverride>,
+    /// Free-form metadata, copied into `run.created`.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Per-task budget limits.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetOverride {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_steps: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_attempts_per_step: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_secs: Option<u64>,
+}
+
+impl BudgetOverride {
+    /// The agent's default with each given limit applied; a task can only tighten a limit.
+    pub fn apply_to(&self, default: &Budget) -> Budget {
+        let min_opt = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        Budget {
+            max_steps: self
+                .max_steps
+                .map_or(default.max_steps, |v| v.min(default.max_steps)),
+            max_tokens: self
+                .max_tokens
+                .map_or(default.max_tokens, |v| v.min(default.max_tokens)),
+            max_attempts_per_step: self
+                .max_attempts_per_step
+                .map_or(default.max_attempts_per_step, |v| {
+                    v.min(default.max_attempts_per_step)
+                }),
+            deadline_secs: min_opt(self.deadline_secs, default.deadline_secs),
+        }
+    }
+}
+
+/// Why a task was refused, naming the field at fault.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct TaskRejection {
+    /// The offending field (`input`, `budget.max_steps`, …), or `body` for the whole message.
+    pub field: String,
+    pub reason: String,
+}
+
+impl TaskRejection {
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl TaskSubmission {
+    /// Parses and validates a task body.
+    pub fn parse(body: &[u8]) -> Result<TaskSubmission, TaskRejection> {
+        if body.len() > MAX_TASK_BYTES {
+            return Err(TaskRejection::new(
+                "body",
+                format!(
+                    "{} bytes is over the {MAX_TASK_BYTES}-byte limit",
+                    body.len()
+                ),
+            ));
+        }
+        let value: serde_json::Value = serde_json::from_slice(body)
+            .map_err(|e| TaskRejection::new("body", format!("not valid JSON: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| TaskRejection::new("body", "must be a JSON object"))?;
+        check_known(obj, "", &["agent", "input", "run_id", "budget", "metadata"])?;
+        let budget = match obj.get("budget") {
+            Some(serde_json::Value::Object(b)) => {
+                check_known(
+                    b,
+                    "budget.",
+                    &[
+                        "max_steps",
+                        "max_tokens",
+                        "max_attempts_per_step",
+                        "deadline_secs",
+                    ],
+                )?;
+                Some(BudgetOverride {
+                    max_steps: field(b, "budget.", "max_steps")?,
+                    max_tokens: field(b, "budget.", "max_tokens")?,
+                    max_attempts_per_step: field(b, "budget.", "max_attempts_per_step")?,
+                    deadline_secs: field(b, "budget.", "deadline_secs")?,
+                })
+            }
+            None | Some(serde_json::Value::Null) => None,
+            Some(_) => return Err(TaskRejection::new("budget", "must be an object")),
+        };
+        let task = TaskSubmission {
+            agent: required(obj, "agent")?,
+            input: required(obj, "input")?,
+            run_id: field(obj, "", "run_id")?,
+            budget,
+            metadata: field(obj, "", "metadata")?.unwrap_or_default(),
+        };
+        task.validate()?;
+        Ok(task)
+    }
+
+    fn validate(&self) -> Result<(), TaskRejection> {
+        if self.input.trim().is_empty() {
+            return Err(TaskRejection::new("input", "must not be empty"));
+        }
+        if self.input.len() > MAX_INPUT_BYTES {
+            return Err(TaskRejection::new(
+                "input",
+                format!(
+                    "{} bytes is over the {MAX_INPUT_BYTES}-byte limit",
+                    self.input.len()
+                ),
+            ));
+        }
+        if let Some(b) = &self.budget {
+            for (field, value) in [
+                ("budget.max_steps", b.max_steps.map(u64::from)),
+                ("budget.max_tokens", b.max_tokens),
+                (
+                    "budget.max_attempts_per_step",
+                    b.max_attempts_per_step.map(u64::from),
+                ),
+                ("budget.deadline_secs", b.deadline_secs),
+            ] {
+                if value == Some(0) {
+                    return Err(TaskRejection::new(field, "must be at least 1"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+type Object = serde_json::Map<String, serde_json::Value>;
+
+fn check_known(obj: &Object, prefix: &str, known: &[&str]) -> Result<(), TaskRejection> {
+    match obj.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(k) => Err(TaskRejection::new(
+            format!("{prefix}{k}"),
+            format!("unknown field; expected one of {}", known.join(", ")),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// An optional field, deserialized on its own so that an error names it.
+fn field<T: serde::de::DeserializeOwned>(
+    obj: &Object,
+    prefix: &str,
+    name: &str,
+) -> Result<Option<T>, TaskRejection> {
+    match obj.get(name) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => serde_json::from_value(v.clone())
+            .map(Some)
+            .map_err(|e| TaskRejection::new(format!("{prefix}{name}"), e.to_string())),
+    }
+}
+
+fn required<T: serde::de::DeserializeOwned>(obj: &Object, name: &str) -> Result<T, TaskRejection> {
+    field(obj, "", name)?.ok_or_else(|| TaskRejection::new(name, "is required"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_valid_task_parses() {
+        let t = TaskSubmission::parse(
+            br#"{"agent":"demo","input":"hi","run_id":"run_x1","budget":{"max_steps":3}}"#,
+        )
+        .expect("valid");
+        assert_eq!(t.agent.as_str(), "demo");
+        assert_eq!(t.run_id.map(String::from).as_deref(), Some("run_x1"));
+    }
+
+    #[test]
+    fn rejections_name_the_field() {
+        let cases: &[(&[u8], &str)] = &[
+            (br#"{"input":"hi"}"#, "agent"),
+            (br#"{"agent":"demo"}"#, "input"),
+            (br#"{"agent":"demo","input":"  "}"#, "input"),
+            (br#"{"agent":"de.mo","input":"hi"}"#, "agent"),
+            (
+                br#"{"agent":"demo","input":"hi","run_id":"apr_1"}"#,
+                "run_id",
+            ),
+            (br#"{"agent":"demo","input":"hi","colour":"red"}"#, "colour"),
+            (
+                br#"{"agent":"demo","input":"hi","budget":{"max_steps":0}}"#,
+                "budget.max_steps",
+            ),
+            (b"not json", "body"),
+        ];
+        for (body, field) in cases {
+            let err = TaskSubmission::parse(body).expect_err("rejected");
+            assert_eq!(
+                err.field,
+                *field,
+                "{}: {err:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        let big = format!(
+            r#"{{"agent":"demo","input":"{}"}}"#,
+            "x".repeat(MAX_INPUT_BYTES + 1)
+        );
+        assert_eq!(
+            TaskSubmission::parse(big.as_bytes())
+                .expect_err("too big")
+                .field,
+            "input"
+        );
+    }
+
+    #[test]
+    fn a_task_budget_only_tightens() {
+        let default = Budget::default();
+        let o = BudgetOverride {
+            max_steps: Some(5),
+            max_tokens: Some(u64::MAX),
+            ..Default::default()
+        };
+        let b = o.apply_to(&default);
+        assert_eq!(b.max_steps, 5);
+        assert_eq!(b.max_tokens, default.max_tokens);
+    }
+}
