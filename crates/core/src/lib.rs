@@ -6,12 +6,14 @@
 //! - [`machine`]: the run state machine as one declared transition table.
 //! - [`fold`]: `fold(journal) -> RunState`.
 //! - [`decide`]: what the step service should do next, as pure functions of the state.
+//! - [`agent`]: agent definitions (prompt, model, tools, policy, budget).
 //! - [`task`]: the task submission and its validation.
 //! - [`schema`]: the JSON Schemas under `schemas/`, generated from these types.
 //!
 //! Invariant: a run's state is a function of its journal alone (DESIGN principle 1); everything
 //! time- or configuration-dependent arrives as a recorded event or in the frozen run bundle.
 
+pub mod agent;
 pub mod decide;
 pub mod event;
 pub mod fold;
