@@ -61,7 +61,7 @@ pub enum Next {
 }
 
 /// The model's answer, provider-neutral.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelResponse {
     pub message: AssistantMessage,
     pub usage: Usage,

@@ -7,6 +7,7 @@
 //! - [`fold`]: `fold(journal) -> RunState`.
 //! - [`decide`]: what the step service should do next, as pure functions of the state.
 //! - [`agent`]: agent definitions (prompt, model, tools, policy, budget).
+//! - [`config`]: the timeouts and the relations between them.
 //! - [`task`]: the task submission and its validation.
 //! - [`schema`]: the JSON Schemas under `schemas/`, generated from these types.
 //!
@@ -14,6 +15,7 @@
 //! time- or configuration-dependent arrives as a recorded event or in the frozen run bundle.
 
 pub mod agent;
+pub mod config;
 pub mod decide;
 pub mod event;
 pub mod fold;

@@ -1,1 +1,297 @@
-//! The intake service (shell; built in its issue).
+//! The intake service: turns tasks on `agent.task.<agent>` into runs.
+//!
+//! For each task (durable consumer `intake` on the work-queue stream `KEDGE_TASKS`) it validates
+//! the body against the task schema, resolves the agent's current definition, and freezes the
+//! run bundle into `run.created`, written with the check that the run has no decision yet.
+//!
+//! Idempotency: the client's `Nats-Msg-Id` is the key. When the client chose no run id, the run id
+//! is derived from (tenant, key), so a task redelivered after intake crashed mid-way computes the
+//! same run and its `run.created` append is refused as already present: the same key never makes
+//! two runs, also after the stream's duplicate window. A task without a Msg-Id is keyed by its
+//! stream sequence (safe against redelivery, not against a client publishing twice).
+//!
+//! A task that fails validation is acked (never retried), recorded on `agent.rejected.<agent>`
+//! (stream `KEDGE_REJECTIONS`) with the reason, and answered when it asked for an answer.
+//!
+//! Answers go to the subject in the task's `Kedge-Reply-To` header (a JetStream publish's own
+//! reply subject carries the broker's ack, so it cannot carry ours): `{"run_id": …}` or
+//! `{"error": {"field": …, "reason": …}}`.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{AckKind, Message};
+use futures::StreamExt;
+use kedge_core::event::{Digest, Draft, Envelope, Event, RunCreated, Timestamp};
+use kedge_core::ids::{RunId, TenantId};
+use kedge_core::task::{TaskRejection, TaskSubmission};
+use kedge_journal::JournalError;
+use kedge_runtime::agents::AgentError;
+use kedge_runtime::{Runtime, RuntimeError, consumer};
+use tokio::sync::Semaphore;
+
+/// Header naming the tenant of a task (set by the bridge from the caller's token; `default`
+/// when absent).
+pub const TENANT_HEADER: &str = "Kedge-Tenant";
+/// Header naming who submitted the task.
+pub const CALLER_HEADER: &str = "Kedge-Caller";
+/// Header naming where intake should answer.
+pub const REPLY_HEADER: &str = "Kedge-Reply-To";
+/// The tenant of tasks that name none.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// What intake answers a task with.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(untagged)]
+pub enum Answer {
+    Accepted { run_id: RunId },
+    Rejected { error: TaskRejection },
+}
+
+/// Runs intake until `shutdown` resolves.
+pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+    let consumer = consumer::durable(&rt.js, "intake", Duration::from_secs(30)).await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("intake consumer", e))?;
+    let permits = Arc::new(Semaphore::new(64));
+    tracing::info!(worker = %rt.config.worker_id, "intake service started");
+    tokio::pin!(shutdown);
+    loop {
+        let msg = tokio::select! {
+            _ = &mut shutdown => break,
+            next = messages.next() => match next {
+                Some(Ok(msg)) => msg,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "intake consumer hiccup");
+                    continue;
+                }
+                None => break,
+            },
+        };
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break;
+        };
+        let rt = rt.clone();
+        tokio::spawn(async move {
+            handle(&rt, msg).await;
+            drop(permit);
+        });
+    }
+    let _ = permits.acquire_many(64).await;
+    tracing::info!("intake service stopped");
+    Ok(())
+}
+
+/// Why a task was not accepted now.
+enum Refusal {
+    /// The task is wrong; it will never be accepted.
+    Reject(TaskRejection),
+    /// The broker is unavailable; try again later.
+    Retry(String),
+}
+
+fn header<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
+    headers
+        .and_then(|h| h.get(name))
+        .map(|v| v.as_str())
+        .filter(|v| !v.is_empty())
+}
+
+async fn handle(rt: &Runtime, msg: Message) {
+    let headers = msg.headers.as_ref();
+    let reply_to = header(headers, REPLY_HEADER).map(str::to_owned);
+    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+    let answer = match accept(rt, &msg, seq).await {
+        Ok(run_id) => {
+            tracing::info!(run_id = %run_id, "task accepted");
+            Answer::Accepted { run_id }
+        }
+        Err(Refusal::Reject(rejection)) => {
+            tracing::warn!(subject = %msg.subject, field = %rejection.field, reason = %rejection.reason, "task rejected");
+            if let Err(e) = record_rejection(rt, &msg, &rejection).await {
+                tracing::warn!(error = %e, "could not record the rejection; will retry");
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                    .await;
+                return;
+            }
+            Answer::Rejected { error: rejection }
+        }
+        Err(Refusal::Retry(reason)) => {
+            tracing::warn!(%reason, "intake cannot proceed now; will retry");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+            return;
+        }
+    };
+    if let Some(reply) = reply_to
+        && let Ok(body) = serde_json::to_vec(&answer)
+        && let Err(e) = rt.client.publish(reply, body.into()).await
+    {
+        tracing::warn!(error = %e, "could not answer the task");
+    }
+    if let Err(e) = msg.double_ack().await {
+        tracing::warn!(error = %e, "ack failed; the task may be redelivered (harmless)");
+    }
+}
+
+async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal> {
+    let headers = msg.headers.as_ref();
+    let task = TaskSubmission::parse(&msg.payload).map_err(Refusal::Reject)?;
+    let subject_agent = msg.subject.strip_prefix("agent.task.").unwrap_or("");
+    if subject_agent != task.agent.as_str() {
+        return Err(Refusal::Reject(TaskRejection::new(
+            "agent",
+            format!(
+                "the task names agent `{}` but was published to agent.task.{subject_agent}",
+                task.agent
+            ),
+        )));
+    }
+    let tenant: TenantId = header(headers, TENANT_HEADER)
+        .unwrap_or(DEFAULT_TENANT)
+        .parse()
+        .map_err(|e: kedge_core::ids::IdError| {
+            Refusal::Reject(TaskRejection::new(TENANT_HEADER, e.to_string()))
+        })?;
+    let key = header(headers, "Nats-Msg-Id").map(str::to_owned);
+    let (revision, def) = rt.agents.latest(&task.agent).await.map_err(|e| match e {
+        AgentError::NotFound(name) => Refusal::Reject(TaskRejection::new(
+            "agent",
+            format!("no agent named `{name}`"),
+        )),
+        AgentError::Unavailable(r) => Refusal::Retry(r),
+        other => Refusal::Reject(TaskRejection::new("agent", other.to_string())),
+    })?;
+    let run_id = match &task.run_id {
+        Some(id) => id.clone(),
+        None => derive_run_id(&tenant, key.as_deref(), seq),
+    };
+    let created = RunCreated {
+        agent: task.agent.clone(),
+        agent_revision: revision,
+        agent_digest: def.digest(),
+        model: def.model.clone(),
+        prompt_digest: def.prompt_digest(),
+        tools_digest: def.tools_digest(),
+        policy_digest: def.policy_digest(),
+        budget: task
+            .budget
+            .as_ref()
+            .map(|b| b.apply_to(&def.budget))
+            .unwrap_or_else(|| def.budget.clone()),
+        tenant: tenant.clone(),
+        caller: header(headers, CALLER_HEADER).map(str::to_owned),
+        idempotency_key: key.clone(),
+        input: task.input.clone(),
+        runtime_version: env!("CARGO_PKG_VERSION").to_owned(),
+        metadata: task.metadata.clone(),
+    };
+    let env = Envelope::new(
+        run_id.clone(),
+        Timestamp::now(),
+        Draft::new(Event::RunCreated(Box::new(created))),
+    );
+    match rt
+        .journal
+        .append_decisions(&run_id, 0, "intake", &[env])
+        .await
+    {
+        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(run_id),
+        Err(JournalError::Conflict { .. }) => {
+            // The run exists. The same task again (same tenant and key) is the same run.
+            let first = rt
+                .journal
+                .read(&run_id, 0)
+                .await
+                .map_err(|e| Refusal::Retry(e.to_string()))?;
+            match first.first().map(|r| &r.envelope.event) {
+                Some(Event::RunCreated(c))
+                    if c.tenant == tenant && key.is_some() && c.idempotency_key == key =>
+                {
+                    Ok(run_id)
+                }
+                _ => Err(Refusal::Reject(TaskRejection::new(
+                    "run_id",
+                    format!("a run with id {run_id} already exists"),
+                ))),
+            }
+        }
+        Err(e) if e.is_retryable() => Err(Refusal::Retry(e.to_string())),
+        Err(e) => Err(Refusal::Retry(e.to_string())),
+    }
+}
+
+/// The run id of a task that named none: derived from (tenant, idempotency key), or from the
+/// task's stream sequence when it has no key.
+pub fn derive_run_id(tenant: &TenantId, key: Option<&str>, seq: u64) -> RunId {
+    let basis = match key {
+        Some(k) => format!("key\u{0}{tenant}\u{0}{k}"),
+        None => format!("seq\u{0}{seq}"),
+    };
+    let digest = Digest::of_bytes(basis.as_bytes());
+    let hex = digest.as_str().trim_start_matches("sha256:");
+    // 32 hex digits are valid run-id characters.
+    match format!("run_{}", &hex[..32]).parse() {
+        Ok(id) => id,
+        Err(_) => RunId::generate(),
+    }
+}
+
+async fn record_rejection(
+    rt: &Runtime,
+    msg: &Message,
+    rejection: &TaskRejection,
+) -> Result<(), String> {
+    let agent = msg.subject.strip_prefix("agent.task.").unwrap_or("unknown");
+    let agent = if agent
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+    {
+        agent
+    } else {
+        "invalid"
+    };
+    let body = serde_json::json!({
+        "at": Timestamp::now(),
+        "subject": msg.subject.as_str(),
+        "msg_id": header(msg.headers.as_ref(), "Nats-Msg-Id"),
+        "error": rejection,
+        "task": String::from_utf8_lossy(&msg.payload[..msg.payload.len().min(4096)]),
+    });
+    let ack = rt
+        .js
+        .publish(format!("agent.rejected.{agent}"), body.to_string().into())
+        .await
+        .map_err(|e| e.to_string())?;
+    ack.await.map(|_| ()).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_run_ids_are_stable_and_distinct() {
+        let t: TenantId = "acme".parse().expect("valid");
+        let u: TenantId = "other".parse().expect("valid");
+        assert_eq!(
+            derive_run_id(&t, Some("k1"), 1),
+            derive_run_id(&t, Some("k1"), 9)
+        );
+        assert_ne!(
+            derive_run_id(&t, Some("k1"), 1),
+            derive_run_id(&t, Some("k2"), 1)
+        );
+        assert_ne!(
+            derive_run_id(&t, Some("k1"), 1),
+            derive_run_id(&u, Some("k1"), 1)
+        );
+        assert_ne!(derive_run_id(&t, None, 1), derive_run_id(&t, None, 2));
+    }
+}

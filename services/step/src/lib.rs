@@ -1,1 +1,131 @@
-//! The step service (shell; built in its issue).
+//! The step service: the single decision writer of each run.
+//!
+//! Driven by the journal's own events through the durable pull consumer `step` (a run's
+//! `run.created` and every input wake it; there is no separate wake queue and no polling). For a
+//! woken run it takes the run's lease, folds the journal, and loops on
+//! [`kedge_core::decide`] until the run is idle:
+//!
+//! - `Commit(decisions)`: append them with the optimistic-concurrency check;
+//! - `Step(plan)`: journal `step.started` (intent before effect), call the model while renewing
+//!   the lease (a lost renewal aborts the call), store the response in `kedge_idempotency` the
+//!   moment it returns, then commit the step's decisions as one atomic group. A plan that names
+//!   an unfinished earlier attempt first looks for that attempt's stored response and reuses it,
+//!   so a worker killed after the model answered costs no second call.
+//!
+//! Wakes for a run this process is already driving are folded into the running drive (it reads
+//! the journal again before letting go), so a burst of inputs costs one drive, not one each.
+//! A wake for a run whose lease another worker holds is handed back with a short delay.
+
+mod drive;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::AckKind;
+use futures::StreamExt;
+use kedge_core::ids::RunId;
+use kedge_model::ModelClient;
+use kedge_runtime::{Runtime, RuntimeError, consumer};
+use tokio::sync::Semaphore;
+
+pub use drive::{DriveError, Outcome};
+
+/// Redelivery delay of a wake whose run is leased by another worker.
+const BUSY_DELAY: Duration = Duration::from_millis(250);
+
+/// Per-run bookkeeping of this process: whether more wakes arrived during the drive.
+type Active = Arc<Mutex<HashMap<RunId, bool>>>;
+
+/// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
+pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+    let consumer = consumer::durable(&rt.js, "step", rt.config.timeouts.step_ack_wait()).await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("step consumer", e))?;
+    let driver = drive::Driver::new(rt.clone(), ModelClient::new());
+    let active: Active = Arc::default();
+    let permits = Arc::new(Semaphore::new(rt.config.step_concurrency));
+    tracing::info!(worker = %rt.config.worker_id, "step service started");
+    tokio::pin!(shutdown);
+    loop {
+        let msg = tokio::select! {
+            _ = &mut shutdown => break,
+            next = messages.next() => match next {
+                Some(Ok(msg)) => msg,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "step consumer hiccup");
+                    continue;
+                }
+                None => break,
+            },
+        };
+        let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) else {
+            tracing::warn!(subject = %msg.subject, "not a journal event subject; terminating it");
+            let _ = msg.ack_with(AckKind::Term).await;
+            continue;
+        };
+        let run_id = parsed.run_id;
+        {
+            let Ok(mut map) = active.lock() else { break };
+            if let Some(dirty) = map.get_mut(&run_id) {
+                // The drive in progress will read this event before it lets go.
+                *dirty = true;
+                drop(map);
+                let _ = msg.ack().await;
+                continue;
+            }
+            map.insert(run_id.clone(), false);
+        }
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break;
+        };
+        let driver = driver.clone();
+        let active = active.clone();
+        tokio::spawn(async move {
+            let msg = Arc::new(msg);
+            let result = loop {
+                let result = driver.drive(&run_id, Some(msg.clone())).await;
+                let again = match active.lock() {
+                    Ok(mut map) => match map.get_mut(&run_id) {
+                        Some(dirty) if *dirty && result.is_ok() => {
+                            *dirty = false;
+                            true
+                        }
+                        _ => {
+                            map.remove(&run_id);
+                            false
+                        }
+                    },
+                    Err(_) => false,
+                };
+                if !again {
+                    break result;
+                }
+            };
+            let ack = match &result {
+                Ok(Outcome::Idle) => msg.ack().await,
+                Ok(Outcome::Busy) => msg.ack_with(AckKind::Nak(Some(BUSY_DELAY))).await,
+                Err(e) if e.is_retryable() => {
+                    tracing::warn!(run_id = %run_id, error = %e, "drive failed; will retry");
+                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await
+                }
+                Err(e) => {
+                    tracing::error!(run_id = %run_id, error = %e, "drive failed");
+                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(5)))).await
+                }
+            };
+            if let Err(e) = ack {
+                tracing::warn!(run_id = %run_id, error = %e, "ack failed; the wake will be redelivered");
+            }
+            drop(permit);
+        });
+    }
+    // Drain: wait for every in-flight drive to finish (each holds a permit).
+    let total = u32::try_from(rt.config.step_concurrency).unwrap_or(u32::MAX);
+    let _ = permits.acquire_many(total).await;
+    tracing::info!("step service stopped");
+    Ok(())
+}

@@ -1,1 +1,241 @@
-//! The tool service (shell; built in its issue).
+//! The tool service: executes `tool.requested` operations exactly once in effect.
+//!
+//! Consumes `agent.run.*.d.tool.requested` through the durable consumer `tool`. For each
+//! operation it claims the operation id in `kedge_idempotency` (argument digest, runner):
+//!
+//! - a fresh claim runs the tool: `tool.started` is journaled, the tool runs under its timeout,
+//!   the record is completed, then `tool.result` is journaled (deduplicated by `Nats-Msg-Id`);
+//! - a record that is already done answers with the stored result without running again;
+//! - the same id with different arguments is a conflict, reported as an error result;
+//! - a record left `running` by a runner that disappeared (the message was redelivered after
+//!   the ack wait, which is longer than the tool timeout) is resolved by the tool's confirm
+//!   query: confirmed → its result; not found (or an idempotent tool) → run again under the same
+//!   id; ambiguous → an error result saying the outcome is unknown.
+//!
+//! `ask_user` is not executed here: the step service journals its question and the answer input
+//! is the operation's result.
+
+pub mod builtin;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use async_nats::jetstream::{AckKind, Message};
+use futures::StreamExt;
+use kedge_core::event::{
+    Draft, Envelope, Event, Timestamp, ToolRequested, ToolResult, ToolStarted,
+};
+use kedge_core::fold::ASK_USER_TOOL;
+use kedge_core::ids::OperationId;
+use kedge_journal::JournalError;
+use kedge_runtime::idempotency::{Claim, IdempotencyError};
+use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
+use tokio::sync::Semaphore;
+use tracing::Instrument;
+
+use crate::builtin::{Builtin, Confirm, Output};
+
+/// Runs the tool service until `shutdown` resolves, then lets in-flight operations finish.
+pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+    let consumer = consumer::durable(&rt.js, "tool", rt.config.timeouts.tool_ack_wait()).await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("tool consumer", e))?;
+    let env = Arc::new(builtin::Env {
+        root: rt.config.workspace_root.clone(),
+        shell_allowlist: rt.config.shell_allowlist.clone(),
+        timeout: rt.config.timeouts.tool_timeout(),
+        max_output: rt.config.max_tool_output_bytes,
+    });
+    let permits = Arc::new(Semaphore::new(rt.config.tool_concurrency));
+    tracing::info!(worker = %rt.config.worker_id, "tool service started");
+    tokio::pin!(shutdown);
+    loop {
+        let msg = tokio::select! {
+            _ = &mut shutdown => break,
+            next = messages.next() => match next {
+                Some(Ok(msg)) => msg,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "tool consumer hiccup");
+                    continue;
+                }
+                None => break,
+            },
+        };
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break;
+        };
+        let rt = rt.clone();
+        let env = env.clone();
+        tokio::spawn(async move {
+            handle(&rt, &env, msg).await;
+            drop(permit);
+        });
+    }
+    let total = u32::try_from(rt.config.tool_concurrency).unwrap_or(u32::MAX);
+    let _ = permits.acquire_many(total).await;
+    tracing::info!("tool service stopped");
+    Ok(())
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ToolError {
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error(transparent)]
+    Idempotency(#[from] IdempotencyError),
+}
+
+async fn handle(rt: &Runtime, env: &builtin::Env, msg: Message) {
+    let envelope = match Envelope::from_json_bytes(&msg.payload) {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!(subject = %msg.subject, error = %e, "not an envelope; terminating");
+            let _ = msg.ack_with(AckKind::Term).await;
+            return;
+        }
+    };
+    let (Event::ToolRequested(req), Some(op)) = (&envelope.event, envelope.op.clone()) else {
+        tracing::error!(subject = %msg.subject, "not a tool request with an op; terminating");
+        let _ = msg.ack_with(AckKind::Term).await;
+        return;
+    };
+    if req.tool == ASK_USER_TOOL {
+        let _ = msg.ack().await;
+        return;
+    }
+    let span = tracing::info_span!("tool", run_id = %envelope.run_id, op = %op, tool = %req.tool);
+    let result = execute(rt, env, &op, req).instrument(span).await;
+    let ack = match result {
+        Ok(()) => msg.ack().await,
+        Err(e) => {
+            tracing::warn!(op = %op, error = %e, "tool operation not finished; will retry");
+            msg.ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1))))
+                .await
+        }
+    };
+    if let Err(e) = ack {
+        tracing::warn!(op = %op, error = %e, "ack failed; the request will be redelivered");
+    }
+}
+
+async fn execute(
+    rt: &Runtime,
+    env: &builtin::Env,
+    op: &OperationId,
+    req: &ToolRequested,
+) -> Result<(), ToolError> {
+    let runner = &rt.config.worker_id;
+    let tool = Builtin::by_name(&req.tool);
+    let revision = match rt.idempotency.claim(op, &req.args_digest, runner).await? {
+        Claim::Fresh { revision } => revision,
+        Claim::Done { content, is_error } => {
+            tracing::info!("operation already done; journaling its stored result");
+            return journal_result(rt, op, Output { content, is_error }).await;
+        }
+        Claim::Conflict { stored } => {
+            let out = Output::error(format!(
+                "operation {op} was already requested with different arguments \
+                 (digest {stored}, now {}); not executed",
+                req.args_digest
+            ));
+            return journal_result(rt, op, out).await;
+        }
+        Claim::Running {
+            runner: old,
+            revision,
+        } => {
+            tracing::warn!(previous_runner = %old, "operation left running by a runner that is gone");
+            let revision = rt
+                .idempotency
+                .take_over(op, revision, &req.args_digest, runner)
+                .await?;
+            match tool {
+                Some(t) if !t.idempotent() => match env.confirm(t, op).await {
+                    Confirm::Confirmed(out) => {
+                        rt.idempotency
+                            .finish(
+                                op,
+                                revision,
+                                &req.args_digest,
+                                runner,
+                                &out.content,
+                                out.is_error,
+                            )
+                            .await?;
+                        return journal_result(rt, op, out).await;
+                    }
+                    Confirm::NotFound => revision,
+                    Confirm::Ambiguous(why) => {
+                        let out = Output::error(format!(
+                            "the outcome of {op} is unknown ({why}); it was not run again"
+                        ));
+                        rt.idempotency
+                            .finish(op, revision, &req.args_digest, runner, &out.content, true)
+                            .await?;
+                        return journal_result(rt, op, out).await;
+                    }
+                },
+                _ => revision,
+            }
+        }
+    };
+    let started = Envelope::new(
+        op.run().clone(),
+        Timestamp::now(),
+        Draft::new(Event::ToolStarted(ToolStarted {
+            runner: runner.clone(),
+        }))
+        .step(op.step())
+        .op(op.clone()),
+    );
+    match rt
+        .journal
+        .append_input(&started, &format!("tool.started:{op}:{revision}"))
+        .await
+    {
+        Ok(_) | Err(JournalError::Duplicate { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let out = match tool {
+        Some(t) => env.run(t, op, &req.arguments).await,
+        None => Output::error(format!("unknown tool `{}`", req.tool)),
+    };
+    failpoint::hit("tool.after_effect");
+    rt.idempotency
+        .finish(
+            op,
+            revision,
+            &req.args_digest,
+            runner,
+            &out.content,
+            out.is_error,
+        )
+        .await?;
+    failpoint::hit("tool.after_record");
+    journal_result(rt, op, out).await
+}
+
+/// Journals an operation's result; its msg id makes a repeat a no-op.
+async fn journal_result(rt: &Runtime, op: &OperationId, out: Output) -> Result<(), ToolError> {
+    let env = Envelope::new(
+        op.run().clone(),
+        Timestamp::now(),
+        Draft::new(Event::ToolResult(ToolResult {
+            content: out.content,
+            is_error: out.is_error,
+            stopped: false,
+        }))
+        .step(op.step())
+        .op(op.clone()),
+    );
+    match rt
+        .journal
+        .append_input(&env, &format!("tool.result:{op}"))
+        .await
+    {
+        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}

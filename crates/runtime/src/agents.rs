@@ -1,0 +1,173 @@
+//! Agent definitions in the `kedge_agents` KV bucket. The key is the agent's name; each put is a
+//! new revision and the bucket keeps the history, so the revision a run froze in `run.created`
+//! can always be read back.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use async_nats::jetstream::kv::{Operation, Store};
+use futures::TryStreamExt;
+use kedge_core::agent::{AgentDefinition, DefinitionError};
+use kedge_core::ids::AgentName;
+
+/// Why an agent definition could not be stored or read.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("invalid agent definition: {0}")]
+    Invalid(#[from] DefinitionError),
+    #[error("no agent named `{0}`")]
+    NotFound(AgentName),
+    #[error("agent `{name}` has no revision {revision}")]
+    NoRevision { name: AgentName, revision: u64 },
+    #[error("stored agent `{name}` revision {revision} does not parse: {reason}")]
+    Corrupt {
+        name: AgentName,
+        revision: u64,
+        reason: String,
+    },
+    #[error("kedge_agents unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Definitions by (name, revision); a revision never changes, so it is cached forever.
+type RevisionCache = Arc<Mutex<HashMap<(AgentName, u64), Arc<AgentDefinition>>>>;
+
+/// Handle on `kedge_agents`, with a cache of immutable revisions.
+#[derive(Clone)]
+pub struct AgentStore {
+    kv: Store,
+    cache: RevisionCache,
+}
+
+impl std::fmt::Debug for AgentStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentStore").finish_non_exhaustive()
+    }
+}
+
+impl AgentStore {
+    pub fn new(kv: Store) -> Self {
+        Self {
+            kv,
+            cache: Arc::default(),
+        }
+    }
+
+    /// Validates and stores a definition; returns its revision.
+    pub async fn put(&self, def: &AgentDefinition) -> Result<u64, AgentError> {
+        def.validate()?;
+        let bytes = serde_json::to_vec(def).map_err(|e| {
+            AgentError::Invalid(DefinitionError {
+                field: "definition".into(),
+                reason: e.to_string(),
+            })
+        })?;
+        self.kv
+            .put(def.name.as_str(), bytes.into())
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))
+    }
+
+    fn parse(name: &AgentName, revision: u64, bytes: &[u8]) -> Result<AgentDefinition, AgentError> {
+        serde_json::from_slice(bytes).map_err(|e| AgentError::Corrupt {
+            name: name.clone(),
+            revision,
+            reason: e.to_string(),
+        })
+    }
+
+    /// The current revision of an agent.
+    pub async fn latest(
+        &self,
+        name: &AgentName,
+    ) -> Result<(u64, Arc<AgentDefinition>), AgentError> {
+        let entry = self
+            .kv
+            .entry(name.as_str())
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+        match entry {
+            Some(e) if e.operation == Operation::Put => {
+                let def = Arc::new(Self::parse(name, e.revision, &e.value)?);
+                self.remember(name, e.revision, &def);
+                Ok((e.revision, def))
+            }
+            _ => Err(AgentError::NotFound(name.clone())),
+        }
+    }
+
+    /// A definition at a given revision (what a run froze).
+    pub async fn at_revision(
+        &self,
+        name: &AgentName,
+        revision: u64,
+    ) -> Result<Arc<AgentDefinition>, AgentError> {
+        if let Ok(cache) = self.cache.lock()
+            && let Some(def) = cache.get(&(name.clone(), revision))
+        {
+            return Ok(def.clone());
+        }
+        let entry = self
+            .kv
+            .entry_for_revision(name.as_str(), revision)
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+        match entry {
+            Some(e) if e.operation == Operation::Put => {
+                let def = Arc::new(Self::parse(name, revision, &e.value)?);
+                self.remember(name, revision, &def);
+                Ok(def)
+            }
+            _ => Err(AgentError::NoRevision {
+                name: name.clone(),
+                revision,
+            }),
+        }
+    }
+
+    fn remember(&self, name: &AgentName, revision: u64, def: &Arc<AgentDefinition>) {
+        if let Ok(mut cache) = self.cache.lock() {
+            cache.insert((name.clone(), revision), def.clone());
+        }
+    }
+
+    /// Every agent with its current revision, sorted by name.
+    pub async fn list(&self) -> Result<Vec<(AgentName, u64)>, AgentError> {
+        let keys: Vec<String> = self
+            .kv
+            .keys()
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?
+            .try_collect()
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+        let mut out = Vec::new();
+        for key in keys {
+            let Ok(name) = key.parse::<AgentName>() else {
+                continue;
+            };
+            if let Ok((revision, _)) = self.latest(&name).await {
+                out.push((name, revision));
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// The revisions of an agent, oldest first (its version history).
+    pub async fn history(&self, name: &AgentName) -> Result<Vec<u64>, AgentError> {
+        let entries: Vec<_> = self
+            .kv
+            .history(name.as_str())
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?
+            .try_collect()
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+        Ok(entries
+            .into_iter()
+            .filter(|e| e.operation == Operation::Put)
+            .map(|e| e.revision)
+            .collect())
+    }
+}

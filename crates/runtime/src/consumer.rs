@@ -1,0 +1,77 @@
+//! Durable pull consumers, configured from `nats/consumers/<STREAM>/<name>.json` (the form
+//! `nats consumer add --config` takes), embedded in the binary. The ack wait comes from the
+//! checked [`kedge_core::config::Timeouts`], so the file and the timeout relations cannot
+//! disagree.
+
+use std::time::Duration;
+
+use async_nats::jetstream::Context;
+use async_nats::jetstream::consumer::{PullConsumer, pull};
+
+use crate::RuntimeError;
+
+/// The consumers Kedge runs: (stream, file contents).
+pub const CONSUMERS: &[(&str, &str, &str)] = &[
+    (
+        "KEDGE_TASKS",
+        "intake",
+        include_str!("../../../nats/consumers/KEDGE_TASKS/intake.json"),
+    ),
+    (
+        "KEDGE_RUNS",
+        "step",
+        include_str!("../../../nats/consumers/KEDGE_RUNS/step.json"),
+    ),
+    (
+        "KEDGE_RUNS",
+        "tool",
+        include_str!("../../../nats/consumers/KEDGE_RUNS/tool.json"),
+    ),
+];
+
+/// The parsed configuration of a named consumer, with `ack_wait` set.
+pub fn config(
+    name: &str,
+    ack_wait: Duration,
+) -> Result<(&'static str, pull::Config), RuntimeError> {
+    let (stream, _, text) = CONSUMERS
+        .iter()
+        .find(|(_, n, _)| *n == name)
+        .ok_or_else(|| RuntimeError::broker(format!("consumer {name}"), "no such consumer file"))?;
+    let mut config: pull::Config = serde_json::from_str(text)
+        .map_err(|e| RuntimeError::broker(format!("nats/consumers/{stream}/{name}.json"), e))?;
+    config.ack_wait = ack_wait;
+    Ok((stream, config))
+}
+
+/// Gets or creates the durable consumer `name`; an existing one is updated to the file's
+/// configuration (consumers hold no data, so updating is safe).
+pub async fn durable(
+    js: &Context,
+    name: &str,
+    ack_wait: Duration,
+) -> Result<PullConsumer, RuntimeError> {
+    let (stream, config) = config(name, ack_wait)?;
+    let stream_handle = js
+        .get_stream(stream)
+        .await
+        .map_err(|e| RuntimeError::broker(format!("stream {stream}"), e))?;
+    stream_handle
+        .create_consumer(config)
+        .await
+        .map_err(|e| RuntimeError::broker(format!("consumer {stream}/{name}"), e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_consumer_file_parses() {
+        for (_, name, _) in CONSUMERS {
+            let (_, c) = config(name, Duration::from_secs(7)).expect("parses");
+            assert_eq!(c.durable_name.as_deref(), Some(*name));
+            assert_eq!(c.ack_wait, Duration::from_secs(7));
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! What every Kedge service shares.
+//!
+//! - [`Config`]: layered configuration (defaults, then a JSON file, then `KEDGE_*` environment
+//!   variables, then flags), with the timeout relations checked on load.
+//! - [`Runtime`]: the broker connection after the layout check, the journal, leases and the KV
+//!   stores every service uses.
+//! - [`agents`]: agent definitions in `kedge_agents`.
+//! - [`idempotency`]: stored model responses and tool operation records in `kedge_idempotency`.
+//! - [`consumer`]: durable pull consumers from `nats/consumers/*.json`.
+//! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
+//!
+//! Invariant: a service never starts against a broker that failed the layout check
+//! ([`Runtime::connect`] refuses), so no code below has to wonder whether a flag is set.
+
+pub mod agents;
+pub mod config;
+pub mod consumer;
+pub mod failpoint;
+pub mod idempotency;
+
+use std::sync::Arc;
+
+use async_nats::jetstream;
+use kedge_core::subjects;
+use kedge_journal::{Journal, LayoutOptions, Leases};
+
+pub use config::{Config, ConfigError};
+
+/// Why a service cannot start or continue.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("cannot connect to NATS at {urls}: {reason}")]
+    Connect { urls: String, reason: String },
+    #[error(transparent)]
+    Layout(#[from] kedge_journal::LayoutError),
+    #[error("{what}: {reason}")]
+    Broker { what: String, reason: String },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+impl RuntimeError {
+    pub fn broker(what: impl Into<String>, reason: impl ToString) -> Self {
+        RuntimeError::Broker {
+            what: what.into(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// The shared handles of a running process. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Runtime {
+    pub config: Arc<Config>,
+    pub client: async_nats::Client,
+    pub js: jetstream::Context,
+    pub journal: Journal,
+    pub leases: Leases,
+    pub agents: agents::AgentStore,
+    pub idempotency: idempotency::IdempotencyStore,
+}
+
+impl Runtime {
+    /// Connects, checks (and creates where missing) the broker layout, and opens the stores.
+    pub async fn connect(config: Config) -> Result<Runtime, RuntimeError> {
+        config.check()?;
+        let urls = config.nats_urls.join(",");
+        let client = async_nats::ConnectOptions::new()
+            .name(format!("kedge-{}", config.worker_id))
+            .retry_on_initial_connect()
+            .connection_timeout(std::time::Duration::from_secs(5))
+            .connect(config.nats_urls.clone())
+            .await
+            .map_err(|e| RuntimeError::Connect {
+                urls: urls.clone(),
+                reason: e.to_string(),
+            })?;
+        Self::from_client(config, client).await
+    }
+
+    /// Like [`Runtime::connect`] over an existing client.
+    pub async fn from_client(
+        config: Config,
+        client: async_nats::Client,
+    ) -> Result<Runtime, RuntimeError> {
+        config.check()?;
+        let report = kedge_journal::ensure_layout(
+            &client,
+            &LayoutOptions {
+                replicas: config.replicas,
+            },
+        )
+        .await?;
+        tracing::debug!(?report, "broker layout verified");
+        let js = jetstream::new(client.clone());
+        let kv = |bucket: &'static str| {
+            let js = js.clone();
+            async move {
+                js.get_key_value(bucket)
+                    .await
+                    .map_err(|e| RuntimeError::broker(format!("open bucket {bucket}"), e))
+            }
+        };
+        let agents = agents::AgentStore::new(kv(subjects::AGENTS_BUCKET).await?);
+        let idempotency =
+            idempotency::IdempotencyStore::new(kv(subjects::IDEMPOTENCY_BUCKET).await?);
+        let leases = Leases::new(client.clone());
+        Ok(Runtime {
+            journal: Journal::new(client.clone()),
+            leases,
+            agents,
+            idempotency,
+            js,
+            client,
+            config: Arc::new(config),
+        })
+    }
+}

@@ -1,0 +1,406 @@
+//! One drive of one run: lease, fold, decide, act, until idle.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{AckKind, Message};
+use kedge_core::agent::AgentDefinition;
+use kedge_core::decide::{Next, StepPlan, complete_step, decide};
+use kedge_core::event::{
+    AttemptOutcome, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed,
+    Timestamp,
+};
+use kedge_core::fold::{FoldError, RunState};
+use kedge_core::ids::RunId;
+use kedge_journal::{ErrorKind, JournalError, Lease, LeaseError};
+use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
+use kedge_runtime::Runtime;
+use kedge_runtime::agents::AgentError;
+use kedge_runtime::failpoint;
+use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
+use tokio::sync::{oneshot, watch};
+use tracing::Instrument;
+
+/// How a drive ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The run has nothing to do until its next input.
+    Idle,
+    /// Another worker holds the run's lease.
+    Busy,
+}
+
+/// Why a drive stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum DriveError {
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    #[error("the journal does not fold: {0}")]
+    Fold(#[from] FoldError),
+    #[error(transparent)]
+    Idempotency(#[from] IdempotencyError),
+    #[error(transparent)]
+    Agent(#[from] AgentError),
+    #[error("the run has no events")]
+    NoRun,
+    #[error("lost the lease while the model ran")]
+    LeaseLost,
+}
+
+impl DriveError {
+    /// Whether trying again later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            DriveError::Journal(e) => matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Conflict),
+            DriveError::Lease(LeaseError::Unavailable { .. }) | DriveError::LeaseLost => true,
+            DriveError::Idempotency(IdempotencyError::Unavailable(_)) => true,
+            DriveError::Agent(AgentError::Unavailable(_)) => true,
+            DriveError::NoRun => true,
+            DriveError::Lease(_)
+            | DriveError::Fold(_)
+            | DriveError::Idempotency(_)
+            | DriveError::Agent(_) => false,
+        }
+    }
+}
+
+/// Drives runs. Cheap to clone.
+#[derive(Clone)]
+pub struct Driver {
+    rt: Runtime,
+    model: ModelClient,
+}
+
+/// Keeps a lease alive in the background and marks the wake message in progress.
+struct Keeper {
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Option<Lease>>,
+    lost: watch::Receiver<bool>,
+}
+
+impl Keeper {
+    fn start(rt: &Runtime, lease: Lease, msg: Option<Arc<Message>>) -> Keeper {
+        let (stop, mut stopped) = oneshot::channel();
+        let (lost_tx, lost) = watch::channel(false);
+        let leases = rt.leases.clone();
+        let every = rt.config.timeouts.lease_renew();
+        let task = tokio::spawn(async move {
+            let mut lease = lease;
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => return Some(lease),
+                    _ = tokio::time::sleep(every) => {}
+                }
+                match leases.renew(&lease).await {
+                    Ok(renewed) => lease = renewed,
+                    Err(e) => {
+                        tracing::warn!(run_id = %lease.run, error = %e, "lease renewal failed");
+                        let _ = lost_tx.send(true);
+                        return None;
+                    }
+                }
+                if let Some(msg) = &msg {
+                    let _ = msg.ack_with(AckKind::Progress).await;
+                }
+            }
+        });
+        Keeper { stop, task, lost }
+    }
+
+    /// Stops renewing and returns the lease if it is still held.
+    async fn finish(self) -> Option<Lease> {
+        let _ = self.stop.send(());
+        self.task.await.ok().flatten()
+    }
+}
+
+impl Driver {
+    pub fn new(rt: Runtime, model: ModelClient) -> Self {
+        Self { rt, model }
+    }
+
+    /// Drives `run` until it is idle. `msg` is the wake being handled (marked in progress while
+    /// the model runs).
+    pub async fn drive(&self, run: &RunId, msg: Option<Arc<Message>>) -> Result<Outcome, DriveError> {
+        let cfg = &self.rt.config;
+        let lease = match self
+            .rt
+            .leases
+            .acquire(run, &cfg.worker_id, cfg.timeouts.lease_ttl())
+            .await
+        {
+            Ok(lease) => lease,
+            Err(LeaseError::Held { .. }) => return Ok(Outcome::Busy),
+            Err(e) => return Err(e.into()),
+        };
+        // The writer id is stable for this holding, so a retried append is recognised as ours.
+        let writer = format!("{}-{}", cfg.worker_id, lease.revision);
+        let keeper = Keeper::start(&self.rt, lease, msg);
+        let mut lost = keeper.lost.clone();
+        let span = tracing::info_span!("drive", run_id = %run);
+        let result = self
+            .drive_leased(run, &writer, &mut lost)
+            .instrument(span)
+            .await;
+        if let Some(lease) = keeper.finish().await
+            && let Err(e) = self.rt.leases.release(lease).await
+        {
+            tracing::debug!(run_id = %run, error = %e, "lease release failed; it will expire");
+        }
+        result.map(|()| Outcome::Idle)
+    }
+
+    async fn load(&self, run: &RunId) -> Result<RunState, DriveError> {
+        let events = self.rt.journal.read(run, 0).await?;
+        if events.is_empty() {
+            return Err(DriveError::NoRun);
+        }
+        Ok(kedge_core::fold::fold(
+            events.iter().map(|r| (r.seq, &r.envelope)),
+        )?)
+    }
+
+    /// Reads what landed after the state's last event and folds it in.
+    async fn refresh(&self, state: &mut RunState) -> Result<(), DriveError> {
+        for r in self.rt.journal.read(&state.run_id, state.last_seq).await? {
+            state.apply(r.seq, &r.envelope)?;
+        }
+        Ok(())
+    }
+
+    /// Appends decisions; on success the state is refreshed from the journal. A conflict means
+    /// another writer decided: the state is re-read and the caller decides again.
+    async fn commit(
+        &self,
+        state: &mut RunState,
+        writer: &str,
+        drafts: Vec<Draft>,
+    ) -> Result<bool, DriveError> {
+        let now = Timestamp::now();
+        let events: Vec<Envelope> = drafts
+            .into_iter()
+            .map(|d| Envelope::new(state.run_id.clone(), now, d))
+            .collect();
+        match self
+            .rt
+            .journal
+            .append_decisions(&state.run_id, state.last_decision_seq, writer, &events)
+            .await
+        {
+            Ok(_) | Err(JournalError::Duplicate { .. }) => {
+                self.refresh(state).await?;
+                Ok(true)
+            }
+            Err(JournalError::Conflict { expected, actual }) => {
+                tracing::warn!(run_id = %state.run_id, expected, actual, "decision conflict; re-reading");
+                *state = self.load(&state.run_id).await?;
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn drive_leased(
+        &self,
+        run: &RunId,
+        writer: &str,
+        lost: &mut watch::Receiver<bool>,
+    ) -> Result<(), DriveError> {
+        let mut state = self.load(run).await?;
+        loop {
+            if *lost.borrow() {
+                return Err(DriveError::LeaseLost);
+            }
+            match decide(&state) {
+                Next::Idle(why) => {
+                    tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
+                    return Ok(());
+                }
+                Next::Commit(drafts) => {
+                    self.commit(&mut state, writer, drafts).await?;
+                }
+                Next::Step(plan) => {
+                    self.step(&mut state, writer, *plan, lost).await?;
+                }
+            }
+        }
+    }
+
+    async fn step(
+        &self,
+        state: &mut RunState,
+        writer: &str,
+        plan: StepPlan,
+        lost: &mut watch::Receiver<bool>,
+    ) -> Result<(), DriveError> {
+        let run = state.run_id.clone();
+        let span = tracing::info_span!("step", run_id = %run, step = %plan.step, attempt = %plan.attempt);
+        async {
+            // A worker that died after the model answered left the response behind.
+            if let Some((request, digest)) = &plan.unfinished
+                && let Some(stored) = self.rt.idempotency.stored_response(request).await?
+                && stored.context_digest == *digest
+            {
+                tracing::info!(request_id = %request, "reusing the stored model response");
+                let drafts = complete_step(
+                    state,
+                    request.step(),
+                    request.attempt(),
+                    request.clone(),
+                    stored.response,
+                    true,
+                );
+                self.commit(state, writer, drafts).await?;
+                return Ok(());
+            }
+            let def = match self.definition(state).await {
+                Ok(def) => def,
+                Err(reason) => {
+                    let fail = Draft::new(Event::RunFailed(RunFailed {
+                        reason: FailureReason::Internal,
+                        message: reason,
+                    }));
+                    self.commit(state, writer, vec![fail]).await?;
+                    return Ok(());
+                }
+            };
+            if !self.commit(state, writer, plan.start.clone()).await? {
+                return Ok(());
+            }
+            failpoint::hit("step.after_step_started");
+            let result = self.call_model(state, &def, &plan, lost).await;
+            match result {
+                Ok(response) => {
+                    self.rt
+                        .idempotency
+                        .store_response(
+                            &plan.request_id,
+                            &StoredResponse {
+                                context_digest: plan.context_digest.clone(),
+                                response: response.clone(),
+                            },
+                        )
+                        .await?;
+                    failpoint::hit("step.after_model_stored");
+                    let drafts = complete_step(
+                        state,
+                        plan.step,
+                        plan.attempt,
+                        plan.request_id.clone(),
+                        response,
+                        false,
+                    );
+                    self.commit(state, writer, drafts).await?;
+                    Ok(())
+                }
+                Err(CallError::LeaseLost) => Err(DriveError::LeaseLost),
+                Err(CallError::Model(e)) => {
+                    tracing::warn!(error = %e, "model call failed");
+                    let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
+                        request_id: plan.request_id.clone(),
+                        outcome: AttemptOutcome::Error {
+                            class: e.class,
+                            message: e.message.clone(),
+                            status: e.status,
+                            retry_after_ms: e.retry_after.map(|d| d.as_millis() as u64),
+                        },
+                    }))
+                    .step(plan.step)
+                    .attempt(plan.attempt);
+                    let mut drafts = vec![attempt];
+                    if e.class == ErrorClass::Fatal {
+                        drafts.push(Draft::new(Event::RunFailed(RunFailed {
+                            reason: FailureReason::ModelRejected,
+                            message: e.message.clone(),
+                        })));
+                    }
+                    if self.commit(state, writer, drafts).await? && e.class == ErrorClass::Retryable
+                    {
+                        let delay = retry_delay(&e, plan.attempt.get(), self.rt.config.timeouts.max_retry_delay());
+                        tokio::time::sleep(delay).await;
+                    }
+                    Ok(())
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The agent definition the run froze, checked against the bundle's digests.
+    async fn definition(&self, state: &RunState) -> Result<Arc<AgentDefinition>, String> {
+        let b = &state.bundle;
+        let def = self
+            .rt
+            .agents
+            .at_revision(&b.agent, b.agent_revision)
+            .await
+            .map_err(|e| e.to_string())?;
+        if def.prompt_digest() != b.prompt_digest || def.tools_digest() != b.tools_digest {
+            return Err(format!(
+                "agent {} revision {} no longer matches the digests frozen in run.created",
+                b.agent, b.agent_revision
+            ));
+        }
+        Ok(def)
+    }
+
+    async fn call_model(
+        &self,
+        state: &RunState,
+        def: &AgentDefinition,
+        plan: &StepPlan,
+        lost: &mut watch::Receiver<bool>,
+    ) -> Result<kedge_core::decide::ModelResponse, CallError> {
+        let api_key = std::env::var(kedge_model::api_key_env(def)).ok();
+        let call = ModelCall {
+            spec: &state.bundle.model,
+            api_key: api_key.as_deref(),
+            system: &def.system_prompt,
+            tools: &def.tools,
+            context: &plan.context,
+            request_id: &plan.request_id,
+            max_output_tokens: def.max_output_tokens,
+            timeout: self.rt.config.timeouts.model_timeout(),
+        };
+        // Token deltas go to core NATS, never to the journal.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let client = self.rt.client.clone();
+        let subject = kedge_core::subjects::delta(&state.run_id);
+        let header = serde_json::json!({"step": plan.step, "attempt": plan.attempt});
+        let forward = tokio::spawn(async move {
+            while let Some(text) = rx.recv().await {
+                let mut body = header.clone();
+                body["text"] = text.into();
+                let _ = client.publish(subject.clone(), body.to_string().into()).await;
+            }
+        });
+        let mut on_delta = |d: Delta| match d {
+            Delta::Text(t) => {
+                let _ = tx.send(t);
+            }
+        };
+        let result = tokio::select! {
+            r = self.model.complete(&call, &mut on_delta) => r.map_err(CallError::Model),
+            _ = lost.wait_for(|l| *l) => Err(CallError::LeaseLost),
+        };
+        drop(on_delta);
+        drop(tx);
+        let _ = forward.await;
+        result
+    }
+}
+
+enum CallError {
+    Model(ModelError),
+    LeaseLost,
+}
+
+/// The wait before the next attempt: the provider's `retry-after` if given, else exponential
+/// backoff from 200 ms; never more than `max`.
+fn retry_delay(e: &ModelError, attempt: u32, max: Duration) -> Duration {
+    let backoff = Duration::from_millis(200u64.saturating_mul(1 << attempt.min(8)));
+    e.retry_after.unwrap_or(backoff).min(max)
+}
