@@ -31,6 +31,20 @@ pub struct Config {
     /// a note.
     pub max_tool_output_bytes: usize,
     pub timeouts: Timeouts,
+    /// API keys by environment-variable name, for programs that embed Kedge (the demo, tests).
+    /// The environment wins. Never read from a file and never printed.
+    #[serde(skip)]
+    pub api_keys: std::collections::BTreeMap<String, String>,
+}
+
+impl Config {
+    /// The value of an API-key variable: the environment, else [`Config::api_keys`].
+    pub fn api_key(&self, var: &str) -> Option<String> {
+        std::env::var(var)
+            .ok()
+            .filter(|v| !v.is_empty())
+            .or_else(|| self.api_keys.get(var).cloned())
+    }
 }
 
 impl Default for Config {
@@ -50,6 +64,7 @@ impl Default for Config {
             tool_concurrency: 64,
             max_tool_output_bytes: 64 * 1024,
             timeouts: Timeouts::default(),
+            api_keys: Default::default(),
         }
     }
 }

@@ -7,8 +7,7 @@ use async_nats::jetstream::{AckKind, Message};
 use kedge_core::agent::AgentDefinition;
 use kedge_core::decide::{Next, StepPlan, complete_step, decide};
 use kedge_core::event::{
-    AttemptOutcome, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed,
-    Timestamp,
+    Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed, Timestamp,
 };
 use kedge_core::fold::{FoldError, RunState};
 use kedge_core::ids::RunId;
@@ -53,7 +52,9 @@ impl DriveError {
     /// Whether trying again later may succeed.
     pub fn is_retryable(&self) -> bool {
         match self {
-            DriveError::Journal(e) => matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Conflict),
+            DriveError::Journal(e) => {
+                matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Conflict)
+            }
             DriveError::Lease(LeaseError::Unavailable { .. }) | DriveError::LeaseLost => true,
             DriveError::Idempotency(IdempotencyError::Unavailable(_)) => true,
             DriveError::Agent(AgentError::Unavailable(_)) => true,
@@ -123,7 +124,11 @@ impl Driver {
 
     /// Drives `run` until it is idle. `msg` is the wake being handled (marked in progress while
     /// the model runs).
-    pub async fn drive(&self, run: &RunId, msg: Option<Arc<Message>>) -> Result<Outcome, DriveError> {
+    pub async fn drive(
+        &self,
+        run: &RunId,
+        msg: Option<Arc<Message>>,
+    ) -> Result<Outcome, DriveError> {
         let cfg = &self.rt.config;
         let lease = match self
             .rt
@@ -236,7 +241,8 @@ impl Driver {
         lost: &mut watch::Receiver<bool>,
     ) -> Result<(), DriveError> {
         let run = state.run_id.clone();
-        let span = tracing::info_span!("step", run_id = %run, step = %plan.step, attempt = %plan.attempt);
+        let span =
+            tracing::info_span!("step", run_id = %run, step = %plan.step, attempt = %plan.attempt);
         async {
             // A worker that died after the model answered left the response behind.
             if let Some((request, digest)) = &plan.unfinished
@@ -300,12 +306,7 @@ impl Driver {
                     tracing::warn!(error = %e, "model call failed");
                     let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
                         request_id: plan.request_id.clone(),
-                        outcome: AttemptOutcome::Error {
-                            class: e.class,
-                            message: e.message.clone(),
-                            status: e.status,
-                            retry_after_ms: e.retry_after.map(|d| d.as_millis() as u64),
-                        },
+                        outcome: e.to_attempt_outcome(),
                     }))
                     .step(plan.step)
                     .attempt(plan.attempt);
@@ -318,7 +319,11 @@ impl Driver {
                     }
                     if self.commit(state, writer, drafts).await? && e.class == ErrorClass::Retryable
                     {
-                        let delay = retry_delay(&e, plan.attempt.get(), self.rt.config.timeouts.max_retry_delay());
+                        let delay = retry_delay(
+                            &e,
+                            plan.attempt.get(),
+                            self.rt.config.timeouts.max_retry_delay(),
+                        );
                         tokio::time::sleep(delay).await;
                     }
                     Ok(())
@@ -354,7 +359,7 @@ impl Driver {
         plan: &StepPlan,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<kedge_core::decide::ModelResponse, CallError> {
-        let api_key = std::env::var(kedge_model::api_key_env(def)).ok();
+        let api_key = self.rt.config.api_key(&kedge_model::api_key_env(def));
         let call = ModelCall {
             spec: &state.bundle.model,
             api_key: api_key.as_deref(),
@@ -374,11 +379,13 @@ impl Driver {
             while let Some(text) = rx.recv().await {
                 let mut body = header.clone();
                 body["text"] = text.into();
-                let _ = client.publish(subject.clone(), body.to_string().into()).await;
+                let _ = client
+                    .publish(subject.clone(), body.to_string().into())
+                    .await;
             }
         });
-        let mut on_delta = |d: Delta| match d {
-            Delta::Text(t) => {
+        let mut on_delta = |d: Delta| {
+            if let Delta::Text(t) = d {
                 let _ = tx.send(t);
             }
         };
@@ -386,7 +393,6 @@ impl Driver {
             r = self.model.complete(&call, &mut on_delta) => r.map_err(CallError::Model),
             _ = lost.wait_for(|l| *l) => Err(CallError::LeaseLost),
         };
-        drop(on_delta);
         drop(tx);
         let _ = forward.await;
         result

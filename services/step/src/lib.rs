@@ -68,16 +68,24 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             continue;
         };
         let run_id = parsed.run_id;
-        {
-            let Ok(mut map) = active.lock() else { break };
-            if let Some(dirty) = map.get_mut(&run_id) {
-                // The drive in progress will read this event before it lets go.
-                *dirty = true;
-                drop(map);
-                let _ = msg.ack().await;
-                continue;
-            }
-            map.insert(run_id.clone(), false);
+        // Whether a drive of this run is already in progress here (then it absorbs this wake).
+        let absorbed = match active.lock() {
+            Ok(mut map) => match map.get_mut(&run_id) {
+                Some(dirty) => {
+                    *dirty = true;
+                    true
+                }
+                None => {
+                    map.insert(run_id.clone(), false);
+                    false
+                }
+            },
+            Err(_) => break,
+        };
+        if absorbed {
+            // The drive in progress will read this event before it lets go.
+            let _ = msg.ack().await;
+            continue;
         }
         let Ok(permit) = permits.clone().acquire_owned().await else {
             break;
@@ -110,11 +118,13 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 Ok(Outcome::Busy) => msg.ack_with(AckKind::Nak(Some(BUSY_DELAY))).await,
                 Err(e) if e.is_retryable() => {
                     tracing::warn!(run_id = %run_id, error = %e, "drive failed; will retry");
-                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1)))).await
+                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                        .await
                 }
                 Err(e) => {
                     tracing::error!(run_id = %run_id, error = %e, "drive failed");
-                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(5)))).await
+                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(5))))
+                        .await
                 }
             };
             if let Err(e) = ack {

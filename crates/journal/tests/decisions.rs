@@ -1,0 +1,290 @@
+//! Decision appends: one writer per run, optimistic concurrency, atomic groups, retries.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+use kedge_core::EventType;
+use kedge_journal::{Appended, ErrorKind, JournalError};
+
+#[tokio::test]
+async fn concurrent_appends_from_the_same_sequence_exactly_one_lands() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let created = journal
+        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .await
+        .unwrap();
+    assert_eq!(created.first_seq, created.last_seq);
+
+    // Eight writers race from the same expected sequence, half with single events, half with
+    // groups.
+    let attempts = (0..8).map(|i| {
+        let journal = journal.clone();
+        let run = run.clone();
+        async move {
+            let events = if i % 2 == 0 {
+                vec![run_started(&run)]
+            } else {
+                step_group(&run, 1)
+            };
+            journal
+                .append_decisions(&run, created.last_seq, &format!("w{i}"), &events)
+                .await
+        }
+    });
+    let results = futures::future::join_all(attempts).await;
+    let winners: Vec<&Appended> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+    assert_eq!(winners.len(), 1, "{results:?}");
+    let winner = winners[0];
+    for r in &results {
+        match r {
+            Ok(_) => {}
+            Err(JournalError::Conflict { expected, actual }) => {
+                assert_eq!(*expected, created.last_seq);
+                assert_eq!(*actual, winner.last_seq);
+            }
+            Err(e) => panic!("unexpected error {e:?}"),
+        }
+    }
+    assert_eq!(
+        journal.last_decision_seq(&run).await.unwrap(),
+        winner.last_seq
+    );
+    let all = journal.read(&run, 0).await.unwrap();
+    assert_eq!(
+        all.len() as u64,
+        1 + winner.last_seq - winner.first_seq + 1,
+        "only the winner's events are stored"
+    );
+}
+
+#[tokio::test]
+async fn an_input_in_between_does_not_fail_a_decision_append() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let created = journal
+        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .await
+        .unwrap();
+    let input = journal
+        .append_input(&user_message(&run, "more"), "in-1")
+        .await
+        .unwrap();
+    assert!(input > created.last_seq);
+    assert_eq!(journal.last_seq(&run).await.unwrap(), Some(input));
+    assert_eq!(
+        journal.last_decision_seq(&run).await.unwrap(),
+        created.last_seq
+    );
+
+    let next = journal
+        .append_decisions(&run, created.last_seq, "step-a", &[run_started(&run)])
+        .await
+        .unwrap();
+    assert!(next.last_seq > input);
+    // Also a group after more inputs.
+    journal
+        .append_input(&tool_result(&run, 1, 0), "in-2")
+        .await
+        .unwrap();
+    let group = journal
+        .append_decisions(&run, next.last_seq, "step-a", &step_group(&run, 1))
+        .await
+        .unwrap();
+    assert_eq!(group.last_seq - group.first_seq, 3);
+}
+
+#[tokio::test]
+async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_takeover_lands() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let created = journal
+        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .await
+        .unwrap();
+    // Worker A reads the run and is about to decide; meanwhile worker B takes over and decides.
+    let seen_by_a = journal.last_decision_seq(&run).await.unwrap();
+    assert_eq!(seen_by_a, created.last_seq);
+    let seen_by_b = journal.last_decision_seq(&run).await.unwrap();
+    let b = journal
+        .append_decisions(&run, seen_by_b, "worker-b", &[run_started(&run)])
+        .await
+        .unwrap();
+
+    // The zombie's commit fails, with both sequences.
+    let err = journal
+        .append_decisions(&run, seen_by_a, "worker-a", &step_group(&run, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        JournalError::Conflict {
+            expected: seen_by_a,
+            actual: b.last_seq
+        }
+    );
+    assert_eq!(err.kind(), ErrorKind::Conflict);
+
+    // B is slow but nobody took over: its late commit lands.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let late = journal
+        .append_decisions(&run, b.last_seq, "worker-b", &step_group(&run, 1))
+        .await
+        .unwrap();
+    assert_eq!(late.first_seq, b.last_seq + 1);
+}
+
+#[tokio::test]
+async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_conflict() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let first = journal
+        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .await
+        .unwrap();
+    // `run.created` retried (intake's ack was lost).
+    let again = journal
+        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        again,
+        JournalError::Duplicate {
+            seq: first.last_seq
+        }
+    );
+    assert_eq!(again.kind(), ErrorKind::Duplicate);
+
+    // A single decision retried.
+    let events = [run_started(&run)];
+    let one = journal
+        .append_decisions(&run, first.last_seq, "step-a", &events)
+        .await
+        .unwrap();
+    assert_eq!(
+        journal
+            .append_decisions(&run, first.last_seq, "step-a", &events)
+            .await,
+        Err(JournalError::Duplicate { seq: one.last_seq })
+    );
+    // Another writer from the same sequence is a conflict, not a duplicate.
+    assert_eq!(
+        journal
+            .append_decisions(&run, first.last_seq, "step-b", &events)
+            .await,
+        Err(JournalError::Conflict {
+            expected: first.last_seq,
+            actual: one.last_seq
+        })
+    );
+
+    // A group retried.
+    let group = step_group(&run, 1);
+    let landed = journal
+        .append_decisions(&run, one.last_seq, "step-a", &group)
+        .await
+        .unwrap();
+    assert_eq!(
+        journal
+            .append_decisions(&run, one.last_seq, "step-a", &group)
+            .await,
+        Err(JournalError::Duplicate {
+            seq: landed.last_seq
+        })
+    );
+    // Nothing was stored twice.
+    let all = journal.read(&run, 0).await.unwrap();
+    assert_eq!(all.len(), 6);
+    assert_eq!(
+        all.last().unwrap().msg_id.as_deref(),
+        Some(kedge_journal::decision_msg_id(&run, one.last_seq, 3, "step-a").as_str())
+    );
+}
+
+#[tokio::test]
+async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let created = journal
+        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .await
+        .unwrap();
+    let started = journal
+        .append_decisions(&run, created.last_seq, "step-b", &[run_started(&run)])
+        .await
+        .unwrap();
+    // Inputs land meanwhile; they do not count for the check.
+    journal
+        .append_input(&user_message(&run, "x"), "u-1")
+        .await
+        .unwrap();
+
+    let group = step_group(&run, 1);
+    let stale = journal
+        .append_decisions(&run, created.last_seq, "step-a", &group)
+        .await;
+    assert_eq!(
+        stale,
+        Err(JournalError::Conflict {
+            expected: created.last_seq,
+            actual: started.last_seq
+        })
+    );
+    let after_stale = journal.read(&run, 0).await.unwrap();
+    assert_eq!(after_stale.len(), 3, "nothing of the stale group is stored");
+    assert!(after_stale.iter().all(|r| !matches!(
+        r.envelope.event_type(),
+        EventType::StepCompleted | EventType::ToolRequested
+    )));
+
+    // Another input, then the fresh group: four contiguous sequences.
+    let input = journal
+        .append_input(&user_message(&run, "y"), "u-2")
+        .await
+        .unwrap();
+    let fresh = journal
+        .append_decisions(&run, started.last_seq, "step-a", &group)
+        .await
+        .unwrap();
+    assert_eq!(fresh.first_seq, input + 1);
+    assert_eq!(fresh.last_seq, fresh.first_seq + 3);
+    let stored = journal.read(&run, input).await.unwrap();
+    assert_eq!(
+        stored.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        (fresh.first_seq..=fresh.last_seq).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        stored
+            .iter()
+            .map(|r| r.envelope.clone())
+            .collect::<Vec<_>>(),
+        group
+    );
+}
+
+#[tokio::test]
+async fn kinds_are_enforced() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let err = journal
+        .append_input(&run_created(&run), "x")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, JournalError::WrongKind { .. }), "{err:?}");
+    assert_eq!(err.kind(), ErrorKind::Invalid);
+    let err = journal
+        .append_decisions(&run, 0, "w", &[run_created(&run), user_message(&run, "hi")])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, JournalError::WrongKind { .. }), "{err:?}");
+    let other = new_run();
+    let err = journal
+        .append_decisions(&run, 0, "w", &[run_created(&other)])
+        .await
+        .unwrap_err();
+    assert!(matches!(err, JournalError::BadRequest(_)), "{err:?}");
+    assert_eq!(journal.last_seq(&run).await.unwrap(), None);
+    assert_eq!(journal.last_decision_seq(&run).await.unwrap(), 0);
+}

@@ -1,0 +1,148 @@
+//! Run leases with a per-key TTL in `kedge_leases`.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kedge_journal::{ErrorKind, LeaseError, Leases};
+
+async fn leases() -> (kedge_testkit::NatsServer, Leases) {
+    let (server, journal) = setup().await;
+    (server, Leases::new(journal.client().clone()))
+}
+
+/// Tries to acquire until it works or `within` passes; returns the lease and how long it took.
+async fn acquire_when_free(
+    leases: &Leases,
+    run: &kedge_core::RunId,
+    owner: &str,
+    ttl: Duration,
+    within: Duration,
+) -> (kedge_journal::Lease, Duration) {
+    let start = Instant::now();
+    loop {
+        match leases.acquire(run, owner, ttl).await {
+            Ok(l) => return (l, start.elapsed()),
+            Err(LeaseError::Held { .. }) if start.elapsed() < within => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("{owner} could not acquire within {within:?}: {e:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn acquire_hold_renew_release_and_the_revision_grows() {
+    let (_server, leases) = leases().await;
+    let run = new_run();
+    let ttl = Duration::from_secs(30);
+    let a = leases.acquire(&run, "worker-a", ttl).await.unwrap();
+    assert_eq!(a.owner, "worker-a");
+
+    let held = leases.acquire(&run, "worker-b", ttl).await.unwrap_err();
+    assert_eq!(
+        held,
+        LeaseError::Held {
+            owner: "worker-a".into(),
+            revision: a.revision
+        }
+    );
+    assert_eq!(held.kind(), ErrorKind::Conflict);
+    assert_eq!(leases.holder(&run).await.unwrap(), Some(a.clone()));
+
+    let a2 = leases.renew(&a).await.unwrap();
+    assert!(a2.revision > a.revision);
+    // The old token is stale now.
+    assert!(matches!(
+        leases.renew(&a).await,
+        Err(LeaseError::Lost { .. })
+    ));
+
+    leases.release(a2.clone()).await.unwrap();
+    assert_eq!(leases.holder(&run).await.unwrap(), None);
+    let b = leases.acquire(&run, "worker-b", ttl).await.unwrap();
+    assert!(b.revision > a2.revision);
+    assert!(matches!(
+        leases.renew(&a2).await,
+        Err(LeaseError::Lost { .. })
+    ));
+    assert!(matches!(
+        leases.release(a2).await,
+        Err(LeaseError::Lost { .. })
+    ));
+
+    assert!(matches!(
+        leases.acquire(&run, "w", Duration::from_millis(1500)).await,
+        Err(LeaseError::InvalidTtl(_))
+    ));
+    assert!(matches!(
+        leases.acquire(&run, "w", Duration::ZERO).await,
+        Err(LeaseError::InvalidTtl(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_lease_expires_after_its_ttl_and_can_be_taken_over() {
+    let (_server, leases) = leases().await;
+    let run = new_run();
+    let a = leases
+        .acquire(&run, "worker-a", Duration::from_secs(1))
+        .await
+        .unwrap();
+    let (b, took) = acquire_when_free(
+        &leases,
+        &run,
+        "worker-b",
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        took >= Duration::from_millis(800),
+        "expired early: {took:?}"
+    );
+    assert!(b.revision > a.revision);
+    assert!(matches!(
+        leases.renew(&a).await,
+        Err(LeaseError::Lost { .. })
+    ));
+    // The taken-over lease expires too (the async-nats bug this module works around).
+    let (c, _) = acquire_when_free(
+        &leases,
+        &run,
+        "worker-c",
+        Duration::from_secs(1),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(c.revision > b.revision);
+}
+
+#[tokio::test]
+async fn renewing_keeps_a_lease_and_a_renewed_lease_still_expires() {
+    let (_server, leases) = leases().await;
+    let run = new_run();
+    let ttl = Duration::from_secs(2);
+    let start = Instant::now();
+    let a = leases.acquire(&run, "worker-a", ttl).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let a = leases.renew(&a).await.unwrap();
+    let renewed_at = start.elapsed();
+    // Past the first TTL, still held thanks to the renewal.
+    tokio::time::sleep(Duration::from_millis(2500).saturating_sub(start.elapsed())).await;
+    assert!(start.elapsed() < renewed_at + ttl);
+    assert!(matches!(
+        leases.acquire(&run, "worker-b", ttl).await,
+        Err(LeaseError::Held { revision, .. }) if revision == a.revision
+    ));
+    // Not renewed again: it expires about one TTL after the renewal.
+    let (b, _) = acquire_when_free(&leases, &run, "worker-b", ttl, Duration::from_secs(5)).await;
+    assert!(
+        start.elapsed() >= renewed_at + ttl - Duration::from_millis(200),
+        "expired early"
+    );
+    assert!(b.revision > a.revision);
+}

@@ -1,0 +1,206 @@
+//! Reads, tails and input deduplication.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures::StreamExt;
+use kedge_core::{Envelope, RunId};
+use kedge_journal::{ErrorKind, Journal, JournalError, Recorded};
+
+/// Writes a run of `n` decisions and inputs (groups included), interleaved with another run's
+/// events; returns what was written with its sequences.
+async fn write_run(journal: &Journal, run: &RunId, other: &RunId) -> Vec<(u64, Envelope)> {
+    let mut written = Vec::new();
+    let created = run_created(run);
+    let a = journal
+        .append_decisions(run, 0, "intake", std::slice::from_ref(&created))
+        .await
+        .unwrap();
+    written.push((a.last_seq, created));
+    journal
+        .append_decisions(other, 0, "intake", &[run_created(other)])
+        .await
+        .unwrap();
+    let mut last_decision = a.last_seq;
+    for step in 1..=4 {
+        let group = step_group(run, step);
+        let g = journal
+            .append_decisions(run, last_decision, "step", &group)
+            .await
+            .unwrap();
+        last_decision = g.last_seq;
+        written.extend((g.first_seq..=g.last_seq).zip(group));
+        journal
+            .append_input(&user_message(other, "noise"), &format!("o-{step}"))
+            .await
+            .unwrap();
+        for i in 0..2 {
+            let input = tool_result(run, step, i);
+            let seq = journal
+                .append_input(&input, &format!("r-{step}-{i}"))
+                .await
+                .unwrap();
+            written.push((seq, input));
+        }
+    }
+    written
+}
+
+fn check_reads_from_every_sequence(
+    written: &[(u64, Envelope)],
+    read: impl Fn(u64) -> Vec<Recorded>,
+) {
+    let last = written.last().unwrap().0;
+    for after in 0..=last + 1 {
+        let got: Vec<(u64, Envelope)> = read(after)
+            .into_iter()
+            .map(|r| (r.seq, r.envelope))
+            .collect();
+        let want: Vec<(u64, Envelope)> = written
+            .iter()
+            .filter(|(s, _)| *s > after)
+            .cloned()
+            .collect();
+        assert_eq!(got, want, "read after {after}");
+    }
+}
+
+async fn read_all_from_every_sequence(
+    journal: &Journal,
+    run: &RunId,
+    last: u64,
+) -> Vec<Vec<Recorded>> {
+    let mut out = Vec::new();
+    for after in 0..=last + 1 {
+        out.push(journal.read(run, after).await.unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn reads_from_every_sequence_return_exactly_what_follows_also_after_a_crash() {
+    let (mut server, journal) = setup().await;
+    let run = new_run();
+    let other = new_run();
+    let written = write_run(&journal, &run, &other).await;
+    assert!(written.len() >= 20, "{}", written.len());
+    let last = written.last().unwrap().0;
+
+    let reads = read_all_from_every_sequence(&journal, &run, last).await;
+    check_reads_from_every_sequence(&written, |after| reads[after as usize].clone());
+
+    // Nothing after the end: an empty answer, promptly.
+    let t = Instant::now();
+    assert!(journal.read(&run, last).await.unwrap().is_empty());
+    assert!(journal.read(&new_run(), 0).await.unwrap().is_empty());
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+
+    server.kill9();
+    server.restart().await;
+    let journal = Journal::new(server.client().await);
+    let reads = read_all_from_every_sequence(&journal, &run, last).await;
+    check_reads_from_every_sequence(&written, |after| reads[after as usize].clone());
+    assert_eq!(journal.last_seq(&run).await.unwrap(), Some(last));
+}
+
+#[tokio::test]
+async fn an_input_published_twice_with_one_msg_id_is_stored_once() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let input = user_message(&run, "hello");
+    let seq = journal.append_input(&input, "client-key-1").await.unwrap();
+    let again = journal.append_input(&input, "client-key-1").await;
+    assert_eq!(again, Err(JournalError::Duplicate { seq }));
+    assert_eq!(again.unwrap_err().kind(), ErrorKind::Duplicate);
+    let other = journal.append_input(&input, "client-key-2").await.unwrap();
+    let all = journal.read(&run, 0).await.unwrap();
+    assert_eq!(all.iter().map(|r| r.seq).collect::<Vec<_>>(), [seq, other]);
+    assert_eq!(all[0].msg_id.as_deref(), Some("client-key-1"));
+}
+
+#[tokio::test]
+async fn a_message_that_is_not_an_envelope_is_reported_with_its_sequence() {
+    let (server, journal) = setup().await;
+    let run = new_run();
+    journal
+        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .await
+        .unwrap();
+    let client = server.client().await;
+    let js = async_nats::jetstream::new(client);
+    let ack = js
+        .publish(format!("agent.run.{run}.i.user.message"), "not json".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let err = journal.read(&run, 0).await.unwrap_err();
+    assert!(
+        matches!(err, JournalError::Invalid { seq, .. } if seq == ack.sequence),
+        "{err:?}"
+    );
+    assert_eq!(err.kind(), ErrorKind::Invalid);
+}
+
+#[tokio::test]
+async fn tail_replays_then_delivers_live_appends_without_gap_or_duplicate() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let other = new_run();
+    let written = write_run(&journal, &run, &other).await;
+    let from = written[5].0;
+    let mut tail = Box::pin(journal.tail(&run, from));
+
+    let replay: Vec<u64> = written
+        .iter()
+        .map(|(s, _)| *s)
+        .filter(|s| *s > from)
+        .collect();
+    let mut seen = Vec::new();
+    while seen.len() < replay.len() {
+        let r = tokio::time::timeout(Duration::from_secs(5), tail.next())
+            .await
+            .expect("replay in time")
+            .expect("stream open")
+            .unwrap();
+        seen.push(r.seq);
+    }
+    assert_eq!(seen, replay);
+
+    // Live: a decision group and an input, appended after the replay.
+    let last_decision = journal.last_decision_seq(&run).await.unwrap();
+    let live_group = journal
+        .append_decisions(&run, last_decision, "step", &step_group(&run, 9))
+        .await
+        .unwrap();
+    let live_input = journal
+        .append_input(&user_message(&run, "live"), "live-1")
+        .await
+        .unwrap();
+    let mut live = Vec::new();
+    while live.len() < 5 {
+        let r = tokio::time::timeout(Duration::from_secs(5), tail.next())
+            .await
+            .expect("live event in time")
+            .expect("stream open")
+            .unwrap();
+        live.push(r.seq);
+    }
+    let mut want: Vec<u64> = (live_group.first_seq..=live_group.last_seq).collect();
+    want.push(live_input);
+    assert_eq!(live, want);
+    // And nothing more (no duplicate redelivery).
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), tail.next())
+            .await
+            .is_err()
+    );
+}

@@ -1,0 +1,437 @@
+//! Command-line parsing and the subcommands.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use futures::StreamExt;
+use kedge_core::agent::AgentDefinition;
+use kedge_core::event::{
+    CancelRequested, Draft, Envelope, Event, QuestionAnswered, Timestamp, UserMessage,
+};
+use kedge_core::ids::{AgentName, QuestionId, RunId};
+use kedge_runtime::{Config, Runtime};
+
+use crate::timeline;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kedge",
+    version,
+    about = "Durable execution for long-running AI agents, on NATS JetStream"
+)]
+pub struct Cli {
+    /// JSON configuration file (layered over the defaults, under KEDGE_* variables and flags).
+    #[arg(long, global = true, env = "KEDGE_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// NATS server URL(s), comma-separated (overrides the file and KEDGE_NATS_URL).
+    #[arg(long, global = true)]
+    pub nats_url: Option<String>,
+    /// Print the effective configuration and exit.
+    #[arg(long, global = true)]
+    pub dump_config: bool,
+    /// Log as JSON lines.
+    #[arg(long, global = true)]
+    pub log_json: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run services in this process until SIGINT/SIGTERM (`kedge serve all`, `kedge serve step tool`).
+    Serve {
+        #[arg(required = true, value_enum)]
+        services: Vec<Service>,
+    },
+    /// Create the broker layout where missing and verify it (streams, buckets, server version).
+    Layout,
+    /// Agent definitions in kedge_agents.
+    #[command(subcommand)]
+    Agents(AgentsCmd),
+    /// Submit a task and print the run id.
+    Submit(SubmitArgs),
+    /// Print a run's events as a timeline, live, until the run ends (or --follow stops).
+    Watch {
+        run: RunId,
+        /// Start after this journal sequence.
+        #[arg(long, default_value_t = 0)]
+        after: u64,
+        /// Keep following after the run ends.
+        #[arg(long)]
+        follow: bool,
+    },
+    /// Print a run's journal as JSON lines (`{"seq": …, "event": <envelope>}`).
+    Journal { run: RunId },
+    /// Print a run's folded state.
+    Status { run: RunId },
+    /// Send a new user message to a run (revives a succeeded or failed run).
+    Message { run: RunId, text: String },
+    /// Answer a question a run asked.
+    Answer {
+        run: RunId,
+        question: QuestionId,
+        text: String,
+    },
+    /// Request a run's cancellation.
+    Cancel {
+        run: RunId,
+        #[arg(long, default_value = "cancelled from the CLI")]
+        reason: String,
+    },
+    /// Serve the strict mock model (OpenAI and Anthropic wire formats).
+    MockLlm {
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+        /// Script file (JSON); default: the demo's script.
+        #[arg(long)]
+        script: Option<PathBuf>,
+    },
+    /// A demo run on the built-in mock model, with its own nats-server.
+    Demo(crate::demo::DemoArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Service {
+    All,
+    Intake,
+    Step,
+    Tool,
+    Approval,
+    Timer,
+    Reconciler,
+    Bridge,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AgentsCmd {
+    /// Store a definition (JSON file); prints the new revision.
+    Put { file: PathBuf },
+    /// Print a definition (the current revision unless --revision).
+    Get {
+        name: AgentName,
+        #[arg(long)]
+        revision: Option<u64>,
+    },
+    /// List agents and their current revisions.
+    List,
+    /// List an agent's revisions.
+    History { name: AgentName },
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    pub agent: AgentName,
+    pub input: String,
+    /// Idempotency key (sent as Nats-Msg-Id); the same key never makes two runs.
+    #[arg(long)]
+    pub key: Option<String>,
+    #[arg(long)]
+    pub run_id: Option<RunId>,
+    #[arg(long, default_value = "default")]
+    pub tenant: String,
+    /// Then watch the run until it ends.
+    #[arg(long)]
+    pub watch: bool,
+}
+
+/// The effective configuration: file, environment, then flags.
+pub fn config(cli: &Cli) -> anyhow::Result<Config> {
+    let mut config = Config::load(cli.config.as_deref())?;
+    if let Some(url) = &cli.nats_url {
+        config.nats_urls = url.split(',').map(|s| s.trim().to_owned()).collect();
+    }
+    config.check()?;
+    Ok(config)
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let config = config(&cli)?;
+    if cli.dump_config {
+        println!("{}", serde_json::to_string_pretty(&config)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    match cli.command {
+        Command::Demo(args) => crate::demo::run(args, config).await,
+        Command::MockLlm { port, script } => {
+            let text = match &script {
+                Some(p) => {
+                    std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?
+                }
+                None => crate::demo::SCRIPT.to_owned(),
+            };
+            let scripts = kedge_mock_llm::Scripts::from_json(&text)?;
+            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+            println!("mock-llm listening on http://{}", listener.local_addr()?);
+            kedge_mock_llm::serve(
+                listener,
+                kedge_mock_llm::MockLlm::new(scripts),
+                shutdown_signal(),
+            )
+            .await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Serve { services } => {
+            let rt = Runtime::connect(config).await?;
+            serve(rt, &services, shutdown_signal()).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Layout => {
+            let rt = Runtime::connect(config).await?;
+            println!(
+                "layout ok on nats-server {}",
+                rt.client.server_info().version
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Agents(cmd) => agents(Runtime::connect(config).await?, cmd).await,
+        Command::Submit(args) => {
+            let rt = Runtime::connect(config).await?;
+            let run = submit(&rt, &args).await?;
+            println!("{run}");
+            if args.watch {
+                return watch(&rt, &run, 0, false).await;
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Watch { run, after, follow } => {
+            let rt = Runtime::connect(config).await?;
+            watch(&rt, &run, after, follow).await
+        }
+        Command::Journal { run } => {
+            let rt = Runtime::connect(config).await?;
+            for r in rt.journal.read(&run, 0).await? {
+                println!("{}", serde_json::json!({"seq": r.seq, "event": r.envelope}));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Status { run } => {
+            let rt = Runtime::connect(config).await?;
+            let events = rt.journal.read(&run, 0).await?;
+            if events.is_empty() {
+                bail!("no run {run}");
+            }
+            let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
+            println!("{}", timeline::status_line(&state));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Message { run, text } => {
+            let rt = Runtime::connect(config).await?;
+            let key = format!("cli.message:{}", uuid_like());
+            send_input(&rt, &run, Event::UserMessage(UserMessage { text }), &key).await
+        }
+        Command::Answer {
+            run,
+            question,
+            text,
+        } => {
+            let rt = Runtime::connect(config).await?;
+            let key = format!("answer:{question}");
+            let event = Event::QuestionAnswered(QuestionAnswered {
+                question_id: question,
+                answer: text,
+            });
+            send_input(&rt, &run, event, &key).await
+        }
+        Command::Cancel { run, reason } => {
+            let rt = Runtime::connect(config).await?;
+            let event = Event::CancelRequested(CancelRequested {
+                reason,
+                by: Some("cli".into()),
+            });
+            send_input(&rt, &run, event, &format!("cancel:{run}")).await
+        }
+    }
+}
+
+fn uuid_like() -> String {
+    RunId::generate().body().to_owned()
+}
+
+async fn send_input(
+    rt: &Runtime,
+    run: &RunId,
+    event: Event,
+    key: &str,
+) -> anyhow::Result<ExitCode> {
+    if rt.journal.last_seq(run).await?.is_none() {
+        bail!("no run {run}");
+    }
+    let env = Envelope::new(run.clone(), Timestamp::now(), Draft::new(event));
+    match rt.journal.append_input(&env, key).await {
+        Ok(seq) => println!("journaled at {seq}"),
+        Err(kedge_journal::JournalError::Duplicate { seq }) => {
+            println!("already journaled at {seq}")
+        }
+        Err(e) => return Err(e.into()),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs the named services in this process until `shutdown`, then drains them.
+pub async fn serve(
+    rt: Runtime,
+    services: &[Service],
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let all = services.contains(&Service::All);
+    let wanted = |s: Service| all || services.contains(&s);
+    let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
+    let stop = |tx: &tokio::sync::broadcast::Sender<()>| {
+        let mut rx = tx.subscribe();
+        async move {
+            let _ = rx.recv().await;
+        }
+    };
+    let mut tasks = tokio::task::JoinSet::new();
+    if wanted(Service::Intake) {
+        tasks.spawn(kedge_intake::run(rt.clone(), stop(&tx)));
+    }
+    if wanted(Service::Step) {
+        tasks.spawn(kedge_step::run(rt.clone(), stop(&tx)));
+    }
+    if wanted(Service::Tool) {
+        tasks.spawn(kedge_tool::run(rt.clone(), stop(&tx)));
+    }
+    for s in [
+        Service::Approval,
+        Service::Timer,
+        Service::Reconciler,
+        Service::Bridge,
+    ] {
+        if services.contains(&s) {
+            bail!("the {s:?} service is not built yet");
+        }
+    }
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = tx.send(());
+    });
+    while let Some(done) = tasks.join_next().await {
+        done.context("a service panicked")??;
+    }
+    Ok(())
+}
+
+/// Resolves on the first SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+    tracing::info!("shutting down");
+}
+
+async fn agents(rt: Runtime, cmd: AgentsCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        AgentsCmd::Put { file } => {
+            let bytes = std::fs::read(&file).with_context(|| format!("read {}", file.display()))?;
+            let def = AgentDefinition::parse(&bytes)?;
+            let revision = rt.agents.put(&def).await?;
+            println!("{} revision {revision}", def.name);
+        }
+        AgentsCmd::Get { name, revision } => {
+            let def = match revision {
+                Some(r) => rt.agents.at_revision(&name, r).await?,
+                None => rt.agents.latest(&name).await?.1,
+            };
+            println!("{}", serde_json::to_string_pretty(&*def)?);
+        }
+        AgentsCmd::List => {
+            for (name, revision) in rt.agents.list().await? {
+                println!("{name}\trevision {revision}");
+            }
+        }
+        AgentsCmd::History { name } => {
+            for revision in rt.agents.history(&name).await? {
+                println!("{revision}");
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Publishes a task and waits for intake's answer.
+pub async fn submit(rt: &Runtime, args: &SubmitArgs) -> anyhow::Result<RunId> {
+    let mut task = serde_json::json!({"agent": args.agent, "input": args.input});
+    if let Some(run) = &args.run_id {
+        task["run_id"] = serde_json::json!(run);
+    }
+    let inbox = rt.client.new_inbox();
+    let mut answers = rt.client.subscribe(inbox.clone()).await?;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(kedge_intake::REPLY_HEADER, inbox.as_str());
+    headers.insert(kedge_intake::TENANT_HEADER, args.tenant.as_str());
+    let key = args.key.clone().unwrap_or_else(uuid_like);
+    headers.insert("Nats-Msg-Id", key.as_str());
+    let ack = rt
+        .js
+        .publish_with_headers(
+            kedge_core::subjects::task(&args.agent),
+            headers,
+            task.to_string().into(),
+        )
+        .await?;
+    ack.await
+        .context("the task stream did not acknowledge the task")?;
+    let answer = tokio::time::timeout(Duration::from_secs(30), answers.next())
+        .await
+        .context("no answer from intake within 30 s (is `kedge serve intake` running?)")?
+        .context("answer subscription closed")?;
+    match serde_json::from_slice::<kedge_intake::Answer>(&answer.payload)? {
+        kedge_intake::Answer::Accepted { run_id } => Ok(run_id),
+        kedge_intake::Answer::Rejected { error } => bail!("task rejected: {error}"),
+    }
+}
+
+/// Prints a run's timeline; exit code 0 if it succeeded.
+pub async fn watch(
+    rt: &Runtime,
+    run: &RunId,
+    after: u64,
+    follow: bool,
+) -> anyhow::Result<ExitCode> {
+    // Folds from the start (the state needs run.created) and prints what comes after `after`.
+    let mut tail = std::pin::pin!(rt.journal.tail(run, 0));
+    let mut state: Option<kedge_core::RunState> = None;
+    while let Some(next) = tail.next().await {
+        let r = next?;
+        if r.seq > after {
+            println!("{}", timeline::line(&r));
+        }
+        match &mut state {
+            None => state = Some(kedge_core::RunState::created(r.seq, &r.envelope)?),
+            Some(s) => s.apply(r.seq, &r.envelope)?,
+        }
+        if let Some(s) = &state
+            && s.status.is_terminal()
+            && !follow
+        {
+            println!("{}", timeline::status_line(s));
+            return Ok(if s.status == kedge_core::RunStatus::Succeeded {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            });
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

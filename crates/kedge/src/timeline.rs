@@ -1,0 +1,116 @@
+//! A run's events as a readable timeline (`kedge watch`, `kedge demo`).
+
+use kedge_core::event::{AttemptOutcome, Event};
+use kedge_core::fold::RunState;
+use kedge_journal::Recorded;
+
+fn clip(s: &str, max: usize) -> String {
+    let one_line = s.replace('\n', " ⏎ ");
+    if one_line.chars().count() <= max {
+        one_line
+    } else {
+        let cut: String = one_line.chars().take(max).collect();
+        format!("{cut}…")
+    }
+}
+
+/// One line per event: sequence, time, type, and what matters in its data.
+pub fn line(r: &Recorded) -> String {
+    let e = &r.envelope;
+    let t = e.at.0.time();
+    let time = format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        t.hour(),
+        t.minute(),
+        t.second(),
+        t.millisecond()
+    );
+    let what = match &e.event {
+        Event::RunCreated(c) => format!(
+            "agent {} rev {} · model {} · input “{}”",
+            c.agent,
+            c.agent_revision,
+            c.model.name,
+            clip(&c.input, 60)
+        ),
+        Event::RunStarted(_) => String::new(),
+        Event::StepStarted(s) => format!(
+            "step {} attempt {} · request {}",
+            e.step.map(|s| s.get()).unwrap_or(0),
+            e.attempt.map(|a| a.get()).unwrap_or(0),
+            s.request_id
+        ),
+        Event::ModelAttempt(a) => match &a.outcome {
+            AttemptOutcome::Error { class, message, .. } => {
+                format!("{class:?} error: {}", clip(message, 80))
+            }
+            AttemptOutcome::LeaseLost => "lease lost; call aborted".into(),
+        },
+        Event::StepCompleted(c) => {
+            let calls: Vec<&str> = c
+                .message
+                .tool_calls
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect();
+            let mut s = format!(
+                "{} tokens{}",
+                c.usage.total(),
+                if c.reused {
+                    " · REUSED stored response (model not called again)"
+                } else {
+                    ""
+                }
+            );
+            if !c.message.text.is_empty() {
+                s.push_str(&format!(" · “{}”", clip(&c.message.text, 70)));
+            }
+            if !calls.is_empty() {
+                s.push_str(&format!(" · calls {}", calls.join(", ")));
+            }
+            s
+        }
+        Event::ToolRequested(t) => format!("{} {}", t.tool, clip(&t.arguments.to_string(), 60)),
+        Event::ToolStarted(t) => format!("runner {}", t.runner),
+        Event::ToolResult(t) => format!(
+            "{}“{}”",
+            if t.is_error { "ERROR " } else { "" },
+            clip(&t.content, 70)
+        ),
+        Event::QuestionAsked(q) => format!("{} “{}”", q.question_id, q.prompt),
+        Event::QuestionAnswered(a) => format!("{} “{}”", a.question_id, a.answer),
+        Event::RunWaiting(w) => format!("on {:?}", w.on).to_lowercase(),
+        Event::RunSucceeded(s) => format!("“{}”", clip(&s.output, 90)),
+        Event::RunFailed(f) => format!("{:?}: {}", f.reason, f.message),
+        Event::UserMessage(m) => format!("“{}”", clip(&m.text, 80)),
+        Event::CancelRequested(c) => c.reason.clone(),
+        other => clip(&other.data_json().to_string(), 80),
+    };
+    let op = e.op.as_ref().map(|o| format!(" [{o}]")).unwrap_or_default();
+    format!(
+        "{:>6}  {}  {:<20}{}  {}",
+        r.seq,
+        time,
+        e.event_type().as_str(),
+        op,
+        what
+    )
+}
+
+/// The run's status in one line.
+pub fn status_line(s: &RunState) -> String {
+    let mut line = format!(
+        "run {} is {} after {} step(s), {} tokens",
+        s.run_id,
+        s.status,
+        s.step,
+        s.usage.total()
+    );
+    if let Some(out) = &s.output {
+        line.push_str(&format!(" · output “{}”", clip(out, 100)));
+    }
+    if let Some(f) = &s.failure {
+        line.push_str(&format!(" · failed: {}", f.message));
+    }
+    line
+}

@@ -1,0 +1,662 @@
+//! Anthropic Messages (`POST <base>/messages`), streamed.
+//!
+//! Request: `system` at the top level (omitted when empty), `max_tokens` (required), and the
+//! [normalized](crate::context) conversation as content blocks, with consecutive same-role turns
+//! merged into one message:
+//! - assistant: a `text` block when the text is not blank, then one `tool_use` block per call
+//!   (`input` is always an object);
+//! - tool results: `tool_result` blocks (`is_error` when set; no `content` when empty) in the
+//!   *next* user message, always before that message's other blocks, so a user message that
+//!   arrived after the results is merged in behind them;
+//! - user: a `text` block when the text is not blank; a message left with no block at all gets
+//!   [`crate::EMPTY_PLACEHOLDER`] (text blocks must be non-empty).
+//!
+//! Tool ids are sent as they came from the provider; one that does not match `^[a-zA-Z0-9_-]+$`
+//! (never the case for Anthropic's own ids) has its other characters replaced by `_`, on the
+//! `tool_use` and its `tool_result` alike.
+//!
+//! Response: `message_start`, per block `content_block_start` / `content_block_delta`
+//! (`text_delta`, `input_json_delta`) / `content_block_stop`, `message_delta` (stop reason,
+//! output tokens), `message_stop`; `ping` ignored; `error` → [`ModelError`]. Input tokens count
+//! cache reads and writes too (`input_tokens + cache_creation_input_tokens +
+//! cache_read_input_tokens`), since all of them are billed input.
+
+use std::collections::BTreeMap;
+
+use kedge_core::decide::ModelResponse;
+use kedge_core::event::{AssistantMessage, FinishReason, ToolCall, Usage};
+use kedge_core::fold::ChatMessage;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::context::{EMPTY_PLACEHOLDER, history_arguments, normalize, parse_arguments};
+use crate::error::{ErrorBody, ModelError, ModelErrorKind};
+use crate::sse::SseEvent;
+use crate::{Delta, ModelCall};
+
+/// The public endpoint.
+pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com/v1";
+
+/// The `anthropic-version` header sent with every request.
+pub const API_VERSION: &str = "2023-06-01";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    User,
+    Assistant,
+}
+
+/// One message under construction: `tool_result` blocks are kept apart so they always come
+/// first.
+#[derive(Debug)]
+struct Turn {
+    role: Role,
+    results: Vec<Value>,
+    blocks: Vec<Value>,
+}
+
+/// The request body for `call`.
+pub fn request_body(call: &ModelCall<'_>) -> Value {
+    let mut turns: Vec<Turn> = Vec::with_capacity(call.context.len());
+    for message in normalize(call.context) {
+        match message {
+            ChatMessage::User { text } => {
+                let t = turn(&mut turns, Role::User);
+                if !text.trim().is_empty() {
+                    t.blocks.push(json!({"type": "text", "text": text}));
+                }
+            }
+            ChatMessage::Assistant { message } => {
+                let t = turn(&mut turns, Role::Assistant);
+                if !message.text.trim().is_empty() {
+                    t.blocks.push(json!({"type": "text", "text": message.text}));
+                }
+                for c in &message.tool_calls {
+                    t.blocks.push(json!({
+                        "type": "tool_use",
+                        "id": tool_id(&c.call_id),
+                        "name": c.name,
+                        "input": history_arguments(&c.arguments),
+                    }));
+                }
+            }
+            ChatMessage::Tool {
+                call_id,
+                content,
+                is_error,
+            } => {
+                let mut block = json!({"type": "tool_result", "tool_use_id": tool_id(&call_id)});
+                if !content.is_empty() {
+                    block["content"] = content.into();
+                }
+                if is_error {
+                    block["is_error"] = true.into();
+                }
+                turn(&mut turns, Role::User).results.push(block);
+            }
+        }
+    }
+    let messages: Vec<Value> = turns
+        .into_iter()
+        .map(|t| {
+            let mut content = t.results;
+            content.extend(t.blocks);
+            if content.is_empty() {
+                content.push(json!({"type": "text", "text": EMPTY_PLACEHOLDER}));
+            }
+            let role = match t.role {
+                Role::User => "user",
+                Role::Assistant => "assistant",
+            };
+            json!({"role": role, "content": content})
+        })
+        .collect();
+    let mut body = json!({
+        "model": call.spec.name,
+        "max_tokens": call.max_output_tokens,
+        "messages": messages,
+        "stream": true,
+    });
+    if !call.system.trim().is_empty() {
+        body["system"] = call.system.into();
+    }
+    if !call.tools.is_empty() {
+        body["tools"] = call
+            .tools
+            .iter()
+            .map(|t| {
+                let mut tool = json!({"name": t.name, "input_schema": t.parameters});
+                if !t.description.is_empty() {
+                    tool["description"] = t.description.clone().into();
+                }
+                tool
+            })
+            .collect();
+    }
+    body
+}
+
+/// The message `role` continues: the last one when it has that role, else a new one.
+fn turn(turns: &mut Vec<Turn>, role: Role) -> &mut Turn {
+    if turns.last().is_none_or(|t| t.role != role) {
+        turns.push(Turn {
+            role,
+            results: Vec::new(),
+            blocks: Vec::new(),
+        });
+    }
+    let last = turns.len() - 1;
+    &mut turns[last]
+}
+
+/// A tool id as the API accepts it (`^[a-zA-Z0-9_-]+$`).
+fn tool_id(id: &str) -> String {
+    if id.is_empty() {
+        return "_".to_owned();
+    }
+    id.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum StreamEvent {
+    MessageStart {
+        message: StartMessage,
+    },
+    ContentBlockStart {
+        index: u64,
+        content_block: BlockStart,
+    },
+    ContentBlockDelta {
+        index: u64,
+        delta: BlockDelta,
+    },
+    ContentBlockStop {},
+    MessageDelta {
+        #[serde(default)]
+        delta: Option<MessageDelta>,
+        #[serde(default)]
+        usage: Option<StreamUsage>,
+    },
+    MessageStop {},
+    Ping {},
+    Error {
+        error: ErrorBody,
+    },
+    #[serde(other)]
+    Unknown,
+}
+
+#[derive(Debug, Deserialize)]
+struct StartMessage {
+    #[serde(default)]
+    usage: Option<StreamUsage>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum BlockStart {
+    Text {
+        #[serde(default)]
+        text: String,
+    },
+    ToolUse {
+        id: String,
+        name: String,
+        #[serde(default)]
+        input: Option<Value>,
+    },
+    /// `thinking`, `server_tool_use`, …: not part of the provider-neutral response.
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum BlockDelta {
+    TextDelta {
+        text: String,
+    },
+    InputJsonDelta {
+        partial_json: String,
+    },
+    #[serde(other)]
+    Other,
+}
+
+#[derive(Debug, Deserialize)]
+struct MessageDelta {
+    #[serde(default)]
+    stop_reason: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct StreamUsage {
+    #[serde(default)]
+    input_tokens: Option<u64>,
+    #[serde(default)]
+    output_tokens: Option<u64>,
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
+}
+
+#[derive(Debug)]
+enum Block {
+    Text(String),
+    ToolUse {
+        id: String,
+        name: String,
+        start_input: Option<Value>,
+        json: String,
+    },
+    Other,
+}
+
+/// Reassembles one streamed message.
+#[derive(Debug, Default)]
+pub(crate) struct Decoder {
+    blocks: BTreeMap<u64, Block>,
+    /// The latest value of each usage field (`message_delta` counts are cumulative).
+    input: u64,
+    cache_creation: u64,
+    cache_read: u64,
+    output: u64,
+    stop_reason: Option<String>,
+    done: bool,
+}
+
+impl Decoder {
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    pub fn on_event(
+        &mut self,
+        event: &SseEvent,
+        on_delta: &mut dyn FnMut(Delta),
+    ) -> Result<(), ModelError> {
+        if self.done || event.data.trim().is_empty() {
+            return Ok(());
+        }
+        let parsed: StreamEvent = serde_json::from_str(&event.data).map_err(|e| {
+            ModelError::retryable(
+                ModelErrorKind::Protocol,
+                format!(
+                    "undecodable `{}` event: {e}",
+                    event.event.as_deref().unwrap_or("message")
+                ),
+            )
+        })?;
+        match parsed {
+            StreamEvent::MessageStart { message } => {
+                if let Some(u) = message.usage {
+                    self.usage(&u);
+                }
+            }
+            StreamEvent::ContentBlockStart {
+                index,
+                content_block,
+            } => {
+                let block = match content_block {
+                    BlockStart::Text { text } => {
+                        if !text.is_empty() {
+                            on_delta(Delta::Text(text.clone()));
+                        }
+                        Block::Text(text)
+                    }
+                    BlockStart::ToolUse { id, name, input } => {
+                        on_delta(Delta::ToolCall {
+                            call_id: id.clone(),
+                            name: name.clone(),
+                        });
+                        Block::ToolUse {
+                            id,
+                            name,
+                            start_input: input,
+                            json: String::new(),
+                        }
+                    }
+                    BlockStart::Other => Block::Other,
+                };
+                self.blocks.insert(index, block);
+            }
+            StreamEvent::ContentBlockDelta { index, delta } => {
+                match (self.blocks.get_mut(&index), delta) {
+                    (Some(Block::Text(text)), BlockDelta::TextDelta { text: piece }) => {
+                        if !piece.is_empty() {
+                            text.push_str(&piece);
+                            on_delta(Delta::Text(piece));
+                        }
+                    }
+                    (
+                        Some(Block::ToolUse { json, .. }),
+                        BlockDelta::InputJsonDelta { partial_json },
+                    ) => {
+                        json.push_str(&partial_json);
+                    }
+                    (Some(Block::Other), _) | (_, BlockDelta::Other) => {}
+                    (_, _) => {
+                        return Err(ModelError::retryable(
+                            ModelErrorKind::Protocol,
+                            format!("delta for content block {index} does not match its type"),
+                        ));
+                    }
+                }
+            }
+            StreamEvent::MessageDelta { delta, usage } => {
+                if let Some(reason) = delta.and_then(|d| d.stop_reason) {
+                    self.stop_reason = Some(reason);
+                }
+                if let Some(u) = usage {
+                    self.usage(&u);
+                }
+            }
+            StreamEvent::MessageStop {} => self.done = true,
+            StreamEvent::Error { error } => return Err(ModelError::from_stream_error(&error)),
+            StreamEvent::ContentBlockStop {} | StreamEvent::Ping {} | StreamEvent::Unknown => {}
+        }
+        Ok(())
+    }
+
+    fn usage(&mut self, u: &StreamUsage) {
+        if let Some(v) = u.input_tokens {
+            self.input = v;
+        }
+        if let Some(v) = u.cache_creation_input_tokens {
+            self.cache_creation = v;
+        }
+        if let Some(v) = u.cache_read_input_tokens {
+            self.cache_read = v;
+        }
+        if let Some(v) = u.output_tokens {
+            self.output = v;
+        }
+    }
+
+    pub fn finish(self) -> Result<ModelResponse, ModelError> {
+        if !self.done {
+            return Err(ModelError::retryable(
+                ModelErrorKind::StreamEnded,
+                "stream ended early (no message_stop)",
+            ));
+        }
+        let mut text = String::new();
+        let mut tool_calls = Vec::new();
+        for block in self.blocks.into_values() {
+            match block {
+                Block::Text(t) => text.push_str(&t),
+                Block::ToolUse {
+                    id,
+                    name,
+                    start_input,
+                    json,
+                } => {
+                    let arguments = match start_input {
+                        Some(input) if json.trim().is_empty() && input.is_object() => input,
+                        _ => parse_arguments(&json),
+                    };
+                    tool_calls.push(ToolCall {
+                        call_id: id,
+                        name,
+                        arguments,
+                    });
+                }
+                Block::Other => {}
+            }
+        }
+        Ok(ModelResponse {
+            message: AssistantMessage { text, tool_calls },
+            usage: Usage {
+                input_tokens: self
+                    .input
+                    .saturating_add(self.cache_creation)
+                    .saturating_add(self.cache_read),
+                output_tokens: self.output,
+            },
+            finish: match self.stop_reason.as_deref() {
+                Some("end_turn" | "stop_sequence") => FinishReason::Stop,
+                Some("tool_use") => FinishReason::ToolCalls,
+                Some("max_tokens") => FinishReason::Length,
+                _ => FinishReason::Other,
+            },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sse::SseParser;
+    use crate::tests::{call_with, conversation};
+    use kedge_core::event::{ErrorClass, ModelSpec, Provider};
+
+    const STREAM: &str = concat!(
+        "event: message_start\n",
+        "data: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"type\":\"message\",\"role\":\"assistant\",\"content\":[],\"model\":\"claude-test\",\"stop_reason\":null,\"usage\":{\"input_tokens\":40,\"cache_read_input_tokens\":2,\"output_tokens\":1}}}\n\n",
+        "event: content_block_start\n",
+        "data: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
+        "event: ping\n",
+        "data: {\"type\":\"ping\"}\n\n",
+        "event: content_block_delta\n",
+        "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Let me \"}}\n\n",
+        "event: content_block_delta\n",
+        "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"check \u{1f50d}\"}}\n\n",
+        "event: content_block_stop\n",
+        "data: {\"type\":\"content_block_stop\",\"index\":0}\n\n",
+        "event: content_block_start\n",
+        "data: {\"type\":\"content_block_start\",\"index\":1,\"content_block\":{\"type\":\"tool_use\",\"id\":\"toolu_A\",\"name\":\"read_file\",\"input\":{}}}\n\n",
+        "event: content_block_delta\n",
+        "data: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"\"}}\n\n",
+        "event: content_block_delta\n",
+        "data: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"pa\"}}\n\n",
+        "event: content_block_delta\n",
+        "data: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"th\\\":\\\"/etc\\\"}\"}}\n\n",
+        "event: content_block_stop\n",
+        "data: {\"type\":\"content_block_stop\",\"index\":1}\n\n",
+        "event: content_block_start\n",
+        "data: {\"type\":\"content_block_start\",\"index\":2,\"content_block\":{\"type\":\"tool_use\",\"id\":\"toolu_B\",\"name\":\"now\",\"input\":{}}}\n\n",
+        "event: content_block_stop\n",
+        "data: {\"type\":\"content_block_stop\",\"index\":2}\n\n",
+        "event: message_delta\n",
+        "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"tool_use\",\"stop_sequence\":null},\"usage\":{\"output_tokens\":17}}\n\n",
+        "event: message_stop\n",
+        "data: {\"type\":\"message_stop\"}\n\n",
+    );
+
+    fn decode(stream: &[u8], piece: usize) -> (Result<ModelResponse, ModelError>, Vec<Delta>) {
+        let mut parser = SseParser::new();
+        let mut decoder = Decoder::default();
+        let mut deltas = Vec::new();
+        let mut sink = |d: Delta| deltas.push(d);
+        for chunk in stream.chunks(piece) {
+            for ev in parser.push(chunk).expect("line length") {
+                if let Err(e) = decoder.on_event(&ev, &mut sink) {
+                    return (Err(e), deltas);
+                }
+            }
+        }
+        if let Some(ev) = parser.finish()
+            && let Err(e) = decoder.on_event(&ev, &mut sink)
+        {
+            return (Err(e), deltas);
+        }
+        (decoder.finish(), deltas)
+    }
+
+    #[test]
+    fn a_stream_is_reassembled_whatever_the_chunking() {
+        let expected = ModelResponse {
+            message: AssistantMessage {
+                text: "Let me check \u{1f50d}".into(),
+                tool_calls: vec![
+                    ToolCall {
+                        call_id: "toolu_A".into(),
+                        name: "read_file".into(),
+                        arguments: json!({"path": "/etc"}),
+                    },
+                    ToolCall {
+                        call_id: "toolu_B".into(),
+                        name: "now".into(),
+                        arguments: json!({}),
+                    },
+                ],
+            },
+            usage: Usage {
+                input_tokens: 42,
+                output_tokens: 17,
+            },
+            finish: FinishReason::ToolCalls,
+        };
+        for piece in [1, 2, 3, 7, 64, STREAM.len()] {
+            let (result, deltas) = decode(STREAM.as_bytes(), piece);
+            assert_eq!(result.expect("decodes"), expected, "piece {piece}");
+            let text: String = deltas
+                .iter()
+                .filter_map(|d| match d {
+                    Delta::Text(t) => Some(t.as_str()),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(text, "Let me check \u{1f50d}");
+            assert!(deltas.contains(&Delta::ToolCall {
+                call_id: "toolu_A".into(),
+                name: "read_file".into()
+            }));
+        }
+    }
+
+    #[test]
+    fn a_stream_without_message_stop_is_an_error() {
+        let cut = STREAM.replace(
+            "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+            "",
+        );
+        let e = decode(cut.as_bytes(), 11).0.expect_err("no message_stop");
+        assert_eq!(e.class, ErrorClass::Retryable);
+        assert_eq!(e.kind, ModelErrorKind::StreamEnded);
+    }
+
+    #[test]
+    fn an_error_event_is_classified() {
+        let stream = concat!(
+            "event: message_start\n",
+            "data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":3,\"output_tokens\":1}}}\n\n",
+            "event: error\n",
+            "data: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n",
+        );
+        let e = decode(stream.as_bytes(), 6).0.expect_err("error event");
+        assert_eq!(e.class, ErrorClass::Retryable);
+        assert_eq!(e.kind, ModelErrorKind::Provider);
+        assert_eq!(e.message, "error in stream: overloaded_error: Overloaded");
+    }
+
+    #[test]
+    fn unknown_blocks_and_events_are_skipped() {
+        let stream = concat!(
+            "data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":3,\"output_tokens\":1}}}\n\n",
+            "data: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"thinking\",\"thinking\":\"\",\"signature\":\"\"}}\n\n",
+            "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\"hmm\"}}\n\n",
+            "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"signature_delta\",\"signature\":\"x\"}}\n\n",
+            "data: {\"type\":\"brand_new_event\",\"x\":1}\n\n",
+            "data: {\"type\":\"content_block_start\",\"index\":1,\"content_block\":{\"type\":\"text\",\"text\":\"ok\"}}\n\n",
+            "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"},\"usage\":{\"output_tokens\":5}}\n\n",
+            "data: {\"type\":\"message_stop\"}\n\n",
+        );
+        let r = decode(stream.as_bytes(), 13).0.expect("decodes");
+        assert_eq!(r.message.text, "ok");
+        assert_eq!(r.finish, FinishReason::Length);
+        assert_eq!(
+            r.usage,
+            Usage {
+                input_tokens: 3,
+                output_tokens: 5
+            }
+        );
+    }
+
+    #[test]
+    fn the_request_is_built_for_the_strict_api() {
+        let spec = ModelSpec {
+            provider: Provider::Anthropic,
+            name: "claude-test".into(),
+            base_url: None,
+        };
+        let mut context = conversation();
+        if let ChatMessage::Assistant { message } = &mut context[1] {
+            message.tool_calls[1].call_id = "call.2".into();
+        }
+        if let ChatMessage::Tool { call_id, .. } = &mut context[3] {
+            *call_id = "call.2".into();
+        }
+        let body = request_body(&call_with(&spec, &context));
+        assert_eq!(
+            body,
+            json!({
+                "model": "claude-test",
+                "max_tokens": 256,
+                "stream": true,
+                "system": "Be brief.",
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "List /etc and tell me the time."}]},
+                    {"role": "assistant", "content": [
+                        {"type": "tool_use", "id": "call_1", "name": "read_dir", "input": {"path": "/etc"}},
+                        {"type": "tool_use", "id": "call_2", "name": "now", "input": {}},
+                    ]},
+                    {"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": "call_1", "content": "hosts\npasswd"},
+                        {"type": "tool_result", "tool_use_id": "call_2", "content": "clock unavailable", "is_error": true},
+                        {"type": "text", "text": "Also, be quick."},
+                    ]},
+                    {"role": "assistant", "content": [
+                        {"type": "text", "text": "Working on it."},
+                        {"type": "tool_use", "id": "call_3", "name": "now", "input": {"raw_arguments": "{oops"}},
+                    ]},
+                    {"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": "call_3"},
+                    ]},
+                    {"role": "assistant", "content": [{"type": "text", "text": "(empty)"}]},
+                    {"role": "user", "content": [{"type": "text", "text": "Thanks"}]},
+                ],
+                "tools": [
+                    {"name": "read_dir", "description": "List a directory",
+                     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
+                    {"name": "now", "input_schema": {"type": "object", "properties": {}}},
+                ],
+            })
+        );
+    }
+
+    #[test]
+    fn blank_user_text_next_to_results_is_left_out_and_ids_are_sanitized() {
+        assert_eq!(tool_id("toolu_01-AbC"), "toolu_01-AbC");
+        assert_eq!(tool_id("call.2/x"), "call_2_x");
+        assert_eq!(tool_id(""), "_");
+        let spec = ModelSpec {
+            provider: Provider::Anthropic,
+            name: "claude-test".into(),
+            base_url: None,
+        };
+        let context = vec![
+            ChatMessage::User { text: " ".into() },
+            ChatMessage::User { text: "".into() },
+        ];
+        let mut call = call_with(&spec, &context);
+        call.system = "";
+        let body = request_body(&call);
+        assert!(body.get("system").is_none());
+        assert_eq!(
+            body["messages"],
+            json!([{"role": "user", "content": [{"type": "text", "text": "(empty)"}]}])
+        );
+    }
+}

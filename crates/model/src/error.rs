@@ -1,0 +1,410 @@
+//! [`ModelError`]: what went wrong with one model call, classified for the caller.
+//!
+//! The class is what the step service acts on: [`ErrorClass::Retryable`] → journal the attempt
+//! and try again with a new attempt number (after [`ModelError::retry_after`] when the provider
+//! said so); [`ErrorClass::Fatal`] → the same request would fail again, so the step fails.
+//! [`ModelErrorKind`] says what happened, for logs, metrics and tests.
+//!
+//! Classification:
+//! - HTTP 408, 429, 500, 502, 503, 504, 529 and every other 5xx except 501 → retryable; any
+//!   other non-success status → fatal, with the provider's own error message.
+//! - connect failures, timeouts, streams that break or end before their terminal marker, and
+//!   undecodable stream data → retryable.
+//! - an error *inside* a 200 stream (`data: {"error":…}`, Anthropic's `event: error`) → fatal
+//!   only when its type names a request problem (`invalid_request_error`, `authentication_error`,
+//!   `permission_error`, `not_found_error`, `request_too_large`, …); otherwise (overloaded,
+//!   rate limit, `api_error`, `server_error`, unknown) retryable.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use kedge_core::event::{AttemptOutcome, ErrorClass};
+use reqwest::header::HeaderMap;
+use serde::Deserialize;
+
+/// What kind of failure a [`ModelError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ModelErrorKind {
+    /// The provider answered with a non-success HTTP status (see [`ModelError::status`]).
+    Status,
+    /// The request could not be built (bad base URL, an API key that is not a valid header).
+    Request,
+    /// No connection could be made, or it failed before the response headers.
+    Connect,
+    /// The call's timeout elapsed: before the response headers, between two stream chunks, or
+    /// in total.
+    Timeout,
+    /// The stream broke or ended before its terminal marker (`[DONE]` / `message_stop`).
+    StreamEnded,
+    /// The provider reported an error inside the stream.
+    Provider,
+    /// The response was not what the wire format promises (not an event stream, undecodable
+    /// JSON, a tool call without a name).
+    Protocol,
+}
+
+impl fmt::Display for ModelErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ModelErrorKind::Status => "status",
+            ModelErrorKind::Request => "request",
+            ModelErrorKind::Connect => "connect",
+            ModelErrorKind::Timeout => "timeout",
+            ModelErrorKind::StreamEnded => "stream_ended",
+            ModelErrorKind::Provider => "provider",
+            ModelErrorKind::Protocol => "protocol",
+        })
+    }
+}
+
+/// A model call that produced no response.
+///
+/// `message` never contains the API key (the client scrubs it) and is safe to journal.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("model call failed ({kind}): {message}")]
+pub struct ModelError {
+    pub class: ErrorClass,
+    pub kind: ModelErrorKind,
+    /// The HTTP status, when the provider answered with one.
+    pub status: Option<u16>,
+    /// How long the provider asked us to wait (`retry-after-ms`, else `retry-after`).
+    pub retry_after: Option<Duration>,
+    pub message: String,
+}
+
+impl ModelError {
+    pub(crate) fn new(class: ErrorClass, kind: ModelErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            class,
+            kind,
+            status: None,
+            retry_after: None,
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn retryable(kind: ModelErrorKind, message: impl Into<String>) -> Self {
+        Self::new(ErrorClass::Retryable, kind, message)
+    }
+
+    pub(crate) fn fatal(kind: ModelErrorKind, message: impl Into<String>) -> Self {
+        Self::new(ErrorClass::Fatal, kind, message)
+    }
+
+    pub fn is_retryable(&self) -> bool {
+        self.class == ErrorClass::Retryable
+    }
+
+    /// The journal form of this error (the data of a `model.attempt` event).
+    pub fn to_attempt_outcome(&self) -> AttemptOutcome {
+        AttemptOutcome::Error {
+            class: self.class,
+            message: self.message.clone(),
+            status: self.status,
+            retry_after_ms: self
+                .retry_after
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        }
+    }
+
+    /// The error for a non-success HTTP response, from its status, headers and body.
+    pub(crate) fn from_response(
+        status: u16,
+        headers: &HeaderMap,
+        body: &[u8],
+        now: SystemTime,
+    ) -> Self {
+        let class = status_class(status);
+        let message = match serde_json::from_slice::<ErrorEnvelope>(body) {
+            Ok(ErrorEnvelope { error: Some(e) }) => format!("HTTP {status} {}", e.describe()),
+            _ => {
+                let text = String::from_utf8_lossy(body);
+                let text = text.trim();
+                if text.is_empty() {
+                    format!("HTTP {status}")
+                } else {
+                    format!("HTTP {status}: {}", truncate(text, 500))
+                }
+            }
+        };
+        Self {
+            class,
+            kind: ModelErrorKind::Status,
+            status: Some(status),
+            retry_after: retry_after(headers, now),
+            message,
+        }
+    }
+
+    /// The error for an error object reported inside a 200 stream.
+    pub(crate) fn from_stream_error(body: &ErrorBody) -> Self {
+        Self::from_error_body(body, "error in stream")
+    }
+
+    /// The error for an error object inside a successful response, classified by its type.
+    pub(crate) fn from_error_body(body: &ErrorBody, context: &str) -> Self {
+        let class = if body.is_request_problem() {
+            ErrorClass::Fatal
+        } else {
+            ErrorClass::Retryable
+        };
+        Self::new(
+            class,
+            ModelErrorKind::Provider,
+            format!("{context}: {}", body.describe()),
+        )
+    }
+
+    /// Replaces every occurrence of `secret` in the message (providers sometimes echo keys).
+    pub(crate) fn scrub(mut self, secret: Option<&str>) -> Self {
+        if let Some(secret) = secret.filter(|s| s.len() >= 4)
+            && self.message.contains(secret)
+        {
+            self.message = self.message.replace(secret, "<redacted>");
+        }
+        self
+    }
+}
+
+/// Whether an HTTP status is worth retrying.
+pub fn status_class(status: u16) -> ErrorClass {
+    match status {
+        408 | 429 | 529 => ErrorClass::Retryable,
+        501 => ErrorClass::Fatal,
+        500..=599 => ErrorClass::Retryable,
+        _ => ErrorClass::Fatal,
+    }
+}
+
+/// `{"error": {...}}`: the error body of both providers (Anthropic adds `"type":"error"` around
+/// it, OpenAI streams it as a `data:` chunk).
+#[derive(Debug, Deserialize)]
+pub(crate) struct ErrorEnvelope {
+    #[serde(default)]
+    pub error: Option<ErrorBody>,
+}
+
+/// The provider's error object: `type` and `message` in both APIs, `code` in OpenAI's.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub(crate) struct ErrorBody {
+    #[serde(default, rename = "type")]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub message: Option<String>,
+    #[serde(default)]
+    pub code: Option<serde_json::Value>,
+}
+
+impl ErrorBody {
+    fn code_str(&self) -> Option<String> {
+        match &self.code {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Number(n)) => Some(n.to_string()),
+            _ => None,
+        }
+    }
+
+    /// `type (code): message`, with whichever parts are present.
+    fn describe(&self) -> String {
+        let mut out = String::new();
+        if let Some(kind) = &self.kind {
+            out.push_str(kind);
+        }
+        if let Some(code) = self.code_str().filter(|c| Some(c) != self.kind.as_ref()) {
+            if out.is_empty() {
+                out.push_str(&code);
+            } else {
+                out.push_str(&format!(" ({code})"));
+            }
+        }
+        let message = self.message.as_deref().unwrap_or("").trim();
+        match (out.is_empty(), message.is_empty()) {
+            (true, true) => "unknown error".to_owned(),
+            (true, false) => truncate(message, 2000).to_owned(),
+            (false, true) => out,
+            (false, false) => format!("{out}: {}", truncate(message, 2000)),
+        }
+    }
+
+    /// A type or code that says the request itself is wrong (retrying it is pointless).
+    fn is_request_problem(&self) -> bool {
+        const FATAL: &[&str] = &[
+            "invalid_request_error",
+            "authentication_error",
+            "permission_error",
+            "not_found_error",
+            "request_too_large",
+            "invalid_api_key",
+            "model_not_found",
+            "context_length_exceeded",
+        ];
+        [self.kind.clone(), self.code_str()]
+            .iter()
+            .flatten()
+            .any(|t| FATAL.contains(&t.as_str()))
+    }
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// `retry-after-ms` (milliseconds, possibly fractional) if present and valid, else
+/// `retry-after` (delay in seconds, or an HTTP date relative to `now`).
+pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    if let Some(ms) = header("retry-after-ms").and_then(parse_non_negative) {
+        return Duration::try_from_secs_f64(ms / 1000.0).ok();
+    }
+    let value = header("retry-after")?;
+    if let Some(secs) = parse_non_negative(value) {
+        return Duration::try_from_secs_f64(secs).ok();
+    }
+    let at =
+        time::OffsetDateTime::parse(value, &time::format_description::well_known::Rfc2822).ok()?;
+    let at = SystemTime::from(at);
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+fn parse_non_negative(s: &str) -> Option<f64> {
+    s.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).expect("header"));
+        }
+        h
+    }
+
+    #[test]
+    fn statuses_are_classified() {
+        for s in [408, 429, 500, 502, 503, 504, 529] {
+            assert_eq!(status_class(s), ErrorClass::Retryable, "{s}");
+        }
+        for s in [400, 401, 403, 404, 413, 422, 501] {
+            assert_eq!(status_class(s), ErrorClass::Fatal, "{s}");
+        }
+    }
+
+    #[test]
+    fn retry_after_prefers_milliseconds() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_445_412_400);
+        let h = headers(&[("retry-after-ms", "250"), ("retry-after", "3")]);
+        assert_eq!(retry_after(&h, now), Some(Duration::from_millis(250)));
+        let h = headers(&[("retry-after-ms", "1.5")]);
+        assert_eq!(retry_after(&h, now), Some(Duration::from_micros(1500)));
+        let h = headers(&[("retry-after-ms", "soon"), ("retry-after", "3")]);
+        assert_eq!(retry_after(&h, now), Some(Duration::from_secs(3)));
+        let h = headers(&[("retry-after", "-1")]);
+        assert_eq!(retry_after(&h, now), None);
+        assert_eq!(retry_after(&HeaderMap::new(), now), None);
+    }
+
+    #[test]
+    fn retry_after_accepts_an_http_date() {
+        // Wed, 21 Oct 2015 07:28:00 GMT = 1445412480.
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_445_412_470);
+        let h = headers(&[("retry-after", "Wed, 21 Oct 2015 07:28:00 GMT")]);
+        assert_eq!(retry_after(&h, now), Some(Duration::from_secs(10)));
+        let later = now + Duration::from_secs(60);
+        assert_eq!(retry_after(&h, later), Some(Duration::ZERO));
+    }
+
+    #[test]
+    fn response_errors_carry_the_providers_message() {
+        let now = SystemTime::now();
+        let openai = br#"{"error":{"message":"Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'.","type":"invalid_request_error","param":"messages.[2].role","code":null}}"#;
+        let e = ModelError::from_response(400, &HeaderMap::new(), openai, now);
+        assert_eq!(e.class, ErrorClass::Fatal);
+        assert_eq!(e.status, Some(400));
+        assert!(
+            e.message
+                .starts_with("HTTP 400 invalid_request_error: Invalid parameter"),
+            "{}",
+            e.message
+        );
+        let anthropic = br#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"},"request_id":"req_1"}"#;
+        let h = headers(&[("retry-after", "2")]);
+        let e = ModelError::from_response(529, &h, anthropic, now);
+        assert_eq!(e.class, ErrorClass::Retryable);
+        assert_eq!(e.message, "HTTP 529 overloaded_error: Overloaded");
+        assert_eq!(e.retry_after, Some(Duration::from_secs(2)));
+        let e = ModelError::from_response(502, &HeaderMap::new(), b"<html>bad gateway</html>", now);
+        assert_eq!(e.message, "HTTP 502: <html>bad gateway</html>");
+        assert!(e.is_retryable());
+    }
+
+    #[test]
+    fn stream_errors_are_classified_by_type() {
+        let body = |kind: &str| ErrorBody {
+            kind: Some(kind.into()),
+            message: Some("m".into()),
+            code: None,
+        };
+        for t in [
+            "overloaded_error",
+            "rate_limit_error",
+            "api_error",
+            "server_error",
+            "something_new",
+        ] {
+            assert!(
+                ModelError::from_stream_error(&body(t)).is_retryable(),
+                "{t}"
+            );
+        }
+        for t in ["invalid_request_error", "authentication_error"] {
+            assert!(
+                !ModelError::from_stream_error(&body(t)).is_retryable(),
+                "{t}"
+            );
+        }
+        let coded = ErrorBody {
+            kind: None,
+            message: Some("too long".into()),
+            code: Some("context_length_exceeded".into()),
+        };
+        let e = ModelError::from_stream_error(&coded);
+        assert!(!e.is_retryable());
+        assert_eq!(
+            e.message,
+            "error in stream: context_length_exceeded: too long"
+        );
+    }
+
+    #[test]
+    fn secrets_are_scrubbed_and_outcomes_carry_milliseconds() {
+        let mut e = ModelError::fatal(ModelErrorKind::Status, "bad key sk-secret-123 given");
+        e.retry_after = Some(Duration::from_millis(1500));
+        let e = e.scrub(Some("sk-secret-123"));
+        assert_eq!(e.message, "bad key <redacted> given");
+        assert_eq!(
+            e.to_attempt_outcome(),
+            AttemptOutcome::Error {
+                class: ErrorClass::Fatal,
+                message: "bad key <redacted> given".into(),
+                status: None,
+                retry_after_ms: Some(1500),
+            }
+        );
+    }
+}
