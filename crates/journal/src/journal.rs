@@ -277,7 +277,7 @@ impl Journal {
             Ok(ack) => {
                 tracing::debug!(last_seq = ack.seq, "decisions appended");
                 Ok(Appended {
-                    first_seq: ack.seq + 1 - count,
+                    first_seq: (ack.seq + 1).saturating_sub(count),
                     last_seq: ack.seq,
                 })
             }
@@ -375,7 +375,14 @@ impl Journal {
         let leader_q = serde_json::json!({ "last_by_subj": filter });
         let (leader_last, first) = futures::join!(
             wire::leader_get(&self.client, RUNS_STREAM, leader_q, t),
-            wire::direct_batch(&self.client, RUNS_STREAM, &filter, after + 1, READ_PAGE, t),
+            wire::direct_batch(
+                &self.client,
+                RUNS_STREAM,
+                &filter,
+                after.saturating_add(1),
+                READ_PAGE,
+                t
+            ),
         );
         let map = |e: WireError| JournalError::from_wire(op, e);
         let leader_last = leader_last.map_err(map)?.map_or(0, |m| m.seq);
@@ -408,7 +415,7 @@ impl Journal {
                 &self.client,
                 RUNS_STREAM,
                 &filter,
-                reached + 1,
+                reached.saturating_add(1),
                 READ_PAGE,
                 t,
             )
@@ -417,7 +424,7 @@ impl Journal {
         }
         tracing::debug!(run_id = %run, reached, leader_last, "read: finishing from the leader");
         while reached < leader_last {
-            let q = serde_json::json!({ "seq": reached + 1, "next_by_subj": filter });
+            let q = serde_json::json!({ "seq": reached.saturating_add(1), "next_by_subj": filter });
             let Some(m) = wire::leader_get(&self.client, RUNS_STREAM, q, t)
                 .await
                 .map_err(map)?
@@ -470,7 +477,7 @@ impl Journal {
             .create_consumer(OrderedConfig {
                 filter_subject: subjects::run_all(&run),
                 deliver_policy: DeliverPolicy::ByStartSequence {
-                    start_sequence: after + 1,
+                    start_sequence: after.saturating_add(1),
                 },
                 ..Default::default()
             })

@@ -18,8 +18,14 @@
 //! Verification ([`diff_config`]) compares what Kedge relies on: subjects, retention, storage,
 //! discard policy, per-subject history, every feature flag the file sets (`allow_atomic`,
 //! `allow_msg_schedules`, `allow_msg_ttl`, `allow_direct`, `allow_rollup_hdrs`, `deny_delete`),
-//! the delete-marker TTL, and for the journal (`KEDGE_RUNS`) that it is never trimmed (no age,
-//! size or count limit). Replicas, duplicate windows and descriptions are the operator's to tune.
+//! the delete-marker TTL, a consumer limit at least the file's, and for the journal
+//! (`KEDGE_RUNS`) that it is never trimmed (no age, size or count limit). Replicas, duplicate
+//! windows and descriptions are the operator's to tune.
+//!
+//! `KEDGE_RUNS` sets `max_consumers` explicitly: nats-server 2.15 caps every stream at 1000
+//! consumers unless the stream sets a positive limit (a `-1` is silently replaced by that default),
+//! and every live [`crate::Journal::tail`] is an ephemeral ordered consumer that lingers 30 s after
+//! it is dropped.
 //!
 //! Note: nats-server 2.15 turns `allow_rollup_hdrs` on by itself for a stream with
 //! `allow_msg_schedules` (schedules are implemented with rollups), so `KEDGE_RUNS` accepts
@@ -50,6 +56,10 @@ pub const LAYOUT: &[(&str, &str)] = &[
     (
         "KEDGE_RUNS",
         include_str!("../../../nats/streams/KEDGE_RUNS.json"),
+    ),
+    (
+        "KEDGE_REJECTIONS",
+        include_str!("../../../nats/streams/KEDGE_REJECTIONS.json"),
     ),
     (
         "KV_kedge_leases",
@@ -287,6 +297,23 @@ pub fn diff_config(desired: &Value, found: &Value, never_trimmed: bool) -> Vec<F
     for field in FLAGS {
         if flag(desired.get(*field)) && !flag(found.get(*field)) {
             push(field, "true".to_owned(), show(found.get(*field)));
+        }
+    }
+    // nats-server 2.15 replaces a `max_consumers` <= 0 by its default (1000 per stream), so a
+    // limit the file sets must really be there.
+    if let Some(want) = desired.get("max_consumers").and_then(Value::as_i64)
+        && want > 0
+    {
+        let got = found
+            .get("max_consumers")
+            .and_then(Value::as_i64)
+            .unwrap_or(0);
+        if got < want {
+            push(
+                "max_consumers",
+                format!(">= {want}"),
+                show(found.get("max_consumers")),
+            );
         }
     }
     let marker = |v: &Value| {
@@ -560,6 +587,17 @@ mod tests {
         );
         // Limits only matter on never-trimmed streams.
         assert_eq!(diff_config(&desired, &changed, false).len(), 3);
+    }
+
+    #[test]
+    fn a_consumer_limit_the_file_sets_must_be_at_least_as_high() {
+        let desired = json!({"subjects": ["a.>"], "max_consumers": 10_000});
+        let unlimited_but_defaulted = json!({"subjects": ["a.>"], "max_consumers": -1});
+        let d = diff_config(&desired, &unlimited_but_defaulted, false);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].field, "max_consumers");
+        let higher = json!({"subjects": ["a.>"], "max_consumers": 50_000});
+        assert!(diff_config(&desired, &higher, false).is_empty());
     }
 
     #[test]

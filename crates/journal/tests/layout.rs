@@ -85,3 +85,40 @@ async fn a_journal_stream_without_schedules_is_refused_naming_the_flag() {
     );
     assert!(err.to_string().contains("allow_msg_schedules"), "{err}");
 }
+
+/// nats-server 2.15 caps every stream at 1000 consumers unless the stream sets its own limit
+/// (-1 is replaced by the default). Every live tail is an ordered consumer on KEDGE_RUNS that
+/// lingers 30 s after it is dropped, so the journal stream sets a higher limit explicitly.
+#[tokio::test]
+async fn the_journal_stream_allows_more_than_the_default_1000_consumers() {
+    let server = NatsServer::start().await;
+    let client = server.client().await;
+    ensure_layout(&client, &LayoutOptions::default())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream_no_info("KEDGE_RUNS").await.unwrap();
+    let creates = (0..1100).map(|i| {
+        let stream = stream.clone();
+        async move {
+            stream
+                .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
+                    filter_subject: format!("agent.run.run_{i}.>"),
+                    ..Default::default()
+                })
+                .await
+                .map(|_| ())
+        }
+    });
+    let results = futures::future::join_all(creates).await;
+    let failed: Vec<String> = results
+        .into_iter()
+        .filter_map(|r| r.err().map(|e| e.to_string()))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+}

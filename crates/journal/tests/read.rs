@@ -204,3 +204,56 @@ async fn tail_replays_then_delivers_live_appends_without_gap_or_duplicate() {
             .is_err()
     );
 }
+
+#[tokio::test]
+async fn tail_goes_on_after_a_broker_restart_without_replaying_old_events() {
+    let (mut server, journal) = setup().await;
+    let run = new_run();
+    let created = journal
+        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .await
+        .unwrap();
+    let input = journal
+        .append_input(&user_message(&run, "a"), "a")
+        .await
+        .unwrap();
+    // Tail from the end: nothing delivered yet when the broker dies (async-nats 0.51 recreates
+    // such an ordered consumer with DeliverPolicy::All; the journal must not replay).
+    let mut tail = Box::pin(journal.tail(&run, input));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(200), tail.next())
+            .await
+            .is_err()
+    );
+    server.kill9();
+    server.restart().await;
+    let started = Instant::now();
+    let seq = loop {
+        match journal
+            .append_decisions(&run, created.last_seq, "step", &[run_started(&run)])
+            .await
+        {
+            Ok(a) => break a.last_seq,
+            Err(JournalError::Duplicate { seq }) => break seq,
+            Err(e) if e.is_retryable() => tokio::time::sleep(Duration::from_millis(100)).await,
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    let next = loop {
+        match tokio::time::timeout(Duration::from_secs(40), tail.next())
+            .await
+            .expect("the tail delivers again after the restart")
+            .expect("stream open")
+        {
+            Ok(r) => break r,
+            Err(e) => assert!(e.is_retryable(), "{e:?}"),
+        }
+    };
+    eprintln!("tail resumed after {:?}", started.elapsed());
+    assert_eq!(next.seq, seq);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), tail.next())
+            .await
+            .is_err()
+    );
+}

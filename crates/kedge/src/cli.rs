@@ -12,6 +12,7 @@ use kedge_core::event::{
     CancelRequested, Draft, Envelope, Event, QuestionAnswered, Timestamp, UserMessage,
 };
 use kedge_core::ids::{AgentName, QuestionId, RunId};
+use kedge_core::task::TaskSubmission;
 use kedge_runtime::{Config, Runtime};
 
 use crate::timeline;
@@ -371,32 +372,21 @@ async fn agents(rt: Runtime, cmd: AgentsCmd) -> anyhow::Result<ExitCode> {
 
 /// Publishes a task and waits for intake's answer.
 pub async fn submit(rt: &Runtime, args: &SubmitArgs) -> anyhow::Result<RunId> {
-    let mut task = serde_json::json!({"agent": args.agent, "input": args.input});
-    if let Some(run) = &args.run_id {
-        task["run_id"] = serde_json::json!(run);
-    }
-    let inbox = rt.client.new_inbox();
-    let mut answers = rt.client.subscribe(inbox.clone()).await?;
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(kedge_intake::REPLY_HEADER, inbox.as_str());
-    headers.insert(kedge_intake::TENANT_HEADER, args.tenant.as_str());
+    let task = TaskSubmission {
+        agent: args.agent.clone(),
+        input: args.input.clone(),
+        run_id: args.run_id.clone(),
+        budget: None,
+        metadata: Default::default(),
+    };
     let key = args.key.clone().unwrap_or_else(uuid_like);
-    headers.insert("Nats-Msg-Id", key.as_str());
-    let ack = rt
-        .js
-        .publish_with_headers(
-            kedge_core::subjects::task(&args.agent),
-            headers,
-            task.to_string().into(),
-        )
-        .await?;
-    ack.await
-        .context("the task stream did not acknowledge the task")?;
-    let answer = tokio::time::timeout(Duration::from_secs(30), answers.next())
-        .await
-        .context("no answer from intake within 30 s (is `kedge serve intake` running?)")?
-        .context("answer subscription closed")?;
-    match serde_json::from_slice::<kedge_intake::Answer>(&answer.payload)? {
+    let submission = kedge_intake::Submission {
+        task: &task,
+        key: &key,
+        tenant: &args.tenant,
+        caller: Some("kedge-cli"),
+    };
+    match kedge_intake::submit(&rt.client, &submission, Duration::from_secs(30)).await? {
         kedge_intake::Answer::Accepted { run_id } => Ok(run_id),
         kedge_intake::Answer::Rejected { error } => bail!("task rejected: {error}"),
     }

@@ -1,0 +1,410 @@
+//! The agent loop end to end against a real nats-server and the strict mock model, including
+//! the crash experiments: a step worker killed after the model answered, a tool worker killed
+//! after its side effect, two step workers racing.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Harness, Svc, assert_schema_valid};
+use kedge_core::RunStatus;
+use kedge_core::event::{Event, Nudge, ToolResult, UserMessage};
+use kedge_core::task::TaskSubmission;
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn call(name: &str, args: serde_json::Value) -> serde_json::Value {
+    json!({"name": name, "arguments": args})
+}
+
+/// Three steps of two parallel tool calls each, then a final answer.
+fn three_steps(model: &str) -> serde_json::Value {
+    json!({"models": {model: {"steps": [
+        {"text": "writing", "tool_calls": [
+            call("write_file", json!({"path": "a.txt", "content": "alpha"})),
+            call("write_file", json!({"path": "b.txt", "content": "beta"}))]},
+        {"text": "reading", "tool_calls": [
+            call("read_file", json!({"path": "a.txt"})),
+            call("list_files", json!({}))]},
+        {"text": "recording", "tool_calls": [
+            call("ledger_append", json!({"text": "one"})),
+            call("shell", json!({"command": "echo", "args": ["hi"]}))]},
+        {"text": "all done"}
+    ]}}})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_step_run_with_parallel_tools_succeeds_with_one_call_per_request() {
+    let h = Harness::start(three_steps("m3"), &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    h.agent("three", "m3").await;
+    let run = h.submit("three", "go", "task-3steps").await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    assert_eq!(state.output.as_deref(), Some("all done"));
+    assert_eq!(state.step.get(), 4);
+    let calls = h.mock.calls();
+    assert_eq!(calls.total, 4, "one model call per step");
+    for (id, n) in &calls.by_request_id {
+        assert_eq!(*n, 1, "request {id} sent {n} times");
+    }
+    // Every tool call of a step was answered before the next model call (the strict mock would
+    // have refused otherwise), and results are in the context in call order.
+    let requests = h.mock.requests("m3");
+    let last = requests.last().expect("requests");
+    let tool_msgs = last["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .count();
+    assert_eq!(tool_msgs, 6);
+    let events = h.events(&run).await;
+    assert_schema_valid(&events);
+    assert!(
+        !events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::ModelAttempt(_))),
+        "no model call failed"
+    );
+    assert_eq!(h.ledger().len(), 1);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_and_duplicate_wakes_never_call_the_model_with_a_result_missing() {
+    // No tool service: the test plays the tool and wakes the run early on purpose.
+    let script = json!({"models": {"mw": {"steps": [
+        {"text": "two things", "tool_calls": [
+            call("read_file", json!({"path": "x"})), call("read_file", json!({"path": "y"}))]},
+        {"text": "done"}
+    ]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("wakes", "mw").await;
+    let run = h.submit("wakes", "go", "task-wakes").await;
+    let state = h
+        .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingTool)
+        .await;
+    let ops: Vec<_> = state.ops.keys().cloned().collect();
+    assert_eq!(ops.len(), 2);
+    let result = |c: &str| {
+        Event::ToolResult(ToolResult {
+            content: c.into(),
+            is_error: false,
+            stopped: false,
+        })
+    };
+    // One result, then nudges and a duplicate of that result: all early wakes.
+    let env = |e: Event, op| {
+        let mut d = kedge_core::event::Draft::new(e);
+        d.op = Some(op);
+        kedge_core::event::Envelope::new(run.clone(), kedge_core::event::Timestamp::now(), d)
+    };
+    h.rt.journal
+        .append_input(&env(result("X"), ops[0].clone()), "r0")
+        .await
+        .expect("append");
+    h.rt.journal
+        .append_input(&env(result("X again"), ops[0].clone()), "r0-dup")
+        .await
+        .expect("append");
+    for i in 0..3 {
+        h.input(
+            &run,
+            Event::Nudge(Nudge {
+                reason: "test".into(),
+            }),
+            &format!("n{i}"),
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        h.mock.total_calls(),
+        1,
+        "the model must not be called with a result missing"
+    );
+    assert_eq!(h.state(&run).await.status, RunStatus::WaitingTool);
+    h.rt.journal
+        .append_input(&env(result("Y"), ops[1].clone()), "r1")
+        .await
+        .expect("append");
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded);
+    assert_eq!(h.mock.total_calls(), 2);
+    assert_schema_valid(&h.events(&run).await);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_worker_killed_after_the_model_answered_costs_no_second_call() {
+    let h0 = Harness::start(three_steps("mk"), &[Svc::Intake, Svc::Tool]).await;
+    let mut h = h0;
+    h.agent("crash", "mk").await;
+    // A separate process that aborts right after storing the model's response, before commit.
+    let doomed = h.spawn_process("step", "w-doomed", "step.after_model_stored");
+    let run = h.submit("crash", "go", "task-crash").await;
+    assert!(
+        h.wait_exit(doomed, WAIT).await,
+        "the armed worker should have aborted"
+    );
+    let after_crash = h.state(&run).await;
+    assert_eq!(
+        after_crash.status,
+        RunStatus::Running,
+        "step 1 started, not completed"
+    );
+    assert_eq!(h.mock.total_calls(), 1);
+    // A fresh worker takes over once the lease and the wake's ack wait expire.
+    h.spawn_process("step", "w-fresh", "");
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    let calls = h.mock.calls();
+    assert_eq!(
+        calls.total, 4,
+        "4 steps, 4 model calls: the crashed step was not paid twice"
+    );
+    assert!(calls.by_request_id.values().all(|n| *n == 1), "{calls:?}");
+    let events = h.events(&run).await;
+    let first = events
+        .iter()
+        .find_map(|r| match &r.envelope.event {
+            Event::StepCompleted(c) if c.request_id.step().get() == 1 => Some(c.clone()),
+            _ => None,
+        })
+        .expect("step 1 completed");
+    assert!(
+        first.reused,
+        "step 1 was completed from the stored response"
+    );
+    assert!(
+        events.iter().any(|r| matches!(&r.envelope.event, Event::StepStarted(s) if s.request_id == first.request_id)),
+        "the attempt is in the journal"
+    );
+    assert_schema_valid(&events);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_worker_killed_after_its_side_effect_does_not_repeat_it() {
+    for failpoint in ["tool.after_effect", "tool.after_record"] {
+        let script = json!({"models": {"ml": {"steps": [
+            {"text": "paying", "tool_calls": [call("ledger_append", json!({"text": "pay 5"}))]},
+            {"text": "paid"}
+        ]}}});
+        let mut h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+        h.agent("ledger", "ml").await;
+        let doomed = h.spawn_process("tool", "w-tool-doomed", failpoint);
+        let run = h.submit("ledger", "go", "task-ledger").await;
+        assert!(
+            h.wait_exit(doomed, WAIT).await,
+            "{failpoint}: the tool worker should abort"
+        );
+        assert_eq!(h.ledger().len(), 1, "{failpoint}: the effect happened once");
+        h.spawn_process("tool", "w-tool-fresh", "");
+        let state = h.wait_terminal(&run, WAIT).await;
+        assert_eq!(state.status, RunStatus::Succeeded, "{failpoint}");
+        let ledger = h.ledger();
+        assert_eq!(
+            ledger.len(),
+            1,
+            "{failpoint}: the effect must not repeat: {ledger:?}"
+        );
+        let op = state.ops.keys().next().expect("one op").to_string();
+        assert!(ledger[0].starts_with(&op), "keyed by the operation id");
+        assert_schema_valid(&h.events(&run).await);
+        h.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_step_workers_racing_make_one_call_per_step_and_no_conflicting_decisions() {
+    let mut h = Harness::start(three_steps("mr"), &[Svc::Intake, Svc::Tool]).await;
+    h.agent("race", "mr").await;
+    h.spawn_service(Svc::Step, "w-a");
+    h.spawn_service(Svc::Step, "w-b");
+    let mut runs = Vec::new();
+    for i in 0..6 {
+        runs.push(h.submit("race", "go", &format!("task-race-{i}")).await);
+    }
+    // Extra wakes make both workers go for the same runs at the same time.
+    for (i, run) in runs.iter().enumerate() {
+        for j in 0..3 {
+            h.input(
+                run,
+                Event::Nudge(Nudge {
+                    reason: "race".into(),
+                }),
+                &format!("race-{i}-{j}"),
+            )
+            .await;
+        }
+    }
+    for run in &runs {
+        let state = h.wait_terminal(run, WAIT).await;
+        assert_eq!(state.status, RunStatus::Succeeded);
+        assert_eq!(state.step.get(), 4);
+    }
+    let calls = h.mock.calls();
+    assert_eq!(calls.total, 6 * 4, "{calls:?}");
+    assert!(calls.by_request_id.values().all(|n| *n == 1), "{calls:?}");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm() {
+    let script = json!({"models": {"mi": {"steps": [{"text": "hello"}]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("idem", "mi").await;
+    let a = h.submit("idem", "hi", "same-key").await;
+    let b = h.submit("idem", "hi", "same-key").await;
+    assert_eq!(a, b, "the same key is the same run");
+    h.wait_terminal(&a, WAIT).await;
+
+    let tenant: kedge_core::ids::TenantId = "acme".parse().expect("valid");
+    assert_eq!(
+        kedge_intake::derive_run_id(&tenant, Some("same-key"), 0),
+        a,
+        "the run id is derived from (tenant, key)"
+    );
+    // Intake crashed after writing run.created and before acking the task: the task comes back
+    // (here under a new stream message, as after the duplicate window) and finds its run.
+    let crashed = kedge_intake::derive_run_id(&tenant, Some("crashed-key"), 0);
+    let Event::RunCreated(mut created) = h.events(&a).await[0].envelope.event.clone() else {
+        panic!("first event is run.created")
+    };
+    created.idempotency_key = Some("crashed-key".into());
+    let env = kedge_core::event::Envelope::new(
+        crashed.clone(),
+        kedge_core::event::Timestamp::now(),
+        kedge_core::event::Draft::new(Event::RunCreated(created)),
+    );
+    h.rt.journal
+        .append_decisions(&crashed, 0, "intake", &[env])
+        .await
+        .expect("the crashed intake's write");
+    let c = h.submit("idem", "hi", "crashed-key").await;
+    assert_eq!(
+        c, crashed,
+        "the redelivered task resolves to the run already created"
+    );
+    let created_events = h
+        .events(&crashed)
+        .await
+        .iter()
+        .filter(|r| matches!(r.envelope.event, Event::RunCreated(_)))
+        .count();
+    assert_eq!(created_events, 1, "one run.created");
+    h.wait_terminal(&crashed, WAIT).await;
+
+    // Malformed tasks: each is answered with the field at fault and the services keep going.
+    let placeholder = TaskSubmission {
+        agent: "idem".parse().expect("valid"),
+        input: String::new(),
+        run_id: None,
+        budget: None,
+        metadata: Default::default(),
+    };
+    let sub = |key: &'static str| kedge_intake::Submission {
+        task: &placeholder,
+        key,
+        tenant: "acme",
+        caller: None,
+    };
+    let cases: [(&[u8], &str, &str); 4] = [
+        (b"{not json", "agent.task.idem", "body"),
+        (br#"{"agent":"idem"}"#, "agent.task.idem", "input"),
+        (
+            br#"{"agent":"ghost","input":"x"}"#,
+            "agent.task.ghost",
+            "agent",
+        ),
+        (
+            br#"{"agent":"idem","input":"x","extra":1}"#,
+            "agent.task.idem",
+            "extra",
+        ),
+    ];
+    for (i, (body, subject, field)) in cases.iter().enumerate() {
+        let key: &'static str = Box::leak(format!("bad-{i}").into_boxed_str());
+        let answer = kedge_intake::submit_raw(
+            &h.rt.client,
+            subject,
+            bytes::Bytes::copy_from_slice(body),
+            &sub(key),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("answered");
+        match answer {
+            kedge_intake::Answer::Rejected { error } => {
+                assert_eq!(error.field, *field, "{error:?}")
+            }
+            other => panic!("{field}: expected a rejection, got {other:?}"),
+        }
+    }
+    let big = "x".repeat(kedge_core::task::MAX_INPUT_BYTES + 1);
+    let answer = h
+        .submit_task(
+            &TaskSubmission {
+                agent: "idem".parse().expect("valid"),
+                input: big,
+                run_id: None,
+                budget: None,
+                metadata: Default::default(),
+            },
+            "too-big",
+        )
+        .await;
+    assert!(
+        matches!(answer, kedge_intake::Answer::Rejected { ref error } if error.field == "input"),
+        "{answer:?}"
+    );
+    // The rejections are recorded durably.
+    let js = async_nats::jetstream::new(h.rt.client.clone());
+    let mut stream = js
+        .get_stream("KEDGE_REJECTIONS")
+        .await
+        .expect("rejections stream");
+    let info = stream.info().await.expect("info");
+    assert_eq!(info.state.messages, 5);
+    // ...and intake still works.
+    let c = h.submit("idem", "again", "after-bad").await;
+    assert_eq!(h.wait_terminal(&c, WAIT).await.status, RunStatus::Succeeded);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_message_sent_during_a_step_reaches_the_next_model_request() {
+    let script = json!({"models": {"mu": {"steps": [
+        {"text": "thinking", "delay_ms": 1500, "tool_calls": [call("list_files", json!({}))]},
+        {"text": "noted"}
+    ]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    h.agent("msg", "mu").await;
+    let run = h.submit("msg", "start", "task-msg").await;
+    h.wait_for(&run, WAIT, |s| s.open_step.is_some()).await;
+    h.input(
+        &run,
+        Event::UserMessage(UserMessage {
+            text: "also check the tides".into(),
+        }),
+        "user-msg-1",
+    )
+    .await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded);
+    let requests = h.mock.requests("mu");
+    assert_eq!(requests.len(), 2);
+    let first = requests[0].to_string();
+    let second = requests[1].to_string();
+    assert!(
+        !first.contains("also check the tides"),
+        "not in the step already in flight"
+    );
+    assert!(
+        second.contains("also check the tides"),
+        "in the next step: {second}"
+    );
+    h.shutdown().await;
+}

@@ -1,0 +1,328 @@
+//! The harness of the end-to-end tests: a real nats-server (kedge-testkit), the strict mock model,
+//! Kedge's services in this process or as separate `kedge` processes, and helpers to submit tasks
+//! and wait for runs.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kedge_core::agent::AgentDefinition;
+use kedge_core::event::{Draft, Envelope, Event, Timestamp};
+use kedge_core::ids::RunId;
+use kedge_core::task::TaskSubmission;
+use kedge_core::{RunState, RunStatus};
+use kedge_journal::Recorded;
+use kedge_mock_llm::{MockHandle, Scripts};
+use kedge_runtime::{Config, Runtime};
+use kedge_testkit::NatsServer;
+
+pub const API_KEY_VAR: &str = "KEDGE_TEST_API_KEY";
+
+/// Tools every test agent has (their JSON Schemas are permissive on purpose).
+fn test_agent(name: &str, model: &str, base_url: &str) -> AgentDefinition {
+    let tool = |n: &str| serde_json::json!({"name": n, "description": n, "parameters": {"type": "object", "properties": {}}});
+    let tools: Vec<serde_json::Value> = [
+        "read_file",
+        "write_file",
+        "list_files",
+        "shell",
+        "ask_user",
+        "ledger_append",
+    ]
+    .iter()
+    .map(|n| tool(n))
+    .collect();
+    let v = serde_json::json!({
+        "name": name,
+        "system_prompt": "test agent",
+        "model": {"provider": "openai", "name": model, "base_url": format!("{base_url}/v1")},
+        "api_key_env": API_KEY_VAR,
+        "tools": tools,
+        "budget": {"max_steps": 20, "max_tokens": 1000000, "max_attempts_per_step": 3}
+    });
+    AgentDefinition::parse(v.to_string().as_bytes()).expect("valid test agent")
+}
+
+pub struct Harness {
+    pub nats: NatsServer,
+    pub mock: MockHandle,
+    pub rt: Runtime,
+    pub config: Config,
+    pub dir: tempfile::TempDir,
+    stop: tokio::sync::broadcast::Sender<()>,
+    services: Vec<tokio::task::JoinHandle<()>>,
+    children: Vec<Child>,
+}
+
+/// Short timeouts so that crash recovery happens within seconds.
+pub fn fast_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
+    let mut config = Config::default();
+    config.nats_urls = vec![nats_url.to_owned()];
+    config.workspace_root = workspace.to_owned();
+    config.worker_id = worker.to_owned();
+    config
+        .api_keys
+        .insert(API_KEY_VAR.into(), "test-key".into());
+    let t = &mut config.timeouts;
+    t.lease_ttl_ms = 2_000;
+    t.lease_renew_ms = 500;
+    t.step_ack_wait_ms = 3_000;
+    t.model_timeout_ms = 10_000;
+    t.tool_timeout_ms = 1_000;
+    t.tool_ack_wait_ms = 2_000;
+    t.stall_after_ms = 10_000;
+    t.max_retry_delay_ms = 500;
+    config.check().expect("valid test config");
+    config
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Svc {
+    Intake,
+    Step,
+    Tool,
+}
+
+impl Harness {
+    /// A broker, the mock with `script` (JSON), the agent `agent` on model `model`, and the
+    /// given services running in this process.
+    pub async fn start(script: serde_json::Value, services: &[Svc]) -> Harness {
+        let nats = NatsServer::start().await;
+        let mock = MockHandle::start(Scripts::from_value(script).expect("valid script")).await;
+        let dir = tempfile::tempdir().expect("temp dir");
+        let config = fast_config(&nats.url(), &dir.path().join("ws"), "w-main");
+        let rt = Runtime::connect(config.clone()).await.expect("runtime");
+        let (stop, _) = tokio::sync::broadcast::channel(1);
+        let mut h = Harness {
+            nats,
+            mock,
+            rt,
+            config,
+            dir,
+            stop,
+            services: Vec::new(),
+            children: Vec::new(),
+        };
+        for s in services {
+            h.spawn_service(*s, "w-main");
+        }
+        h
+    }
+
+    /// Stores a test agent named `name` whose model is `model` in the mock.
+    pub async fn agent(&self, name: &str, model: &str) {
+        let def = test_agent(name, model, &self.mock.base_url());
+        self.rt.agents.put(&def).await.expect("agent stored");
+    }
+
+    /// Runs a service in this process as worker `worker` (its own connection and runtime).
+    pub fn spawn_service(&mut self, svc: Svc, worker: &str) {
+        let mut config = self.config.clone();
+        config.worker_id = worker.to_owned();
+        let mut rx = self.stop.subscribe();
+        self.services.push(tokio::spawn(async move {
+            let rt = Runtime::connect(config).await.expect("service runtime");
+            let stop = async move {
+                let _ = rx.recv().await;
+            };
+            let result = match svc {
+                Svc::Intake => kedge_intake::run(rt, stop).await,
+                Svc::Step => kedge_step::run(rt, stop).await,
+                Svc::Tool => kedge_tool::run(rt, stop).await,
+            };
+            if let Err(e) = result {
+                panic!("{svc:?} service failed: {e}");
+            }
+        }));
+    }
+
+    /// Runs `kedge serve <svc>` as a separate process, with failpoints armed.
+    pub fn spawn_process(&mut self, svc: &str, worker: &str, failpoints: &str) -> usize {
+        let t = &self.config.timeouts;
+        let child = Command::new(env!("CARGO_BIN_EXE_kedge"))
+            .args(["serve", svc])
+            .env("KEDGE_NATS_URL", self.nats.url())
+            .env("KEDGE_WORKER_ID", worker)
+            .env("KEDGE_WORKSPACE_ROOT", &self.config.workspace_root)
+            .env(API_KEY_VAR, "test-key")
+            .env("KEDGE_LEASE_TTL_MS", t.lease_ttl_ms.to_string())
+            .env("KEDGE_LEASE_RENEW_MS", t.lease_renew_ms.to_string())
+            .env("KEDGE_STEP_ACK_WAIT_MS", t.step_ack_wait_ms.to_string())
+            .env("KEDGE_MODEL_TIMEOUT_MS", t.model_timeout_ms.to_string())
+            .env("KEDGE_TOOL_TIMEOUT_MS", t.tool_timeout_ms.to_string())
+            .env("KEDGE_TOOL_ACK_WAIT_MS", t.tool_ack_wait_ms.to_string())
+            .env("KEDGE_STALL_AFTER_MS", t.stall_after_ms.to_string())
+            .env("KEDGE_FAILPOINTS", failpoints)
+            .env("KEDGE_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn kedge serve");
+        self.children.push(child);
+        self.children.len() - 1
+    }
+
+    /// Waits for a child process to exit (e.g. at its failpoint); returns whether it did.
+    pub async fn wait_exit(&mut self, index: usize, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.children[index].try_wait() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    pub fn kill9(&mut self, index: usize) {
+        let _ = self.children[index].kill();
+        let _ = self.children[index].wait();
+    }
+
+    /// Submits a task and returns the accepted run id (panics on a rejection).
+    pub async fn submit(&self, agent: &str, input: &str, key: &str) -> RunId {
+        let task = TaskSubmission {
+            agent: agent.parse().expect("agent name"),
+            input: input.into(),
+            run_id: None,
+            budget: None,
+            metadata: Default::default(),
+        };
+        match self.submit_task(&task, key).await {
+            kedge_intake::Answer::Accepted { run_id } => run_id,
+            kedge_intake::Answer::Rejected { error } => panic!("rejected: {error}"),
+        }
+    }
+
+    pub async fn submit_task(&self, task: &TaskSubmission, key: &str) -> kedge_intake::Answer {
+        let submission = kedge_intake::Submission {
+            task,
+            key,
+            tenant: "acme",
+            caller: Some("test"),
+        };
+        kedge_intake::submit(&self.rt.client, &submission, Duration::from_secs(20))
+            .await
+            .expect("intake answered")
+    }
+
+    pub async fn events(&self, run: &RunId) -> Vec<Recorded> {
+        self.rt.journal.read(run, 0).await.expect("journal read")
+    }
+
+    pub async fn state(&self, run: &RunId) -> RunState {
+        let events = self.events(run).await;
+        kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope))).expect("journal folds")
+    }
+
+    /// Polls the run until `pred` holds (or panics after `within`, showing the journal).
+    pub async fn wait_for(
+        &self,
+        run: &RunId,
+        within: Duration,
+        pred: impl Fn(&RunState) -> bool,
+    ) -> RunState {
+        let deadline = Instant::now() + within;
+        loop {
+            let events = self.events(run).await;
+            if !events.is_empty() {
+                let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))
+                    .expect("journal folds");
+                if pred(&state) {
+                    return state;
+                }
+                if Instant::now() > deadline {
+                    let lines: Vec<String> = events
+                        .iter()
+                        .map(|r| {
+                            format!(
+                                "{} {} {}",
+                                r.seq,
+                                r.envelope.event_type(),
+                                r.envelope.event.data_json()
+                            )
+                        })
+                        .collect();
+                    panic!(
+                        "run {run} is {} after {within:?}; journal:\n{}",
+                        state.status,
+                        lines.join("\n")
+                    );
+                }
+            } else if Instant::now() > deadline {
+                panic!("run {run} has no events after {within:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn wait_terminal(&self, run: &RunId, within: Duration) -> RunState {
+        self.wait_for(run, within, |s| s.status.is_terminal()).await
+    }
+
+    /// Appends an input to a run.
+    pub async fn input(&self, run: &RunId, event: Event, key: &str) -> u64 {
+        let env = Envelope::new(run.clone(), Timestamp::now(), Draft::new(event));
+        self.rt
+            .journal
+            .append_input(&env, key)
+            .await
+            .expect("input appended")
+    }
+
+    pub fn ledger(&self) -> Vec<String> {
+        std::fs::read_to_string(self.config.workspace_root.join("ledger.log"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Stops the in-process services and the child processes.
+    pub async fn shutdown(mut self) {
+        let _ = self.stop.send(());
+        for s in self.services.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(10), s).await;
+        }
+        for mut c in self.children.drain(..) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Every journaled event of the run validates against `schemas/envelope.schema.json`.
+pub fn assert_schema_valid(events: &[Recorded]) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../schemas/envelope.schema.json");
+    let schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("schema file")).expect("json");
+    let validator = jsonschema::validator_for(&schema).expect("valid schema");
+    for r in events {
+        let value: serde_json::Value =
+            serde_json::from_slice(&r.envelope.to_json_bytes()).expect("json");
+        let errors: Vec<String> = validator
+            .iter_errors(&value)
+            .map(|e| e.to_string())
+            .collect();
+        assert!(
+            errors.is_empty(),
+            "event {} ({}) is invalid: {errors:?}",
+            r.seq,
+            r.envelope.event_type()
+        );
+    }
+}
+
+pub fn statuses(state: &RunState) -> RunStatus {
+    state.status
+}
