@@ -362,7 +362,7 @@ impl Journal {
 
     /// Exactly the run's events with a stream sequence greater than `after`, in order.
     ///
-    /// Mechanism (measured as the fastest, see the crate docs): batched direct gets over
+    /// Mechanism (chosen by measurement, see the crate docs): batched direct gets over
     /// `agent.run.<id>.>`, sent concurrently with one leader-answered "last message of the run"
     /// lookup. Direct gets may be answered by a replica that trails the leader; if the pages end
     /// before the leader's last sequence, the replica is asked again and, failing that, the rest
@@ -391,6 +391,7 @@ impl Journal {
         let mut reached = after;
         let mut stale = 0;
         loop {
+            let before = reached;
             for m in std::mem::take(&mut page.messages) {
                 if m.seq <= reached {
                     continue;
@@ -403,8 +404,8 @@ impl Journal {
             if page.pending == 0 && reached >= leader_last {
                 return Ok(out);
             }
-            if page.pending == 0 {
-                // The replica that answered trails the leader.
+            if page.pending == 0 || reached == before {
+                // The replica that answered trails the leader (or made no progress).
                 stale += 1;
                 if stale > STALE_RETRIES {
                     break;

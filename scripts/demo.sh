@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs what Kedge needs (a pinned nats-server) and runs the demo: its own nats-server, the
+# services in one process and the mock model; a run that uses tools (in parallel too), asks a
+# question and records a side effect. Extra arguments go to `kedge demo` (e.g. --crash).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+scripts/setup.sh
+export KEDGE_NATS_SERVER="$ROOT/.tools/bin/nats-server"
+exec cargo run --quiet -p kedge -- demo "$@"
