@@ -10,8 +10,12 @@ use crate::event::{
     RunCancelled, RunCancelling, RunFailed, RunResumed, RunRevived, RunStarted, RunSucceeded,
     RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
 };
-use crate::fold::{ASK_USER_TOOL, ChatMessage, OpStatus, RunState};
-use crate::ids::{Attempt, ModelRequestId, OperationId, QuestionId, StepNo};
+use crate::event::{TimerPurpose, TimerScheduled, Timestamp};
+use crate::fold::{ASK_USER_TOOL, ChatMessage, OpStatus, RunState, WAIT_TOOL};
+use crate::ids::{Attempt, ModelRequestId, OperationId, QuestionId, StepNo, TimerId};
+
+/// Longest `wait` a model may ask for (seven days); longer requests are clamped.
+pub const MAX_WAIT_SECS: u64 = 7 * 24 * 3600;
 use crate::machine::RunStatus;
 
 /// Why there is nothing to do.
@@ -236,7 +240,9 @@ fn plan(
 
 /// The decisions that complete a step with the model's response: `step.completed`, one
 /// `tool.requested` per tool call (operation id `(run, step, index)`), `question.asked` for
-/// `ask_user` calls, and then `run.waiting` or `run.succeeded`. One group, committed atomically.
+/// `ask_user` calls, `timer.scheduled` for `wait` calls (due `now` + the seconds asked), and then
+/// `run.waiting` or `run.succeeded`. One group, committed atomically. `now` is the commit's
+/// clock reading; it is recorded (as the timer's `fire_at`), so replay does not depend on it.
 pub fn complete_step(
     state: &RunState,
     step: StepNo,
@@ -244,9 +250,11 @@ pub fn complete_step(
     request_id: ModelRequestId,
     response: ModelResponse,
     reused: bool,
+    now: Timestamp,
 ) -> Vec<Draft> {
     let mut drafts = Vec::with_capacity(response.message.tool_calls.len() * 2 + 2);
     let mut waits_on_user = false;
+    let mut waits_on_timer = false;
     let mut tool_drafts = Vec::new();
     for (index, call) in response.message.tool_calls.iter().enumerate() {
         let op = OperationId::new(&state.run_id, step, index as u32);
@@ -276,6 +284,24 @@ pub fn complete_step(
                 .step(step)
                 .op(op),
             );
+        } else if call.name == WAIT_TOOL {
+            waits_on_timer = true;
+            let secs = call
+                .arguments
+                .get("seconds")
+                .and_then(|s| s.as_f64())
+                .unwrap_or(0.0)
+                .clamp(0.0, MAX_WAIT_SECS as f64);
+            let fire_at = Timestamp(now.0 + std::time::Duration::from_secs_f64(secs));
+            tool_drafts.push(
+                Draft::new(Event::TimerScheduled(TimerScheduled {
+                    timer_id: TimerId::for_operation(&op),
+                    fire_at,
+                    purpose: TimerPurpose::Wait { op: op.clone() },
+                }))
+                .step(step)
+                .op(op),
+            );
         }
     }
     let has_tools = !tool_drafts.is_empty();
@@ -295,6 +321,8 @@ pub fn complete_step(
     if has_tools {
         let on = if waits_on_user {
             WaitReason::User
+        } else if waits_on_timer {
+            WaitReason::External
         } else {
             WaitReason::Tool
         };

@@ -27,6 +27,14 @@ use crate::machine::{RunStatus, TransitionError, apply};
 
 /// The name of the built-in tool that asks the user a question; the run waits for the answer.
 pub const ASK_USER_TOOL: &str = "ask_user";
+/// The name of the built-in tool that waits: `{"seconds": N}` schedules a durable timer and the
+/// run waits (holding nothing) until it fires.
+pub const WAIT_TOOL: &str = "wait";
+
+/// Tools the step service handles itself (no tool worker executes them).
+pub fn handled_by_step(tool: &str) -> bool {
+    tool == ASK_USER_TOOL || tool == WAIT_TOOL
+}
 
 /// One message of the provider-neutral conversation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -607,6 +615,19 @@ impl RunState {
             Event::TimerFired(t) => match self.timers.get_mut(&t.timer_id) {
                 Some(timer) if !timer.fired => {
                     timer.fired = true;
+                    // A `wait` operation's result is its timer firing.
+                    if let TimerPurpose::Wait { op } = timer.purpose.clone()
+                        && let Some(tool) = self.ops.get_mut(&op)
+                        && tool.result.is_none()
+                    {
+                        tool.status = OpStatus::Done;
+                        tool.result = Some(OpResult {
+                            content: format!("waited until {}", timer.fire_at),
+                            is_error: false,
+                            stopped: false,
+                            seq,
+                        });
+                    }
                     true
                 }
                 _ => false,

@@ -346,6 +346,20 @@ impl QuestionId {
     }
 }
 
+impl TimerId {
+    /// The timer of a `wait` operation: derived from the operation, so a retried commit schedules
+    /// the same timer.
+    pub fn for_operation(op: &OperationId) -> Self {
+        Self(format!(
+            "{}{}_{}_{}",
+            Self::PREFIX,
+            op.run.body(),
+            op.step,
+            op.index
+        ))
+    }
+}
+
 /// The identity of one model call attempt: `(run, step, attempt)`, string form
 /// `req_<run body>_<step>_<attempt>`. The key of the stored model response in `kedge_idempotency`.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

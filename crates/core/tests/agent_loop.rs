@@ -131,6 +131,7 @@ impl Sim {
             plan.request_id.clone(),
             response,
             false,
+            Timestamp::now(),
         );
         self.commit(drafts);
         plan
@@ -361,6 +362,7 @@ fn a_user_message_during_an_in_flight_step_reaches_the_next_step() {
         plan.request_id,
         tools(&[("call_1", "read_file")]),
         false,
+        Timestamp::now(),
     );
     sim.commit(drafts);
     let op = sim.ops_of(1).remove(0);
@@ -397,7 +399,15 @@ fn a_crash_after_step_started_resumes_with_the_stored_request_then_a_new_attempt
     );
     // Found the stored response: complete with the first attempt, no new step.started.
     let state = sim.state();
-    let drafts = complete_step(&state, plan.step, plan.attempt, req, text("hi"), true);
+    let drafts = complete_step(
+        &state,
+        plan.step,
+        plan.attempt,
+        req,
+        text("hi"),
+        true,
+        Timestamp::now(),
+    );
     sim.commit(drafts);
     assert_eq!(sim.state().status, RunStatus::Succeeded);
 }
@@ -621,4 +631,43 @@ fn a_refused_decision_does_not_fold() {
             .contains("not allowed in status `succeeded`"),
         "{err}"
     );
+}
+
+#[test]
+fn wait_schedules_a_timer_whose_firing_is_the_result() {
+    use kedge_core::event::{TimerFired, TimerPurpose};
+    let mut sim = Sim::new(Budget::default());
+    let plan = sim.expect_step();
+    sim.commit(plan.start.clone());
+    let now = Timestamp::now();
+    let mut wait = tools(&[("call_w", "wait")]);
+    wait.message.tool_calls[0].arguments = serde_json::json!({"seconds": 90});
+    let drafts = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id,
+        wait,
+        false,
+        now,
+    );
+    sim.commit(drafts);
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::WaitingExternal);
+    let (timer_id, timer) = state.timers.iter().next().expect("a timer");
+    assert_eq!(timer.fire_at.0 - now.0, time::Duration::seconds(90));
+    let op = sim.ops_of(1).remove(0);
+    assert_eq!(timer.purpose, TimerPurpose::Wait { op: op.clone() });
+    assert_eq!(decide(&state), Next::Idle(Idle::WaitingExternal));
+    let fired = Event::TimerFired(TimerFired {
+        timer_id: timer_id.clone(),
+    });
+    sim.input(fired.clone(), None);
+    sim.input(fired, None);
+    let state = sim.state();
+    assert_eq!(state.ignored_inputs, 1, "a timer fires once");
+    assert!(state.ops[&op].result.is_some());
+    let next = sim.run_step(text("rested"));
+    assert_well_formed(&next.context);
+    assert_eq!(sim.state().status, RunStatus::Succeeded);
 }

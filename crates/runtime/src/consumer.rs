@@ -27,6 +27,11 @@ pub const CONSUMERS: &[(&str, &str, &str)] = &[
         "tool",
         include_str!("../../../nats/consumers/KEDGE_RUNS/tool.json"),
     ),
+    (
+        "KEDGE_RUNS",
+        "timer",
+        include_str!("../../../nats/consumers/KEDGE_RUNS/timer.json"),
+    ),
 ];
 
 /// The parsed configuration of a named consumer, with `ack_wait` set.

@@ -257,6 +257,7 @@ impl Driver {
                     request.clone(),
                     stored.response,
                     true,
+                    Timestamp::now(),
                 );
                 self.commit(state, writer, drafts).await?;
                 return Ok(());
@@ -297,6 +298,7 @@ impl Driver {
                         plan.request_id.clone(),
                         response,
                         false,
+                        Timestamp::now(),
                     );
                     self.commit(state, writer, drafts).await?;
                     Ok(())

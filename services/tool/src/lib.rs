@@ -12,8 +12,8 @@
 //!   query: confirmed → its result; not found (or an idempotent tool) → run again under the same
 //!   id; ambiguous → an error result saying the outcome is unknown.
 //!
-//! `ask_user` is not executed here: the step service journals its question and the answer input
-//! is the operation's result.
+//! `ask_user` and `wait` are not executed here: the step service journals the question or the
+//! timer, and the answer or the timer's firing is the operation's result.
 
 pub mod builtin;
 
@@ -25,7 +25,7 @@ use futures::StreamExt;
 use kedge_core::event::{
     Draft, Envelope, Event, Timestamp, ToolRequested, ToolResult, ToolStarted,
 };
-use kedge_core::fold::ASK_USER_TOOL;
+use kedge_core::fold::handled_by_step;
 use kedge_core::ids::OperationId;
 use kedge_journal::JournalError;
 use kedge_runtime::idempotency::{Claim, IdempotencyError};
@@ -101,7 +101,7 @@ async fn handle(rt: &Runtime, env: &builtin::Env, msg: Message) {
         let _ = msg.ack_with(AckKind::Term).await;
         return;
     };
-    if req.tool == ASK_USER_TOOL {
+    if handled_by_step(&req.tool) {
         let _ = msg.ack().await;
         return;
     }
