@@ -252,6 +252,27 @@ pub fn complete_step(
     reused: bool,
     now: Timestamp,
 ) -> Vec<Draft> {
+    if let Some(reason) = &state.cancel_requested {
+        // The answer is recorded (it was paid for) but nothing it asks for is dispatched.
+        let mut drafts = vec![
+            Draft::new(Event::StepCompleted(StepCompleted {
+                request_id,
+                message: response.message,
+                usage: response.usage,
+                finish: response.finish,
+                reused,
+            }))
+            .step(step)
+            .attempt(attempt),
+            Draft::new(Event::RunCancelling(RunCancelling {
+                reason: reason.clone(),
+            })),
+        ];
+        if running_ops(state) == 0 {
+            drafts.push(cancelled(state));
+        }
+        return drafts;
+    }
     let mut drafts = Vec::with_capacity(response.message.tool_calls.len() * 2 + 2);
     let mut waits_on_user = false;
     let mut waits_on_timer = false;

@@ -261,6 +261,8 @@ pub enum AttemptOutcome {
     },
     /// The worker lost its lease while the model ran; the call was aborted.
     LeaseLost,
+    /// The run's cancellation was requested while the model ran; the call was aborted.
+    Cancelled,
 }
 
 /// What a waiting run waits on.

@@ -45,6 +45,7 @@ pub fn line(r: &Recorded) -> String {
                 format!("{class:?} error: {}", clip(message, 80))
             }
             AttemptOutcome::LeaseLost => "lease lost; call aborted".into(),
+            AttemptOutcome::Cancelled => "cancel requested; call aborted".into(),
         },
         Event::StepCompleted(c) => {
             let calls: Vec<&str> = c

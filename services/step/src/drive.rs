@@ -72,6 +72,9 @@ impl DriveError {
 pub struct Driver {
     rt: Runtime,
     model: ModelClient,
+    /// Runs whose cancellation was just requested (from a core-NATS subscription on
+    /// `cancel.requested` inputs); an in-flight model call of such a run is aborted.
+    cancels: tokio::sync::broadcast::Sender<RunId>,
 }
 
 /// Keeps a lease alive in the background and marks the wake message in progress.
@@ -118,8 +121,12 @@ impl Keeper {
 }
 
 impl Driver {
-    pub fn new(rt: Runtime, model: ModelClient) -> Self {
-        Self { rt, model }
+    pub fn new(
+        rt: Runtime,
+        model: ModelClient,
+        cancels: tokio::sync::broadcast::Sender<RunId>,
+    ) -> Self {
+        Self { rt, model, cancels }
     }
 
     /// Drives `run` until it is idle. `msg` is the wake being handled (marked in progress while
@@ -291,6 +298,8 @@ impl Driver {
                         )
                         .await?;
                     failpoint::hit("step.after_model_stored");
+                    // Inputs that arrived during the call (a cancel above all) shape the commit.
+                    self.refresh(state).await?;
                     let drafts = complete_step(
                         state,
                         plan.step,
@@ -304,6 +313,17 @@ impl Driver {
                     Ok(())
                 }
                 Err(CallError::LeaseLost) => Err(DriveError::LeaseLost),
+                Err(CallError::Cancelled) => {
+                    tracing::info!("cancel requested; model call aborted");
+                    let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
+                        request_id: plan.request_id.clone(),
+                        outcome: kedge_core::event::AttemptOutcome::Cancelled,
+                    }))
+                    .step(plan.step)
+                    .attempt(plan.attempt);
+                    self.commit(state, writer, vec![attempt]).await?;
+                    Ok(())
+                }
                 Err(CallError::Model(e)) => {
                     tracing::warn!(error = %e, "model call failed");
                     let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
@@ -391,9 +411,27 @@ impl Driver {
                 let _ = tx.send(t);
             }
         };
-        let result = tokio::select! {
-            r = self.model.complete(&call, &mut on_delta) => r.map_err(CallError::Model),
-            _ = lost.wait_for(|l| *l) => Err(CallError::LeaseLost),
+        let mut cancels = self.cancels.subscribe();
+        let run = state.run_id.clone();
+        let cancelled = async move {
+            loop {
+                match cancels.recv().await {
+                    Ok(r) if r == run => return,
+                    Ok(_) | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                        std::future::pending::<()>().await
+                    }
+                }
+            }
+        };
+        let result = if state.cancel_requested.is_some() {
+            Err(CallError::Cancelled)
+        } else {
+            tokio::select! {
+                r = self.model.complete(&call, &mut on_delta) => r.map_err(CallError::Model),
+                _ = lost.wait_for(|l| *l) => Err(CallError::LeaseLost),
+                _ = cancelled => Err(CallError::Cancelled),
+            }
         };
         drop(tx);
         let _ = forward.await;
@@ -404,6 +442,7 @@ impl Driver {
 enum CallError {
     Model(ModelError),
     LeaseLost,
+    Cancelled,
 }
 
 /// The wait before the next attempt: the provider's `retry-after` if given, else exponential

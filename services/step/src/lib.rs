@@ -38,6 +38,29 @@ const BUSY_DELAY: Duration = Duration::from_millis(250);
 /// Per-run bookkeeping of this process: whether more wakes arrived during the drive.
 type Active = Arc<Mutex<HashMap<RunId, bool>>>;
 
+/// Forwards `cancel.requested` inputs as they are published (core NATS sees every journal
+/// message) so that in-flight model calls of cancelled runs are aborted at once. Best effort: a
+/// missed notification only means the call runs to its end, and the commit after it still sees
+/// the cancel in the journal.
+async fn watch_cancels(
+    rt: &Runtime,
+    tx: tokio::sync::broadcast::Sender<RunId>,
+) -> Result<(), RuntimeError> {
+    let mut sub = rt
+        .client
+        .subscribe("agent.run.*.i.cancel.requested")
+        .await
+        .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
+    tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            if let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) {
+                let _ = tx.send(parsed.run_id);
+            }
+        }
+    });
+    Ok(())
+}
+
 /// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let consumer = consumer::durable(&rt.js, "step", rt.config.timeouts.step_ack_wait()).await?;
@@ -45,7 +68,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("step consumer", e))?;
-    let driver = drive::Driver::new(rt.clone(), ModelClient::new());
+    let (cancels, _) = tokio::sync::broadcast::channel(1024);
+    watch_cancels(&rt, cancels.clone()).await?;
+    let driver = drive::Driver::new(rt.clone(), ModelClient::new(), cancels);
     let active: Active = Arc::default();
     let permits = Arc::new(Semaphore::new(rt.config.step_concurrency));
     tracing::info!(worker = %rt.config.worker_id, "step service started");

@@ -12,13 +12,20 @@
 //!   query: confirmed → its result; not found (or an idempotent tool) → run again under the same
 //!   id; ambiguous → an error result saying the outcome is unknown.
 //!
+//! Cancellation: a request whose run already has `cancel.requested` is not run (its result says
+//! so, marked `stopped`); an operation running when its run's cancel is requested is stopped
+//! (the `shell` child is killed) and its result is marked `stopped`. The second path listens to
+//! `cancel.requested` inputs on core NATS; the first reads the journal, so a missed notification
+//! at most lets an operation that already started run to its timeout.
+//!
 //! `ask_user` and `wait` are not executed here: the step service journals the question or the
 //! timer, and the answer or the timer's firing is the operation's result.
 
 pub mod builtin;
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use async_nats::jetstream::{AckKind, Message};
 use futures::StreamExt;
@@ -26,27 +33,121 @@ use kedge_core::event::{
     Draft, Envelope, Event, Timestamp, ToolRequested, ToolResult, ToolStarted,
 };
 use kedge_core::fold::handled_by_step;
-use kedge_core::ids::OperationId;
+use kedge_core::ids::{OperationId, RunId};
 use kedge_journal::JournalError;
 use kedge_runtime::idempotency::{Claim, IdempotencyError};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tracing::Instrument;
 
 use crate::builtin::{Builtin, Confirm, Output};
 
+/// The stop signal of one running operation.
+type StopSignal = (OperationId, watch::Sender<bool>);
+
+/// Stop signals of the operations running in this process, by run.
+#[derive(Clone, Default)]
+struct Running(Arc<Mutex<HashMap<RunId, Vec<StopSignal>>>>);
+
+impl Running {
+    fn register(&self, op: &OperationId) -> watch::Receiver<bool> {
+        let (tx, rx) = watch::channel(false);
+        if let Ok(mut map) = self.0.lock() {
+            map.entry(op.run().clone())
+                .or_default()
+                .push((op.clone(), tx));
+        }
+        rx
+    }
+
+    fn unregister(&self, op: &OperationId) {
+        if let Ok(mut map) = self.0.lock()
+            && let Some(ops) = map.get_mut(op.run())
+        {
+            ops.retain(|(o, _)| o != op);
+            if ops.is_empty() {
+                map.remove(op.run());
+            }
+        }
+    }
+
+    fn stop_run(&self, run: &RunId) {
+        if let Ok(map) = self.0.lock()
+            && let Some(ops) = map.get(run)
+        {
+            for (op, tx) in ops {
+                tracing::info!(op = %op, "stopping: the run's cancellation was requested");
+                let _ = tx.send(true);
+            }
+        }
+    }
+}
+
+/// Everything a tool handler needs.
+struct Ctx {
+    rt: Runtime,
+    env: builtin::Env,
+    running: Running,
+    journal_stream: async_nats::jetstream::stream::Stream<()>,
+}
+
+impl Ctx {
+    /// Whether the run's cancellation has been requested (best effort: on a broker error, no).
+    async fn cancel_requested(&self, run: &RunId) -> bool {
+        let subject =
+            kedge_core::subjects::event(run, kedge_core::event::EventType::CancelRequested);
+        match self
+            .journal_stream
+            .direct_get_last_for_subject(subject)
+            .await
+        {
+            Ok(_) => true,
+            Err(e) => {
+                if e.kind() != async_nats::jetstream::stream::DirectGetErrorKind::NotFound {
+                    tracing::warn!(run_id = %run, error = %e, "cannot check for a cancel request");
+                }
+                false
+            }
+        }
+    }
+}
+
 /// Runs the tool service until `shutdown` resolves, then lets in-flight operations finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let consumer = consumer::durable(&rt.js, "tool", rt.config.timeouts.tool_ack_wait()).await?;
+    let running = Running::default();
+    let mut cancels = rt
+        .client
+        .subscribe("agent.run.*.i.cancel.requested")
+        .await
+        .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
+    let stopper = running.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = cancels.next().await {
+            if let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) {
+                stopper.stop_run(&parsed.run_id);
+            }
+        }
+    });
+    let journal_stream = rt
+        .js
+        .get_stream_no_info(kedge_core::subjects::RUNS_STREAM)
+        .await
+        .map_err(|e| RuntimeError::broker("journal stream", e))?;
     let mut messages = consumer
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("tool consumer", e))?;
-    let env = Arc::new(builtin::Env {
-        root: rt.config.workspace_root.clone(),
-        shell_allowlist: rt.config.shell_allowlist.clone(),
-        timeout: rt.config.timeouts.tool_timeout(),
-        max_output: rt.config.max_tool_output_bytes,
+    let ctx = Arc::new(Ctx {
+        env: builtin::Env {
+            root: rt.config.workspace_root.clone(),
+            shell_allowlist: rt.config.shell_allowlist.clone(),
+            timeout: rt.config.timeouts.tool_timeout(),
+            max_output: rt.config.max_tool_output_bytes,
+        },
+        running,
+        journal_stream,
+        rt: rt.clone(),
     });
     let permits = Arc::new(Semaphore::new(rt.config.tool_concurrency));
     tracing::info!(worker = %rt.config.worker_id, "tool service started");
@@ -66,10 +167,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         let Ok(permit) = permits.clone().acquire_owned().await else {
             break;
         };
-        let rt = rt.clone();
-        let env = env.clone();
+        let ctx = ctx.clone();
         tokio::spawn(async move {
-            handle(&rt, &env, msg).await;
+            handle(&ctx, msg).await;
             drop(permit);
         });
     }
@@ -87,7 +187,7 @@ enum ToolError {
     Idempotency(#[from] IdempotencyError),
 }
 
-async fn handle(rt: &Runtime, env: &builtin::Env, msg: Message) {
+async fn handle(ctx: &Ctx, msg: Message) {
     let envelope = match Envelope::from_json_bytes(&msg.payload) {
         Ok(e) => e,
         Err(e) => {
@@ -106,7 +206,7 @@ async fn handle(rt: &Runtime, env: &builtin::Env, msg: Message) {
         return;
     }
     let span = tracing::info_span!("tool", run_id = %envelope.run_id, op = %op, tool = %req.tool);
-    let result = execute(rt, env, &op, req).instrument(span).await;
+    let result = execute(ctx, &op, req).instrument(span).await;
     let ack = match result {
         Ok(()) => msg.ack().await,
         Err(e) => {
@@ -120,19 +220,15 @@ async fn handle(rt: &Runtime, env: &builtin::Env, msg: Message) {
     }
 }
 
-async fn execute(
-    rt: &Runtime,
-    env: &builtin::Env,
-    op: &OperationId,
-    req: &ToolRequested,
-) -> Result<(), ToolError> {
+async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(), ToolError> {
+    let (rt, env) = (&ctx.rt, &ctx.env);
     let runner = &rt.config.worker_id;
     let tool = Builtin::by_name(&req.tool);
     let revision = match rt.idempotency.claim(op, &req.args_digest, runner).await? {
         Claim::Fresh { revision } => revision,
         Claim::Done { content, is_error } => {
             tracing::info!("operation already done; journaling its stored result");
-            return journal_result(rt, op, Output { content, is_error }).await;
+            return journal_result(rt, op, Output { content, is_error }, false).await;
         }
         Claim::Conflict { stored } => {
             let out = Output::error(format!(
@@ -140,7 +236,7 @@ async fn execute(
                  (digest {stored}, now {}); not executed",
                 req.args_digest
             ));
-            return journal_result(rt, op, out).await;
+            return journal_result(rt, op, out, false).await;
         }
         Claim::Running {
             runner: old,
@@ -164,7 +260,7 @@ async fn execute(
                                 out.is_error,
                             )
                             .await?;
-                        return journal_result(rt, op, out).await;
+                        return journal_result(rt, op, out, false).await;
                     }
                     Confirm::NotFound => revision,
                     Confirm::Ambiguous(why) => {
@@ -174,13 +270,20 @@ async fn execute(
                         rt.idempotency
                             .finish(op, revision, &req.args_digest, runner, &out.content, true)
                             .await?;
-                        return journal_result(rt, op, out).await;
+                        return journal_result(rt, op, out, false).await;
                     }
                 },
                 _ => revision,
             }
         }
     };
+    if ctx.cancel_requested(op.run()).await {
+        let out = Output::error("not run: the run's cancellation was requested");
+        rt.idempotency
+            .finish(op, revision, &req.args_digest, runner, &out.content, true)
+            .await?;
+        return journal_result(rt, op, out, true).await;
+    }
     let started = Envelope::new(
         op.run().clone(),
         Timestamp::now(),
@@ -198,10 +301,19 @@ async fn execute(
         Ok(_) | Err(JournalError::Duplicate { .. }) => {}
         Err(e) => return Err(e.into()),
     }
-    let out = match tool {
-        Some(t) => env.run(t, op, &req.arguments).await,
-        None => Output::error(format!("unknown tool `{}`", req.tool)),
+    let mut stop = ctx.running.register(op);
+    let (out, stopped) = match tool {
+        Some(t) => tokio::select! {
+            out = env.run(t, op, &req.arguments) => (out, false),
+            // Dropping the tool's future kills a `shell` child (kill_on_drop).
+            _ = stop.wait_for(|s| *s) => (
+                Output::error("stopped: the run's cancellation was requested"),
+                true,
+            ),
+        },
+        None => (Output::error(format!("unknown tool `{}`", req.tool)), false),
     };
+    ctx.running.unregister(op);
     failpoint::hit("tool.after_effect");
     rt.idempotency
         .finish(
@@ -214,18 +326,23 @@ async fn execute(
         )
         .await?;
     failpoint::hit("tool.after_record");
-    journal_result(rt, op, out).await
+    journal_result(rt, op, out, stopped).await
 }
 
 /// Journals an operation's result; its msg id makes a repeat a no-op.
-async fn journal_result(rt: &Runtime, op: &OperationId, out: Output) -> Result<(), ToolError> {
+async fn journal_result(
+    rt: &Runtime,
+    op: &OperationId,
+    out: Output,
+    stopped: bool,
+) -> Result<(), ToolError> {
     let env = Envelope::new(
         op.run().clone(),
         Timestamp::now(),
         Draft::new(Event::ToolResult(ToolResult {
             content: out.content,
             is_error: out.is_error,
-            stopped: false,
+            stopped,
         }))
         .step(op.step())
         .op(op.clone()),

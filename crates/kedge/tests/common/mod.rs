@@ -30,6 +30,7 @@ fn test_agent(name: &str, model: &str, base_url: &str) -> AgentDefinition {
         "shell",
         "ask_user",
         "ledger_append",
+        "wait",
     ]
     .iter()
     .map(|n| tool(n))
@@ -65,6 +66,7 @@ pub fn fast_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
     config
         .api_keys
         .insert(API_KEY_VAR.into(), "test-key".into());
+    config.shell_allowlist.push("sleep".into());
     let t = &mut config.timeouts;
     t.lease_ttl_ms = 2_000;
     t.lease_renew_ms = 500;
@@ -89,10 +91,21 @@ impl Harness {
     /// A broker, the mock with `script` (JSON), the agent `agent` on model `model`, and the
     /// given services running in this process.
     pub async fn start(script: serde_json::Value, services: &[Svc]) -> Harness {
+        Self::start_with(script, services, |_| {}).await
+    }
+
+    /// Like [`Harness::start`], with the configuration adjusted by `tune` first.
+    pub async fn start_with(
+        script: serde_json::Value,
+        services: &[Svc],
+        tune: impl FnOnce(&mut Config),
+    ) -> Harness {
         let nats = NatsServer::start().await;
         let mock = MockHandle::start(Scripts::from_value(script).expect("valid script")).await;
         let dir = tempfile::tempdir().expect("temp dir");
-        let config = fast_config(&nats.url(), &dir.path().join("ws"), "w-main");
+        let mut config = fast_config(&nats.url(), &dir.path().join("ws"), "w-main");
+        tune(&mut config);
+        config.check().expect("valid tuned config");
         let rt = Runtime::connect(config.clone()).await.expect("runtime");
         let (stop, _) = tokio::sync::broadcast::channel(1);
         let mut h = Harness {
