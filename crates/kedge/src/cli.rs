@@ -296,12 +296,13 @@ pub async fn serve(
     if wanted(Service::Tool) {
         tasks.spawn(kedge_tool::run(rt.clone(), stop(&tx)));
     }
-    for s in [
-        Service::Approval,
-        Service::Timer,
-        Service::Reconciler,
-        Service::Bridge,
-    ] {
+    if wanted(Service::Timer) {
+        tasks.spawn(kedge_timer::run(rt.clone(), stop(&tx)));
+    }
+    if wanted(Service::Reconciler) {
+        tasks.spawn(kedge_reconciler::run(rt.clone(), stop(&tx)));
+    }
+    for s in [Service::Approval, Service::Bridge] {
         if services.contains(&s) {
             bail!("the {s:?} service is not built yet");
         }

@@ -1,0 +1,91 @@
+//! The reconciler nudges a run whose wake was acked but whose step never ran, once across
+//! replicas, and leaves runs that legitimately wait alone.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Harness, Svc};
+use futures::StreamExt;
+use kedge_core::RunStatus;
+use kedge_core::event::Event;
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_wake_was_acked_but_never_acted_on_is_nudged_and_completes() {
+    let script = json!({"models": {"rn": {"steps": [
+        {"text": "asking", "tool_calls": [{"name": "ask_user", "arguments": {"question": "?"}}]},
+        {"text": "done"}
+    ]}}});
+    let mut h = Harness::start_with(script, &[Svc::Intake], |c| {
+        c.timeouts.stall_after_ms = 3_500;
+    })
+    .await;
+    h.agent("rn", "rn").await;
+    let run = h.submit("rn", "go", "rn-1").await;
+    // Inject the failure: the step consumer's wake is taken and acked, and nothing acts on it.
+    let consumer = kedge_runtime::consumer::durable(&h.rt.js, "step", Duration::from_secs(3))
+        .await
+        .expect("step consumer");
+    let mut batch = consumer
+        .fetch()
+        .max_messages(10)
+        .expires(Duration::from_secs(1))
+        .messages()
+        .await
+        .expect("fetch");
+    let mut acked = 0;
+    while let Some(Ok(msg)) = batch.next().await {
+        msg.double_ack().await.expect("ack");
+        acked += 1;
+    }
+    assert_eq!(acked, 1, "the run.created wake");
+    h.spawn_service(Svc::Step, "w-step");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(h.state(&run).await.status, RunStatus::Queued, "stalled");
+
+    // Too early: the run's last event is younger than the stall threshold.
+    let early = kedge_reconciler::scan_once(&h.rt).await.expect("scan");
+    assert!(early.nudged.is_empty());
+    tokio::time::sleep(Duration::from_millis(3_600)).await;
+    // Two replicas scan at once: one nudge.
+    let (a, b) = tokio::join!(
+        kedge_reconciler::scan_once(&h.rt),
+        kedge_reconciler::scan_once(&h.rt)
+    );
+    let nudged = a.expect("scan").nudged.len() + b.expect("scan").nudged.len();
+    assert_eq!(nudged, 1, "many replicas do not double-act");
+    let state = h
+        .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingUser)
+        .await;
+    let nudges = h
+        .events(&run)
+        .await
+        .iter()
+        .filter(|r| matches!(r.envelope.event, Event::Nudge(_)))
+        .count();
+    assert_eq!(nudges, 1, "the nudge is journaled once");
+
+    // A run waiting for a person is not stalled, however long it waits.
+    tokio::time::sleep(Duration::from_millis(3_600)).await;
+    let report = kedge_reconciler::scan_once(&h.rt).await.expect("scan");
+    assert!(report.nudged.is_empty(), "{report:?}");
+    assert_eq!(report.quiet, 1);
+    let q = state.questions.keys().next().expect("a question").clone();
+    h.input(
+        &run,
+        Event::QuestionAnswered(kedge_core::event::QuestionAnswered {
+            question_id: q,
+            answer: "yes".into(),
+        }),
+        "answer-rn",
+    )
+    .await;
+    assert_eq!(
+        h.wait_terminal(&run, WAIT).await.status,
+        RunStatus::Succeeded
+    );
+    h.shutdown().await;
+}
