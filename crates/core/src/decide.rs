@@ -8,15 +8,15 @@
 use crate::event::{
     AssistantMessage, Budget, Digest, Draft, Event, FailureReason, FinishReason, QuestionAsked,
     RunCancelled, RunCancelling, RunFailed, RunResumed, RunRevived, RunStarted, RunSucceeded,
-    RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
+    RunUnknown, RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
 };
 use crate::event::{TimerPurpose, TimerScheduled, Timestamp};
 use crate::fold::{ASK_USER_TOOL, ChatMessage, OpStatus, RunState, WAIT_TOOL};
 use crate::ids::{Attempt, ModelRequestId, OperationId, QuestionId, StepNo, TimerId};
+use crate::machine::RunStatus;
 
 /// Longest `wait` a model may ask for (seven days); longer requests are clamped.
 pub const MAX_WAIT_SECS: u64 = 7 * 24 * 3600;
-use crate::machine::RunStatus;
 
 /// Why there is nothing to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -86,25 +86,40 @@ pub fn decide(state: &RunState) -> Next {
             }));
             new_step(state, budget, vec![revive])
         }
+        RunStatus::Unknown => {
+            if has_ambiguous(state) {
+                Next::Idle(Idle::Unknown)
+            } else if state.cancel_requested.is_some() {
+                Next::Commit(vec![cancelled(state)])
+            } else {
+                // A person resolved every ambiguous operation: resume (and re-dispatch those
+                // they chose to retry) in one group.
+                let mut drafts = vec![Draft::new(Event::RunResumed(RunResumed {}))];
+                drafts.extend(redispatches(state));
+                if drafts.len() > 1 {
+                    drafts.push(Draft::new(Event::RunWaiting(RunWaiting {
+                        on: WaitReason::Tool,
+                    })));
+                }
+                Next::Commit(drafts)
+            }
+        }
+        RunStatus::Cancelling if has_ambiguous(state) => unknown(state),
         RunStatus::Cancelling => finish_cancel(state),
-        status if state.cancel_requested.is_some() => {
+        _ if state.cancel_requested.is_some() => {
             let reason = state.cancel_requested.clone().unwrap_or_default();
             let mut drafts = vec![Draft::new(Event::RunCancelling(RunCancelling { reason }))];
-            if running_ops(state) == 0 && status != RunStatus::Unknown {
+            if running_ops(state) == 0 && !has_ambiguous(state) {
                 drafts.push(cancelled(state));
             }
             Next::Commit(drafts)
         }
-        RunStatus::Unknown => {
-            if state
-                .ops
-                .values()
-                .any(|o| matches!(o.status, OpStatus::Ambiguous { .. }))
-            {
-                Next::Idle(Idle::Unknown)
-            } else {
-                Next::Commit(vec![Draft::new(Event::RunResumed(RunResumed {}))])
-            }
+        _ if has_ambiguous(state) => unknown(state),
+        _ if state.ops.values().any(|o| o.status == OpStatus::ToRetry)
+            && state.open_step.is_none()
+            && state.status != RunStatus::Queued =>
+        {
+            Next::Commit(redispatches(state))
         }
         RunStatus::Queued => new_step(
             state,
@@ -133,7 +148,21 @@ pub fn decide(state: &RunState) -> Next {
                     vec![],
                 )))
             }
-            None => new_step(state, budget, vec![]),
+            None => {
+                let missing = state
+                    .last_step_ops()
+                    .iter()
+                    .filter(|o| o.result.is_none())
+                    .count();
+                if missing > 0 {
+                    // Resumed with operations still out: wait for them.
+                    Next::Commit(vec![Draft::new(Event::RunWaiting(RunWaiting {
+                        on: WaitReason::Tool,
+                    }))])
+                } else {
+                    new_step(state, budget, vec![])
+                }
+            }
         },
         RunStatus::WaitingTool
         | RunStatus::WaitingUser
@@ -155,6 +184,55 @@ pub fn decide(state: &RunState) -> Next {
             })
         }
     }
+}
+
+fn has_ambiguous(state: &RunState) -> bool {
+    state
+        .ops
+        .values()
+        .any(|o| matches!(o.status, OpStatus::Ambiguous { .. }))
+}
+
+fn unknown(state: &RunState) -> Next {
+    Next::Commit(vec![Draft::new(Event::RunUnknown(RunUnknown {
+        reason: ambiguous_reason(state),
+    }))])
+}
+
+fn ambiguous_reason(state: &RunState) -> String {
+    let ops: Vec<String> = state
+        .ops
+        .values()
+        .filter_map(|o| match &o.status {
+            OpStatus::Ambiguous { detail } => Some(format!("{}: {detail}", o.op)),
+            _ => None,
+        })
+        .collect();
+    format!(
+        "the outcome of {} is unknown; a person must resolve it",
+        ops.join("; ")
+    )
+}
+
+/// `tool.requested` again, same operation and arguments, for every operation found not to have
+/// happened.
+fn redispatches(state: &RunState) -> Vec<Draft> {
+    state
+        .ops
+        .values()
+        .filter(|o| o.status == OpStatus::ToRetry)
+        .map(|o| {
+            Draft::new(Event::ToolRequested(ToolRequested {
+                call_id: o.call.call_id.clone(),
+                tool: o.call.name.clone(),
+                arguments: o.call.arguments.clone(),
+                args_digest: o.args_digest.clone(),
+                redispatch: o.dispatches,
+            }))
+            .step(o.op.step())
+            .op(o.op.clone())
+        })
+        .collect()
 }
 
 fn running_ops(state: &RunState) -> usize {
@@ -285,6 +363,7 @@ pub fn complete_step(
                 tool: call.name.clone(),
                 arguments: call.arguments.clone(),
                 args_digest: Digest::of_json(&call.arguments),
+                redispatch: 0,
             }))
             .step(step)
             .op(op.clone()),

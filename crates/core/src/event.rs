@@ -449,6 +449,14 @@ pub struct ToolRequested {
     pub tool: String,
     pub arguments: serde_json::Value,
     pub args_digest: Digest,
+    /// 0 for the first dispatch; n for the n-th re-dispatch of the same operation after its
+    /// outcome was found not to have happened (`outcome.not_found`, or a person's `retry`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub redispatch: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -57,11 +57,14 @@ pub enum ChatMessage {
 /// Where one tool operation stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OpStatus {
-    /// Requested; no runner has reported starting it (or it is to be retried).
+    /// Requested; no runner has reported starting it.
     Requested,
     Started {
         runner: String,
     },
+    /// Found not to have happened (`outcome.not_found`, or a person chose `retry`): to be
+    /// dispatched again under the same operation id.
+    ToRetry,
     Done,
     /// A runner died mid-operation and its confirm query could not tell whether it happened.
     Ambiguous {
@@ -86,6 +89,8 @@ pub struct ToolOp {
     pub args_digest: crate::event::Digest,
     pub status: OpStatus,
     pub result: Option<OpResult>,
+    /// How many times the operation was dispatched (`tool.requested`), the first included.
+    pub dispatches: u32,
 }
 
 /// The step whose `step.started` has no `step.completed` yet.
@@ -393,9 +398,11 @@ impl RunState {
                     arguments: req.arguments.clone(),
                 };
                 match self.ops.get_mut(&op) {
-                    // A retry under the same operation id (after `outcome.not_found`).
+                    // A re-dispatch under the same operation id (after `outcome.not_found` or a
+                    // person's `retry`).
                     Some(existing) if existing.result.is_none() => {
                         existing.status = OpStatus::Requested;
+                        existing.dispatches = existing.dispatches.saturating_add(1);
                     }
                     Some(_) => {
                         return Err(Self::inconsistent(
@@ -413,6 +420,7 @@ impl RunState {
                                 args_digest: req.args_digest.clone(),
                                 status: OpStatus::Requested,
                                 result: None,
+                                dispatches: 1,
                             },
                         );
                     }
@@ -540,7 +548,7 @@ impl RunState {
             }
             Event::OutcomeNotFound(_) => match self.open_op(env) {
                 Some(op) => {
-                    op.status = OpStatus::Requested;
+                    op.status = OpStatus::ToRetry;
                     true
                 }
                 None => false,
@@ -565,7 +573,7 @@ impl RunState {
                 match &r.resolution {
                     Resolution::Retry => match self.open_op(env) {
                         Some(op) => {
-                            op.status = OpStatus::Requested;
+                            op.status = OpStatus::ToRetry;
                             true
                         }
                         None => false,
@@ -778,7 +786,7 @@ impl RunState {
                     (Some(r), _) if r.stopped => OpFate::Stopped,
                     (Some(r), _) if r.is_error => OpFate::Failed,
                     (Some(_), _) => OpFate::Completed,
-                    (None, OpStatus::Requested) => OpFate::NeverStarted,
+                    (None, OpStatus::Requested | OpStatus::ToRetry) => OpFate::NeverStarted,
                     (None, _) => OpFate::Stopped,
                 },
             })

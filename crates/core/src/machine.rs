@@ -167,9 +167,10 @@ pub const TRANSITIONS: &[Transition] = &[
         from: &[R],
         to: Target::Stay,
     },
+    // Also while waiting: an operation found not to have happened is dispatched again.
     Transition {
         event: EventType::ToolRequested,
-        from: &[R],
+        from: WAITING_OR_RUNNING,
         to: Target::Stay,
     },
     Transition {

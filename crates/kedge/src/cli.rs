@@ -82,6 +82,23 @@ pub enum Command {
         #[arg(long, default_value = "cancelled from the CLI")]
         reason: String,
     },
+    /// Resolve an operation whose outcome is ambiguous (the run waits in `unknown`).
+    Resolve {
+        run: RunId,
+        op: kedge_core::ids::OperationId,
+        /// It did not happen: run it again under the same operation id.
+        #[arg(long, conflicts_with_all = ["completed", "failed"])]
+        retry: bool,
+        /// It happened; this is its result.
+        #[arg(long)]
+        completed: Option<String>,
+        /// Give the model an error result with this reason.
+        #[arg(long)]
+        failed: Option<String>,
+        /// Who decides (recorded in the journal).
+        #[arg(long, default_value = "cli")]
+        by: String,
+    },
     /// Serve the strict mock model (OpenAI and Anthropic wire formats).
     MockLlm {
         #[arg(long, default_value_t = 0)]
@@ -235,6 +252,32 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 answer: text,
             });
             send_input(&rt, &run, event, &key).await
+        }
+        Command::Resolve {
+            run,
+            op,
+            retry,
+            completed,
+            failed,
+            by,
+        } => {
+            use kedge_core::event::{OutcomeResolved, Resolution};
+            let resolution = match (retry, completed, failed) {
+                (true, None, None) => Resolution::Retry,
+                (false, Some(content), None) => Resolution::Completed { content },
+                (false, None, Some(reason)) => Resolution::Failed { reason },
+                _ => bail!("give exactly one of --retry, --completed TEXT, --failed REASON"),
+            };
+            let rt = Runtime::connect(config).await?;
+            let mut draft = Draft::new(Event::OutcomeResolved(OutcomeResolved { resolution, by }));
+            draft.op = Some(op.clone());
+            let env = Envelope::new(run.clone(), Timestamp::now(), draft);
+            let seq = rt
+                .journal
+                .append_input(&env, &format!("outcome.resolved:{op}:{}", uuid_like()))
+                .await?;
+            println!("journaled at {seq}");
+            Ok(ExitCode::SUCCESS)
         }
         Command::Cancel { run, reason } => {
             let rt = Runtime::connect(config).await?;

@@ -31,6 +31,8 @@ pub struct Config {
     /// a note.
     pub max_tool_output_bytes: usize,
     pub timeouts: Timeouts,
+    /// The HTTP bridge (`kedge serve bridge`).
+    pub bridge: BridgeConfig,
     /// API keys by environment-variable name, for programs that embed Kedge (the demo, tests).
     /// The environment wins. Never read from a file and never printed.
     #[serde(skip)]
@@ -64,8 +66,140 @@ impl Default for Config {
             tool_concurrency: 64,
             max_tool_output_bytes: 64 * 1024,
             timeouts: Timeouts::default(),
+            bridge: BridgeConfig::default(),
             api_keys: Default::default(),
         }
+    }
+}
+
+/// The HTTP bridge's settings. Tokens are secrets: `--dump-config` prints them redacted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BridgeConfig {
+    /// Address the bridge listens on (`KEDGE_BRIDGE_LISTEN`).
+    pub listen: String,
+    /// Bearer tokens and the tenant each acts for (`KEDGE_BRIDGE_TOKENS`:
+    /// `token=tenant[:read],…`).
+    pub tokens: Vec<BridgeToken>,
+    /// Development mode (`KEDGE_BRIDGE_OPEN=1`): requests without a token act for `open_tenant`.
+    /// The bridge warns at startup. Without it, a bridge with no tokens refuses to start.
+    pub open: bool,
+    /// The tenant of token-less requests in open mode.
+    pub open_tenant: String,
+    /// Largest request body, in bytes (a larger one is answered 413).
+    pub max_body_bytes: usize,
+    /// How long `POST /v1/runs` waits for intake's answer.
+    pub intake_wait_ms: u64,
+    /// Interval of SSE heartbeat comments.
+    pub heartbeat_ms: u64,
+    /// The `retry:` hint sent to SSE clients (their reconnection delay).
+    pub sse_retry_ms: u64,
+    /// Open SSE connections one bridge serves at once; more are answered 503.
+    pub max_sse_connections: usize,
+}
+
+/// One bearer token of the bridge.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BridgeToken {
+    #[serde(serialize_with = "redacted")]
+    pub token: String,
+    pub tenant: String,
+    /// `write` (default: submit, message, answer, cancel, read) or `read` (read only).
+    #[serde(default = "write_scope")]
+    pub scope: String,
+}
+
+fn write_scope() -> String {
+    "write".into()
+}
+
+fn redacted<S: serde::Serializer>(_: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str("<redacted>")
+}
+
+impl Default for BridgeConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            tokens: Vec::new(),
+            open: false,
+            open_tenant: "default".into(),
+            max_body_bytes: 1024 * 1024,
+            intake_wait_ms: 10_000,
+            heartbeat_ms: 15_000,
+            sse_retry_ms: 1_000,
+            max_sse_connections: 10_000,
+        }
+    }
+}
+
+impl BridgeConfig {
+    /// Parses `KEDGE_BRIDGE_TOKENS`: `token=tenant[:scope]`, comma-separated.
+    pub fn parse_tokens(v: &str) -> Result<Vec<BridgeToken>, String> {
+        v.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|item| {
+                let (token, grant) = item
+                    .split_once('=')
+                    .ok_or_else(|| "expected `token=tenant[:read|write]`".to_owned())?;
+                let (tenant, scope) = grant.split_once(':').unwrap_or((grant, "write"));
+                Ok(BridgeToken {
+                    token: token.trim().to_owned(),
+                    tenant: tenant.trim().to_owned(),
+                    scope: scope.trim().to_owned(),
+                })
+            })
+            .collect()
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        let invalid = |field, reason: String| Err(ConfigError::Invalid { field, reason });
+        if self.listen.parse::<std::net::SocketAddr>().is_err() {
+            return invalid(
+                "bridge.listen",
+                format!("`{}` is not an address like 127.0.0.1:8080", self.listen),
+            );
+        }
+        let tenant_ok = |t: &str| {
+            (1..=64).contains(&t.len())
+                && t.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        };
+        for t in &self.tokens {
+            if t.token.len() < 16 || !t.token.chars().all(|c| c.is_ascii_graphic()) {
+                return invalid(
+                    "bridge.tokens",
+                    "a token needs at least 16 printable ASCII characters, no spaces".into(),
+                );
+            }
+            if !tenant_ok(&t.tenant) {
+                return invalid(
+                    "bridge.tokens",
+                    format!("tenant `{}` is not 1-64 of [A-Za-z0-9_-]", t.tenant),
+                );
+            }
+            if !matches!(t.scope.as_str(), "read" | "write") {
+                return invalid(
+                    "bridge.tokens",
+                    format!("scope `{}` is not `read` or `write`", t.scope),
+                );
+            }
+        }
+        if !tenant_ok(&self.open_tenant) {
+            return invalid(
+                "bridge.open_tenant",
+                format!("`{}` is not 1-64 of [A-Za-z0-9_-]", self.open_tenant),
+            );
+        }
+        if self.max_body_bytes < 1024 || self.heartbeat_ms == 0 || self.max_sse_connections == 0 {
+            return invalid(
+                "bridge",
+                "max_body_bytes >= 1024, heartbeat_ms >= 1 and max_sse_connections >= 1".into(),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -133,6 +267,28 @@ impl Config {
         if let Some(v) = get("KEDGE_WORKSPACE_ROOT") {
             self.workspace_root = PathBuf::from(v);
         }
+        if let Some(v) = get("KEDGE_BRIDGE_LISTEN") {
+            self.bridge.listen = v.trim().to_owned();
+        }
+        if let Some(v) = get("KEDGE_BRIDGE_TOKENS") {
+            self.bridge.tokens =
+                BridgeConfig::parse_tokens(&v).map_err(|reason| ConfigError::Env {
+                    var: "KEDGE_BRIDGE_TOKENS",
+                    reason,
+                })?;
+        }
+        if let Some(v) = get("KEDGE_BRIDGE_OPEN") {
+            self.bridge.open = match v.trim() {
+                "1" | "true" | "yes" => true,
+                "0" | "false" | "no" | "" => false,
+                other => {
+                    return Err(ConfigError::Env {
+                        var: "KEDGE_BRIDGE_OPEN",
+                        reason: format!("`{other}` is not 1/0/true/false"),
+                    });
+                }
+            };
+        }
         let t = &mut self.timeouts;
         for (var, field) in [
             ("KEDGE_LEASE_TTL_MS", &mut t.lease_ttl_ms),
@@ -178,6 +334,7 @@ impl Config {
                 reason: "must be at least 1".into(),
             });
         }
+        self.bridge.check()?;
         Ok(())
     }
 }
@@ -210,6 +367,32 @@ mod tests {
             .apply_env(|k| (k == "KEDGE_LEASE_TTL_MS").then(|| "soon".into()))
             .expect_err("not a number");
         assert!(err.to_string().contains("KEDGE_LEASE_TTL_MS"));
+    }
+
+    #[test]
+    fn bridge_tokens_parse_check_and_never_print() {
+        let mut c = Config::default();
+        c.apply_env(|k| match k {
+            "KEDGE_BRIDGE_TOKENS" => {
+                Some("tok-aaaaaaaaaaaaaaaa=acme, tok-bbbbbbbbbbbbbbbb=globex:read".into())
+            }
+            "KEDGE_BRIDGE_LISTEN" => Some("127.0.0.1:0".into()),
+            _ => None,
+        })
+        .expect("applies");
+        c.check().expect("valid");
+        assert_eq!(c.bridge.tokens.len(), 2);
+        assert_eq!(c.bridge.tokens[1].tenant, "globex");
+        assert_eq!(c.bridge.tokens[1].scope, "read");
+        let dumped = serde_json::to_string(&c).expect("json");
+        assert!(!dumped.contains("tok-aaaa"), "{dumped}");
+        c.bridge.tokens[0].token = "short".into();
+        assert!(c.check().is_err());
+        let mut c = Config::default();
+        assert!(
+            c.apply_env(|k| (k == "KEDGE_BRIDGE_TOKENS").then(|| "no-tenant".into()))
+                .is_err()
+        );
     }
 
     #[test]

@@ -32,6 +32,11 @@ pub const CONSUMERS: &[(&str, &str, &str)] = &[
         "timer",
         include_str!("../../../nats/consumers/KEDGE_RUNS/timer.json"),
     ),
+    (
+        "KEDGE_TIMERS",
+        "timer-fired",
+        include_str!("../../../nats/consumers/KEDGE_TIMERS/timer-fired.json"),
+    ),
 ];
 
 /// The parsed configuration of a named consumer, with `ack_wait` set.

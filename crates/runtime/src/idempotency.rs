@@ -33,6 +33,9 @@ pub enum OpState {
 pub struct OpRecord {
     pub args_digest: Digest,
     pub runner: String,
+    /// Which dispatch of the operation (`tool.requested`'s `redispatch`) the runner ran.
+    #[serde(default)]
+    pub dispatch: u32,
     #[serde(flatten)]
     pub state: OpState,
 }
@@ -45,7 +48,11 @@ pub enum Claim {
     /// The operation already ran to completion: use this result, do not run it again.
     Done { content: String, is_error: bool },
     /// A record says another (or an earlier) runner started it and never finished.
-    Running { runner: String, revision: u64 },
+    Running {
+        runner: String,
+        revision: u64,
+        dispatch: u32,
+    },
     /// The same operation id was claimed with different arguments.
     Conflict { stored: Digest },
 }
@@ -144,6 +151,7 @@ impl IdempotencyStore {
         op: &OperationId,
         args_digest: &Digest,
         runner: &str,
+        dispatch: u32,
     ) -> Result<Claim, IdempotencyError> {
         let classify = |rev: u64, rec: OpRecord| {
             if rec.args_digest != *args_digest {
@@ -156,6 +164,7 @@ impl IdempotencyStore {
                 OpState::Running => Claim::Running {
                     runner: rec.runner,
                     revision: rev,
+                    dispatch: rec.dispatch,
                 },
             }
         };
@@ -165,6 +174,7 @@ impl IdempotencyStore {
         let rec = OpRecord {
             args_digest: args_digest.clone(),
             runner: runner.to_owned(),
+            dispatch,
             state: OpState::Running,
         };
         let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
@@ -188,10 +198,12 @@ impl IdempotencyStore {
         revision: u64,
         args_digest: &Digest,
         runner: &str,
+        dispatch: u32,
     ) -> Result<u64, IdempotencyError> {
         let rec = OpRecord {
             args_digest: args_digest.clone(),
             runner: runner.to_owned(),
+            dispatch,
             state: OpState::Running,
         };
         let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
@@ -216,6 +228,7 @@ impl IdempotencyStore {
         let rec = OpRecord {
             args_digest: args_digest.clone(),
             runner: runner.to_owned(),
+            dispatch: 0,
             state: OpState::Done {
                 content: content.to_owned(),
                 is_error,

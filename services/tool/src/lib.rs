@@ -224,7 +224,11 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(),
     let (rt, env) = (&ctx.rt, &ctx.env);
     let runner = &rt.config.worker_id;
     let tool = Builtin::by_name(&req.tool);
-    let revision = match rt.idempotency.claim(op, &req.args_digest, runner).await? {
+    let revision = match rt
+        .idempotency
+        .claim(op, &req.args_digest, runner, req.redispatch)
+        .await?
+    {
         Claim::Fresh { revision } => revision,
         Claim::Done { content, is_error } => {
             tracing::info!("operation already done; journaling its stored result");
@@ -241,39 +245,42 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(),
         Claim::Running {
             runner: old,
             revision,
+            dispatch,
         } => {
             tracing::warn!(previous_runner = %old, "operation left running by a runner that is gone");
             let revision = rt
                 .idempotency
-                .take_over(op, revision, &req.args_digest, runner)
+                .take_over(op, revision, &req.args_digest, runner, req.redispatch)
                 .await?;
-            match tool {
-                Some(t) if !t.idempotent() => match env.confirm(t, op).await {
-                    Confirm::Confirmed(out) => {
-                        rt.idempotency
-                            .finish(
-                                op,
-                                revision,
-                                &req.args_digest,
-                                runner,
-                                &out.content,
-                                out.is_error,
-                            )
-                            .await?;
-                        return journal_result(rt, op, out, false).await;
-                    }
-                    Confirm::NotFound => revision,
-                    Confirm::Ambiguous(why) => {
-                        let out = Output::error(format!(
-                            "the outcome of {op} is unknown ({why}); it was not run again"
-                        ));
-                        rt.idempotency
-                            .finish(op, revision, &req.args_digest, runner, &out.content, true)
-                            .await?;
-                        return journal_result(rt, op, out, false).await;
-                    }
-                },
-                _ => revision,
+            if req.redispatch > dispatch {
+                // The journal says the earlier dispatch did not happen (not found, or a person
+                // chose to retry): run it again under the same id.
+                revision
+            } else {
+                match tool {
+                    Some(t) if !t.idempotent() => match env.confirm(t, op).await {
+                        Confirm::Confirmed(out) => {
+                            rt.idempotency
+                                .finish(
+                                    op,
+                                    revision,
+                                    &req.args_digest,
+                                    runner,
+                                    &out.content,
+                                    out.is_error,
+                                )
+                                .await?;
+                            return journal_result(rt, op, out, false).await;
+                        }
+                        Confirm::NotFound => revision,
+                        Confirm::Ambiguous(detail) => {
+                            // Never retried automatically: the run waits in `unknown` for a
+                            // person (`outcome.resolved`).
+                            return journal_ambiguous(rt, op, req.redispatch, detail).await;
+                        }
+                    },
+                    _ => revision,
+                }
             }
         }
     };
@@ -327,6 +334,32 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(),
         .await?;
     failpoint::hit("tool.after_record");
     journal_result(rt, op, out, stopped).await
+}
+
+/// Journals that an operation's outcome cannot be known.
+async fn journal_ambiguous(
+    rt: &Runtime,
+    op: &OperationId,
+    dispatch: u32,
+    detail: String,
+) -> Result<(), ToolError> {
+    let env = Envelope::new(
+        op.run().clone(),
+        Timestamp::now(),
+        Draft::new(Event::OutcomeAmbiguous(
+            kedge_core::event::OutcomeAmbiguous { detail },
+        ))
+        .step(op.step())
+        .op(op.clone()),
+    );
+    match rt
+        .journal
+        .append_input(&env, &format!("outcome.ambiguous:{op}:{dispatch}"))
+        .await
+    {
+        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Journals an operation's result; its msg id makes a repeat a no-op.
