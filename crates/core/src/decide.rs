@@ -5,18 +5,32 @@
 //! Duplicate and early wakes land on `Idle`: the model is never called while a tool result is
 //! missing (seed 004, 难点 4).
 
+use crate::event::CallbackExpected;
 use crate::event::{
     AssistantMessage, Budget, Digest, Draft, Event, FailureReason, FinishReason, QuestionAsked,
     RunCancelled, RunCancelling, RunFailed, RunResumed, RunRevived, RunStarted, RunSucceeded,
     RunUnknown, RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
 };
 use crate::event::{TimerPurpose, TimerScheduled, Timestamp};
-use crate::fold::{ASK_USER_TOOL, ChatMessage, OpStatus, RunState, WAIT_TOOL};
-use crate::ids::{Attempt, ModelRequestId, OperationId, QuestionId, StepNo, TimerId};
+use crate::fold::{ASK_USER_TOOL, AWAIT_CALLBACK_TOOL, ChatMessage, OpStatus, RunState, WAIT_TOOL};
+use crate::ids::{Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, StepNo, TimerId};
 use crate::machine::RunStatus;
 
-/// Longest `wait` a model may ask for (seven days); longer requests are clamped.
+/// Longest `wait` (and callback timeout) a model may ask for (seven days); longer requests are
+/// clamped.
 pub const MAX_WAIT_SECS: u64 = 7 * 24 * 3600;
+/// How long an `await_callback` waits when the call names no `timeout_seconds`.
+pub const DEFAULT_CALLBACK_SECS: u64 = 24 * 3600;
+
+/// A number of seconds from a tool call's arguments, clamped to `[0, MAX_WAIT_SECS]`.
+fn seconds_arg(args: &serde_json::Value, name: &str, default: u64) -> std::time::Duration {
+    let secs = args
+        .get(name)
+        .and_then(|s| s.as_f64())
+        .unwrap_or(default as f64)
+        .clamp(0.0, MAX_WAIT_SECS as f64);
+    std::time::Duration::from_secs_f64(secs)
+}
 
 /// Why there is nothing to do.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -386,18 +400,35 @@ pub fn complete_step(
             );
         } else if call.name == WAIT_TOOL {
             waits_on_timer = true;
-            let secs = call
-                .arguments
-                .get("seconds")
-                .and_then(|s| s.as_f64())
-                .unwrap_or(0.0)
-                .clamp(0.0, MAX_WAIT_SECS as f64);
-            let fire_at = Timestamp(now.0 + std::time::Duration::from_secs_f64(secs));
+            let fire_at = Timestamp(now.0 + seconds_arg(&call.arguments, "seconds", 0));
             tool_drafts.push(
                 Draft::new(Event::TimerScheduled(TimerScheduled {
                     timer_id: TimerId::for_operation(&op),
                     fire_at,
                     purpose: TimerPurpose::Wait { op: op.clone() },
+                }))
+                .step(step)
+                .op(op),
+            );
+        } else if call.name == AWAIT_CALLBACK_TOOL {
+            waits_on_timer = true;
+            let key = CallbackKey::for_operation(&op);
+            let expires_at = Timestamp(
+                now.0 + seconds_arg(&call.arguments, "timeout_seconds", DEFAULT_CALLBACK_SECS),
+            );
+            tool_drafts.push(
+                Draft::new(Event::CallbackExpected(CallbackExpected {
+                    key: key.clone(),
+                    expires_at: Some(expires_at),
+                }))
+                .step(step)
+                .op(op.clone()),
+            );
+            tool_drafts.push(
+                Draft::new(Event::TimerScheduled(TimerScheduled {
+                    timer_id: TimerId::for_operation(&op),
+                    fire_at: expires_at,
+                    purpose: TimerPurpose::CallbackExpiry { key },
                 }))
                 .step(step)
                 .op(op),

@@ -313,6 +313,10 @@ pub enum TimerPurpose {
     QuestionTimeout {
         question_id: QuestionId,
     },
+    /// No callback arrived for this key in time: its operation fails.
+    CallbackExpiry {
+        key: CallbackKey,
+    },
 }
 
 /// Whether a run's output passed its validation. Reported apart from the run's status

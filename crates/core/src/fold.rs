@@ -31,9 +31,14 @@ pub const ASK_USER_TOOL: &str = "ask_user";
 /// run waits (holding nothing) until it fires.
 pub const WAIT_TOOL: &str = "wait";
 
+/// The name of the built-in tool that waits for an external callback:
+/// `{"timeout_seconds": N}`; its result is the first payload delivered for the operation's
+/// correlation key (`CallbackKey::for_operation`).
+pub const AWAIT_CALLBACK_TOOL: &str = "await_callback";
+
 /// Tools the step service handles itself (no tool worker executes them).
 pub fn handled_by_step(tool: &str) -> bool {
-    tool == ASK_USER_TOOL || tool == WAIT_TOOL
+    tool == ASK_USER_TOOL || tool == WAIT_TOOL || tool == AWAIT_CALLBACK_TOOL
 }
 
 /// One message of the provider-neutral conversation.
@@ -146,9 +151,11 @@ pub struct TimerState {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct CallbackState {
     pub expected: bool,
+    /// The operation whose result the callback is.
+    pub op: Option<OperationId>,
     pub expires_at: Option<Timestamp>,
-    /// Payloads received (the first one is the one that counts).
-    pub received: Vec<serde_json::Value>,
+    /// Payloads received in time (the first one is the one that counts), with their sequence.
+    pub received: Vec<(u64, serde_json::Value)>,
 }
 
 /// Everything the services need to know about a run, derived from its journal.
@@ -208,6 +215,14 @@ pub enum FoldError {
         event: EventType,
         why: String,
     },
+}
+
+/// The text a model sees for a callback payload: a JSON string as is, anything else as JSON.
+fn payload_text(payload: &serde_json::Value) -> String {
+    match payload {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// Folds a run's journal, in sequence order, into its state.
@@ -466,6 +481,13 @@ impl RunState {
                 let cb = self.callbacks.entry(c.key.clone()).or_default();
                 cb.expected = true;
                 cb.expires_at = c.expires_at;
+                cb.op = env.op.clone();
+                // A callback that arrived before the run started waiting is matched now.
+                if let Some((at, payload)) = cb.received.first().cloned()
+                    && let Some(op) = env.op.clone()
+                {
+                    self.set_op_result(&op, at, payload_text(&payload), false);
+                }
             }
             Event::RunCancelling(_) | Event::RunUnknown(_) => {}
             Event::RunRevived(r) => {
@@ -623,30 +645,44 @@ impl RunState {
             Event::TimerFired(t) => match self.timers.get_mut(&t.timer_id) {
                 Some(timer) if !timer.fired => {
                     timer.fired = true;
-                    // A `wait` operation's result is its timer firing.
-                    if let TimerPurpose::Wait { op } = timer.purpose.clone()
-                        && let Some(tool) = self.ops.get_mut(&op)
-                        && tool.result.is_none()
-                    {
-                        tool.status = OpStatus::Done;
-                        tool.result = Some(OpResult {
-                            content: format!("waited until {}", timer.fire_at),
-                            is_error: false,
-                            stopped: false,
-                            seq,
-                        });
+                    let fire_at = timer.fire_at;
+                    match timer.purpose.clone() {
+                        // A `wait` operation's result is its timer firing.
+                        TimerPurpose::Wait { op } => {
+                            self.set_op_result(&op, seq, format!("waited until {fire_at}"), false);
+                        }
+                        // No callback in time: the operation fails (a late one is refused).
+                        TimerPurpose::CallbackExpiry { key } => {
+                            if let Some(op) = self.callbacks.get(&key).and_then(|c| c.op.clone()) {
+                                self.set_op_result(
+                                    &op,
+                                    seq,
+                                    format!("no callback for {key} before {fire_at}"),
+                                    true,
+                                );
+                            }
+                        }
+                        TimerPurpose::RunDeadline
+                        | TimerPurpose::ApprovalExpiry { .. }
+                        | TimerPurpose::QuestionTimeout { .. } => {}
                     }
                     true
                 }
                 _ => false,
             },
             Event::CallbackReceived(c) => {
+                let cb = self.callbacks.entry(c.key.clone()).or_default();
+                if cb.expires_at.is_some_and(|exp| env.at > exp) {
+                    return false; // too late: the operation already failed or will
+                }
+                if !cb.received.is_empty() {
+                    return false; // a duplicate: the first one counts
+                }
                 // Kept even before `callback.expected`: an early callback is matched later.
-                self.callbacks
-                    .entry(c.key.clone())
-                    .or_default()
-                    .received
-                    .push(c.payload.clone());
+                cb.received.push((seq, c.payload.clone()));
+                if let Some(op) = cb.op.clone() {
+                    self.set_op_result(&op, seq, payload_text(&c.payload), false);
+                }
                 true
             }
             Event::CancelRequested(c) => {
@@ -677,6 +713,21 @@ impl RunState {
             | Event::RunSucceeded(_)
             | Event::RunFailed(_)
             | Event::RunCancelled(_) => false,
+        }
+    }
+
+    /// Sets the result of an operation that has none yet.
+    fn set_op_result(&mut self, op: &OperationId, seq: u64, content: String, is_error: bool) {
+        if let Some(tool) = self.ops.get_mut(op)
+            && tool.result.is_none()
+        {
+            tool.status = OpStatus::Done;
+            tool.result = Some(OpResult {
+                content,
+                is_error,
+                stopped: false,
+                seq,
+            });
         }
     }
 

@@ -346,6 +346,28 @@ impl QuestionId {
     }
 }
 
+impl CallbackKey {
+    /// The correlation key of an `await_callback` operation: derived from the operation, so the
+    /// run it belongs to can be found from the key alone.
+    pub fn for_operation(op: &OperationId) -> Self {
+        Self(format!(
+            "{}{}_{}_{}",
+            Self::PREFIX,
+            op.run.body(),
+            op.step,
+            op.index
+        ))
+    }
+
+    /// The operation a derived key belongs to (`None` for a key not made by
+    /// [`CallbackKey::for_operation`]).
+    pub fn operation(&self) -> Option<OperationId> {
+        format!("{}{}", OperationId::PREFIX, self.body())
+            .parse()
+            .ok()
+    }
+}
+
 impl TimerId {
     /// The timer of a `wait` operation: derived from the operation, so a retried commit schedules
     /// the same timer.

@@ -29,6 +29,11 @@ pub const CONSUMERS: &[(&str, &str, &str)] = &[
     ),
     (
         "KEDGE_RUNS",
+        "projector",
+        include_str!("../../../nats/consumers/KEDGE_RUNS/projector.json"),
+    ),
+    (
+        "KEDGE_RUNS",
         "timer",
         include_str!("../../../nats/consumers/KEDGE_RUNS/timer.json"),
     ),

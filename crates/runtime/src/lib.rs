@@ -5,6 +5,7 @@
 //! - [`Runtime`]: the broker connection after the layout check, the journal, leases and the KV
 //!   stores every service uses.
 //! - [`agents`]: agent definitions in `kedge_agents`.
+//! - [`callbacks`]: delivering external callbacks to the runs that wait for them.
 //! - [`idempotency`]: stored model responses and tool operation records in `kedge_idempotency`.
 //! - [`consumer`]: durable pull consumers from `nats/consumers/*.json`.
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
@@ -13,6 +14,7 @@
 //! ([`Runtime::connect`] refuses), so no code below has to wonder whether a flag is set.
 
 pub mod agents;
+pub mod callbacks;
 pub mod config;
 pub mod consumer;
 pub mod failpoint;

@@ -13,6 +13,12 @@
 //! A task that fails validation is acked (never retried), recorded on `agent.rejected.<agent>`
 //! (stream `KEDGE_REJECTIONS`) with the reason, and answered when it asked for an answer.
 //!
+//! Intake also answers external callbacks over NATS: a request on `agent.callback.<key>` (queue
+//! group `kedge-callbacks`; body = the payload, JSON or text; optional `Kedge-Delivery-Id`
+//! header) is delivered by [`kedge_runtime::callbacks::deliver`] and answered with its
+//! `Delivery` as JSON (`{"status": "accepted" | "early" | "duplicate" | "expired" | "closed" |
+//! "unknown_key", …}`).
+//!
 //! Answers go to the subject in the task's `Kedge-Reply-To` header (a JetStream publish's own
 //! reply subject carries the broker's ack, so it cannot carry ours): `{"run_id": …}` or
 //! `{"error": {"field": …, "reason": …}}`.
@@ -58,6 +64,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .await
         .map_err(|e| RuntimeError::broker("intake consumer", e))?;
     let permits = Arc::new(Semaphore::new(64));
+    serve_callbacks(&rt).await?;
     tracing::info!(worker = %rt.config.worker_id, "intake service started");
     tokio::pin!(shutdown);
     loop {
@@ -83,6 +90,45 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     }
     let _ = permits.acquire_many(64).await;
     tracing::info!("intake service stopped");
+    Ok(())
+}
+
+/// Header carrying a callback delivery's id (a webhook's own id), for deduplication.
+pub const DELIVERY_ID_HEADER: &str = "Kedge-Delivery-Id";
+
+async fn serve_callbacks(rt: &Runtime) -> Result<(), RuntimeError> {
+    let mut requests = rt
+        .client
+        .queue_subscribe("agent.callback.*", "kedge-callbacks".into())
+        .await
+        .map_err(|e| RuntimeError::broker("subscribe to callbacks", e))?;
+    let rt = rt.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = requests.next().await {
+            let rt = rt.clone();
+            tokio::spawn(async move {
+                let key = msg.subject.as_str().trim_start_matches("agent.callback.");
+                let payload = serde_json::from_slice(&msg.payload).unwrap_or_else(|_| {
+                    serde_json::Value::String(String::from_utf8_lossy(&msg.payload).into_owned())
+                });
+                let delivery_id = header(msg.headers.as_ref(), DELIVERY_ID_HEADER);
+                let answer =
+                    match kedge_runtime::callbacks::deliver(&rt, key, payload, delivery_id).await {
+                        Ok(d) => serde_json::to_vec(&d).unwrap_or_default(),
+                        Err(e) => {
+                            tracing::warn!(%key, error = %e, "callback not delivered");
+                            serde_json::to_vec(
+                                &serde_json::json!({"status": "error", "reason": e.to_string()}),
+                            )
+                            .unwrap_or_default()
+                        }
+                    };
+                if let Some(reply) = msg.reply {
+                    let _ = rt.client.publish(reply, answer.into()).await;
+                }
+            });
+        }
+    });
     Ok(())
 }
 

@@ -1,0 +1,141 @@
+//! External callbacks: delivering an event for a correlation key into its run's journal.
+//!
+//! A key made by `CallbackKey::for_operation` names its run and operation, so any ingress (the
+//! NATS responder on `agent.callback.<key>` in the intake service, the bridge's
+//! `POST /v1/callbacks/{key}`) delivers through [`deliver`]:
+//!
+//! - a key whose run exists and is still waiting (or not yet waiting: an **early** callback is
+//!   journaled and matched when the run starts waiting) → `callback.received` is journaled, its
+//!   `Nats-Msg-Id` derived from the key and the caller's delivery id (or the payload digest), so
+//!   a redelivered callback is stored once; the fold takes the first payload per key;
+//! - a key that already has its payload → `Duplicate`, nothing journaled;
+//! - a key whose deadline passed, or whose run ended → refused (`Expired` / `Closed`);
+//! - a key that names no run → recorded on `agent.rejected.callback` (stream
+//!   `KEDGE_REJECTIONS`) with its payload, never lost, and answered `UnknownKey`.
+
+use kedge_core::event::{CallbackReceived, Digest, Draft, Envelope, Event, Timestamp};
+use kedge_core::ids::{CallbackKey, RunId};
+use kedge_journal::JournalError;
+use serde::Serialize;
+
+use crate::Runtime;
+
+/// What became of a delivered callback.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum Delivery {
+    /// Journaled; the waiting operation has its result.
+    Accepted { run_id: RunId, seq: u64 },
+    /// Journaled before the run started waiting; it is matched when it does.
+    Early { run_id: RunId, seq: u64 },
+    /// The key already has its payload; nothing changed.
+    Duplicate { run_id: RunId },
+    /// The key's deadline has passed; refused.
+    Expired {
+        run_id: RunId,
+        expires_at: Timestamp,
+    },
+    /// The run has ended; refused.
+    Closed { run_id: RunId },
+    /// No run has this key; recorded on `agent.rejected.callback`.
+    UnknownKey { recorded: bool },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CallbackError {
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error("the run's journal does not fold: {0}")]
+    Fold(#[from] kedge_core::FoldError),
+    #[error("cannot record the unknown callback: {0}")]
+    Record(String),
+}
+
+/// Delivers `payload` for `key`. `delivery_id` identifies the caller's delivery (a webhook id);
+/// without one the payload's digest does.
+pub async fn deliver(
+    rt: &Runtime,
+    key: &str,
+    payload: serde_json::Value,
+    delivery_id: Option<&str>,
+) -> Result<Delivery, CallbackError> {
+    let parsed = key
+        .parse::<CallbackKey>()
+        .ok()
+        .and_then(|k| k.operation().map(|op| (k, op)));
+    let Some((key, op)) = parsed else {
+        return record_unknown(rt, key, &payload).await;
+    };
+    let run = op.run().clone();
+    let events = rt.journal.read(&run, 0).await?;
+    if events.is_empty() {
+        return record_unknown(rt, key.as_str(), &payload).await;
+    }
+    let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
+    if state.status.is_terminal() {
+        return Ok(Delivery::Closed { run_id: run });
+    }
+    let now = Timestamp::now();
+    let cb = state.callbacks.get(&key);
+    if let Some(expires_at) = cb.and_then(|c| c.expires_at)
+        && now > expires_at
+    {
+        return Ok(Delivery::Expired {
+            run_id: run,
+            expires_at,
+        });
+    }
+    if cb.is_some_and(|c| !c.received.is_empty()) {
+        return Ok(Delivery::Duplicate { run_id: run });
+    }
+    let expected = cb.is_some_and(|c| c.expected);
+    let env = Envelope::new(
+        run.clone(),
+        now,
+        Draft::new(Event::CallbackReceived(CallbackReceived {
+            key: key.clone(),
+            payload: payload.clone(),
+        })),
+    );
+    let id = match delivery_id {
+        Some(id) => id.to_owned(),
+        None => Digest::of_json(&payload).as_str().to_owned(),
+    };
+    let seq = match rt
+        .journal
+        .append_input(&env, &format!("callback:{key}:{id}"))
+        .await
+    {
+        Ok(seq) => seq,
+        Err(JournalError::Duplicate { .. }) => return Ok(Delivery::Duplicate { run_id: run }),
+        Err(e) => return Err(e.into()),
+    };
+    Ok(if expected {
+        Delivery::Accepted { run_id: run, seq }
+    } else {
+        Delivery::Early { run_id: run, seq }
+    })
+}
+
+async fn record_unknown(
+    rt: &Runtime,
+    key: &str,
+    payload: &serde_json::Value,
+) -> Result<Delivery, CallbackError> {
+    let body = serde_json::json!({
+        "at": Timestamp::now(),
+        "kind": "callback",
+        "key": key,
+        "reason": "no run has this correlation key",
+        "payload": payload,
+    });
+    let ack = rt
+        .js
+        .publish("agent.rejected.callback", body.to_string().into())
+        .await
+        .map_err(|e| CallbackError::Record(e.to_string()))?;
+    ack.await
+        .map_err(|e| CallbackError::Record(e.to_string()))?;
+    tracing::warn!(%key, "callback for an unknown key recorded on agent.rejected.callback");
+    Ok(Delivery::UnknownKey { recorded: true })
+}
