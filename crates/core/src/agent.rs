@@ -79,6 +79,34 @@ pub struct ToolPolicy {
     /// Overrides the tool service's default timeout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,
+    /// How long an approval request stays valid (default one day).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_ttl_secs: Option<u64>,
+}
+
+/// Default validity of an approval request.
+pub const DEFAULT_APPROVAL_TTL_SECS: u64 = 24 * 3600;
+
+impl ToolPolicy {
+    /// Why an operation of this tool needs a person's approval, if it does.
+    pub fn approval_basis(&self, tool: &str) -> Option<String> {
+        match self.approval {
+            ApprovalRule::Never => None,
+            ApprovalRule::Always => {
+                Some(format!("policy: every `{tool}` operation needs approval"))
+            }
+            ApprovalRule::AtOrAboveRisk => {
+                let threshold = self.approval_risk.unwrap_or(Risk::High);
+                (self.risk >= threshold).then(|| {
+                    format!(
+                        "policy: `{tool}` is {:?} risk, approval needed at {:?} and above",
+                        self.risk, threshold
+                    )
+                    .to_lowercase()
+                })
+            }
+        }
+    }
 }
 
 /// A definition that cannot be stored.

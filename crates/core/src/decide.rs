@@ -5,14 +5,19 @@
 //! Duplicate and early wakes land on `Idle`: the model is never called while a tool result is
 //! missing (seed 004, 难点 4).
 
-use crate::event::CallbackExpected;
+use crate::agent::{DEFAULT_APPROVAL_TTL_SECS, ToolPolicy};
+use crate::event::{
+    ApprovalExpired, ApprovalInvalidated, ApprovalRequested, CallbackExpected, Verdict,
+};
 use crate::event::{
     AssistantMessage, Budget, Digest, Draft, Event, FailureReason, FinishReason, QuestionAsked,
     RunCancelled, RunCancelling, RunFailed, RunResumed, RunRevived, RunStarted, RunSucceeded,
     RunUnknown, RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
 };
 use crate::event::{TimerPurpose, TimerScheduled, Timestamp};
+use crate::fold::ApprovalStatus;
 use crate::fold::{ASK_USER_TOOL, AWAIT_CALLBACK_TOOL, ChatMessage, OpStatus, RunState, WAIT_TOOL};
+use crate::ids::ApprovalId;
 use crate::ids::{Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, StepNo, TimerId};
 use crate::machine::RunStatus;
 
@@ -182,6 +187,27 @@ pub fn decide(state: &RunState) -> Next {
         | RunStatus::WaitingUser
         | RunStatus::WaitingApproval
         | RunStatus::WaitingExternal => {
+            let mut acts = act_on_approvals(state);
+            if !acts.is_empty() {
+                let settled: Vec<&OperationId> = acts
+                    .iter()
+                    .filter(|d| {
+                        matches!(d.event, Event::ToolRequested(_) | Event::ApprovalExpired(_))
+                    })
+                    .filter_map(|d| d.op.as_ref())
+                    .collect();
+                let still_held = state.ops.values().any(|o| {
+                    o.status == OpStatus::AwaitingApproval
+                        && o.result.is_none()
+                        && !settled.contains(&&o.op)
+                });
+                if !still_held && state.status == RunStatus::WaitingApproval {
+                    acts.push(Draft::new(Event::RunWaiting(RunWaiting {
+                        on: WaitReason::Tool,
+                    })));
+                }
+                return Next::Commit(acts);
+            }
             let missing = state
                 .last_step_ops()
                 .iter()
@@ -198,6 +224,129 @@ pub fn decide(state: &RunState) -> Next {
             })
         }
     }
+}
+
+/// `approval.requested` (version `version`) and its expiry timer.
+fn approval_request(
+    op: &OperationId,
+    call: &crate::event::ToolCall,
+    args_digest: Digest,
+    risk: crate::event::Risk,
+    basis: String,
+    version: u32,
+    expires_at: Timestamp,
+) -> [Draft; 2] {
+    let approval_id = ApprovalId::for_operation(op, version);
+    [
+        Draft::new(Event::ApprovalRequested(ApprovalRequested {
+            approval_id: approval_id.clone(),
+            tool: call.name.clone(),
+            call_id: call.call_id.clone(),
+            arguments: call.arguments.clone(),
+            args_digest,
+            risk,
+            basis,
+            expires_at,
+            plan_version: version,
+        }))
+        .step(op.step())
+        .op(op.clone()),
+        Draft::new(Event::TimerScheduled(TimerScheduled {
+            timer_id: TimerId::for_approval(&approval_id),
+            fire_at: expires_at,
+            purpose: TimerPurpose::ApprovalExpiry { approval_id },
+        }))
+        .step(op.step())
+        .op(op.clone()),
+    ]
+}
+
+/// What the approvals of the run call for: dispatch what was validly approved, expire what ran
+/// out of time, invalidate (and ask again) what was approved for other arguments than these.
+/// Empty when there is nothing to do.
+fn act_on_approvals(state: &RunState) -> Vec<Draft> {
+    let mut drafts = Vec::new();
+    for (id, a) in &state.approvals {
+        let Some(op) = &a.op else { continue };
+        let Some(tool) = state.ops.get(op) else {
+            continue;
+        };
+        if tool.result.is_some() || tool.status != OpStatus::AwaitingApproval {
+            continue;
+        }
+        let expire = || {
+            Draft::new(Event::ApprovalExpired(ApprovalExpired {
+                approval_id: id.clone(),
+            }))
+            .step(op.step())
+            .op(op.clone())
+        };
+        match &a.status {
+            ApprovalStatus::Open => {
+                let timer_fired = state
+                    .timers
+                    .get(&TimerId::for_approval(id))
+                    .is_some_and(|t| t.fired);
+                if timer_fired {
+                    drafts.push(expire());
+                }
+            }
+            ApprovalStatus::Decided {
+                verdict: Verdict::Approve,
+                args_digest,
+                at,
+                ..
+            } => {
+                if *at > a.request.expires_at {
+                    drafts.push(expire());
+                } else if *args_digest != tool.args_digest {
+                    // The approver saw other arguments than the ones that would run.
+                    drafts.push(
+                        Draft::new(Event::ApprovalInvalidated(ApprovalInvalidated {
+                            approval_id: id.clone(),
+                            reason: format!(
+                                "approved arguments {args_digest} differ from the operation's {}",
+                                tool.args_digest
+                            ),
+                        }))
+                        .step(op.step())
+                        .op(op.clone()),
+                    );
+                    let ttl = a.request.expires_at.0 - a.requested_at.0;
+                    drafts.extend(approval_request(
+                        op,
+                        &tool.call,
+                        tool.args_digest.clone(),
+                        a.request.risk,
+                        a.request.basis.clone(),
+                        a.request.plan_version.saturating_add(1),
+                        Timestamp(at.0 + ttl),
+                    ));
+                } else {
+                    drafts.push(
+                        Draft::new(Event::ToolRequested(ToolRequested {
+                            call_id: tool.call.call_id.clone(),
+                            tool: tool.call.name.clone(),
+                            arguments: tool.call.arguments.clone(),
+                            args_digest: tool.args_digest.clone(),
+                            redispatch: 0,
+                        }))
+                        .step(op.step())
+                        .op(op.clone()),
+                    );
+                }
+            }
+            // A denial already gave the operation its result; invalidated and expired
+            // requests are settled.
+            ApprovalStatus::Decided {
+                verdict: Verdict::Deny,
+                ..
+            }
+            | ApprovalStatus::Invalidated
+            | ApprovalStatus::Expired => {}
+        }
+    }
+    drafts
 }
 
 fn has_ambiguous(state: &RunState) -> bool {
@@ -343,6 +492,7 @@ pub fn complete_step(
     response: ModelResponse,
     reused: bool,
     now: Timestamp,
+    policy: &std::collections::BTreeMap<String, ToolPolicy>,
 ) -> Vec<Draft> {
     if let Some(reason) = &state.cancel_requested {
         // The answer is recorded (it was paid for) but nothing it asks for is dispatched.
@@ -368,9 +518,32 @@ pub fn complete_step(
     let mut drafts = Vec::with_capacity(response.message.tool_calls.len() * 2 + 2);
     let mut waits_on_user = false;
     let mut waits_on_timer = false;
+    let mut waits_on_approval = false;
     let mut tool_drafts = Vec::new();
     for (index, call) in response.message.tool_calls.iter().enumerate() {
         let op = OperationId::new(&state.run_id, step, index as u32);
+        let tool_policy = policy.get(&call.name).cloned().unwrap_or_default();
+        if let Some(basis) = tool_policy.approval_basis(&call.name)
+            && !crate::fold::handled_by_step(&call.name)
+        {
+            // Held back: nothing runs until a person approves exactly these arguments.
+            waits_on_approval = true;
+            let ttl = std::time::Duration::from_secs(
+                tool_policy
+                    .approval_ttl_secs
+                    .unwrap_or(DEFAULT_APPROVAL_TTL_SECS),
+            );
+            tool_drafts.extend(approval_request(
+                &op,
+                call,
+                Digest::of_json(&call.arguments),
+                tool_policy.risk,
+                basis,
+                1,
+                Timestamp(now.0 + ttl),
+            ));
+            continue;
+        }
         tool_drafts.push(
             Draft::new(Event::ToolRequested(ToolRequested {
                 call_id: call.call_id.clone(),
@@ -450,7 +623,9 @@ pub fn complete_step(
     );
     drafts.extend(tool_drafts);
     if has_tools {
-        let on = if waits_on_user {
+        let on = if waits_on_approval {
+            WaitReason::Approval
+        } else if waits_on_user {
             WaitReason::User
         } else if waits_on_timer {
             WaitReason::External

@@ -473,6 +473,9 @@ pub struct QuestionAsked {
 pub struct ApprovalRequested {
     pub approval_id: ApprovalId,
     pub tool: String,
+    /// The call as the model made it: what the approver is shown, and what runs if approved.
+    pub call_id: String,
+    pub arguments: serde_json::Value,
     pub args_digest: Digest,
     pub risk: Risk,
     /// Why this needs approval (the policy rule that matched).

@@ -62,6 +62,8 @@ pub enum ChatMessage {
 /// Where one tool operation stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum OpStatus {
+    /// Held back until a person approves it (`approval.requested`); not dispatched.
+    AwaitingApproval,
     /// Requested; no runner has reported starting it.
     Requested,
     Started {
@@ -129,6 +131,8 @@ pub enum ApprovalStatus {
         verdict: Verdict,
         args_digest: crate::event::Digest,
         approver: String,
+        /// When the decision was journaled (checked against the request's expiry).
+        at: Timestamp,
     },
     Invalidated,
     Expired,
@@ -139,6 +143,8 @@ pub struct ApprovalState {
     pub op: Option<OperationId>,
     pub request: ApprovalRequested,
     pub status: ApprovalStatus,
+    /// When the request was journaled.
+    pub requested_at: Timestamp,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -452,12 +458,29 @@ impl RunState {
                 );
             }
             Event::ApprovalRequested(req) => {
+                let Some(op) = env.op.clone() else {
+                    return Err(Self::inconsistent(seq, env, "op is required"));
+                };
+                // The operation exists from now on, held back until approved.
+                self.ops.entry(op.clone()).or_insert_with(|| ToolOp {
+                    op: op.clone(),
+                    call: ToolCall {
+                        call_id: req.call_id.clone(),
+                        name: req.tool.clone(),
+                        arguments: req.arguments.clone(),
+                    },
+                    args_digest: req.args_digest.clone(),
+                    status: OpStatus::AwaitingApproval,
+                    result: None,
+                    dispatches: 0,
+                });
                 self.approvals.insert(
                     req.approval_id.clone(),
                     ApprovalState {
-                        op: env.op.clone(),
+                        op: Some(op),
                         request: req.clone(),
                         status: ApprovalStatus::Open,
+                        requested_at: env.at,
                     },
                 );
             }
@@ -466,6 +489,19 @@ impl RunState {
             }
             Event::ApprovalExpired(a) => {
                 self.set_approval(seq, env, &a.approval_id, ApprovalStatus::Expired)?;
+                // The model is told; the operation never runs.
+                if let Some(op) = self
+                    .approvals
+                    .get(&a.approval_id)
+                    .and_then(|s| s.op.clone())
+                {
+                    self.set_op_result(
+                        &op,
+                        seq,
+                        format!("not run: approval {} expired", a.approval_id),
+                        true,
+                    );
+                }
             }
             Event::TimerScheduled(t) => {
                 self.timers.insert(
@@ -637,7 +673,24 @@ impl RunState {
                         verdict: d.verdict,
                         args_digest: d.args_digest.clone(),
                         approver: d.approver.clone(),
+                        at: env.at,
                     };
+                    // A denial stands whatever was shown: the model is told and continues.
+                    if d.verdict == Verdict::Deny
+                        && let Some(op) = a.op.clone()
+                    {
+                        let comment = d
+                            .comment
+                            .as_deref()
+                            .map(|c| format!(": {c}"))
+                            .unwrap_or_default();
+                        self.set_op_result(
+                            &op,
+                            seq,
+                            format!("not run: denied by {}{comment}", d.approver),
+                            true,
+                        );
+                    }
                     true
                 }
                 _ => false,
@@ -837,7 +890,10 @@ impl RunState {
                     (Some(r), _) if r.stopped => OpFate::Stopped,
                     (Some(r), _) if r.is_error => OpFate::Failed,
                     (Some(_), _) => OpFate::Completed,
-                    (None, OpStatus::Requested | OpStatus::ToRetry) => OpFate::NeverStarted,
+                    (
+                        None,
+                        OpStatus::Requested | OpStatus::ToRetry | OpStatus::AwaitingApproval,
+                    ) => OpFate::NeverStarted,
                     (None, _) => OpFate::Stopped,
                 },
             })

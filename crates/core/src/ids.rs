@@ -368,7 +368,26 @@ impl CallbackKey {
     }
 }
 
+impl ApprovalId {
+    /// The `version`-th approval request of an operation: derived, so a retried commit asks the
+    /// same one, and a fresh request after an invalidation gets a new id.
+    pub fn for_operation(op: &OperationId, version: u32) -> Self {
+        Self(format!(
+            "{}{}_{}_{}_v{version}",
+            Self::PREFIX,
+            op.run.body(),
+            op.step,
+            op.index
+        ))
+    }
+}
+
 impl TimerId {
+    /// The expiry timer of an approval request.
+    pub fn for_approval(approval: &ApprovalId) -> Self {
+        Self(format!("{}{}", Self::PREFIX, approval.body()))
+    }
+
     /// The timer of a `wait` operation: derived from the operation, so a retried commit schedules
     /// the same timer.
     pub fn for_operation(op: &OperationId) -> Self {

@@ -180,17 +180,17 @@ pub const TRANSITIONS: &[Transition] = &[
     },
     Transition {
         event: EventType::ApprovalRequested,
-        from: &[R, WA],
+        from: WAITING_OR_RUNNING,
         to: Target::Stay,
     },
     Transition {
         event: EventType::ApprovalInvalidated,
-        from: &[R, WA],
+        from: WAITING_OR_RUNNING,
         to: Target::Stay,
     },
     Transition {
         event: EventType::ApprovalExpired,
-        from: &[R, WA, C],
+        from: &[R, WT, WU, WA, WE, C],
         to: Target::Stay,
     },
     Transition {

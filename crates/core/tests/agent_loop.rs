@@ -132,6 +132,7 @@ impl Sim {
             response,
             false,
             Timestamp::now(),
+            &Default::default(),
         );
         self.commit(drafts);
         plan
@@ -363,6 +364,7 @@ fn a_user_message_during_an_in_flight_step_reaches_the_next_step() {
         tools(&[("call_1", "read_file")]),
         false,
         Timestamp::now(),
+        &Default::default(),
     );
     sim.commit(drafts);
     let op = sim.ops_of(1).remove(0);
@@ -407,6 +409,7 @@ fn a_crash_after_step_started_resumes_with_the_stored_request_then_a_new_attempt
         text("hi"),
         true,
         Timestamp::now(),
+        &Default::default(),
     );
     sim.commit(drafts);
     assert_eq!(sim.state().status, RunStatus::Succeeded);
@@ -650,6 +653,7 @@ fn wait_schedules_a_timer_whose_firing_is_the_result() {
         wait,
         false,
         now,
+        &Default::default(),
     );
     sim.commit(drafts);
     let state = sim.state();

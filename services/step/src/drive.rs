@@ -251,6 +251,17 @@ impl Driver {
         let span =
             tracing::info_span!("step", run_id = %run, step = %plan.step, attempt = %plan.attempt);
         async {
+            let def = match self.definition(state).await {
+                Ok(def) => def,
+                Err(reason) => {
+                    let fail = Draft::new(Event::RunFailed(RunFailed {
+                        reason: FailureReason::Internal,
+                        message: reason,
+                    }));
+                    self.commit(state, writer, vec![fail]).await?;
+                    return Ok(());
+                }
+            };
             // A worker that died after the model answered left the response behind.
             if let Some((request, digest)) = &plan.unfinished
                 && let Some(stored) = self.rt.idempotency.stored_response(request).await?
@@ -265,21 +276,11 @@ impl Driver {
                     stored.response,
                     true,
                     Timestamp::now(),
+                    &def.policy,
                 );
                 self.commit(state, writer, drafts).await?;
                 return Ok(());
             }
-            let def = match self.definition(state).await {
-                Ok(def) => def,
-                Err(reason) => {
-                    let fail = Draft::new(Event::RunFailed(RunFailed {
-                        reason: FailureReason::Internal,
-                        message: reason,
-                    }));
-                    self.commit(state, writer, vec![fail]).await?;
-                    return Ok(());
-                }
-            };
             if !self.commit(state, writer, plan.start.clone()).await? {
                 return Ok(());
             }
@@ -308,6 +309,7 @@ impl Driver {
                         response,
                         false,
                         Timestamp::now(),
+                        &def.policy,
                     );
                     self.commit(state, writer, drafts).await?;
                     Ok(())
