@@ -82,6 +82,22 @@ pub enum Command {
         #[arg(long, default_value = "cancelled from the CLI")]
         reason: String,
     },
+    /// Decide an approval (sent to the approval service, which authenticates the token).
+    Approve {
+        run: RunId,
+        approval: kedge_core::ids::ApprovalId,
+        /// The argument digest you were shown (`kedge journal` prints it in approval.requested).
+        #[arg(long)]
+        digest: kedge_core::event::Digest,
+        /// Deny instead of approve.
+        #[arg(long)]
+        deny: bool,
+        #[arg(long)]
+        comment: Option<String>,
+        /// Your approver token.
+        #[arg(long, env = "KEDGE_APPROVER_TOKEN")]
+        token: String,
+    },
     /// Resolve an operation whose outcome is ambiguous (the run waits in `unknown`).
     Resolve {
         run: RunId,
@@ -109,6 +125,15 @@ pub enum Command {
     },
     /// A demo run on the built-in mock model, with its own nats-server.
     Demo(crate::demo::DemoArgs),
+    /// The kedge_runs projection (a cache of the journal).
+    #[command(subcommand)]
+    Runs(RunsCmd),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RunsCmd {
+    /// Recompute kedge_runs from the journal (every run; removes entries of runs not in it).
+    Rebuild,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -120,6 +145,9 @@ pub enum Service {
     Approval,
     Timer,
     Reconciler,
+    /// The kedge_runs projection (part of `all`).
+    Projector,
+    /// The HTTP API and SSE (not part of `all`: it opens a port and needs tokens or open mode).
     Bridge,
 }
 
@@ -173,6 +201,19 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
     match cli.command {
         Command::Demo(args) => crate::demo::run(args, config).await,
+        Command::Runs(RunsCmd::Rebuild) => {
+            let rt = Runtime::connect(config).await?;
+            let report = kedge_bridge::rebuild(&rt).await?;
+            println!(
+                "kedge_runs rebuilt: {} runs in the journal, {} written, {} unchanged, {} failed to fold, {} stale entries removed",
+                report.runs, report.written, report.unchanged, report.failed, report.removed
+            );
+            Ok(if report.failed == 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
         Command::MockLlm { port, script } => {
             let text = match &script {
                 Some(p) => {
@@ -252,6 +293,47 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 answer: text,
             });
             send_input(&rt, &run, event, &key).await
+        }
+        Command::Approve {
+            run,
+            approval,
+            digest,
+            deny,
+            comment,
+            token,
+        } => {
+            let rt = Runtime::connect(config).await?;
+            let body = kedge_approval::DecisionRequest {
+                approval_id: approval,
+                verdict: if deny {
+                    kedge_core::event::Verdict::Deny
+                } else {
+                    kedge_core::event::Verdict::Approve
+                },
+                args_digest: digest,
+                comment,
+            };
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Authorization", format!("Bearer {token}").as_str());
+            let reply = tokio::time::timeout(
+                Duration::from_secs(10),
+                rt.client.request_with_headers(
+                    format!("agent.approval.{run}"),
+                    headers,
+                    serde_json::to_vec(&body)?.into(),
+                ),
+            )
+            .await
+            .context("no answer from the approval service within 10 s")??;
+            match serde_json::from_slice::<kedge_approval::DecisionAnswer>(&reply.payload)? {
+                kedge_approval::DecisionAnswer::Journaled { seq } => {
+                    println!("journaled at {seq}");
+                    Ok(ExitCode::SUCCESS)
+                }
+                kedge_approval::DecisionAnswer::Refused { code, reason } => {
+                    bail!("refused ({code}): {reason}")
+                }
+            }
         }
         Command::Resolve {
             run,
@@ -345,10 +427,19 @@ pub async fn serve(
     if wanted(Service::Reconciler) {
         tasks.spawn(kedge_reconciler::run(rt.clone(), stop(&tx)));
     }
-    for s in [Service::Approval, Service::Bridge] {
-        if services.contains(&s) {
-            bail!("the {s:?} service is not built yet");
-        }
+    if wanted(Service::Projector) {
+        tasks.spawn(kedge_bridge::run_projector(rt.clone(), stop(&tx)));
+    }
+    if services.contains(&Service::Bridge) {
+        let (rt, stop) = (rt.clone(), stop(&tx));
+        tasks.spawn(async move {
+            kedge_bridge::run(rt, stop)
+                .await
+                .map_err(|e| kedge_runtime::RuntimeError::broker("bridge", e))
+        });
+    }
+    if wanted(Service::Approval) {
+        tasks.spawn(kedge_approval::run(rt.clone(), stop(&tx)));
     }
     tokio::spawn(async move {
         shutdown.await;

@@ -37,6 +37,10 @@ pub struct Config {
     /// The environment wins. Never read from a file and never printed.
     #[serde(skip)]
     pub api_keys: std::collections::BTreeMap<String, String>,
+    /// Approvers by bearer token (`KEDGE_APPROVER_TOKENS=token:name,…`): who may decide
+    /// approvals over NATS. Never printed.
+    #[serde(default, skip_serializing)]
+    pub approvers: std::collections::BTreeMap<String, String>,
 }
 
 impl Config {
@@ -68,6 +72,7 @@ impl Default for Config {
             timeouts: Timeouts::default(),
             bridge: BridgeConfig::default(),
             api_keys: Default::default(),
+            approvers: Default::default(),
         }
     }
 }
@@ -96,6 +101,9 @@ pub struct BridgeConfig {
     pub sse_retry_ms: u64,
     /// Open SSE connections one bridge serves at once; more are answered 503.
     pub max_sse_connections: usize,
+    /// Frames a watched run's fan-out ring keeps; a connection further behind catches up from
+    /// the journal.
+    pub sse_ring: usize,
 }
 
 /// One bearer token of the bridge.
@@ -130,6 +138,7 @@ impl Default for BridgeConfig {
             heartbeat_ms: 15_000,
             sse_retry_ms: 1_000,
             max_sse_connections: 10_000,
+            sse_ring: 1024,
         }
     }
 }
@@ -193,10 +202,15 @@ impl BridgeConfig {
                 format!("`{}` is not 1-64 of [A-Za-z0-9_-]", self.open_tenant),
             );
         }
-        if self.max_body_bytes < 1024 || self.heartbeat_ms == 0 || self.max_sse_connections == 0 {
+        if self.max_body_bytes < 1024
+            || self.heartbeat_ms == 0
+            || self.max_sse_connections == 0
+            || self.sse_ring == 0
+        {
             return invalid(
                 "bridge",
-                "max_body_bytes >= 1024, heartbeat_ms >= 1 and max_sse_connections >= 1".into(),
+                "max_body_bytes >= 1024; heartbeat_ms, max_sse_connections and sse_ring >= 1"
+                    .into(),
             );
         }
         Ok(())
@@ -266,6 +280,15 @@ impl Config {
         }
         if let Some(v) = get("KEDGE_WORKSPACE_ROOT") {
             self.workspace_root = PathBuf::from(v);
+        }
+        if let Some(v) = get("KEDGE_APPROVER_TOKENS") {
+            for pair in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                let (token, name) = pair.split_once(':').ok_or_else(|| ConfigError::Env {
+                    var: "KEDGE_APPROVER_TOKENS",
+                    reason: format!("`{pair}` is not token:name"),
+                })?;
+                self.approvers.insert(token.to_owned(), name.to_owned());
+            }
         }
         if let Some(v) = get("KEDGE_BRIDGE_LISTEN") {
             self.bridge.listen = v.trim().to_owned();

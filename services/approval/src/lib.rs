@@ -1,1 +1,152 @@
-//! The approval service (shell; built in its issue).
+//! The approval service: authenticates approvers and journals their decisions.
+//!
+//! A decision is a NATS request on `agent.approval.<run_id>` with the header
+//! `Authorization: Bearer <token>` and the body
+//! `{"approval_id": "apr_…", "verdict": "approve" | "deny", "args_digest": "sha256:…",
+//! "comment": "…"}` — `args_digest` is the digest the approver was **shown**. The token names
+//! the approver (configuration `approvers`, `KEDGE_APPROVER_TOKENS`). The service checks that the
+//! run exists and the approval is open, and journals `approval.decided` (one per approval: its
+//! `Nats-Msg-Id` is `approval.decided:<approval_id>`). Whether the decision authorises anything
+//! is the step's call on resume: expired → `approval.expired`; a digest that is not the
+//! operation's → `approval.invalidated` and a fresh request; approve → the operation is
+//! dispatched; deny → the model is told.
+//!
+//! Answers (JSON): `{"status": "journaled", "seq": N}` or
+//! `{"status": "refused", "code": 401 | 404 | 409 | 422, "reason": "…"}`.
+
+use std::future::Future;
+
+use futures::StreamExt;
+use kedge_core::event::{ApprovalDecided, Digest, Draft, Envelope, Event, Timestamp, Verdict};
+use kedge_core::fold::ApprovalStatus;
+use kedge_core::ids::{ApprovalId, RunId};
+use kedge_journal::JournalError;
+use kedge_runtime::{Runtime, RuntimeError};
+use serde::{Deserialize, Serialize};
+
+/// The body of a decision request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecisionRequest {
+    pub approval_id: ApprovalId,
+    pub verdict: Verdict,
+    pub args_digest: Digest,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment: Option<String>,
+}
+
+/// The answer to a decision request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum DecisionAnswer {
+    Journaled { seq: u64 },
+    Refused { code: u16, reason: String },
+}
+
+fn refused(code: u16, reason: impl Into<String>) -> DecisionAnswer {
+    DecisionAnswer::Refused {
+        code,
+        reason: reason.into(),
+    }
+}
+
+/// Runs the approval service until `shutdown` resolves.
+pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+    let mut requests = rt
+        .client
+        .queue_subscribe("agent.approval.*", "kedge-approvals".into())
+        .await
+        .map_err(|e| RuntimeError::broker("subscribe to approval decisions", e))?;
+    if rt.config.approvers.is_empty() {
+        tracing::warn!("no approver tokens configured: every approval decision will be refused");
+    }
+    tracing::info!(worker = %rt.config.worker_id, "approval service started");
+    tokio::pin!(shutdown);
+    loop {
+        let msg = tokio::select! {
+            _ = &mut shutdown => break,
+            next = requests.next() => match next {
+                Some(msg) => msg,
+                None => break,
+            },
+        };
+        let rt = rt.clone();
+        tokio::spawn(async move {
+            let run = msg.subject.as_str().trim_start_matches("agent.approval.");
+            let token = msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Authorization"))
+                .map(|v| v.as_str().trim_start_matches("Bearer ").trim().to_owned());
+            let answer = decide(&rt, run, token.as_deref(), &msg.payload).await;
+            if let Some(reply) = msg.reply
+                && let Ok(body) = serde_json::to_vec(&answer)
+            {
+                let _ = rt.client.publish(reply, body.into()).await;
+            }
+        });
+    }
+    tracing::info!("approval service stopped");
+    Ok(())
+}
+
+/// Authenticates and journals one decision.
+pub async fn decide(rt: &Runtime, run: &str, token: Option<&str>, body: &[u8]) -> DecisionAnswer {
+    let Some(approver) = token.and_then(|t| rt.config.approvers.get(t)) else {
+        return refused(
+            401,
+            "a valid approver token is required (Authorization: Bearer …)",
+        );
+    };
+    let Ok(run) = run.parse::<RunId>() else {
+        return refused(404, format!("`{run}` is not a run id"));
+    };
+    let request: DecisionRequest = match serde_json::from_slice(body) {
+        Ok(r) => r,
+        Err(e) => return refused(422, format!("invalid decision: {e}")),
+    };
+    let events = match rt.journal.read(&run, 0).await {
+        Ok(events) if !events.is_empty() => events,
+        Ok(_) => return refused(404, format!("no run {run}")),
+        Err(e) => return refused(503, e.to_string()),
+    };
+    let state = match kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope))) {
+        Ok(s) => s,
+        Err(e) => return refused(500, e.to_string()),
+    };
+    match state.approvals.get(&request.approval_id) {
+        None => {
+            return refused(
+                404,
+                format!("run {run} has no approval {}", request.approval_id),
+            );
+        }
+        Some(a) if a.status != ApprovalStatus::Open => {
+            return refused(409, format!("approval {} is not open", request.approval_id));
+        }
+        Some(_) => {}
+    }
+    let env = Envelope::new(
+        run.clone(),
+        Timestamp::now(),
+        Draft::new(Event::ApprovalDecided(ApprovalDecided {
+            approval_id: request.approval_id.clone(),
+            verdict: request.verdict,
+            args_digest: request.args_digest,
+            approver: approver.clone(),
+            comment: request.comment,
+        })),
+    );
+    let key = format!("approval.decided:{}", request.approval_id);
+    match rt.journal.append_input(&env, &key).await {
+        Ok(seq) => {
+            tracing::info!(run_id = %run, approval = %request.approval_id, %approver, "approval decided");
+            DecisionAnswer::Journaled { seq }
+        }
+        Err(JournalError::Duplicate { .. }) => refused(
+            409,
+            format!("approval {} was already decided", request.approval_id),
+        ),
+        Err(e) => refused(503, e.to_string()),
+    }
+}

@@ -85,6 +85,7 @@ pub enum Svc {
     Intake,
     Step,
     Tool,
+    Approval,
 }
 
 impl Harness {
@@ -130,6 +131,14 @@ impl Harness {
         self.rt.agents.put(&def).await.expect("agent stored");
     }
 
+    /// Stores a test agent whose tools follow `policy` (the definition's `policy` object).
+    pub async fn agent_with_policy(&self, name: &str, model: &str, policy: serde_json::Value) {
+        let mut def = test_agent(name, model, &self.mock.base_url());
+        def.policy = serde_json::from_value(policy).expect("valid policy");
+        def.validate().expect("valid definition");
+        self.rt.agents.put(&def).await.expect("agent stored");
+    }
+
     /// Runs a service in this process as worker `worker` (its own connection and runtime).
     pub fn spawn_service(&mut self, svc: Svc, worker: &str) {
         let mut config = self.config.clone();
@@ -144,6 +153,7 @@ impl Harness {
                 Svc::Intake => kedge_intake::run(rt, stop).await,
                 Svc::Step => kedge_step::run(rt, stop).await,
                 Svc::Tool => kedge_tool::run(rt, stop).await,
+                Svc::Approval => kedge_approval::run(rt, stop).await,
             };
             if let Err(e) = result {
                 panic!("{svc:?} service failed: {e}");
@@ -173,6 +183,39 @@ impl Harness {
             .spawn()
             .expect("spawn kedge serve");
         self.children.push(child);
+        self.children.len() - 1
+    }
+
+    /// Like [`Harness::spawn_process`], with extra environment variables (e.g. the bridge's
+    /// `KEDGE_BRIDGE_LISTEN` and `KEDGE_BRIDGE_TOKENS`).
+    pub fn spawn_process_with_env(
+        &mut self,
+        svc: &str,
+        worker: &str,
+        failpoints: &str,
+        env: &[(&str, String)],
+    ) -> usize {
+        let t = &self.config.timeouts;
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kedge"));
+        cmd.args(["serve", svc])
+            .env("KEDGE_NATS_URL", self.nats.url())
+            .env("KEDGE_WORKER_ID", worker)
+            .env("KEDGE_WORKSPACE_ROOT", &self.config.workspace_root)
+            .env(API_KEY_VAR, "test-key")
+            .env("KEDGE_LEASE_TTL_MS", t.lease_ttl_ms.to_string())
+            .env("KEDGE_LEASE_RENEW_MS", t.lease_renew_ms.to_string())
+            .env("KEDGE_STEP_ACK_WAIT_MS", t.step_ack_wait_ms.to_string())
+            .env("KEDGE_MODEL_TIMEOUT_MS", t.model_timeout_ms.to_string())
+            .env("KEDGE_TOOL_TIMEOUT_MS", t.tool_timeout_ms.to_string())
+            .env("KEDGE_TOOL_ACK_WAIT_MS", t.tool_ack_wait_ms.to_string())
+            .env("KEDGE_STALL_AFTER_MS", t.stall_after_ms.to_string())
+            .env("KEDGE_FAILPOINTS", failpoints)
+            .env("KEDGE_LOG", "warn")
+            .stdin(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        self.children.push(cmd.spawn().expect("spawn kedge serve"));
         self.children.len() - 1
     }
 
