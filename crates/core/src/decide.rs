@@ -140,11 +140,25 @@ pub fn decide(state: &RunState) -> Next {
         {
             Next::Commit(redispatches(state))
         }
-        RunStatus::Queued => new_step(
-            state,
-            budget,
-            vec![Draft::new(Event::RunStarted(RunStarted {}))],
+        _ if deadline_passed(state) => fail(
+            FailureReason::Deadline,
+            format!(
+                "the run's deadline of {} s passed",
+                budget.deadline_secs.unwrap_or_default()
+            ),
         ),
+        RunStatus::Queued => {
+            let mut start = vec![Draft::new(Event::RunStarted(RunStarted {}))];
+            if let Some(secs) = budget.deadline_secs {
+                // The deadline counts from creation; the timer is durable like any other.
+                start.push(Draft::new(Event::TimerScheduled(TimerScheduled {
+                    timer_id: TimerId::for_deadline(&state.run_id),
+                    fire_at: Timestamp(state.created_at.0 + std::time::Duration::from_secs(secs)),
+                    purpose: TimerPurpose::RunDeadline,
+                })));
+            }
+            new_step(state, budget, start)
+        }
         RunStatus::Running => match &state.open_step {
             Some(open) => {
                 if open.attempt.get() >= budget.max_attempts_per_step {
@@ -347,6 +361,14 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
         }
     }
     drafts
+}
+
+/// The run-deadline timer fired.
+fn deadline_passed(state: &RunState) -> bool {
+    state
+        .timers
+        .values()
+        .any(|t| t.fired && t.purpose == TimerPurpose::RunDeadline)
 }
 
 fn has_ambiguous(state: &RunState) -> bool {

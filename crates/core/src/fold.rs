@@ -170,6 +170,8 @@ pub struct RunState {
     pub run_id: RunId,
     pub status: RunStatus,
     pub bundle: RunCreated,
+    /// When `run.created` was journaled (the run deadline counts from it).
+    pub created_at: Timestamp,
     pub turn: u32,
     /// Sequence of the last event folded.
     pub last_seq: u64,
@@ -263,6 +265,7 @@ impl RunState {
             run_id: env.run_id.clone(),
             status,
             bundle: (**created).clone(),
+            created_at: env.at,
             turn: 1,
             last_seq: seq,
             last_decision_seq: seq,

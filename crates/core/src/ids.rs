@@ -383,6 +383,11 @@ impl ApprovalId {
 }
 
 impl TimerId {
+    /// The deadline timer of a run.
+    pub fn for_deadline(run: &RunId) -> Self {
+        Self(format!("{}deadline_{}", Self::PREFIX, run.body()))
+    }
+
     /// The expiry timer of an approval request.
     pub fn for_approval(approval: &ApprovalId) -> Self {
         Self(format!("{}{}", Self::PREFIX, approval.body()))

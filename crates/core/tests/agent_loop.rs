@@ -675,3 +675,35 @@ fn wait_schedules_a_timer_whose_firing_is_the_result() {
     assert_well_formed(&next.context);
     assert_eq!(sim.state().status, RunStatus::Succeeded);
 }
+
+#[test]
+fn a_run_deadline_is_a_durable_timer_that_fails_the_run() {
+    use kedge_core::event::{TimerFired, TimerPurpose};
+    let mut sim = Sim::new(Budget {
+        deadline_secs: Some(60),
+        ..Budget::default()
+    });
+    sim.run_step(tools(&[("call_1", "read_file")]));
+    let state = sim.state();
+    let (id, timer) = state
+        .timers
+        .iter()
+        .find(|(_, t)| t.purpose == TimerPurpose::RunDeadline)
+        .expect("a deadline timer");
+    assert_eq!(
+        timer.fire_at.0 - state.created_at.0,
+        time::Duration::seconds(60)
+    );
+    sim.input(
+        Event::TimerFired(TimerFired {
+            timer_id: id.clone(),
+        }),
+        None,
+    );
+    let Next::Commit(d) = decide(&sim.state()) else {
+        panic!("the deadline fails the run")
+    };
+    assert!(matches!(&d[0].event, Event::RunFailed(f) if f.reason == FailureReason::Deadline));
+    sim.commit(d);
+    assert_eq!(sim.state().status, RunStatus::Failed);
+}
