@@ -75,7 +75,13 @@ pub struct Driver {
     /// Runs whose cancellation was just requested (from a core-NATS subscription on
     /// `cancel.requested` inputs); an in-flight model call of such a run is aborted.
     cancels: tokio::sync::broadcast::Sender<RunId>,
+    /// Folded states of runs this process drove, so that a drive reads only what was appended
+    /// since (the journal is append-only, so a cached state plus the events after it is exact).
+    cache: Arc<std::sync::Mutex<std::collections::HashMap<RunId, RunState>>>,
 }
+
+/// Runs whose folded state is kept between drives; beyond it the cache starts over.
+const CACHE_RUNS: usize = 10_000;
 
 /// Keeps a lease alive in the background and marks the wake message in progress.
 struct Keeper {
@@ -126,7 +132,12 @@ impl Driver {
         model: ModelClient,
         cancels: tokio::sync::broadcast::Sender<RunId>,
     ) -> Self {
-        Self { rt, model, cancels }
+        Self {
+            rt,
+            model,
+            cancels,
+            cache: Arc::default(),
+        }
     }
 
     /// Drives `run` until it is idle. `msg` is the wake being handled (marked in progress while
@@ -220,21 +231,49 @@ impl Driver {
         writer: &str,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<(), DriveError> {
-        let mut state = self.load(run).await?;
+        let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
+        let mut state = match cached {
+            Some(mut state) => {
+                self.refresh(&mut state).await?;
+                state
+            }
+            None => self.load(run).await?,
+        };
+        let result = self.drive_state(&mut state, writer, lost).await;
+        if result.is_ok()
+            && let Ok(mut cache) = self.cache.lock()
+        {
+            if cache.len() >= CACHE_RUNS {
+                cache.clear();
+            }
+            if !state.status.is_terminal() || !state.pending_messages.is_empty() {
+                cache.insert(run.clone(), state);
+            }
+        }
+        result
+    }
+
+    async fn drive_state(
+        &self,
+        state: &mut RunState,
+        writer: &str,
+        lost: &mut watch::Receiver<bool>,
+    ) -> Result<(), DriveError> {
+        let run = state.run_id.clone();
         loop {
             if *lost.borrow() {
                 return Err(DriveError::LeaseLost);
             }
-            match decide(&state) {
+            match decide(state) {
                 Next::Idle(why) => {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
                     return Ok(());
                 }
                 Next::Commit(drafts) => {
-                    self.commit(&mut state, writer, drafts).await?;
+                    self.commit(state, writer, drafts).await?;
                 }
                 Next::Step(plan) => {
-                    self.step(&mut state, writer, *plan, lost).await?;
+                    self.step(state, writer, *plan, lost).await?;
                 }
             }
         }
