@@ -6,6 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 scripts/setup.sh
+# Headless Chromium and playwright-core for the bridge's browser test (idempotent, fast when there).
+scripts/browser-test.sh --install-only
 
 export KEDGE_NATS_SERVER="$ROOT/.tools/bin/nats-server"
 

@@ -1,1 +1,286 @@
-//! The bridge service (shell; built in its issue).
+//! The bridge: Kedge's HTTP API and SSE, and the `kedge_runs` projection.
+//!
+//! Browsers and services reach Kedge here: submit a task, list and inspect runs, read a run's
+//! history, watch it live over SSE (resumable from any bridge), send a message, answer a
+//! question, request cancellation. docs/API.md is the reference; `schemas/openapi.json` the
+//! contract (a test checks it against [`ROUTES`]).
+//!
+//! Invariants:
+//! - **Stateless.** Every answer comes from the broker: the journal for anything about one run,
+//!   the `kedge_runs` projection ([`projection`]) for lists. A bridge keeps only caches of facts
+//!   that never change (a run's tenant) and the live fan-out of runs being watched ([`sse`]), so
+//!   any number can run, and any can be restarted mid-stream: a client reconnects to any bridge
+//!   with `Last-Event-ID` and misses nothing.
+//! - **Only inputs.** The bridge appends inputs (`user.message`, `question.answered`,
+//!   `cancel.requested`) with deterministic `Nats-Msg-Id`s and publishes tasks to intake; it never
+//!   writes a decision.
+//! - **Tenant isolation** ([`auth`]): a caller sees and acts on only its tenant's runs; another
+//!   tenant's run is a 404.
+//! - **Bad input never crashes it** ([`problem`]): every failure is a problem-details answer that
+//!   names the field at fault.
+
+pub mod api;
+pub mod auth;
+pub mod problem;
+pub mod projection;
+pub mod sse;
+pub mod tenants;
+pub mod view;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{DefaultBodyLimit, FromRequestParts};
+use axum::http::Method;
+use axum::http::request::Parts;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodRouter, get, post};
+use axum::{Json, Router};
+use kedge_runtime::Runtime;
+use kedge_runtime::config::BridgeConfig;
+use tokio::net::TcpListener;
+use tokio::sync::{Mutex, Semaphore, watch};
+
+pub use auth::{Auth, Caller, Scope};
+pub use problem::Problem;
+pub use projection::{RebuildReport, RunSummary, rebuild, run_projector};
+
+/// The OpenAPI document (`schemas/openapi.json`), served at `/openapi.json`.
+pub const OPENAPI: &str = include_str!("../../../schemas/openapi.json");
+
+/// Every route the bridge serves: (method, path in OpenAPI syntax). The router is built from
+/// this table, and a test checks it against `schemas/openapi.json` both ways.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("POST", "/v1/runs"),
+    ("GET", "/v1/runs"),
+    ("GET", "/v1/runs/{id}"),
+    ("GET", "/v1/runs/{id}/history"),
+    ("GET", "/v1/runs/{id}/events"),
+    ("POST", "/v1/runs/{id}/messages"),
+    ("POST", "/v1/runs/{id}/answers/{question_id}"),
+    ("POST", "/v1/runs/{id}/cancel"),
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/openapi.json"),
+];
+
+/// How often `/readyz` re-runs the broker layout check (between checks it trusts the last one).
+const LAYOUT_CHECK_EVERY: Duration = Duration::from_secs(10);
+
+/// Why the bridge cannot start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum BridgeError {
+    #[error(transparent)]
+    Auth(#[from] auth::AuthConfigError),
+    #[error(transparent)]
+    Runtime(#[from] kedge_runtime::RuntimeError),
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: String, reason: String },
+    #[error("the HTTP server failed: {0}")]
+    Serve(String),
+}
+
+/// The shared state of a bridge process. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Bridge {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+pub struct Inner {
+    pub rt: Runtime,
+    pub config: BridgeConfig,
+    pub auth: Auth,
+    pub hub: Arc<sse::Hub>,
+    pub projection: projection::Projection,
+    pub tenants: tenants::TenantCache,
+    pub sse_slots: Arc<Semaphore>,
+    pub shutdown: watch::Receiver<bool>,
+    shutdown_tx: watch::Sender<bool>,
+    last_layout_check: Mutex<Option<Instant>>,
+}
+
+impl std::ops::Deref for Bridge {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.inner
+    }
+}
+
+impl Bridge {
+    /// Checks the auth configuration (warning loudly in open mode) and opens the stores.
+    pub async fn new(rt: Runtime) -> Result<Bridge, BridgeError> {
+        let config = rt.config.bridge.clone();
+        let auth = Auth::from_config(&config)?;
+        if auth.is_open() {
+            tracing::warn!(
+                tenant = %config.open_tenant,
+                "the bridge runs in OPEN DEVELOPMENT MODE: requests without a token act for \
+                 tenant `{}`; do not expose it",
+                config.open_tenant
+            );
+        }
+        let projection = projection::Projection::open(&rt).await?;
+        let (shutdown_tx, shutdown) = watch::channel(false);
+        Ok(Bridge {
+            inner: Arc::new(Inner {
+                hub: sse::Hub::new(rt.journal.clone(), rt.client.clone(), config.sse_ring),
+                tenants: tenants::TenantCache::new(&rt),
+                sse_slots: Arc::new(Semaphore::new(config.max_sse_connections)),
+                projection,
+                auth,
+                config,
+                rt,
+                shutdown,
+                shutdown_tx,
+                last_layout_check: Mutex::new(Some(Instant::now())),
+            }),
+        })
+    }
+
+    /// Ends every SSE stream (so a graceful shutdown does not wait on them).
+    pub fn close_streams(&self) {
+        let _ = self.shutdown_tx.send(true);
+    }
+
+    /// Ready: connected, and the layout check passed within [`LAYOUT_CHECK_EVERY`].
+    pub async fn ready(&self) -> Result<(), String> {
+        use async_nats::connection::State;
+        if self.rt.client.connection_state() != State::Connected {
+            return Err("not connected to NATS".into());
+        }
+        let mut last = self.last_layout_check.lock().await;
+        if last.is_some_and(|t| t.elapsed() < LAYOUT_CHECK_EVERY) {
+            return Ok(());
+        }
+        let options = kedge_journal::LayoutOptions {
+            replicas: self.rt.config.replicas,
+        };
+        let check = kedge_journal::ensure_layout(&self.rt.client, &options);
+        match tokio::time::timeout(Duration::from_secs(5), check).await {
+            Ok(Ok(_)) => {
+                *last = Some(Instant::now());
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                *last = None;
+                Err(format!("broker layout check failed: {e}"))
+            }
+            Err(_) => {
+                *last = None;
+                Err("broker layout check timed out".into())
+            }
+        }
+    }
+}
+
+impl FromRequestParts<Bridge> for Caller {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, bridge: &Bridge) -> Result<Caller, Problem> {
+        bridge
+            .auth
+            .authenticate(&parts.method, &parts.headers, parts.uri.query())
+    }
+}
+
+fn handler_for(method: &str, path: &str) -> Option<MethodRouter<Bridge>> {
+    Some(match (method, path) {
+        ("POST", "/v1/runs") => post(api::submit),
+        ("GET", "/v1/runs") => get(api::list),
+        ("GET", "/v1/runs/{id}") => get(api::get_run),
+        ("GET", "/v1/runs/{id}/history") => get(api::history),
+        ("GET", "/v1/runs/{id}/events") => get(api::events),
+        ("POST", "/v1/runs/{id}/messages") => post(api::message),
+        ("POST", "/v1/runs/{id}/answers/{question_id}") => post(api::answer),
+        ("POST", "/v1/runs/{id}/cancel") => post(api::cancel),
+        ("GET", "/healthz") => get(api::healthz),
+        ("GET", "/readyz") => get(api::readyz),
+        ("GET", "/openapi.json") => get(openapi),
+        _ => return None,
+    })
+}
+
+async fn openapi() -> Response {
+    match serde_json::from_str::<serde_json::Value>(OPENAPI) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => Problem::internal(e.to_string()).into_response(),
+    }
+}
+
+/// The bridge's router, built from [`ROUTES`].
+pub fn router(bridge: Bridge) -> Router {
+    let limit = bridge.config.max_body_bytes;
+    let mut router: Router<Bridge> = Router::new();
+    for (method, path) in ROUTES {
+        match handler_for(method, path) {
+            Some(h) => router = router.route(path, h),
+            None => tracing::error!(method, path, "route without a handler"),
+        }
+    }
+    router
+        .fallback(api::not_found)
+        .method_not_allowed_fallback(api::method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(bridge)
+}
+
+/// Whether [`ROUTES`] has a handler for every entry (checked by a test).
+pub fn routes_have_handlers() -> bool {
+    ROUTES.iter().all(|(m, p)| handler_for(m, p).is_some())
+        && ROUTES.iter().all(|(m, _)| m.parse::<Method>().is_ok())
+}
+
+/// Runs the bridge on `bridge.listen` until `shutdown` resolves.
+pub async fn run(
+    rt: Runtime,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), BridgeError> {
+    let addr = rt.config.bridge.listen.clone();
+    let bridge = Bridge::new(rt).await?;
+    let listener = TcpListener::bind(&addr)
+        .await
+        .map_err(|e| BridgeError::Bind {
+            addr: addr.clone(),
+            reason: e.to_string(),
+        })?;
+    serve(bridge, listener, shutdown).await
+}
+
+/// Serves `bridge` on `listener` until `shutdown` resolves; then ends the SSE streams, lets
+/// in-flight requests finish (up to 10 s) and returns.
+pub async fn serve(
+    bridge: Bridge,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), BridgeError> {
+    let local = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_default();
+    tracing::info!(listen = %local, "bridge serving");
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let closer = bridge.clone();
+    tokio::spawn(async move {
+        shutdown.await;
+        closer.close_streams();
+        let _ = stop_tx.send(true);
+    });
+    let mut graceful = stop_rx.clone();
+    let server = axum::serve(listener, router(bridge))
+        .with_graceful_shutdown(async move {
+            let _ = graceful.wait_for(|s| *s).await;
+        })
+        .into_future();
+    let deadline = async move {
+        let _ = stop_rx.wait_for(|s| *s).await;
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    };
+    tokio::select! {
+        r = server => r.map_err(|e| BridgeError::Serve(e.to_string()))?,
+        _ = deadline => tracing::warn!("bridge: connections still open 10 s after shutdown; closing them"),
+    }
+    tracing::info!("bridge stopped");
+    Ok(())
+}

@@ -1,0 +1,674 @@
+//! The JSON endpoints under `/v1` and the health checks.
+//!
+//! Every handler: authenticate ([`Caller`]), parse its inputs by hand (so an error names the field),
+//! check the run's tenant (another tenant's run is a 404), then read the journal or append an
+//! input. Inputs carry deterministic `Nats-Msg-Id`s: `answer:<question_id>`, `cancel:<run_id>`,
+//! `msg:<run_id>:<Idempotency-Key>`; a task's is `<tenant>/<Idempotency-Key>`, so two tenants
+//! using the same key never collide.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use kedge_core::event::{
+    CancelRequested, Draft, Envelope, Event, QuestionAnswered, Timestamp, UserMessage,
+};
+use kedge_core::ids::{QuestionId, RunId};
+use kedge_core::task::{MAX_INPUT_BYTES, MAX_TASK_BYTES, TaskSubmission};
+use kedge_core::{RunState, RunStatus};
+use kedge_intake::{Answer, Submission, SubmitError};
+use kedge_journal::{JournalError, Recorded};
+use serde_json::{Map, Value, json};
+
+use crate::Bridge;
+use crate::auth::Caller;
+use crate::problem::Problem;
+use crate::projection::RunSummary;
+use crate::sse::Connection;
+use crate::view::{self, Links};
+
+type Result<T, E = Problem> = std::result::Result<T, E>;
+
+/// Longest accepted `Idempotency-Key`.
+const MAX_KEY: usize = 200;
+const DEFAULT_PAGE: usize = 100;
+const MAX_PAGE: usize = 1000;
+
+// ---------------------------------------------------------------------------------------------
+// Input parsing.
+// ---------------------------------------------------------------------------------------------
+
+pub(crate) fn body(
+    body: std::result::Result<Bytes, BytesRejection>,
+    limit: usize,
+) -> Result<Bytes> {
+    body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            Problem::too_large(limit)
+        } else {
+            Problem::malformed("body", rejection.body_text())
+        }
+    })
+}
+
+/// A JSON object body with only `known` fields (`optional_body`: an empty body is `{}`).
+fn object(bytes: &[u8], known: &[&str], optional_body: bool) -> Result<Map<String, Value>> {
+    if optional_body && bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(Map::new());
+    }
+    let value: Value = serde_json::from_slice(bytes)
+        .map_err(|e| Problem::malformed("body", format!("not valid JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(Problem::malformed("body", "must be a JSON object"));
+    };
+    if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(Problem::invalid(
+            k.clone(),
+            format!("unknown field; expected one of {}", known.join(", ")),
+        ));
+    }
+    Ok(obj)
+}
+
+/// A string field: required non-blank (unless `required` is false), at most `max` bytes.
+fn text(
+    obj: &Map<String, Value>,
+    name: &str,
+    required: bool,
+    max: usize,
+) -> Result<Option<String>> {
+    match obj.get(name) {
+        None | Some(Value::Null) if required => Err(Problem::invalid(name, "is required")),
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => {
+            if s.trim().is_empty() {
+                return Err(Problem::invalid(name, "must not be empty"));
+            }
+            if s.len() > max {
+                return Err(Problem::invalid(
+                    name,
+                    format!("{} bytes is over the {max}-byte limit", s.len()),
+                ));
+            }
+            Ok(Some(s.clone()))
+        }
+        Some(_) => Err(Problem::invalid(name, "must be a string")),
+    }
+}
+
+pub(crate) fn run_id(raw: &str) -> Result<RunId> {
+    raw.parse()
+        .map_err(|e: kedge_core::ids::IdError| Problem::malformed("run_id", e.to_string()))
+}
+
+/// The `Idempotency-Key` header, if any: 1–200 printable ASCII characters without spaces.
+fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>> {
+    let Some(v) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let bad = || {
+        Problem::malformed(
+            "Idempotency-Key",
+            format!("must be 1-{MAX_KEY} printable ASCII characters without spaces"),
+        )
+    };
+    let s = v.to_str().map_err(|_| bad())?;
+    if s.is_empty() || s.len() > MAX_KEY || !s.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(bad());
+    }
+    Ok(Some(s.to_owned()))
+}
+
+fn number(params: &HashMap<String, String>, name: &str) -> Result<Option<u64>> {
+    params
+        .get(name)
+        .map(|v| {
+            v.parse::<u64>().map_err(|_| {
+                Problem::malformed(name, format!("`{v}` is not a non-negative integer"))
+            })
+        })
+        .transpose()
+}
+
+fn page_size(params: &HashMap<String, String>) -> Result<usize> {
+    match number(params, "limit")? {
+        None => Ok(DEFAULT_PAGE),
+        Some(n) if (1..=MAX_PAGE as u64).contains(&n) => Ok(n as usize),
+        Some(n) => Err(Problem::invalid(
+            "limit",
+            format!("{n} is not between 1 and {MAX_PAGE}"),
+        )),
+    }
+}
+
+fn query(
+    q: std::result::Result<
+        Query<HashMap<String, String>>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<HashMap<String, String>> {
+    q.map(|Query(p)| p)
+        .map_err(|e| Problem::malformed("query", e.body_text()))
+}
+
+/// `202 Accepted` with a JSON body.
+fn accepted(body: Value) -> Response {
+    (StatusCode::ACCEPTED, Json(body)).into_response()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading a run.
+// ---------------------------------------------------------------------------------------------
+
+/// The run's whole journal, if the run exists and belongs to the caller's tenant (else 404).
+async fn owned_run(bridge: &Bridge, caller: &Caller, run: &RunId) -> Result<Vec<Recorded>> {
+    let events = bridge.rt.journal.read(run, 0).await?;
+    match events.first().map(|r| &r.envelope.event) {
+        Some(Event::RunCreated(c)) if c.tenant == caller.tenant => {
+            bridge.tenants.remember(run, &c.tenant);
+            Ok(events)
+        }
+        _ => Err(Problem::not_found(format!("no run {run}"))),
+    }
+}
+
+/// Checks the run's tenant without reading its journal (cached after the first time).
+async fn check_owner(bridge: &Bridge, caller: &Caller, run: &RunId) -> Result<()> {
+    match bridge.tenants.get(run).await? {
+        Some(t) if t == caller.tenant => Ok(()),
+        _ => Err(Problem::not_found(format!("no run {run}"))),
+    }
+}
+
+fn fold(run: &RunId, events: &[Recorded]) -> Result<RunState> {
+    kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope))).map_err(|e| {
+        tracing::error!(run_id = %run, error = %e, "journal does not fold");
+        Problem::internal(format!("the journal of {run} does not fold: {e}"))
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handlers.
+// ---------------------------------------------------------------------------------------------
+
+/// `POST /v1/runs`
+pub(crate) async fn submit(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    headers: HeaderMap,
+    raw: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    caller.require_write()?;
+    let raw = body(raw, bridge.config.max_body_bytes)?;
+    if raw.len() > MAX_TASK_BYTES {
+        return Err(Problem::too_large(MAX_TASK_BYTES));
+    }
+    let task = TaskSubmission::parse(&raw).map_err(|r| {
+        if r.field == "body" {
+            Problem::malformed("body", r.reason)
+        } else {
+            Problem::invalid(r.field, r.reason)
+        }
+    })?;
+    let key = match idempotency_key(&headers)? {
+        Some(k) => k,
+        None => uuid::Uuid::now_v7().simple().to_string(),
+    };
+    let msg_id = format!("{}/{key}", caller.tenant);
+    let submission = Submission {
+        task: &task,
+        key: &msg_id,
+        tenant: caller.tenant.as_str(),
+        caller: Some(&caller.name),
+    };
+    let wait = Duration::from_millis(bridge.config.intake_wait_ms);
+    let answer = kedge_intake::submit_raw(
+        &bridge.rt.client,
+        &kedge_core::subjects::task(&task.agent),
+        raw,
+        &submission,
+        wait,
+    )
+    .await;
+    match answer {
+        Ok(Answer::Accepted { run_id }) => {
+            let links = Links::for_run(&run_id);
+            let mut response = accepted(json!({
+                "run_id": run_id,
+                "idempotency_key": key,
+                "links": links,
+            }));
+            if let Ok(v) = HeaderValue::from_str(&links.this) {
+                response.headers_mut().insert(header::LOCATION, v);
+            }
+            Ok(response)
+        }
+        Ok(Answer::Rejected { error }) => Err(Problem::invalid(error.field, error.reason)),
+        Err(SubmitError::NoAnswer(_)) => Err(Problem::unavailable(
+            format!(
+                "the task is queued but intake did not answer within {wait:?}; repeat the request \
+                 with the same Idempotency-Key ({key}) to learn its run"
+            ),
+            2,
+        )),
+        Err(SubmitError::DuplicateWithoutRun(_)) => Err(Problem::conflict(
+            "idempotency-key-used",
+            format!(
+                "the Idempotency-Key {key} was used by an earlier task that made no run (it was \
+                 rejected, or is still being processed); retry later or use a new key"
+            ),
+        )
+        .with_field("Idempotency-Key")),
+        Err(e @ (SubmitError::Publish(_) | SubmitError::BadAnswer(_))) => {
+            Err(Problem::unavailable(e.to_string(), 1))
+        }
+    }
+}
+
+/// `GET /v1/runs`
+pub(crate) async fn list(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    params: std::result::Result<
+        Query<HashMap<String, String>>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Response> {
+    let params = query(params)?;
+    let limit = page_size(&params)?;
+    let statuses: Option<Vec<RunStatus>> = params
+        .get("status")
+        .map(|v| {
+            v.split(',')
+                .map(|s| {
+                    serde_json::from_value::<RunStatus>(Value::String(s.trim().to_owned())).map_err(
+                        |_| {
+                            Problem::invalid(
+                                "status",
+                                format!(
+                                    "`{s}` is not a run status ({})",
+                                    RunStatus::ALL
+                                        .iter()
+                                        .map(|s| s.as_str())
+                                        .collect::<Vec<_>>()
+                                        .join(", ")
+                                ),
+                            )
+                        },
+                    )
+                })
+                .collect()
+        })
+        .transpose()?;
+    let agent: Option<kedge_core::ids::AgentName> = params
+        .get("agent")
+        .map(|a| {
+            a.parse()
+                .map_err(|e: kedge_core::ids::IdError| Problem::invalid("agent", e.to_string()))
+        })
+        .transpose()?;
+    let cursor = params.get("cursor").map(|c| parse_cursor(c)).transpose()?;
+    let mut runs = bridge.projection.list(&caller.tenant).await.map_err(|e| {
+        if e.is_retryable() {
+            Problem::unavailable(e.to_string(), 1)
+        } else {
+            Problem::internal(e.to_string())
+        }
+    })?;
+    runs.retain(|r| {
+        statuses.as_ref().is_none_or(|s| s.contains(&r.status))
+            && agent.as_ref().is_none_or(|a| &r.agent == a)
+    });
+    // Newest first; the cursor is the position of the last run of the previous page.
+    runs.sort_by_key(|r| std::cmp::Reverse(sort_key(r)));
+    if let Some(c) = &cursor {
+        runs.retain(|r| sort_key(r) < (c.0, c.1.clone()));
+    }
+    let more = runs.len() > limit;
+    runs.truncate(limit);
+    let next_cursor = more
+        .then(|| {
+            runs.last()
+                .map(|r| format!("{}.{}", sort_key(r).0, r.run_id))
+        })
+        .flatten();
+    let items: Vec<Value> = runs
+        .iter()
+        .map(|r| {
+            let mut v = serde_json::to_value(r).unwrap_or(Value::Null);
+            if let Some(o) = v.as_object_mut() {
+                o.insert("links".into(), json!(Links::for_run(&r.run_id)));
+            }
+            v
+        })
+        .collect();
+    Ok(Json(json!({ "runs": items, "next_cursor": next_cursor })).into_response())
+}
+
+fn sort_key(r: &RunSummary) -> (i128, String) {
+    (
+        r.created_at.0.unix_timestamp_nanos(),
+        r.run_id.as_str().to_owned(),
+    )
+}
+
+/// A cursor `<created_at unix nanos>.<run_id>`.
+fn parse_cursor(c: &str) -> Result<(i128, String)> {
+    let bad = || Problem::malformed("cursor", "not a cursor this API returned");
+    let (nanos, run) = c.split_once('.').ok_or_else(bad)?;
+    let nanos: i128 = nanos.parse().map_err(|_| bad())?;
+    let run: RunId = run.parse().map_err(|_| bad())?;
+    Ok((nanos, run.as_str().to_owned()))
+}
+
+/// `GET /v1/runs/{id}`
+pub(crate) async fn get_run(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Response> {
+    let run = run_id(&id)?;
+    let events = owned_run(&bridge, &caller, &run).await?;
+    let state = fold(&run, &events)?;
+    Ok(Json(view::run_view(&state, &events)).into_response())
+}
+
+/// `GET /v1/runs/{id}/history`
+pub(crate) async fn history(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path(id): Path<String>,
+    params: std::result::Result<
+        Query<HashMap<String, String>>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Response> {
+    let run = run_id(&id)?;
+    let params = query(params)?;
+    let after = number(&params, "after")?.unwrap_or(0);
+    let limit = page_size(&params)?;
+    check_owner(&bridge, &caller, &run).await?;
+    let events = bridge.rt.journal.read(&run, after).await?;
+    let public: Vec<&Recorded> = events
+        .iter()
+        .filter(|r| view::is_public(r.envelope.event_type()))
+        .collect();
+    let more = public.len() > limit;
+    let page: Vec<Value> = public
+        .iter()
+        .take(limit)
+        .map(|r| view::event_json(r))
+        .collect();
+    let next_after = if more {
+        public.get(limit - 1).map(|r| r.seq)
+    } else {
+        None
+    };
+    Ok(Json(json!({ "events": page, "next_after": next_after })).into_response())
+}
+
+/// `GET /v1/runs/{id}/events`
+pub(crate) async fn events(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    params: std::result::Result<
+        Query<HashMap<String, String>>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Response> {
+    let run = run_id(&id)?;
+    let params = query(params)?;
+    // A browser reconnects to the same URL with Last-Event-ID: the header wins over `after`.
+    let after = match headers.get("last-event-id") {
+        Some(v) => {
+            let s = v.to_str().unwrap_or("").trim();
+            if s.is_empty() {
+                0
+            } else {
+                s.parse::<u64>().map_err(|_| {
+                    Problem::malformed(
+                        "Last-Event-ID",
+                        format!("`{s}` is not an event id (a journal sequence)"),
+                    )
+                })?
+            }
+        }
+        None => number(&params, "after")?.unwrap_or(0),
+    };
+    let permit = bridge.sse_slots.clone().try_acquire_owned().map_err(|_| {
+        Problem::unavailable("this bridge serves its maximum of SSE connections", 2)
+    })?;
+    let events = match owned_run(&bridge, &caller, &run).await {
+        Ok(e) => e,
+        // Broker trouble must not make a browser's EventSource give up (it does on any status
+        // but 200 and 204): answer an empty stream with the retry hint, so it reconnects.
+        Err(p) if p.status == 503 => {
+            let body = format!("retry: {}\n\n", bridge.config.sse_retry_ms);
+            return Ok(sse_response(Body::from(body)));
+        }
+        Err(p) => return Err(p),
+    };
+    let state = fold(&run, &events)?;
+    let conn = Connection {
+        hub: bridge.hub.clone(),
+        journal: bridge.rt.journal.clone(),
+        run,
+        after,
+        events,
+        state,
+        retry_ms: bridge.config.sse_retry_ms,
+        heartbeat: Duration::from_millis(bridge.config.heartbeat_ms),
+        shutdown: bridge.shutdown.clone(),
+        permit,
+    };
+    if conn.nothing_to_send() {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    Ok(sse_response(Body::from_stream(conn.into_body())))
+}
+
+fn sse_response(body: Body) -> Response {
+    let mut r = Response::new(body);
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    r
+}
+
+/// Appends an input; a duplicate (same `Nats-Msg-Id`) is reported, not an error.
+async fn append(bridge: &Bridge, run: &RunId, event: Event, msg_id: &str) -> Result<(u64, bool)> {
+    let env = Envelope::new(run.clone(), Timestamp::now(), Draft::new(event));
+    match bridge.rt.journal.append_input(&env, msg_id).await {
+        Ok(seq) => Ok((seq, false)),
+        Err(JournalError::Duplicate { seq }) => Ok((seq, true)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `POST /v1/runs/{id}/messages`
+pub(crate) async fn message(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    raw: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    caller.require_write()?;
+    let run = run_id(&id)?;
+    let raw = body(raw, bridge.config.max_body_bytes)?;
+    let obj = object(&raw, &["text"], false)?;
+    let text = text(&obj, "text", true, MAX_INPUT_BYTES)?.unwrap_or_default();
+    let key = idempotency_key(&headers)?;
+    let events = owned_run(&bridge, &caller, &run).await?;
+    let state = fold(&run, &events)?;
+    if state.status == RunStatus::Cancelled {
+        return Err(Problem::conflict(
+            "run-cancelled",
+            format!("run {run} is cancelled; it takes no more messages"),
+        ));
+    }
+    let msg_id = format!(
+        "msg:{run}:{}",
+        key.unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string())
+    );
+    let (seq, duplicate) = append(
+        &bridge,
+        &run,
+        Event::UserMessage(UserMessage { text }),
+        &msg_id,
+    )
+    .await?;
+    Ok(accepted(
+        json!({ "run_id": run, "seq": seq, "duplicate": duplicate, "links": Links::for_run(&run) }),
+    ))
+}
+
+/// `POST /v1/runs/{id}/answers/{question_id}`
+pub(crate) async fn answer(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path((id, qid)): Path<(String, String)>,
+    raw: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    caller.require_write()?;
+    let run = run_id(&id)?;
+    let question: QuestionId = qid
+        .parse()
+        .map_err(|e: kedge_core::ids::IdError| Problem::malformed("question_id", e.to_string()))?;
+    let raw = body(raw, bridge.config.max_body_bytes)?;
+    let obj = object(&raw, &["answer"], false)?;
+    let text = text(&obj, "answer", true, MAX_INPUT_BYTES)?.unwrap_or_default();
+    let events = owned_run(&bridge, &caller, &run).await?;
+    let state = fold(&run, &events)?;
+    let Some(q) = state.questions.get(&question) else {
+        return Err(
+            Problem::not_found(format!("run {run} asked no question {question}"))
+                .with_field("question_id"),
+        );
+    };
+    if let Some(given) = &q.answer {
+        // A retry of the same answer is the same request; another answer is a conflict.
+        if *given == text {
+            return Ok(accepted(
+                json!({ "run_id": run, "question_id": question, "duplicate": true }),
+            ));
+        }
+        return Err(Problem::conflict(
+            "question-not-open",
+            format!("question {question} was already answered"),
+        )
+        .with_field("question_id"));
+    }
+    if state.status.is_terminal() {
+        return Err(Problem::conflict(
+            "question-not-open",
+            format!("run {run} is {}; its questions are closed", state.status),
+        )
+        .with_field("question_id"));
+    }
+    let (seq, duplicate) = append(
+        &bridge,
+        &run,
+        Event::QuestionAnswered(QuestionAnswered {
+            question_id: question.clone(),
+            answer: text.clone(),
+        }),
+        &format!("answer:{question}"),
+    )
+    .await?;
+    if duplicate {
+        // Someone answered between our read and our append: same answer, or a conflict.
+        let events = bridge.rt.journal.read(&run, 0).await?;
+        let state = fold(&run, &events)?;
+        let same = state
+            .questions
+            .get(&question)
+            .and_then(|q| q.answer.as_deref())
+            == Some(text.as_str());
+        if !same {
+            return Err(Problem::conflict(
+                "question-not-open",
+                format!("question {question} was already answered"),
+            )
+            .with_field("question_id"));
+        }
+    }
+    Ok(accepted(
+        json!({ "run_id": run, "question_id": question, "seq": seq, "duplicate": duplicate }),
+    ))
+}
+
+/// `POST /v1/runs/{id}/cancel`
+pub(crate) async fn cancel(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path(id): Path<String>,
+    raw: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    caller.require_write()?;
+    let run = run_id(&id)?;
+    let raw = body(raw, bridge.config.max_body_bytes)?;
+    let obj = object(&raw, &["reason"], true)?;
+    let reason = text(&obj, "reason", false, 4096)?.unwrap_or_else(|| "cancelled over HTTP".into());
+    let events = owned_run(&bridge, &caller, &run).await?;
+    let state = fold(&run, &events)?;
+    if state.status.is_terminal() {
+        return Err(Problem::conflict(
+            "run-ended",
+            format!("run {run} is already {}", state.status),
+        ));
+    }
+    let (seq, duplicate) = append(
+        &bridge,
+        &run,
+        Event::CancelRequested(CancelRequested {
+            reason,
+            by: Some(caller.name.clone()),
+        }),
+        &format!("cancel:{run}"),
+    )
+    .await?;
+    Ok(accepted(
+        json!({ "run_id": run, "seq": seq, "duplicate": duplicate, "links": Links::for_run(&run) }),
+    ))
+}
+
+/// `GET /healthz`: the process is up.
+pub(crate) async fn healthz() -> Response {
+    Json(json!({ "status": "ok" })).into_response()
+}
+
+/// `GET /readyz`: connected to the broker, and the broker passed the layout check recently.
+pub(crate) async fn readyz(State(bridge): State<Bridge>) -> Response {
+    match bridge.ready().await {
+        Ok(()) => Json(json!({ "status": "ready" })).into_response(),
+        Err(why) => Problem::unavailable(why, 1).into_response(),
+    }
+}
+
+/// Any other path.
+pub(crate) async fn not_found() -> Problem {
+    Problem::not_found("no such endpoint; see /openapi.json")
+}
+
+/// A known path with another method.
+pub(crate) async fn method_not_allowed() -> Problem {
+    Problem::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "Method not allowed",
+        "this endpoint does not take that method; see /openapi.json",
+    )
+}

@@ -1,0 +1,262 @@
+//! Bearer tokens mapped to tenants.
+//!
+//! A request carries `Authorization: Bearer <token>` (or, for `EventSource`, which cannot set
+//! headers, `?access_token=<token>` on a GET). The token names a tenant and a scope (`write`:
+//! everything; `read`: GETs only). A tenant sees and acts on only its own runs: the run's tenant is
+//! the one `run.created` froze, and another tenant's run answers 404, exactly like a run that does
+//! not exist, so run ids cannot be probed.
+//!
+//! Tokens are kept only as SHA-256 digests, and looked up by digest, so the table holds no secret
+//! and a lookup does not compare secrets byte by byte. In open (development) mode a request without
+//! a token acts for the configured open tenant; an unknown token is still refused.
+
+use std::collections::HashMap;
+
+use axum::http::{HeaderMap, Method, header};
+use kedge_core::ids::TenantId;
+use kedge_runtime::config::BridgeConfig;
+use sha2::{Digest, Sha256};
+
+use crate::problem::Problem;
+
+/// What a token allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    Read,
+    Write,
+}
+
+/// Who is calling: the tenant they act for and what they may do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub tenant: TenantId,
+    pub scope: Scope,
+    /// A name for `Kedge-Caller` and `by` fields: never the token itself.
+    pub name: String,
+}
+
+impl Caller {
+    /// 403 unless the caller may change runs.
+    pub fn require_write(&self) -> Result<(), Problem> {
+        match self.scope {
+            Scope::Write => Ok(()),
+            Scope::Read => Err(Problem::forbidden(
+                "this token is read-only; submitting, messaging, answering and cancelling need a \
+                 write token",
+            )),
+        }
+    }
+}
+
+/// Why the bridge's auth configuration is unusable.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthConfigError {
+    #[error(
+        "the bridge has no tokens (bridge.tokens / KEDGE_BRIDGE_TOKENS) and is not in open \
+         development mode (bridge.open / KEDGE_BRIDGE_OPEN=1); refusing to serve"
+    )]
+    NoTokens,
+    #[error("bridge.tokens: {0}")]
+    Invalid(String),
+}
+
+/// The token table.
+#[derive(Debug, Clone)]
+pub struct Auth {
+    by_digest: HashMap<[u8; 32], Caller>,
+    open: Option<Caller>,
+}
+
+fn digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+impl Auth {
+    pub fn from_config(config: &BridgeConfig) -> Result<Auth, AuthConfigError> {
+        let mut by_digest = HashMap::new();
+        for t in &config.tokens {
+            let tenant: TenantId = t
+                .tenant
+                .parse()
+                .map_err(|e: kedge_core::ids::IdError| AuthConfigError::Invalid(e.to_string()))?;
+            let scope = match t.scope.as_str() {
+                "read" => Scope::Read,
+                "write" => Scope::Write,
+                other => {
+                    return Err(AuthConfigError::Invalid(format!(
+                        "scope `{other}` is not read or write"
+                    )));
+                }
+            };
+            let d = digest(&t.token);
+            let hex: String = d[..4].iter().map(|b| format!("{b:02x}")).collect();
+            by_digest.insert(
+                d,
+                Caller {
+                    tenant,
+                    scope,
+                    name: format!("token-{hex}"),
+                },
+            );
+        }
+        let open = if config.open {
+            Some(Caller {
+                tenant: config
+                    .open_tenant
+                    .parse()
+                    .map_err(|e: kedge_core::ids::IdError| {
+                        AuthConfigError::Invalid(e.to_string())
+                    })?,
+                scope: Scope::Write,
+                name: "open-mode".into(),
+            })
+        } else {
+            None
+        };
+        if by_digest.is_empty() && open.is_none() {
+            return Err(AuthConfigError::NoTokens);
+        }
+        Ok(Auth { by_digest, open })
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// The caller of a request, from its `Authorization` header or (GET only) its
+    /// `access_token` query parameter.
+    pub fn authenticate(
+        &self,
+        method: &Method,
+        headers: &HeaderMap,
+        query: Option<&str>,
+    ) -> Result<Caller, Problem> {
+        let token = match headers.get(header::AUTHORIZATION) {
+            Some(v) => {
+                let v = v
+                    .to_str()
+                    .map_err(|_| Problem::unauthorized("the Authorization header is not ASCII"))?;
+                let (scheme, token) = v.split_once(' ').unwrap_or((v, ""));
+                if !scheme.eq_ignore_ascii_case("bearer") || token.trim().is_empty() {
+                    return Err(Problem::unauthorized(
+                        "the Authorization header must be `Bearer <token>`",
+                    ));
+                }
+                Some(token.trim().to_owned())
+            }
+            None if method == Method::GET => query_token(query),
+            None => None,
+        };
+        match token {
+            Some(token) => self
+                .by_digest
+                .get(&digest(&token))
+                .cloned()
+                .ok_or_else(|| Problem::unauthorized("unknown token")),
+            None => self.open.clone().ok_or_else(|| {
+                Problem::unauthorized("a bearer token is required (Authorization: Bearer <token>)")
+            }),
+        }
+    }
+}
+
+/// `access_token` from a raw query string.
+fn query_token(query: Option<&str>) -> Option<String> {
+    let query = query?;
+    let params: Vec<(String, String)> =
+        axum::extract::Query::<Vec<(String, String)>>::try_from_uri(
+            &format!("/?{query}").parse().ok()?,
+        )
+        .ok()?
+        .0;
+    params
+        .into_iter()
+        .find(|(k, _)| k == "access_token")
+        .map(|(_, v)| v)
+        .filter(|v| !v.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+    use kedge_runtime::config::BridgeToken;
+
+    fn config(open: bool) -> BridgeConfig {
+        BridgeConfig {
+            tokens: vec![
+                BridgeToken {
+                    token: "write-token-0123456789".into(),
+                    tenant: "acme".into(),
+                    scope: "write".into(),
+                },
+                BridgeToken {
+                    token: "read-token-0123456789".into(),
+                    tenant: "acme".into(),
+                    scope: "read".into(),
+                },
+            ],
+            open,
+            ..BridgeConfig::default()
+        }
+    }
+
+    fn bearer(t: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {t}")).expect("header"),
+        );
+        h
+    }
+
+    #[test]
+    fn tokens_map_to_tenants_and_scopes() {
+        let auth = Auth::from_config(&config(false)).expect("auth");
+        let c = auth
+            .authenticate(&Method::POST, &bearer("write-token-0123456789"), None)
+            .expect("known");
+        assert_eq!(c.tenant.as_str(), "acme");
+        assert!(c.require_write().is_ok());
+        let r = auth
+            .authenticate(&Method::GET, &bearer("read-token-0123456789"), None)
+            .expect("known");
+        assert_eq!(r.require_write().map_err(|p| p.status), Err(403));
+        let none = auth.authenticate(&Method::GET, &HeaderMap::new(), None);
+        assert_eq!(none.map_err(|p| p.status), Err(401));
+        let bad = auth.authenticate(&Method::GET, &bearer("nope"), None);
+        assert_eq!(bad.map_err(|p| p.status), Err(401));
+        let q = auth.authenticate(
+            &Method::GET,
+            &HeaderMap::new(),
+            Some("after=3&access_token=read-token-0123456789"),
+        );
+        assert_eq!(q.map(|c| c.scope), Ok(Scope::Read));
+        // The query token is for GETs (EventSource) only.
+        let q = auth.authenticate(
+            &Method::POST,
+            &HeaderMap::new(),
+            Some("access_token=write-token-0123456789"),
+        );
+        assert_eq!(q.map_err(|p| p.status), Err(401));
+        assert!(!c.name.contains("write-token"));
+    }
+
+    #[test]
+    fn open_mode_serves_tokenless_requests_but_not_unknown_tokens() {
+        let auth = Auth::from_config(&config(true)).expect("auth");
+        let c = auth
+            .authenticate(&Method::POST, &HeaderMap::new(), None)
+            .expect("open");
+        assert_eq!(c.tenant.as_str(), "default");
+        assert!(
+            auth.authenticate(&Method::GET, &bearer("nope"), None)
+                .is_err()
+        );
+        let empty = BridgeConfig::default();
+        assert!(matches!(
+            Auth::from_config(&empty),
+            Err(AuthConfigError::NoTokens)
+        ));
+    }
+}

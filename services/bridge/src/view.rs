@@ -1,0 +1,339 @@
+//! What clients see of a run: which journal events are public, how an event is rendered (in
+//! `/history` and as an SSE frame), and the run view of `GET /v1/runs/{id}`.
+//!
+//! The same public filter serves `/history` and SSE, so the ids an SSE client collects equal the
+//! ids `/history` lists. Principle 9 of the design: connection state (SSE), run state (`status`)
+//! and the business result (`result`, with its own `validation`) are reported separately.
+
+use bytes::Bytes;
+use kedge_core::decide::Idle;
+use kedge_core::event::{
+    Budget, Event, EventType, OutputValidation, RunFailed, Timestamp, Usage, WaitReason,
+};
+use kedge_core::fold::{ApprovalStatus, OpStatus};
+use kedge_core::ids::{AgentName, OperationId, RunId, TenantId};
+use kedge_core::{Next, RunState, RunStatus};
+use kedge_journal::Recorded;
+use serde::Serialize;
+
+/// Whether clients see events of this type (in SSE and `/history`).
+///
+/// Everything a person or a client program can act on or explain a run with is public: the
+/// bundle, steps and their attempts (a repeated model call must be visible), the assistant's
+/// messages, tool requests, starts and results, questions, approvals, timers, callbacks, status
+/// changes and every input a person sent. Not public: `nudge`, the reconciler's wake-up, which
+/// changes nothing and says nothing about the run. (Leases and idempotency records are not journal
+/// events at all.) The match is exhaustive on purpose: a new event type does not compile until
+/// someone decides.
+pub fn is_public(t: EventType) -> bool {
+    match t {
+        EventType::RunCreated
+        | EventType::RunStarted
+        | EventType::StepStarted
+        | EventType::ModelAttempt
+        | EventType::StepCompleted
+        | EventType::ToolRequested
+        | EventType::QuestionAsked
+        | EventType::ApprovalRequested
+        | EventType::ApprovalInvalidated
+        | EventType::ApprovalExpired
+        | EventType::TimerScheduled
+        | EventType::CallbackExpected
+        | EventType::RunWaiting
+        | EventType::RunCancelling
+        | EventType::RunUnknown
+        | EventType::RunResumed
+        | EventType::RunRevived
+        | EventType::RunSucceeded
+        | EventType::RunFailed
+        | EventType::RunCancelled
+        | EventType::UserMessage
+        | EventType::ToolStarted
+        | EventType::ToolResult
+        | EventType::QuestionAnswered
+        | EventType::ApprovalDecided
+        | EventType::TimerFired
+        | EventType::CallbackReceived
+        | EventType::CancelRequested
+        | EventType::OutcomeConfirmed
+        | EventType::OutcomeNotFound
+        | EventType::OutcomeAmbiguous
+        | EventType::OutcomeResolved => true,
+        EventType::Nudge => false,
+    }
+}
+
+/// An event as clients get it: the journal envelope plus its sequence (`seq`).
+pub fn event_json(r: &Recorded) -> serde_json::Value {
+    let mut v = serde_json::to_value(&r.envelope).unwrap_or(serde_json::Value::Null);
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert("seq".into(), r.seq.into());
+    }
+    v
+}
+
+/// The SSE frame of an event: `id:` is the journal sequence, `event:` the type, `data:` one line
+/// of JSON ([`event_json`]).
+pub fn sse_frame(r: &Recorded) -> Bytes {
+    let data = serde_json::to_string(&event_json(r)).unwrap_or_default();
+    Bytes::from(format!(
+        "id: {}\nevent: {}\ndata: {data}\n\n",
+        r.seq,
+        r.envelope.event_type()
+    ))
+}
+
+/// The SSE frame of a token delta (core NATS `agent.delta.<run>`): no `id:`, so it never moves a
+/// client's resume point. `None` for a payload that is not JSON.
+pub fn delta_frame(payload: &[u8]) -> Option<Bytes> {
+    let v: serde_json::Value = serde_json::from_slice(payload).ok()?;
+    let data = serde_json::to_string(&v).ok()?;
+    Some(Bytes::from(format!("event: delta\ndata: {data}\n\n")))
+}
+
+/// Whether the run has ended and nothing is about to revive it: a terminal status with no user
+/// message waiting to start a new turn (the step service's own rule, [`kedge_core::decide`]).
+/// An SSE stream ends after the event that makes this true.
+pub fn finished(state: &RunState) -> bool {
+    state.status.is_terminal() && matches!(kedge_core::decide(state), Next::Idle(Idle::Terminal))
+}
+
+/// `GET /v1/runs/{id}`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunView {
+    pub run_id: RunId,
+    pub tenant: TenantId,
+    pub agent: AgentName,
+    pub agent_revision: u64,
+    /// The run's lifecycle status (not the connection's, not the result's).
+    pub status: RunStatus,
+    /// True when the run ended and nothing is about to revive it.
+    pub finished: bool,
+    pub turn: u32,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+    /// The journal sequence this view was folded through.
+    pub last_seq: u64,
+    pub current_step: Option<CurrentStep>,
+    pub waiting: Option<Waiting>,
+    pub usage: UsageView,
+    pub budget: Budget,
+    /// The business result of a succeeded run, with its own validation status.
+    pub result: Option<ResultView>,
+    pub failure: Option<RunFailed>,
+    pub cancel_requested: Option<String>,
+    pub metadata: serde_json::Map<String, serde_json::Value>,
+    pub links: Links,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CurrentStep {
+    /// The last step started (steps are numbered from 1 per run).
+    pub number: u32,
+    /// The attempt in progress, when the step's model call has not completed.
+    pub attempt: Option<u32>,
+    pub in_progress: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Waiting {
+    pub on: WaitReason,
+    pub questions: Vec<QuestionView>,
+    pub operations: Vec<OperationView>,
+    pub approvals: Vec<ApprovalView>,
+    pub timers: Vec<TimerView>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct QuestionView {
+    pub question_id: kedge_core::ids::QuestionId,
+    pub prompt: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct OperationView {
+    pub op: OperationId,
+    pub tool: String,
+    /// `awaiting_approval`, `requested`, `started`, or `ambiguous` (a person must resolve it).
+    pub status: &'static str,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ApprovalView {
+    pub approval_id: kedge_core::ids::ApprovalId,
+    pub tool: String,
+    pub expires_at: Timestamp,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TimerView {
+    pub timer_id: kedge_core::ids::TimerId,
+    pub fire_at: Timestamp,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct UsageView {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub total_tokens: u64,
+}
+
+impl From<Usage> for UsageView {
+    fn from(u: Usage) -> Self {
+        Self {
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            total_tokens: u.total(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ResultView {
+    pub output: String,
+    /// Whether the output passed validation; independent of the run's status.
+    pub validation: OutputValidation,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Links {
+    #[serde(rename = "self")]
+    pub this: String,
+    pub events: String,
+    pub history: String,
+    pub messages: String,
+    pub cancel: String,
+}
+
+impl Links {
+    pub fn for_run(run: &RunId) -> Self {
+        let base = format!("/v1/runs/{run}");
+        Self {
+            events: format!("{base}/events"),
+            history: format!("{base}/history"),
+            messages: format!("{base}/messages"),
+            cancel: format!("{base}/cancel"),
+            this: base,
+        }
+    }
+}
+
+/// The validation status of the current turn's `run.succeeded`, if the run succeeded.
+pub fn result_validation(events: &[Recorded]) -> Option<OutputValidation> {
+    for r in events.iter().rev() {
+        match &r.envelope.event {
+            Event::RunSucceeded(s) => return Some(s.validation.clone()),
+            Event::RunRevived(_) => return None,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Builds the view from the run's whole journal (`events`, non-empty) and its fold.
+pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
+    let created_at = events
+        .first()
+        .map(|r| r.envelope.at)
+        .unwrap_or_else(Timestamp::now);
+    let updated_at = events.last().map(|r| r.envelope.at).unwrap_or(created_at);
+    let current_step = (state.step.get() > 0).then(|| CurrentStep {
+        number: state.step.get(),
+        attempt: state.open_step.as_ref().map(|o| o.attempt.get()),
+        in_progress: state.open_step.is_some(),
+    });
+    let waiting = state.waiting_on().map(|on| Waiting {
+        on,
+        questions: state
+            .questions
+            .iter()
+            .filter(|(_, q)| q.answer.is_none())
+            .map(|(id, q)| QuestionView {
+                question_id: id.clone(),
+                prompt: q.prompt.clone(),
+            })
+            .collect(),
+        operations: state
+            .unresolved_ops()
+            .map(|o| OperationView {
+                op: o.op.clone(),
+                tool: o.call.name.clone(),
+                status: match o.status {
+                    OpStatus::AwaitingApproval => "awaiting_approval",
+                    OpStatus::Requested | OpStatus::ToRetry => "requested",
+                    OpStatus::Started { .. } => "started",
+                    OpStatus::Ambiguous { .. } => "ambiguous",
+                    OpStatus::Done => "done",
+                },
+            })
+            .collect(),
+        approvals: state
+            .approvals
+            .iter()
+            .filter(|(_, a)| a.status == ApprovalStatus::Open)
+            .map(|(id, a)| ApprovalView {
+                approval_id: id.clone(),
+                tool: a.request.tool.clone(),
+                expires_at: a.request.expires_at,
+            })
+            .collect(),
+        timers: state
+            .timers
+            .iter()
+            .filter(|(_, t)| !t.fired)
+            .map(|(id, t)| TimerView {
+                timer_id: id.clone(),
+                fire_at: t.fire_at,
+            })
+            .collect(),
+    });
+    let result = match (&state.output, state.status) {
+        (Some(output), RunStatus::Succeeded) => Some(ResultView {
+            output: output.clone(),
+            validation: result_validation(events).unwrap_or_default(),
+        }),
+        _ => None,
+    };
+    RunView {
+        run_id: state.run_id.clone(),
+        tenant: state.bundle.tenant.clone(),
+        agent: state.bundle.agent.clone(),
+        agent_revision: state.bundle.agent_revision,
+        status: state.status,
+        finished: finished(state),
+        turn: state.turn,
+        created_at,
+        updated_at,
+        last_seq: state.last_seq,
+        current_step,
+        waiting,
+        usage: state.usage.into(),
+        budget: state.bundle.budget.clone(),
+        result,
+        failure: state.failure.clone(),
+        cancel_requested: state.cancel_requested.clone(),
+        metadata: state.bundle.metadata.clone(),
+        links: Links::for_run(&state.run_id),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_nudges_are_private() {
+        let private: Vec<_> = EventType::ALL.iter().filter(|t| !is_public(**t)).collect();
+        assert_eq!(private, vec![&EventType::Nudge]);
+    }
+
+    #[test]
+    fn delta_frames_carry_no_id_and_one_data_line() {
+        let f = delta_frame(br#"{"step": 1, "text": "a\nb"}"#).expect("json");
+        let s = std::str::from_utf8(&f).expect("utf8");
+        assert!(s.starts_with("event: delta\ndata: {"));
+        assert!(!s.contains("id:"));
+        assert_eq!(s.matches('\n').count(), 3, "{s:?}");
+        assert!(delta_frame(b"not json").is_none());
+    }
+}
