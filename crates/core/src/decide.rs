@@ -506,6 +506,9 @@ fn plan(
 /// `ask_user` calls, `timer.scheduled` for `wait` calls (due `now` + the seconds asked), and then
 /// `run.waiting` or `run.succeeded`. One group, committed atomically. `now` is the commit's
 /// clock reading; it is recorded (as the timer's `fire_at`), so replay does not depend on it.
+// Each argument is a distinct recorded fact of the commit (which attempt, what the model said,
+// whether it was reused, the clock reading, the frozen policy); bundling them would only rename them.
+#[allow(clippy::too_many_arguments)]
 pub fn complete_step(
     state: &RunState,
     step: StepNo,

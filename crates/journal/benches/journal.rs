@@ -85,6 +85,7 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
                 tool: "search".into(),
                 args_digest: Digest::of_json(&arguments),
                 arguments,
+                redispatch: 0,
             }))
             .step(StepNo(step))
             .op(OperationId::new(run, StepNo(step), i)),

@@ -92,6 +92,7 @@ pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
             tool: "search".into(),
             args_digest: Digest::of_json(&arguments),
             arguments,
+            redispatch: 0,
         }))
         .step(StepNo(step))
         .op(OperationId::new(run, StepNo(step), index)),

@@ -59,10 +59,12 @@ pub struct Harness {
 
 /// Short timeouts so that crash recovery happens within seconds.
 pub fn fast_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
-    let mut config = Config::default();
-    config.nats_urls = vec![nats_url.to_owned()];
-    config.workspace_root = workspace.to_owned();
-    config.worker_id = worker.to_owned();
+    let mut config = Config {
+        nats_urls: vec![nats_url.to_owned()],
+        workspace_root: workspace.to_owned(),
+        worker_id: worker.to_owned(),
+        ..Config::default()
+    };
     config
         .api_keys
         .insert(API_KEY_VAR.into(), "test-key".into());
