@@ -81,6 +81,9 @@ pub enum Next {
     Commit(Vec<Draft>),
     /// Journal `plan.start`, call the model, then journal [`complete_step`].
     Step(Box<StepPlan>),
+    /// A step's decision group was cut short (its writer died between appends): journal the
+    /// rest of it, [`finish_step`], then decide again.
+    Finish(Box<crate::fold::Completing>),
 }
 
 /// The model's answer, provider-neutral.
@@ -94,6 +97,11 @@ pub struct ModelResponse {
 /// Decides the next action for a run.
 pub fn decide(state: &RunState) -> Next {
     let budget = &state.bundle.budget;
+    // A cut-short decision group is finished before anything else (a group always ends by
+    // settling the status, so a terminal run never has one).
+    if let Some(c) = &state.completing {
+        return Next::Finish(Box::new(c.clone()));
+    }
     match state.status {
         RunStatus::Cancelled => Next::Idle(Idle::Terminal),
         RunStatus::Succeeded | RunStatus::Failed => {
@@ -147,18 +155,11 @@ pub fn decide(state: &RunState) -> Next {
                 budget.deadline_secs.unwrap_or_default()
             ),
         ),
-        RunStatus::Queued => {
-            let mut start = vec![Draft::new(Event::RunStarted(RunStarted {}))];
-            if let Some(secs) = budget.deadline_secs {
-                // The deadline counts from creation; the timer is durable like any other.
-                start.push(Draft::new(Event::TimerScheduled(TimerScheduled {
-                    timer_id: TimerId::for_deadline(&state.run_id),
-                    fire_at: Timestamp(state.created_at.0 + std::time::Duration::from_secs(secs)),
-                    purpose: TimerPurpose::RunDeadline,
-                })));
-            }
-            new_step(state, budget, start)
-        }
+        RunStatus::Queued => new_step(
+            state,
+            budget,
+            vec![Draft::new(Event::RunStarted(RunStarted {}))],
+        ),
         RunStatus::Running => match &state.open_step {
             Some(open) => {
                 if open.attempt.get() >= budget.max_attempts_per_step {
@@ -238,6 +239,32 @@ pub fn decide(state: &RunState) -> Next {
             })
         }
     }
+}
+
+/// The rest of a step's decision group that a writer left cut short: the group as
+/// [`complete_step`] makes it (without regard to a cancel requested since, which the next
+/// decision handles), minus `step.completed` and the decisions that already landed.
+pub fn finish_step(
+    state: &RunState,
+    c: &crate::fold::Completing,
+    now: Timestamp,
+    policy: &std::collections::BTreeMap<String, ToolPolicy>,
+) -> Vec<Draft> {
+    let mut as_written = state.clone();
+    as_written.cancel_requested = None;
+    complete_step(
+        &as_written,
+        c.step,
+        c.attempt,
+        c.request_id.clone(),
+        c.response.clone(),
+        c.reused,
+        now,
+        policy,
+    )
+    .into_iter()
+    .skip(1 + c.landed)
+    .collect()
 }
 
 /// `approval.requested` (version `version`) and its expiry timer.
@@ -356,8 +383,35 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                 verdict: Verdict::Deny,
                 ..
             }
-            | ApprovalStatus::Invalidated
+            | ApprovalStatus::Invalidated { .. }
             | ApprovalStatus::Expired => {}
+        }
+    }
+    // An invalidation whose fresh request was cut short (the writer died between the appends)
+    // leaves an operation held with no request open: ask again.
+    for tool in state.ops.values() {
+        if tool.status != OpStatus::AwaitingApproval || tool.result.is_some() {
+            continue;
+        }
+        let latest = state
+            .approvals
+            .values()
+            .filter(|a| a.op.as_ref() == Some(&tool.op))
+            .max_by_key(|a| a.request.plan_version);
+        if let Some(a) = latest
+            && let ApprovalStatus::Invalidated { at } = a.status
+            && !drafts.iter().any(|d| d.op.as_ref() == Some(&tool.op))
+        {
+            let ttl = a.request.expires_at.0 - a.requested_at.0;
+            drafts.extend(approval_request(
+                &tool.op,
+                &tool.call,
+                tool.args_digest.clone(),
+                a.request.risk,
+                a.request.basis.clone(),
+                a.request.plan_version.saturating_add(1),
+                Timestamp(at.0 + ttl),
+            ));
         }
     }
     drafts
@@ -465,6 +519,21 @@ fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>) -> Next {
                 budget.max_tokens
             ),
         );
+    }
+    if let Some(secs) = budget.deadline_secs
+        && !state
+            .timers
+            .values()
+            .any(|t| t.purpose == TimerPurpose::RunDeadline)
+    {
+        // The deadline counts from creation (for the whole run, revivals included); the timer
+        // is durable like any other. Scheduled with the first step, or the next one if the
+        // group that should have scheduled it was cut short.
+        prefix.push(Draft::new(Event::TimerScheduled(TimerScheduled {
+            timer_id: TimerId::for_deadline(&state.run_id),
+            fire_at: Timestamp(state.created_at.0 + std::time::Duration::from_secs(secs)),
+            purpose: TimerPurpose::RunDeadline,
+        })));
     }
     let step = state.step.next();
     let p = plan(state, step, Attempt(1), None, std::mem::take(&mut prefix));

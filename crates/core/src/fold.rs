@@ -134,7 +134,10 @@ pub enum ApprovalStatus {
         /// When the decision was journaled (checked against the request's expiry).
         at: Timestamp,
     },
-    Invalidated,
+    /// Superseded (the decision did not match what would run); `at` is when.
+    Invalidated {
+        at: Timestamp,
+    },
     Expired,
 }
 
@@ -194,6 +197,22 @@ pub struct RunState {
     pub output: Option<String>,
     pub failure: Option<RunFailed>,
     pub ignored_inputs: u32,
+    /// A step whose `step.completed` landed but whose decision group did not end yet (its
+    /// decisions are appended one after another; a writer that died in between left the rest
+    /// for the next one).
+    pub completing: Option<Completing>,
+}
+
+/// The part of a step's decision group already journaled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completing {
+    pub step: StepNo,
+    pub attempt: Attempt,
+    pub request_id: ModelRequestId,
+    pub response: crate::decide::ModelResponse,
+    pub reused: bool,
+    /// Decisions of the group journaled after `step.completed`.
+    pub landed: usize,
 }
 
 /// A journal that does not fold.
@@ -285,6 +304,7 @@ impl RunState {
             output: None,
             failure: None,
             ignored_inputs: 0,
+            completing: None,
         })
     }
 
@@ -313,6 +333,7 @@ impl RunState {
                 self.status = apply(Some(self.status), event, wait)
                     .map_err(|source| FoldError::Transition { seq, event, source })?;
                 self.apply_decision(seq, env)?;
+                self.track_group(env);
                 self.last_decision_seq = seq;
             }
             crate::event::EventKind::Input => {
@@ -488,7 +509,12 @@ impl RunState {
                 );
             }
             Event::ApprovalInvalidated(a) => {
-                self.set_approval(seq, env, &a.approval_id, ApprovalStatus::Invalidated)?;
+                self.set_approval(
+                    seq,
+                    env,
+                    &a.approval_id,
+                    ApprovalStatus::Invalidated { at: env.at },
+                )?;
             }
             Event::ApprovalExpired(a) => {
                 self.set_approval(seq, env, &a.approval_id, ApprovalStatus::Expired)?;
@@ -557,6 +583,38 @@ impl RunState {
             }
         }
         Ok(())
+    }
+
+    /// Follows a step's decision group: it starts at `step.completed` and ends at the decision
+    /// that settles the run's status (`run.waiting`, a terminal or cancelling decision).
+    fn track_group(&mut self, env: &Envelope) {
+        match &env.event {
+            Event::StepCompleted(done) => {
+                self.completing = Some(Completing {
+                    step: done.request_id.step(),
+                    attempt: done.request_id.attempt(),
+                    request_id: done.request_id.clone(),
+                    response: crate::decide::ModelResponse {
+                        message: done.message.clone(),
+                        usage: done.usage,
+                        finish: done.finish,
+                    },
+                    reused: done.reused,
+                    landed: 0,
+                });
+            }
+            Event::RunWaiting(_)
+            | Event::RunSucceeded(_)
+            | Event::RunFailed(_)
+            | Event::RunCancelling(_)
+            | Event::RunCancelled(_)
+            | Event::RunUnknown(_) => self.completing = None,
+            _ => {
+                if let Some(c) = &mut self.completing {
+                    c.landed += 1;
+                }
+            }
+        }
     }
 
     fn set_approval(

@@ -707,3 +707,54 @@ fn a_run_deadline_is_a_durable_timer_that_fails_the_run() {
     sim.commit(d);
     assert_eq!(sim.state().status, RunStatus::Failed);
 }
+
+#[test]
+fn a_decision_group_cut_short_at_any_point_is_finished_by_the_next_writer() {
+    use kedge_core::decide::finish_step;
+    let response = tools(&[
+        ("call_a", "read_file"),
+        ("call_b", "ask_user"),
+        ("call_c", "wait"),
+    ]);
+    // The reference: the whole group journaled.
+    let mut whole = Sim::new(Budget::default());
+    let plan = whole.expect_step();
+    whole.commit(plan.start.clone());
+    let now = Timestamp::now();
+    let group = complete_step(
+        &whole.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        response.clone(),
+        false,
+        now,
+        &Default::default(),
+    );
+    assert!(group.len() > 4);
+    whole.commit(group.clone());
+    let reference = whole.state();
+    // The writer died after each possible prefix (step.completed always landed).
+    for cut in 1..group.len() {
+        let mut sim = Sim::new(Budget::default());
+        let plan = sim.expect_step();
+        sim.commit(plan.start.clone());
+        for d in &group[..cut] {
+            sim.push(d.clone());
+        }
+        let state = sim.state();
+        let Next::Finish(c) = decide(&state) else {
+            panic!("cut at {cut}: the group must be finished first")
+        };
+        assert_eq!(c.landed, cut - 1);
+        let rest = finish_step(&state, &c, now, &Default::default());
+        assert_eq!(rest, group[cut..].to_vec(), "cut at {cut}");
+        sim.commit(rest);
+        let state = sim.state();
+        assert_eq!(state.status, reference.status, "cut at {cut}");
+        assert_eq!(state.ops.len(), reference.ops.len());
+        assert_eq!(state.timers, reference.timers);
+        assert_eq!(state.questions, reference.questions);
+        assert!(state.completing.is_none());
+    }
+}

@@ -82,6 +82,25 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_step_consumer_wakes_on_every_input_but_tool_started() {
+        use kedge_core::event::{EventKind, EventType};
+        let (_, c) = config("step", Duration::from_secs(30)).expect("parses");
+        let mut expected = vec!["agent.run.*.d.run.created".to_owned()];
+        for t in EventType::ALL {
+            if t.kind() == EventKind::Input && *t != EventType::ToolStarted {
+                expected.push(format!("agent.run.*.i.{}", t.as_str()));
+            }
+        }
+        let mut got = c.filter_subjects.clone();
+        got.sort();
+        expected.sort();
+        assert_eq!(
+            got, expected,
+            "a new input type must wake the step (or be excluded here)"
+        );
+    }
+
+    #[test]
     fn every_consumer_file_parses() {
         for (_, name, _) in CONSUMERS {
             let (_, c) = config(name, Duration::from_secs(7)).expect("parses");

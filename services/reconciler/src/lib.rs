@@ -129,7 +129,7 @@ async fn check(
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
     let runnable = match decide(&state) {
         Next::Idle(_) => false,
-        Next::Commit(_) | Next::Step(_) => true,
+        Next::Commit(_) | Next::Step(_) | Next::Finish(_) => true,
     };
     if !runnable {
         return Ok(Verdict::Quiet);

@@ -195,6 +195,12 @@ impl Driver {
 
     /// Appends decisions; on success the state is refreshed from the journal. A conflict means
     /// another writer decided: the state is re-read and the caller decides again.
+    /// Appends decisions one after another, each with the concurrency check against the one
+    /// before (a single append costs ~0.05 ms where an atomic batch costs ~2 ms and stalls the
+    /// stream; a group cut short by a crash is finished by the next writer, see
+    /// `kedge_core::decide::finish_step`). On success the state is refreshed from the journal.
+    /// A conflict means another writer decided: the state is re-read and the caller decides
+    /// again.
     async fn commit(
         &self,
         state: &mut RunState,
@@ -202,27 +208,33 @@ impl Driver {
         drafts: Vec<Draft>,
     ) -> Result<bool, DriveError> {
         let now = Timestamp::now();
-        let events: Vec<Envelope> = drafts
-            .into_iter()
-            .map(|d| Envelope::new(state.run_id.clone(), now, d))
-            .collect();
-        match self
-            .rt
-            .journal
-            .append_decisions(&state.run_id, state.last_decision_seq, writer, &events)
-            .await
-        {
-            Ok(_) | Err(JournalError::Duplicate { .. }) => {
-                self.refresh(state).await?;
-                Ok(true)
+        let mut expected = state.last_decision_seq;
+        for draft in drafts {
+            let event = Envelope::new(state.run_id.clone(), now, draft);
+            match self
+                .rt
+                .journal
+                .append_decisions(
+                    &state.run_id,
+                    expected,
+                    writer,
+                    std::slice::from_ref(&event),
+                )
+                .await
+            {
+                Ok(appended) => expected = appended.last_seq,
+                // This very append landed before (a retry after a lost ack).
+                Err(JournalError::Duplicate { seq }) => expected = seq,
+                Err(JournalError::Conflict { expected, actual }) => {
+                    tracing::warn!(run_id = %state.run_id, expected, actual, "decision conflict; re-reading");
+                    *state = self.load(&state.run_id).await?;
+                    return Ok(false);
+                }
+                Err(e) => return Err(e.into()),
             }
-            Err(JournalError::Conflict { expected, actual }) => {
-                tracing::warn!(run_id = %state.run_id, expected, actual, "decision conflict; re-reading");
-                *state = self.load(&state.run_id).await?;
-                Ok(false)
-            }
-            Err(e) => Err(e.into()),
         }
+        self.refresh(state).await?;
+        Ok(true)
     }
 
     async fn drive_leased(
@@ -274,6 +286,23 @@ impl Driver {
                 }
                 Next::Step(plan) => {
                     self.step(state, writer, *plan, lost).await?;
+                }
+                Next::Finish(cut) => {
+                    tracing::warn!(run_id = %run, step = %cut.step, landed = cut.landed, "finishing a step's decisions cut short");
+                    let policy = match self.definition(state).await {
+                        Ok(def) => def.policy.clone(),
+                        Err(reason) => {
+                            let fail = Draft::new(Event::RunFailed(RunFailed {
+                                reason: FailureReason::Internal,
+                                message: reason,
+                            }));
+                            self.commit(state, writer, vec![fail]).await?;
+                            continue;
+                        }
+                    };
+                    let rest =
+                        kedge_core::decide::finish_step(state, &cut, Timestamp::now(), &policy);
+                    self.commit(state, writer, rest).await?;
                 }
             }
         }
