@@ -225,12 +225,18 @@ fn script() -> serde_json::Value {
     serde_json::json!({"models": {MODEL: {"steps": steps}}})
 }
 
+/// One concurrency round: (runs, elapsed ms, actions/s, what was collected, CPU ms/action of
+/// the server and of this process).
+type ConcRound = (usize, f64, f64, Collected, (f64, f64));
+
 /// Like the test harness's `fast_config` (short timeouts), concurrency at the defaults.
 fn bench_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
-    let mut config = Config::default();
-    config.nats_urls = vec![nats_url.to_owned()];
-    config.workspace_root = workspace.to_owned();
-    config.worker_id = worker.to_owned();
+    let mut config = Config {
+        nats_urls: vec![nats_url.to_owned()],
+        workspace_root: workspace.to_owned(),
+        worker_id: worker.to_owned(),
+        ..Config::default()
+    };
     config
         .api_keys
         .insert(API_KEY_VAR.into(), "bench-key".into());
@@ -1322,9 +1328,8 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
         let v = lat.lock().unwrap().clone();
         let st = stats(&v);
         let rate = v.len() as f64 / secs;
-        let label: &'static str = Box::leak(
-            format!("{name}: {rate:.0} groups/s, latency").into_boxed_str(),
-        );
+        let label: &'static str =
+            Box::leak(format!("{name}: {rate:.0} groups/s, latency").into_boxed_str());
         out.push(OpCost {
             name: label,
             stats: st,
@@ -1367,8 +1372,8 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
         context_digest: Digest::of_bytes(b"bench"),
         response: kedge_core::decide::ModelResponse {
             message: sc.message.clone(),
-            usage: sc.usage.clone(),
-            finish: sc.finish.clone(),
+            usage: sc.usage,
+            finish: sc.finish,
         },
     };
     let krun = RunId::generate();
@@ -1587,7 +1592,7 @@ fn uuid_like() -> String {
 struct ModeResult {
     label: &'static str,
     seq: Collected,
-    conc: Vec<(usize, f64, f64, Collected, (f64, f64))>,
+    conc: Vec<ConcRound>,
     calls_per_step: f64,
 }
 
@@ -1646,7 +1651,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     println!();
     println!("  Throughput (submit all, wait for all terminal; actions/s = 40 x N / elapsed)");
     println!(
-        "  {:>5} {:>10} {:>12} {:>14} {:>14} {:>12} {:>12}  {}",
+        "  {:>5} {:>10} {:>12} {:>14} {:>14} {:>12} {:>12}  CPU ms/action (server / kedge)",
         "runs",
         "elapsed ms",
         "actions/s",
@@ -1654,7 +1659,6 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
         "action p99 ms",
         "run p50 ms",
         "run max ms",
-        "CPU ms/action (server / kedge)"
     );
     let mut conc = Vec::new();
     for (round, &n) in o.concurrency.iter().enumerate() {
@@ -1838,8 +1842,8 @@ fn print_segments(c: &Collected) {
         "  Where a loop iteration (1 model + 1 tool action, steps 2..{K}) goes — writer stamps vs server store times:"
     );
     println!(
-        "    {:<24} {:>8} {:>8} {:>8} {:>8}   {}",
-        "segment", "p50 ms", "mean ms", "p99 ms", "max ms", "what it contains"
+        "    {:<24} {:>8} {:>8} {:>8} {:>8}   what it contains",
+        "segment", "p50 ms", "mean ms", "p99 ms", "max ms"
     );
     for (name, what) in SEGMENTS {
         if let Some(v) = c.segments.get(name) {
@@ -1852,7 +1856,7 @@ fn print_segments(c: &Collected) {
     }
 }
 
-fn print_conc_segments(conc: &[(usize, f64, f64, Collected, (f64, f64))]) {
+fn print_conc_segments(conc: &[ConcRound]) {
     println!();
     println!("  Loop segments under concurrency (p50 / mean / p99 ms):");
     let mut head = format!("    {:<24}", "segment");
@@ -1947,14 +1951,26 @@ fn print_costs(costs: &[OpCost], seq: &Collected) {
     // The per-loop bill on the critical path (one model action + one tool action, steady
     // state), op by op as the services do them (the wiretap above shows the same sequence):
     let rows: Vec<(&str, f64, f64)> = vec![
-        ("step wake: pull delivery", 1.0, g("wake: input append -> pull delivery")),
-        ("lease acquire (direct get + CAS)", 1.0, g("lease acquire (direct get + CAS)")),
+        (
+            "step wake: pull delivery",
+            1.0,
+            g("wake: input append -> pull delivery"),
+        ),
+        (
+            "lease acquire (direct get + CAS)",
+            1.0,
+            g("lease acquire (direct get + CAS)"),
+        ),
         (
             "drive start: read after the cached state",
             1.0,
             g("journal.read(run, after), 3 new (refresh)"),
         ),
-        ("fold + decide (CPU)", 1.0, g("CPU: fold(60 events) + decide")),
+        (
+            "fold + decide (CPU)",
+            1.0,
+            g("CPU: fold(60 events) + decide"),
+        ),
         (
             "step.started append (1 decision)",
             1.0,
@@ -1965,19 +1981,47 @@ fn print_costs(costs: &[OpCost], seq: &Collected) {
             1.0,
             g("journal.read(run, after), 3 new (refresh)"),
         ),
-        ("model HTTP call", 1.0, g("model call, step-10 context (HTTP, mock)")),
-        ("KV put model response", 1.0, g("KV put model response (store_response)")),
+        (
+            "model HTTP call",
+            1.0,
+            g("model call, step-10 context (HTTP, mock)"),
+        ),
+        (
+            "KV put model response",
+            1.0,
+            g("KV put model response (store_response)"),
+        ),
         (
             "group append (3 decisions, atomic batch)",
             1.0,
             g("append_decisions, 3 events (atomic batch)"),
         ),
-        ("tool wake: pull delivery", 1.0, g("wake: input append -> pull delivery")),
-        ("op claim (KV get + create)", 1.0, g("op claim (KV get miss + create)")),
-        ("cancel check (direct get, last of run)", 1.0, g("direct get last of a run (cancel check)")),
+        (
+            "tool wake: pull delivery",
+            1.0,
+            g("wake: input append -> pull delivery"),
+        ),
+        (
+            "op claim (KV get + create)",
+            1.0,
+            g("op claim (KV get miss + create)"),
+        ),
+        (
+            "cancel check (direct get, last of run)",
+            1.0,
+            g("direct get last of a run (cancel check)"),
+        ),
         ("tool.started input", 1.0, g("append_input (msg-id dedup)")),
-        ("ledger_append (tokio::fs)", 1.0, g("ledger_append tool run (tokio::fs)")),
-        ("op finish (KV update)", 1.0, g("op finish (KV update, CAS)")),
+        (
+            "ledger_append (tokio::fs)",
+            1.0,
+            g("ledger_append tool run (tokio::fs)"),
+        ),
+        (
+            "op finish (KV update)",
+            1.0,
+            g("op finish (KV update, CAS)"),
+        ),
         ("tool.result input", 1.0, g("append_input (msg-id dedup)")),
     ];
     let total: f64 = rows.iter().map(|(_, n, c)| n * c).sum();

@@ -200,9 +200,11 @@ async fn main() {
         }
     };
     let nats = NatsServer::start().await;
-    let mut config = Config::default();
-    config.nats_urls = vec![nats.url()];
-    config.worker_id = "bench".into();
+    let config = Config {
+        nats_urls: vec![nats.url()],
+        worker_id: "bench".into(),
+        ..Config::default()
+    };
     let rt = Runtime::connect(config.clone()).await.expect("runtime");
     let def = serde_json::json!({
         "name": "bench", "system_prompt": "bench",

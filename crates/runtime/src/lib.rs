@@ -5,6 +5,7 @@
 //! - [`Runtime`]: the broker connection after the layout check, the journal, leases and the KV
 //!   stores every service uses.
 //! - [`agents`]: agent definitions in `kedge_agents`.
+//! - [`approvals`]: recording a person's approval decision.
 //! - [`callbacks`]: delivering external callbacks to the runs that wait for them.
 //! - [`idempotency`]: stored model responses and tool operation records in `kedge_idempotency`.
 //! - [`consumer`]: durable pull consumers from `nats/consumers/*.json`.
@@ -14,6 +15,7 @@
 //! ([`Runtime::connect`] refuses), so no code below has to wonder whether a flag is set.
 
 pub mod agents;
+pub mod approvals;
 pub mod callbacks;
 pub mod config;
 pub mod consumer;

@@ -17,23 +17,11 @@
 use std::future::Future;
 
 use futures::StreamExt;
-use kedge_core::event::{ApprovalDecided, Digest, Draft, Envelope, Event, Timestamp, Verdict};
-use kedge_core::fold::ApprovalStatus;
-use kedge_core::ids::{ApprovalId, RunId};
-use kedge_journal::JournalError;
+use kedge_core::ids::RunId;
 use kedge_runtime::{Runtime, RuntimeError};
 use serde::{Deserialize, Serialize};
 
-/// The body of a decision request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DecisionRequest {
-    pub approval_id: ApprovalId,
-    pub verdict: Verdict,
-    pub args_digest: Digest,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub comment: Option<String>,
-}
+pub use kedge_runtime::approvals::DecisionRequest;
 
 /// The answer to a decision request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,48 +93,8 @@ pub async fn decide(rt: &Runtime, run: &str, token: Option<&str>, body: &[u8]) -
         Ok(r) => r,
         Err(e) => return refused(422, format!("invalid decision: {e}")),
     };
-    let events = match rt.journal.read(&run, 0).await {
-        Ok(events) if !events.is_empty() => events,
-        Ok(_) => return refused(404, format!("no run {run}")),
-        Err(e) => return refused(503, e.to_string()),
-    };
-    let state = match kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope))) {
-        Ok(s) => s,
-        Err(e) => return refused(500, e.to_string()),
-    };
-    match state.approvals.get(&request.approval_id) {
-        None => {
-            return refused(
-                404,
-                format!("run {run} has no approval {}", request.approval_id),
-            );
-        }
-        Some(a) if a.status != ApprovalStatus::Open => {
-            return refused(409, format!("approval {} is not open", request.approval_id));
-        }
-        Some(_) => {}
-    }
-    let env = Envelope::new(
-        run.clone(),
-        Timestamp::now(),
-        Draft::new(Event::ApprovalDecided(ApprovalDecided {
-            approval_id: request.approval_id.clone(),
-            verdict: request.verdict,
-            args_digest: request.args_digest,
-            approver: approver.clone(),
-            comment: request.comment,
-        })),
-    );
-    let key = format!("approval.decided:{}", request.approval_id);
-    match rt.journal.append_input(&env, &key).await {
-        Ok(seq) => {
-            tracing::info!(run_id = %run, approval = %request.approval_id, %approver, "approval decided");
-            DecisionAnswer::Journaled { seq }
-        }
-        Err(JournalError::Duplicate { .. }) => refused(
-            409,
-            format!("approval {} was already decided", request.approval_id),
-        ),
-        Err(e) => refused(503, e.to_string()),
+    match kedge_runtime::approvals::record_decision(rt, &run, approver, request).await {
+        Ok(seq) => DecisionAnswer::Journaled { seq },
+        Err(r) => refused(r.code, r.reason),
     }
 }

@@ -645,6 +645,117 @@ pub(crate) async fn cancel(
     ))
 }
 
+/// `POST /v1/runs/{id}/approvals/{approval_id}`: a decision on an approval, with the argument
+/// digest the approver was shown; the caller (its token's name) is the approver.
+pub(crate) async fn approve(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path((id, aid)): Path<(String, String)>,
+    raw: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    caller.require_write()?;
+    let run = run_id(&id)?;
+    let approval: kedge_core::ids::ApprovalId = aid
+        .parse()
+        .map_err(|e: kedge_core::ids::IdError| Problem::malformed("approval_id", e.to_string()))?;
+    let raw = body(raw, bridge.config.max_body_bytes)?;
+    let obj = object(&raw, &["verdict", "args_digest", "comment"], false)?;
+    let verdict = match text(&obj, "verdict", true, 16)?.as_deref() {
+        Some("approve") => kedge_core::event::Verdict::Approve,
+        Some("deny") => kedge_core::event::Verdict::Deny,
+        _ => {
+            return Err(Problem::invalid(
+                "verdict",
+                "must be \"approve\" or \"deny\"",
+            ));
+        }
+    };
+    let args_digest = text(&obj, "args_digest", true, 80)?
+        .unwrap_or_default()
+        .parse::<kedge_core::event::Digest>()
+        .map_err(|e| Problem::invalid("args_digest", e.to_string()))?;
+    let comment = text(&obj, "comment", false, 4096)?;
+    // Tenant isolation: another tenant's run is a 404.
+    owned_run(&bridge, &caller, &run).await?;
+    let request = kedge_runtime::approvals::DecisionRequest {
+        approval_id: approval.clone(),
+        verdict,
+        args_digest,
+        comment,
+    };
+    match kedge_runtime::approvals::record_decision(&bridge.rt, &run, &caller.name, request).await {
+        Ok(seq) => Ok(accepted(
+            json!({ "run_id": run, "approval_id": approval, "seq": seq, "links": Links::for_run(&run) }),
+        )),
+        Err(r) => Err(match r.code {
+            404 => Problem::not_found(r.reason).with_field("approval_id"),
+            409 => Problem::conflict("approval-not-open", r.reason).with_field("approval_id"),
+            503 => Problem::unavailable(r.reason, 1),
+            _ => Problem::internal(r.reason),
+        }),
+    }
+}
+
+/// `POST /v1/callbacks/{key}`: an external event for a correlation key; the body (any JSON) is
+/// the payload. `Kedge-Delivery-Id` identifies a delivery for deduplication.
+pub(crate) async fn callback(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path(key): Path<String>,
+    headers: HeaderMap,
+    raw: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    use kedge_runtime::callbacks::{Delivery, deliver};
+    caller.require_write()?;
+    let raw = body(raw, bridge.config.max_body_bytes)?;
+    let payload: Value = if raw.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&raw).map_err(|e| Problem::malformed("body", e.to_string()))?
+    };
+    // A key of another tenant's run is answered as unknown, like a missing one.
+    if let Some(op) = key
+        .parse::<kedge_core::ids::CallbackKey>()
+        .ok()
+        .and_then(|k| k.operation())
+        && owned_run(&bridge, &caller, op.run()).await.is_err()
+    {
+        return Err(
+            Problem::not_found(format!("no run waits for callback key {key}")).with_field("key"),
+        );
+    }
+    let delivery_id = headers
+        .get("Kedge-Delivery-Id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let delivery = deliver(&bridge.rt, &key, payload, delivery_id.as_deref())
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string(), 1))?;
+    let body = serde_json::to_value(&delivery).unwrap_or(Value::Null);
+    Ok(match delivery {
+        Delivery::Accepted { .. } | Delivery::Early { .. } => accepted(body),
+        Delivery::Duplicate { .. } => Json(body).into_response(),
+        Delivery::Expired { .. } => Problem::new(
+            StatusCode::GONE,
+            "callback-expired",
+            "Callback expired",
+            format!("the deadline of callback key {key} has passed"),
+        )
+        .with_field("key")
+        .into_response(),
+        Delivery::Closed { .. } => {
+            Problem::conflict("run-ended", format!("the run waiting for {key} has ended"))
+                .with_field("key")
+                .into_response()
+        }
+        Delivery::UnknownKey { .. } => Problem::not_found(format!(
+            "no run has callback key {key}; the callback was recorded"
+        ))
+        .with_field("key")
+        .into_response(),
+    })
+}
+
 /// `GET /healthz`: the process is up.
 pub(crate) async fn healthz() -> Response {
     Json(json!({ "status": "ok" })).into_response()
