@@ -18,9 +18,11 @@
 //! Verification ([`diff_config`]) compares what Kedge relies on: subjects, retention, storage,
 //! discard policy, per-subject history, every feature flag the file sets (`allow_atomic`,
 //! `allow_msg_schedules`, `allow_msg_ttl`, `allow_direct`, `allow_rollup_hdrs`, `deny_delete`),
-//! the delete-marker TTL, a consumer limit at least the file's, and for the journal
-//! (`KEDGE_RUNS`) that it is never trimmed (no age, size or count limit). Replicas, duplicate
-//! windows and descriptions are the operator's to tune.
+//! that `allow_rollup_hdrs` is off where the file sets it `false` (a stream that accepts
+//! `Nats-Rollup` can be purged by any publisher), the delete-marker TTL, a consumer limit at
+//! least the file's, and for the journal (`KEDGE_RUNS`) and the timers (`KEDGE_TIMERS`, whose
+//! pending schedules may be days old) that they are never trimmed (no age, size or count limit).
+//! Replicas, duplicate windows and descriptions are the operator's to tune.
 //!
 //! `KEDGE_RUNS` sets `max_consumers` explicitly: nats-server 2.15 caps every stream at 1000
 //! consumers unless the stream sets a positive limit (a `-1` is silently replaced by that default),
@@ -28,9 +30,10 @@
 //! it is dropped.
 //!
 //! Note: nats-server 2.15 turns `allow_rollup_hdrs` on by itself for a stream with
-//! `allow_msg_schedules` (schedules are implemented with rollups), so `KEDGE_RUNS` accepts
-//! `Nats-Rollup` headers; its file leaves the flag out rather than state a value the server
-//! overrides.
+//! `allow_msg_schedules` (schedules are stored as rollups). That is why the durable timers'
+//! schedules live in their own stream, `KEDGE_TIMERS` (whose file states the forced `true`), and
+//! not in the journal: `KEDGE_RUNS` must refuse `Nats-Rollup`, or anyone allowed to publish under
+//! `agent.run.>` could purge a run's journal.
 
 use std::time::Duration;
 
@@ -58,6 +61,10 @@ pub const LAYOUT: &[(&str, &str)] = &[
         include_str!("../../../nats/streams/KEDGE_RUNS.json"),
     ),
     (
+        "KEDGE_TIMERS",
+        include_str!("../../../nats/streams/KEDGE_TIMERS.json"),
+    ),
+    (
         "KEDGE_REJECTIONS",
         include_str!("../../../nats/streams/KEDGE_REJECTIONS.json"),
     ),
@@ -83,8 +90,9 @@ pub const LAYOUT: &[(&str, &str)] = &[
     ),
 ];
 
-/// Streams that must never lose messages to limits (the journal is the only truth).
-const NEVER_TRIMMED: &[&str] = &["KEDGE_RUNS"];
+/// Streams that must never lose messages to limits: the journal is the only truth, and a
+/// pending timer's schedule may wait for days.
+const NEVER_TRIMMED: &[&str] = &["KEDGE_RUNS", "KEDGE_TIMERS"];
 
 /// Options of [`ensure_layout`].
 #[derive(Debug, Clone)]
@@ -241,6 +249,8 @@ const FLAGS: &[&str] = &[
     "allow_rollup_hdrs",
     "deny_delete",
 ];
+/// Flags that must be off when the file turns them off explicitly (`false`, not just absent).
+const OFF_FLAGS: &[&str] = &["allow_rollup_hdrs"];
 /// Limits that must be unlimited on a never-trimmed stream, with their "unlimited" value.
 const NO_LIMITS: &[(&str, i64)] = &[("max_age", 0), ("max_bytes", -1), ("max_msgs", -1)];
 
@@ -297,6 +307,11 @@ pub fn diff_config(desired: &Value, found: &Value, never_trimmed: bool) -> Vec<F
     for field in FLAGS {
         if flag(desired.get(*field)) && !flag(found.get(*field)) {
             push(field, "true".to_owned(), show(found.get(*field)));
+        }
+    }
+    for field in OFF_FLAGS {
+        if desired.get(*field) == Some(&Value::Bool(false)) && flag(found.get(*field)) {
+            push(field, "false".to_owned(), show(found.get(*field)));
         }
     }
     // nats-server 2.15 replaces a `max_consumers` <= 0 by its default (1000 per stream), so a
@@ -535,9 +550,31 @@ mod tests {
             .map(|(_, j)| serde_json::from_str::<async_nats::jetstream::stream::Config>(j))
             .expect("KEDGE_RUNS is in the layout")
             .expect("parses");
-        assert!(runs.allow_atomic_publish && runs.allow_message_schedules && runs.deny_delete);
+        assert!(runs.allow_atomic_publish && runs.deny_delete);
+        // Schedules would force rollups on: they live in KEDGE_TIMERS instead.
+        assert!(!runs.allow_message_schedules && !runs.allow_rollup);
         assert_eq!(runs.duplicate_window, Duration::from_secs(3600));
         assert_eq!(runs.max_age, Duration::ZERO);
+        let timers = LAYOUT
+            .iter()
+            .find(|(n, _)| *n == "KEDGE_TIMERS")
+            .map(|(_, j)| serde_json::from_str::<async_nats::jetstream::stream::Config>(j))
+            .expect("KEDGE_TIMERS is in the layout")
+            .expect("parses");
+        assert!(timers.allow_message_schedules && timers.allow_message_ttl);
+        assert_eq!(
+            timers.max_age,
+            Duration::ZERO,
+            "pending timers are never aged out"
+        );
+        assert_eq!(
+            timers.retention,
+            async_nats::jetstream::stream::RetentionPolicy::Limits
+        );
+        assert_eq!(
+            timers.storage,
+            async_nats::jetstream::stream::StorageType::File
+        );
         let leases = LAYOUT
             .iter()
             .find(|(n, _)| *n == "KV_kedge_leases")
@@ -587,6 +624,21 @@ mod tests {
         );
         // Limits only matter on never-trimmed streams.
         assert_eq!(diff_config(&desired, &changed, false).len(), 3);
+    }
+
+    #[test]
+    fn rollups_must_be_off_where_the_file_turns_them_off() {
+        let desired = json!({"subjects": ["agent.run.>"], "allow_rollup_hdrs": false});
+        let mut found = desired.clone();
+        assert!(diff_config(&desired, &found, false).is_empty());
+        found["allow_rollup_hdrs"] = true.into();
+        let d = diff_config(&desired, &found, false);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].field, "allow_rollup_hdrs");
+        assert_eq!(d[0].expected, "false");
+        // A file that does not mention the flag does not care.
+        let silent = json!({"subjects": ["agent.run.>"]});
+        assert!(diff_config(&silent, &found, false).is_empty());
     }
 
     #[test]

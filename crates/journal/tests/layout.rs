@@ -34,38 +34,51 @@ async fn ensure_layout_twice_is_idempotent() {
         .unwrap();
 }
 
-/// KEDGE_RUNS as an operator might have created it by hand, without `flag`.
-async fn precreated_runs_without(flag: &str) -> LayoutError {
+async fn stream_config(client: &async_nats::Client, stream: &str) -> serde_json::Value {
+    let info = client
+        .request(format!("$JS.API.STREAM.INFO.{stream}"), "".into())
+        .await
+        .unwrap();
+    let info: serde_json::Value = serde_json::from_slice(&info.payload).unwrap();
+    info["config"].clone()
+}
+
+/// `stream` as an operator might have created it by hand: its layout file changed by `edit`.
+async fn precreated(stream: &str, edit: impl FnOnce(&mut serde_json::Value)) -> LayoutError {
     let server = NatsServer::start().await;
     let client = server.client().await;
-    let (_, json) = LAYOUT.iter().find(|(n, _)| *n == "KEDGE_RUNS").unwrap();
+    let (_, json) = LAYOUT.iter().find(|(n, _)| *n == stream).unwrap();
     let mut cfg: serde_json::Value = serde_json::from_str(json).unwrap();
-    cfg.as_object_mut().unwrap().remove(flag);
+    edit(&mut cfg);
     let created = client
         .request(
-            "$JS.API.STREAM.CREATE.KEDGE_RUNS",
+            format!("$JS.API.STREAM.CREATE.{stream}"),
             serde_json::to_vec(&cfg).unwrap().into(),
         )
         .await
         .unwrap();
     let created: serde_json::Value = serde_json::from_slice(&created.payload).unwrap();
     assert!(created.get("error").is_none(), "{created}");
+    let before = stream_config(&client, stream).await;
     let err = ensure_layout(&client, &LayoutOptions::default())
         .await
         .unwrap_err();
     // And it was not "fixed".
-    let info = client
-        .request("$JS.API.STREAM.INFO.KEDGE_RUNS", "".into())
-        .await
-        .unwrap();
-    let info: serde_json::Value = serde_json::from_slice(&info.payload).unwrap();
-    assert_ne!(info["config"][flag], serde_json::Value::Bool(true));
+    assert_eq!(stream_config(&client, stream).await, before);
     err
+}
+
+/// `stream` as an operator might have created it by hand, without `flag`.
+async fn precreated_without(stream: &str, flag: &str) -> LayoutError {
+    precreated(stream, |cfg| {
+        cfg.as_object_mut().unwrap().remove(flag);
+    })
+    .await
 }
 
 #[tokio::test]
 async fn a_journal_stream_without_atomic_batches_is_refused_naming_the_flag() {
-    let err = precreated_runs_without("allow_atomic").await;
+    let err = precreated_without("KEDGE_RUNS", "allow_atomic").await;
     match &err {
         LayoutError::Mismatch { stream, field, .. } => {
             assert_eq!(stream, "KEDGE_RUNS");
@@ -77,13 +90,69 @@ async fn a_journal_stream_without_atomic_batches_is_refused_naming_the_flag() {
 }
 
 #[tokio::test]
-async fn a_journal_stream_without_schedules_is_refused_naming_the_flag() {
-    let err = precreated_runs_without("allow_msg_schedules").await;
-    assert!(
-        matches!(&err, LayoutError::Mismatch { field, .. } if field == "allow_msg_schedules"),
-        "{err:?}"
-    );
+async fn a_timer_stream_without_schedules_is_refused_naming_the_flag() {
+    let err = precreated_without("KEDGE_TIMERS", "allow_msg_schedules").await;
+    match &err {
+        LayoutError::Mismatch { stream, field, .. } => {
+            assert_eq!(stream, "KEDGE_TIMERS");
+            assert_eq!(field, "allow_msg_schedules");
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
     assert!(err.to_string().contains("allow_msg_schedules"), "{err}");
+}
+
+/// A journal created with schedules (as Kedge's own file once did) has rollups forced on by the
+/// server: anyone who may publish under `agent.run.>` could purge a run with `Nats-Rollup`.
+#[tokio::test]
+async fn a_journal_stream_that_accepts_rollups_is_refused() {
+    let err = precreated("KEDGE_RUNS", |cfg| {
+        cfg["allow_msg_schedules"] = true.into();
+    })
+    .await;
+    match &err {
+        LayoutError::Mismatch {
+            stream,
+            field,
+            expected,
+            found,
+        } => {
+            assert_eq!(stream, "KEDGE_RUNS");
+            assert_eq!(field, "allow_rollup_hdrs");
+            assert_eq!((expected.as_str(), found.as_str()), ("false", "true"));
+        }
+        other => panic!("expected a mismatch, got {other:?}"),
+    }
+}
+
+/// What the server really has after creating the layout: the flags the timers rely on are set
+/// (a server that silently dropped them would fail the layout check), the journal takes no
+/// rollups, and the timer stream is never trimmed.
+#[tokio::test]
+async fn the_created_streams_really_have_the_flags() {
+    let server = NatsServer::start().await;
+    let client = server.client().await;
+    ensure_layout(&client, &LayoutOptions::default())
+        .await
+        .unwrap();
+    let timers = stream_config(&client, "KEDGE_TIMERS").await;
+    assert_eq!(timers["allow_msg_schedules"], true, "{timers}");
+    assert_eq!(timers["allow_msg_ttl"], true, "{timers}");
+    assert_eq!(timers["max_age"], 0, "{timers}");
+    assert_eq!(timers["storage"], "file", "{timers}");
+    let runs = stream_config(&client, "KEDGE_RUNS").await;
+    assert_ne!(runs["allow_msg_schedules"], true, "{runs}");
+    assert_ne!(runs["allow_rollup_hdrs"], true, "{runs}");
+    assert_eq!(runs["allow_atomic"], true, "{runs}");
+    // The journal refuses a rollup: nobody can purge a run by publishing.
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Rollup", "sub");
+    let answer = client
+        .request_with_headers("agent.run.run_x.i.nudge", headers, "{}".into())
+        .await
+        .unwrap();
+    let answer: serde_json::Value = serde_json::from_slice(&answer.payload).unwrap();
+    assert!(answer.get("error").is_some(), "{answer}");
 }
 
 /// nats-server 2.15 caps every stream at 1000 consumers unless the stream sets its own limit

@@ -1,13 +1,288 @@
-//! The timer service (being built): turns `timer.scheduled` decisions into broker message
-//! schedules that fire `timer.fired` inputs into the run's journal.
+//! The timer service: durable timers that fire exactly once into a run's journal and survive
+//! kill -9 of every Kedge process and of nats-server.
+//!
+//! A timer is decided by the step service (`timer.scheduled`, e.g. for a `wait` tool call) and
+//! kept by the broker, not by this process: the service turns each `timer.scheduled` into a
+//! JetStream *message schedule* in the stream `KEDGE_TIMERS`, and turns each firing into a
+//! `timer.fired` input of the run. Between the two, nothing Kedge runs holds the timer (no task,
+//! no tokio timer, no connection): ten thousand waiting runs are ten thousand small messages.
+//!
+//! ```text
+//! KEDGE_RUNS  agent.run.<run>.d.timer.scheduled ──(consumer `timer`)──▶ schedule
+//! KEDGE_TIMERS kedge.timer.sched.<run>.<timer>    Nats-Schedule: @at <fire_at>
+//!                       │ the broker, at fire_at
+//!                       ▼
+//! KEDGE_TIMERS kedge.timer.fired.<run>.<timer> ──(consumer `timer-fired`)──▶ append input
+//! KEDGE_RUNS  agent.run.<run>.i.timer.fired       Nats-Msg-Id: timer.fired:<timer>
+//! ```
+//!
+//! Why a stream of its own: a stream with `allow_msg_schedules` has `allow_rollup_hdrs` forced on
+//! (schedules are stored as rollups), and a journal that accepts `Nats-Rollup` could be purged by
+//! any publisher under `agent.run.>`. The journal stays without rollups; the layout check refuses
+//! a `KEDGE_RUNS` that accepts them.
+//!
+//! # What message schedules do on the wire (measured, nats-server 2.15.1)
+//!
+//! Pinned by `tests/schedules.rs`, so a server upgrade that changes any of it fails a test.
+//!
+//! - A schedule is a message on its own subject (one pending schedule per subject) with
+//!   `Nats-Schedule: @at <RFC 3339>` and `Nats-Schedule-Target: <subject in the same stream>`.
+//!   The server stores it with an added `Nats-Rollup: sub` header (so a second schedule on the
+//!   same subject replaces the first). A target outside the stream is refused (10190), so is an
+//!   unreadable pattern (10189); a time zone other than UTC is accepted and converted.
+//! - Fractional seconds are kept: the firing is stored at or after the instant to the
+//!   nanosecond, never before it: 0.2–5 ms late for a lone timer on loopback; with a hundred
+//!   timers falling due within seconds of each other after a restart, p50 ~30–150 ms, max 250 ms
+//!   (the scheduler's tick). A `@at` in the past fires at the next tick (~0.25 s after it is
+//!   stored).
+//! - At the due time the server stores a **new** message on the target subject, with the
+//!   schedule's body copied (and application headers: an `X-…` header was, in the probe), plus
+//!   `Nats-Scheduler: <schedule subject>`, `Nats-Schedule-Next: purge` and, if the schedule had
+//!   `Nats-Schedule-TTL: <d>`, `Nats-TTL: <d>`. Neither `Nats-Msg-Id` (so the firing is not
+//!   deduplicated against its own schedule) nor the `Nats-Schedule*` headers are copied. It is
+//!   stored, not published: a core-NATS subscriber on the target does not see it; a JetStream
+//!   consumer does.
+//! - Then the schedule message is deleted from the stream: a fired timer leaves only its firing.
+//! - A schedule's `Nats-Msg-Id` deduplicates like any publish (duplicate ack within the
+//!   stream's duplicate window, even after the schedule fired and was deleted).
+//! - kill -9 of the server: a schedule acknowledged just before the kill survives; one that fell
+//!   due while the server was down fires ~0.2 s after the restart (late, never early, once); one
+//!   due after the restart fires on time.
+//!
+//! # Invariants
+//!
+//! - **Scheduled once.** The schedule carries `Nats-Msg-Id: timer:<timer_id>`, so a
+//!   redelivered `timer.scheduled` stores nothing new; and the schedule subject is the timer's
+//!   own, so even beyond the duplicate window a repeat replaces the pending schedule (rollup)
+//!   instead of adding one.
+//! - **Fired once into the journal.** The firing is journaled with
+//!   `Nats-Msg-Id: timer.fired:<timer_id>`, and the fold ignores a second `timer.fired` of a
+//!   timer (beyond the journal's duplicate window, and if the broker ever fired twice after a
+//!   crash between storing the firing and deleting the schedule).
+//! - **Never early.** The broker fires at or after `fire_at`; in case its clock runs ahead of
+//!   ours, a firing this service sees before `fire_at` (by its own clock) is handed back with a
+//!   delay until `fire_at`, so the journaled `timer.fired` is always stamped at or after it.
+//! - **Past due fires at once.** A `timer.scheduled` handled late (redelivered after a crash,
+//!   service down) is scheduled with its recorded `fire_at`; the broker fires it immediately.
+//! - **A run that moved on ignores it.** `timer.fired` is an input: it wakes the step service,
+//!   and the fold only acts on it for a timer that is pending; a cancelled or finished run
+//!   records it and does nothing.
+//! - Ack after effect: a `timer.scheduled` is acked only after the broker stored the schedule,
+//!   a firing only after the journal stored the input; a crash in between redelivers, and the
+//!   message ids make the repeat a no-op.
+
+pub mod wire;
 
 use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
 
-use kedge_runtime::{Runtime, RuntimeError};
+use async_nats::jetstream::{AckKind, Message};
+use futures::StreamExt;
+use kedge_core::event::{Draft, Envelope, Event, TimerFired, Timestamp};
+use kedge_journal::JournalError;
+use kedge_runtime::{Runtime, RuntimeError, consumer};
+use tokio::sync::Semaphore;
+use tracing::Instrument;
 
-/// Runs the timer service until `shutdown` resolves.
+use crate::wire::{Due, ScheduleError};
+
+/// Ack wait of both timer consumers (as in their files): handling a message takes one broker
+/// round trip.
+pub const ACK_WAIT: Duration = Duration::from_secs(30);
+/// Messages handled at once (both consumers together).
+const CONCURRENCY: usize = 64;
+/// Timeout of one broker request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Redelivery delay after broker trouble.
+const RETRY_DELAY: Duration = Duration::from_secs(1);
+/// Redelivery delay after a refusal that needs an operator (the message is kept, never dropped).
+const REFUSED_DELAY: Duration = Duration::from_secs(30);
+
+/// Runs the timer service until `shutdown` resolves, then lets in-flight messages finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let _ = rt;
-    shutdown.await;
-    Ok(())
+    let scheduled = consumer::durable(&rt.js, "timer", ACK_WAIT).await?;
+    let fired = consumer::durable(&rt.js, "timer-fired", ACK_WAIT).await?;
+    let mut scheduled = scheduled
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("timer consumer", e))?;
+    let mut fired = fired
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("timer-fired consumer", e))?;
+    let permits = Arc::new(Semaphore::new(CONCURRENCY));
+    tracing::info!(worker = %rt.config.worker_id, "timer service started");
+    tokio::pin!(shutdown);
+    let ended = loop {
+        let (msg, kind) = tokio::select! {
+            _ = &mut shutdown => break None,
+            next = scheduled.next() => match next {
+                Some(Ok(msg)) => (msg, Kind::Scheduled),
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "timer consumer hiccup");
+                    continue;
+                }
+                None => break Some("timer"),
+            },
+            next = fired.next() => match next {
+                Some(Ok(msg)) => (msg, Kind::Fired),
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "timer-fired consumer hiccup");
+                    continue;
+                }
+                None => break Some("timer-fired"),
+            },
+        };
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break None;
+        };
+        let rt = rt.clone();
+        tokio::spawn(async move {
+            match kind {
+                Kind::Scheduled => on_scheduled(&rt, msg).await,
+                Kind::Fired => on_fired(&rt, msg).await,
+            }
+            drop(permit);
+        });
+    };
+    let total = u32::try_from(CONCURRENCY).unwrap_or(u32::MAX);
+    let _ = permits.acquire_many(total).await;
+    match ended {
+        None => {
+            tracing::info!("timer service stopped");
+            Ok(())
+        }
+        Some(name) => Err(RuntimeError::broker(
+            format!("{name} consumer"),
+            "the message stream ended",
+        )),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    Scheduled,
+    Fired,
+}
+
+/// What to tell the broker about a handled message.
+#[derive(Debug)]
+enum Verdict {
+    Ack,
+    /// Hand it back for redelivery after the delay.
+    Retry(Duration),
+    /// A poison message: never deliver it again.
+    Term,
+}
+
+async fn settle(msg: &Message, verdict: Verdict) {
+    let kind = match verdict {
+        Verdict::Ack => AckKind::Ack,
+        Verdict::Retry(d) => AckKind::Nak(Some(d)),
+        Verdict::Term => AckKind::Term,
+    };
+    if let Err(e) = msg.ack_with(kind).await {
+        tracing::warn!(subject = %msg.subject, error = %e, "ack failed; the message will be redelivered");
+    }
+}
+
+/// A `timer.scheduled` decision: store its schedule in `KEDGE_TIMERS`.
+async fn on_scheduled(rt: &Runtime, msg: Message) {
+    let envelope = match Envelope::from_json_bytes(&msg.payload) {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!(subject = %msg.subject, error = %e, "not an envelope; terminating");
+            return settle(&msg, Verdict::Term).await;
+        }
+    };
+    let Event::TimerScheduled(t) = &envelope.event else {
+        tracing::error!(subject = %msg.subject, "not a timer.scheduled event; terminating");
+        return settle(&msg, Verdict::Term).await;
+    };
+    let due = Due {
+        run_id: envelope.run_id.clone(),
+        timer_id: t.timer_id.clone(),
+        fire_at: t.fire_at,
+        step: envelope.step,
+        op: envelope.op.clone(),
+    };
+    let span = tracing::info_span!("schedule", run_id = %due.run_id, timer_id = %due.timer_id, fire_at = %due.fire_at);
+    let verdict = async {
+        match wire::schedule(&rt.client, &due, REQUEST_TIMEOUT).await {
+            Ok(stored) => {
+                tracing::debug!(seq = stored.seq, duplicate = stored.duplicate, "timer scheduled");
+                Verdict::Ack
+            }
+            Err(ScheduleError::Unavailable(why)) => {
+                tracing::warn!(error = %why, "cannot schedule the timer yet; will retry");
+                Verdict::Retry(RETRY_DELAY)
+            }
+            Err(e @ ScheduleError::Refused(_)) => {
+                tracing::error!(error = %e, "the broker refused the timer's schedule; kept for retry");
+                Verdict::Retry(REFUSED_DELAY)
+            }
+        }
+    }
+    .instrument(span)
+    .await;
+    settle(&msg, verdict).await;
+}
+
+/// A fired timer: journal `timer.fired` in its run.
+async fn on_fired(rt: &Runtime, msg: Message) {
+    let named = wire::parse_fired_subject(&msg.subject);
+    let due: Option<Due> = serde_json::from_slice(&msg.payload).ok();
+    let due = match (named, due) {
+        (Some((run, timer)), Some(due)) if due.run_id == run && due.timer_id == timer => due,
+        _ => {
+            tracing::error!(subject = %msg.subject, "not a timer firing Kedge scheduled; terminating");
+            return settle(&msg, Verdict::Term).await;
+        }
+    };
+    let span = tracing::info_span!("fire", run_id = %due.run_id, timer_id = %due.timer_id, fire_at = %due.fire_at);
+    let verdict = fire(rt, &due).instrument(span).await;
+    settle(&msg, verdict).await;
+}
+
+async fn fire(rt: &Runtime, due: &Due) -> Verdict {
+    let now = Timestamp::now();
+    if now < due.fire_at {
+        // The broker's clock is ahead of ours: wait until the timer is due here too.
+        let early = (due.fire_at.0 - now.0).unsigned_abs();
+        tracing::warn!(
+            early_ms = early.as_millis() as u64,
+            "timer fired before it was due by this clock; waiting"
+        );
+        return Verdict::Retry(early + Duration::from_millis(1));
+    }
+    let mut draft = Draft::new(Event::TimerFired(TimerFired {
+        timer_id: due.timer_id.clone(),
+    }));
+    draft.step = due.step;
+    draft.op = due.op.clone();
+    let envelope = Envelope::new(due.run_id.clone(), now, draft);
+    match rt
+        .journal
+        .append_input(&envelope, &wire::fired_msg_id(&due.timer_id))
+        .await
+    {
+        Ok(seq) => {
+            let late = (now.0 - due.fire_at.0).whole_milliseconds();
+            tracing::info!(seq, late_ms = late as i64, "timer fired");
+            Verdict::Ack
+        }
+        Err(JournalError::Duplicate { seq }) => {
+            tracing::debug!(seq, "timer already fired");
+            Verdict::Ack
+        }
+        Err(e) if e.is_retryable() => {
+            tracing::warn!(error = %e, "cannot journal the firing yet; will retry");
+            Verdict::Retry(RETRY_DELAY)
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "the journal refused the firing; kept for retry");
+            Verdict::Retry(REFUSED_DELAY)
+        }
+    }
 }
