@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kedge_core::decide::{Next, decide};
-use kedge_core::event::{Draft, Envelope, Event, Nudge, Timestamp};
+use kedge_core::event::{Draft, Envelope, Event, EventType, Nudge, Timestamp};
 use kedge_core::ids::RunId;
 use kedge_core::subjects;
 use kedge_journal::JournalError;
@@ -124,6 +124,21 @@ async fn check(
     let age = time::OffsetDateTime::now_utc() - last.time;
     if age < stall_after {
         return Ok(Verdict::Active);
+    }
+    // A run whose last event is the writer settling it (waiting, ended, parked for a person) has
+    // had nothing since that could make it runnable: no need to read its journal. This keeps a
+    // scan over many waiting runs to one direct get each.
+    if let Some(parsed) = subjects::parse_event(&last.subject)
+        && matches!(
+            parsed.event_type,
+            EventType::RunWaiting
+                | EventType::RunSucceeded
+                | EventType::RunFailed
+                | EventType::RunCancelled
+                | EventType::RunUnknown
+        )
+    {
+        return Ok(Verdict::Quiet);
     }
     let events = rt.journal.read(run, 0).await?;
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
