@@ -17,7 +17,7 @@
 //! - **Reads are exact and consistent.** [`Journal::read`] returns exactly the run's events after a
 //!   sequence, in order, including every event acknowledged before the call (see its docs).
 //! - Messages under a run's tree that are neither `.d.` nor `.i.` (a reserved place for non-event
-//!   subtrees, such as timer schedules) are skipped; a message under `.d.`/`.i.` that is not a
+//!   subtrees; timer schedules live in their own stream, `KEDGE_TIMERS`) are skipped; a message under `.d.`/`.i.` that is not a
 //!   valid envelope of the run is an error ([`JournalError::Invalid`]), never silently dropped.
 
 use std::time::Duration;
