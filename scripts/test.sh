@@ -13,4 +13,7 @@ export KEDGE_NATS_SERVER="$ROOT/.tools/bin/nats-server"
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
-cargo test --workspace --all-targets
+# Unit, integration and doc tests. Benches (harness = false binaries that print numbers) are
+# compiled and linted by clippy above but not run here: `cargo bench -p kedge` runs them.
+cargo test --workspace --lib --bins --tests
+cargo test --workspace --doc
