@@ -15,5 +15,10 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # Unit, integration and doc tests. Benches (harness = false binaries that print numbers) are
 # compiled and linted by clippy above but not run here: `cargo bench -p kedge` runs them.
-cargo test --workspace --lib --bins --tests
-cargo test --workspace --doc
+LOG="$(mktemp)"
+trap 'rm -f "$LOG"' EXIT
+cargo test --workspace --doc 2>&1 | tee "$LOG"
+cargo test --workspace --lib --bins --tests 2>&1 | tee -a "$LOG"
+# One closing line for the whole run (each test binary prints its own "test result" line).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$LOG"
