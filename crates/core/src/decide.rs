@@ -657,14 +657,29 @@ pub fn complete_step(
                 .and_then(|q| q.as_str())
                 .map(str::to_owned)
                 .unwrap_or_else(|| call.arguments.to_string());
+            let question_id = QuestionId::for_operation(&op);
             tool_drafts.push(
                 Draft::new(Event::QuestionAsked(QuestionAsked {
-                    question_id: QuestionId::for_operation(&op),
+                    question_id: question_id.clone(),
                     prompt,
                 }))
                 .step(step)
-                .op(op),
+                .op(op.clone()),
             );
+            // `timeout_seconds`: the question closes unanswered then (a durable timer).
+            if call.arguments.get("timeout_seconds").is_some() {
+                tool_drafts.push(
+                    Draft::new(Event::TimerScheduled(TimerScheduled {
+                        timer_id: TimerId::for_operation(&op),
+                        fire_at: Timestamp(
+                            now.0 + seconds_arg(&call.arguments, "timeout_seconds", 0),
+                        ),
+                        purpose: TimerPurpose::QuestionTimeout { question_id },
+                    }))
+                    .step(step)
+                    .op(op),
+                );
+            }
         } else if call.name == WAIT_TOOL {
             waits_on_timer = true;
             let fire_at = Timestamp(now.0 + seconds_arg(&call.arguments, "seconds", 0));

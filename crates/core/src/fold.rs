@@ -122,6 +122,15 @@ pub struct QuestionState {
     pub op: Option<OperationId>,
     pub prompt: String,
     pub answer: Option<String>,
+    /// Its timeout fired before an answer came: closed, a later answer is ignored.
+    pub timed_out: bool,
+}
+
+impl QuestionState {
+    /// Whether an answer would still count.
+    pub fn is_open(&self) -> bool {
+        self.answer.is_none() && !self.timed_out
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -478,6 +487,7 @@ impl RunState {
                         op: env.op.clone(),
                         prompt: q.prompt.clone(),
                         answer: None,
+                        timed_out: false,
                     },
                 );
             }
@@ -709,7 +719,7 @@ impl RunState {
                 let Some(q) = self.questions.get_mut(&a.question_id) else {
                     return false;
                 };
-                if q.answer.is_some() {
+                if !q.is_open() {
                     return false;
                 }
                 q.answer = Some(a.answer.clone());
@@ -776,9 +786,23 @@ impl RunState {
                                 );
                             }
                         }
-                        TimerPurpose::RunDeadline
-                        | TimerPurpose::ApprovalExpiry { .. }
-                        | TimerPurpose::QuestionTimeout { .. } => {}
+                        // No answer in time: the question closes and the model is told.
+                        TimerPurpose::QuestionTimeout { question_id } => {
+                            if let Some(q) = self.questions.get_mut(&question_id)
+                                && q.is_open()
+                            {
+                                q.timed_out = true;
+                                if let Some(op) = q.op.clone() {
+                                    self.set_op_result(
+                                        &op,
+                                        seq,
+                                        format!("no answer before {fire_at}"),
+                                        true,
+                                    );
+                                }
+                            }
+                        }
+                        TimerPurpose::RunDeadline | TimerPurpose::ApprovalExpiry { .. } => {}
                     }
                     true
                 }

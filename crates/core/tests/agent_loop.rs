@@ -758,3 +758,55 @@ fn a_decision_group_cut_short_at_any_point_is_finished_by_the_next_writer() {
         assert!(state.completing.is_none());
     }
 }
+
+#[test]
+fn a_question_that_times_out_closes_and_the_model_is_told() {
+    use kedge_core::event::{TimerFired, TimerPurpose};
+    let mut sim = Sim::new(Budget::default());
+    let plan = sim.expect_step();
+    sim.commit(plan.start.clone());
+    let mut ask = tools(&[("call_q", "ask_user")]);
+    ask.message.tool_calls[0].arguments =
+        serde_json::json!({"question": "ok?", "timeout_seconds": 30});
+    let now = Timestamp::now();
+    let drafts = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id,
+        ask,
+        false,
+        now,
+        &Default::default(),
+    );
+    sim.commit(drafts);
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::WaitingUser);
+    let (timer_id, timer) = state.timers.iter().next().expect("a timeout timer");
+    assert!(matches!(
+        timer.purpose,
+        TimerPurpose::QuestionTimeout { .. }
+    ));
+    assert_eq!(timer.fire_at.0 - now.0, time::Duration::seconds(30));
+    sim.input(
+        Event::TimerFired(TimerFired {
+            timer_id: timer_id.clone(),
+        }),
+        None,
+    );
+    let q = sim.state().questions.keys().next().expect("q").clone();
+    sim.input(
+        Event::QuestionAnswered(QuestionAnswered {
+            question_id: q.clone(),
+            answer: "too late".into(),
+        }),
+        None,
+    );
+    let state = sim.state();
+    assert!(!state.questions[&q].is_open());
+    assert_eq!(state.ignored_inputs, 1, "the late answer is ignored");
+    let next = sim.run_step(text("no answer then"));
+    assert!(next.context.iter().any(
+        |m| matches!(m, ChatMessage::Tool { content, is_error: true, .. } if content.starts_with("no answer before"))
+    ));
+}

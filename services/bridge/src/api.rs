@@ -571,6 +571,13 @@ pub(crate) async fn answer(
         )
         .with_field("question_id"));
     }
+    if q.timed_out {
+        return Err(Problem::conflict(
+            "question-not-open",
+            format!("question {question} timed out unanswered"),
+        )
+        .with_field("question_id"));
+    }
     if state.status.is_terminal() {
         return Err(Problem::conflict(
             "question-not-open",
