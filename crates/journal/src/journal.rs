@@ -524,6 +524,32 @@ impl Journal {
         }))
     }
 
+    /// Every run in the journal (each subject `agent.run.<id>.d.run.created`), from the
+    /// stream's subject list: no consumer is made and no message is read.
+    pub async fn run_ids(&self) -> Result<Vec<RunId>, JournalError> {
+        let unavailable = |e: &dyn std::fmt::Display| JournalError::Unavailable {
+            op: "list runs",
+            reason: e.to_string(),
+        };
+        let stream = self
+            .js
+            .get_stream_no_info(RUNS_STREAM)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let mut created = stream
+            .info_with_subjects("agent.run.*.d.run.created")
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let mut runs = Vec::new();
+        while let Some(entry) = created.next().await {
+            let (subject, _) = entry.map_err(|e| unavailable(&e))?;
+            if let Some(parsed) = subjects::parse_event(&subject) {
+                runs.push(parsed.run_id);
+            }
+        }
+        Ok(runs)
+    }
+
     /// Sequence of the run's last event of any kind; `None` for a run with no events.
     /// By direct get, so in a cluster it may trail the leader by the replication apply delay
     /// (a decision append's own check is authoritative).

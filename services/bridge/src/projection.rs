@@ -29,7 +29,7 @@ use async_nats::jetstream::{AckKind, Context, Message};
 use futures::StreamExt;
 use kedge_core::event::{OutputValidation, Timestamp, Usage, WaitReason};
 use kedge_core::ids::{AgentName, RunId, TenantId};
-use kedge_core::subjects::{self, RUNS_BUCKET, RUNS_STREAM};
+use kedge_core::subjects::{self, RUNS_BUCKET};
 use kedge_core::{FoldError, RunStatus};
 use kedge_journal::{Journal, JournalError, Recorded};
 use kedge_runtime::{Runtime, RuntimeError, consumer};
@@ -382,7 +382,11 @@ pub async fn rebuild(rt: &Runtime) -> Result<RebuildReport, ProjectionError> {
     let projection = Projection::open(rt)
         .await
         .map_err(|e| ProjectionError::Kv(e.to_string()))?;
-    let runs = journal_runs(&rt.js).await?;
+    let runs = rt
+        .journal
+        .run_ids()
+        .await
+        .map_err(|e| ProjectionError::Kv(e.to_string()))?;
     let mut report = RebuildReport {
         runs: runs.len(),
         ..Default::default()
@@ -422,50 +426,4 @@ pub async fn rebuild(rt: &Runtime) -> Result<RebuildReport, ProjectionError> {
         report.removed += 1;
     }
     Ok(report)
-}
-
-/// Every run id with a `run.created` in the journal (one pass over those subjects).
-async fn journal_runs(js: &Context) -> Result<Vec<RunId>, ProjectionError> {
-    let kv_err = |e: &dyn std::fmt::Display| ProjectionError::Kv(e.to_string());
-    let stream = js
-        .get_stream_no_info(RUNS_STREAM)
-        .await
-        .map_err(|e| kv_err(&e))?;
-    let consumer: PullConsumer = stream
-        .create_consumer(pull::Config {
-            deliver_policy: DeliverPolicy::All,
-            filter_subject: "agent.run.*.d.run.created".into(),
-            ack_policy: AckPolicy::None,
-            inactive_threshold: Duration::from_secs(10),
-            memory_storage: true,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| kv_err(&e))?;
-    let name = consumer.cached_info().name.clone();
-    let result = async {
-        let mut out = Vec::new();
-        if consumer.cached_info().num_pending == 0 {
-            return Ok(out);
-        }
-        let mut messages = consumer.messages().await.map_err(|e| kv_err(&e))?;
-        loop {
-            let next = tokio::time::timeout(Duration::from_secs(10), messages.next())
-                .await
-                .map_err(|_| ProjectionError::Kv("listing the journal's runs timed out".into()))?;
-            let Some(msg) = next else { break };
-            let msg = msg.map_err(|e| kv_err(&e))?;
-            let pending = msg.info().map(|i| i.pending).unwrap_or(0);
-            if let Some(parsed) = subjects::parse_event(&msg.subject) {
-                out.push(parsed.run_id);
-            }
-            if pending == 0 {
-                break;
-            }
-        }
-        Ok(out)
-    }
-    .await;
-    let _ = stream.delete_consumer(&name).await;
-    result
 }

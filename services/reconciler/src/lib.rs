@@ -16,7 +16,6 @@
 use std::future::Future;
 use std::time::Duration;
 
-use futures::StreamExt;
 use kedge_core::decide::{Next, decide};
 use kedge_core::event::{Draft, Envelope, Event, EventType, Nudge, Timestamp};
 use kedge_core::ids::RunId;
@@ -75,17 +74,7 @@ pub async fn scan_once(rt: &Runtime) -> Result<ScanReport, ReconcileError> {
         .get_stream(subjects::RUNS_STREAM)
         .await
         .map_err(|e| ReconcileError::Broker(e.to_string()))?;
-    let mut created = stream
-        .info_with_subjects("agent.run.*.d.run.created")
-        .await
-        .map_err(|e| ReconcileError::Broker(e.to_string()))?;
-    let mut runs = Vec::new();
-    while let Some(entry) = created.next().await {
-        let (subject, _) = entry.map_err(|e| ReconcileError::Broker(e.to_string()))?;
-        if let Some(parsed) = subjects::parse_event(&subject) {
-            runs.push(parsed.run_id);
-        }
-    }
+    let runs = rt.journal.run_ids().await?;
     let mut report = ScanReport {
         runs: runs.len(),
         ..Default::default()
