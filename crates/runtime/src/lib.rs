@@ -9,6 +9,7 @@
 //! - [`callbacks`]: delivering external callbacks to the runs that wait for them.
 //! - [`idempotency`]: stored model responses and tool operation records in `kedge_idempotency`.
 //! - [`consumer`]: durable pull consumers from `nats/consumers/*.json`.
+//! - [`tasks`]: the client side of the task protocol (submit, intake's answer).
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
 //!
 //! Invariant: a service never starts against a broker that failed the layout check
@@ -21,6 +22,7 @@ pub mod config;
 pub mod consumer;
 pub mod failpoint;
 pub mod idempotency;
+pub mod tasks;
 
 use std::sync::Arc;
 

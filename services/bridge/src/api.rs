@@ -22,8 +22,8 @@ use kedge_core::event::{
 use kedge_core::ids::{QuestionId, RunId};
 use kedge_core::task::{MAX_INPUT_BYTES, MAX_TASK_BYTES, TaskSubmission};
 use kedge_core::{RunState, RunStatus};
-use kedge_intake::{Answer, Submission, SubmitError};
 use kedge_journal::{JournalError, Recorded};
+use kedge_runtime::tasks::{Answer, Submission, SubmitError};
 use serde_json::{Map, Value, json};
 
 use crate::Bridge;
@@ -228,7 +228,7 @@ pub(crate) async fn submit(
         caller: Some(&caller.name),
     };
     let wait = Duration::from_millis(bridge.config.intake_wait_ms);
-    let answer = kedge_intake::submit_raw(
+    let answer = kedge_runtime::tasks::submit_raw(
         &bridge.rt.client,
         &kedge_core::subjects::task(&task.agent),
         raw,

@@ -30,7 +30,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{AckKind, Message};
 use futures::StreamExt;
-use kedge_core::event::{Digest, Draft, Envelope, Event, RunCreated, Timestamp};
+use kedge_core::event::{Draft, Envelope, Event, RunCreated, Timestamp};
 use kedge_core::ids::{RunId, TenantId};
 use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::JournalError;
@@ -38,23 +38,10 @@ use kedge_runtime::agents::AgentError;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 use tokio::sync::Semaphore;
 
-/// Header naming the tenant of a task (set by the bridge from the caller's token; `default`
-/// when absent).
-pub const TENANT_HEADER: &str = "Kedge-Tenant";
-/// Header naming who submitted the task.
-pub const CALLER_HEADER: &str = "Kedge-Caller";
-/// Header naming where intake should answer.
-pub const REPLY_HEADER: &str = "Kedge-Reply-To";
-/// The tenant of tasks that name none.
-pub const DEFAULT_TENANT: &str = "default";
-
-/// What intake answers a task with.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(untagged)]
-pub enum Answer {
-    Accepted { run_id: RunId },
-    Rejected { error: TaskRejection },
-}
+pub use kedge_runtime::tasks::{
+    Answer, CALLER_HEADER, DEFAULT_TENANT, REPLY_HEADER, Submission, SubmitError, TENANT_HEADER,
+    derive_run_id, submit, submit_raw,
+};
 
 /// Runs intake until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
@@ -273,22 +260,6 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
     }
 }
 
-/// The run id of a task that named none: derived from (tenant, idempotency key), or from the
-/// task's stream sequence when it has no key.
-pub fn derive_run_id(tenant: &TenantId, key: Option<&str>, seq: u64) -> RunId {
-    let basis = match key {
-        Some(k) => format!("key\u{0}{tenant}\u{0}{k}"),
-        None => format!("seq\u{0}{seq}"),
-    };
-    let digest = Digest::of_bytes(basis.as_bytes());
-    let hex = digest.as_str().trim_start_matches("sha256:");
-    // 32 hex digits are valid run-id characters.
-    match format!("run_{}", &hex[..32]).parse() {
-        Ok(id) => id,
-        Err(_) => RunId::generate(),
-    }
-}
-
 async fn record_rejection(
     rt: &Runtime,
     msg: &Message,
@@ -316,123 +287,6 @@ async fn record_rejection(
         .await
         .map_err(|e| e.to_string())?;
     ack.await.map(|_| ()).map_err(|e| e.to_string())
-}
-
-/// Why [`submit`] got no answer.
-#[derive(Debug, thiserror::Error)]
-pub enum SubmitError {
-    #[error("cannot publish the task: {0}")]
-    Publish(String),
-    #[error("no answer from intake within {0:?} (is the intake service running?)")]
-    NoAnswer(std::time::Duration),
-    #[error("intake's answer does not parse: {0}")]
-    BadAnswer(String),
-    #[error(
-        "the broker saw this idempotency key before, but no run {0} exists: the first task with \
-         this key was rejected (see stream KEDGE_REJECTIONS) or is still being processed"
-    )]
-    DuplicateWithoutRun(RunId),
-}
-
-/// A task as a client submits it over NATS.
-#[derive(Debug, Clone)]
-pub struct Submission<'a> {
-    pub task: &'a TaskSubmission,
-    /// The idempotency key (`Nats-Msg-Id`).
-    pub key: &'a str,
-    pub tenant: &'a str,
-    pub caller: Option<&'a str>,
-}
-
-/// Publishes a task to `agent.task.<agent>` with the idempotency key and waits up to `wait` for
-/// intake's answer (the client side of the protocol in the module docs).
-pub async fn submit(
-    client: &async_nats::Client,
-    submission: &Submission<'_>,
-    wait: Duration,
-) -> Result<Answer, SubmitError> {
-    let body =
-        serde_json::to_vec(submission.task).map_err(|e| SubmitError::Publish(e.to_string()))?;
-    submit_raw(
-        client,
-        &kedge_core::subjects::task(&submission.task.agent),
-        body.into(),
-        submission,
-        wait,
-    )
-    .await
-}
-
-/// Like [`submit`] with an arbitrary body and subject (tests use it to send malformed tasks).
-pub async fn submit_raw(
-    client: &async_nats::Client,
-    subject: &str,
-    body: bytes::Bytes,
-    submission: &Submission<'_>,
-    wait: Duration,
-) -> Result<Answer, SubmitError> {
-    use futures::StreamExt as _;
-    let js = async_nats::jetstream::new(client.clone());
-    let inbox = client.new_inbox();
-    let mut answers = client
-        .subscribe(inbox.clone())
-        .await
-        .map_err(|e| SubmitError::Publish(e.to_string()))?;
-    let mut headers = HeaderMap::new();
-    headers.insert(REPLY_HEADER, inbox.as_str());
-    headers.insert(TENANT_HEADER, submission.tenant);
-    headers.insert("Nats-Msg-Id", submission.key);
-    if let Some(caller) = submission.caller {
-        headers.insert(CALLER_HEADER, caller);
-    }
-    let ack = js
-        .publish_with_headers(subject.to_owned(), headers, body.clone())
-        .await
-        .map_err(|e| SubmitError::Publish(e.to_string()))?;
-    let ack = ack.await.map_err(|e| SubmitError::Publish(e.to_string()))?;
-    if ack.duplicate {
-        // The stream dropped it as a repeat of an earlier task with this key, so intake will not
-        // answer. The run is the one the first task made: its id is the client's, or derived.
-        return duplicate_answer(client, submission, &body, wait).await;
-    }
-    let msg = tokio::time::timeout(wait, answers.next())
-        .await
-        .map_err(|_| SubmitError::NoAnswer(wait))?
-        .ok_or(SubmitError::NoAnswer(wait))?;
-    serde_json::from_slice(&msg.payload).map_err(|e| SubmitError::BadAnswer(e.to_string()))
-}
-
-async fn duplicate_answer(
-    client: &async_nats::Client,
-    submission: &Submission<'_>,
-    body: &[u8],
-    wait: Duration,
-) -> Result<Answer, SubmitError> {
-    let chosen = serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v.get("run_id").and_then(|r| r.as_str()).map(str::to_owned))
-        .and_then(|r| r.parse::<RunId>().ok());
-    let run_id = match chosen {
-        Some(id) => id,
-        None => {
-            let tenant: TenantId = submission
-                .tenant
-                .parse()
-                .map_err(|e: kedge_core::ids::IdError| SubmitError::Publish(e.to_string()))?;
-            derive_run_id(&tenant, Some(submission.key), 0)
-        }
-    };
-    let journal = kedge_journal::Journal::new(client.clone());
-    let deadline = tokio::time::Instant::now() + wait;
-    loop {
-        if let Ok(Some(_)) = journal.last_seq(&run_id).await {
-            return Ok(Answer::Accepted { run_id });
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(SubmitError::DuplicateWithoutRun(run_id));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[cfg(test)]
