@@ -24,6 +24,10 @@ pub struct Timeouts {
     pub step_ack_wait_ms: u64,
     /// Limit of one tool execution.
     pub tool_timeout_ms: u64,
+    /// How long past its timeout a runner has to record an operation's outcome. An operation
+    /// record still `running` after `tool_timeout + tool_grace` is abandoned: its runner is gone,
+    /// and the redelivered request or the reconciler may take it over (confirm query first).
+    pub tool_grace_ms: u64,
     /// Ack wait of the tool consumer.
     pub tool_ack_wait_ms: u64,
     /// A run with no lease, no pending work and no event for this long is stalled and gets
@@ -41,6 +45,7 @@ impl Default for Timeouts {
             model_timeout_ms: 300_000,
             step_ack_wait_ms: 30_000,
             tool_timeout_ms: 60_000,
+            tool_grace_ms: 10_000,
             tool_ack_wait_ms: 90_000,
             stall_after_ms: 120_000,
             max_retry_delay_ms: 30_000,
@@ -72,6 +77,10 @@ impl Timeouts {
     }
     pub fn tool_timeout(&self) -> Duration {
         Duration::from_millis(self.tool_timeout_ms)
+    }
+    /// Age after which a `running` operation record is abandoned (`tool_timeout + tool_grace`).
+    pub fn op_abandoned_after(&self) -> Duration {
+        Duration::from_millis(self.tool_timeout_ms + self.tool_grace_ms)
     }
     pub fn tool_ack_wait(&self) -> Duration {
         Duration::from_millis(self.tool_ack_wait_ms)
@@ -118,11 +127,12 @@ impl Timeouts {
                 ),
             ),
             (
-                "tool_ack_wait > tool_timeout",
-                t.tool_ack_wait_ms > t.tool_timeout_ms,
+                "tool_ack_wait > tool_timeout + tool_grace",
+                t.tool_ack_wait_ms > t.tool_timeout_ms + t.tool_grace_ms,
                 format!(
-                    "tool_ack_wait_ms = {} and tool_timeout_ms = {}: a running tool would be dispatched twice",
-                    t.tool_ack_wait_ms, t.tool_timeout_ms
+                    "tool_ack_wait_ms = {}, tool_timeout_ms = {}, tool_grace_ms = {}: a redelivered \
+                     request would find its operation still held by a live runner",
+                    t.tool_ack_wait_ms, t.tool_timeout_ms, t.tool_grace_ms
                 ),
             ),
             (
@@ -194,10 +204,10 @@ mod tests {
             ),
             (
                 Timeouts {
-                    tool_ack_wait_ms: 60_000,
+                    tool_ack_wait_ms: 65_000,
                     ..base.clone()
                 },
-                "tool_ack_wait > tool_timeout",
+                "tool_ack_wait > tool_timeout + tool_grace",
             ),
             (
                 Timeouts {

@@ -98,6 +98,9 @@ pub struct ToolOp {
     pub result: Option<OpResult>,
     /// How many times the operation was dispatched (`tool.requested`), the first included.
     pub dispatches: u32,
+    /// When it entered its current status (requested, dispatched, started): how long a
+    /// `Started` operation has been running.
+    pub since: Timestamp,
 }
 
 /// The step whose `step.started` has no `step.completed` yet.
@@ -457,6 +460,7 @@ impl RunState {
                     Some(existing) if existing.result.is_none() => {
                         existing.status = OpStatus::Requested;
                         existing.dispatches = existing.dispatches.saturating_add(1);
+                        existing.since = env.at;
                     }
                     Some(_) => {
                         return Err(Self::inconsistent(
@@ -475,6 +479,7 @@ impl RunState {
                                 status: OpStatus::Requested,
                                 result: None,
                                 dispatches: 1,
+                                since: env.at,
                             },
                         );
                     }
@@ -507,6 +512,7 @@ impl RunState {
                     status: OpStatus::AwaitingApproval,
                     result: None,
                     dispatches: 0,
+                    since: env.at,
                 });
                 self.approvals.insert(
                     req.approval_id.clone(),
@@ -665,6 +671,7 @@ impl RunState {
                     op.status = OpStatus::Started {
                         runner: s.runner.clone(),
                     };
+                    op.since = env.at;
                     true
                 }
                 _ => false,
@@ -896,6 +903,22 @@ impl RunState {
             }
             None => false,
         }
+    }
+
+    /// Operations a tool runner should be working on (dispatched or started, no outcome yet)
+    /// that entered that status before `cutoff`: with `cutoff = now - (tool_timeout +
+    /// tool_grace)`, the ones whose runner is gone or never got the request. Tools the step
+    /// service handles (questions, waits, callbacks) legitimately wait and are never listed.
+    pub fn ops_stuck_since(&self, cutoff: Timestamp) -> Vec<&ToolOp> {
+        self.ops
+            .values()
+            .filter(|o| {
+                matches!(o.status, OpStatus::Requested | OpStatus::Started { .. })
+                    && o.result.is_none()
+                    && !handled_by_step(&o.call.name)
+                    && o.since.0 < cutoff.0
+            })
+            .collect()
     }
 
     /// The operations of the last completed step, in call order.

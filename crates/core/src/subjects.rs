@@ -15,6 +15,11 @@ pub const RUNS_BUCKET: &str = "kedge_runs";
 pub const AGENTS_BUCKET: &str = "kedge_agents";
 pub const BLOBS_BUCKET: &str = "kedge_blobs";
 
+/// Core-NATS request subject where the reconciler sends the `tool.requested` envelope of an
+/// operation stuck in `running`; tool services answer in the queue group [`TOOL_RESOLVE_QUEUE`].
+pub const TOOL_RESOLVE: &str = "kedge.tool.resolve";
+pub const TOOL_RESOLVE_QUEUE: &str = "kedge-tool";
+
 /// `agent.task.<agent>`: where clients publish tasks.
 pub fn task(agent: &AgentName) -> String {
     format!("agent.task.{agent}")

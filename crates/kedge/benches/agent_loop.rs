@@ -246,6 +246,7 @@ fn bench_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
     t.step_ack_wait_ms = 3_000;
     t.model_timeout_ms = 10_000;
     t.tool_timeout_ms = 1_000;
+    t.tool_grace_ms = 500;
     t.tool_ack_wait_ms = 2_000;
     t.stall_after_ms = 10_000;
     t.max_retry_delay_ms = 500;

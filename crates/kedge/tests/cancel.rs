@@ -115,7 +115,7 @@ async fn cancel_mid_tool_call_stops_the_running_tool() {
     ]}}});
     let h = Harness::start_with(script, &[Svc::Intake, Svc::Step, Svc::Tool], |c| {
         c.timeouts.tool_timeout_ms = 30_000;
-        c.timeouts.tool_ack_wait_ms = 40_000;
+        c.timeouts.tool_ack_wait_ms = 45_000;
     })
     .await;
     h.agent("ct", "ct").await;

@@ -89,3 +89,79 @@ async fn a_run_whose_wake_was_acked_but_never_acted_on_is_nudged_and_completes()
     );
     h.shutdown().await;
 }
+
+/// A tool worker killed mid-operation, and a tool consumer that would not redeliver for ten
+/// minutes: the reconciler finds the operation stuck in `running` and has a tool runner resolve
+/// it. With a confirm query (ledger_append) the run continues without repeating the effect; with
+/// none (shell) the run sits in `unknown`. Two replicas scanning at once journal one nudge and
+/// one outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_resolves_operations_stuck_in_running() {
+    for (tool, args, confirmable) in [
+        ("ledger_append", json!({"text": "pay 5"}), true),
+        ("shell", json!({"command": "echo", "args": ["once"]}), false),
+    ] {
+        let script = json!({"models": {"rs": {"steps": [
+            {"text": "acting", "tool_calls": [{"name": tool, "arguments": args}]},
+            {"text": "done"}
+        ]}}});
+        let mut h = Harness::start_with(script, &[Svc::Intake, Svc::Step], |c| {
+            // No redelivery within the test: only the reconciler can notice.
+            c.timeouts.tool_ack_wait_ms = 600_000;
+            c.timeouts.stall_after_ms = 3_500;
+        })
+        .await;
+        h.agent("rs", "rs").await;
+        let doomed = h.spawn_process("tool", "w-doomed", "tool.after_effect");
+        let run = h.submit("rs", "go", &format!("rs-{tool}")).await;
+        assert!(h.wait_exit(doomed, WAIT).await, "{tool}: the worker aborts");
+        h.spawn_process("tool", "w-fresh", "");
+        let state = h.state(&run).await;
+        let (op, _) = state.ops.iter().next().expect("one op");
+        assert!(
+            matches!(
+                state.ops[op].status,
+                kedge_core::fold::OpStatus::Started { .. }
+            ),
+            "{tool}: started, never finished"
+        );
+        // Young: the runner might be alive. Nothing is asked.
+        let early = kedge_reconciler::scan_once(&h.rt).await.expect("scan");
+        assert!(early.resolving.is_empty(), "{tool}: {early:?}");
+        tokio::time::sleep(Duration::from_millis(3_600)).await;
+        let (a, b) = tokio::join!(
+            kedge_reconciler::scan_once(&h.rt),
+            kedge_reconciler::scan_once(&h.rt)
+        );
+        let (a, b) = (a.expect("scan"), b.expect("scan"));
+        assert_eq!(a.resolving, vec![op.clone()], "{tool}");
+        assert_eq!(b.resolving, vec![op.clone()], "{tool}");
+        let done = if confirmable {
+            h.wait_terminal(&run, WAIT).await
+        } else {
+            h.wait_for(&run, WAIT, |s| s.status == RunStatus::Unknown)
+                .await
+        };
+        let events = h.events(&run).await;
+        let count = |f: fn(&Event) -> bool| events.iter().filter(|r| f(&r.envelope.event)).count();
+        assert_eq!(
+            count(|e| matches!(e, Event::Nudge(n) if n.reason.contains("stuck"))),
+            1,
+            "{tool}: the reconciler's action is journaled once"
+        );
+        if confirmable {
+            assert_eq!(done.status, RunStatus::Succeeded);
+            assert_eq!(count(|e| matches!(e, Event::OutcomeConfirmed(_))), 1);
+            assert_eq!(count(|e| matches!(e, Event::ToolResult(_))), 0);
+            assert_eq!(h.ledger().len(), 1, "the effect did not repeat");
+        } else {
+            assert_eq!(count(|e| matches!(e, Event::OutcomeAmbiguous(_))), 1);
+            // No automatic retry: it stays there.
+            tokio::time::sleep(Duration::from_millis(1_000)).await;
+            assert_eq!(h.state(&run).await.status, RunStatus::Unknown);
+            assert_eq!(h.mock.total_calls(), 1);
+        }
+        common::assert_schema_valid(&events);
+        h.shutdown().await;
+    }
+}

@@ -319,6 +319,7 @@ impl Config {
             ("KEDGE_MODEL_TIMEOUT_MS", &mut t.model_timeout_ms),
             ("KEDGE_STEP_ACK_WAIT_MS", &mut t.step_ack_wait_ms),
             ("KEDGE_TOOL_TIMEOUT_MS", &mut t.tool_timeout_ms),
+            ("KEDGE_TOOL_GRACE_MS", &mut t.tool_grace_ms),
             ("KEDGE_TOOL_ACK_WAIT_MS", &mut t.tool_ack_wait_ms),
             ("KEDGE_STALL_AFTER_MS", &mut t.stall_after_ms),
             ("KEDGE_MAX_RETRY_DELAY_MS", &mut t.max_retry_delay_ms),
@@ -378,7 +379,8 @@ mod tests {
         assert_eq!(c.nats_urls, vec!["nats://a:1", "nats://b:2"]);
         let err = c.check().expect_err("tool ack wait now too short");
         assert!(
-            err.to_string().contains("tool_ack_wait > tool_timeout"),
+            err.to_string()
+                .contains("tool_ack_wait > tool_timeout + tool_grace"),
             "{err}"
         );
     }

@@ -47,11 +47,14 @@ pub enum Claim {
     Fresh { revision: u64 },
     /// The operation already ran to completion: use this result, do not run it again.
     Done { content: String, is_error: bool },
-    /// A record says another (or an earlier) runner started it and never finished.
+    /// A record says another (or an earlier) runner started it and has not finished (yet).
     Running {
         runner: String,
         revision: u64,
         dispatch: u32,
+        /// When the runner claimed it (the broker's time of the record). A record older than
+        /// `tool_timeout + tool_grace` is abandoned: a live runner would have finished by then.
+        since: time::OffsetDateTime,
     },
     /// The same operation id was claimed with different arguments.
     Conflict { stored: Digest },
@@ -130,7 +133,7 @@ impl IdempotencyStore {
     async fn op_entry(
         &self,
         op: &OperationId,
-    ) -> Result<Option<(u64, OpRecord)>, IdempotencyError> {
+    ) -> Result<Option<(u64, OpRecord, time::OffsetDateTime)>, IdempotencyError> {
         let key = Self::op_key(op);
         match self.kv.entry(key.clone()).await.map_err(unavailable)? {
             Some(e) if e.operation == Operation::Put => {
@@ -139,7 +142,7 @@ impl IdempotencyStore {
                         key,
                         reason: err.to_string(),
                     })?;
-                Ok(Some((e.revision, rec)))
+                Ok(Some((e.revision, rec, e.created)))
             }
             _ => Ok(None),
         }
@@ -153,7 +156,7 @@ impl IdempotencyStore {
         runner: &str,
         dispatch: u32,
     ) -> Result<Claim, IdempotencyError> {
-        let classify = |rev: u64, rec: OpRecord| {
+        let classify = |rev: u64, rec: OpRecord, since: time::OffsetDateTime| {
             if rec.args_digest != *args_digest {
                 return Claim::Conflict {
                     stored: rec.args_digest,
@@ -165,11 +168,12 @@ impl IdempotencyStore {
                     runner: rec.runner,
                     revision: rev,
                     dispatch: rec.dispatch,
+                    since,
                 },
             }
         };
-        if let Some((rev, rec)) = self.op_entry(op).await? {
-            return Ok(classify(rev, rec));
+        if let Some((rev, rec, since)) = self.op_entry(op).await? {
+            return Ok(classify(rev, rec, since));
         }
         let rec = OpRecord {
             args_digest: args_digest.clone(),
@@ -183,7 +187,7 @@ impl IdempotencyStore {
             Err(e) => {
                 // Someone created it between our read and create: report what they wrote.
                 match self.op_entry(op).await? {
-                    Some((rev, rec)) => Ok(classify(rev, rec)),
+                    Some((rev, rec, since)) => Ok(classify(rev, rec, since)),
                     None => Err(unavailable(e)),
                 }
             }

@@ -8,6 +8,17 @@
 //! same stalled state append one message, and the nudge itself is journaled (the run's history
 //! says why it woke). The step service treats it like any other wake.
 //!
+//! It also finds operations stuck in `running`: dispatched or started longer than
+//! `tool_timeout + tool_grace` ago with no outcome (a live runner would have finished or killed
+//! its tool by then, so the runner is gone, or the request never reached one). For each it
+//! journals a `nudge` saying so (`Nats-Msg-Id resolve:<op>:<dispatch>`: once per stuck dispatch
+//! across replicas) and sends the operation's journaled `tool.requested` to the tool services
+//! (`kedge.tool.resolve`, a queue group). A tool runner resolves it exactly as a redelivered
+//! request: it takes the operation's record over (compare-and-set: one taker wins, a replica's
+//! second request finds it held and is answered `busy`) and asks the tool's confirm query:
+//! confirmed → `outcome.confirmed`; not found → it runs again under the same operation id;
+//! ambiguous → `outcome.ambiguous` and the run waits in `unknown` for a person.
+//!
 //! What makes a run stall although every message is at-least-once: a wake acked by a worker that
 //! then failed before it could act (a bug, a lost lease at the wrong moment), or a state the
 //! consumers never see again. A stalled scan is not silent: every scan logs what it checked and
@@ -17,8 +28,10 @@ use std::future::Future;
 use std::time::Duration;
 
 use kedge_core::decide::{Next, decide};
-use kedge_core::event::{Draft, Envelope, Event, EventType, Nudge, Timestamp};
-use kedge_core::ids::RunId;
+use kedge_core::event::{
+    Draft, Envelope, Event, EventType, Nudge, RunWaiting, Timestamp, WaitReason,
+};
+use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects;
 use kedge_journal::JournalError;
 use kedge_runtime::{Runtime, RuntimeError};
@@ -30,6 +43,8 @@ pub struct ScanReport {
     /// Runs whose last event is older than the stall threshold.
     pub quiet: usize,
     pub nudged: Vec<RunId>,
+    /// Operations stuck in `running` that a tool runner was asked to resolve.
+    pub resolving: Vec<OperationId>,
 }
 
 /// Why a run could not be checked.
@@ -88,6 +103,10 @@ pub async fn scan_once(rt: &Runtime) -> Result<ScanReport, ReconcileError> {
                 report.quiet += 1;
                 report.nudged.push(run);
             }
+            Ok(Verdict::Resolving(ops)) => {
+                report.quiet += 1;
+                report.resolving.extend(ops);
+            }
             Err(e) => tracing::warn!(run_id = %run, error = %e, "cannot check run"),
         }
     }
@@ -98,6 +117,7 @@ enum Verdict {
     Active,
     Quiet,
     Nudged,
+    Resolving(Vec<OperationId>),
 }
 
 async fn check(
@@ -117,20 +137,66 @@ async fn check(
     // A run whose last event is the writer settling it (waiting, ended, parked for a person) has
     // had nothing since that could make it runnable: no need to read its journal. This keeps a
     // scan over many waiting runs to one direct get each.
-    if let Some(parsed) = subjects::parse_event(&last.subject)
-        && matches!(
-            parsed.event_type,
-            EventType::RunWaiting
-                | EventType::RunSucceeded
-                | EventType::RunFailed
-                | EventType::RunCancelled
-                | EventType::RunUnknown
-        )
-    {
+    // A run waiting on its tools is read: one of them may be stuck.
+    let settled = match subjects::parse_event(&last.subject).map(|p| p.event_type) {
+        Some(
+            EventType::RunSucceeded
+            | EventType::RunFailed
+            | EventType::RunCancelled
+            | EventType::RunUnknown,
+        ) => true,
+        Some(EventType::RunWaiting) => !matches!(
+            Envelope::from_json_bytes(&last.payload).map(|e| e.event),
+            Ok(Event::RunWaiting(RunWaiting {
+                on: WaitReason::Tool
+            }))
+        ),
+        _ => false,
+    };
+    if settled {
         return Ok(Verdict::Quiet);
     }
     let events = rt.journal.read(run, 0).await?;
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
+    let abandoned_after = rt.config.timeouts.op_abandoned_after();
+    let cutoff = Timestamp(
+        time::OffsetDateTime::now_utc()
+            - time::Duration::try_from(abandoned_after).unwrap_or(time::Duration::MAX),
+    );
+    let stuck = state.ops_stuck_since(cutoff);
+    if !stuck.is_empty() {
+        let mut asked = Vec::new();
+        for op in stuck {
+            // The operation's latest dispatch, as journaled: what the runner executes.
+            let Some(request) = events.iter().rev().find(|r| {
+                r.envelope.op.as_ref() == Some(&op.op)
+                    && matches!(r.envelope.event, Event::ToolRequested(_))
+            }) else {
+                continue;
+            };
+            let nudge = Envelope::new(
+                run.clone(),
+                Timestamp::now(),
+                Draft::new(Event::Nudge(Nudge {
+                    reason: format!(
+                        "operation {} stuck since {} (no outcome after tool_timeout + tool_grace = {} ms); \
+                         a tool runner was asked to resolve it",
+                        op.op,
+                        op.since,
+                        abandoned_after.as_millis()
+                    ),
+                })),
+            );
+            let key = format!("resolve:{}:{}", op.op, op.dispatches);
+            match rt.journal.append_input(&nudge, &key).await {
+                Ok(_) | Err(JournalError::Duplicate { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+            ask_to_resolve(rt, op.op.clone(), request.envelope.to_json_bytes());
+            asked.push(op.op.clone());
+        }
+        return Ok(Verdict::Resolving(asked));
+    }
     let runnable = match decide(&state) {
         Next::Idle(_) => false,
         Next::Commit(_) | Next::Step(_) | Next::Finish(_) => true,
@@ -167,4 +233,27 @@ async fn check(
         Err(JournalError::Duplicate { .. }) => Ok(Verdict::Quiet),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Sends a stuck operation's request to the tool services without holding up the scan; the
+/// answer (what resolving it came to, or that a live runner holds it) is logged. No answer
+/// (no tool service up) is retried by the next scan.
+fn ask_to_resolve(rt: &Runtime, op: OperationId, payload: Vec<u8>) {
+    let client = rt.client.clone();
+    // The runner may run the tool again (not found): allow it its whole timeout to answer.
+    let within = rt.config.timeouts.op_abandoned_after();
+    tokio::spawn(async move {
+        let request = client.request(subjects::TOOL_RESOLVE, payload.into());
+        match tokio::time::timeout(within, request).await {
+            Ok(Ok(reply)) => tracing::info!(
+                op = %op,
+                answer = %String::from_utf8_lossy(&reply.payload),
+                "stuck operation: tool runner answered"
+            ),
+            Ok(Err(e)) => {
+                tracing::warn!(op = %op, error = %e, "stuck operation: no tool runner took it")
+            }
+            Err(_) => tracing::warn!(op = %op, "stuck operation: no answer in time"),
+        }
+    });
 }

@@ -7,10 +7,18 @@
 //!   the record is completed, then `tool.result` is journaled (deduplicated by `Nats-Msg-Id`);
 //! - a record that is already done answers with the stored result without running again;
 //! - the same id with different arguments is a conflict, reported as an error result;
-//! - a record left `running` by a runner that disappeared (the message was redelivered after
-//!   the ack wait, which is longer than the tool timeout) is resolved by the tool's confirm
-//!   query: confirmed → its result; not found (or an idempotent tool) → run again under the same
-//!   id; ambiguous → an error result saying the outcome is unknown.
+//! - a record left `running` for longer than `tool_timeout + tool_grace` is abandoned (a live
+//!   runner would have finished or killed its tool by then) and is resolved by the tool's confirm
+//!   query: confirmed → `outcome.confirmed` with its result; not found (or an idempotent tool) →
+//!   run again under the same id; ambiguous → `outcome.ambiguous` (the run waits in `unknown`
+//!   for a person). A younger `running` record belongs to a live runner: the request is put back
+//!   until the record is old enough.
+//!
+//! Abandoned operations reach this code two ways: the consumer redelivers the request after
+//! `tool_ack_wait` (longer than `tool_timeout + tool_grace`), and the reconciler, finding an
+//! operation started long ago with no outcome, sends the journaled `tool.requested` to
+//! [`kedge_core::subjects::TOOL_RESOLVE`] (a queue group of the tool services). Both go through
+//! the same claim, whose compare-and-set lets exactly one taker act.
 //!
 //! Cancellation: a request whose run already has `cancel.requested` is not run (its result says
 //! so, marked `stopped`); an operation running when its run's cancel is requested is stopped
@@ -26,6 +34,7 @@ pub mod builtin;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message};
 use futures::StreamExt;
@@ -41,6 +50,26 @@ use tokio::sync::{Semaphore, watch};
 use tracing::Instrument;
 
 use crate::builtin::{Builtin, Confirm, Output};
+
+/// What handling one operation request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "handled", rename_all = "snake_case")]
+pub enum Handled {
+    /// The tool ran and its result is journaled.
+    Ran,
+    /// Its record already held the result: journaled without running again.
+    Stored,
+    /// Same operation id, other arguments: an error result is journaled.
+    Conflict,
+    /// Abandoned by a runner that is gone; the confirm query found it happened.
+    Confirmed,
+    /// Abandoned; the confirm query cannot tell: `outcome.ambiguous` is journaled.
+    Ambiguous,
+    /// Not run because the run's cancellation was requested.
+    Cancelled,
+    /// A live runner holds it; ask again after `retry_in_ms`.
+    Busy { retry_in_ms: u64 },
+}
 
 /// The stop signal of one running operation.
 type StopSignal = (OperationId, watch::Sender<bool>);
@@ -150,11 +179,30 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         rt: rt.clone(),
     });
     let permits = Arc::new(Semaphore::new(rt.config.tool_concurrency));
+    let mut resolves = rt
+        .client
+        .queue_subscribe(
+            kedge_core::subjects::TOOL_RESOLVE,
+            kedge_core::subjects::TOOL_RESOLVE_QUEUE.to_owned(),
+        )
+        .await
+        .map_err(|e| RuntimeError::broker("subscribe to resolve requests", e))?;
     tracing::info!(worker = %rt.config.worker_id, "tool service started");
     tokio::pin!(shutdown);
     loop {
         let msg = tokio::select! {
             _ = &mut shutdown => break,
+            Some(request) = resolves.next() => {
+                let Ok(permit) = permits.clone().acquire_owned().await else {
+                    break;
+                };
+                let ctx = ctx.clone();
+                tokio::spawn(async move {
+                    answer_resolve(&ctx, request).await;
+                    drop(permit);
+                });
+                continue;
+            }
             next = messages.next() => match next {
                 Some(Ok(msg)) => msg,
                 Some(Err(e)) => {
@@ -187,31 +235,54 @@ enum ToolError {
     Idempotency(#[from] IdempotencyError),
 }
 
+/// A request this service does not handle.
+#[derive(Debug, thiserror::Error)]
+enum NotARequest {
+    #[error("not an envelope: {0}")]
+    Envelope(#[from] kedge_core::event::EnvelopeError),
+    #[error("not a tool request with an operation id")]
+    NotToolRequest,
+}
+
+/// Parses a `tool.requested` envelope; `None` inside for the tools the step service handles.
+fn parse_request(
+    payload: &[u8],
+) -> Result<Option<(OperationId, ToolRequested, RunId)>, NotARequest> {
+    let envelope = Envelope::from_json_bytes(payload)?;
+    let (Event::ToolRequested(req), Some(op)) = (envelope.event, envelope.op) else {
+        return Err(NotARequest::NotToolRequest);
+    };
+    if handled_by_step(&req.tool) {
+        return Ok(None);
+    }
+    Ok(Some((op, req, envelope.run_id)))
+}
+
 async fn handle(ctx: &Ctx, msg: Message) {
-    let envelope = match Envelope::from_json_bytes(&msg.payload) {
-        Ok(e) => e,
+    let (op, req, run_id) = match parse_request(&msg.payload) {
+        Ok(Some(parsed)) => parsed,
+        Ok(None) => {
+            let _ = msg.ack().await;
+            return;
+        }
         Err(e) => {
-            tracing::error!(subject = %msg.subject, error = %e, "not an envelope; terminating");
+            tracing::error!(subject = %msg.subject, error = %e, "terminating");
             let _ = msg.ack_with(AckKind::Term).await;
             return;
         }
     };
-    let (Event::ToolRequested(req), Some(op)) = (&envelope.event, envelope.op.clone()) else {
-        tracing::error!(subject = %msg.subject, "not a tool request with an op; terminating");
-        let _ = msg.ack_with(AckKind::Term).await;
-        return;
-    };
-    if handled_by_step(&req.tool) {
-        let _ = msg.ack().await;
-        return;
-    }
-    let span = tracing::info_span!("tool", run_id = %envelope.run_id, op = %op, tool = %req.tool);
-    let result = execute(ctx, &op, req).instrument(span).await;
+    let span = tracing::info_span!("tool", run_id = %run_id, op = %op, tool = %req.tool);
+    let result = execute(ctx, &op, &req).instrument(span).await;
     let ack = match result {
-        Ok(()) => msg.ack().await,
+        Ok(Handled::Busy { retry_in_ms }) => {
+            tracing::info!(op = %op, retry_in_ms, "held by a live runner; put back");
+            msg.ack_with(AckKind::Nak(Some(Duration::from_millis(retry_in_ms))))
+                .await
+        }
+        Ok(_) => msg.ack().await,
         Err(e) => {
             tracing::warn!(op = %op, error = %e, "tool operation not finished; will retry");
-            msg.ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1))))
+            msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
                 .await
         }
     };
@@ -220,7 +291,33 @@ async fn handle(ctx: &Ctx, msg: Message) {
     }
 }
 
-async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(), ToolError> {
+/// Answers the reconciler's request to resolve an operation stuck in `running`: the same
+/// handling as a redelivered request; the reply says what it came to (or `{"error": …}`).
+async fn answer_resolve(ctx: &Ctx, request: async_nats::Message) {
+    let reply = match parse_request(&request.payload) {
+        Ok(Some((op, req, run_id))) => {
+            let span = tracing::info_span!("resolve", run_id = %run_id, op = %op, tool = %req.tool);
+            match execute(ctx, &op, &req).instrument(span).await {
+                Ok(handled) => {
+                    tracing::info!(op = %op, ?handled, "resolved at the reconciler's request");
+                    serde_json::to_vec(&handled)
+                }
+                Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
+            }
+        }
+        Ok(None) => serde_json::to_vec(
+            &serde_json::json!({"error": "handled by the step service, not a tool runner"}),
+        ),
+        Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
+    };
+    if let (Some(to), Ok(body)) = (request.reply, reply)
+        && let Err(e) = ctx.rt.client.publish(to, body.into()).await
+    {
+        tracing::warn!(error = %e, "cannot answer a resolve request");
+    }
+}
+
+async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Handled, ToolError> {
     let (rt, env) = (&ctx.rt, &ctx.env);
     let runner = &rt.config.worker_id;
     let tool = Builtin::by_name(&req.tool);
@@ -232,7 +329,8 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(),
         Claim::Fresh { revision } => revision,
         Claim::Done { content, is_error } => {
             tracing::info!("operation already done; journaling its stored result");
-            return journal_result(rt, op, Output { content, is_error }, false).await;
+            journal_result(rt, op, Output { content, is_error }, false).await?;
+            return Ok(Handled::Stored);
         }
         Claim::Conflict { stored } => {
             let out = Output::error(format!(
@@ -240,14 +338,27 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(),
                  (digest {stored}, now {}); not executed",
                 req.args_digest
             ));
-            return journal_result(rt, op, out, false).await;
+            journal_result(rt, op, out, false).await?;
+            return Ok(Handled::Conflict);
         }
         Claim::Running {
             runner: old,
             revision,
             dispatch,
+            since,
         } => {
-            tracing::warn!(previous_runner = %old, "operation left running by a runner that is gone");
+            let age =
+                Duration::try_from(time::OffsetDateTime::now_utc() - since).unwrap_or_default();
+            let abandoned_after = rt.config.timeouts.op_abandoned_after();
+            // A re-dispatch the journal ordered (not found, or a person's retry) follows a runner
+            // that is known to be gone; otherwise a young record belongs to a live runner.
+            if req.redispatch <= dispatch && age < abandoned_after {
+                let wait = abandoned_after - age;
+                return Ok(Handled::Busy {
+                    retry_in_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1),
+                });
+            }
+            tracing::warn!(previous_runner = %old, age_ms = age.as_millis() as u64, "operation left running by a runner that is gone");
             let revision = rt
                 .idempotency
                 .take_over(op, revision, &req.args_digest, runner, req.redispatch)
@@ -270,13 +381,15 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(),
                                     out.is_error,
                                 )
                                 .await?;
-                            return journal_result(rt, op, out, false).await;
+                            journal_confirmed(rt, op, out).await?;
+                            return Ok(Handled::Confirmed);
                         }
                         Confirm::NotFound => revision,
                         Confirm::Ambiguous(detail) => {
                             // Never retried automatically: the run waits in `unknown` for a
                             // person (`outcome.resolved`).
-                            return journal_ambiguous(rt, op, req.redispatch, detail).await;
+                            journal_ambiguous(rt, op, req.redispatch, detail).await?;
+                            return Ok(Handled::Ambiguous);
                         }
                     },
                     _ => revision,
@@ -289,7 +402,8 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(),
         rt.idempotency
             .finish(op, revision, &req.args_digest, runner, &out.content, true)
             .await?;
-        return journal_result(rt, op, out, true).await;
+        journal_result(rt, op, out, true).await?;
+        return Ok(Handled::Cancelled);
     }
     let started = Envelope::new(
         op.run().clone(),
@@ -333,7 +447,35 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<(),
         )
         .await?;
     failpoint::hit("tool.after_record");
-    journal_result(rt, op, out, stopped).await
+    journal_result(rt, op, out, stopped).await?;
+    Ok(Handled::Ran)
+}
+
+/// Journals the result a confirm query found, as `outcome.confirmed` (the history says how it
+/// was learned). Same msg id as [`journal_result`]: at most one of the two lands.
+async fn journal_confirmed(rt: &Runtime, op: &OperationId, out: Output) -> Result<(), ToolError> {
+    if out.is_error {
+        return journal_result(rt, op, out, false).await;
+    }
+    let env = Envelope::new(
+        op.run().clone(),
+        Timestamp::now(),
+        Draft::new(Event::OutcomeConfirmed(
+            kedge_core::event::OutcomeConfirmed {
+                content: out.content,
+            },
+        ))
+        .step(op.step())
+        .op(op.clone()),
+    );
+    match rt
+        .journal
+        .append_input(&env, &format!("tool.result:{op}"))
+        .await
+    {
+        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Journals that an operation's outcome cannot be known.

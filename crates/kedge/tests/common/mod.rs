@@ -75,6 +75,7 @@ pub fn fast_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
     t.step_ack_wait_ms = 3_000;
     t.model_timeout_ms = 10_000;
     t.tool_timeout_ms = 1_000;
+    t.tool_grace_ms = 500;
     t.tool_ack_wait_ms = 2_000;
     t.stall_after_ms = 10_000;
     t.max_retry_delay_ms = 500;
@@ -165,27 +166,7 @@ impl Harness {
 
     /// Runs `kedge serve <svc>` as a separate process, with failpoints armed.
     pub fn spawn_process(&mut self, svc: &str, worker: &str, failpoints: &str) -> usize {
-        let t = &self.config.timeouts;
-        let child = Command::new(env!("CARGO_BIN_EXE_kedge"))
-            .args(["serve", svc])
-            .env("KEDGE_NATS_URL", self.nats.url())
-            .env("KEDGE_WORKER_ID", worker)
-            .env("KEDGE_WORKSPACE_ROOT", &self.config.workspace_root)
-            .env(API_KEY_VAR, "test-key")
-            .env("KEDGE_LEASE_TTL_MS", t.lease_ttl_ms.to_string())
-            .env("KEDGE_LEASE_RENEW_MS", t.lease_renew_ms.to_string())
-            .env("KEDGE_STEP_ACK_WAIT_MS", t.step_ack_wait_ms.to_string())
-            .env("KEDGE_MODEL_TIMEOUT_MS", t.model_timeout_ms.to_string())
-            .env("KEDGE_TOOL_TIMEOUT_MS", t.tool_timeout_ms.to_string())
-            .env("KEDGE_TOOL_ACK_WAIT_MS", t.tool_ack_wait_ms.to_string())
-            .env("KEDGE_STALL_AFTER_MS", t.stall_after_ms.to_string())
-            .env("KEDGE_FAILPOINTS", failpoints)
-            .env("KEDGE_LOG", "warn")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn kedge serve");
-        self.children.push(child);
-        self.children.len() - 1
+        self.spawn_process_with_env(svc, worker, failpoints, &[])
     }
 
     /// Like [`Harness::spawn_process`], with extra environment variables (e.g. the bridge's
@@ -209,6 +190,7 @@ impl Harness {
             .env("KEDGE_STEP_ACK_WAIT_MS", t.step_ack_wait_ms.to_string())
             .env("KEDGE_MODEL_TIMEOUT_MS", t.model_timeout_ms.to_string())
             .env("KEDGE_TOOL_TIMEOUT_MS", t.tool_timeout_ms.to_string())
+            .env("KEDGE_TOOL_GRACE_MS", t.tool_grace_ms.to_string())
             .env("KEDGE_TOOL_ACK_WAIT_MS", t.tool_ack_wait_ms.to_string())
             .env("KEDGE_STALL_AFTER_MS", t.stall_after_ms.to_string())
             .env("KEDGE_FAILPOINTS", failpoints)
