@@ -221,6 +221,12 @@ pub fn decide(state: &RunState) -> Next {
                         on: WaitReason::Tool,
                     })));
                 }
+                // An operation back in a person's hands (its target moved before it ran).
+                if still_held && state.status == RunStatus::WaitingTool {
+                    acts.push(Draft::new(Event::RunWaiting(RunWaiting {
+                        on: WaitReason::Approval,
+                    })));
+                }
                 return Next::Commit(acts);
             }
             let missing = state
@@ -289,6 +295,9 @@ fn approval_request(
             basis,
             expires_at,
             plan_version: version,
+            // Observed by the step service before it commits (a tool runner's precondition
+            // check): the pure core cannot look at the target.
+            target_version: None,
         }))
         .step(op.step())
         .op(op.clone()),
@@ -338,7 +347,32 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                 at,
                 ..
             } => {
-                if *at > a.request.expires_at {
+                if let Some(moved) = &tool.target_moved {
+                    // The runner found the target changed since it was shown: what was approved
+                    // is not what would be changed. Ask again, showing where it is now.
+                    drafts.push(
+                        Draft::new(Event::ApprovalInvalidated(ApprovalInvalidated {
+                            approval_id: id.clone(),
+                            reason: format!(
+                                "the target moved since it was shown: approved at version {}, now {}",
+                                moved.expected, moved.found
+                            ),
+                        }))
+                        .step(op.step())
+                        .op(op.clone()),
+                    );
+                    let ttl = a.request.expires_at.0 - a.requested_at.0;
+                    let now = tool.since;
+                    drafts.extend(approval_request(
+                        op,
+                        &tool.call,
+                        tool.args_digest.clone(),
+                        a.request.risk,
+                        a.request.basis.clone(),
+                        a.request.plan_version.saturating_add(1),
+                        Timestamp(now.0 + ttl),
+                    ));
+                } else if *at > a.request.expires_at {
                     drafts.push(expire());
                 } else if *args_digest != tool.args_digest {
                     // The approver saw other arguments than the ones that would run.
@@ -370,7 +404,9 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                             tool: tool.call.name.clone(),
                             arguments: tool.call.arguments.clone(),
                             args_digest: tool.args_digest.clone(),
-                            redispatch: 0,
+                            // 0 the first time; after its target moved, the next dispatch.
+                            redispatch: tool.dispatches,
+                            expect_version: a.request.target_version.clone(),
                         }))
                         .step(op.step())
                         .op(op.clone()),
@@ -415,6 +451,25 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
         }
     }
     drafts
+}
+
+/// The target version of the approval an operation runs under, if any.
+fn approved_version(state: &RunState, op: &OperationId) -> Option<String> {
+    state
+        .approvals
+        .values()
+        .filter(|a| {
+            a.op.as_ref() == Some(op)
+                && matches!(
+                    a.status,
+                    ApprovalStatus::Decided {
+                        verdict: Verdict::Approve,
+                        ..
+                    }
+                )
+        })
+        .max_by_key(|a| a.request.plan_version)
+        .and_then(|a| a.request.target_version.clone())
 }
 
 /// The run-deadline timer fired.
@@ -467,6 +522,7 @@ fn redispatches(state: &RunState) -> Vec<Draft> {
                 arguments: o.call.arguments.clone(),
                 args_digest: o.args_digest.clone(),
                 redispatch: o.dispatches,
+                expect_version: approved_version(state, &o.op),
             }))
             .step(o.op.step())
             .op(o.op.clone())
@@ -645,6 +701,7 @@ pub fn complete_step(
                 arguments: call.arguments.clone(),
                 args_digest: Digest::of_json(&call.arguments),
                 redispatch: 0,
+                expect_version: None,
             }))
             .step(step)
             .op(op.clone()),

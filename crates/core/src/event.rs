@@ -454,9 +454,15 @@ pub struct ToolRequested {
     pub arguments: serde_json::Value,
     pub args_digest: Digest,
     /// 0 for the first dispatch; n for the n-th re-dispatch of the same operation after its
-    /// outcome was found not to have happened (`outcome.not_found`, or a person's `retry`).
+    /// outcome was found not to have happened (`outcome.not_found`, a person's `retry`, or its
+    /// target moved before it could run).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub redispatch: u32,
+    /// The target version the approval was given for (`approval.requested`'s
+    /// `target_version`): the runner checks it right before running and does not run the
+    /// operation if the target moved (`target.moved`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect_version: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -482,6 +488,12 @@ pub struct ApprovalRequested {
     pub basis: String,
     pub expires_at: Timestamp,
     pub plan_version: u32,
+    /// The version of what the operation would change, as the tool's precondition check saw it
+    /// when the request was made (e.g. `write_file`: the digest of the file, or `absent`); none
+    /// for tools without a precondition check. What the approver is shown; the operation runs
+    /// only while the target is still at this version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_version: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -614,6 +626,16 @@ pub struct OutcomeConfirmed {
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct OutcomeNotFound {}
+
+/// The runner did not run an approved operation: its target is no longer at the version the
+/// approval was given for. The approval is invalidated and a fresh one requested.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TargetMoved {
+    /// The version the approval was given for.
+    pub expected: String,
+    /// The version found right before running (`absent`, a digest, …).
+    pub found: String,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct OutcomeAmbiguous {
@@ -755,6 +777,7 @@ events! {
     Input OutcomeNotFound(OutcomeNotFound) = "outcome.not_found";
     Input OutcomeAmbiguous(OutcomeAmbiguous) = "outcome.ambiguous";
     Input OutcomeResolved(OutcomeResolved) = "outcome.resolved";
+    Input TargetMoved(TargetMoved) = "target.moved";
     Input Nudge(Nudge) = "nudge";
 }
 

@@ -101,6 +101,9 @@ pub struct ToolOp {
     /// When it entered its current status (requested, dispatched, started): how long a
     /// `Started` operation has been running.
     pub since: Timestamp,
+    /// The runner found the target moved since the approval was given (`target.moved`); cleared
+    /// by the fresh `approval.requested`.
+    pub target_moved: Option<crate::event::TargetMoved>,
 }
 
 /// The step whose `step.started` has no `step.completed` yet.
@@ -480,6 +483,7 @@ impl RunState {
                                 result: None,
                                 dispatches: 1,
                                 since: env.at,
+                                target_moved: None,
                             },
                         );
                     }
@@ -501,7 +505,7 @@ impl RunState {
                     return Err(Self::inconsistent(seq, env, "op is required"));
                 };
                 // The operation exists from now on, held back until approved.
-                self.ops.entry(op.clone()).or_insert_with(|| ToolOp {
+                let tool = self.ops.entry(op.clone()).or_insert_with(|| ToolOp {
                     op: op.clone(),
                     call: ToolCall {
                         call_id: req.call_id.clone(),
@@ -513,7 +517,10 @@ impl RunState {
                     result: None,
                     dispatches: 0,
                     since: env.at,
+                    target_moved: None,
                 });
+                // A fresh request (after an invalidation) is made for where the target is now.
+                tool.target_moved = None;
                 self.approvals.insert(
                     req.approval_id.clone(),
                     ApprovalState {
@@ -594,6 +601,7 @@ impl RunState {
             | Event::OutcomeNotFound(_)
             | Event::OutcomeAmbiguous(_)
             | Event::OutcomeResolved(_)
+            | Event::TargetMoved(_)
             | Event::Nudge(_) => {
                 return Err(Self::inconsistent(seq, env, "input on a decision path"));
             }
@@ -837,6 +845,16 @@ impl RunState {
                 self.cancel_requested = Some(c.reason.clone());
                 true
             }
+            Event::TargetMoved(m) => match self.open_op(env) {
+                // Back to waiting for a person: the approval it ran under no longer holds.
+                Some(op) if matches!(op.status, OpStatus::Requested | OpStatus::Started { .. }) => {
+                    op.status = OpStatus::AwaitingApproval;
+                    op.target_moved = Some(m.clone());
+                    op.since = env.at;
+                    true
+                }
+                _ => false,
+            },
             Event::Nudge(_) => !self.status.is_terminal(),
             Event::RunCreated(_)
             | Event::RunStarted(_)

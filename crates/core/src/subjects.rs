@@ -18,7 +18,26 @@ pub const BLOBS_BUCKET: &str = "kedge_blobs";
 /// Core-NATS request subject where the reconciler sends the `tool.requested` envelope of an
 /// operation stuck in `running`; tool services answer in the queue group [`TOOL_RESOLVE_QUEUE`].
 pub const TOOL_RESOLVE: &str = "kedge.tool.resolve";
+/// Core-NATS request subject of the tools' precondition checks (same queue group): the step
+/// service sends [`TargetQuery`] before it journals an `approval.requested`, and records the
+/// answer as the request's `target_version`.
+pub const TOOL_INSPECT: &str = "kedge.tool.inspect";
 pub const TOOL_RESOLVE_QUEUE: &str = "kedge-tool";
+
+/// A precondition query: where would this call's target be now?
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TargetQuery {
+    pub run_id: RunId,
+    pub tool: String,
+    pub arguments: serde_json::Value,
+}
+
+/// The answer to a [`TargetQuery`]: the target's version, or none for a tool without a
+/// precondition check.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TargetAnswer {
+    pub version: Option<String>,
+}
 
 /// `agent.task.<agent>`: where clients publish tasks.
 pub fn task(agent: &AgentName) -> String {

@@ -810,3 +810,158 @@ fn a_question_that_times_out_closes_and_the_model_is_told() {
         |m| matches!(m, ChatMessage::Tool { content, is_error: true, .. } if content.starts_with("no answer before"))
     ));
 }
+
+/// Fills in the target version the step service observes before committing an approval request.
+fn observed(drafts: Vec<Draft>, version: &str) -> Vec<Draft> {
+    drafts
+        .into_iter()
+        .map(|mut d| {
+            if let Event::ApprovalRequested(r) = &mut d.event {
+                r.target_version = Some(version.into());
+            }
+            d
+        })
+        .collect()
+}
+
+fn approve(sim: &mut Sim, version: u32) {
+    let state = sim.state();
+    let (id, a) = state
+        .approvals
+        .iter()
+        .find(|(_, a)| a.request.plan_version == version)
+        .expect("the approval");
+    sim.input(
+        Event::ApprovalDecided(kedge_core::event::ApprovalDecided {
+            approval_id: id.clone(),
+            verdict: kedge_core::event::Verdict::Approve,
+            args_digest: a.request.args_digest.clone(),
+            approver: "alice".into(),
+            comment: None,
+        }),
+        a.op.clone(),
+    );
+}
+
+fn commit_next(sim: &mut Sim) -> Vec<Draft> {
+    let Next::Commit(d) = decide(&sim.state()) else {
+        panic!("a commit expected, got {:?}", decide(&sim.state()))
+    };
+    sim.commit(d.clone());
+    d
+}
+
+#[test]
+fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_new_approval() {
+    let mut sim = Sim::new(Budget::default());
+    let plan = sim.expect_step();
+    sim.commit(plan.start.clone());
+    let policy: std::collections::BTreeMap<String, kedge_core::agent::ToolPolicy> = [(
+        "write_file".to_owned(),
+        kedge_core::agent::ToolPolicy {
+            approval: kedge_core::agent::ApprovalRule::Always,
+            ..Default::default()
+        },
+    )]
+    .into();
+    let drafts = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        tools(&[("call_1", "write_file")]),
+        false,
+        Timestamp::now(),
+        &policy,
+    );
+    sim.commit(observed(drafts, "v1"));
+    assert_eq!(sim.state().status, RunStatus::WaitingApproval);
+    approve(&mut sim, 1);
+    let d = commit_next(&mut sim);
+    let Event::ToolRequested(req) = &d[0].event else {
+        panic!("dispatch expected: {d:?}")
+    };
+    assert_eq!(req.expect_version.as_deref(), Some("v1"));
+    assert_eq!(req.redispatch, 0);
+    assert_eq!(sim.state().status, RunStatus::WaitingTool);
+    let op = sim.ops_of(1)[0].clone();
+    // The runner finds the target elsewhere and does not run it.
+    sim.input(
+        Event::TargetMoved(kedge_core::event::TargetMoved {
+            expected: "v1".into(),
+            found: "v2".into(),
+        }),
+        Some(op.clone()),
+    );
+    let Next::Commit(d) = decide(&sim.state()) else {
+        panic!("invalidation expected")
+    };
+    let types: Vec<_> = d.iter().map(|d| d.event.event_type().as_str()).collect();
+    assert_eq!(
+        types,
+        [
+            "approval.invalidated",
+            "approval.requested",
+            "timer.scheduled",
+            "run.waiting"
+        ]
+    );
+    sim.commit(observed(d, "v2"));
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::WaitingApproval);
+    assert_eq!(
+        state.ops[&op].target_moved, None,
+        "cleared by the fresh request"
+    );
+    // The old approval authorises nothing: deciding it again changes nothing.
+    assert!(matches!(decide(&state), Next::Idle(_)));
+    approve(&mut sim, 2);
+    let d = commit_next(&mut sim);
+    let Event::ToolRequested(req) = &d[0].event else {
+        panic!("dispatch expected: {d:?}")
+    };
+    assert_eq!(req.expect_version.as_deref(), Some("v2"));
+    assert_eq!(req.redispatch, 1, "the next dispatch of the same operation");
+    sim.result(&op, "written");
+    assert!(matches!(decide(&sim.state()), Next::Step(_)));
+}
+
+#[test]
+fn operations_without_an_outcome_past_the_cutoff_are_stuck_but_questions_never_are() {
+    let mut sim = Sim::new(Budget::default());
+    sim.run_step(tools(&[("call_1", "shell"), ("call_2", "ask_user")]));
+    let ops = sim.ops_of(1);
+    let later = Timestamp(Timestamp::now().0 + time::Duration::hours(1));
+    let earlier = Timestamp(Timestamp::now().0 - time::Duration::hours(1));
+    let state = sim.state();
+    let stuck: Vec<_> = state
+        .ops_stuck_since(later)
+        .iter()
+        .map(|o| o.op.clone())
+        .collect();
+    assert_eq!(
+        stuck,
+        vec![ops[0].clone()],
+        "the question waits legitimately"
+    );
+    assert!(
+        state.ops_stuck_since(earlier).is_empty(),
+        "young: not stuck"
+    );
+    sim.input(
+        Event::ToolStarted(ToolStarted {
+            runner: "tool-1".into(),
+        }),
+        Some(ops[0].clone()),
+    );
+    assert_eq!(
+        sim.state().ops_stuck_since(later).len(),
+        1,
+        "started, no outcome"
+    );
+    sim.result(&ops[0], "done");
+    assert!(
+        sim.state().ops_stuck_since(later).is_empty(),
+        "it has its outcome"
+    );
+}

@@ -198,3 +198,98 @@ async fn an_approval_given_after_it_expired_does_not_run_the_operation() {
     assert!(last.contains("expired"), "the model is told: {last}");
     h.shutdown().await;
 }
+
+/// The tool's precondition check: `write_file` approved for the file as it was shown; the file
+/// changes before the runner gets to it → not written, the approval invalidated, a fresh one
+/// asked showing where the file is now; approved again, it is written once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_whose_target_moved_is_invalidated_and_asked_again() {
+    let script = json!({"models": {"ap5": {"steps": [
+        {"text": "writing", "tool_calls": [{"name": "write_file", "arguments": {"path": "notes.txt", "content": "from the agent"}}]},
+        {"text": "finished"}
+    ]}}});
+    let h = Harness::start_with(
+        script,
+        &[Svc::Intake, Svc::Step, Svc::Tool, Svc::Approval],
+        |c| {
+            c.approvers.insert("tok-alice".into(), "alice".into());
+        },
+    )
+    .await;
+    h.agent_with_policy("ap5", "ap5", json!({"write_file": {"approval": "always"}}))
+        .await;
+    let run = h.submit("ap5", "write the notes", "ap5-1").await;
+    let state = h
+        .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingApproval)
+        .await;
+    let (id, a) = state.approvals.iter().next().expect("an approval");
+    assert_eq!(
+        a.request.target_version.as_deref(),
+        Some("absent"),
+        "the approver is shown where the target is"
+    );
+    // Someone else creates the file after it was shown, before the approval.
+    let file = h.config.workspace_root.join(run.as_str()).join("notes.txt");
+    std::fs::create_dir_all(file.parent().expect("dir")).expect("workspace");
+    std::fs::write(&file, "written by someone else").expect("write");
+    let ok = decide(
+        &h,
+        &run,
+        "tok-alice",
+        json!({"approval_id": id, "verdict": "approve", "args_digest": a.request.args_digest}),
+    )
+    .await;
+    assert_eq!(ok["status"], "journaled", "{ok}");
+    let state = h
+        .wait_for(&run, WAIT, |s| {
+            s.status == RunStatus::WaitingApproval && s.approvals.len() == 2
+        })
+        .await;
+    assert_eq!(
+        std::fs::read_to_string(&file).expect("file"),
+        "written by someone else",
+        "the old approval authorised nothing"
+    );
+    assert!(matches!(
+        state.approvals[id].status,
+        ApprovalStatus::Invalidated { .. }
+    ));
+    let (id2, a2) = state
+        .approvals
+        .iter()
+        .find(|(k, _)| *k != id)
+        .expect("a fresh approval");
+    assert_eq!(a2.request.plan_version, 2);
+    let now = kedge_core::event::Digest::of_bytes(b"written by someone else");
+    assert_eq!(
+        a2.request.target_version.as_deref(),
+        Some(now.as_str()),
+        "the fresh request shows the target as it is now"
+    );
+    let events = h.events(&run).await;
+    let moved = events
+        .iter()
+        .filter(|r| matches!(r.envelope.event, Event::TargetMoved(_)))
+        .count();
+    assert_eq!(moved, 1);
+    assert!(events.iter().any(|r| matches!(&r.envelope.event,
+        Event::ApprovalInvalidated(i) if i.reason.contains("target moved"))));
+    let ok = decide(
+        &h,
+        &run,
+        "tok-alice",
+        json!({"approval_id": id2, "verdict": "approve", "args_digest": a2.request.args_digest}),
+    )
+    .await;
+    assert_eq!(ok["status"], "journaled", "{ok}");
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded);
+    assert_eq!(
+        std::fs::read_to_string(&file).expect("file"),
+        "from the agent"
+    );
+    let op = done.ops.values().next().expect("op");
+    assert_eq!(op.dispatches, 2, "dispatched, given back, dispatched again");
+    common::assert_schema_valid(&h.events(&run).await);
+    h.shutdown().await;
+}

@@ -25,7 +25,13 @@ pub struct StoredResponse {
 #[serde(tag = "state", rename_all = "snake_case")]
 pub enum OpState {
     Running,
-    Done { content: String, is_error: bool },
+    Done {
+        content: String,
+        is_error: bool,
+    },
+    /// Given back without running (its approved target moved): a later dispatch claims it
+    /// afresh; the released dispatch itself never runs.
+    Released,
 }
 
 /// A tool operation's record.
@@ -58,6 +64,8 @@ pub enum Claim {
     },
     /// The same operation id was claimed with different arguments.
     Conflict { stored: Digest },
+    /// This dispatch was given back without running (see [`OpState::Released`]).
+    Released,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -170,9 +178,24 @@ impl IdempotencyStore {
                     dispatch: rec.dispatch,
                     since,
                 },
+                OpState::Released => Claim::Released,
             }
         };
         if let Some((rev, rec, since)) = self.op_entry(op).await? {
+            if rec.state == OpState::Released
+                && rec.args_digest == *args_digest
+                && dispatch > rec.dispatch
+            {
+                // A later dispatch of a released operation: claim it like a fresh one.
+                return match self.take_over(op, rev, args_digest, runner, dispatch).await {
+                    Ok(revision) => Ok(Claim::Fresh { revision }),
+                    Err(IdempotencyError::Raced { .. }) => match self.op_entry(op).await? {
+                        Some((rev, rec, since)) => Ok(classify(rev, rec, since)),
+                        None => Err(unavailable("record vanished")),
+                    },
+                    Err(e) => Err(e),
+                };
+            }
             return Ok(classify(rev, rec, since));
         }
         let rec = OpRecord {
@@ -214,6 +237,31 @@ impl IdempotencyStore {
         self.kv
             .update(Self::op_key(op), bytes.into(), revision)
             .await
+            .map_err(|_| IdempotencyError::Raced {
+                key: Self::op_key(op),
+            })
+    }
+
+    /// Gives an operation this runner holds back without running it (revision from the claim).
+    pub async fn release(
+        &self,
+        op: &OperationId,
+        revision: u64,
+        args_digest: &Digest,
+        runner: &str,
+        dispatch: u32,
+    ) -> Result<(), IdempotencyError> {
+        let rec = OpRecord {
+            args_digest: args_digest.clone(),
+            runner: runner.to_owned(),
+            dispatch,
+            state: OpState::Released,
+        };
+        let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
+        self.kv
+            .update(Self::op_key(op), bytes.into(), revision)
+            .await
+            .map(|_| ())
             .map_err(|_| IdempotencyError::Raced {
                 key: Self::op_key(op),
             })

@@ -58,7 +58,8 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::OutcomeConfirmed
         | EventType::OutcomeNotFound
         | EventType::OutcomeAmbiguous
-        | EventType::OutcomeResolved => true,
+        | EventType::OutcomeResolved
+        | EventType::TargetMoved => true,
         EventType::Nudge => false,
     }
 }

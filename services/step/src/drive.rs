@@ -11,6 +11,7 @@ use kedge_core::event::{
 };
 use kedge_core::fold::{FoldError, RunState};
 use kedge_core::ids::RunId;
+use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_journal::{ErrorKind, JournalError, Lease, LeaseError};
 use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
 use kedge_runtime::Runtime;
@@ -19,6 +20,9 @@ use kedge_runtime::failpoint;
 use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
+
+/// How long the step waits for a tool runner's precondition check.
+const PRECONDITION_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How a drive ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +50,9 @@ pub enum DriveError {
     NoRun,
     #[error("lost the lease while the model ran")]
     LeaseLost,
+    /// An approval request needs the target's version and no tool runner gave it.
+    #[error("precondition query for `{tool}`: {reason}")]
+    Precondition { tool: String, reason: String },
 }
 
 impl DriveError {
@@ -59,6 +66,7 @@ impl DriveError {
             DriveError::Idempotency(IdempotencyError::Unavailable(_)) => true,
             DriveError::Agent(AgentError::Unavailable(_)) => true,
             DriveError::NoRun => true,
+            DriveError::Precondition { .. } => true,
             DriveError::Lease(_)
             | DriveError::Fold(_)
             | DriveError::Idempotency(_)
@@ -207,6 +215,8 @@ impl Driver {
         writer: &str,
         drafts: Vec<Draft>,
     ) -> Result<bool, DriveError> {
+        let mut drafts = drafts;
+        self.observe_targets(&state.run_id, &mut drafts).await?;
         let now = Timestamp::now();
         let mut expected = state.last_decision_seq;
         for draft in drafts {
@@ -235,6 +245,42 @@ impl Driver {
         }
         self.refresh(state).await?;
         Ok(true)
+    }
+
+    /// Fills in the target version of each approval request from the tool runners' precondition
+    /// check (`kedge.tool.inspect`): what the approver is shown, and what the runner checks
+    /// again right before running. Without an answer nothing is committed (the wake is retried):
+    /// an approval must not be asked for a target nobody looked at.
+    async fn observe_targets(&self, run: &RunId, drafts: &mut [Draft]) -> Result<(), DriveError> {
+        for draft in drafts {
+            let Event::ApprovalRequested(req) = &mut draft.event else {
+                continue;
+            };
+            if req.target_version.is_some() {
+                continue;
+            }
+            let failed = |reason: String| DriveError::Precondition {
+                tool: req.tool.clone(),
+                reason,
+            };
+            let query = TargetQuery {
+                run_id: run.clone(),
+                tool: req.tool.clone(),
+                arguments: req.arguments.clone(),
+            };
+            let body = serde_json::to_vec(&query).map_err(|e| failed(e.to_string()))?;
+            let reply = tokio::time::timeout(
+                PRECONDITION_TIMEOUT,
+                self.rt.client.request(TOOL_INSPECT, body.into()),
+            )
+            .await
+            .map_err(|_| failed("no tool runner answered in time".into()))?
+            .map_err(|e| failed(e.to_string()))?;
+            let answer: TargetAnswer =
+                serde_json::from_slice(&reply.payload).map_err(|e| failed(e.to_string()))?;
+            req.target_version = answer.version;
+        }
+        Ok(())
     }
 
     async fn drive_leased(

@@ -126,6 +126,25 @@ impl Env {
         }
     }
 
+    /// The precondition check of a tool: the version of what the operation would change, or
+    /// `None` for tools without one. `write_file`: the digest of the file (`sha256:…`) or
+    /// `absent`. Arguments the tool would reject have no version (the run fails them anyway).
+    pub async fn target_version(&self, tool: Builtin, run: &RunId, args: &Value) -> Option<String> {
+        match tool {
+            Builtin::WriteFile => {
+                let path = resolve(&self.workspace(run), str_arg(args, "path").ok()?).ok()?;
+                Some(match tokio::fs::read(&path).await {
+                    Ok(bytes) => kedge_core::event::Digest::of_bytes(&bytes)
+                        .as_str()
+                        .to_owned(),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => "absent".to_owned(),
+                    Err(e) => format!("unreadable: {}", e.kind()),
+                })
+            }
+            Builtin::ReadFile | Builtin::ListFiles | Builtin::Shell | Builtin::LedgerAppend => None,
+        }
+    }
+
     /// The confirm query of a tool, for an operation whose runner disappeared mid-way.
     pub async fn confirm(&self, tool: Builtin, op: &OperationId) -> Confirm {
         match tool {

@@ -43,6 +43,9 @@ use kedge_core::event::{
 };
 use kedge_core::fold::handled_by_step;
 use kedge_core::ids::{OperationId, RunId};
+use kedge_core::subjects::{
+    TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE, TargetAnswer, TargetQuery,
+};
 use kedge_journal::JournalError;
 use kedge_runtime::idempotency::{Claim, IdempotencyError};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
@@ -67,6 +70,10 @@ pub enum Handled {
     Ambiguous,
     /// Not run because the run's cancellation was requested.
     Cancelled,
+    /// Not run: its approved target moved (`target.moved`); a fresh approval will be asked.
+    Moved,
+    /// A dispatch given back earlier (its target moved): nothing to do.
+    Released,
     /// A live runner holds it; ask again after `retry_in_ms`.
     Busy { retry_in_ms: u64 },
 }
@@ -181,17 +188,24 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let permits = Arc::new(Semaphore::new(rt.config.tool_concurrency));
     let mut resolves = rt
         .client
-        .queue_subscribe(
-            kedge_core::subjects::TOOL_RESOLVE,
-            kedge_core::subjects::TOOL_RESOLVE_QUEUE.to_owned(),
-        )
+        .queue_subscribe(TOOL_RESOLVE, TOOL_RESOLVE_QUEUE.to_owned())
         .await
         .map_err(|e| RuntimeError::broker("subscribe to resolve requests", e))?;
+    let mut inspects = rt
+        .client
+        .queue_subscribe(TOOL_INSPECT, TOOL_RESOLVE_QUEUE.to_owned())
+        .await
+        .map_err(|e| RuntimeError::broker("subscribe to precondition queries", e))?;
     tracing::info!(worker = %rt.config.worker_id, "tool service started");
     tokio::pin!(shutdown);
     loop {
         let msg = tokio::select! {
             _ = &mut shutdown => break,
+            Some(query) = inspects.next() => {
+                let ctx = ctx.clone();
+                tokio::spawn(async move { answer_inspect(&ctx, query).await });
+                continue;
+            }
             Some(request) = resolves.next() => {
                 let Ok(permit) = permits.clone().acquire_owned().await else {
                     break;
@@ -332,6 +346,12 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             journal_result(rt, op, Output { content, is_error }, false).await?;
             return Ok(Handled::Stored);
         }
+        Claim::Released => {
+            tracing::info!(
+                "this dispatch was given back earlier (its target moved); nothing to do"
+            );
+            return Ok(Handled::Released);
+        }
         Claim::Conflict { stored } => {
             let out = Output::error(format!(
                 "operation {op} was already requested with different arguments \
@@ -397,6 +417,22 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             }
         }
     };
+    if let Some(expected) = &req.expect_version {
+        // The precondition: the target must still be where it was when the approval was asked.
+        let found = match tool {
+            Some(t) => env.target_version(t, op.run(), &req.arguments).await,
+            None => None,
+        }
+        .unwrap_or_else(|| "none".to_owned());
+        if found != *expected {
+            tracing::warn!(%expected, %found, "the approved target moved; not running");
+            rt.idempotency
+                .release(op, revision, &req.args_digest, runner, req.redispatch)
+                .await?;
+            journal_moved(rt, op, req.redispatch, expected, found).await?;
+            return Ok(Handled::Moved);
+        }
+    }
     if ctx.cancel_requested(op.run()).await {
         let out = Output::error("not run: the run's cancellation was requested");
         rt.idempotency
@@ -449,6 +485,53 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     failpoint::hit("tool.after_record");
     journal_result(rt, op, out, stopped).await?;
     Ok(Handled::Ran)
+}
+
+/// Journals that an approved operation was not run because its target moved.
+async fn journal_moved(
+    rt: &Runtime,
+    op: &OperationId,
+    dispatch: u32,
+    expected: &str,
+    found: String,
+) -> Result<(), ToolError> {
+    let env = Envelope::new(
+        op.run().clone(),
+        Timestamp::now(),
+        Draft::new(Event::TargetMoved(kedge_core::event::TargetMoved {
+            expected: expected.to_owned(),
+            found,
+        }))
+        .step(op.step())
+        .op(op.clone()),
+    );
+    match rt
+        .journal
+        .append_input(&env, &format!("target.moved:{op}:{dispatch}"))
+        .await
+    {
+        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Answers a precondition query (`kedge.tool.inspect`) with the target's current version.
+async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
+    let reply = match serde_json::from_slice::<TargetQuery>(&request.payload) {
+        Ok(q) => {
+            let version = match Builtin::by_name(&q.tool) {
+                Some(t) => ctx.env.target_version(t, &q.run_id, &q.arguments).await,
+                None => None,
+            };
+            serde_json::to_vec(&TargetAnswer { version })
+        }
+        Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
+    };
+    if let (Some(to), Ok(body)) = (request.reply, reply)
+        && let Err(e) = ctx.rt.client.publish(to, body.into()).await
+    {
+        tracing::warn!(error = %e, "cannot answer a precondition query");
+    }
 }
 
 /// Journals the result a confirm query found, as `outcome.confirmed` (the history says how it
