@@ -76,7 +76,8 @@ pub struct ToolPolicy {
     pub risk: Risk,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_risk: Option<Risk>,
-    /// Overrides the tool service's default timeout.
+    /// Meant to lower the tool service's timeout for this tool. NOT applied yet: every operation
+    /// runs under the tool service's `tool_timeout` (a dispatch does not carry a per-tool limit).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,
     /// How long an approval request stays valid (default one day).
