@@ -6,6 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 scripts/setup.sh
+# The reference MCP servers the MCP client and tool tests talk to (npm + PyPI, pinned, into .tools).
+scripts/mcp-servers.sh
 # Headless Chromium and playwright-core for the bridge's browser test (idempotent, fast when there).
 scripts/browser-test.sh --install-only
 

@@ -1,0 +1,227 @@
+//! How to reach one MCP server ([`ServerConfig`]), and its JSON form.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// How to reach one MCP server.
+///
+/// A server is either a child process that speaks MCP on its stdin/stdout, or a Streamable HTTP
+/// endpoint. The JSON form is a flat object, told apart by which key is present:
+///
+/// ```json
+/// {"command": "mcp-server-time", "args": ["--local-timezone", "UTC"], "env": {"TZ": "UTC"}}
+/// {"url": "http://127.0.0.1:3001/mcp"}
+/// ```
+///
+/// `args` and `env` are optional (default: none). Unknown keys are rejected, and so is an object
+/// with both `command` and `url`, or with `args`/`env` next to `url`, so a typo in a configuration
+/// file is an error at startup rather than a silently ignored setting. A configuration file
+/// typically holds a map of them, `{"time": {"command": …}, "search": {"url": …}}`, which
+/// deserializes straight into the `BTreeMap` that [`Pool::new`](crate::Pool::new) takes.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawServerConfig", into = "RawServerConfig")]
+pub enum ServerConfig {
+    /// A child process speaking newline-delimited JSON-RPC on stdin/stdout.
+    ///
+    /// The child inherits this process's environment, with `env` added on top. Its stderr is
+    /// forwarded to `tracing` (target `kedge_mcp::stderr`, level debug). It runs in a process
+    /// group of its own, so that ending it also ends whatever it started (`npx`, `uvx`, shell
+    /// wrappers).
+    Stdio {
+        /// Program to run; looked up on `PATH` when it has no slash.
+        command: String,
+        /// Arguments, not interpreted by a shell.
+        args: Vec<String>,
+        /// Extra environment variables for the child.
+        env: BTreeMap<String, String>,
+    },
+    /// A Streamable HTTP endpoint, e.g. `http://127.0.0.1:3001/mcp`.
+    Http {
+        /// The endpoint URL (`http://` or `https://`).
+        url: String,
+    },
+}
+
+impl ServerConfig {
+    /// A stdio server with no extra environment.
+    pub fn stdio(
+        command: impl Into<String>,
+        args: impl IntoIterator<Item = impl Into<String>>,
+    ) -> Self {
+        Self::Stdio {
+            command: command.into(),
+            args: args.into_iter().map(Into::into).collect(),
+            env: BTreeMap::new(),
+        }
+    }
+
+    /// A Streamable HTTP server.
+    pub fn http(url: impl Into<String>) -> Self {
+        Self::Http { url: url.into() }
+    }
+}
+
+/// `env` values may hold secrets: Debug prints only their names.
+impl fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Stdio { command, args, env } => f
+                .debug_struct("Stdio")
+                .field("command", command)
+                .field("args", args)
+                .field("env", &env.keys().collect::<Vec<_>>())
+                .finish(),
+            Self::Http { url } => f.debug_struct("Http").field("url", url).finish(),
+        }
+    }
+}
+
+/// The flat JSON object, before it is checked to be exactly one of the two forms.
+#[derive(Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServerConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    command: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    args: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    env: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    url: Option<String>,
+}
+
+impl TryFrom<RawServerConfig> for ServerConfig {
+    type Error = String;
+
+    fn try_from(raw: RawServerConfig) -> Result<Self, Self::Error> {
+        match (raw.command, raw.url) {
+            (Some(_), Some(_)) => {
+                Err("an MCP server has either \"command\" or \"url\", not both".into())
+            }
+            (None, None) => {
+                Err("an MCP server needs \"command\" (stdio) or \"url\" (Streamable HTTP)".into())
+            }
+            (Some(command), None) => {
+                if command.trim().is_empty() {
+                    return Err("\"command\" is empty".into());
+                }
+                Ok(Self::Stdio {
+                    command,
+                    args: raw.args.unwrap_or_default(),
+                    env: raw.env.unwrap_or_default(),
+                })
+            }
+            (None, Some(url)) => {
+                if raw.args.is_some() || raw.env.is_some() {
+                    return Err("\"args\" and \"env\" apply only to a \"command\" server, not to a \"url\" one".into());
+                }
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return Err(format!(
+                        "\"url\" must start with http:// or https://, got {url:?}"
+                    ));
+                }
+                Ok(Self::Http { url })
+            }
+        }
+    }
+}
+
+impl From<ServerConfig> for RawServerConfig {
+    fn from(config: ServerConfig) -> Self {
+        match config {
+            ServerConfig::Stdio { command, args, env } => Self {
+                command: Some(command),
+                args: (!args.is_empty()).then_some(args),
+                env: (!env.is_empty()).then_some(env),
+                url: None,
+            },
+            ServerConfig::Http { url } => Self {
+                url: Some(url),
+                ..Self::default()
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(value: serde_json::Value) -> Result<ServerConfig, String> {
+        serde_json::from_value(value).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn stdio_form_with_defaults() {
+        assert_eq!(
+            parse(json!({"command": "mcp-server-time"})),
+            Ok(ServerConfig::stdio("mcp-server-time", Vec::<String>::new()))
+        );
+        let full = parse(json!({"command": "x", "args": ["a", "b"], "env": {"K": "V"}}));
+        assert_eq!(
+            full,
+            Ok(ServerConfig::Stdio {
+                command: "x".into(),
+                args: vec!["a".into(), "b".into()],
+                env: BTreeMap::from([("K".to_string(), "V".to_string())]),
+            })
+        );
+    }
+
+    #[test]
+    fn http_form() {
+        assert_eq!(
+            parse(json!({"url": "http://127.0.0.1:1/mcp"})),
+            Ok(ServerConfig::http("http://127.0.0.1:1/mcp"))
+        );
+    }
+
+    #[test]
+    fn rejects_ambiguous_and_unknown() {
+        for (value, needle) in [
+            (json!({"command": "x", "url": "http://a"}), "not both"),
+            (json!({}), "needs"),
+            (json!({"command": "x", "arg": []}), "unknown field `arg`"),
+            (
+                json!({"url": "http://a", "env": {}}),
+                "only to a \"command\"",
+            ),
+            (json!({"url": "ftp://a"}), "must start with"),
+            (json!({"command": " "}), "empty"),
+        ] {
+            let err = parse(value.clone()).expect_err(&value.to_string());
+            assert!(err.contains(needle), "{value}: {err}");
+        }
+    }
+
+    #[test]
+    fn round_trips_in_the_flat_form() {
+        let stdio = ServerConfig::stdio("x", ["--y"]);
+        assert_eq!(
+            serde_json::to_value(&stdio).ok(),
+            Some(json!({"command": "x", "args": ["--y"]}))
+        );
+        let http = ServerConfig::http("https://h/mcp");
+        assert_eq!(
+            serde_json::to_value(&http).ok(),
+            Some(json!({"url": "https://h/mcp"}))
+        );
+    }
+
+    #[test]
+    fn debug_hides_env_values() {
+        let config = ServerConfig::Stdio {
+            command: "x".into(),
+            args: vec![],
+            env: BTreeMap::from([("TOKEN".to_string(), "secret".to_string())]),
+        };
+        let shown = format!("{config:?}");
+        assert!(
+            shown.contains("TOKEN") && !shown.contains("secret"),
+            "{shown}"
+        );
+    }
+}
