@@ -31,6 +31,11 @@ pub struct Config {
     /// a note.
     pub max_tool_output_bytes: usize,
     pub timeouts: Timeouts,
+    /// MCP servers the tool service calls, by name (`KEDGE_MCP_SERVERS`, a JSON object): each
+    /// `{"command": …, "args": [...], "env": {...}}` (a child speaking stdio) or `{"url": …}`
+    /// (Streamable HTTP). An agent's tool named `<server>__<tool>` is the MCP tool `<tool>` of
+    /// server `<server>`; names are letters, digits and `-` (no `_`, so the split is unambiguous).
+    pub mcp_servers: std::collections::BTreeMap<String, kedge_mcp::ServerConfig>,
     /// The HTTP bridge (`kedge serve bridge`).
     pub bridge: BridgeConfig,
     /// API keys by environment-variable name, for programs that embed Kedge (the demo, tests).
@@ -70,6 +75,7 @@ impl Default for Config {
             tool_concurrency: 64,
             max_tool_output_bytes: 64 * 1024,
             timeouts: Timeouts::default(),
+            mcp_servers: Default::default(),
             bridge: BridgeConfig::default(),
             api_keys: Default::default(),
             approvers: Default::default(),
@@ -290,6 +296,12 @@ impl Config {
                 self.approvers.insert(token.to_owned(), name.to_owned());
             }
         }
+        if let Some(v) = get("KEDGE_MCP_SERVERS") {
+            self.mcp_servers = serde_json::from_str(&v).map_err(|e| ConfigError::Env {
+                var: "KEDGE_MCP_SERVERS",
+                reason: format!("not a JSON object of server configurations: {e}"),
+            })?;
+        }
         if let Some(v) = get("KEDGE_BRIDGE_LISTEN") {
             self.bridge.listen = v.trim().to_owned();
         }
@@ -334,6 +346,16 @@ impl Config {
     /// Checks the timeout relations and the other fields.
     pub fn check(&self) -> Result<(), ConfigError> {
         self.timeouts.check()?;
+        if let Some(bad) = self.mcp_servers.keys().find(|name| {
+            name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        }) {
+            return Err(ConfigError::Invalid {
+                field: "mcp_servers",
+                reason: format!(
+                    "server name `{bad}`: use letters, digits and `-` (tools are named `<server>__<tool>`)"
+                ),
+            });
+        }
         if self.nats_urls.is_empty() {
             return Err(ConfigError::Invalid {
                 field: "nats_urls",

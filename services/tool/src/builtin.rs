@@ -107,6 +107,11 @@ impl Env {
         self.root.join("ledger.log")
     }
 
+    /// Cuts `s` to the largest output kept inline, with a note.
+    pub fn truncate(&self, s: String) -> String {
+        truncate(s, self.max_output)
+    }
+
     /// Runs a built-in tool. Errors the model should see are `Output { is_error: true }`.
     pub async fn run(&self, tool: Builtin, op: &OperationId, args: &Value) -> Output {
         let work = self.workspace(op.run());

@@ -30,6 +30,7 @@
 //! timer, and the answer or the timer's firing is the operation's result.
 
 pub mod builtin;
+pub mod target;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -52,7 +53,8 @@ use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tokio::sync::{Semaphore, watch};
 use tracing::Instrument;
 
-use crate::builtin::{Builtin, Confirm, Output};
+use crate::builtin::{Confirm, Output};
+use crate::target::{Ran, Target};
 
 /// What handling one operation request came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -123,6 +125,8 @@ impl Running {
 struct Ctx {
     rt: Runtime,
     env: builtin::Env,
+    /// Connections to the configured MCP servers (opened on first use).
+    mcp: kedge_mcp::Pool,
     running: Running,
     journal_stream: async_nats::jetstream::stream::Stream<()>,
 }
@@ -181,6 +185,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             timeout: rt.config.timeouts.tool_timeout(),
             max_output: rt.config.max_tool_output_bytes,
         },
+        mcp: kedge_mcp::Pool::new(rt.config.mcp_servers.clone()),
         running,
         journal_stream,
         rt: rt.clone(),
@@ -237,6 +242,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     }
     let total = u32::try_from(rt.config.tool_concurrency).unwrap_or(u32::MAX);
     let _ = permits.acquire_many(total).await;
+    ctx.mcp.close().await;
     tracing::info!("tool service stopped");
     Ok(())
 }
@@ -334,7 +340,7 @@ async fn answer_resolve(ctx: &Ctx, request: async_nats::Message) {
 async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Handled, ToolError> {
     let (rt, env) = (&ctx.rt, &ctx.env);
     let runner = &rt.config.worker_id;
-    let tool = Builtin::by_name(&req.tool);
+    let target = Target::of(&req.tool, &ctx.mcp);
     let revision = match rt
         .idempotency
         .claim(op, &req.args_digest, runner, req.redispatch)
@@ -388,8 +394,8 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                 // chose to retry): run it again under the same id.
                 revision
             } else {
-                match tool {
-                    Some(t) if !t.idempotent() => match env.confirm(t, op).await {
+                match target.confirm(env, op).await {
+                    Some(confirm) => match confirm {
                         Confirm::Confirmed(out) => {
                             rt.idempotency
                                 .finish(
@@ -412,18 +418,17 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                             return Ok(Handled::Ambiguous);
                         }
                     },
-                    _ => revision,
+                    None => revision,
                 }
             }
         }
     };
     if let Some(expected) = &req.expect_version {
         // The precondition: the target must still be where it was when the approval was asked.
-        let found = match tool {
-            Some(t) => env.target_version(t, op.run(), &req.arguments).await,
-            None => None,
-        }
-        .unwrap_or_else(|| "none".to_owned());
+        let found = target
+            .version(env, op.run(), &req.arguments)
+            .await
+            .unwrap_or_else(|| "none".to_owned());
         if found != *expected {
             tracing::warn!(%expected, %found, "the approved target moved; not running");
             rt.idempotency
@@ -458,20 +463,23 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
         Ok(_) | Err(JournalError::Duplicate { .. }) => {}
         Err(e) => return Err(e.into()),
     }
-    let mut stop = ctx.running.register(op);
-    let (out, stopped) = match tool {
-        Some(t) => tokio::select! {
-            out = env.run(t, op, &req.arguments) => (out, false),
-            // Dropping the tool's future kills a `shell` child (kill_on_drop).
-            _ = stop.wait_for(|s| *s) => (
-                Output::error("stopped: the run's cancellation was requested"),
-                true,
-            ),
-        },
-        None => (Output::error(format!("unknown tool `{}`", req.tool)), false),
-    };
+    let stop = ctx.running.register(op);
+    let ran = target.run(env, &ctx.mcp, op, &req.arguments, stop).await;
     ctx.running.unregister(op);
     failpoint::hit("tool.after_effect");
+    let (out, stopped) = match ran {
+        Ran::Done { out, stopped } => (out, stopped),
+        Ran::CutOff(detail) => {
+            // The record stays `running`: a person decides (`outcome.resolved`), and a retry
+            // re-dispatches under the same id.
+            journal_ambiguous(rt, op, req.redispatch, detail).await?;
+            return Ok(Handled::Ambiguous);
+        }
+    };
+    let out = match target {
+        Target::Unknown => Output::error(format!("unknown tool `{}`", req.tool)),
+        _ => out,
+    };
     rt.idempotency
         .finish(
             op,
@@ -519,10 +527,9 @@ async fn journal_moved(
 async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
     let reply = match serde_json::from_slice::<TargetQuery>(&request.payload) {
         Ok(q) => {
-            let version = match Builtin::by_name(&q.tool) {
-                Some(t) => ctx.env.target_version(t, &q.run_id, &q.arguments).await,
-                None => None,
-            };
+            let version = Target::of(&q.tool, &ctx.mcp)
+                .version(&ctx.env, &q.run_id, &q.arguments)
+                .await;
             serde_json::to_vec(&TargetAnswer { version })
         }
         Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),

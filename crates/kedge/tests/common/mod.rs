@@ -142,6 +142,19 @@ impl Harness {
         self.rt.agents.put(&def).await.expect("agent stored");
     }
 
+    /// Stores a test agent that also has the tools `extra` (e.g. MCP tools `<server>__<tool>`).
+    pub async fn agent_with_tools(&self, name: &str, model: &str, extra: &[&str]) {
+        let mut def = test_agent(name, model, &self.mock.base_url());
+        for n in extra {
+            def.tools.push(
+                serde_json::from_value(serde_json::json!({"name": n, "description": n}))
+                    .expect("valid tool"),
+            );
+        }
+        def.validate().expect("valid definition");
+        self.rt.agents.put(&def).await.expect("agent stored");
+    }
+
     /// Runs a service in this process as worker `worker` (its own connection and runtime).
     pub fn spawn_service(&mut self, svc: Svc, worker: &str) {
         let mut config = self.config.clone();

@@ -1,0 +1,145 @@
+//! What a tool name refers to, and how each kind of tool runs, confirms and checks its target.
+
+use kedge_core::ids::{OperationId, RunId};
+use kedge_mcp::{Outcome, Pool};
+use serde_json::Value;
+use tokio::sync::watch;
+
+use crate::builtin::{Builtin, Confirm, Env, Output};
+
+/// A tool name, resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Builtin(Builtin),
+    /// `<server>__<tool>`, `<server>` a configured MCP server.
+    Mcp {
+        server: String,
+        tool: String,
+    },
+    Unknown,
+}
+
+/// How running an operation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ran {
+    /// A result for the model; `stopped` when the run's cancel stopped it.
+    Done { out: Output, stopped: bool },
+    /// The connection to the MCP server died with the call in flight: it may or may not have
+    /// taken effect.
+    CutOff(String),
+}
+
+impl Target {
+    pub fn of(name: &str, mcp: &Pool) -> Target {
+        if let Some(b) = Builtin::by_name(name) {
+            return Target::Builtin(b);
+        }
+        match name.split_once("__") {
+            Some((server, tool)) if !tool.is_empty() && mcp.has_server(server) => Target::Mcp {
+                server: server.to_owned(),
+                tool: tool.to_owned(),
+            },
+            _ => Target::Unknown,
+        }
+    }
+
+    /// The confirm query for an operation whose runner is gone; `None` when running it again is
+    /// harmless (idempotent built-ins, unknown tools).
+    pub async fn confirm(&self, env: &Env, op: &OperationId) -> Option<Confirm> {
+        match self {
+            Target::Builtin(t) if !t.idempotent() => Some(env.confirm(*t, op).await),
+            Target::Builtin(_) | Target::Unknown => None,
+            Target::Mcp { server, tool } => Some(Confirm::Ambiguous(format!(
+                "the MCP call `{tool}` on `{server}` was cut off with its runner; \
+                 MCP has no way to ask whether it took effect"
+            ))),
+        }
+    }
+
+    /// The precondition check (see [`Env::target_version`]); MCP tools have none.
+    pub async fn version(&self, env: &Env, run: &RunId, args: &Value) -> Option<String> {
+        match self {
+            Target::Builtin(t) => env.target_version(*t, run, args).await,
+            Target::Mcp { .. } | Target::Unknown => None,
+        }
+    }
+
+    /// Runs the operation until it ends or `stop` turns true (the run's cancel).
+    pub async fn run(
+        &self,
+        env: &Env,
+        mcp: &Pool,
+        op: &OperationId,
+        args: &Value,
+        mut stop: watch::Receiver<bool>,
+    ) -> Ran {
+        let stopped = || Ran::Done {
+            out: Output::error("stopped: the run's cancellation was requested"),
+            stopped: true,
+        };
+        match self {
+            Target::Builtin(t) => tokio::select! {
+                out = env.run(*t, op, args) => Ran::Done { out, stopped: false },
+                // Dropping the tool's future kills a `shell` child (kill_on_drop).
+                _ = stop.wait_for(|s| *s) => stopped(),
+            },
+            Target::Mcp { server, tool } => {
+                let arguments = match args {
+                    Value::Object(map) => map.clone(),
+                    Value::Null => serde_json::Map::new(),
+                    other => {
+                        return Ran::Done {
+                            out: Output::error(format!(
+                                "arguments must be a JSON object, got {other}"
+                            )),
+                            stopped: false,
+                        };
+                    }
+                };
+                let stop = async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                };
+                match mcp
+                    .call(server, tool, arguments, &op.to_string(), env.timeout, stop)
+                    .await
+                {
+                    Ok(Outcome::Completed { content, is_error }) => Ran::Done {
+                        out: Output {
+                            content: env.truncate(content),
+                            is_error,
+                        },
+                        stopped: false,
+                    },
+                    Ok(Outcome::Stopped) => Ran::Done {
+                        out: Output::error(
+                            "stopped: the run's cancellation was requested; \
+                             the MCP server was sent a cancel",
+                        ),
+                        stopped: true,
+                    },
+                    Ok(Outcome::TimedOut) => Ran::Done {
+                        out: Output::error(format!(
+                            "timed out after {} ms; the MCP server was sent a cancel \
+                             (it may still finish the work)",
+                            env.timeout.as_millis()
+                        )),
+                        stopped: false,
+                    },
+                    // Never sent: nothing happened.
+                    Err(e) if !e.may_have_run() => Ran::Done {
+                        out: Output::error(format!("not run: {e}")),
+                        stopped: false,
+                    },
+                    Err(e) => Ran::CutOff(format!(
+                        "the MCP call `{tool}` on `{server}` was cut off ({e}); \
+                         whether it took effect cannot be known"
+                    )),
+                }
+            }
+            Target::Unknown => Ran::Done {
+                out: Output::error("unknown tool"),
+                stopped: false,
+            },
+        }
+    }
+}
