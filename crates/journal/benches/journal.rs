@@ -86,6 +86,7 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
                 args_digest: Digest::of_json(&arguments),
                 arguments,
                 redispatch: 0,
+                expect_version: None,
             }))
             .step(StepNo(step))
             .op(OperationId::new(run, StepNo(step), i)),

@@ -93,6 +93,7 @@ pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
             args_digest: Digest::of_json(&arguments),
             arguments,
             redispatch: 0,
+            expect_version: None,
         }))
         .step(StepNo(step))
         .op(OperationId::new(run, StepNo(step), index)),
