@@ -35,8 +35,9 @@ fn main() -> ExitCode {
 fn init_tracing(args: &cli::Cli) {
     use tracing_subscriber::EnvFilter;
     let default = match &args.command {
-        cli::Command::Demo(_) => "warn",
-        _ => "info",
+        cli::Command::Demo(_) | cli::Command::Mcp(_) => "warn",
+        // rmcp logs every session's start and end at info.
+        _ => "info,rmcp=warn",
     };
     let filter = EnvFilter::try_from_env("KEDGE_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
