@@ -181,6 +181,19 @@ impl IdempotencyStore {
                 OpState::Released => Claim::Released,
             }
         };
+        // Create first: the common case (a first dispatch) is one round trip. A record that
+        // exists makes the create fail, and then it is read and classified.
+        let rec = OpRecord {
+            args_digest: args_digest.clone(),
+            runner: runner.to_owned(),
+            dispatch,
+            state: OpState::Running,
+        };
+        let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
+        let create_error = match self.kv.create(Self::op_key(op), bytes.into()).await {
+            Ok(revision) => return Ok(Claim::Fresh { revision }),
+            Err(e) => e,
+        };
         if let Some((rev, rec, since)) = self.op_entry(op).await? {
             if rec.state == OpState::Released
                 && rec.args_digest == *args_digest
@@ -198,23 +211,8 @@ impl IdempotencyStore {
             }
             return Ok(classify(rev, rec, since));
         }
-        let rec = OpRecord {
-            args_digest: args_digest.clone(),
-            runner: runner.to_owned(),
-            dispatch,
-            state: OpState::Running,
-        };
-        let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
-        match self.kv.create(Self::op_key(op), bytes.into()).await {
-            Ok(revision) => Ok(Claim::Fresh { revision }),
-            Err(e) => {
-                // Someone created it between our read and create: report what they wrote.
-                match self.op_entry(op).await? {
-                    Some((rev, rec, since)) => Ok(classify(rev, rec, since)),
-                    None => Err(unavailable(e)),
-                }
-            }
-        }
+        // No record, yet the create failed: the bucket is unreachable.
+        Err(unavailable(create_error))
     }
 
     /// Takes over a `Running` record left by a runner that is gone (compare-and-set on its

@@ -402,19 +402,22 @@ impl Driver {
             let result = self.call_model(state, &def, &plan, lost).await;
             match result {
                 Ok(response) => {
-                    self.rt
-                        .idempotency
-                        .store_response(
-                            &plan.request_id,
-                            &StoredResponse {
-                                context_digest: plan.context_digest.clone(),
-                                response: response.clone(),
-                            },
-                        )
-                        .await?;
+                    let stored = StoredResponse {
+                        context_digest: plan.context_digest.clone(),
+                        response: response.clone(),
+                    };
+                    // Inputs that arrived during the call (a cancel above all) shape the commit;
+                    // they are read while the response is stored. Nothing is committed before
+                    // the response is stored: a crash from here on never pays for it twice.
+                    let (put, read) = futures::join!(
+                        self.rt
+                            .idempotency
+                            .store_response(&plan.request_id, &stored),
+                        self.refresh(state)
+                    );
+                    put?;
                     failpoint::hit("step.after_model_stored");
-                    // Inputs that arrived during the call (a cancel above all) shape the commit.
-                    self.refresh(state).await?;
+                    read?;
                     let drafts = complete_step(
                         state,
                         plan.step,

@@ -455,17 +455,22 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
         .step(op.step())
         .op(op.clone()),
     );
-    match rt
-        .journal
-        .append_input(&started, &format!("tool.started:{op}:{revision}"))
-        .await
-    {
-        Ok(_) | Err(JournalError::Duplicate { .. }) => {}
-        Err(e) => return Err(e.into()),
-    }
     let stop = ctx.running.register(op);
-    let ran = target.run(env, &ctx.mcp, op, &req.arguments, stop).await;
+    // `tool.started` goes out first and its acknowledgement is awaited alongside the tool, not
+    // before it; `tool.result` is appended only after both, so the journal keeps the order.
+    let key = format!("tool.started:{op}:{revision}");
+    let (started, ran) = futures::join!(
+        rt.journal.append_input(&started, &key),
+        target.run(env, &ctx.mcp, op, &req.arguments, stop)
+    );
     ctx.running.unregister(op);
+    if let Err(e) = started
+        && !matches!(e, JournalError::Duplicate { .. })
+    {
+        // The tool ran: its record and result still go in (and a failure there is retried;
+        // the record then answers without running it again).
+        tracing::warn!(error = %e, "tool.started not journaled");
+    }
     failpoint::hit("tool.after_effect");
     let (out, stopped) = match ran {
         Ran::Done { out, stopped } => (out, stopped),
