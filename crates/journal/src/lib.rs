@@ -38,4 +38,4 @@ mod wire;
 pub use error::{ErrorKind, JournalError};
 pub use journal::{Appended, Journal, Recorded, decision_msg_id};
 pub use layout::{LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout};
-pub use lease::{Lease, LeaseError, Leases};
+pub use lease::{Lease, LeaseError, Leases, Released};

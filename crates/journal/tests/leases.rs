@@ -146,3 +146,37 @@ async fn renewing_keeps_a_lease_and_a_renewed_lease_still_expires() {
     );
     assert!(b.revision > a.revision);
 }
+
+#[tokio::test]
+async fn a_release_hint_takes_the_lease_back_only_while_nobody_took_it_since() {
+    let (_server, leases) = leases().await;
+    let run = new_run();
+    let ttl = Duration::from_secs(10);
+    let a = leases.acquire(&run, "worker-a", ttl).await.unwrap();
+    let released = leases.release(a).await.unwrap();
+    // Nobody took it since: the hint works.
+    let a2 = leases
+        .acquire_after(&run, "worker-a", ttl, Some(released))
+        .await
+        .unwrap();
+    // Held: a stale hint does not take it from the holder.
+    assert!(matches!(
+        leases
+            .acquire_after(&run, "worker-b", ttl, Some(released))
+            .await,
+        Err(LeaseError::Held { .. })
+    ));
+    let released2 = leases.release(a2).await.unwrap();
+    let b = leases.acquire(&run, "worker-b", ttl).await.unwrap();
+    leases.release(b).await.unwrap();
+    // Someone took and released it since: the old hint misses, the fallback still acquires.
+    let a3 = leases
+        .acquire_after(&run, "worker-a", ttl, Some(released2))
+        .await
+        .unwrap();
+    assert_eq!(
+        leases.holder(&run).await.unwrap().unwrap().owner,
+        "worker-a"
+    );
+    assert!(a3.revision > released2.seq);
+}

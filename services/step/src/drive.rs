@@ -12,7 +12,7 @@ use kedge_core::event::{
 use kedge_core::fold::{FoldError, RunState};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
-use kedge_journal::{ErrorKind, JournalError, Lease, LeaseError};
+use kedge_journal::{ErrorKind, JournalError, Lease, LeaseError, Released};
 use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
 use kedge_runtime::Runtime;
 use kedge_runtime::agents::AgentError;
@@ -86,6 +86,9 @@ pub struct Driver {
     /// Folded states of runs this process drove, so that a drive reads only what was appended
     /// since (the journal is append-only, so a cached state plus the events after it is exact).
     cache: Arc<std::sync::Mutex<std::collections::HashMap<RunId, RunState>>>,
+    /// The release markers this process left on runs' leases: the next acquire of such a run
+    /// tries to take over its own marker first (one round trip instead of two).
+    released: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Released>>>,
 }
 
 /// Runs whose folded state is kept between drives; beyond it the cache starts over.
@@ -145,6 +148,7 @@ impl Driver {
             model,
             cancels,
             cache: Arc::default(),
+            released: Arc::default(),
         }
     }
 
@@ -156,10 +160,11 @@ impl Driver {
         msg: Option<Arc<Message>>,
     ) -> Result<Outcome, DriveError> {
         let cfg = &self.rt.config;
+        let hint = self.released.lock().ok().and_then(|mut r| r.remove(run));
         let lease = match self
             .rt
             .leases
-            .acquire(run, &cfg.worker_id, cfg.timeouts.lease_ttl())
+            .acquire_after(run, &cfg.worker_id, cfg.timeouts.lease_ttl(), hint)
             .await
         {
             Ok(lease) => lease,
@@ -175,10 +180,20 @@ impl Driver {
             .drive_leased(run, &writer, &mut lost)
             .instrument(span)
             .await;
-        if let Some(lease) = keeper.finish().await
-            && let Err(e) = self.rt.leases.release(lease).await
-        {
-            tracing::debug!(run_id = %run, error = %e, "lease release failed; it will expire");
+        if let Some(lease) = keeper.finish().await {
+            match self.rt.leases.release(lease).await {
+                Ok(marker) => {
+                    if let Ok(mut released) = self.released.lock() {
+                        if released.len() >= CACHE_RUNS {
+                            released.clear();
+                        }
+                        released.insert(run.clone(), marker);
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(run_id = %run, error = %e, "lease release failed; it will expire")
+                }
+            }
         }
         result.map(|()| Outcome::Idle)
     }
