@@ -216,8 +216,6 @@ impl Driver {
         Ok(())
     }
 
-    /// Appends decisions; on success the state is refreshed from the journal. A conflict means
-    /// another writer decided: the state is re-read and the caller decides again.
     /// Appends decisions one after another, each with the concurrency check against the one
     /// before (a single append costs ~0.05 ms where an atomic batch costs ~2 ms and stalls the
     /// stream; a group cut short by a crash is finished by the next writer, see
@@ -225,6 +223,22 @@ impl Driver {
     /// A conflict means another writer decided: the state is re-read and the caller decides
     /// again.
     async fn commit(
+        &self,
+        state: &mut RunState,
+        writer: &str,
+        drafts: Vec<Draft>,
+    ) -> Result<bool, DriveError> {
+        if !self.append(state, writer, drafts).await? {
+            return Ok(false);
+        }
+        self.refresh(state).await?;
+        Ok(true)
+    }
+
+    /// The appends of [`Driver::commit`] without the refresh: `state` stays as it was (behind
+    /// the journal) until the caller refreshes it, which it must before deciding or appending
+    /// again.
+    async fn append(
         &self,
         state: &mut RunState,
         writer: &str,
@@ -258,7 +272,6 @@ impl Driver {
                 Err(e) => return Err(e.into()),
             }
         }
-        self.refresh(state).await?;
         Ok(true)
     }
 
@@ -410,11 +423,16 @@ impl Driver {
                 self.commit(state, writer, drafts).await?;
                 return Ok(());
             }
-            if !self.commit(state, writer, plan.start.clone()).await? {
+            // Not refreshed: the call needs only the plan and the bundle, and the journal is read
+            // right after it (which folds `step.started` in with whatever came meanwhile).
+            if !self.append(state, writer, plan.start.clone()).await? {
                 return Ok(());
             }
             failpoint::hit("step.after_step_started");
             let result = self.call_model(state, &def, &plan, lost).await;
+            if result.is_err() {
+                self.refresh(state).await?;
+            }
             match result {
                 Ok(response) => {
                     let stored = StoredResponse {
