@@ -341,11 +341,13 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     let (rt, env) = (&ctx.rt, &ctx.env);
     let runner = &rt.config.worker_id;
     let target = Target::of(&req.tool, &ctx.mcp);
-    let revision = match rt
-        .idempotency
-        .claim(op, &req.args_digest, runner, req.redispatch)
-        .await?
-    {
+    // The cancel check is a read of the journal; it goes out with the claim.
+    let (claim, cancel_requested) = futures::join!(
+        rt.idempotency
+            .claim(op, &req.args_digest, runner, req.redispatch),
+        ctx.cancel_requested(op.run())
+    );
+    let revision = match claim? {
         Claim::Fresh { revision } => revision,
         Claim::Done { content, is_error } => {
             tracing::info!("operation already done; journaling its stored result");
@@ -438,7 +440,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             return Ok(Handled::Moved);
         }
     }
-    if ctx.cancel_requested(op.run()).await {
+    if cancel_requested {
         let out = Output::error("not run: the run's cancellation was requested");
         rt.idempotency
             .finish(op, revision, &req.args_digest, runner, &out.content, true)
