@@ -76,8 +76,9 @@ pub struct ToolPolicy {
     pub risk: Risk,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_risk: Option<Risk>,
-    /// Meant to lower the tool service's timeout for this tool. NOT applied yet: every operation
-    /// runs under the tool service's `tool_timeout` (a dispatch does not carry a per-tool limit).
+    /// A tighter time limit for this tool's operations: each dispatch carries it and the tool
+    /// service applies the smaller of it and its `tool_timeout` (it cannot raise the limit,
+    /// which the timeout relations are checked against).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,
     /// How long an approval request stays valid (default one day).

@@ -273,13 +273,19 @@ pub fn finish_step(
     .collect()
 }
 
+/// What an approval request carries from the policy that held its operation back.
+struct Held {
+    risk: crate::event::Risk,
+    basis: String,
+    timeout_secs: Option<u64>,
+}
+
 /// `approval.requested` (version `version`) and its expiry timer.
 fn approval_request(
     op: &OperationId,
     call: &crate::event::ToolCall,
     args_digest: Digest,
-    risk: crate::event::Risk,
-    basis: String,
+    held: Held,
     version: u32,
     expires_at: Timestamp,
 ) -> [Draft; 2] {
@@ -291,13 +297,14 @@ fn approval_request(
             call_id: call.call_id.clone(),
             arguments: call.arguments.clone(),
             args_digest,
-            risk,
-            basis,
+            risk: held.risk,
+            basis: held.basis,
             expires_at,
             plan_version: version,
             // Observed by the step service before it commits (a tool runner's precondition
             // check): the pure core cannot look at the target.
             target_version: None,
+            timeout_secs: held.timeout_secs,
         }))
         .step(op.step())
         .op(op.clone()),
@@ -309,6 +316,28 @@ fn approval_request(
         .step(op.step())
         .op(op.clone()),
     ]
+}
+
+/// A fresh request (next plan version) after `a` was invalidated at `from`: same policy, same
+/// validity period, the operation's current arguments.
+fn ask_again(
+    a: &crate::fold::ApprovalState,
+    tool: &crate::fold::ToolOp,
+    from: Timestamp,
+) -> [Draft; 2] {
+    let ttl = a.request.expires_at.0 - a.requested_at.0;
+    approval_request(
+        &tool.op,
+        &tool.call,
+        tool.args_digest.clone(),
+        Held {
+            risk: a.request.risk,
+            basis: a.request.basis.clone(),
+            timeout_secs: a.request.timeout_secs,
+        },
+        a.request.plan_version.saturating_add(1),
+        Timestamp(from.0 + ttl),
+    )
 }
 
 /// What the approvals of the run call for: dispatch what was validly approved, expire what ran
@@ -361,17 +390,7 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                         .step(op.step())
                         .op(op.clone()),
                     );
-                    let ttl = a.request.expires_at.0 - a.requested_at.0;
-                    let now = tool.since;
-                    drafts.extend(approval_request(
-                        op,
-                        &tool.call,
-                        tool.args_digest.clone(),
-                        a.request.risk,
-                        a.request.basis.clone(),
-                        a.request.plan_version.saturating_add(1),
-                        Timestamp(now.0 + ttl),
-                    ));
+                    drafts.extend(ask_again(a, tool, tool.since));
                 } else if *at > a.request.expires_at {
                     drafts.push(expire());
                 } else if *args_digest != tool.args_digest {
@@ -387,16 +406,7 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                         .step(op.step())
                         .op(op.clone()),
                     );
-                    let ttl = a.request.expires_at.0 - a.requested_at.0;
-                    drafts.extend(approval_request(
-                        op,
-                        &tool.call,
-                        tool.args_digest.clone(),
-                        a.request.risk,
-                        a.request.basis.clone(),
-                        a.request.plan_version.saturating_add(1),
-                        Timestamp(at.0 + ttl),
-                    ));
+                    drafts.extend(ask_again(a, tool, *at));
                 } else {
                     drafts.push(
                         Draft::new(Event::ToolRequested(ToolRequested {
@@ -407,6 +417,7 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                             // 0 the first time; after its target moved, the next dispatch.
                             redispatch: tool.dispatches,
                             expect_version: a.request.target_version.clone(),
+                            timeout_secs: tool.timeout_secs,
                         }))
                         .step(op.step())
                         .op(op.clone()),
@@ -438,16 +449,7 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
             && let ApprovalStatus::Invalidated { at } = a.status
             && !drafts.iter().any(|d| d.op.as_ref() == Some(&tool.op))
         {
-            let ttl = a.request.expires_at.0 - a.requested_at.0;
-            drafts.extend(approval_request(
-                &tool.op,
-                &tool.call,
-                tool.args_digest.clone(),
-                a.request.risk,
-                a.request.basis.clone(),
-                a.request.plan_version.saturating_add(1),
-                Timestamp(at.0 + ttl),
-            ));
+            drafts.extend(ask_again(a, tool, at));
         }
     }
     drafts
@@ -523,6 +525,7 @@ fn redispatches(state: &RunState) -> Vec<Draft> {
                 args_digest: o.args_digest.clone(),
                 redispatch: o.dispatches,
                 expect_version: approved_version(state, &o.op),
+                timeout_secs: o.timeout_secs,
             }))
             .step(o.op.step())
             .op(o.op.clone())
@@ -687,8 +690,11 @@ pub fn complete_step(
                 &op,
                 call,
                 Digest::of_json(&call.arguments),
-                tool_policy.risk,
-                basis,
+                Held {
+                    risk: tool_policy.risk,
+                    basis,
+                    timeout_secs: tool_policy.timeout_secs,
+                },
                 1,
                 Timestamp(now.0 + ttl),
             ));
@@ -702,6 +708,7 @@ pub fn complete_step(
                 args_digest: Digest::of_json(&call.arguments),
                 redispatch: 0,
                 expect_version: None,
+                timeout_secs: tool_policy.timeout_secs,
             }))
             .step(step)
             .op(op.clone()),

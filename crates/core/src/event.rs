@@ -463,6 +463,10 @@ pub struct ToolRequested {
     /// operation if the target moved (`target.moved`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expect_version: Option<String>,
+    /// The agent policy's time limit for this tool (`policy.<tool>.timeout_secs`); the runner
+    /// applies the smaller of it and its own `tool_timeout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -494,6 +498,9 @@ pub struct ApprovalRequested {
     /// only while the target is still at this version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_version: Option<String>,
+    /// The policy's time limit for the tool, carried to the dispatch once approved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -104,6 +104,8 @@ pub struct ToolOp {
     /// The runner found the target moved since the approval was given (`target.moved`); cleared
     /// by the fresh `approval.requested`.
     pub target_moved: Option<crate::event::TargetMoved>,
+    /// The policy's time limit for it (from its request), repeated on every dispatch.
+    pub timeout_secs: Option<u64>,
 }
 
 /// The step whose `step.started` has no `step.completed` yet.
@@ -484,6 +486,7 @@ impl RunState {
                                 dispatches: 1,
                                 since: env.at,
                                 target_moved: None,
+                                timeout_secs: req.timeout_secs,
                             },
                         );
                     }
@@ -518,6 +521,7 @@ impl RunState {
                     dispatches: 0,
                     since: env.at,
                     target_moved: None,
+                    timeout_secs: req.timeout_secs,
                 });
                 // A fresh request (after an invalidation) is made for where the target is now.
                 tool.target_moved = None;

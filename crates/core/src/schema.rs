@@ -3,6 +3,7 @@
 //! `schemas/` is what non-Rust clients read; the test `schemas_match_the_types` fails when a file
 //! there differs from what the types generate (run it with `KEDGE_BLESS=1` to rewrite them).
 
+use crate::agent::AgentDefinition;
 use crate::event::{Envelope, Event};
 use crate::task::{TaskRejection, TaskSubmission};
 
@@ -20,6 +21,10 @@ pub fn documents() -> Vec<(String, String)> {
         (
             "envelope.schema.json".to_owned(),
             schemars::schema_for!(Envelope),
+        ),
+        (
+            "agent.schema.json".to_owned(),
+            schemars::schema_for!(AgentDefinition),
         ),
     ];
     for (event_type, schema) in Event::data_schemas() {

@@ -73,3 +73,34 @@ fn the_envelope_schema_rejects_what_the_types_reject() {
         assert!(!validator.is_valid(&v), "{field} accepted");
     }
 }
+
+#[test]
+fn the_agent_schema_accepts_a_definition_and_rejects_unknown_fields() {
+    let text = std::fs::read_to_string(schemas_dir().join("agent.schema.json")).expect("file");
+    let schema: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let validator = jsonschema::validator_for(&schema).expect("valid schema");
+    let good = serde_json::json!({
+        "name": "helper",
+        "system_prompt": "You help.",
+        "model": {"provider": "openai", "name": "gpt-test"},
+        "tools": [{"name": "time__get_current_time", "parameters": {"type": "object"}}, {"name": "shell"}],
+        "policy": {"shell": {"approval": "at_or_above_risk", "risk": "high", "timeout_secs": 5}},
+        "budget": {"max_steps": 10, "max_tokens": 100000, "max_attempts_per_step": 3}
+    });
+    assert!(
+        validator.is_valid(&good),
+        "{:?}",
+        validator
+            .iter_errors(&good)
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+    );
+    kedge_core::agent::AgentDefinition::parse(good.to_string().as_bytes())
+        .expect("and the type takes it");
+    let mut bad = good.clone();
+    bad["policy"]["shell"]["timeout"] = 5.into();
+    assert!(
+        !validator.is_valid(&bad),
+        "an unknown policy field is refused"
+    );
+}

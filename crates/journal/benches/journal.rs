@@ -87,6 +87,7 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
                 arguments,
                 redispatch: 0,
                 expect_version: None,
+                timeout_secs: None,
             }))
             .step(StepNo(step))
             .op(OperationId::new(run, StepNo(step), i)),

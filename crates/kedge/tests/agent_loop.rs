@@ -408,3 +408,42 @@ async fn a_user_message_sent_during_a_step_reaches_the_next_model_request() {
     );
     h.shutdown().await;
 }
+
+/// `policy.<tool>.timeout_secs` lowers the tool service's limit for that tool: a `sleep 20`
+/// under a 1 s policy limit (service limit 30 s) is killed after about a second and the model
+/// is told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_timeout_lowers_the_tool_limit() {
+    let script = json!({"models": {"mt": {"steps": [
+        {"text": "sleeping", "tool_calls": [call("shell", json!({"command": "sleep", "args": ["20"]}))]},
+        {"text": "done"}
+    ]}}});
+    let h = Harness::start_with(script, &[Svc::Intake, Svc::Step, Svc::Tool], |c| {
+        c.timeouts.tool_timeout_ms = 30_000;
+        c.timeouts.tool_grace_ms = 5_000;
+        c.timeouts.tool_ack_wait_ms = 40_000;
+    })
+    .await;
+    h.agent_with_policy("mt", "mt", json!({"shell": {"timeout_secs": 1}}))
+        .await;
+    let started = std::time::Instant::now();
+    let run = h.submit("mt", "go", "mt-1").await;
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    let result = done
+        .ops
+        .values()
+        .next()
+        .and_then(|o| o.result.clone())
+        .expect("a result");
+    assert!(
+        result.is_error && result.content.contains("timed out after 1000 ms"),
+        "{result:?}"
+    );
+    h.shutdown().await;
+}

@@ -107,6 +107,16 @@ impl Env {
         self.root.join("ledger.log")
     }
 
+    /// This environment with the time limit lowered to `secs` (the agent policy's
+    /// `timeout_secs`); a limit above the configured one does not raise it.
+    pub fn limited_to(&self, secs: Option<u64>) -> Env {
+        let mut env = self.clone();
+        if let Some(secs) = secs {
+            env.timeout = env.timeout.min(Duration::from_secs(secs));
+        }
+        env
+    }
+
     /// Cuts `s` to the largest output kept inline, with a note.
     pub fn truncate(&self, s: String) -> String {
         truncate(s, self.max_output)

@@ -461,9 +461,10 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     // `tool.started` goes out first and its acknowledgement is awaited alongside the tool, not
     // before it; `tool.result` is appended only after both, so the journal keeps the order.
     let key = format!("tool.started:{op}:{revision}");
+    let limited = env.limited_to(req.timeout_secs);
     let (started, ran) = futures::join!(
         rt.journal.append_input(&started, &key),
-        target.run(env, &ctx.mcp, op, &req.arguments, stop)
+        target.run(&limited, &ctx.mcp, op, &req.arguments, stop)
     );
     ctx.running.unregister(op);
     if let Err(e) = started

@@ -94,6 +94,7 @@ pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
             arguments,
             redispatch: 0,
             expect_version: None,
+            timeout_secs: None,
         }))
         .step(StepNo(step))
         .op(OperationId::new(run, StepNo(step), index)),
