@@ -187,10 +187,17 @@ async fn check(
                     ),
                 })),
             );
+            // Journaled once per stuck dispatch, also past the stream's duplicate window: later
+            // scans find it in the journal and only ask again.
             let key = format!("resolve:{}:{}", op.op, op.dispatches);
-            match rt.journal.append_input(&nudge, &key).await {
-                Ok(_) | Err(JournalError::Duplicate { .. }) => {}
-                Err(e) => return Err(e.into()),
+            if !events
+                .iter()
+                .any(|r| r.msg_id.as_deref() == Some(key.as_str()))
+            {
+                match rt.journal.append_input(&nudge, &key).await {
+                    Ok(_) | Err(JournalError::Duplicate { .. }) => {}
+                    Err(e) => return Err(e.into()),
+                }
             }
             ask_to_resolve(rt, op.op.clone(), request.envelope.to_json_bytes());
             asked.push(op.op.clone());
@@ -243,17 +250,18 @@ fn ask_to_resolve(rt: &Runtime, op: OperationId, payload: Vec<u8>) {
     // The runner may run the tool again (not found): allow it its whole timeout to answer.
     let within = rt.config.timeouts.op_abandoned_after();
     tokio::spawn(async move {
-        let request = client.request(subjects::TOOL_RESOLVE, payload.into());
-        match tokio::time::timeout(within, request).await {
-            Ok(Ok(reply)) => tracing::info!(
+        let request = async_nats::Request::new()
+            .payload(payload.into())
+            .timeout(Some(within));
+        match client.send_request(subjects::TOOL_RESOLVE, request).await {
+            Ok(reply) => tracing::info!(
                 op = %op,
                 answer = %String::from_utf8_lossy(&reply.payload),
                 "stuck operation: tool runner answered"
             ),
-            Ok(Err(e)) => {
-                tracing::warn!(op = %op, error = %e, "stuck operation: no tool runner took it")
+            Err(e) => {
+                tracing::warn!(op = %op, error = %e, "stuck operation: no tool runner answered")
             }
-            Err(_) => tracing::warn!(op = %op, "stuck operation: no answer in time"),
         }
     });
 }

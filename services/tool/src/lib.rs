@@ -425,6 +425,14 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             }
         }
     };
+    if cancel_requested {
+        let out = Output::error("not run: the run's cancellation was requested");
+        rt.idempotency
+            .finish(op, revision, &req.args_digest, runner, &out.content, true)
+            .await?;
+        journal_result(rt, op, out, true).await?;
+        return Ok(Handled::Cancelled);
+    }
     if let Some(expected) = &req.expect_version {
         // The precondition: the target must still be where it was when the approval was asked.
         let found = target
@@ -439,14 +447,6 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             journal_moved(rt, op, req.redispatch, expected, found).await?;
             return Ok(Handled::Moved);
         }
-    }
-    if cancel_requested {
-        let out = Output::error("not run: the run's cancellation was requested");
-        rt.idempotency
-            .finish(op, revision, &req.args_digest, runner, &out.content, true)
-            .await?;
-        journal_result(rt, op, out, true).await?;
-        return Ok(Handled::Cancelled);
     }
     let started = Envelope::new(
         op.run().clone(),
