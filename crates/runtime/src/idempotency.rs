@@ -231,7 +231,17 @@ impl IdempotencyStore {
             dispatch,
             state: OpState::Running,
         };
-        let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
+        self.replace(op, revision, &rec).await
+    }
+
+    /// Writes `rec` over the record at `revision` (compare-and-set); the new revision.
+    async fn replace(
+        &self,
+        op: &OperationId,
+        revision: u64,
+        rec: &OpRecord,
+    ) -> Result<u64, IdempotencyError> {
+        let bytes = serde_json::to_vec(rec).map_err(unavailable)?;
         self.kv
             .update(Self::op_key(op), bytes.into(), revision)
             .await
@@ -255,14 +265,7 @@ impl IdempotencyStore {
             dispatch,
             state: OpState::Released,
         };
-        let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
-        self.kv
-            .update(Self::op_key(op), bytes.into(), revision)
-            .await
-            .map(|_| ())
-            .map_err(|_| IdempotencyError::Raced {
-                key: Self::op_key(op),
-            })
+        self.replace(op, revision, &rec).await.map(|_| ())
     }
 
     /// Records the result of an operation this runner holds (revision from the claim).
@@ -284,13 +287,6 @@ impl IdempotencyStore {
                 is_error,
             },
         };
-        let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
-        self.kv
-            .update(Self::op_key(op), bytes.into(), revision)
-            .await
-            .map(|_| ())
-            .map_err(|_| IdempotencyError::Raced {
-                key: Self::op_key(op),
-            })
+        self.replace(op, revision, &rec).await.map(|_| ())
     }
 }

@@ -511,24 +511,17 @@ async fn journal_moved(
     expected: &str,
     found: String,
 ) -> Result<(), ToolError> {
-    let env = Envelope::new(
-        op.run().clone(),
-        Timestamp::now(),
-        Draft::new(Event::TargetMoved(kedge_core::event::TargetMoved {
-            expected: expected.to_owned(),
-            found,
-        }))
-        .step(op.step())
-        .op(op.clone()),
-    );
-    match rt
-        .journal
-        .append_input(&env, &format!("target.moved:{op}:{dispatch}"))
-        .await
-    {
-        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    let moved = kedge_core::event::TargetMoved {
+        expected: expected.to_owned(),
+        found,
+    };
+    journal_input(
+        rt,
+        op,
+        Event::TargetMoved(moved),
+        format!("target.moved:{op}:{dispatch}"),
+    )
+    .await
 }
 
 /// Answers a precondition query (`kedge.tool.inspect`) with the target's current version.
@@ -555,25 +548,16 @@ async fn journal_confirmed(rt: &Runtime, op: &OperationId, out: Output) -> Resul
     if out.is_error {
         return journal_result(rt, op, out, false).await;
     }
-    let env = Envelope::new(
-        op.run().clone(),
-        Timestamp::now(),
-        Draft::new(Event::OutcomeConfirmed(
-            kedge_core::event::OutcomeConfirmed {
-                content: out.content,
-            },
-        ))
-        .step(op.step())
-        .op(op.clone()),
-    );
-    match rt
-        .journal
-        .append_input(&env, &format!("tool.result:{op}"))
-        .await
-    {
-        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    let confirmed = kedge_core::event::OutcomeConfirmed {
+        content: out.content,
+    };
+    journal_input(
+        rt,
+        op,
+        Event::OutcomeConfirmed(confirmed),
+        format!("tool.result:{op}"),
+    )
+    .await
 }
 
 /// Journals that an operation's outcome cannot be known.
@@ -583,23 +567,14 @@ async fn journal_ambiguous(
     dispatch: u32,
     detail: String,
 ) -> Result<(), ToolError> {
-    let env = Envelope::new(
-        op.run().clone(),
-        Timestamp::now(),
-        Draft::new(Event::OutcomeAmbiguous(
-            kedge_core::event::OutcomeAmbiguous { detail },
-        ))
-        .step(op.step())
-        .op(op.clone()),
-    );
-    match rt
-        .journal
-        .append_input(&env, &format!("outcome.ambiguous:{op}:{dispatch}"))
-        .await
-    {
-        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    let ambiguous = kedge_core::event::OutcomeAmbiguous { detail };
+    journal_input(
+        rt,
+        op,
+        Event::OutcomeAmbiguous(ambiguous),
+        format!("outcome.ambiguous:{op}:{dispatch}"),
+    )
+    .await
 }
 
 /// Journals an operation's result; its msg id makes a repeat a no-op.
@@ -609,22 +584,33 @@ async fn journal_result(
     out: Output,
     stopped: bool,
 ) -> Result<(), ToolError> {
+    let result = ToolResult {
+        content: out.content,
+        is_error: out.is_error,
+        stopped,
+    };
+    journal_input(
+        rt,
+        op,
+        Event::ToolResult(result),
+        format!("tool.result:{op}"),
+    )
+    .await
+}
+
+/// Journals an input about `op` under the msg id `key`; a repeat (same key) is a no-op.
+async fn journal_input(
+    rt: &Runtime,
+    op: &OperationId,
+    event: Event,
+    key: String,
+) -> Result<(), ToolError> {
     let env = Envelope::new(
         op.run().clone(),
         Timestamp::now(),
-        Draft::new(Event::ToolResult(ToolResult {
-            content: out.content,
-            is_error: out.is_error,
-            stopped,
-        }))
-        .step(op.step())
-        .op(op.clone()),
+        Draft::new(event).step(op.step()).op(op.clone()),
     );
-    match rt
-        .journal
-        .append_input(&env, &format!("tool.result:{op}"))
-        .await
-    {
+    match rt.journal.append_input(&env, &key).await {
         Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
         Err(e) => Err(e.into()),
     }
