@@ -163,6 +163,14 @@ fn decode(run: &RunId, m: StoredMessage) -> Result<Option<Recorded>, JournalErro
     }))
 }
 
+/// What [`Journal::read_at_most`] returns.
+#[derive(Debug, Clone)]
+pub struct ReadPage {
+    pub events: Vec<Recorded>,
+    /// The run has events after the last one returned (as of the read).
+    pub more: bool,
+}
+
 /// Handle on the journal stream. Cheap to clone (it clones a NATS client handle).
 #[derive(Debug, Clone)]
 pub struct Journal {
@@ -369,7 +377,20 @@ impl Journal {
     /// is read from the leader. So every event acknowledged before the call is returned.
     /// Returns promptly (one round trip) when there is nothing after `after`.
     pub async fn read(&self, run: &RunId, after: u64) -> Result<Vec<Recorded>, JournalError> {
+        Ok(self.read_at_most(run, after, usize::MAX).await?.events)
+    }
+
+    /// The first `max` of the run's events after `after` (all of them if fewer), in order, and
+    /// whether more may follow. A page of a long run costs a page, not the rest of the run.
+    pub async fn read_at_most(
+        &self,
+        run: &RunId,
+        after: u64,
+        max: usize,
+    ) -> Result<ReadPage, JournalError> {
         let op = "read";
+        let max = max.max(1);
+        let page_size = READ_PAGE.min(max);
         let filter = subjects::run_all(run);
         let t = self.timeout;
         let leader_q = serde_json::json!({ "last_by_subj": filter });
@@ -380,7 +401,7 @@ impl Journal {
                 RUNS_STREAM,
                 &filter,
                 after.saturating_add(1),
-                READ_PAGE,
+                page_size,
                 t
             ),
         );
@@ -400,9 +421,19 @@ impl Journal {
                 if let Some(r) = decode(run, m)? {
                     out.push(r);
                 }
+                // A prefix of what follows `after` is gap-free whoever answered.
+                if out.len() >= max {
+                    return Ok(ReadPage {
+                        more: reached < leader_last,
+                        events: out,
+                    });
+                }
             }
             if page.pending == 0 && reached >= leader_last {
-                return Ok(out);
+                return Ok(ReadPage {
+                    events: out,
+                    more: false,
+                });
             }
             if page.pending == 0 || reached == before {
                 // The replica that answered trails the leader (or made no progress).
@@ -417,7 +448,7 @@ impl Journal {
                 RUNS_STREAM,
                 &filter,
                 reached.saturating_add(1),
-                READ_PAGE,
+                page_size,
                 t,
             )
             .await
@@ -436,8 +467,14 @@ impl Journal {
             if let Some(r) = decode(run, m)? {
                 out.push(r);
             }
+            if out.len() >= max {
+                break;
+            }
         }
-        Ok(out)
+        Ok(ReadPage {
+            more: reached < leader_last,
+            events: out,
+        })
     }
 
     /// The run's events after `after`, then every new one as it is appended: no gap, no

@@ -36,6 +36,6 @@ pub mod lease;
 mod wire;
 
 pub use error::{ErrorKind, JournalError};
-pub use journal::{Appended, Journal, Recorded, decision_msg_id};
+pub use journal::{Appended, Journal, ReadPage, Recorded, decision_msg_id};
 pub use layout::{LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout};
 pub use lease::{Lease, LeaseError, Leases, Released};

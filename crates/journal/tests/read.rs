@@ -257,3 +257,33 @@ async fn tail_goes_on_after_a_broker_restart_without_replaying_old_events() {
             .is_err()
     );
 }
+
+#[tokio::test]
+async fn a_bounded_read_returns_a_gap_free_prefix_and_says_whether_more_follows() {
+    let (_server, journal) = setup().await;
+    let (run, other) = (new_run(), new_run());
+    let written = write_run(&journal, &run, &other).await;
+    let seqs: Vec<u64> = written.iter().map(|(s, _)| *s).collect();
+    // Walk the run in pages of 3 from every starting point of the walk.
+    for page_size in [1, 3, 7, seqs.len(), seqs.len() + 5] {
+        let mut after = 0;
+        let mut got = Vec::new();
+        loop {
+            let page = journal.read_at_most(&run, after, page_size).await.unwrap();
+            assert!(page.events.len() <= page_size);
+            got.extend(page.events.iter().map(|r| r.seq));
+            if let Some(last) = page.events.last() {
+                after = last.seq;
+            }
+            if !page.more {
+                break;
+            }
+            assert_eq!(
+                page.events.len(),
+                page_size,
+                "a page with more after it is full"
+            );
+        }
+        assert_eq!(got, seqs, "pages of {page_size}");
+    }
+}

@@ -275,6 +275,35 @@ async fn submit_answer_revive_list_history_and_rebuild() {
     assert!(out.status.success(), "{stdout}");
     assert!(stdout.contains("3 runs in the journal"), "{stdout}");
 
+    // Internal events (nudges), more than a page of them, are left out of /history pages
+    // without cutting the walk short.
+    let journal_before = h.events(&run_id).await.len();
+    for i in 0..9 {
+        h.input(
+            &run_id,
+            kedge_core::Event::Nudge(kedge_core::event::Nudge {
+                reason: "test".into(),
+            }),
+            &format!("nudge-history-{i}"),
+        )
+        .await;
+    }
+    // A public event after them (a cancel of the finished run: journaled, changes nothing).
+    let late = h
+        .input(
+            &run_id,
+            kedge_core::Event::CancelRequested(kedge_core::event::CancelRequested {
+                reason: "late".into(),
+                by: None,
+            }),
+            "late-cancel",
+        )
+        .await;
+    assert_eq!(h.events(&run_id).await.len(), journal_before + 10);
+    let mut expected = history.clone();
+    expected.push(late);
+    assert_eq!(api.history_ids(&run).await, expected);
+
     bridge.stop().await;
     h.shutdown().await;
 }

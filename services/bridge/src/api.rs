@@ -394,11 +394,25 @@ pub(crate) async fn history(
     let after = number(&params, "after")?.unwrap_or(0);
     let limit = page_size(&params)?;
     check_owner(&bridge, &caller, &run).await?;
-    let events = bridge.rt.journal.read(&run, after).await?;
-    let public: Vec<&Recorded> = events
-        .iter()
-        .filter(|r| view::is_public(r.envelope.event_type()))
-        .collect();
+    // Read a page (plus one, to know whether there is a next), not the rest of the run; read
+    // again only when internal events filtered out made the page short.
+    let mut public: Vec<Recorded> = Vec::new();
+    let mut cursor = after;
+    loop {
+        let want = limit + 1 - public.len();
+        let page = bridge.rt.journal.read_at_most(&run, cursor, want).await?;
+        if let Some(last) = page.events.last() {
+            cursor = last.seq;
+        }
+        public.extend(
+            page.events
+                .into_iter()
+                .filter(|r| view::is_public(r.envelope.event_type())),
+        );
+        if public.len() > limit || !page.more {
+            break;
+        }
+    }
     let more = public.len() > limit;
     let page: Vec<Value> = public
         .iter()
