@@ -417,7 +417,7 @@ pub(crate) async fn history(
     let page: Vec<Value> = public
         .iter()
         .take(limit)
-        .map(|r| view::event_json(r))
+        .map(view::event_json)
         .collect();
     let next_after = if more {
         public.get(limit - 1).map(|r| r.seq)
