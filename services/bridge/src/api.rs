@@ -414,11 +414,7 @@ pub(crate) async fn history(
         }
     }
     let more = public.len() > limit;
-    let page: Vec<Value> = public
-        .iter()
-        .take(limit)
-        .map(view::event_json)
-        .collect();
+    let page: Vec<Value> = public.iter().take(limit).map(view::event_json).collect();
     let next_after = if more {
         public.get(limit - 1).map(|r| r.seq)
     } else {
