@@ -8,7 +8,8 @@
 //!   journaled and matched when the run starts waiting) → `callback.received` is journaled, its
 //!   `Nats-Msg-Id` derived from the key and the caller's delivery id (or the payload digest), so
 //!   a redelivered callback is stored once; the fold takes the first payload per key;
-//! - a key that already has its payload → `Duplicate`, nothing journaled;
+//! - a key that already has its payload → `Duplicate`, nothing journaled (also after the run
+//!   ended: the sender's retry succeeds);
 //! - a key whose deadline passed, or whose run ended → refused (`Expired` / `Closed`);
 //! - a key that names no run → recorded on `agent.rejected.callback` (stream
 //!   `KEDGE_REJECTIONS`) with its payload, never lost, and answered `UnknownKey`.
@@ -72,11 +73,16 @@ pub async fn deliver(
         return record_unknown(rt, key.as_str(), &payload).await;
     }
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
+    let cb = state.callbacks.get(&key);
+    // A repeat of a delivery that counted is a duplicate, also once the run has moved on or
+    // ended: a sender retrying a webhook it already delivered gets a success, not an error.
+    if cb.is_some_and(|c| !c.received.is_empty()) {
+        return Ok(Delivery::Duplicate { run_id: run });
+    }
     if state.status.is_terminal() {
         return Ok(Delivery::Closed { run_id: run });
     }
     let now = Timestamp::now();
-    let cb = state.callbacks.get(&key);
     if let Some(expires_at) = cb.and_then(|c| c.expires_at)
         && now > expires_at
     {
@@ -84,9 +90,6 @@ pub async fn deliver(
             run_id: run,
             expires_at,
         });
-    }
-    if cb.is_some_and(|c| !c.received.is_empty()) {
-        return Ok(Delivery::Duplicate { run_id: run });
     }
     let expected = cb.is_some_and(|c| c.expected);
     let env = Envelope::new(
