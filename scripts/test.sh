@@ -20,7 +20,11 @@ cargo clippy --workspace --all-targets -- -D warnings
 LOG="$(mktemp)"
 trap 'rm -f "$LOG"' EXIT
 cargo test --workspace --doc 2>&1 | tee "$LOG"
-cargo test --workspace --lib --bins --tests 2>&1 | tee -a "$LOG"
+# --no-fail-fast: one red test binary does not hide the others' results; the exit status is
+# kept for after the closing line.
+status=0
+cargo test --workspace --lib --bins --tests --no-fail-fast 2>&1 | tee -a "$LOG" || status=$?
 # One closing line for the whole run (each test binary prints its own "test result" line).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
      END { printf "tests: %d passed, %d failed\n", p, f }' "$LOG"
+exit "$status"
