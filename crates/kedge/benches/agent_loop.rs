@@ -1434,7 +1434,7 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                 let op = OperationId::new(krun, StepNo(i as u32 + 1), 0);
                 match rt
                     .idempotency
-                    .claim(&op, digest, "w-bench", 0)
+                    .claim(&op, digest, "w-bench", 0, Duration::from_secs(70))
                     .await
                     .expect("claim")
                 {

@@ -7,6 +7,8 @@
 //!   done. Same id + same digest returns the stored result; same id + different digest is a
 //!   conflict (DESIGN principle 5). Claims and completions are compare-and-set on the KV revision.
 
+use std::time::Duration;
+
 use async_nats::jetstream::kv::{Operation, Store};
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::Digest;
@@ -49,19 +51,22 @@ pub struct OpRecord {
 /// The outcome of claiming an operation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
-    /// No record existed: this runner now owns the operation (record revision given).
+    /// No record existed (or the last dispatch was given back): this runner now owns the
+    /// operation (record revision given).
     Fresh { revision: u64 },
+    /// A record was left `running` by a runner that is gone: older than the abandonment age, or
+    /// the journal ordered a later dispatch (`redispatched`). This runner now holds it; unless
+    /// `redispatched`, whether it happened is for the tool's confirm query to say.
+    TakenOver {
+        revision: u64,
+        previous: String,
+        redispatched: bool,
+    },
+    /// A live runner holds it (its record is younger than the abandonment age): ask again after
+    /// `retry_in`.
+    Held { runner: String, retry_in: Duration },
     /// The operation already ran to completion: use this result, do not run it again.
     Done { content: String, is_error: bool },
-    /// A record says another (or an earlier) runner started it and has not finished (yet).
-    Running {
-        runner: String,
-        revision: u64,
-        dispatch: u32,
-        /// When the runner claimed it (the broker's time of the record). A record older than
-        /// `tool_timeout + tool_grace` is abandoned: a live runner would have finished by then.
-        since: time::OffsetDateTime,
-    },
     /// The same operation id was claimed with different arguments.
     Conflict { stored: Digest },
     /// This dispatch was given back without running (see [`OpState::Released`]).
@@ -157,81 +162,85 @@ impl IdempotencyStore {
     }
 
     /// Claims an operation for `runner`, or reports why it must not run (again).
+    ///
+    /// The abandonment rule lives here, so that every taker applies it: a `running` record
+    /// older than `abandoned_after` (`tool_timeout + tool_grace`: a live runner would have
+    /// finished or killed its tool by then) is taken over by compare-and-set, as is one whose
+    /// dispatch the journal has since superseded (`dispatch` greater than the record's); a
+    /// younger one is [`Claim::Held`]. Of concurrent takers exactly one wins; the others see the
+    /// winner's fresh record as held.
     pub async fn claim(
         &self,
         op: &OperationId,
         args_digest: &Digest,
         runner: &str,
         dispatch: u32,
+        abandoned_after: Duration,
     ) -> Result<Claim, IdempotencyError> {
-        let classify = |rev: u64, rec: OpRecord, since: time::OffsetDateTime| {
-            if rec.args_digest != *args_digest {
-                return Claim::Conflict {
-                    stored: rec.args_digest,
-                };
-            }
-            match rec.state {
-                OpState::Done { content, is_error } => Claim::Done { content, is_error },
-                OpState::Running => Claim::Running {
-                    runner: rec.runner,
-                    revision: rev,
-                    dispatch: rec.dispatch,
-                    since,
-                },
-                OpState::Released => Claim::Released,
-            }
-        };
-        // Create first: the common case (a first dispatch) is one round trip. A record that
-        // exists makes the create fail, and then it is read and classified.
-        let rec = OpRecord {
+        let mine = |state| OpRecord {
             args_digest: args_digest.clone(),
             runner: runner.to_owned(),
             dispatch,
-            state: OpState::Running,
+            state,
         };
-        let bytes = serde_json::to_vec(&rec).map_err(unavailable)?;
+        // Create first: the common case (a first dispatch) is one round trip. A record that
+        // exists makes the create fail, and then it is read and classified.
+        let bytes = serde_json::to_vec(&mine(OpState::Running)).map_err(unavailable)?;
         let create_error = match self.kv.create(Self::op_key(op), bytes.into()).await {
             Ok(revision) => return Ok(Claim::Fresh { revision }),
             Err(e) => e,
         };
-        if let Some((rev, rec, since)) = self.op_entry(op).await? {
-            if rec.state == OpState::Released
-                && rec.args_digest == *args_digest
-                && dispatch > rec.dispatch
-            {
-                // A later dispatch of a released operation: claim it like a fresh one.
-                return match self.take_over(op, rev, args_digest, runner, dispatch).await {
-                    Ok(revision) => Ok(Claim::Fresh { revision }),
-                    Err(IdempotencyError::Raced { .. }) => match self.op_entry(op).await? {
-                        Some((rev, rec, since)) => Ok(classify(rev, rec, since)),
-                        None => Err(unavailable("record vanished")),
-                    },
-                    Err(e) => Err(e),
-                };
+        // Two rounds at most: a lost take-over race is classified again (and then held).
+        for _ in 0..2 {
+            let Some((rev, rec, since)) = self.op_entry(op).await? else {
+                // No record, yet the create failed: the bucket is unreachable.
+                return Err(unavailable(&create_error));
+            };
+            if rec.args_digest != *args_digest {
+                return Ok(Claim::Conflict {
+                    stored: rec.args_digest,
+                });
             }
-            return Ok(classify(rev, rec, since));
+            let redispatched = dispatch > rec.dispatch;
+            match rec.state {
+                OpState::Done { content, is_error } => {
+                    return Ok(Claim::Done { content, is_error });
+                }
+                OpState::Released if !redispatched => return Ok(Claim::Released),
+                OpState::Released => {
+                    // A later dispatch of an operation given back: claim it like a fresh one.
+                    match self.replace(op, rev, &mine(OpState::Running)).await {
+                        Ok(revision) => return Ok(Claim::Fresh { revision }),
+                        Err(IdempotencyError::Raced { .. }) => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+                OpState::Running => {
+                    let age = Duration::try_from(time::OffsetDateTime::now_utc() - since)
+                        .unwrap_or_default();
+                    if !redispatched && age < abandoned_after {
+                        return Ok(Claim::Held {
+                            runner: rec.runner,
+                            retry_in: abandoned_after - age,
+                        });
+                    }
+                    match self.replace(op, rev, &mine(OpState::Running)).await {
+                        Ok(revision) => {
+                            return Ok(Claim::TakenOver {
+                                revision,
+                                previous: rec.runner,
+                                redispatched,
+                            });
+                        }
+                        Err(IdempotencyError::Raced { .. }) => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
         }
-        // No record, yet the create failed: the bucket is unreachable.
-        Err(unavailable(create_error))
-    }
-
-    /// Takes over a `Running` record left by a runner that is gone (compare-and-set on its
-    /// revision, so two takers cannot both win).
-    pub async fn take_over(
-        &self,
-        op: &OperationId,
-        revision: u64,
-        args_digest: &Digest,
-        runner: &str,
-        dispatch: u32,
-    ) -> Result<u64, IdempotencyError> {
-        let rec = OpRecord {
-            args_digest: args_digest.clone(),
-            runner: runner.to_owned(),
-            dispatch,
-            state: OpState::Running,
-        };
-        self.replace(op, revision, &rec).await
+        Err(IdempotencyError::Raced {
+            key: Self::op_key(op),
+        })
     }
 
     /// Writes `rec` over the record at `revision` (compare-and-set); the new revision.

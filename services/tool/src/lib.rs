@@ -343,8 +343,13 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     let target = Target::of(&req.tool, &ctx.mcp);
     // The cancel check is a read of the journal; it goes out with the claim.
     let (claim, cancel_requested) = futures::join!(
-        rt.idempotency
-            .claim(op, &req.args_digest, runner, req.redispatch),
+        rt.idempotency.claim(
+            op,
+            &req.args_digest,
+            runner,
+            req.redispatch,
+            rt.config.timeouts.op_abandoned_after()
+        ),
         ctx.cancel_requested(op.run())
     );
     let revision = match claim? {
@@ -369,58 +374,46 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             journal_result(rt, op, out, false).await?;
             return Ok(Handled::Conflict);
         }
-        Claim::Running {
-            runner: old,
+        Claim::Held { runner, retry_in } => {
+            tracing::info!(%runner, "held by a live runner");
+            return Ok(Handled::Busy {
+                retry_in_ms: u64::try_from(retry_in.as_millis())
+                    .unwrap_or(u64::MAX)
+                    .max(1),
+            });
+        }
+        // The journal says the earlier dispatch did not happen (not found, or a person chose to
+        // retry): run it again under the same id.
+        Claim::TakenOver {
             revision,
-            dispatch,
-            since,
+            redispatched: true,
+            ..
+        } => revision,
+        Claim::TakenOver {
+            revision, previous, ..
         } => {
-            let age =
-                Duration::try_from(time::OffsetDateTime::now_utc() - since).unwrap_or_default();
-            let abandoned_after = rt.config.timeouts.op_abandoned_after();
-            // A re-dispatch the journal ordered (not found, or a person's retry) follows a runner
-            // that is known to be gone; otherwise a young record belongs to a live runner.
-            if req.redispatch <= dispatch && age < abandoned_after {
-                let wait = abandoned_after - age;
-                return Ok(Handled::Busy {
-                    retry_in_ms: u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1),
-                });
-            }
-            tracing::warn!(previous_runner = %old, age_ms = age.as_millis() as u64, "operation left running by a runner that is gone");
-            let revision = rt
-                .idempotency
-                .take_over(op, revision, &req.args_digest, runner, req.redispatch)
-                .await?;
-            if req.redispatch > dispatch {
-                // The journal says the earlier dispatch did not happen (not found, or a person
-                // chose to retry): run it again under the same id.
-                revision
-            } else {
-                match target.confirm(env, op).await {
-                    Some(confirm) => match confirm {
-                        Confirm::Confirmed(out) => {
-                            rt.idempotency
-                                .finish(
-                                    op,
-                                    revision,
-                                    &req.args_digest,
-                                    runner,
-                                    &out.content,
-                                    out.is_error,
-                                )
-                                .await?;
-                            journal_confirmed(rt, op, out).await?;
-                            return Ok(Handled::Confirmed);
-                        }
-                        Confirm::NotFound => revision,
-                        Confirm::Ambiguous(detail) => {
-                            // Never retried automatically: the run waits in `unknown` for a
-                            // person (`outcome.resolved`).
-                            journal_ambiguous(rt, op, req.redispatch, detail).await?;
-                            return Ok(Handled::Ambiguous);
-                        }
-                    },
-                    None => revision,
+            tracing::warn!(previous_runner = %previous, "operation left running by a runner that is gone");
+            match target.confirm(env, op).await {
+                None | Some(Confirm::NotFound) => revision,
+                Some(Confirm::Confirmed(out)) => {
+                    rt.idempotency
+                        .finish(
+                            op,
+                            revision,
+                            &req.args_digest,
+                            runner,
+                            &out.content,
+                            out.is_error,
+                        )
+                        .await?;
+                    journal_confirmed(rt, op, out).await?;
+                    return Ok(Handled::Confirmed);
+                }
+                Some(Confirm::Ambiguous(detail)) => {
+                    // Never retried automatically: the run waits in `unknown` for a person
+                    // (`outcome.resolved`).
+                    journal_ambiguous(rt, op, req.redispatch, detail).await?;
+                    return Ok(Handled::Ambiguous);
                 }
             }
         }
