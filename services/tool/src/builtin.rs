@@ -109,12 +109,14 @@ impl Env {
 
     /// This environment with the time limit lowered to `secs` (the agent policy's
     /// `timeout_secs`); a limit above the configured one does not raise it.
-    pub fn limited_to(&self, secs: Option<u64>) -> Env {
-        let mut env = self.clone();
-        if let Some(secs) = secs {
-            env.timeout = env.timeout.min(Duration::from_secs(secs));
+    pub fn limited_to(&self, secs: Option<u64>) -> std::borrow::Cow<'_, Env> {
+        match secs.map(Duration::from_secs) {
+            Some(limit) if limit < self.timeout => std::borrow::Cow::Owned(Env {
+                timeout: limit,
+                ..self.clone()
+            }),
+            _ => std::borrow::Cow::Borrowed(self),
         }
-        env
     }
 
     /// Cuts `s` to the largest output kept inline, with a note.
