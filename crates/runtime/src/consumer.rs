@@ -77,6 +77,54 @@ pub async fn durable(
         .map_err(|e| RuntimeError::broker(format!("consumer {stream}/{name}"), e))
 }
 
+/// The next message a consumer delivers; hiccups (missed heartbeats, a reconnect) are logged
+/// and skipped. `None` once the stream has ended. Cancel-safe (for `select!`).
+pub async fn next_message(
+    messages: &mut pull::Stream,
+    consumer: &str,
+) -> Option<async_nats::jetstream::Message> {
+    use futures::StreamExt as _;
+    loop {
+        match messages.next().await {
+            Some(Ok(msg)) => return Some(msg),
+            Some(Err(e)) => tracing::warn!(consumer, error = %e, "consumer hiccup"),
+            None => return None,
+        }
+    }
+}
+
+/// Runs handlers with at most `n` at once; [`Workers::drain`] waits for those in flight (a
+/// service's graceful stop).
+#[derive(Debug, Clone)]
+pub struct Workers {
+    permits: std::sync::Arc<tokio::sync::Semaphore>,
+    n: u32,
+}
+
+impl Workers {
+    pub fn new(n: usize) -> Self {
+        let n = u32::try_from(n.max(1)).unwrap_or(u32::MAX);
+        Self {
+            permits: std::sync::Arc::new(tokio::sync::Semaphore::new(n as usize)),
+            n,
+        }
+    }
+
+    /// Waits for a free slot and runs `task` on it.
+    pub async fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        let permit = self.permits.clone().acquire_owned().await;
+        tokio::spawn(async move {
+            task.await;
+            drop(permit);
+        });
+    }
+
+    /// Waits until every running handler has finished.
+    pub async fn drain(&self) {
+        let _ = self.permits.acquire_many(self.n).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,7 +20,6 @@
 //! costs one journal read), else reads and folds the run and writes the summary.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
@@ -34,7 +33,6 @@ use kedge_core::{FoldError, RunStatus};
 use kedge_journal::{Journal, JournalError, Recorded};
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 use serde::{Deserialize, Serialize};
-use tokio::sync::Semaphore;
 
 use crate::tenants::TenantCache;
 use crate::view;
@@ -297,32 +295,23 @@ pub async fn run_projector(
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("projector consumer", e))?;
-    const PARALLEL: u32 = 16;
-    let permits = Arc::new(Semaphore::new(PARALLEL as usize));
+    let workers = consumer::Workers::new(16);
     tracing::info!(worker = %rt.config.worker_id, "projector started");
     tokio::pin!(shutdown);
     loop {
         let msg = tokio::select! {
             _ = &mut shutdown => break,
-            next = messages.next() => match next {
-                Some(Ok(msg)) => msg,
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "projector consumer hiccup");
-                    continue;
-                }
+            next = consumer::next_message(&mut messages, "projector") => match next {
+                Some(msg) => msg,
                 None => break,
             },
         };
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            break;
-        };
         let projection = projection.clone();
-        tokio::spawn(async move {
-            handle(&projection, msg).await;
-            drop(permit);
-        });
+        workers
+            .spawn(async move { handle(&projection, msg).await })
+            .await;
     }
-    let _ = permits.acquire_many(PARALLEL).await;
+    workers.drain().await;
     tracing::info!("projector stopped");
     Ok(())
 }

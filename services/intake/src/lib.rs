@@ -24,7 +24,6 @@
 //! `{"error": {"field": …, "reason": …}}`.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -36,7 +35,6 @@ use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::JournalError;
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
-use tokio::sync::Semaphore;
 
 pub use kedge_runtime::tasks::{
     Answer, CALLER_HEADER, DEFAULT_TENANT, REPLY_HEADER, Submission, SubmitError, TENANT_HEADER,
@@ -50,32 +48,22 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("intake consumer", e))?;
-    let permits = Arc::new(Semaphore::new(64));
+    let workers = consumer::Workers::new(64);
     serve_callbacks(&rt).await?;
     tracing::info!(worker = %rt.config.worker_id, "intake service started");
     tokio::pin!(shutdown);
     loop {
         let msg = tokio::select! {
             _ = &mut shutdown => break,
-            next = messages.next() => match next {
-                Some(Ok(msg)) => msg,
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "intake consumer hiccup");
-                    continue;
-                }
+            next = consumer::next_message(&mut messages, "intake") => match next {
+                Some(msg) => msg,
                 None => break,
             },
         };
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            break;
-        };
         let rt = rt.clone();
-        tokio::spawn(async move {
-            handle(&rt, msg).await;
-            drop(permit);
-        });
+        workers.spawn(async move { handle(&rt, msg).await }).await;
     }
-    let _ = permits.acquire_many(64).await;
+    workers.drain().await;
     tracing::info!("intake service stopped");
     Ok(())
 }

@@ -28,7 +28,6 @@ use futures::StreamExt;
 use kedge_core::ids::RunId;
 use kedge_model::ModelClient;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
-use tokio::sync::Semaphore;
 
 pub use drive::{DriveError, Outcome};
 
@@ -72,18 +71,14 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     watch_cancels(&rt, cancels.clone()).await?;
     let driver = drive::Driver::new(rt.clone(), ModelClient::new(), cancels);
     let active: Active = Arc::default();
-    let permits = Arc::new(Semaphore::new(rt.config.step_concurrency));
+    let workers = consumer::Workers::new(rt.config.step_concurrency);
     tracing::info!(worker = %rt.config.worker_id, "step service started");
     tokio::pin!(shutdown);
     loop {
         let msg = tokio::select! {
             _ = &mut shutdown => break,
-            next = messages.next() => match next {
-                Some(Ok(msg)) => msg,
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "step consumer hiccup");
-                    continue;
-                }
+            next = consumer::next_message(&mut messages, "step") => match next {
+                Some(msg) => msg,
                 None => break,
             },
         };
@@ -112,12 +107,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             let _ = msg.ack().await;
             continue;
         }
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            break;
-        };
         let driver = driver.clone();
         let active = active.clone();
-        tokio::spawn(async move {
+        workers.spawn(async move {
             let msg = Arc::new(msg);
             let result = loop {
                 let result = driver.drive(&run_id, Some(msg.clone())).await;
@@ -155,12 +147,10 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             if let Err(e) = ack {
                 tracing::warn!(run_id = %run_id, error = %e, "ack failed; the wake will be redelivered");
             }
-            drop(permit);
-        });
+        }).await;
     }
-    // Drain: wait for every in-flight drive to finish (each holds a permit).
-    let total = u32::try_from(rt.config.step_concurrency).unwrap_or(u32::MAX);
-    let _ = permits.acquire_many(total).await;
+    // Drain: wait for every in-flight drive to finish.
+    workers.drain().await;
     tracing::info!("step service stopped");
     Ok(())
 }

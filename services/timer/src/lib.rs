@@ -74,15 +74,12 @@
 pub mod wire;
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message};
-use futures::StreamExt;
 use kedge_core::event::{Draft, Envelope, Event, TimerFired, Timestamp};
 use kedge_journal::JournalError;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
-use tokio::sync::Semaphore;
 use tracing::Instrument;
 
 use crate::wire::{Due, ScheduleError};
@@ -111,43 +108,32 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("timer-fired consumer", e))?;
-    let permits = Arc::new(Semaphore::new(CONCURRENCY));
+    let workers = consumer::Workers::new(CONCURRENCY);
     tracing::info!(worker = %rt.config.worker_id, "timer service started");
     tokio::pin!(shutdown);
     let ended = loop {
         let (msg, kind) = tokio::select! {
             _ = &mut shutdown => break None,
-            next = scheduled.next() => match next {
-                Some(Ok(msg)) => (msg, Kind::Scheduled),
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "timer consumer hiccup");
-                    continue;
-                }
+            next = consumer::next_message(&mut scheduled, "timer") => match next {
+                Some(msg) => (msg, Kind::Scheduled),
                 None => break Some("timer"),
             },
-            next = fired.next() => match next {
-                Some(Ok(msg)) => (msg, Kind::Fired),
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "timer-fired consumer hiccup");
-                    continue;
-                }
+            next = consumer::next_message(&mut fired, "timer-fired") => match next {
+                Some(msg) => (msg, Kind::Fired),
                 None => break Some("timer-fired"),
             },
         };
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            break None;
-        };
         let rt = rt.clone();
-        tokio::spawn(async move {
-            match kind {
-                Kind::Scheduled => on_scheduled(&rt, msg).await,
-                Kind::Fired => on_fired(&rt, msg).await,
-            }
-            drop(permit);
-        });
+        workers
+            .spawn(async move {
+                match kind {
+                    Kind::Scheduled => on_scheduled(&rt, msg).await,
+                    Kind::Fired => on_fired(&rt, msg).await,
+                }
+            })
+            .await;
     };
-    let total = u32::try_from(CONCURRENCY).unwrap_or(u32::MAX);
-    let _ = permits.acquire_many(total).await;
+    workers.drain().await;
     match ended {
         None => {
             tracing::info!("timer service stopped");

@@ -50,7 +50,7 @@ use kedge_core::subjects::{
 use kedge_journal::JournalError;
 use kedge_runtime::idempotency::{Claim, IdempotencyError};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tracing::Instrument;
 
 use crate::builtin::{Confirm, Output};
@@ -190,7 +190,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         journal_stream,
         rt: rt.clone(),
     });
-    let permits = Arc::new(Semaphore::new(rt.config.tool_concurrency));
+    let workers = consumer::Workers::new(rt.config.tool_concurrency);
     let mut resolves = rt
         .client
         .queue_subscribe(TOOL_RESOLVE, TOOL_RESOLVE_QUEUE.to_owned())
@@ -212,36 +212,19 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 continue;
             }
             Some(request) = resolves.next() => {
-                let Ok(permit) = permits.clone().acquire_owned().await else {
-                    break;
-                };
                 let ctx = ctx.clone();
-                tokio::spawn(async move {
-                    answer_resolve(&ctx, request).await;
-                    drop(permit);
-                });
+                workers.spawn(async move { answer_resolve(&ctx, request).await }).await;
                 continue;
             }
-            next = messages.next() => match next {
-                Some(Ok(msg)) => msg,
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "tool consumer hiccup");
-                    continue;
-                }
+            next = consumer::next_message(&mut messages, "tool") => match next {
+                Some(msg) => msg,
                 None => break,
             },
         };
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            break;
-        };
         let ctx = ctx.clone();
-        tokio::spawn(async move {
-            handle(&ctx, msg).await;
-            drop(permit);
-        });
+        workers.spawn(async move { handle(&ctx, msg).await }).await;
     }
-    let total = u32::try_from(rt.config.tool_concurrency).unwrap_or(u32::MAX);
-    let _ = permits.acquire_many(total).await;
+    workers.drain().await;
     ctx.mcp.close().await;
     tracing::info!("tool service stopped");
     Ok(())
