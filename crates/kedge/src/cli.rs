@@ -27,9 +27,38 @@ pub struct Cli {
     /// JSON configuration file (layered over the defaults, under KEDGE_* variables and flags).
     #[arg(long, global = true, env = "KEDGE_CONFIG")]
     pub config: Option<PathBuf>,
-    /// NATS server URL(s), comma-separated (overrides the file and KEDGE_NATS_URL).
+    /// NATS server URL(s), comma-separated (overrides the file, the context and KEDGE_NATS_URL).
     #[arg(long, global = true)]
     pub nats_url: Option<String>,
+    /// A `nats` CLI context: $XDG_CONFIG_HOME/nats/context/NAME.json (else NATS_CONTEXT).
+    #[arg(long, global = true, value_name = "NAME")]
+    pub context: Option<String>,
+    /// NATS user credentials (.creds) file.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub creds: Option<PathBuf>,
+    /// File holding a NATS user nkey seed (SU…).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub nkey: Option<PathBuf>,
+    /// NATS user name (with --password or KEDGE_NATS_PASSWORD).
+    #[arg(long, global = true)]
+    pub user: Option<String>,
+    /// NATS password (visible to other local users in the process list: prefer
+    /// KEDGE_NATS_PASSWORD).
+    #[arg(long, global = true)]
+    pub password: Option<kedge_runtime::Secret>,
+    /// NATS authentication token (prefer KEDGE_NATS_TOKEN). Not `--token`: that is `approve`'s
+    /// approver token.
+    #[arg(long, global = true)]
+    pub nats_token: Option<kedge_runtime::Secret>,
+    /// CA certificate (PEM) that signed the NATS servers' certificates; requires TLS.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub tls_ca: Option<PathBuf>,
+    /// TLS client certificate (PEM), with --tls-key.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
     /// Print the effective configuration and exit.
     #[arg(long, global = true)]
     pub dump_config: bool,
@@ -193,14 +222,29 @@ pub struct SubmitArgs {
     pub watch: bool,
 }
 
-/// The effective configuration: file, environment, then flags.
+/// The effective configuration: defaults, file, `nats` context, environment, then flags.
 pub fn config(cli: &Cli) -> anyhow::Result<Config> {
-    let mut config = Config::load(cli.config.as_deref())?;
-    if let Some(url) = &cli.nats_url {
-        config.nats_urls = url.split(',').map(|s| s.trim().to_owned()).collect();
+    Ok(Config::load_layered(
+        cli.config.as_deref(),
+        &flags(cli),
+        |k| std::env::var(k).ok(),
+    )?)
+}
+
+/// The global flags that are configuration.
+fn flags(cli: &Cli) -> kedge_runtime::config::Flags {
+    kedge_runtime::config::Flags {
+        nats_url: cli.nats_url.clone(),
+        context: cli.context.clone(),
+        creds: cli.creds.clone(),
+        nkey: cli.nkey.clone(),
+        user: cli.user.clone(),
+        password: cli.password.clone(),
+        token: cli.nats_token.clone(),
+        tls_ca: cli.tls_ca.clone(),
+        tls_cert: cli.tls_cert.clone(),
+        tls_key: cli.tls_key.clone(),
     }
-    config.check()?;
-    Ok(config)
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -615,6 +659,38 @@ fn mcp_tool_specs(server: &str, tools: Vec<kedge_mcp::ToolInfo>) -> Vec<serde_js
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nats_flags_are_global_and_clash_with_no_subcommand_flag() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+        let cli = Cli::try_parse_from([
+            "kedge",
+            "--creds",
+            "/k/u.creds",
+            "layout",
+            "--context",
+            "prod",
+            "--tls-ca",
+            "/k/ca.pem",
+            "--password",
+            "pw-secret-1",
+            "--nats-token",
+            "tok-secret-2",
+        ])
+        .expect("parses");
+        let f = flags(&cli);
+        assert_eq!(f.creds.as_deref(), Some(std::path::Path::new("/k/u.creds")));
+        assert_eq!(f.context.as_deref(), Some("prod"));
+        assert_eq!(f.tls_ca.as_deref(), Some(std::path::Path::new("/k/ca.pem")));
+        assert_eq!(f.password.as_ref().map(|p| p.expose()), Some("pw-secret-1"));
+        assert_eq!(f.token.as_ref().map(|t| t.expose()), Some("tok-secret-2"));
+        let debug = format!("{cli:?} {f:?}");
+        assert!(
+            !debug.contains("pw-secret-1") && !debug.contains("tok-secret-2"),
+            "{debug}"
+        );
+    }
 
     #[test]
     fn mcp_tools_become_tool_entries_and_unusable_names_are_left_out() {

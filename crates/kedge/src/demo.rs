@@ -66,7 +66,9 @@ pub async fn run(args: DemoArgs, base: Config) -> anyhow::Result<ExitCode> {
     println!("▸ mock model on {}", mock.base_url());
 
     let mut config = base;
+    // The demo's own server: no credentials, no TLS, whatever the caller's NATS settings are.
     config.nats_urls = vec![nats.url.clone()];
+    config.nats = kedge_runtime::NatsConfig::default();
     config.workspace_root = args.dir.join("workspaces");
     config
         .api_keys
@@ -165,6 +167,26 @@ pub async fn run(args: DemoArgs, base: Config) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The variables of NATS settings (`docs/CONFIG.md`, "Connecting to NATS").
+const NATS_SETTINGS: &[&str] = &[
+    "KEDGE_NATS_CREDS",
+    "KEDGE_NATS_NKEY",
+    "KEDGE_NATS_USER",
+    "KEDGE_NATS_PASSWORD",
+    "KEDGE_NATS_TOKEN",
+    "KEDGE_NATS_TLS_CA",
+    "KEDGE_NATS_TLS_CERT",
+    "KEDGE_NATS_TLS_KEY",
+    "KEDGE_NATS_TLS_REQUIRED",
+    "KEDGE_NATS_INBOX_PREFIX",
+    "NATS_CONTEXT",
+    "NATS_URL",
+    "NATS_CREDS",
+    "NATS_NKEY",
+    "NATS_USER",
+    "NATS_PASSWORD",
+];
+
 fn spawn_step_worker(config: &Config, crash: bool) -> anyhow::Result<std::process::Child> {
     let exe = std::env::current_exe().context("locate the kedge binary")?;
     let t = &config.timeouts;
@@ -179,6 +201,10 @@ fn spawn_step_worker(config: &Config, crash: bool) -> anyhow::Result<std::proces
         .env("KEDGE_STALL_AFTER_MS", t.stall_after_ms.to_string())
         .env("KEDGE_LOG", "error")
         .stdin(std::process::Stdio::null());
+    // It connects to the demo's own server: none of the caller's NATS settings apply.
+    for var in NATS_SETTINGS {
+        cmd.env_remove(var);
+    }
     if crash {
         cmd.env("KEDGE_FAILPOINTS", "step.after_model_stored");
     } else {

@@ -65,9 +65,16 @@ impl LocalNats {
             url: format!("nats://127.0.0.1:{port}"),
             log,
         };
+        // Its own server: no credentials, whatever the caller's NATS settings are; one attempt
+        // per round of this loop.
+        let mut probe = kedge_runtime::Config {
+            nats_urls: vec![server.url.clone()],
+            ..Default::default()
+        };
+        probe.nats.connect_wait_ms = 0;
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            if let Ok(client) = async_nats::connect(server.url.as_str()).await
+            if let Ok(client) = kedge_runtime::connect_client(&probe).await
                 && async_nats::jetstream::new(client)
                     .query_account()
                     .await

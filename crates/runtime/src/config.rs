@@ -1,19 +1,45 @@
-//! Layered configuration: defaults, then a JSON file, then `KEDGE_*` environment variables, then
-//! command-line flags (applied by the binary). `kedge --dump-config` prints the result.
+//! Layered configuration: defaults, then a JSON file, then a `nats` CLI context (connection
+//! settings only), then `KEDGE_*` environment variables, then command-line flags ([`Flags`]); the
+//! `nats` CLI's `NATS_URL`, `NATS_CREDS`, `NATS_NKEY`, `NATS_USER` and `NATS_PASSWORD` fill in
+//! last, only what nothing else set. `kedge --dump-config` prints the result, secrets redacted.
 //!
 //! docs/CONFIG.md is the reference; every field here is listed there.
+//!
+//! # Connecting to NATS
+//!
+//! [`Config::nats`] ([`NatsConfig`]) holds how a process authenticates (at most one of a
+//! `.creds` file, an nkey seed file, user + password, a token, or `user:password@` in the URLs;
+//! [`Config::check`] refuses two), its TLS files and its inbox prefix. Every process connects
+//! through [`crate::connect::connect_client`], which applies them all.
+//!
+//! Inboxes: replies to this process's requests arrive on `<prefix>.…` subjects, where the prefix
+//! is [`Config::inbox_prefix`] (the field `config.nats.inbox_prefix`, default `_INBOX`). Code
+//! that grants or checks permissions on inboxes uses `format!("{}.>", config.inbox_prefix())`.
+//!
+//! Secrets (passwords, tokens, approver and bridge tokens, API keys, user info in URLs) never
+//! appear in `--dump-config` or in `Debug` output: they are [`Secret`]s or printed redacted.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use kedge_core::config::{RelationError, Timeouts};
 use serde::{Deserialize, Serialize};
 
+use crate::connect::{redact_url, url_auth};
+
 /// The effective configuration of a Kedge process.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// `Debug` and `Serialize` (`--dump-config`) redact secrets: user info in `nats_urls`, the
+/// [`Secret`]s of [`NatsConfig`], approver and bridge tokens; `api_keys` are never serialized.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
-    /// NATS server URLs (`KEDGE_NATS_URL`, comma-separated).
+    /// NATS server URLs (`KEDGE_NATS_URL`, comma-separated; else a context's `url`; else
+    /// `NATS_URL`). `nats://user:password@host` or `nats://token@host` authenticate like
+    /// [`NatsConfig::user`]/[`NatsConfig::password`] or [`NatsConfig::token`] (printed redacted).
+    #[serde(serialize_with = "redacted_urls")]
     pub nats_urls: Vec<String>,
+    /// How to authenticate to NATS, TLS, the inbox prefix.
+    pub nats: NatsConfig,
     /// Replicas of streams created at startup: 1 for a single node, 3 for a cluster.
     pub replicas: usize,
     /// This process's name in leases, operation records and `tool.started` (default: a random
@@ -49,6 +75,13 @@ pub struct Config {
 }
 
 impl Config {
+    /// The prefix of this process's inbox subjects (`<prefix>.…`): `nats.inbox_prefix`, default
+    /// `_INBOX`. Replies to its requests arrive there, so a user's permissions must let it
+    /// subscribe to `<prefix>.>`.
+    pub fn inbox_prefix(&self) -> &str {
+        &self.nats.inbox_prefix
+    }
+
     /// The value of an API-key variable: the environment, else [`Config::api_keys`].
     pub fn api_key(&self, var: &str) -> Option<String> {
         std::env::var(var)
@@ -61,7 +94,8 @@ impl Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            nats_urls: vec!["nats://127.0.0.1:4222".into()],
+            nats_urls: vec![DEFAULT_NATS_URL.into()],
+            nats: NatsConfig::default(),
             replicas: 1,
             worker_id: format!("w-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]),
             workspace_root: PathBuf::from(".kedge/workspaces"),
@@ -79,6 +113,481 @@ impl Default for Config {
             bridge: BridgeConfig::default(),
             api_keys: Default::default(),
             approvers: Default::default(),
+        }
+    }
+}
+
+/// The default server.
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+/// The default inbox prefix (the NATS clients' own).
+pub const DEFAULT_INBOX_PREFIX: &str = "_INBOX";
+/// What `Debug` and `--dump-config` print instead of a secret.
+pub const REDACTED: &str = "<redacted>";
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured so that a new field does not compile until it is decided here whether it
+        // is a secret.
+        let Config {
+            nats_urls,
+            nats,
+            replicas,
+            worker_id,
+            workspace_root,
+            shell_allowlist,
+            step_concurrency,
+            tool_concurrency,
+            max_tool_output_bytes,
+            timeouts,
+            mcp_servers,
+            bridge,
+            api_keys,
+            approvers,
+        } = self;
+        let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
+        let api_keys: Vec<&String> = api_keys.keys().collect();
+        let approvers: Vec<&String> = approvers.values().collect();
+        f.debug_struct("Config")
+            .field("nats_urls", &urls)
+            .field("nats", nats)
+            .field("replicas", replicas)
+            .field("worker_id", worker_id)
+            .field("workspace_root", workspace_root)
+            .field("shell_allowlist", shell_allowlist)
+            .field("step_concurrency", step_concurrency)
+            .field("tool_concurrency", tool_concurrency)
+            .field("max_tool_output_bytes", max_tool_output_bytes)
+            .field("timeouts", timeouts)
+            .field("mcp_servers", mcp_servers)
+            .field("bridge", bridge)
+            .field("api_keys (names)", &api_keys)
+            .field("approvers (names)", &approvers)
+            .finish()
+    }
+}
+
+fn redacted_urls<S: serde::Serializer>(urls: &[String], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(urls.iter().map(|u| redact_url(u)))
+}
+
+/// A secret string (a password, a token). `Debug`, `Display` and `Serialize` print
+/// `<redacted>`; [`Secret::expose`] gives the value to the one place that sends it. Deserializes
+/// from a plain string.
+#[derive(Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The secret itself: only for handing it to the NATS client.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(REDACTED)
+    }
+}
+
+impl From<String> for Secret {
+    fn from(value: String) -> Self {
+        Secret(value)
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(value: &str) -> Self {
+        Secret(value.to_owned())
+    }
+}
+
+/// For command-line parsers.
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+/// How a process authenticates to NATS, its TLS files and its inbox prefix (the `nats` section of
+/// the file). At most one authentication method: `creds_file`, `nkey_seed_file`,
+/// `user` + `password`, `token` (or user info in `nats_urls`). File paths are not secrets and
+/// are printed; passwords and tokens are [`Secret`]s.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NatsConfig {
+    /// A `.creds` file: user JWT and nkey seed (`KEDGE_NATS_CREDS`, `--creds`, `NATS_CREDS`).
+    pub creds_file: Option<PathBuf>,
+    /// A file holding a user nkey seed, `SU…` (`KEDGE_NATS_NKEY`, `--nkey`, `NATS_NKEY`).
+    pub nkey_seed_file: Option<PathBuf>,
+    /// User name, with `password` (`KEDGE_NATS_USER`, `--user`, `NATS_USER`).
+    pub user: Option<String>,
+    /// (`KEDGE_NATS_PASSWORD`, `--password`, `NATS_PASSWORD`).
+    pub password: Option<Secret>,
+    /// An authentication token (`KEDGE_NATS_TOKEN`, `--nats-token`).
+    pub token: Option<Secret>,
+    /// PEM file of the CA(s) that signed the servers' certificates (`KEDGE_NATS_TLS_CA`,
+    /// `--tls-ca`). Setting any `tls_*` file requires TLS.
+    pub tls_ca: Option<PathBuf>,
+    /// PEM client certificate, with `tls_key` (`KEDGE_NATS_TLS_CERT`, `--tls-cert`).
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert` (`KEDGE_NATS_TLS_KEY`, `--tls-key`).
+    pub tls_key: Option<PathBuf>,
+    /// Refuse a connection without TLS (`KEDGE_NATS_TLS_REQUIRED=1`; also implied by `tls://`
+    /// URLs and by any `tls_*` file).
+    pub tls_required: bool,
+    /// Prefix of this process's inbox subjects (`KEDGE_NATS_INBOX_PREFIX`); see
+    /// [`Config::inbox_prefix`].
+    pub inbox_prefix: String,
+    /// How long the first connection keeps retrying an unreachable server before giving up
+    /// (`KEDGE_NATS_CONNECT_WAIT_MS`). A refused authentication or a TLS failure is not retried.
+    pub connect_wait_ms: u64,
+}
+
+impl Default for NatsConfig {
+    fn default() -> Self {
+        Self {
+            creds_file: None,
+            nkey_seed_file: None,
+            user: None,
+            password: None,
+            token: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_required: false,
+            inbox_prefix: DEFAULT_INBOX_PREFIX.into(),
+            connect_wait_ms: 10_000,
+        }
+    }
+}
+
+impl NatsConfig {
+    /// The authentication methods set, by field name (more than one is refused by `check`).
+    fn auth_methods(&self) -> Vec<&'static str> {
+        let mut set = Vec::new();
+        if self.creds_file.is_some() {
+            set.push("nats.creds_file");
+        }
+        if self.nkey_seed_file.is_some() {
+            set.push("nats.nkey_seed_file");
+        }
+        if self.user.is_some() || self.password.is_some() {
+            set.push("nats.user/nats.password");
+        }
+        if self.token.is_some() {
+            set.push("nats.token");
+        }
+        set
+    }
+
+    /// Whether TLS is required: `tls_required` or any TLS file.
+    pub fn requires_tls(&self) -> bool {
+        self.tls_required || self.tls_ca.is_some() || self.tls_cert.is_some()
+    }
+
+    /// The `nats` checks of [`Config::check`] (`urls`: [`Config::nats_urls`]).
+    pub(crate) fn check(&self, urls: &[String]) -> Result<(), ConfigError> {
+        let invalid = |field, reason: String| Err(ConfigError::Invalid { field, reason });
+        let url_auth = url_auth(urls).map_err(|reason| ConfigError::Invalid {
+            field: "nats_urls",
+            reason,
+        })?;
+        let mut methods = self.auth_methods();
+        if url_auth.is_some() {
+            methods.push("nats_urls (user info)");
+        }
+        if methods.len() > 1 {
+            return Err(ConfigError::AuthConflict { fields: methods });
+        }
+        match (&self.user, &self.password) {
+            (Some(u), Some(p)) if !u.is_empty() && !p.expose().is_empty() => {}
+            (Some(_), Some(_)) => {
+                return invalid("nats.user", "user and password must not be empty".into());
+            }
+            (Some(_), None) => {
+                return invalid(
+                    "nats.password",
+                    "nats.user is set without a password (for a token use nats.token)".into(),
+                );
+            }
+            (None, Some(_)) => {
+                return invalid("nats.user", "nats.password is set without a user".into());
+            }
+            (None, None) => {}
+        }
+        if self.token.as_ref().is_some_and(|t| t.expose().is_empty()) {
+            return invalid("nats.token", "must not be empty".into());
+        }
+        if let Some(p) = &self.nkey_seed_file
+            && looks_like_seed(&p.to_string_lossy())
+        {
+            // Not echoed: this is the secret itself.
+            return invalid(
+                "nats.nkey_seed_file",
+                "this looks like an nkey seed, not a file path: put the seed in a file and give \
+                 its path"
+                    .into(),
+            );
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return invalid(
+                "nats.tls_cert/nats.tls_key",
+                "a client certificate needs both the certificate and its key".into(),
+            );
+        }
+        if !valid_inbox_prefix(&self.inbox_prefix) {
+            return invalid(
+                "nats.inbox_prefix",
+                format!(
+                    "`{}` is not a subject prefix (tokens of printable ASCII separated by `.`, \
+                     no wildcards `*` `>`)",
+                    self.inbox_prefix
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// An nkey seed is 58 base32 characters starting with `S`.
+fn looks_like_seed(s: &str) -> bool {
+    let s = s.trim();
+    s.len() == 58
+        && s.starts_with('S')
+        && s.chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit())
+}
+
+fn valid_inbox_prefix(p: &str) -> bool {
+    !p.is_empty()
+        && p.split('.').all(|token| {
+            !token.is_empty()
+                && token
+                    .chars()
+                    .all(|c| c.is_ascii_graphic() && c != '*' && c != '>')
+        })
+}
+
+/// The values of command-line flags: the highest layer of [`Config::load_layered`]. The binary
+/// fills it from its global flags.
+#[derive(Debug, Clone, Default)]
+pub struct Flags {
+    /// `--nats-url`, comma-separated.
+    pub nats_url: Option<String>,
+    /// `--context NAME`: a `nats` CLI context (else `NATS_CONTEXT`).
+    pub context: Option<String>,
+    pub creds: Option<PathBuf>,
+    pub nkey: Option<PathBuf>,
+    pub user: Option<String>,
+    pub password: Option<Secret>,
+    pub token: Option<Secret>,
+    pub tls_ca: Option<PathBuf>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+}
+
+/// A `nats` CLI context (`<config dir>/nats/context/<name>.json`): the keys Kedge uses; the others
+/// (`description`, `jetstream_domain`, …) are ignored. Empty strings mean unset, as the `nats` CLI
+/// writes every key.
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct NatsContext {
+    url: Option<String>,
+    user: Option<String>,
+    password: Option<String>,
+    token: Option<String>,
+    creds: Option<String>,
+    nkey: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
+    ca: Option<String>,
+    inbox_prefix: Option<String>,
+}
+
+/// `$XDG_CONFIG_HOME/nats/context/<name>.json`, else `$HOME/.config/nats/context/<name>.json`.
+pub fn context_path(
+    name: &str,
+    env: impl Fn(&'static str) -> Option<String>,
+) -> Result<PathBuf, ConfigError> {
+    let bad = |reason: &str| ConfigError::Context {
+        name: name.to_owned(),
+        path: PathBuf::new(),
+        reason: reason.to_owned(),
+    };
+    if name.is_empty()
+        || name.starts_with('.')
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '@'))
+    {
+        return Err(bad(
+            "a context name is letters, digits and `-_.@`, not starting with `.`",
+        ));
+    }
+    let base = match non_empty(env("XDG_CONFIG_HOME")) {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(
+            non_empty(env("HOME")).ok_or_else(|| bad("neither XDG_CONFIG_HOME nor HOME is set"))?,
+        )
+        .join(".config"),
+    };
+    Ok(base
+        .join("nats")
+        .join("context")
+        .join(format!("{name}.json")))
+}
+
+fn non_empty(v: Option<String>) -> Option<String> {
+    v.filter(|s| !s.trim().is_empty())
+}
+
+fn split_urls(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// `~/x` → `$HOME/x` (the `nats` CLI writes paths so).
+fn expand_home(path: String, home: Option<&str>) -> PathBuf {
+    match (path.strip_prefix("~/"), home) {
+        (Some(rest), Some(home)) => Path::new(home).join(rest),
+        _ => PathBuf::from(path),
+    }
+}
+
+impl Config {
+    /// Reads the context `name` and sets the fields it gives; returns whether it gave a URL.
+    fn apply_context(
+        &mut self,
+        name: &str,
+        env: &impl Fn(&'static str) -> Option<String>,
+    ) -> Result<bool, ConfigError> {
+        let path = context_path(name, env)?;
+        let failed = |reason: String| ConfigError::Context {
+            name: name.to_owned(),
+            path: path.clone(),
+            reason,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| failed(e.to_string()))?;
+        let ctx: NatsContext = serde_json::from_str(&text).map_err(|e| failed(e.to_string()))?;
+        let home = non_empty(env("HOME"));
+        let file = |v: Option<String>| non_empty(v).map(|p| expand_home(p, home.as_deref()));
+        let n = &mut self.nats;
+        let url = non_empty(ctx.url).map(|u| split_urls(&u));
+        let gave_url = url.is_some();
+        if let Some(urls) = url {
+            self.nats_urls = urls;
+        }
+        if let Some(v) = file(ctx.creds) {
+            n.creds_file = Some(v);
+        }
+        if let Some(v) = file(ctx.nkey) {
+            n.nkey_seed_file = Some(v);
+        }
+        match (non_empty(ctx.user), non_empty(ctx.password)) {
+            (Some(user), Some(password)) => {
+                n.user = Some(user);
+                n.password = Some(Secret(password));
+            }
+            // The `nats` CLI's `user` is a token when it has no password.
+            (Some(token), None) => n.token = Some(Secret(token)),
+            (None, Some(_)) => {
+                return Err(failed("`password` is set without `user`".into()));
+            }
+            (None, None) => {}
+        }
+        if let Some(v) = non_empty(ctx.token) {
+            n.token = Some(Secret(v));
+        }
+        if let Some(v) = file(ctx.ca) {
+            n.tls_ca = Some(v);
+        }
+        if let Some(v) = file(ctx.cert) {
+            n.tls_cert = Some(v);
+        }
+        if let Some(v) = file(ctx.key) {
+            n.tls_key = Some(v);
+        }
+        if let Some(v) = non_empty(ctx.inbox_prefix) {
+            n.inbox_prefix = v;
+        }
+        Ok(gave_url)
+    }
+
+    /// Sets what the flags give.
+    fn apply_flags(&mut self, flags: &Flags) {
+        if let Some(urls) = &flags.nats_url {
+            self.nats_urls = split_urls(urls);
+        }
+        let n = &mut self.nats;
+        let set = |field: &mut Option<PathBuf>, v: &Option<PathBuf>| {
+            if v.is_some() {
+                field.clone_from(v);
+            }
+        };
+        set(&mut n.creds_file, &flags.creds);
+        set(&mut n.nkey_seed_file, &flags.nkey);
+        set(&mut n.tls_ca, &flags.tls_ca);
+        set(&mut n.tls_cert, &flags.tls_cert);
+        set(&mut n.tls_key, &flags.tls_key);
+        if flags.user.is_some() {
+            n.user.clone_from(&flags.user);
+        }
+        if flags.password.is_some() {
+            n.password.clone_from(&flags.password);
+        }
+        if flags.token.is_some() {
+            n.token.clone_from(&flags.token);
+        }
+    }
+
+    /// The `nats` CLI's variables, for what no other source set: `NATS_URL` when no URL was
+    /// given; `NATS_CREDS`, `NATS_NKEY`, `NATS_USER` (+ `NATS_PASSWORD`; without one it is a
+    /// token, as in the `nats` CLI) when no authentication method is set.
+    fn apply_nats_fallbacks(
+        &mut self,
+        url_given: bool,
+        env: &impl Fn(&'static str) -> Option<String>,
+    ) {
+        if !url_given && let Some(v) = non_empty(env("NATS_URL")) {
+            self.nats_urls = split_urls(&v);
+        }
+        let url_auth = matches!(url_auth(&self.nats_urls), Ok(Some(_)) | Err(_));
+        if !self.nats.auth_methods().is_empty() || url_auth {
+            return;
+        }
+        let home = non_empty(env("HOME"));
+        let n = &mut self.nats;
+        n.creds_file = non_empty(env("NATS_CREDS")).map(|p| expand_home(p, home.as_deref()));
+        n.nkey_seed_file = non_empty(env("NATS_NKEY")).map(|p| expand_home(p, home.as_deref()));
+        match (non_empty(env("NATS_USER")), non_empty(env("NATS_PASSWORD"))) {
+            (Some(user), Some(password)) => {
+                n.user = Some(user);
+                n.password = Some(Secret(password));
+            }
+            (Some(token), None) => n.token = Some(Secret(token)),
+            // A stray NATS_PASSWORD alone is ignored, as by the `nats` CLI.
+            (None, _) => {}
         }
     }
 }
@@ -112,8 +621,8 @@ pub struct BridgeConfig {
     pub sse_ring: usize,
 }
 
-/// One bearer token of the bridge.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One bearer token of the bridge. `Debug` and `Serialize` print the token redacted.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BridgeToken {
     #[serde(serialize_with = "redacted")]
@@ -124,12 +633,22 @@ pub struct BridgeToken {
     pub scope: String,
 }
 
+impl std::fmt::Debug for BridgeToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BridgeToken")
+            .field("token", &REDACTED)
+            .field("tenant", &self.tenant)
+            .field("scope", &self.scope)
+            .finish()
+    }
+}
+
 fn write_scope() -> String {
     "write".into()
 }
 
 fn redacted<S: serde::Serializer>(_: &str, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str("<redacted>")
+    s.serialize_str(REDACTED)
 }
 
 impl Default for BridgeConfig {
@@ -236,25 +755,65 @@ pub enum ConfigError {
     Relation(#[from] RelationError),
     #[error("{field}: {reason}")]
     Invalid { field: &'static str, reason: String },
+    #[error(
+        "more than one way to authenticate to NATS is set: {}; set only one of nats.creds_file, \
+         nats.nkey_seed_file, nats.user + nats.password, nats.token, user info in nats_urls",
+        fields.join(", ")
+    )]
+    AuthConflict { fields: Vec<&'static str> },
+    #[error("nats context `{name}` ({}): {reason}", path.display())]
+    Context {
+        name: String,
+        path: PathBuf,
+        reason: String,
+    },
 }
 
 impl Config {
-    /// Defaults, overlaid by `file` (if given) and the environment; checked.
-    pub fn load(file: Option<&std::path::Path>) -> Result<Config, ConfigError> {
-        let mut config = match file {
+    /// Defaults, overlaid by `file` (if given), the context `NATS_CONTEXT` names and the
+    /// process environment; checked. [`Config::load_layered`] with no flags.
+    pub fn load(file: Option<&Path>) -> Result<Config, ConfigError> {
+        Self::load_layered(file, &Flags::default(), |k| std::env::var(k).ok())
+    }
+
+    /// Every layer, later wins: defaults, `file`, the `nats` CLI context named by
+    /// `flags.context` or `NATS_CONTEXT`, `KEDGE_*` variables, `flags`; then `NATS_URL`,
+    /// `NATS_CREDS`, `NATS_NKEY`, `NATS_USER`/`NATS_PASSWORD` for what none of them set.
+    /// Variables (and `XDG_CONFIG_HOME`/`HOME`, where contexts live) are read through `env`.
+    /// Checked.
+    pub fn load_layered(
+        file: Option<&Path>,
+        flags: &Flags,
+        env: impl Fn(&'static str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let (mut config, mut url_given) = match file {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
                     path: path.to_owned(),
                     reason: e.to_string(),
                 })?;
-                serde_json::from_str(&text).map_err(|e| ConfigError::Parse {
+                let parse = |e: serde_json::Error| ConfigError::Parse {
                     path: path.to_owned(),
                     reason: e.to_string(),
-                })?
+                };
+                let value: serde_json::Value = serde_json::from_str(&text).map_err(parse)?;
+                let url_given = value.get("nats_urls").is_some_and(|v| !v.is_null());
+                (serde_json::from_value(value).map_err(parse)?, url_given)
             }
-            None => Config::default(),
+            None => (Config::default(), false),
         };
-        config.apply_env(|k| std::env::var(k).ok())?;
+        let context = flags
+            .context
+            .clone()
+            .or_else(|| non_empty(env("NATS_CONTEXT")));
+        if let Some(name) = context {
+            url_given |= config.apply_context(name.trim(), &env)?;
+        }
+        url_given |= env("KEDGE_NATS_URL").is_some();
+        config.apply_env(&env)?;
+        url_given |= flags.nats_url.is_some();
+        config.apply_flags(flags);
+        config.apply_nats_fallbacks(url_given, &env);
         config.check()?;
         Ok(config)
     }
@@ -270,13 +829,48 @@ impl Config {
                 reason: format!("`{v}` is not a number"),
             })
         }
+        fn flag(var: &'static str, v: &str) -> Result<bool, ConfigError> {
+            match v.trim() {
+                "1" | "true" | "yes" => Ok(true),
+                "0" | "false" | "no" | "" => Ok(false),
+                other => Err(ConfigError::Env {
+                    var,
+                    reason: format!("`{other}` is not 1/0/true/false"),
+                }),
+            }
+        }
         if let Some(v) = get("KEDGE_NATS_URL") {
-            self.nats_urls = v
-                .split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(String::from)
-                .collect();
+            self.nats_urls = split_urls(&v);
+        }
+        let n = &mut self.nats;
+        for (var, field) in [
+            ("KEDGE_NATS_CREDS", &mut n.creds_file),
+            ("KEDGE_NATS_NKEY", &mut n.nkey_seed_file),
+            ("KEDGE_NATS_TLS_CA", &mut n.tls_ca),
+            ("KEDGE_NATS_TLS_CERT", &mut n.tls_cert),
+            ("KEDGE_NATS_TLS_KEY", &mut n.tls_key),
+        ] {
+            if let Some(v) = non_empty(get(var)) {
+                *field = Some(PathBuf::from(v.trim()));
+            }
+        }
+        if let Some(v) = non_empty(get("KEDGE_NATS_USER")) {
+            n.user = Some(v);
+        }
+        if let Some(v) = non_empty(get("KEDGE_NATS_PASSWORD")) {
+            n.password = Some(Secret(v));
+        }
+        if let Some(v) = non_empty(get("KEDGE_NATS_TOKEN")) {
+            n.token = Some(Secret(v));
+        }
+        if let Some(v) = get("KEDGE_NATS_TLS_REQUIRED") {
+            n.tls_required = flag("KEDGE_NATS_TLS_REQUIRED", &v)?;
+        }
+        if let Some(v) = non_empty(get("KEDGE_NATS_INBOX_PREFIX")) {
+            n.inbox_prefix = v.trim().to_owned();
+        }
+        if let Some(v) = get("KEDGE_NATS_CONNECT_WAIT_MS") {
+            n.connect_wait_ms = num("KEDGE_NATS_CONNECT_WAIT_MS", &v)?;
         }
         if let Some(v) = get("KEDGE_REPLICAS") {
             self.replicas = num("KEDGE_REPLICAS", &v)?;
@@ -313,16 +907,7 @@ impl Config {
                 })?;
         }
         if let Some(v) = get("KEDGE_BRIDGE_OPEN") {
-            self.bridge.open = match v.trim() {
-                "1" | "true" | "yes" => true,
-                "0" | "false" | "no" | "" => false,
-                other => {
-                    return Err(ConfigError::Env {
-                        var: "KEDGE_BRIDGE_OPEN",
-                        reason: format!("`{other}` is not 1/0/true/false"),
-                    });
-                }
-            };
+            self.bridge.open = flag("KEDGE_BRIDGE_OPEN", &v)?;
         }
         let t = &mut self.timeouts;
         for (var, field) in [
@@ -362,6 +947,7 @@ impl Config {
                 reason: "at least one URL is needed".into(),
             });
         }
+        self.nats.check(&self.nats_urls)?;
         if !matches!(self.replicas, 1..=5) {
             return Err(ConfigError::Invalid {
                 field: "replicas",
@@ -440,6 +1026,341 @@ mod tests {
             c.apply_env(|k| (k == "KEDGE_BRIDGE_TOKENS").then(|| "no-tenant".into()))
                 .is_err()
         );
+    }
+
+    /// An environment of these variables only.
+    fn env_of(pairs: &[(&'static str, String)]) -> impl Fn(&'static str) -> Option<String> + use<> {
+        let pairs = pairs.to_vec();
+        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
+    }
+
+    fn write(path: &Path, text: &str) {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).expect("mkdir");
+        }
+        std::fs::write(path, text).expect("write");
+    }
+
+    /// A temp dir with a config file, an XDG config dir holding the context `ctx`, and a HOME.
+    struct Layers {
+        dir: tempfile::TempDir,
+    }
+
+    impl Layers {
+        fn new() -> Layers {
+            let layers = Layers {
+                dir: tempfile::tempdir().expect("tempdir"),
+            };
+            write(
+                &layers.file(),
+                r#"{"nats_urls": ["nats://file:4222"],
+                    "nats": {"tls_ca": "/file/ca.pem", "tls_cert": "/file/c.pem",
+                             "tls_key": "/file/k.pem", "inbox_prefix": "_FILE"}}"#,
+            );
+            write(
+                &layers.xdg().join("nats/context/ctx.json"),
+                r#"{"description": "unknown keys are ignored", "url": "nats://ctx:4222",
+                    "user": "ctx-user", "password": "ctx-pass", "ca": "/ctx/ca.pem",
+                    "inbox_prefix": "_CTX", "jetstream_domain": "", "token": "", "creds": ""}"#,
+            );
+            layers
+        }
+        fn file(&self) -> PathBuf {
+            self.dir.path().join("kedge.json")
+        }
+        fn xdg(&self) -> PathBuf {
+            self.dir.path().join("xdg")
+        }
+        fn xdg_env(&self) -> (&'static str, String) {
+            ("XDG_CONFIG_HOME", self.xdg().display().to_string())
+        }
+    }
+
+    #[test]
+    fn nats_settings_layer_file_then_context_then_env_then_flags() {
+        let l = Layers::new();
+        let file = l.file();
+        let ctx = Flags {
+            context: Some("ctx".into()),
+            ..Flags::default()
+        };
+        let env = [
+            l.xdg_env(),
+            ("KEDGE_NATS_URL", "nats://env:4222".into()),
+            ("KEDGE_NATS_TLS_CA", "/env/ca.pem".into()),
+            ("KEDGE_NATS_PASSWORD", "env-pass".into()),
+        ];
+
+        // File only.
+        let c = Config::load_layered(Some(&file), &Flags::default(), env_of(&[])).expect("file");
+        assert_eq!(c.nats_urls, vec!["nats://file:4222"]);
+        assert_eq!(c.nats.tls_ca.as_deref(), Some(Path::new("/file/ca.pem")));
+        assert_eq!(c.inbox_prefix(), "_FILE");
+        assert!(c.nats.requires_tls());
+
+        // The context (named by NATS_CONTEXT) over the file, field by field.
+        let c = Config::load_layered(
+            Some(&file),
+            &Flags::default(),
+            env_of(&[l.xdg_env(), ("NATS_CONTEXT", "ctx".into())]),
+        )
+        .expect("context");
+        assert_eq!(c.nats_urls, vec!["nats://ctx:4222"]);
+        assert_eq!(c.nats.tls_ca.as_deref(), Some(Path::new("/ctx/ca.pem")));
+        assert_eq!(c.nats.tls_cert.as_deref(), Some(Path::new("/file/c.pem")));
+        assert_eq!(c.nats.user.as_deref(), Some("ctx-user"));
+        assert_eq!(c.nats.password, Some(Secret::new("ctx-pass")));
+        assert_eq!(c.nats.token, None, "an empty key is unset");
+        assert_eq!(c.inbox_prefix(), "_CTX");
+
+        // KEDGE_* over the context (named by --context).
+        let c = Config::load_layered(Some(&file), &ctx, env_of(&env)).expect("env");
+        assert_eq!(c.nats_urls, vec!["nats://env:4222"]);
+        assert_eq!(c.nats.tls_ca.as_deref(), Some(Path::new("/env/ca.pem")));
+        assert_eq!(c.nats.user.as_deref(), Some("ctx-user"));
+        assert_eq!(c.nats.password, Some(Secret::new("env-pass")));
+
+        // Flags over everything.
+        let flags = Flags {
+            nats_url: Some("nats://flag-a:1, nats://flag-b:2".into()),
+            tls_ca: Some("/flag/ca.pem".into()),
+            password: Some(Secret::new("flag-pass")),
+            ..ctx.clone()
+        };
+        let c = Config::load_layered(Some(&file), &flags, env_of(&env)).expect("flags");
+        assert_eq!(c.nats_urls, vec!["nats://flag-a:1", "nats://flag-b:2"]);
+        assert_eq!(c.nats.tls_ca.as_deref(), Some(Path::new("/flag/ca.pem")));
+        assert_eq!(c.nats.password, Some(Secret::new("flag-pass")));
+        assert_eq!(c.nats.tls_key.as_deref(), Some(Path::new("/file/k.pem")));
+    }
+
+    #[test]
+    fn kedge_nats_url_beats_nats_url_which_fills_only_an_unset_url() {
+        let l = Layers::new();
+        let nats_url = ("NATS_URL", "nats://nats-cli:4222".to_owned());
+        let load = |file: Option<&Path>, flags: &Flags, env: &[(&'static str, String)]| {
+            Config::load_layered(file, flags, env_of(env))
+                .expect("loads")
+                .nats_urls
+        };
+        let none = Flags::default();
+        assert_eq!(load(None, &none, &[]), vec![DEFAULT_NATS_URL]);
+        assert_eq!(
+            load(None, &none, std::slice::from_ref(&nats_url)),
+            vec!["nats://nats-cli:4222"]
+        );
+        assert_eq!(
+            load(
+                None,
+                &none,
+                &[
+                    nats_url.clone(),
+                    ("KEDGE_NATS_URL", "nats://kedge:1".into())
+                ]
+            ),
+            vec!["nats://kedge:1"]
+        );
+        // A file or a context that gives a URL wins over NATS_URL.
+        assert_eq!(
+            load(Some(&l.file()), &none, std::slice::from_ref(&nats_url)),
+            vec!["nats://file:4222"]
+        );
+        let ctx = Flags {
+            context: Some("ctx".into()),
+            ..Flags::default()
+        };
+        assert_eq!(
+            load(None, &ctx, &[nats_url.clone(), l.xdg_env()]),
+            vec!["nats://ctx:4222"]
+        );
+        let flag = Flags {
+            nats_url: Some("nats://flag:1".into()),
+            ..Flags::default()
+        };
+        assert_eq!(load(None, &flag, &[nats_url]), vec!["nats://flag:1"]);
+    }
+
+    #[test]
+    fn nats_cli_credentials_fill_in_only_when_no_method_is_set() {
+        let load = |env: &[(&'static str, String)]| {
+            Config::load_layered(None, &Flags::default(), env_of(env))
+                .expect("loads")
+                .nats
+        };
+        let user = ("NATS_USER", "nu".to_owned());
+        let pass = ("NATS_PASSWORD", "np".to_owned());
+        let n = load(&[user.clone(), pass.clone()]);
+        assert_eq!(
+            (n.user.as_deref(), n.password),
+            (Some("nu"), Some(Secret::new("np")))
+        );
+        // As in the `nats` CLI, a user without a password is a token.
+        let n = load(std::slice::from_ref(&user));
+        assert_eq!((n.user, n.token), (None, Some(Secret::new("nu"))));
+        let n = load(&[
+            ("NATS_CREDS", "~/u.creds".into()),
+            ("HOME", "/home/k".into()),
+        ]);
+        assert_eq!(n.creds_file.as_deref(), Some(Path::new("/home/k/u.creds")));
+        let n = load(&[("NATS_NKEY", "/k/u.nk".into())]);
+        assert_eq!(n.nkey_seed_file.as_deref(), Some(Path::new("/k/u.nk")));
+        // A Kedge-level method wins: no conflict with the ambient NATS_* variables.
+        let n = load(&[user, pass, ("KEDGE_NATS_TOKEN", "kt".into())]);
+        assert_eq!((n.user, n.password), (None, None));
+        assert_eq!(n.token, Some(Secret::new("kt")));
+    }
+
+    #[test]
+    fn two_ways_to_authenticate_are_refused_naming_both() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("kedge.json");
+        write(&file, r#"{"nats": {"token": "file-token"}}"#);
+        let err = Config::load_layered(
+            Some(&file),
+            &Flags::default(),
+            env_of(&[("KEDGE_NATS_CREDS", "/k/u.creds".into())]),
+        )
+        .expect_err("token and creds");
+        let text = err.to_string();
+        assert!(matches!(err, ConfigError::AuthConflict { .. }), "{text}");
+        assert!(
+            text.contains("nats.creds_file") && text.contains("nats.token"),
+            "{text}"
+        );
+        assert!(!text.contains("file-token"), "{text}");
+
+        let mut c = Config {
+            nats_urls: vec!["nats://u:url-pass@h:4222".into()],
+            ..Config::default()
+        };
+        c.nats.nkey_seed_file = Some("/k/u.nk".into());
+        let text = c.check().expect_err("URL user info and nkey").to_string();
+        assert!(
+            text.contains("nats_urls") && text.contains("nats.nkey_seed_file"),
+            "{text}"
+        );
+        assert!(!text.contains("url-pass"), "{text}");
+
+        let mut c = Config::default();
+        c.nats.user = Some("u".into());
+        assert!(
+            c.check()
+                .expect_err("no password")
+                .to_string()
+                .contains("nats.password")
+        );
+        let mut c = Config::default();
+        c.nats.tls_cert = Some("/c.pem".into());
+        assert!(
+            c.check()
+                .expect_err("no key")
+                .to_string()
+                .contains("tls_key")
+        );
+        let mut c = Config::default();
+        c.nats.inbox_prefix = "_INBOX.>".into();
+        assert!(
+            c.check()
+                .expect_err("wildcard")
+                .to_string()
+                .contains("inbox_prefix")
+        );
+        let mut c = Config::default();
+        let seed = "SUAMLK2ZNL35WSMW37E7UD4VZ7ELPKW7DHC3BWBSD2GCZ7IUQQXZIORRBU";
+        c.nats.nkey_seed_file = Some(seed.into());
+        let text = c.check().expect_err("a seed, not a path").to_string();
+        assert!(
+            text.contains("nkey_seed_file") && !text.contains(seed),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_context_is_read_from_xdg_config_home_or_home() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let home = dir.path().join("home");
+        write(
+            &home.join(".config/nats/context/prod.json"),
+            r#"{"url": "tls://a:4222,tls://b:4222", "user": "tok-as-user", "creds": "~/p.creds",
+                "nkey": "", "color_scheme": "dark", "tls_first": false}"#,
+        );
+        let env = [
+            ("HOME", home.display().to_string()),
+            ("NATS_CONTEXT", "prod".to_owned()),
+        ];
+        // HOME/.config without XDG_CONFIG_HOME; ~ expanded; `user` without password = token,
+        // which with `creds` is two methods: refused.
+        let err = Config::load_layered(None, &Flags::default(), env_of(&env))
+            .expect_err("creds and token");
+        assert!(err.to_string().contains("nats.creds_file"), "{err}");
+        write(
+            &home.join(".config/nats/context/prod.json"),
+            r#"{"url": "tls://a:4222,tls://b:4222", "creds": "~/p.creds", "unknown": 1}"#,
+        );
+        let c = Config::load_layered(None, &Flags::default(), env_of(&env)).expect("loads");
+        assert_eq!(c.nats_urls, vec!["tls://a:4222", "tls://b:4222"]);
+        assert_eq!(c.nats.creds_file, Some(home.join("p.creds")));
+
+        let flags = Flags {
+            context: Some("missing".into()),
+            ..Flags::default()
+        };
+        let err = Config::load_layered(None, &flags, env_of(&env)).expect_err("no such context");
+        let text = err.to_string();
+        assert!(
+            text.contains("`missing`") && text.contains("missing.json"),
+            "{text}"
+        );
+        let flags = Flags {
+            context: Some("../prod".into()),
+            ..Flags::default()
+        };
+        assert!(matches!(
+            Config::load_layered(None, &flags, env_of(&env)),
+            Err(ConfigError::Context { .. })
+        ));
+        assert_eq!(
+            context_path("x", env_of(&[("XDG_CONFIG_HOME", "/xdg".into())])).expect("path"),
+            Path::new("/xdg/nats/context/x.json")
+        );
+    }
+
+    #[test]
+    fn secrets_never_show_in_dump_or_debug() {
+        let mut c = Config {
+            nats_urls: vec![
+                "nats://url-user:url-pass@h1:4222".into(),
+                "nats://url-token@h2:4222".into(),
+            ],
+            ..Config::default()
+        };
+        c.nats.creds_file = Some("/etc/kedge/user.creds".into());
+        c.nats.user = Some("alice".into());
+        c.nats.password = Some(Secret::new("nats-pass"));
+        c.nats.token = Some(Secret::new("nats-token"));
+        c.approvers.insert("approver-token".into(), "ann".into());
+        c.api_keys.insert("OPENAI_API_KEY".into(), "sk-key".into());
+        c.bridge.tokens = BridgeConfig::parse_tokens("bridge-token-0123456789=acme").expect("ok");
+        let dumped = serde_json::to_string_pretty(&c).expect("json");
+        let debug = format!("{c:?} {c:#?}");
+        for text in [&dumped, &debug] {
+            for secret in [
+                "url-pass",
+                "url-token",
+                "nats-pass",
+                "nats-token",
+                "approver-token",
+                "sk-key",
+                "bridge-token",
+            ] {
+                assert!(!text.contains(secret), "{secret} in {text}");
+            }
+            assert!(text.contains("<redacted>@h1:4222"), "{text}");
+            assert!(text.contains("/etc/kedge/user.creds"), "{text}");
+        }
+        // A secret in a file reads as itself.
+        let n: NatsConfig = serde_json::from_str(r#"{"password": "p", "user": "u"}"#).expect("ok");
+        assert_eq!(n.password.as_ref().map(Secret::expose), Some("p"));
     }
 
     #[test]

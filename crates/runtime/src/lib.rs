@@ -1,7 +1,10 @@
 //! What every Kedge service shares.
 //!
-//! - [`Config`]: layered configuration (defaults, then a JSON file, then `KEDGE_*` environment
-//!   variables, then flags), with the timeout relations checked on load.
+//! - [`Config`]: layered configuration (defaults, then a JSON file, then a `nats` CLI context,
+//!   then `KEDGE_*` environment variables, then flags), with the timeout relations checked on
+//!   load.
+//! - [`connect`]: the one way to connect to NATS ([`connect_client`]): credentials, TLS, the
+//!   inbox prefix; URLs shown only redacted ([`redact_url`]).
 //! - [`Runtime`]: the broker connection after the layout check, the journal, leases and the KV
 //!   stores every service uses.
 //! - [`agents`]: agent definitions in `kedge_agents`.
@@ -19,6 +22,7 @@ pub mod agents;
 pub mod approvals;
 pub mod callbacks;
 pub mod config;
+pub mod connect;
 pub mod consumer;
 pub mod failpoint;
 pub mod idempotency;
@@ -30,13 +34,19 @@ use async_nats::jetstream;
 use kedge_core::subjects;
 use kedge_journal::{Journal, LayoutOptions, Leases};
 
-pub use config::{Config, ConfigError};
+pub use config::{Config, ConfigError, NatsConfig, Secret};
+pub use connect::{ConnectFailure, connect_client, connect_options, redact_url};
 
 /// Why a service cannot start or continue.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
+    /// `urls` are redacted ([`redact_url`]); `reason` never holds a configured secret.
     #[error("cannot connect to NATS at {urls}: {reason}")]
-    Connect { urls: String, reason: String },
+    Connect {
+        urls: String,
+        kind: ConnectFailure,
+        reason: String,
+    },
     #[error(transparent)]
     Layout(#[from] kedge_journal::LayoutError),
     #[error("{what}: {reason}")]
@@ -67,20 +77,10 @@ pub struct Runtime {
 }
 
 impl Runtime {
-    /// Connects, checks (and creates where missing) the broker layout, and opens the stores.
+    /// Connects ([`connect_client`]: credentials, TLS, inbox prefix from `config.nats`), checks
+    /// (and creates where missing) the broker layout, and opens the stores.
     pub async fn connect(config: Config) -> Result<Runtime, RuntimeError> {
-        config.check()?;
-        let urls = config.nats_urls.join(",");
-        let client = async_nats::ConnectOptions::new()
-            .name(format!("kedge-{}", config.worker_id))
-            .retry_on_initial_connect()
-            .connection_timeout(std::time::Duration::from_secs(5))
-            .connect(config.nats_urls.clone())
-            .await
-            .map_err(|e| RuntimeError::Connect {
-                urls: urls.clone(),
-                reason: e.to_string(),
-            })?;
+        let client = connect_client(&config).await?;
         Self::from_client(config, client).await
     }
 
