@@ -29,7 +29,7 @@ use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use kedge_core::subjects::{self, RUNS_STREAM};
-use kedge_core::{Envelope, EventKind, RunId};
+use kedge_core::{Envelope, EventKind, EventType, RunId};
 use tracing::Instrument;
 
 use crate::error::JournalError;
@@ -75,6 +75,38 @@ pub struct Recorded {
 /// racing writers never share one.
 pub fn decision_msg_id(run: &RunId, expected_last: u64, index: usize, writer: &str) -> String {
     format!("d:{run}:{expected_last}:{index}:{writer}")
+}
+
+/// What a decision's `Nats-Msg-Id` says (see [`decision_msg_id`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionMsgId {
+    pub run: RunId,
+    /// The run's last decision when the writer appended (0: none yet).
+    pub expected_last: u64,
+    /// The decision's place in its group (0-based).
+    pub index: usize,
+    pub writer: String,
+}
+
+/// Parses a decision's `Nats-Msg-Id` (`d:<run>:<expected_last>:<index>:<writer>`); `None` for
+/// anything else. A message on a decision subject without one was not appended by
+/// [`Journal::append_decisions`]. The id is a claim, not a proof: it says which append the
+/// message presents itself as, and a reader can check that against where it was stored.
+pub fn parse_decision_msg_id(id: &str) -> Option<DecisionMsgId> {
+    let rest = id.strip_prefix("d:")?;
+    // A run id has no `:`; a writer may.
+    let (run, rest) = rest.split_once(':')?;
+    let (expected_last, rest) = rest.split_once(':')?;
+    let (index, writer) = rest.split_once(':')?;
+    if writer.is_empty() || expected_last.starts_with('+') || index.starts_with('+') {
+        return None;
+    }
+    Some(DecisionMsgId {
+        run: run.parse().ok()?,
+        expected_last: expected_last.parse().ok()?,
+        index: index.parse().ok()?,
+        writer: writer.to_owned(),
+    })
 }
 
 /// A header-safe token: non-empty, printable ASCII without spaces.
@@ -388,10 +420,37 @@ impl Journal {
         after: u64,
         max: usize,
     ) -> Result<ReadPage, JournalError> {
+        self.read_filtered(run, &subjects::run_all(run), after, max)
+            .await
+    }
+
+    /// Exactly the run's events of one type (`agent.run.<id>.<d|i>.<type>`), in order, with
+    /// the same consistency as [`Journal::read`]; costs what those events cost, not the whole
+    /// journal. E.g. the `tool.requested` decisions of a run, or its `run.created` (none: the
+    /// run does not exist).
+    pub async fn read_type(
+        &self,
+        run: &RunId,
+        event_type: EventType,
+    ) -> Result<Vec<Recorded>, JournalError> {
+        let filter = subjects::event(run, event_type);
+        Ok(self
+            .read_filtered(run, &filter, 0, usize::MAX)
+            .await?
+            .events)
+    }
+
+    /// [`Journal::read_at_most`] over `filter`, a subject filter inside the run's tree.
+    async fn read_filtered(
+        &self,
+        run: &RunId,
+        filter: &str,
+        after: u64,
+        max: usize,
+    ) -> Result<ReadPage, JournalError> {
         let op = "read";
         let max = max.max(1);
         let page_size = READ_PAGE.min(max);
-        let filter = subjects::run_all(run);
         let t = self.timeout;
         let leader_q = serde_json::json!({ "last_by_subj": filter });
         let (leader_last, first) = futures::join!(
@@ -399,7 +458,7 @@ impl Journal {
             wire::direct_batch(
                 &self.client,
                 RUNS_STREAM,
-                &filter,
+                filter,
                 after.saturating_add(1),
                 page_size,
                 t
@@ -446,7 +505,7 @@ impl Journal {
             page = wire::direct_batch(
                 &self.client,
                 RUNS_STREAM,
-                &filter,
+                filter,
                 reached.saturating_add(1),
                 page_size,
                 t,
@@ -676,6 +735,32 @@ mod tests {
             decision_msg_id(&run(), 7, 0, "a"),
             decision_msg_id(&run(), 7, 0, "b")
         );
+    }
+
+    #[test]
+    fn decision_msg_ids_parse_back() {
+        let id = decision_msg_id(&run(), 7, 2, "step:1");
+        assert_eq!(
+            parse_decision_msg_id(&id),
+            Some(DecisionMsgId {
+                run: run(),
+                expected_last: 7,
+                index: 2,
+                writer: "step:1".into(),
+            })
+        );
+        for bad in [
+            "",
+            "tool.result:op_x_1_0",
+            "d:run_j1:7:2:",
+            "d:run_j1:x:2:w",
+            "d:run_j1:+7:2:w",
+            "d:run_j1:7:-1:w",
+            "d:not a run:7:2:w",
+            "d:run_j1:7",
+        ] {
+            assert_eq!(parse_decision_msg_id(bad), None, "{bad}");
+        }
     }
 
     #[test]

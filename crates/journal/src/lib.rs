@@ -5,7 +5,8 @@
 //!   them with every flag Kedge relies on.
 //! - [`journal`]: [`Journal`] — decision appends (single writer, optimistic concurrency on the
 //!   run's decision subjects, atomic groups), input appends (deduplicated by `Nats-Msg-Id`),
-//!   exact reads after a sequence, live tails, last-sequence lookups.
+//!   exact reads after a sequence (of the whole run or of one event type), live tails,
+//!   last-sequence lookups.
 //! - [`lease`]: [`Leases`] — per-run leases with a TTL in `kedge_leases`, whose revision is a
 //!   fencing token.
 //! - [`error`]: [`JournalError`] and the [`ErrorKind`] callers branch on.
@@ -36,6 +37,8 @@ pub mod lease;
 mod wire;
 
 pub use error::{ErrorKind, JournalError};
-pub use journal::{Appended, Journal, ReadPage, Recorded, decision_msg_id};
+pub use journal::{
+    Appended, DecisionMsgId, Journal, ReadPage, Recorded, decision_msg_id, parse_decision_msg_id,
+};
 pub use layout::{LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout};
 pub use lease::{Lease, LeaseError, Leases, Released};

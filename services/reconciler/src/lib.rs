@@ -17,7 +17,9 @@
 //! request: it takes the operation's record over (compare-and-set: one taker wins, a replica's
 //! second request finds it held and is answered `busy`) and asks the tool's confirm query:
 //! confirmed → `outcome.confirmed`; not found → it runs again under the same operation id;
-//! ambiguous → `outcome.ambiguous` and the run waits in `unknown` for a person.
+//! ambiguous → `outcome.ambiguous` and the run waits in `unknown` for a person. The request only
+//! names the operation: the runner looks its `tool.requested` up in the journal and refuses
+//! (`{"handled":"refused"}`, logged here at warn) what the journal does not hold.
 //!
 //! What makes a run stall although every message is at-least-once: a wake acked by a worker that
 //! then failed before it could act (a bug, a lost lease at the wrong moment), or a state the
@@ -254,14 +256,32 @@ fn ask_to_resolve(rt: &Runtime, op: OperationId, payload: Vec<u8>) {
             .payload(payload.into())
             .timeout(Some(within));
         match client.send_request(subjects::TOOL_RESOLVE, request).await {
-            Ok(reply) => tracing::info!(
-                op = %op,
-                answer = %String::from_utf8_lossy(&reply.payload),
-                "stuck operation: tool runner answered"
-            ),
-            Err(e) => {
-                tracing::warn!(op = %op, error = %e, "stuck operation: no tool runner answered")
+            Ok(reply) => {
+                let answer = String::from_utf8_lossy(&reply.payload);
+                // The runner answers what handling it came to (`kedge_tool::Handled` as JSON).
+                // A refusal means the runner found no such decision in the journal: nothing ran.
+                if answer.contains(r#""handled":"refused""#) {
+                    tracing::warn!(
+                        run_id = %op.run(),
+                        op = %op,
+                        %answer,
+                        "stuck operation: the tool runner refused it as not journaled"
+                    );
+                } else {
+                    tracing::info!(
+                        run_id = %op.run(),
+                        op = %op,
+                        %answer,
+                        "stuck operation: tool runner answered"
+                    );
+                }
             }
+            Err(e) => tracing::warn!(
+                run_id = %op.run(),
+                op = %op,
+                error = %e,
+                "stuck operation: no tool runner answered"
+            ),
         }
     });
 }

@@ -26,11 +26,19 @@
 //! `cancel.requested` inputs on core NATS; the first reads the journal, so a missed notification
 //! at most lets an operation that already started run to its timeout.
 //!
+//! Nothing runs that the journal did not decide ([`verify`]): a delivered request must be a
+//! `tool.requested` decision of the run its subject, envelope and operation id all name, stored
+//! by the run's writer; a resolve request is only a pointer to the journaled `tool.requested` of
+//! the same operation and dispatch, which is what runs; a precondition query needs a run that
+//! exists and a tool its agent declares. A refused delivery is terminated (never redelivered), a
+//! refused resolve is answered `{"handled":"refused","reason":…}`; both are logged at warn.
+//!
 //! `ask_user` and `wait` are not executed here: the step service journals the question or the
 //! timer, and the answer or the timer's firing is the operation's result.
 
 pub mod builtin;
 pub mod target;
+pub mod verify;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -55,9 +63,10 @@ use tracing::Instrument;
 
 use crate::builtin::{Confirm, Output};
 use crate::target::{Ran, Target};
+use crate::verify::{CheckError, Stored};
 
-/// What handling one operation request came to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// What handling one operation request came to (the answer to a resolve request).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "handled", rename_all = "snake_case")]
 pub enum Handled {
     /// The tool ran and its result is journaled.
@@ -78,6 +87,8 @@ pub enum Handled {
     Released,
     /// A live runner holds it; ask again after `retry_in_ms`.
     Busy { retry_in_ms: u64 },
+    /// Nothing done: the request is not what the journal decided (see [`verify`]).
+    Refused { reason: String },
 }
 
 /// The stop signal of one running operation.
@@ -238,42 +249,40 @@ enum ToolError {
     Idempotency(#[from] IdempotencyError),
 }
 
-/// A request this service does not handle.
-#[derive(Debug, thiserror::Error)]
-enum NotARequest {
-    #[error("not an envelope: {0}")]
-    Envelope(#[from] kedge_core::event::EnvelopeError),
-    #[error("not a tool request with an operation id")]
-    NotToolRequest,
-}
-
-/// Parses a `tool.requested` envelope; `None` inside for the tools the step service handles.
-fn parse_request(
-    payload: &[u8],
-) -> Result<Option<(OperationId, ToolRequested, RunId)>, NotARequest> {
-    let envelope = Envelope::from_json_bytes(payload)?;
-    let (Event::ToolRequested(req), Some(op)) = (envelope.event, envelope.op) else {
-        return Err(NotARequest::NotToolRequest);
-    };
-    if handled_by_step(&req.tool) {
-        return Ok(None);
-    }
-    Ok(Some((op, req, envelope.run_id)))
-}
-
 async fn handle(ctx: &Ctx, msg: Message) {
-    let (op, req, run_id) = match parse_request(&msg.payload) {
-        Ok(Some(parsed)) => parsed,
-        Ok(None) => {
-            let _ = msg.ack().await;
-            return;
-        }
+    let envelope = match Envelope::from_json_bytes(&msg.payload) {
+        Ok(envelope) => envelope,
         Err(e) => {
-            tracing::error!(subject = %msg.subject, error = %e, "terminating");
+            tracing::error!(subject = %msg.subject, error = %e, "not an envelope; terminating");
             let _ = msg.ack_with(AckKind::Term).await;
             return;
         }
     };
+    let (run_id, claimed_op) = (envelope.run_id.clone(), envelope.op.clone());
+    let stored = msg.info().ok().map(|info| Stored {
+        stream: info.stream,
+        seq: info.stream_sequence,
+    });
+    let (op, req) =
+        match verify::delivered(msg.subject.as_str(), stored, msg.headers.as_ref(), envelope) {
+            Ok(checked) => checked,
+            Err(refusal) => {
+                // Never redelivered: it would be refused again, forever.
+                tracing::warn!(
+                    subject = %msg.subject,
+                    run_id = %run_id,
+                    op = claimed_op.as_ref().map(tracing::field::display),
+                    reason = %refusal,
+                    "refused: not a decision of the journal; terminating"
+                );
+                let _ = msg.ack_with(AckKind::Term).await;
+                return;
+            }
+        };
+    if handled_by_step(&req.tool) {
+        let _ = msg.ack().await;
+        return;
+    }
     let span = tracing::info_span!("tool", run_id = %run_id, op = %op, tool = %req.tool);
     let result = execute(ctx, &op, &req).instrument(span).await;
     let ack = match result {
@@ -295,28 +304,54 @@ async fn handle(ctx: &Ctx, msg: Message) {
 }
 
 /// Answers the reconciler's request to resolve an operation stuck in `running`: the same
-/// handling as a redelivered request; the reply says what it came to (or `{"error": …}`).
+/// handling as a redelivered request, of the operation's journaled `tool.requested` (the
+/// request only names it); the reply says what it came to (or `{"error": …}`).
 async fn answer_resolve(ctx: &Ctx, request: async_nats::Message) {
-    let reply = match parse_request(&request.payload) {
-        Ok(Some((op, req, run_id))) => {
-            let span = tracing::info_span!("resolve", run_id = %run_id, op = %op, tool = %req.tool);
-            match execute(ctx, &op, &req).instrument(span).await {
-                Ok(handled) => {
-                    tracing::info!(op = %op, ?handled, "resolved at the reconciler's request");
-                    serde_json::to_vec(&handled)
-                }
-                Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
-            }
+    let reply = match Envelope::from_json_bytes(&request.payload) {
+        Ok(claimed) => {
+            let span = tracing::info_span!(
+                "resolve",
+                run_id = %claimed.run_id,
+                op = claimed.op.as_ref().map(tracing::field::display),
+                tool = tracing::field::Empty,
+            );
+            resolve(ctx, claimed).instrument(span).await
         }
-        Ok(None) => serde_json::to_vec(
-            &serde_json::json!({"error": "handled by the step service, not a tool runner"}),
-        ),
         Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
     };
     if let (Some(to), Ok(body)) = (request.reply, reply)
         && let Err(e) = ctx.rt.client.publish(to, body.into()).await
     {
         tracing::warn!(error = %e, "cannot answer a resolve request");
+    }
+}
+
+async fn resolve(ctx: &Ctx, claimed: Envelope) -> Result<Vec<u8>, serde_json::Error> {
+    let (op, req) = match verify::journaled(&ctx.rt.journal, claimed).await {
+        Ok(checked) => checked,
+        Err(CheckError::Refused(refusal)) => {
+            tracing::warn!(reason = %refusal, "resolve request refused: not what the journal decided");
+            return serde_json::to_vec(&Handled::Refused {
+                reason: refusal.to_string(),
+            });
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot check a resolve request against the journal");
+            return serde_json::to_vec(&serde_json::json!({"error": e.to_string()}));
+        }
+    };
+    if handled_by_step(&req.tool) {
+        return serde_json::to_vec(
+            &serde_json::json!({"error": "handled by the step service, not a tool runner"}),
+        );
+    }
+    tracing::Span::current().record("tool", req.tool.as_str());
+    match execute(ctx, &op, &req).await {
+        Ok(handled) => {
+            tracing::info!(?handled, "resolved at the reconciler's request");
+            serde_json::to_vec(&handled)
+        }
+        Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
     }
 }
 
@@ -500,14 +535,37 @@ async fn journal_moved(
     .await
 }
 
-/// Answers a precondition query (`kedge.tool.inspect`) with the target's current version.
+/// Answers a precondition query (`kedge.tool.inspect`) with the target's current version, for a
+/// run that exists and a tool its agent declares (else `{"refused": reason}`). When that cannot
+/// be checked (broker trouble) there is no answer: the asker's timeout makes it ask again,
+/// where an error answer could be taken for "no version".
 async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
     let reply = match serde_json::from_slice::<TargetQuery>(&request.payload) {
         Ok(q) => {
-            let version = Target::of(&q.tool, &ctx.mcp)
-                .version(&ctx.env, &q.run_id, &q.arguments)
-                .await;
-            serde_json::to_vec(&TargetAnswer { version })
+            let span = tracing::info_span!("inspect", run_id = %q.run_id, tool = %q.tool);
+            match verify::inspectable(&ctx.rt.journal, &ctx.rt.agents, &q)
+                .instrument(span.clone())
+                .await
+            {
+                Ok(()) => {
+                    let version = Target::of(&q.tool, &ctx.mcp)
+                        .version(&ctx.env, &q.run_id, &q.arguments)
+                        .await;
+                    serde_json::to_vec(&TargetAnswer { version })
+                }
+                Err(CheckError::Refused(refusal)) => {
+                    span.in_scope(|| {
+                        tracing::warn!(reason = %refusal, "precondition query refused");
+                    });
+                    serde_json::to_vec(&serde_json::json!({"refused": refusal.to_string()}))
+                }
+                Err(e) => {
+                    span.in_scope(|| {
+                        tracing::warn!(error = %e, "cannot check a precondition query; not answering");
+                    });
+                    return;
+                }
+            }
         }
         Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
     };

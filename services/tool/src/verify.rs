@@ -1,0 +1,414 @@
+//! A tool runner executes nothing the journal did not decide (DESIGN principle 10: "nothing is
+//! executed that the run's single writer did not journal, whoever asks").
+//!
+//! Three ways reach a tool runner, and each is checked before anything runs, is confirm-queried
+//! or is taken over:
+//!
+//! - **The durable consumer** delivers a message stored in `KEDGE_RUNS`: the message *is* the
+//!   journal entry, so no read is needed ([`delivered`], no broker round trip). It must come from
+//!   the journal stream, on a decision subject `agent.run.<id>.d.tool.requested`; the subject's
+//!   run, the envelope's `run_id` and the run embedded in the operation id (`op_<run>_<step>_<i>`)
+//!   must agree, and the envelope's step must be the operation's; it must carry the writer's
+//!   `Nats-Msg-Id` (`d:<run>:<expected_last>:<index>:<writer>`, see
+//!   [`kedge_journal::decision_msg_id`]) for this run and for a place before its own sequence;
+//!   and its `args_digest` must be the digest of its arguments (the claim compares digests, so a
+//!   digest that does not describe the arguments would let other arguments pass as the
+//!   operation's).
+//! - **`kedge.tool.resolve`** (the reconciler's request for an operation stuck in `running`)
+//!   carries a `tool.requested` anyone could have written. It is only a pointer ([`journaled`]):
+//!   the runner reads the run's `tool.requested` decisions (one filtered read, not the whole
+//!   journal), finds the same operation and dispatch (`redispatch`), refuses when there is none
+//!   or when the request differs from it in any way, and executes the **journaled** event, never
+//!   the request's.
+//! - **`kedge.tool.inspect`** (the step's precondition query) runs nothing but reports where a
+//!   target is. It is asked *before* the operation is journaled (the answer goes into the
+//!   `approval.requested` that creates it), so there is nothing to match the query against yet;
+//!   [`inspectable`] requires that the run exists (its `run.created`) and that the tool is one
+//!   its agent revision declares, so nobody learns anything about the files of a run that does
+//!   not exist, or through a tool the run could not call.
+//!
+//! What this cannot tell is who wrote a decision. The writer appends with the
+//! expected-last-subject-sequence check, but a stored message does not prove its author: an
+//! identity allowed to publish on `agent.run.*.d.>` can append a `tool.requested` that is
+//! consistent in every way above, and the fold accepts it as the run's decision (the writer's
+//! next append then fails its sequence check and re-reads). Only the step service's identity may
+//! publish there (the broker's permissions). These checks make sure the resolve subject runs
+//! nothing the journal does not hold, and stop deliveries that present themselves as something
+//! they are not.
+
+use async_nats::HeaderMap;
+use kedge_core::EventKind;
+use kedge_core::event::{Digest, Envelope, Event, EventType, ToolRequested};
+use kedge_core::ids::{OperationId, RunId, StepNo};
+use kedge_core::subjects::{self, RUNS_STREAM, TargetQuery};
+use kedge_journal::{Journal, JournalError, Recorded, parse_decision_msg_id};
+use kedge_runtime::agents::{AgentError, AgentStore};
+
+/// Why a request was not acted on. Its text is the `reason` of the refusal.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("not a journal message: {0}")]
+    NotFromJournal(String),
+    #[error(
+        "`{subject}` is not a decision subject of tool.requested (agent.run.<id>.d.tool.requested)"
+    )]
+    NotADecisionSubject { subject: String },
+    #[error("a {event_type} envelope stored on `{subject}`")]
+    Misfiled {
+        event_type: EventType,
+        subject: String,
+    },
+    #[error("not a tool.requested with an operation id")]
+    NotAToolRequest,
+    #[error("the subject names run {subject} but the envelope {envelope}")]
+    RunMismatch { subject: RunId, envelope: RunId },
+    #[error("operation {op} belongs to run {}, not to {run}", op.run())]
+    ForeignOperation { op: OperationId, run: RunId },
+    #[error("operation {op} is of step {}, the envelope says step {step}", op.step())]
+    StepMismatch { op: OperationId, step: StepNo },
+    #[error("not appended by the run's writer: {0}")]
+    NotWriterAppend(String),
+    #[error("args_digest {claimed} is not the digest of the arguments ({actual})")]
+    ArgsDigest { claimed: Digest, actual: Digest },
+    #[error("run {0} does not exist")]
+    NoSuchRun(RunId),
+    #[error("the journal holds no tool.requested of {op} dispatch {dispatch}")]
+    NotJournaled { op: OperationId, dispatch: u32 },
+    #[error("the request's {what} differs from the journaled tool.requested of {op}")]
+    Differs { op: OperationId, what: &'static str },
+    #[error("run {run}'s agent does not declare the tool `{tool}`")]
+    UndeclaredTool { run: RunId, tool: String },
+}
+
+/// Why a check could not be made (the request is neither accepted nor refused).
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error(transparent)]
+    Agents(#[from] AgentError),
+}
+
+/// Where the consumer says a delivered message is stored.
+#[derive(Debug, Clone, Copy)]
+pub struct Stored<'a> {
+    pub stream: &'a str,
+    pub seq: u64,
+}
+
+/// Checks a `tool.requested` the durable consumer delivered (see the module docs) and returns
+/// its operation and request. `stored` is `None` when the message had no JetStream metadata.
+pub fn delivered(
+    subject: &str,
+    stored: Option<Stored<'_>>,
+    headers: Option<&HeaderMap>,
+    envelope: Envelope,
+) -> Result<(OperationId, ToolRequested), Refusal> {
+    let Some(stored) = stored else {
+        return Err(Refusal::NotFromJournal("no JetStream metadata".into()));
+    };
+    if stored.stream != RUNS_STREAM {
+        return Err(Refusal::NotFromJournal(format!(
+            "delivered from stream {}",
+            stored.stream
+        )));
+    }
+    let parsed = subjects::parse_event(subject)
+        .filter(|p| p.kind == EventKind::Decision && p.event_type == EventType::ToolRequested)
+        .ok_or_else(|| Refusal::NotADecisionSubject {
+            subject: subject.to_owned(),
+        })?;
+    if envelope.run_id != parsed.run_id {
+        return Err(Refusal::RunMismatch {
+            subject: parsed.run_id,
+            envelope: envelope.run_id,
+        });
+    }
+    if envelope.subject() != subject {
+        return Err(Refusal::Misfiled {
+            event_type: envelope.event_type(),
+            subject: subject.to_owned(),
+        });
+    }
+    let msg_id = headers
+        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+        .map(|v| v.as_str());
+    writer_append(&parsed.run_id, stored.seq, msg_id)?;
+    let (op, req) = request_of(envelope)?;
+    args_match(&req)?;
+    Ok((op, req))
+}
+
+/// Checks a `kedge.tool.resolve` request against the journal and returns the journaled
+/// operation and request: what runs, whatever the request said.
+pub async fn journaled(
+    journal: &Journal,
+    claimed: Envelope,
+) -> Result<(OperationId, ToolRequested), CheckError> {
+    let claimed_digest = claimed.digest.clone();
+    let (op, claim) = request_of(claimed)?;
+    let run = op.run();
+    let requests = journal.read_type(run, EventType::ToolRequested).await?;
+    let found = requests.into_iter().rev().find_map(|r| match r {
+        Recorded {
+            seq,
+            envelope:
+                Envelope {
+                    op: Some(o),
+                    event: Event::ToolRequested(req),
+                    digest,
+                    ..
+                },
+            msg_id,
+        } if o == op && req.redispatch == claim.redispatch => Some((seq, req, digest, msg_id)),
+        _ => None,
+    });
+    let Some((seq, journaled, journaled_digest, msg_id)) = found else {
+        return Err(match journal.last_seq(run).await? {
+            None => Refusal::NoSuchRun(run.clone()),
+            Some(_) => Refusal::NotJournaled {
+                op,
+                dispatch: claim.redispatch,
+            },
+        }
+        .into());
+    };
+    let differs = |what| Refusal::Differs {
+        op: op.clone(),
+        what,
+    };
+    if claim.tool != journaled.tool {
+        return Err(differs("tool").into());
+    }
+    if claim.args_digest != journaled.args_digest
+        || Digest::of_json(&claim.arguments) != journaled.args_digest
+    {
+        return Err(differs("arguments").into());
+    }
+    if claimed_digest != journaled_digest {
+        return Err(differs("data").into());
+    }
+    // The journal entry itself: the same checks as a delivered one (its subject, run and
+    // envelope were checked by the read).
+    writer_append(run, seq, msg_id.as_deref())?;
+    args_match(&journaled)?;
+    Ok((op, journaled))
+}
+
+/// Checks a precondition query: the run exists and its agent declares the tool.
+pub async fn inspectable(
+    journal: &Journal,
+    agents: &AgentStore,
+    query: &TargetQuery,
+) -> Result<(), CheckError> {
+    let run = &query.run_id;
+    let created = journal.read_type(run, EventType::RunCreated).await?;
+    let Some(Event::RunCreated(created)) = created.into_iter().next().map(|r| r.envelope.event)
+    else {
+        return Err(Refusal::NoSuchRun(run.clone()).into());
+    };
+    let def = agents
+        .at_revision(&created.agent, created.agent_revision)
+        .await?;
+    if !def.tools.iter().any(|t| t.name == query.tool) {
+        return Err(Refusal::UndeclaredTool {
+            run: run.clone(),
+            tool: query.tool.clone(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// The operation and request of a `tool.requested` envelope whose run is the operation's, and
+/// whose step (if it names one) is the operation's.
+fn request_of(envelope: Envelope) -> Result<(OperationId, ToolRequested), Refusal> {
+    let (Event::ToolRequested(req), Some(op)) = (envelope.event, envelope.op) else {
+        return Err(Refusal::NotAToolRequest);
+    };
+    if *op.run() != envelope.run_id {
+        return Err(Refusal::ForeignOperation {
+            op,
+            run: envelope.run_id,
+        });
+    }
+    if let Some(step) = envelope.step
+        && step != op.step()
+    {
+        return Err(Refusal::StepMismatch { op, step });
+    }
+    Ok((op, req))
+}
+
+/// The message at `seq` carries the id [`Journal::append_decisions`] gives a decision of `run`,
+/// appended after a decision that precedes it.
+fn writer_append(run: &RunId, seq: u64, msg_id: Option<&str>) -> Result<(), Refusal> {
+    let Some(msg_id) = msg_id else {
+        return Err(Refusal::NotWriterAppend("no Nats-Msg-Id".into()));
+    };
+    let Some(id) = parse_decision_msg_id(msg_id) else {
+        return Err(Refusal::NotWriterAppend(format!(
+            "`{msg_id}` is not a decision's Nats-Msg-Id"
+        )));
+    };
+    if id.run != *run {
+        return Err(Refusal::NotWriterAppend(format!(
+            "`{msg_id}` is a decision id of run {}",
+            id.run
+        )));
+    }
+    // A group is stored contiguously, after the decision its writer saw last.
+    let first = u64::try_from(id.index)
+        .ok()
+        .and_then(|i| seq.checked_sub(i));
+    if first.is_none_or(|first| first <= id.expected_last) {
+        return Err(Refusal::NotWriterAppend(format!(
+            "`{msg_id}` cannot be stored at sequence {seq}"
+        )));
+    }
+    Ok(())
+}
+
+/// The request's `args_digest` describes its arguments.
+fn args_match(req: &ToolRequested) -> Result<(), Refusal> {
+    let actual = Digest::of_json(&req.arguments);
+    if actual != req.args_digest {
+        return Err(Refusal::ArgsDigest {
+            claimed: req.args_digest.clone(),
+            actual,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kedge_core::event::{Draft, Timestamp};
+    use kedge_journal::decision_msg_id;
+
+    fn run(s: &str) -> RunId {
+        s.parse().expect("valid run id")
+    }
+
+    fn request(run_id: &RunId, op: &OperationId, args: serde_json::Value) -> Envelope {
+        Envelope::new(
+            run_id.clone(),
+            Timestamp::now(),
+            Draft::new(Event::ToolRequested(ToolRequested {
+                call_id: "c1".into(),
+                tool: "shell".into(),
+                args_digest: Digest::of_json(&args),
+                arguments: args,
+                redispatch: 0,
+                expect_version: None,
+                timeout_secs: None,
+            }))
+            .step(op.step())
+            .op(op.clone()),
+        )
+    }
+
+    fn headers(id: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(async_nats::header::NATS_MESSAGE_ID, id);
+        h
+    }
+
+    const AT: Stored<'static> = Stored {
+        stream: RUNS_STREAM,
+        seq: 10,
+    };
+
+    #[test]
+    fn a_journaled_decision_passes() {
+        let r = run("run_a");
+        let op = OperationId::new(&r, StepNo(1), 0);
+        let env = request(&r, &op, serde_json::json!({"command": "ls"}));
+        let h = headers(&decision_msg_id(&r, 9, 0, "step-1"));
+        let (got, req) = delivered(&env.subject(), Some(AT), Some(&h), env).expect("accepted");
+        assert_eq!(got, op);
+        assert_eq!(req.tool, "shell");
+    }
+
+    #[test]
+    fn forgeries_are_refused() {
+        let r = run("run_a");
+        let other = run("run_b");
+        let op = OperationId::new(&r, StepNo(1), 0);
+        let foreign = OperationId::new(&other, StepNo(1), 0);
+        let ok_id = headers(&decision_msg_id(&r, 9, 0, "step-1"));
+        let subject = subjects::event(&r, EventType::ToolRequested);
+        let check = |subject: &str, stored, h: Option<&HeaderMap>, env| {
+            delivered(subject, stored, h, env).expect_err("refused")
+        };
+        let env = || request(&r, &op, serde_json::json!({"command": "ls"}));
+
+        // Envelope of another run on this run's subject.
+        let e = check(
+            &subject,
+            Some(AT),
+            Some(&ok_id),
+            request(&other, &foreign, serde_json::json!({})),
+        );
+        assert!(matches!(e, Refusal::RunMismatch { .. }), "{e}");
+        // This run's envelope naming another run's operation.
+        let e = check(
+            &subject,
+            Some(AT),
+            Some(&ok_id),
+            request(&r, &foreign, serde_json::json!({})),
+        );
+        assert!(matches!(e, Refusal::ForeignOperation { .. }), "{e}");
+        // An input subject, or another stream.
+        let e = check(
+            &format!("agent.run.{r}.i.tool.result"),
+            Some(AT),
+            Some(&ok_id),
+            env(),
+        );
+        assert!(matches!(e, Refusal::NotADecisionSubject { .. }), "{e}");
+        let e = check(
+            &subject,
+            Some(Stored {
+                stream: "OTHER",
+                seq: 10,
+            }),
+            Some(&ok_id),
+            env(),
+        );
+        assert!(matches!(e, Refusal::NotFromJournal(_)), "{e}");
+        let e = check(&subject, None, Some(&ok_id), env());
+        assert!(matches!(e, Refusal::NotFromJournal(_)), "{e}");
+        // No writer's id, another run's, or one that cannot be at this sequence.
+        for h in [
+            None,
+            Some(headers("forged-1")),
+            Some(headers(&decision_msg_id(&other, 9, 0, "step-1"))),
+            Some(headers(&decision_msg_id(&r, 10, 0, "step-1"))),
+            Some(headers(&decision_msg_id(&r, 8, 2, "step-1"))),
+        ] {
+            let e = check(&subject, Some(AT), h.as_ref(), env());
+            assert!(matches!(e, Refusal::NotWriterAppend(_)), "{e}");
+        }
+        // A step that is not the operation's.
+        let mut stepped = env();
+        stepped.step = Some(StepNo(2));
+        let e = check(&subject, Some(AT), Some(&ok_id), stepped);
+        assert!(matches!(e, Refusal::StepMismatch { .. }), "{e}");
+        // An argument digest that does not describe the arguments.
+        let mut tampered = env();
+        if let Event::ToolRequested(req) = &mut tampered.event {
+            req.args_digest = Digest::of_json(&serde_json::json!({"command": "echo"}));
+        }
+        let tampered = Envelope::new(
+            r.clone(),
+            tampered.at,
+            Draft::new(tampered.event).step(op.step()).op(op.clone()),
+        );
+        let e = check(&subject, Some(AT), Some(&ok_id), tampered);
+        assert!(matches!(e, Refusal::ArgsDigest { .. }), "{e}");
+    }
+}
