@@ -10,7 +10,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::event::{Budget, Digest, ModelSpec, Risk};
-use crate::ids::AgentName;
+use crate::ids::{AgentName, TenantId};
 
 /// A versioned agent definition (the value stored in `kedge_agents`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -34,6 +34,20 @@ pub struct AgentDefinition {
     /// `max_tokens` sent with each model call.
     #[serde(default = "default_max_output_tokens")]
     pub max_output_tokens: u32,
+    /// Tenants that may start runs of this agent. Absent: every tenant (an open agent, the
+    /// right thing for a single-tenant deployment). To a tenant not listed, the agent does not
+    /// exist: its task is rejected as naming no such agent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenants: Option<Vec<TenantId>>,
+}
+
+impl AgentDefinition {
+    /// Whether `tenant` may start runs of this agent.
+    pub fn allows_tenant(&self, tenant: &TenantId) -> bool {
+        self.tenants
+            .as_ref()
+            .is_none_or(|allowed| allowed.contains(tenant))
+    }
 }
 
 fn default_max_output_tokens() -> u32 {

@@ -3,7 +3,7 @@
 //! Every service builds subjects through these functions, so the layout is stated once.
 
 use crate::event::{EventKind, EventType};
-use crate::ids::{AgentName, RunId};
+use crate::ids::{AgentName, RunId, TenantId};
 
 /// Task intake stream (work-queue retention), subjects `agent.task.>`.
 pub const TASKS_STREAM: &str = "KEDGE_TASKS";
@@ -39,9 +39,79 @@ pub struct TargetAnswer {
     pub version: Option<String>,
 }
 
-/// `agent.task.<agent>`: where clients publish tasks.
+/// `agent.task.<agent>`: where clients publish tasks (in Kedge's own account these are tasks of
+/// the default tenant; a tenant's tasks carry its name as a fifth token, see [`task_for`]).
 pub fn task(agent: &AgentName) -> String {
     format!("agent.task.{agent}")
+}
+
+/// The tenant of tasks whose subject names none (`agent.task.<agent>`).
+pub const DEFAULT_TENANT: &str = "default";
+
+/// `agent.task.<agent>.<tenant>`: a tenant's task inside Kedge's account. Tenants never write
+/// this subject themselves: the tenant gateway (which the server routes a tenant account's
+/// `agent.task.<agent>` to, with the tenant's name fixed by the server configuration) and the
+/// HTTP bridge (which authenticated the caller's token) do. The default tenant's tasks use
+/// [`task`].
+pub fn task_for(agent: &AgentName, tenant: &TenantId) -> String {
+    if tenant.as_str() == DEFAULT_TENANT {
+        task(agent)
+    } else {
+        format!("agent.task.{agent}.{tenant}")
+    }
+}
+
+/// What a task subject names: the agent and the tenant (the default tenant when the subject has
+/// no tenant token).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskSubject {
+    pub agent: AgentName,
+    pub tenant: TenantId,
+}
+
+/// Why a task subject is not `agent.task.<agent>[.<tenant>]`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{subject}` is not agent.task.<agent>[.<tenant>]: {reason}")]
+pub struct TaskSubjectError {
+    pub subject: String,
+    pub reason: String,
+}
+
+/// Parses `agent.task.<agent>` and `agent.task.<agent>.<tenant>`.
+pub fn parse_task(subject: &str) -> Result<TaskSubject, TaskSubjectError> {
+    let err = |reason: String| TaskSubjectError {
+        subject: subject.chars().take(200).collect(),
+        reason,
+    };
+    let rest = subject
+        .strip_prefix("agent.task.")
+        .ok_or_else(|| err("wrong prefix".into()))?;
+    let mut tokens = rest.split('.');
+    let agent = tokens
+        .next()
+        .unwrap_or_default()
+        .parse::<AgentName>()
+        .map_err(|e| err(e.to_string()))?;
+    let tenant = match tokens.next() {
+        None => DEFAULT_TENANT
+            .parse::<TenantId>()
+            .map_err(|e| err(e.to_string()))?,
+        Some(t) => t.parse::<TenantId>().map_err(|e| err(e.to_string()))?,
+    };
+    if tokens.next().is_some() {
+        return Err(err("too many tokens".into()));
+    }
+    Ok(TaskSubject { agent, tenant })
+}
+
+/// The prefix of the tenant gateway's subjects in Kedge's account: `kedge.t.<tenant>.…`. A
+/// tenant account imports `kedge.t.<its name>.>` (and only that), so a request arriving there
+/// was sent by a connection the server authenticated as that tenant.
+pub const GATEWAY_PREFIX: &str = "kedge.t";
+
+/// `kedge.t.<tenant>.>`: everything one tenant may ask of Kedge.
+pub fn gateway_all(tenant: &TenantId) -> String {
+    format!("{GATEWAY_PREFIX}.{tenant}.>")
 }
 
 /// `agent.run.<run_id>.>`: a run's whole journal.
@@ -120,5 +190,31 @@ mod tests {
         assert_eq!(parse_event("agent.run.run_abc.i.run.created"), None);
         assert_eq!(parse_event("agent.task.x"), None);
         assert_eq!(run_decisions(&run), "agent.run.run_abc.d.>");
+    }
+
+    #[test]
+    fn task_subjects_name_agent_and_tenant() {
+        let agent: AgentName = "helper".parse().expect("valid");
+        let acme: TenantId = "acme".parse().expect("valid");
+        let default: TenantId = DEFAULT_TENANT.parse().expect("valid");
+        assert_eq!(task_for(&agent, &acme), "agent.task.helper.acme");
+        assert_eq!(task_for(&agent, &default), "agent.task.helper");
+        for (s, tenant) in [
+            ("agent.task.helper", "default"),
+            ("agent.task.helper.acme", "acme"),
+        ] {
+            let parsed = parse_task(s).expect("parses");
+            assert_eq!(parsed.agent, agent);
+            assert_eq!(parsed.tenant.as_str(), tenant);
+        }
+        for bad in [
+            "agent.task.",
+            "agent.task.helper.acme.extra",
+            "agent.task.helper.",
+            "agent.run.x",
+            "agent.task.he*per",
+        ] {
+            assert!(parse_task(bad).is_err(), "{bad}");
+        }
     }
 }

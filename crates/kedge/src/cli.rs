@@ -13,6 +13,7 @@ use kedge_core::event::{
 };
 use kedge_core::ids::{AgentName, QuestionId, RunId};
 use kedge_core::task::TaskSubmission;
+use kedge_runtime::inputs::InputId;
 use kedge_runtime::{Config, Runtime};
 
 use crate::timeline;
@@ -160,6 +161,9 @@ pub enum Command {
     /// The configured MCP servers (`mcp_servers`).
     #[command(subcommand)]
     Mcp(McpCmd),
+    /// Write the secured nats-server configuration (accounts, least-privilege users, one account
+    /// per tenant) and each kind's nkey; see docs/SECURITY.md.
+    NatsConfig(crate::nats_config::NatsConfigArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -188,6 +192,8 @@ pub enum Service {
     Projector,
     /// The HTTP API and SSE (not part of `all`: it opens a port and needs tokens or open mode).
     Bridge,
+    /// The tenants' NATS API (`kedge.t.<tenant>.>`; part of `all`).
+    Gateway,
 }
 
 #[derive(Debug, Subcommand)]
@@ -268,6 +274,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
+        Command::NatsConfig(args) => {
+            crate::nats_config::run(&args)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Mcp(McpCmd::Tools { server }) => {
             let pool = kedge_mcp::Pool::new(config.mcp_servers.clone());
             if !pool.has_server(&server) {
@@ -346,7 +356,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Message { run, text } => {
             let rt = Runtime::connect(config).await?;
-            let key = format!("cli.message:{}", uuid_like());
+            let key = InputId::message(&run, None);
             send_input(&rt, &run, Event::UserMessage(UserMessage { text }), &key).await
         }
         Command::Answer {
@@ -355,7 +365,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             text,
         } => {
             let rt = Runtime::connect(config).await?;
-            let key = format!("answer:{question}");
+            let key = InputId::answer(&question);
             let event = Event::QuestionAnswered(QuestionAnswered {
                 question_id: question,
                 answer: text,
@@ -370,6 +380,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             comment,
             token,
         } => {
+            if !kedge_runtime::connect::protects_secrets(&config) {
+                bail!(
+                    "refusing to send an approver token over a connection without TLS to a \
+                     server that is not on this host; configure TLS (--tls-ca, tls:// URLs) or \
+                     decide as an approver user through the tenant gateway"
+                );
+            }
             let rt = Runtime::connect(config).await?;
             let body = kedge_approval::DecisionRequest {
                 approval_id: approval,
@@ -424,7 +441,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let env = Envelope::new(run.clone(), Timestamp::now(), draft);
             let seq = rt
                 .journal
-                .append_input(&env, &format!("outcome.resolved:{op}:{}", uuid_like()))
+                .append_input(&env, InputId::outcome_resolved(&op, &uuid_like()).as_str())
                 .await?;
             println!("journaled at {seq}");
             Ok(ExitCode::SUCCESS)
@@ -435,7 +452,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 reason,
                 by: Some("cli".into()),
             });
-            send_input(&rt, &run, event, &format!("cancel:{run}")).await
+            send_input(&rt, &run, event, &InputId::cancel(&run)).await
         }
     }
 }
@@ -448,13 +465,13 @@ async fn send_input(
     rt: &Runtime,
     run: &RunId,
     event: Event,
-    key: &str,
+    key: &InputId,
 ) -> anyhow::Result<ExitCode> {
     if rt.journal.last_seq(run).await?.is_none() {
         bail!("no run {run}");
     }
     let env = Envelope::new(run.clone(), Timestamp::now(), Draft::new(event));
-    match rt.journal.append_input(&env, key).await {
+    match rt.journal.append_input(&env, key.as_str()).await {
         Ok(seq) => println!("journaled at {seq}"),
         Err(kedge_journal::JournalError::Duplicate { seq }) => {
             println!("already journaled at {seq}")
@@ -508,6 +525,9 @@ pub async fn serve(
     }
     if wanted(Service::Approval) {
         tasks.spawn(kedge_approval::run(rt.clone(), stop(&tx)));
+    }
+    if wanted(Service::Gateway) {
+        tasks.spawn(kedge_gateway::run(rt.clone(), stop(&tx)));
     }
     tokio::spawn(async move {
         shutdown.await;

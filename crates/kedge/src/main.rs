@@ -4,6 +4,7 @@
 mod cli;
 mod demo;
 mod local_nats;
+mod nats_config;
 mod timeline;
 
 use std::process::ExitCode;

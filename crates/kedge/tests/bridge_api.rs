@@ -268,6 +268,10 @@ async fn submit_answer_revive_list_history_and_rebuild() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kedge"))
         .args(["runs", "rebuild"])
         .env("KEDGE_NATS_URL", h.nats.url())
+        .envs(common::kind_env(
+            &h.config,
+            kedge_runtime::secure::Kind::Admin,
+        ))
         .env("KEDGE_LOG", "warn")
         .output()
         .expect("kedge runs rebuild");

@@ -70,6 +70,13 @@ async fn approvals_and_callbacks_over_http() {
         .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
     assert_eq!(body["field"], "args_digest");
+    let writer = Api::new(&bridge.url(), Some(bridge_support::ACME_NO_APPROVE));
+    let (status, body) = writer.post(&path, &decision).await;
+    assert_eq!(
+        status,
+        StatusCode::FORBIDDEN,
+        "a write token without the approve scope: {body}"
+    );
     let (status, body) = acme.post(&path, &decision).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{body}");
     let (status, body) = acme.post(&path, &decision).await;

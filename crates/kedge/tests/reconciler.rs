@@ -47,13 +47,14 @@ async fn a_run_whose_wake_was_acked_but_never_acted_on_is_nudged_and_completes()
     assert_eq!(h.state(&run).await.status, RunStatus::Queued, "stalled");
 
     // Too early: the run's last event is younger than the stall threshold.
-    let early = kedge_reconciler::scan_once(&h.rt).await.expect("scan");
+    let rec = h.runtime_as(kedge_runtime::secure::Kind::Reconciler).await;
+    let early = kedge_reconciler::scan_once(&rec).await.expect("scan");
     assert!(early.nudged.is_empty());
     tokio::time::sleep(Duration::from_millis(3_600)).await;
     // Two replicas scan at once: one nudge.
     let (a, b) = tokio::join!(
-        kedge_reconciler::scan_once(&h.rt),
-        kedge_reconciler::scan_once(&h.rt)
+        kedge_reconciler::scan_once(&rec),
+        kedge_reconciler::scan_once(&rec)
     );
     let nudged = a.expect("scan").nudged.len() + b.expect("scan").nudged.len();
     assert_eq!(nudged, 1, "many replicas do not double-act");
@@ -70,7 +71,7 @@ async fn a_run_whose_wake_was_acked_but_never_acted_on_is_nudged_and_completes()
 
     // A run waiting for a person is not stalled, however long it waits.
     tokio::time::sleep(Duration::from_millis(3_600)).await;
-    let report = kedge_reconciler::scan_once(&h.rt).await.expect("scan");
+    let report = kedge_reconciler::scan_once(&rec).await.expect("scan");
     assert!(report.nudged.is_empty(), "{report:?}");
     assert_eq!(report.quiet, 1);
     let q = state.questions.keys().next().expect("a question").clone();
@@ -126,12 +127,13 @@ async fn the_reconciler_resolves_operations_stuck_in_running() {
             "{tool}: started, never finished"
         );
         // Young: the runner might be alive. Nothing is asked.
-        let early = kedge_reconciler::scan_once(&h.rt).await.expect("scan");
+        let rec = h.runtime_as(kedge_runtime::secure::Kind::Reconciler).await;
+        let early = kedge_reconciler::scan_once(&rec).await.expect("scan");
         assert!(early.resolving.is_empty(), "{tool}: {early:?}");
         tokio::time::sleep(Duration::from_millis(3_600)).await;
         let (a, b) = tokio::join!(
-            kedge_reconciler::scan_once(&h.rt),
-            kedge_reconciler::scan_once(&h.rt)
+            kedge_reconciler::scan_once(&rec),
+            kedge_reconciler::scan_once(&rec)
         );
         let (a, b) = (a.expect("scan"), b.expect("scan"));
         assert_eq!(a.resolving, vec![op.clone()], "{tool}");

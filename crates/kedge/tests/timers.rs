@@ -35,7 +35,7 @@ struct TimerService {
 
 impl TimerService {
     async fn start(config: &Config, worker: &str) -> TimerService {
-        let mut config = config.clone();
+        let mut config = common::as_kind(config, kedge_runtime::secure::Kind::Timer);
         config.worker_id = worker.to_owned();
         let rt = Runtime::connect(config).await.expect("timer runtime");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -79,8 +79,8 @@ pub async fn record_decision(
             comment: request.comment,
         })),
     );
-    let key = format!("approval.decided:{}", request.approval_id);
-    match rt.journal.append_input(&env, &key).await {
+    let key = crate::inputs::InputId::approval_decided(&request.approval_id);
+    match rt.journal.append_input(&env, key.as_str()).await {
         Ok(seq) => {
             tracing::info!(run_id = %run, approval = %request.approval_id, %approver, "approval decided");
             Ok(seq)

@@ -106,7 +106,7 @@ pub async fn deliver(
     };
     let seq = match rt
         .journal
-        .append_input(&env, &format!("callback:{key}:{id}"))
+        .append_input(&env, crate::inputs::InputId::callback(&key, &id).as_str())
         .await
     {
         Ok(seq) => seq,

@@ -675,9 +675,9 @@ impl BridgeConfig {
             .map(str::trim)
             .filter(|s| !s.is_empty())
             .map(|item| {
-                let (token, grant) = item
-                    .split_once('=')
-                    .ok_or_else(|| "expected `token=tenant[:read|write]`".to_owned())?;
+                let (token, grant) = item.split_once('=').ok_or_else(|| {
+                    "expected `token=tenant[:read|write|approve|write+approve]`".to_owned()
+                })?;
                 let (tenant, scope) = grant.split_once(':').unwrap_or((grant, "write"));
                 Ok(BridgeToken {
                     token: token.trim().to_owned(),
@@ -714,10 +714,16 @@ impl BridgeConfig {
                     format!("tenant `{}` is not 1-64 of [A-Za-z0-9_-]", t.tenant),
                 );
             }
-            if !matches!(t.scope.as_str(), "read" | "write") {
+            if !matches!(
+                t.scope.as_str(),
+                "read" | "write" | "approve" | "write+approve" | "approve+write"
+            ) {
                 return invalid(
                     "bridge.tokens",
-                    format!("scope `{}` is not `read` or `write`", t.scope),
+                    format!(
+                        "scope `{}` is not `read`, `write`, `approve` or `write+approve`",
+                        t.scope
+                    ),
                 );
             }
         }

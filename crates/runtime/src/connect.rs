@@ -329,9 +329,60 @@ pub async fn connect_client(config: &Config) -> Result<async_nats::Client, Runti
     }
 }
 
+/// Whether a secret sent over this connection (an approver token in a header) is safe from the
+/// network: TLS is required, or every server is on this host (loopback).
+pub fn protects_secrets(config: &Config) -> bool {
+    let n = &config.nats;
+    if n.tls_required || n.tls_ca.is_some() || n.tls_cert.is_some() {
+        return true;
+    }
+    config.nats_urls.iter().all(|url| {
+        let rest = strip_userinfo(url);
+        if rest.starts_with("tls://") {
+            return true;
+        }
+        let hostport = rest.split_once("://").map_or(rest.as_str(), |(_, r)| r);
+        let hostport = hostport.split('/').next().unwrap_or_default();
+        let host = match hostport.strip_prefix('[') {
+            Some(v6) => v6.split(']').next().unwrap_or_default(),
+            None => hostport.rsplit_once(':').map_or(hostport, |(h, _)| h),
+        };
+        host == "localhost"
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secrets_travel_only_over_tls_or_loopback() {
+        let with = |urls: &[&str]| Config {
+            nats_urls: urls.iter().map(|u| (*u).to_owned()).collect(),
+            ..Config::default()
+        };
+        for ok in [
+            &["nats://127.0.0.1:4222"][..],
+            &["nats://localhost:4222", "nats://[::1]:4223"],
+            &["tls://nats.example.com:4222"],
+            &["nats://127.0.0.2"],
+        ] {
+            assert!(protects_secrets(&with(ok)), "{ok:?}");
+        }
+        for bad in [
+            &["nats://nats.example.com:4222"][..],
+            &["nats://127.0.0.1:4222", "nats://10.0.0.5:4222"],
+            &["nats://u:p@192.0.2.1:4222"],
+        ] {
+            assert!(!protects_secrets(&with(bad)), "{bad:?}");
+        }
+        let mut c = with(&["nats://nats.example.com:4222"]);
+        c.nats.tls_required = true;
+        assert!(protects_secrets(&c));
+    }
 
     #[test]
     fn user_info_is_redacted_and_everything_else_kept() {

@@ -10,10 +10,15 @@
 //! - [`agents`]: agent definitions in `kedge_agents`.
 //! - [`approvals`]: recording a person's approval decision.
 //! - [`callbacks`]: delivering external callbacks to the runs that wait for them.
+//! - [`inputs`]: every input an outside party may append (message, answer, cancel, approval,
+//!   callback), validated and given its dedup id ([`inputs::InputId`]) in one place.
 //! - [`idempotency`]: stored model responses and tool operation records in `kedge_idempotency`.
 //! - [`consumer`]: durable pull consumers from `nats/consumers/*.json`.
 //! - [`tasks`]: the client side of the task protocol (submit, intake's answer).
+//! - [`view`]: what clients see of a run (public events, event JSON, the run view), shared by the
+//!   HTTP bridge and the tenant gateway.
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
+//! - [`secure`]: the secured broker configuration (accounts, least-privilege users), rendered.
 //!
 //! Invariant: a service never starts against a broker that failed the layout check
 //! ([`Runtime::connect`] refuses), so no code below has to wonder whether a flag is set.
@@ -26,7 +31,10 @@ pub mod connect;
 pub mod consumer;
 pub mod failpoint;
 pub mod idempotency;
+pub mod inputs;
+pub mod secure;
 pub mod tasks;
+pub mod view;
 
 use std::sync::Arc;
 

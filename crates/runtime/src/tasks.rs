@@ -9,15 +9,16 @@ use kedge_core::event::Digest;
 use kedge_core::ids::{RunId, TenantId};
 use kedge_core::task::{TaskRejection, TaskSubmission};
 
-/// Header naming the tenant of a task (set by the bridge from the caller's token; `default`
-/// when absent).
-pub const TENANT_HEADER: &str = "Kedge-Tenant";
-/// Header naming who submitted the task.
+/// Header naming who submitted the task (informational: recorded as the bundle's `caller`; set
+/// by the bridge from the caller's token and by the tenant gateway from the authenticated user).
 pub const CALLER_HEADER: &str = "Kedge-Caller";
-/// Header naming where intake should answer.
+/// Header naming where intake should answer: an inbox subject (`_INBOX.…` or the configured
+/// inbox prefix); intake publishes nowhere else.
 pub const REPLY_HEADER: &str = "Kedge-Reply-To";
-/// The tenant of tasks that name none.
-pub const DEFAULT_TENANT: &str = "default";
+/// The tenant of tasks whose subject names none. The tenant is never read from a header: it is
+/// the subject's fifth token (`agent.task.<agent>.<tenant>`, see
+/// [`kedge_core::subjects::task_for`]).
+pub use kedge_core::subjects::DEFAULT_TENANT;
 
 /// What intake answers a task with.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -69,8 +70,8 @@ pub struct Submission<'a> {
     pub caller: Option<&'a str>,
 }
 
-/// Publishes a task to `agent.task.<agent>` with the idempotency key and waits up to `wait` for
-/// intake's answer (the client side of the protocol in the module docs).
+/// Publishes a task to `agent.task.<agent>[.<tenant>]` with the idempotency key and waits up to
+/// `wait` for intake's answer (the client side of the protocol in the module docs).
 pub async fn submit(
     client: &async_nats::Client,
     submission: &Submission<'_>,
@@ -78,9 +79,13 @@ pub async fn submit(
 ) -> Result<Answer, SubmitError> {
     let body =
         serde_json::to_vec(submission.task).map_err(|e| SubmitError::Publish(e.to_string()))?;
+    let tenant: TenantId = submission
+        .tenant
+        .parse()
+        .map_err(|e: kedge_core::ids::IdError| SubmitError::Publish(e.to_string()))?;
     submit_raw(
         client,
-        &kedge_core::subjects::task(&submission.task.agent),
+        &kedge_core::subjects::task_for(&submission.task.agent, &tenant),
         body.into(),
         submission,
         wait,
@@ -105,7 +110,6 @@ pub async fn submit_raw(
         .map_err(|e| SubmitError::Publish(e.to_string()))?;
     let mut headers = HeaderMap::new();
     headers.insert(REPLY_HEADER, inbox.as_str());
-    headers.insert(TENANT_HEADER, submission.tenant);
     headers.insert("Nats-Msg-Id", submission.key);
     if let Some(caller) = submission.caller {
         headers.insert(CALLER_HEADER, caller);

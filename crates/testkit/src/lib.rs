@@ -103,6 +103,10 @@ pub struct ServerOptions {
     pub extra_config: String,
     /// Set `jetstream { sync_interval: always }`: fsync every write before acknowledging it.
     pub sync_always: bool,
+    /// User and password of a user that may ask for JetStream account info, for a server whose
+    /// `extra_config` defines accounts (no anonymous connections): the readiness probe and
+    /// [`NatsServer::client`] connect as this user.
+    pub probe_user: Option<(String, String)>,
 }
 
 /// A single JetStream-enabled `nats-server` process on a loopback port, with a temporary store.
@@ -193,7 +197,8 @@ impl NatsServer {
     /// If the connection fails.
     pub async fn client(&self) -> async_nats::Client {
         let url = self.url();
-        async_nats::connect(url.as_str())
+        connect_options(self.node.opts.probe_user.as_ref())
+            .connect(url.as_str())
             .await
             .unwrap_or_else(|e| panic!("connect to test nats-server at {url}: {e}"))
     }
@@ -643,7 +648,7 @@ async fn wait_ready(mut nodes: Vec<&mut Node>, timeout: Duration) -> Result<(), 
         }
         for (node, ready) in nodes.iter().zip(ready.iter_mut()) {
             if !*ready {
-                *ready = probe(&node.url()).await;
+                *ready = probe(&node.url(), node.opts.probe_user.as_ref()).await;
             }
         }
         if ready.iter().all(|r| *r) {
@@ -674,9 +679,17 @@ async fn wait_ready(mut nodes: Vec<&mut Node>, timeout: Duration) -> Result<(), 
 
 /// One readiness probe: connect and ask JetStream for the account info (this needs JetStream up
 /// and, in a cluster, a meta leader).
-async fn probe(url: &str) -> bool {
+/// Connect options with the probe user's credentials, if any.
+fn connect_options(user: Option<&(String, String)>) -> async_nats::ConnectOptions {
+    match user {
+        Some((u, p)) => async_nats::ConnectOptions::with_user_and_password(u.clone(), p.clone()),
+        None => async_nats::ConnectOptions::new(),
+    }
+}
+
+async fn probe(url: &str, user: Option<&(String, String)>) -> bool {
     let attempt = async {
-        let client = async_nats::ConnectOptions::new()
+        let client = connect_options(user)
             .connection_timeout(PROBE_TIMEOUT)
             .connect(url)
             .await

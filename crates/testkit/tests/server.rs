@@ -112,6 +112,7 @@ async fn options_reach_the_config() {
     let server = NatsServer::start_with(ServerOptions {
         extra_config: "max_payload: 2MB".to_owned(),
         sync_always: true,
+        ..Default::default()
     })
     .await;
     let client = server.client().await;
@@ -313,6 +314,7 @@ fn a_server_that_cannot_start_panics_with_its_log() {
         runtime.block_on(NatsServer::start_with(ServerOptions {
             extra_config: "no_such_option_in_nats: {{{".to_owned(),
             sync_always: false,
+            ..Default::default()
         }))
     })
     .join();

@@ -16,13 +16,12 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use kedge_core::event::{
-    CancelRequested, Draft, Envelope, Event, QuestionAnswered, Timestamp, UserMessage,
-};
+use kedge_core::event::Event;
 use kedge_core::ids::{QuestionId, RunId};
 use kedge_core::task::{MAX_INPUT_BYTES, MAX_TASK_BYTES, TaskSubmission};
 use kedge_core::{RunState, RunStatus};
-use kedge_journal::{JournalError, Recorded};
+use kedge_journal::Recorded;
+use kedge_runtime::inputs;
 use kedge_runtime::tasks::{Answer, Submission, SubmitError};
 use serde_json::{Map, Value, json};
 
@@ -230,7 +229,7 @@ pub(crate) async fn submit(
     let wait = Duration::from_millis(bridge.config.intake_wait_ms);
     let answer = kedge_runtime::tasks::submit_raw(
         &bridge.rt.client,
-        &kedge_core::subjects::task(&task.agent),
+        &kedge_core::subjects::task_for(&task.agent, &caller.tenant),
         raw,
         &submission,
         wait,
@@ -497,13 +496,38 @@ fn sse_response(body: Body) -> Response {
     r
 }
 
-/// Appends an input; a duplicate (same `Nats-Msg-Id`) is reported, not an error.
-async fn append(bridge: &Bridge, run: &RunId, event: Event, msg_id: &str) -> Result<(u64, bool)> {
-    let env = Envelope::new(run.clone(), Timestamp::now(), Draft::new(event));
-    match bridge.rt.journal.append_input(&env, msg_id).await {
-        Ok(seq) => Ok((seq, false)),
-        Err(JournalError::Duplicate { seq }) => Ok((seq, true)),
-        Err(e) => Err(e.into()),
+/// The HTTP form of an input's refusal.
+fn refused(r: inputs::Refusal) -> Problem {
+    use inputs::Refusal as R;
+    match r {
+        R::NotFound { field, reason } => {
+            let p = Problem::not_found(reason);
+            match field {
+                Some(f) => p.with_field(f),
+                None => p,
+            }
+        }
+        R::Conflict {
+            code,
+            field,
+            reason,
+        } => {
+            let p = Problem::conflict(code, reason);
+            match field {
+                Some(f) => p.with_field(f),
+                None => p,
+            }
+        }
+        R::Invalid { field, reason } => Problem::invalid(field, reason),
+        R::Gone { field, reason } => Problem::new(
+            StatusCode::GONE,
+            "callback-expired",
+            "Callback expired",
+            reason,
+        )
+        .with_field(field),
+        R::Unavailable { reason } => Problem::unavailable(reason, 1),
+        R::Internal { reason } => Problem::internal(reason),
     }
 }
 
@@ -522,26 +546,11 @@ pub(crate) async fn message(
     let text = text(&obj, "text", true, MAX_INPUT_BYTES)?.unwrap_or_default();
     let key = idempotency_key(&headers)?;
     let events = owned_run(&bridge, &caller, &run).await?;
-    let state = fold(&run, &events)?;
-    if state.status == RunStatus::Cancelled {
-        return Err(Problem::conflict(
-            "run-cancelled",
-            format!("run {run} is cancelled; it takes no more messages"),
-        ));
-    }
-    let msg_id = format!(
-        "msg:{run}:{}",
-        key.unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string())
-    );
-    let (seq, duplicate) = append(
-        &bridge,
-        &run,
-        Event::UserMessage(UserMessage { text }),
-        &msg_id,
-    )
-    .await?;
+    let done = inputs::message(&bridge.rt, &run, &events, text, key.as_deref())
+        .await
+        .map_err(refused)?;
     Ok(accepted(
-        json!({ "run_id": run, "seq": seq, "duplicate": duplicate, "links": Links::for_run(&run) }),
+        json!({ "run_id": run, "seq": done.seq, "duplicate": done.duplicate, "links": Links::for_run(&run) }),
     ))
 }
 
@@ -561,70 +570,14 @@ pub(crate) async fn answer(
     let obj = object(&raw, &["answer"], false)?;
     let text = text(&obj, "answer", true, MAX_INPUT_BYTES)?.unwrap_or_default();
     let events = owned_run(&bridge, &caller, &run).await?;
-    let state = fold(&run, &events)?;
-    let Some(q) = state.questions.get(&question) else {
-        return Err(
-            Problem::not_found(format!("run {run} asked no question {question}"))
-                .with_field("question_id"),
-        );
-    };
-    if let Some(given) = &q.answer {
-        // A retry of the same answer is the same request; another answer is a conflict.
-        if *given == text {
-            return Ok(accepted(
-                json!({ "run_id": run, "question_id": question, "duplicate": true }),
-            ));
-        }
-        return Err(Problem::conflict(
-            "question-not-open",
-            format!("question {question} was already answered"),
-        )
-        .with_field("question_id"));
+    let done = inputs::answer(&bridge.rt, &run, &events, &question, text)
+        .await
+        .map_err(refused)?;
+    let mut body = json!({ "run_id": run, "question_id": question, "duplicate": done.duplicate });
+    if done.seq > 0 {
+        body["seq"] = json!(done.seq);
     }
-    if q.timed_out {
-        return Err(Problem::conflict(
-            "question-not-open",
-            format!("question {question} timed out unanswered"),
-        )
-        .with_field("question_id"));
-    }
-    if state.status.is_terminal() {
-        return Err(Problem::conflict(
-            "question-not-open",
-            format!("run {run} is {}; its questions are closed", state.status),
-        )
-        .with_field("question_id"));
-    }
-    let (seq, duplicate) = append(
-        &bridge,
-        &run,
-        Event::QuestionAnswered(QuestionAnswered {
-            question_id: question.clone(),
-            answer: text.clone(),
-        }),
-        &format!("answer:{question}"),
-    )
-    .await?;
-    if duplicate {
-        // Someone answered between our read and our append: same answer, or a conflict.
-        let events = bridge.rt.journal.read(&run, 0).await?;
-        let state = fold(&run, &events)?;
-        let same = state
-            .questions
-            .get(&question)
-            .and_then(|q| q.answer.as_deref())
-            == Some(text.as_str());
-        if !same {
-            return Err(Problem::conflict(
-                "question-not-open",
-                format!("question {question} was already answered"),
-            )
-            .with_field("question_id"));
-        }
-    }
-    Ok(accepted(
-        json!({ "run_id": run, "question_id": question, "seq": seq, "duplicate": duplicate }),
-    ))
+    Ok(accepted(body))
 }
 
 /// `POST /v1/runs/{id}/cancel`
@@ -640,37 +593,24 @@ pub(crate) async fn cancel(
     let obj = object(&raw, &["reason"], true)?;
     let reason = text(&obj, "reason", false, 4096)?.unwrap_or_else(|| "cancelled over HTTP".into());
     let events = owned_run(&bridge, &caller, &run).await?;
-    let state = fold(&run, &events)?;
-    if state.status.is_terminal() {
-        return Err(Problem::conflict(
-            "run-ended",
-            format!("run {run} is already {}", state.status),
-        ));
-    }
-    let (seq, duplicate) = append(
-        &bridge,
-        &run,
-        Event::CancelRequested(CancelRequested {
-            reason,
-            by: Some(caller.name.clone()),
-        }),
-        &format!("cancel:{run}"),
-    )
-    .await?;
+    let done = inputs::cancel(&bridge.rt, &run, &events, reason, Some(caller.name.clone()))
+        .await
+        .map_err(refused)?;
     Ok(accepted(
-        json!({ "run_id": run, "seq": seq, "duplicate": duplicate, "links": Links::for_run(&run) }),
+        json!({ "run_id": run, "seq": done.seq, "duplicate": done.duplicate, "links": Links::for_run(&run) }),
     ))
 }
 
 /// `POST /v1/runs/{id}/approvals/{approval_id}`: a decision on an approval, with the argument
-/// digest the approver was shown; the caller (its token's name) is the approver.
+/// digest the approver was shown; the caller (its token's name) is the approver. Needs a token
+/// with the `approve` scope.
 pub(crate) async fn approve(
     State(bridge): State<Bridge>,
     caller: Caller,
     Path((id, aid)): Path<(String, String)>,
     raw: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Response> {
-    caller.require_write()?;
+    caller.require_approve()?;
     let run = run_id(&id)?;
     let approval: kedge_core::ids::ApprovalId = aid
         .parse()
@@ -700,17 +640,12 @@ pub(crate) async fn approve(
         args_digest,
         comment,
     };
-    match kedge_runtime::approvals::record_decision(&bridge.rt, &run, &caller.name, request).await {
-        Ok(seq) => Ok(accepted(
-            json!({ "run_id": run, "approval_id": approval, "seq": seq, "links": Links::for_run(&run) }),
-        )),
-        Err(r) => Err(match r.code {
-            404 => Problem::not_found(r.reason).with_field("approval_id"),
-            409 => Problem::conflict("approval-not-open", r.reason).with_field("approval_id"),
-            503 => Problem::unavailable(r.reason, 1),
-            _ => Problem::internal(r.reason),
-        }),
-    }
+    let seq = inputs::approve(&bridge.rt, &run, &caller.name, request)
+        .await
+        .map_err(refused)?;
+    Ok(accepted(
+        json!({ "run_id": run, "approval_id": approval, "seq": seq, "links": Links::for_run(&run) }),
+    ))
 }
 
 /// `POST /v1/callbacks/{key}`: an external event for a correlation key; the body (any JSON) is
@@ -722,7 +657,7 @@ pub(crate) async fn callback(
     headers: HeaderMap,
     raw: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Response> {
-    use kedge_runtime::callbacks::{Delivery, deliver};
+    use kedge_runtime::callbacks::Delivery;
     caller.require_write()?;
     let raw = body(raw, bridge.config.max_body_bytes)?;
     let payload: Value = if raw.is_empty() {
@@ -730,24 +665,19 @@ pub(crate) async fn callback(
     } else {
         serde_json::from_slice(&raw).map_err(|e| Problem::malformed("body", e.to_string()))?
     };
-    // A key of another tenant's run is answered as unknown, like a missing one.
-    if let Some(op) = key
-        .parse::<kedge_core::ids::CallbackKey>()
-        .ok()
-        .and_then(|k| k.operation())
-        && owned_run(&bridge, &caller, op.run()).await.is_err()
-    {
-        return Err(
-            Problem::not_found(format!("no run waits for callback key {key}")).with_field("key"),
-        );
-    }
     let delivery_id = headers
         .get("Kedge-Delivery-Id")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let delivery = deliver(&bridge.rt, &key, payload, delivery_id.as_deref())
-        .await
-        .map_err(|e| Problem::unavailable(e.to_string(), 1))?;
+    let delivery = inputs::callback(
+        &bridge.rt,
+        &caller.tenant,
+        &key,
+        payload,
+        delivery_id.as_deref(),
+    )
+    .await
+    .map_err(refused)?;
     let body = serde_json::to_value(&delivery).unwrap_or(Value::Null);
     Ok(match delivery {
         Delivery::Accepted { .. } | Delivery::Early { .. } => accepted(body),

@@ -1,8 +1,10 @@
 //! Bearer tokens mapped to tenants.
 //!
 //! A request carries `Authorization: Bearer <token>` (or, for `EventSource`, which cannot set
-//! headers, `?access_token=<token>` on a GET). The token names a tenant and a scope (`write`:
-//! everything; `read`: GETs only). A tenant sees and acts on only its own runs: the run's tenant is
+//! headers, `?access_token=<token>` on a GET). The token names a tenant and a scope (`read`: GETs
+//! only; `write`: also submit, message, answer, cancel, deliver callbacks; `approve`: read and
+//! decide approvals; `write+approve`: both). Deciding approvals is its own scope, so the token an
+//! application submits with cannot approve what its own runs ask for. A tenant sees and acts on only its own runs: the run's tenant is
 //! the one `run.created` froze, and another tenant's run answers 404, exactly like a run that does
 //! not exist, so run ids cannot be probed.
 //!
@@ -24,6 +26,29 @@ use crate::problem::Problem;
 pub enum Scope {
     Read,
     Write,
+    Approve,
+    WriteApprove,
+}
+
+impl Scope {
+    /// `read`, `write`, `approve` or `write+approve`.
+    pub fn parse(s: &str) -> Option<Scope> {
+        match s {
+            "read" => Some(Scope::Read),
+            "write" => Some(Scope::Write),
+            "approve" => Some(Scope::Approve),
+            "write+approve" | "approve+write" => Some(Scope::WriteApprove),
+            _ => None,
+        }
+    }
+
+    pub fn can_write(self) -> bool {
+        matches!(self, Scope::Write | Scope::WriteApprove)
+    }
+
+    pub fn can_approve(self) -> bool {
+        matches!(self, Scope::Approve | Scope::WriteApprove)
+    }
 }
 
 /// Who is calling: the tenant they act for and what they may do.
@@ -38,13 +63,23 @@ pub struct Caller {
 impl Caller {
     /// 403 unless the caller may change runs.
     pub fn require_write(&self) -> Result<(), Problem> {
-        match self.scope {
-            Scope::Write => Ok(()),
-            Scope::Read => Err(Problem::forbidden(
-                "this token is read-only; submitting, messaging, answering and cancelling need a \
-                 write token",
-            )),
+        if self.scope.can_write() {
+            return Ok(());
         }
+        Err(Problem::forbidden(
+            "this token cannot write; submitting, messaging, answering and cancelling need a \
+             token with the write scope",
+        ))
+    }
+
+    /// 403 unless the caller may decide approvals (scope `approve`).
+    pub fn require_approve(&self) -> Result<(), Problem> {
+        if self.scope.can_approve() {
+            return Ok(());
+        }
+        Err(Problem::forbidden(
+            "deciding approvals needs a token with the approve scope",
+        ))
     }
 }
 
@@ -79,15 +114,12 @@ impl Auth {
                 .tenant
                 .parse()
                 .map_err(|e: kedge_core::ids::IdError| AuthConfigError::Invalid(e.to_string()))?;
-            let scope = match t.scope.as_str() {
-                "read" => Scope::Read,
-                "write" => Scope::Write,
-                other => {
-                    return Err(AuthConfigError::Invalid(format!(
-                        "scope `{other}` is not read or write"
-                    )));
-                }
-            };
+            let scope = Scope::parse(&t.scope).ok_or_else(|| {
+                AuthConfigError::Invalid(format!(
+                    "scope `{}` is not read, write, approve or write+approve",
+                    t.scope
+                ))
+            })?;
             let d = digest(&t.token);
             let hex: String = d[..4].iter().map(|b| format!("{b:02x}")).collect();
             by_digest.insert(
@@ -107,7 +139,7 @@ impl Auth {
                     .map_err(|e: kedge_core::ids::IdError| {
                         AuthConfigError::Invalid(e.to_string())
                     })?,
-                scope: Scope::Write,
+                scope: Scope::WriteApprove,
                 name: "open-mode".into(),
             })
         } else {
@@ -195,6 +227,11 @@ mod tests {
                     tenant: "acme".into(),
                     scope: "read".into(),
                 },
+                BridgeToken {
+                    token: "approve-token-0123456789".into(),
+                    tenant: "acme".into(),
+                    scope: "approve".into(),
+                },
             ],
             open,
             ..BridgeConfig::default()
@@ -218,6 +255,18 @@ mod tests {
             .expect("known");
         assert_eq!(c.tenant.as_str(), "acme");
         assert!(c.require_write().is_ok());
+        assert_eq!(
+            c.require_approve().map_err(|p| p.status),
+            Err(403),
+            "write does not approve"
+        );
+        let a = auth
+            .authenticate(&Method::POST, &bearer("approve-token-0123456789"), None)
+            .expect("known");
+        assert!(a.require_approve().is_ok());
+        assert_eq!(a.require_write().map_err(|p| p.status), Err(403));
+        assert_eq!(Scope::parse("write+approve"), Some(Scope::WriteApprove));
+        assert_eq!(Scope::parse("admin"), None);
         let r = auth
             .authenticate(&Method::GET, &bearer("read-token-0123456789"), None)
             .expect("known");

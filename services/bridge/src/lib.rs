@@ -25,7 +25,7 @@ pub mod problem;
 pub mod projection;
 pub mod sse;
 pub mod tenants;
-pub mod view;
+pub use kedge_runtime::view;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -21,7 +21,16 @@
 //!
 //! Answers go to the subject in the task's `Kedge-Reply-To` header (a JetStream publish's own
 //! reply subject carries the broker's ack, so it cannot carry ours): `{"run_id": …}` or
-//! `{"error": {"field": …, "reason": …}}`.
+//! `{"error": {"field": …, "reason": …}}`. Only inbox subjects are answered (`_INBOX.…`, or the
+//! configured inbox prefix): a task cannot make intake publish anywhere else.
+//!
+//! The tenant of a task is the subject's fifth token (`agent.task.<agent>.<tenant>`; none means
+//! the default tenant), never a header: in a secured deployment only the tenant gateway (to
+//! which the server routes a tenant account's `agent.task.<agent>` with the tenant fixed by the
+//! server configuration) and the bridge (which authenticated the caller's token) may publish
+//! those subjects. A tenant may start an agent only if the definition allows it
+//! ([`kedge_core::agent::AgentDefinition::allows_tenant`]); to any other tenant the agent does
+//! not exist.
 
 use std::future::Future;
 use std::time::Duration;
@@ -30,15 +39,16 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::{AckKind, Message};
 use futures::StreamExt;
 use kedge_core::event::{Draft, Envelope, Event, RunCreated, Timestamp};
-use kedge_core::ids::{RunId, TenantId};
+use kedge_core::ids::RunId;
+use kedge_core::subjects::{self, TaskSubject};
 use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::JournalError;
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
 pub use kedge_runtime::tasks::{
-    Answer, CALLER_HEADER, DEFAULT_TENANT, REPLY_HEADER, Submission, SubmitError, TENANT_HEADER,
-    derive_run_id, submit, submit_raw,
+    Answer, CALLER_HEADER, DEFAULT_TENANT, REPLY_HEADER, Submission, SubmitError, derive_run_id,
+    submit, submit_raw,
 };
 
 /// Runs intake until `shutdown` resolves.
@@ -124,7 +134,15 @@ fn header<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
 
 async fn handle(rt: &Runtime, msg: Message) {
     let headers = msg.headers.as_ref();
-    let reply_to = header(headers, REPLY_HEADER).map(str::to_owned);
+    let reply_to = header(headers, REPLY_HEADER)
+        .filter(|r| {
+            let inbox = is_inbox(r, &rt.config);
+            if !inbox {
+                tracing::warn!(reply_to = %r.chars().take(200).collect::<String>(), "Kedge-Reply-To is not an inbox subject; not answering there");
+            }
+            inbox
+        })
+        .map(str::to_owned);
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
     let answer = match accept(rt, &msg, seq).await {
         Ok(run_id) => {
@@ -164,31 +182,37 @@ async fn handle(rt: &Runtime, msg: Message) {
 async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal> {
     let headers = msg.headers.as_ref();
     let task = TaskSubmission::parse(&msg.payload).map_err(Refusal::Reject)?;
-    let subject_agent = msg.subject.strip_prefix("agent.task.").unwrap_or("");
-    if subject_agent != task.agent.as_str() {
+    let TaskSubject {
+        agent: subject_agent,
+        tenant,
+    } = subjects::parse_task(&msg.subject)
+        .map_err(|e| Refusal::Reject(TaskRejection::new("subject", e.to_string())))?;
+    if subject_agent != task.agent {
         return Err(Refusal::Reject(TaskRejection::new(
             "agent",
             format!(
-                "the task names agent `{}` but was published to agent.task.{subject_agent}",
+                "the task names agent `{}` but was published for agent `{subject_agent}`",
                 task.agent
             ),
         )));
     }
-    let tenant: TenantId = header(headers, TENANT_HEADER)
-        .unwrap_or(DEFAULT_TENANT)
-        .parse()
-        .map_err(|e: kedge_core::ids::IdError| {
-            Refusal::Reject(TaskRejection::new(TENANT_HEADER, e.to_string()))
-        })?;
     let key = header(headers, "Nats-Msg-Id").map(str::to_owned);
-    let (revision, def) = rt.agents.latest(&task.agent).await.map_err(|e| match e {
-        AgentError::NotFound(name) => Refusal::Reject(TaskRejection::new(
+    let no_such_agent = || {
+        Refusal::Reject(TaskRejection::new(
             "agent",
-            format!("no agent named `{name}`"),
-        )),
+            format!("no agent named `{}`", task.agent),
+        ))
+    };
+    let (revision, def) = rt.agents.latest(&task.agent).await.map_err(|e| match e {
+        AgentError::NotFound(_) => no_such_agent(),
         AgentError::Unavailable(r) => Refusal::Retry(r),
         other => Refusal::Reject(TaskRejection::new("agent", other.to_string())),
     })?;
+    if !def.allows_tenant(&tenant) {
+        // To a tenant the agent is not shared with, it does not exist.
+        tracing::warn!(agent = %task.agent, %tenant, "task for an agent this tenant may not start");
+        return Err(no_such_agent());
+    }
     let run_id = match &task.run_id {
         Some(id) => id.clone(),
         None => derive_run_id(&tenant, key.as_deref(), seq),
@@ -248,6 +272,20 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
     }
 }
 
+/// Whether `subject` is an inbox: under `_INBOX.` or the configured inbox prefix.
+fn is_inbox(subject: &str, config: &kedge_runtime::Config) -> bool {
+    let valid = !subject.is_empty()
+        && subject.len() <= 256
+        && !subject.contains(['*', '>', ' ', '\t', '\r', '\n'])
+        && !subject.split('.').any(str::is_empty);
+    let prefix = config.inbox_prefix();
+    valid
+        && (subject.starts_with("_INBOX.")
+            || (subject.len() > prefix.len()
+                && subject.starts_with(prefix)
+                && subject.as_bytes().get(prefix.len()) == Some(&b'.')))
+}
+
 async fn record_rejection(
     rt: &Runtime,
     msg: &Message,
@@ -282,7 +320,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_inboxes_are_answered() {
+        let config = kedge_runtime::Config::default();
+        for ok in ["_INBOX.abc", "_INBOX.abc.def"] {
+            assert!(is_inbox(ok, &config), "{ok}");
+        }
+        for bad in [
+            "agent.run.run_x.d.run.failed",
+            "_INBOX",
+            "_INBOX.",
+            "_INBOX.a..b",
+            "_INBOX.*",
+            "_INBOX.>",
+            "_INBOXES.x",
+            "kedge.tool.resolve",
+            "",
+        ] {
+            assert!(!is_inbox(bad, &config), "{bad}");
+        }
+    }
+
+    #[test]
     fn derived_run_ids_are_stable_and_distinct() {
+        use kedge_core::ids::TenantId;
         let t: TenantId = "acme".parse().expect("valid");
         let u: TenantId = "other".parse().expect("valid");
         assert_eq!(

@@ -10,20 +10,32 @@ use std::time::Duration;
 use futures::StreamExt;
 use kedge_runtime::config::BridgeToken;
 use kedge_runtime::{Config, Runtime};
+
+#[allow(clippy::duplicate_mod)]
+#[path = "../support/secure.rs"]
+mod secure;
 use reqwest::StatusCode;
 use serde_json::Value;
 
 pub const ACME: &str = "acme-write-token-0123456789";
 pub const ACME_READ: &str = "acme-read-token-0123456789";
 pub const GLOBEX: &str = "globex-write-token-0123456789";
+/// An acme token that may write but not decide approvals.
+pub const ACME_NO_APPROVE: &str = "acme-noapprove-token-0123456789";
 
-/// `base` with the bridge listening on `listen` and the three test tokens.
+/// `base` with the bridge listening on `listen` and the test tokens (ACME and GLOBEX may write
+/// and approve).
 pub fn bridge_config(base: &Config, listen: &str) -> Config {
     let mut c = base.clone();
     c.bridge.listen = listen.to_owned();
     c.bridge.tokens = vec![
         BridgeToken {
             token: ACME.into(),
+            tenant: "acme".into(),
+            scope: "write+approve".into(),
+        },
+        BridgeToken {
+            token: ACME_NO_APPROVE.into(),
             tenant: "acme".into(),
             scope: "write".into(),
         },
@@ -35,7 +47,7 @@ pub fn bridge_config(base: &Config, listen: &str) -> Config {
         BridgeToken {
             token: GLOBEX.into(),
             tenant: "globex".into(),
-            scope: "write".into(),
+            scope: "write+approve".into(),
         },
     ];
     c.bridge.heartbeat_ms = 500;
@@ -57,6 +69,7 @@ impl TestBridge {
     /// Starts a bridge on `addr` (`127.0.0.1:0` for any port); retries a port still held by a
     /// bridge that just stopped.
     pub async fn start(config: Config, addr: &str) -> TestBridge {
+        let config = secure::as_kind(&config, kedge_runtime::secure::Kind::Bridge);
         let rt = Runtime::connect(config).await.expect("bridge runtime");
         let bridge = kedge_bridge::Bridge::new(rt).await.expect("bridge");
         let mut tries = 0;
@@ -102,7 +115,7 @@ impl TestBridge {
 
 /// Runs the projector in this process until the returned handle is aborted.
 pub fn spawn_projector(config: &Config) -> tokio::task::JoinHandle<()> {
-    let config = config.clone();
+    let config = secure::as_kind(config, kedge_runtime::secure::Kind::Projector);
     tokio::spawn(async move {
         let rt = Runtime::connect(config).await.expect("projector runtime");
         kedge_bridge::run_projector(rt, futures::future::pending())

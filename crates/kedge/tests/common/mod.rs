@@ -15,8 +15,20 @@ use kedge_core::task::TaskSubmission;
 use kedge_core::{RunState, RunStatus};
 use kedge_journal::Recorded;
 use kedge_mock_llm::{MockHandle, Scripts};
+use kedge_runtime::config::Secret;
+use kedge_runtime::secure::Kind;
 use kedge_runtime::{Config, Runtime};
 use kedge_testkit::NatsServer;
+
+// Also included by `bridge_support` (the bridge bench uses that without `common`).
+#[allow(clippy::duplicate_mod)]
+#[path = "../support/secure.rs"]
+pub mod secure;
+#[allow(unused_imports)]
+pub use secure::{
+    TENANTS, as_kind, kind_env, kind_password, secured, secured_accounts, tenant_password,
+    test_server,
+};
 
 pub const API_KEY_VAR: &str = "KEDGE_TEST_API_KEY";
 
@@ -89,6 +101,7 @@ pub enum Svc {
     Step,
     Tool,
     Approval,
+    Gateway,
 }
 
 impl Harness {
@@ -104,10 +117,15 @@ impl Harness {
         services: &[Svc],
         tune: impl FnOnce(&mut Config),
     ) -> Harness {
-        let nats = NatsServer::start().await;
+        let nats = test_server().await;
         let mock = MockHandle::start(Scripts::from_value(script).expect("valid script")).await;
         let dir = tempfile::tempdir().expect("temp dir");
         let mut config = fast_config(&nats.url(), &dir.path().join("ws"), "w-main");
+        if secured() {
+            // The test itself is the operator with every right; each service gets its own user.
+            config.nats.user = Some(Kind::Admin.user());
+            config.nats.password = Some(Secret::new(kind_password(Kind::Admin)));
+        }
         tune(&mut config);
         config.check().expect("valid tuned config");
         let rt = Runtime::connect(config.clone()).await.expect("runtime");
@@ -155,9 +173,23 @@ impl Harness {
         self.rt.agents.put(&def).await.expect("agent stored");
     }
 
+    /// A runtime connected as the user of `kind` (the test's own `rt` is admin).
+    pub async fn runtime_as(&self, kind: Kind) -> Runtime {
+        Runtime::connect(as_kind(&self.config, kind))
+            .await
+            .expect("runtime of a kind")
+    }
+
     /// Runs a service in this process as worker `worker` (its own connection and runtime).
     pub fn spawn_service(&mut self, svc: Svc, worker: &str) {
-        let mut config = self.config.clone();
+        let kind = match svc {
+            Svc::Intake => Kind::Intake,
+            Svc::Step => Kind::Step,
+            Svc::Tool => Kind::Tool,
+            Svc::Approval => Kind::Approval,
+            Svc::Gateway => Kind::Gateway,
+        };
+        let mut config = as_kind(&self.config, kind);
         config.worker_id = worker.to_owned();
         let mut rx = self.stop.subscribe();
         self.services.push(tokio::spawn(async move {
@@ -170,6 +202,7 @@ impl Harness {
                 Svc::Step => kedge_step::run(rt, stop).await,
                 Svc::Tool => kedge_tool::run(rt, stop).await,
                 Svc::Approval => kedge_approval::run(rt, stop).await,
+                Svc::Gateway => kedge_gateway::run(rt, stop).await,
             };
             if let Err(e) = result {
                 panic!("{svc:?} service failed: {e}");
@@ -209,6 +242,11 @@ impl Harness {
             .env("KEDGE_FAILPOINTS", failpoints)
             .env("KEDGE_LOG", "warn")
             .stdin(Stdio::null());
+        // `svc` names one kind (`step`, `all`, `bridge` …): the process connects as its user.
+        let kind: Kind = svc.parse().expect("a kind of Kedge user");
+        for (k, v) in kind_env(&self.config, kind) {
+            cmd.env(k, v);
+        }
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -345,11 +383,35 @@ impl Harness {
     }
 }
 
+/// The permission violations of Kedge's services in a server log (`Publish Violation` /
+/// `Subscription Violation` lines of a connection named `kedge-<worker>`, as every Kedge process
+/// names its connection, under a `KEDGE/user:kedge-…` user): a service asked for something its
+/// least-privilege user may not do. Unnamed connections (a test probing the boundary) are exempt.
+pub fn kedge_violations(log: &str) -> Vec<String> {
+    log.lines()
+        .filter(|l| {
+            l.contains("Violation") && l.contains("/user:kedge-") && l.contains(":rust:kedge-")
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
 impl Drop for Harness {
     fn drop(&mut self) {
         for c in &mut self.children {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        // Every suite that runs on the secured layout also proves that the permissions fit the
+        // services: a violation by a Kedge user fails the test that caused it.
+        if secured() && !std::thread::panicking() {
+            let log = std::fs::read_to_string(self.nats.log_path()).unwrap_or_default();
+            let violations = kedge_violations(&log);
+            assert!(
+                violations.is_empty(),
+                "Kedge's own users hit permission violations (nats/secure/permissions.json):\n{}",
+                violations.join("\n")
+            );
         }
     }
 }

@@ -1,0 +1,548 @@
+//! The trust boundary on the broker, against a server running the secured configuration
+//! (`kedge_runtime::secure`, what `kedge nats-config` writes): tenants in accounts of their own,
+//! every Kedge service as its least-privilege user.
+//!
+//! A tenant's connection can do everything its runs need over NATS alone (submit, follow live and
+//! from the start, answer, cancel, approve as an approver), and each thing it must not do is
+//! refused by the server: proven both by the failed request and by the server's own permission
+//! error naming the subject.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::{Client, HeaderMap};
+use common::{Harness, Svc, TENANTS, secured, tenant_password};
+use futures::StreamExt;
+use kedge_core::RunStatus;
+use kedge_core::ids::RunId;
+use kedge_runtime::secure::Kind;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A tenant's connection, with the server errors it received.
+struct Tenant {
+    client: Client,
+    errors: Arc<Mutex<Vec<String>>>,
+}
+
+impl Tenant {
+    async fn connect(h: &Harness, user: &str) -> Tenant {
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let seen = errors.clone();
+        let client = async_nats::ConnectOptions::with_user_and_password(
+            user.to_owned(),
+            tenant_password(user),
+        )
+        .request_timeout(Some(Duration::from_secs(2)))
+        .event_callback(move |event| {
+            let seen = seen.clone();
+            async move {
+                if let async_nats::Event::ServerError(e) = event
+                    && let Ok(mut v) = seen.lock()
+                {
+                    v.push(e.to_string());
+                }
+            }
+        })
+        .connect(h.nats.url())
+        .await
+        .expect("tenant connects");
+        Tenant { client, errors }
+    }
+
+    /// Waits until the server reported a permission violation naming `subject`.
+    async fn refused(&self, subject: &str) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let found = self.errors.lock().is_ok_and(|v| {
+                v.iter()
+                    .any(|e| e.contains("Permissions Violation") && e.contains(subject))
+            });
+            if found {
+                return true;
+            }
+            let _ = self.client.flush().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    /// A request that must be refused by the server: no answer, and a violation naming it.
+    async fn assert_refused(&self, subject: &str, body: &str) {
+        let answer = tokio::time::timeout(
+            Duration::from_millis(300),
+            self.client
+                .request(subject.to_owned(), body.to_owned().into()),
+        )
+        .await;
+        assert!(
+            !matches!(answer, Ok(Ok(_))),
+            "{subject} answered: {answer:?}"
+        );
+        assert!(
+            self.refused(subject).await,
+            "no permission violation for {subject}: {:?}",
+            self.errors.lock().map(|v| v.clone())
+        );
+    }
+
+    /// A gateway request; the JSON answer.
+    async fn ask(&self, subject: &str, body: Value) -> Value {
+        let reply = self
+            .client
+            .request(subject.to_owned(), body.to_string().into())
+            .await
+            .unwrap_or_else(|e| panic!("{subject}: {e}"));
+        serde_json::from_slice(&reply.payload).expect("JSON answer")
+    }
+
+    /// Submits a task as a JetStream publish to `agent.task.<agent>`; the gateway's PubAck.
+    async fn submit(&self, agent: &str, input: &str, key: &str) -> Value {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", key);
+        let body = json!({"agent": agent, "input": input}).to_string();
+        let reply = self
+            .client
+            .request_with_headers(format!("agent.task.{agent}"), headers, body.into())
+            .await
+            .expect("the task is acknowledged");
+        serde_json::from_slice(&reply.payload).expect("a PubAck")
+    }
+
+    /// Follows a run from `after` until the gateway ends the stream; the events and why it ended.
+    async fn follow(
+        &self,
+        run: &str,
+        after: u64,
+        mut each: impl FnMut(&Value),
+    ) -> (Vec<Value>, String) {
+        let inbox = self.client.new_inbox();
+        let mut sub = self
+            .client
+            .subscribe(inbox.clone())
+            .await
+            .expect("subscribe");
+        self.client
+            .publish_with_reply(
+                format!("kedge.runs.{run}.follow"),
+                inbox,
+                json!({"after": after}).to_string().into(),
+            )
+            .await
+            .expect("follow");
+        let mut events = Vec::new();
+        loop {
+            let msg = tokio::time::timeout(WAIT, sub.next())
+                .await
+                .expect("the follow goes on")
+                .expect("subscription open");
+            if let Some(end) = msg.headers.as_ref().and_then(|h| h.get("Kedge-End")) {
+                return (events, end.to_string());
+            }
+            let v: Value = serde_json::from_slice(&msg.payload).expect("event JSON");
+            if let Some(status) = v["error"]["status"].as_u64() {
+                return (events, format!("error {status}"));
+            }
+            each(&v);
+            events.push(v);
+        }
+    }
+}
+
+fn script() -> Value {
+    json!({"models": {
+        "asker": {"steps": [
+            {"text": "asking", "tool_calls": [{"name": "ask_user", "arguments": {"question": "Proceed?"}}]},
+            {"text": "done"}
+        ]},
+        "payer": {"steps": [
+            {"text": "paying", "tool_calls": [{"name": "ledger_append", "arguments": {"text": "pay 7"}}]},
+            {"text": "paid"}
+        ]}
+    }})
+}
+
+async fn harness() -> Option<Harness> {
+    if !secured() {
+        eprintln!("KEDGE_TEST_OPEN is set: the boundary tests need the secured server; skipped");
+        return None;
+    }
+    let h = Harness::start(script(), &[Svc::Intake, Svc::Step, Svc::Tool, Svc::Gateway]).await;
+    h.agent("asker", "asker").await;
+    h.agent_with_policy(
+        "payer",
+        "payer",
+        json!({"ledger_append": {"approval": "always"}}),
+    )
+    .await;
+    // The gateway subscribes in the background: wait until it answers.
+    let probe = Tenant::connect(&h, TENANTS[0].1).await;
+    let deadline = Instant::now() + WAIT;
+    while probe
+        .client
+        .request("kedge.runs.run_probe", "{}".into())
+        .await
+        .is_err()
+    {
+        assert!(Instant::now() < deadline, "the gateway never answered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Some(h)
+}
+
+fn run_id(ack: &Value) -> String {
+    ack["run_id"]
+        .as_str()
+        .expect("run id in the ack")
+        .to_owned()
+}
+
+#[tokio::test]
+async fn a_tenant_runs_an_agent_end_to_end_over_nats_alone() {
+    let Some(h) = harness().await else { return };
+    let (tenant, user, approver) = TENANTS[0];
+    let acme = Tenant::connect(&h, user).await;
+
+    let ack = acme.submit("asker", "go", "acme-key-1").await;
+    assert_eq!(ack["stream"], "KEDGE_TASKS", "{ack}");
+    assert_eq!(ack["duplicate"], false);
+    let run = run_id(&ack);
+    // The same key again: the same run, acknowledged as a duplicate.
+    let again = acme.submit("asker", "go", "acme-key-1").await;
+    assert_eq!(run_id(&again), run);
+    assert_eq!(again["duplicate"], true);
+
+    // Follow live: answer the question as soon as it is asked; the stream ends when the run does.
+    let (live, why) = acme
+        .follow(&run, 0, |e| {
+            if e["type"] == "question.asked" {
+                let q = e["data"]["question_id"]
+                    .as_str()
+                    .expect("question id")
+                    .to_owned();
+                let client = acme.client.clone();
+                let run = run.clone();
+                tokio::spawn(async move {
+                    client
+                        .request(
+                            format!("kedge.runs.{run}.answer.{q}"),
+                            json!({"answer": "yes"}).to_string().into(),
+                        )
+                        .await
+                        .expect("answered")
+                });
+            }
+        })
+        .await;
+    assert_eq!(why, "finished");
+    let types: Vec<&str> = live.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert_eq!(types.first(), Some(&"run.created"));
+    assert!(types.contains(&"question.answered"), "{types:?}");
+    assert_eq!(types.last(), Some(&"run.succeeded"), "{types:?}");
+    let run_parsed: RunId = run.parse().expect("run id");
+    let state = h.state(&run_parsed).await;
+    assert_eq!(state.status, RunStatus::Succeeded);
+    assert_eq!(
+        state.bundle.tenant.as_str(),
+        tenant,
+        "the tenant is the account's"
+    );
+    assert_eq!(state.bundle.caller.as_deref(), Some("acme/acme-app"));
+
+    // From the start again, and as history pages: the same events in the same order.
+    let (replayed, why) = acme.follow(&run, 0, |_| {}).await;
+    assert_eq!(why, "finished");
+    let seqs = |v: &[Value]| {
+        v.iter()
+            .map(|e| e["seq"].as_u64().unwrap_or(0))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(seqs(&replayed), seqs(&live));
+    let page = acme
+        .ask(
+            &format!("kedge.runs.{run}.history"),
+            json!({"after": 0, "limit": 3}),
+        )
+        .await;
+    assert_eq!(page["more"], true);
+    assert_eq!(
+        seqs(page["events"].as_array().expect("events")),
+        seqs(&live[..3])
+    );
+    let view = acme.ask(&format!("kedge.runs.{run}"), json!({})).await;
+    assert_eq!(view["status"], "succeeded", "{view}");
+
+    // Cancel a second run while it waits for the user.
+    let second = run_id(&acme.submit("asker", "go", "acme-key-2").await);
+    let second_id: RunId = second.parse().expect("run id");
+    h.wait_for(&second_id, WAIT, |s| s.status == RunStatus::WaitingUser)
+        .await;
+    let cancelled = acme
+        .ask(
+            &format!("kedge.runs.{second}.cancel"),
+            json!({"reason": "enough"}),
+        )
+        .await;
+    assert!(cancelled["seq"].as_u64().is_some(), "{cancelled}");
+    assert_eq!(
+        h.wait_terminal(&second_id, WAIT).await.status,
+        RunStatus::Cancelled
+    );
+
+    // An approval: the tenant's user may not decide it; its approver may.
+    let payer = run_id(&acme.submit("payer", "pay", "acme-key-3").await);
+    let payer_id: RunId = payer.parse().expect("run id");
+    let state = h
+        .wait_for(&payer_id, WAIT, |s| s.status == RunStatus::WaitingApproval)
+        .await;
+    let (approval, a) = state.approvals.iter().next().expect("an approval");
+    let decision = json!({"verdict": "approve", "args_digest": a.request.args_digest});
+    let subject = format!("kedge.approve.{user}.{payer}.{approval}");
+    acme.assert_refused(&subject, &decision.to_string()).await;
+    let alice = Tenant::connect(&h, approver).await;
+    let forged = format!("kedge.approve.{user}.{payer}.{approval}");
+    alice.assert_refused(&forged, &decision.to_string()).await;
+    let decided = alice
+        .ask(
+            &format!("kedge.approve.{approver}.{payer}.{approval}"),
+            decision,
+        )
+        .await;
+    assert!(decided["seq"].as_u64().is_some(), "{decided}");
+    assert_eq!(
+        h.wait_terminal(&payer_id, WAIT).await.status,
+        RunStatus::Succeeded
+    );
+    let events = h.events(&payer_id).await;
+    let approver_name = events.iter().find_map(|r| match &r.envelope.event {
+        kedge_core::Event::ApprovalDecided(d) => Some(d.approver.clone()),
+        _ => None,
+    });
+    assert_eq!(approver_name.as_deref(), Some("acme/acme-alice"));
+    assert_eq!(h.ledger().len(), 1);
+}
+
+#[tokio::test]
+async fn a_tenant_is_refused_everything_else_and_cannot_see_other_tenants() {
+    let Some(h) = harness().await else { return };
+    let acme = Tenant::connect(&h, TENANTS[0].1).await;
+    let globex = Tenant::connect(&h, TENANTS[1].1).await;
+    let theirs = run_id(&globex.submit("asker", "secret plans", "g-1").await);
+    let theirs_id: RunId = theirs.parse().expect("run id");
+    h.wait_for(&theirs_id, WAIT, |s| s.status == RunStatus::WaitingUser)
+        .await;
+    let state = h.state(&theirs_id).await;
+    let question = state.questions.keys().next().expect("a question").clone();
+    let journal_before = h.events(&theirs_id).await.len();
+
+    // Writing into the journal: a decision, an input to another tenant's run.
+    for subject in [
+        format!("agent.run.{theirs}.d.run.failed"),
+        format!("agent.run.{theirs}.i.user.message"),
+        format!("agent.run.{theirs}.i.question.answered"),
+    ] {
+        acme.assert_refused(&subject, r#"{"forged": true}"#).await;
+    }
+    // Reading another tenant's run by any means of the JetStream API, and the KV buckets.
+    for subject in [
+        "$JS.API.INFO".to_owned(),
+        "$JS.API.STREAM.INFO.KEDGE_RUNS".to_owned(),
+        "$JS.API.STREAM.NAMES".to_owned(),
+        "$JS.API.DIRECT.GET.KEDGE_RUNS".to_owned(),
+        format!("$JS.API.DIRECT.GET.KEDGE_RUNS.agent.run.{theirs}.d.run.created"),
+        "$JS.API.STREAM.MSG.GET.KEDGE_RUNS".to_owned(),
+        "$JS.API.CONSUMER.CREATE.KEDGE_RUNS".to_owned(),
+        format!("$JS.API.CONSUMER.CREATE.KEDGE_RUNS.spy.agent.run.{theirs}.>"),
+        "$JS.API.DIRECT.GET.KV_kedge_runs".to_owned(),
+        "$JS.API.DIRECT.GET.KV_kedge_agents.$KV.kedge_agents.asker".to_owned(),
+    ] {
+        acme.assert_refused(&subject, r#"{"seq": 1}"#).await;
+    }
+    // The tool runners' and the reconciler's subjects.
+    for subject in [
+        "kedge.tool.resolve",
+        "kedge.tool.inspect",
+        "agent.approval.x",
+    ] {
+        acme.assert_refused(subject, "{}").await;
+    }
+    // Deleting or purging anything; writing any bucket.
+    for subject in [
+        "$JS.API.STREAM.DELETE.KEDGE_RUNS",
+        "$JS.API.STREAM.PURGE.KEDGE_RUNS",
+        "$JS.API.STREAM.PURGE.KEDGE_TASKS",
+        "$JS.API.STREAM.DELETE.KV_kedge_agents",
+        "$KV.kedge_leases.x",
+        "$KV.kedge_idempotency.x",
+        "$KV.kedge_agents.asker",
+        "$KV.kedge_runs.acme.x",
+    ] {
+        acme.assert_refused(subject, "{}").await;
+    }
+    // Listening in on the journal or another tenant's deltas.
+    let sub = acme
+        .client
+        .subscribe(format!("agent.delta.{theirs}"))
+        .await
+        .expect("the subscribe call itself returns");
+    assert!(acme.refused(&format!("agent.delta.{theirs}")).await);
+    drop(sub);
+
+    // Through the gateway another tenant's run does not exist, word for word like a made-up one.
+    let unknown = "run_doesnotexist0000";
+    for (suffix, body) in [
+        ("", json!({})),
+        (".history", json!({})),
+        (".message", json!({"text": "hi"})),
+        (".cancel", json!({})),
+        (&format!(".answer.{question}"), json!({"answer": "no"})),
+    ] {
+        let mine = acme
+            .ask(&format!("kedge.runs.{theirs}{suffix}"), body.clone())
+            .await;
+        let none = acme
+            .ask(&format!("kedge.runs.{unknown}{suffix}"), body)
+            .await;
+        assert_eq!(mine["error"]["status"], 404, "{suffix}: {mine}");
+        assert_eq!(
+            mine["error"]["reason"]
+                .as_str()
+                .map(|r| r.replace(&theirs, "X")),
+            none["error"]["reason"]
+                .as_str()
+                .map(|r| r.replace(unknown, "X")),
+            "{suffix}"
+        );
+    }
+    let (events, why) = acme.follow(&theirs, 0, |_| {}).await;
+    assert!(events.is_empty());
+    assert_eq!(why, "error 404", "another tenant's run cannot be followed");
+    assert_eq!(
+        h.events(&theirs_id).await.len(),
+        journal_before,
+        "nothing reached the other tenant's journal"
+    );
+    assert_eq!(h.state(&theirs_id).await.status, RunStatus::WaitingUser);
+}
+
+#[tokio::test]
+async fn two_tenants_with_the_same_key_get_a_run_each() {
+    let Some(h) = harness().await else { return };
+    let acme = Tenant::connect(&h, TENANTS[0].1).await;
+    let globex = Tenant::connect(&h, TENANTS[1].1).await;
+    let a = acme.submit("asker", "from acme", "shared-key").await;
+    let g = globex.submit("asker", "from globex", "shared-key").await;
+    assert_eq!(a["duplicate"], false, "{a}");
+    assert_eq!(g["duplicate"], false, "{g}");
+    assert_ne!(run_id(&a), run_id(&g));
+    for (ack, tenant, input) in [(a, "acme", "from acme"), (g, "globex", "from globex")] {
+        let run: RunId = run_id(&ack).parse().expect("run id");
+        let state = h
+            .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingUser)
+            .await;
+        assert_eq!(state.bundle.tenant.as_str(), tenant);
+        assert_eq!(state.bundle.input, input);
+    }
+}
+
+#[tokio::test]
+async fn each_kind_of_service_user_is_refused_what_is_not_its_job() {
+    let Some(h) = harness().await else { return };
+    let run = run_id(
+        &Tenant::connect(&h, TENANTS[0].1)
+            .await
+            .submit("asker", "go", "k")
+            .await,
+    );
+    let run_parsed: RunId = run.parse().expect("run id");
+    h.wait_for(&run_parsed, WAIT, |s| s.status == RunStatus::WaitingUser)
+        .await;
+    let before = h.events(&run_parsed).await.len();
+    // (kind, a subject it must not publish)
+    let cases = [
+        (Kind::Tool, format!("agent.run.{run}.d.run.failed")),
+        (Kind::Bridge, format!("agent.run.{run}.d.run.failed")),
+        (Kind::Gateway, format!("agent.run.{run}.d.run.failed")),
+        (Kind::Intake, format!("agent.run.{run}.d.run.failed")),
+        (Kind::Step, "kedge.tool.resolve".to_owned()),
+        (Kind::Bridge, "kedge.tool.resolve".to_owned()),
+        (Kind::Step, "$JS.API.STREAM.PURGE.KEDGE_RUNS".to_owned()),
+        (
+            Kind::Operator,
+            "$JS.API.STREAM.DELETE.KEDGE_RUNS".to_owned(),
+        ),
+        (Kind::All, "$JS.API.STREAM.PURGE.KEDGE_RUNS".to_owned()),
+        (Kind::All, "$KV.kedge_agents.asker".to_owned()),
+        (
+            Kind::Step,
+            "$JS.API.CONSUMER.DELETE.KEDGE_RUNS.step".to_owned(),
+        ),
+        (
+            Kind::Step,
+            "$JS.API.CONSUMER.MSG.NEXT.KEDGE_RUNS.tool".to_owned(),
+        ),
+    ];
+    for (kind, subject) in cases {
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let seen = errors.clone();
+        let client = async_nats::ConnectOptions::with_user_and_password(
+            kind.user(),
+            common::kind_password(kind),
+        )
+        .event_callback(move |event| {
+            let seen = seen.clone();
+            async move {
+                if let async_nats::Event::ServerError(e) = event
+                    && let Ok(mut v) = seen.lock()
+                {
+                    v.push(e.to_string());
+                }
+            }
+        })
+        .connect(h.nats.url())
+        .await
+        .expect("connects");
+        let t = Tenant { client, errors };
+        t.client
+            .publish(subject.clone(), r#"{"forged": true}"#.into())
+            .await
+            .expect("publish call");
+        assert!(t.refused(&subject).await, "{kind} may publish {subject}");
+    }
+    assert_eq!(
+        h.events(&run_parsed).await.len(),
+        before,
+        "nothing was journaled"
+    );
+    // The subscriptions only tool runners hold.
+    let step = async_nats::ConnectOptions::with_user_and_password(
+        Kind::Step.user(),
+        common::kind_password(Kind::Step),
+    );
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let seen = errors.clone();
+    let client = step
+        .event_callback(move |event| {
+            let seen = seen.clone();
+            async move {
+                if let async_nats::Event::ServerError(e) = event
+                    && let Ok(mut v) = seen.lock()
+                {
+                    v.push(e.to_string());
+                }
+            }
+        })
+        .connect(h.nats.url())
+        .await
+        .expect("connects");
+    let t = Tenant { client, errors };
+    let _sub = t
+        .client
+        .subscribe("kedge.tool.resolve")
+        .await
+        .expect("subscribe call");
+    assert!(t.refused("kedge.tool.resolve").await);
+}
