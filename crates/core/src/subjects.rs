@@ -33,8 +33,10 @@ pub struct TargetQuery {
 }
 
 /// The answer to a [`TargetQuery`]: the target's version, or none for a tool without a
-/// precondition check.
+/// precondition check. Unknown fields are refused, so a runner's refusal (`{"refused": …}`) is
+/// never read as "no version".
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TargetAnswer {
     pub version: Option<String>,
 }
@@ -190,6 +192,13 @@ mod tests {
         assert_eq!(parse_event("agent.run.run_abc.i.run.created"), None);
         assert_eq!(parse_event("agent.task.x"), None);
         assert_eq!(run_decisions(&run), "agent.run.run_abc.d.>");
+    }
+
+    #[test]
+    fn a_refused_precondition_query_is_not_an_answer() {
+        assert!(serde_json::from_str::<TargetAnswer>(r#"{"refused": "no such run"}"#).is_err());
+        let none: TargetAnswer = serde_json::from_str(r#"{"version": null}"#).expect("answer");
+        assert_eq!(none.version, None);
     }
 
     #[test]

@@ -465,7 +465,15 @@ pub async fn ensure_layout(
             Err(e) if e.api_code() == Some(codes::STREAM_NAME_IN_USE) => {
                 report.verified.push((*name).to_owned())
             }
-            Err(e) => return Err(LayoutError::wire(format!("create stream {name}"), e)),
+            Err(e) => {
+                // In a secured deployment only admin may create streams: the server drops the
+                // request (a permission violation), which looks like a time-out from here.
+                let op = format!(
+                    "create stream {name}, which is missing (in a secured deployment only admin \
+                     may create it: run `kedge layout` as admin first)"
+                );
+                return Err(LayoutError::wire(op, e));
+            }
         }
         let found = stream_config(client, name)
             .await?

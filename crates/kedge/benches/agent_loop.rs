@@ -6,6 +6,8 @@
 //! cargo bench -p kedge --bench agent_loop -- --quick               # fewer runs and iterations
 //! cargo bench -p kedge --bench agent_loop -- --runs 20 --default-only
 //! cargo bench -p kedge --bench agent_loop -- --sync-always-only --no-trace
+//! cargo bench -p kedge --bench agent_loop -- --tls-compare         # plain TCP vs TLS, same run
+//! cargo bench -p kedge --bench agent_loop -- --tls-compare --tls-reps 6 --runs 20
 //! ```
 //!
 //! Workload (the one the peers were measured on): K = 20 iterations of one model call (mock, zero
@@ -29,13 +31,22 @@
 //! - **CPU**: utime+stime of nats-server and of this process (services + mock + client) per
 //!   phase, from /proc.
 //!
+//! `--tls-compare` measures the cost of TLS instead (issue 9): two environments side by side, one
+//! over plain TCP and one where every Kedge connection (runtime, services, watcher) speaks TLS
+//! with a client certificate to a server that verifies it (a CA and both certificates generated
+//! here with rcgen, as kedge-runtime's connect tests do). The same sequential runs and
+//! concurrency rounds alternate between the two, plain/tls then tls/plain (ABBA, so a drifting
+//! machine load falls on both alike), and the figures are printed side by side with the ratio
+//! TLS / plain. One durability setting: default sync unless `--sync-always-only`; no wiretap,
+//! no op costs.
+//!
 //! Not a pass/fail test: it prints numbers. It does check that every run succeeded, that the
 //! model was called exactly once per step, and that the ledger has one line per operation.
 
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -72,6 +83,10 @@ struct Opts {
     default_mode: bool,
     always_mode: bool,
     trace: bool,
+    /// `--tls-compare`: plain vs TLS instead of the full report.
+    tls_compare: bool,
+    /// `--tls-reps`: repetitions of each variant's measurements in the TLS comparison.
+    tls_reps: usize,
 }
 
 fn opts() -> Opts {
@@ -82,6 +97,8 @@ fn opts() -> Opts {
         default_mode: true,
         always_mode: true,
         trace: true,
+        tls_compare: false,
+        tls_reps: 4,
     };
     let mut runs: Option<usize> = None;
     let mut it = std::env::args().skip(1);
@@ -101,6 +118,14 @@ fn opts() -> Opts {
             "--sync-always-only" => o.default_mode = false,
             "--default-only" => o.always_mode = false,
             "--no-trace" => o.trace = false,
+            "--tls-compare" => o.tls_compare = true,
+            "--tls-reps" => {
+                o.tls_reps = it
+                    .next()
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .expect("--tls-reps takes a number")
+                    .max(1)
+            }
             // `cargo bench` passes `--bench`; ignore it and anything else.
             _ => {}
         }
@@ -308,15 +333,29 @@ struct Env {
 }
 
 impl Env {
-    async fn start(sync_always: bool) -> Env {
+    /// With `tls`, the server offers TLS and verifies client certificates, and every Kedge
+    /// connection requires TLS (CA + client certificate); `extra_config` is appended to the
+    /// server's configuration.
+    async fn start(sync_always: bool, tls: Option<&Pki>, extra_config: &str) -> Env {
+        let mut server_config = extra_config.to_owned();
+        if let Some(pki) = tls {
+            server_config.push_str(&pki.server_config());
+        }
         let nats = NatsServer::start_with(ServerOptions {
             sync_always,
+            extra_config: server_config,
             ..Default::default()
         })
         .await;
         let mock = MockHandle::start(Scripts::from_value(script()).expect("valid script")).await;
         let dir = tempfile::tempdir().expect("temp dir");
-        let config = bench_config(&nats.url(), &dir.path().join("ws"), "w-bench");
+        let mut config = bench_config(&nats.url(), &dir.path().join("ws"), "w-bench");
+        if let Some(pki) = tls {
+            config.nats.tls_ca = Some(pki.ca.clone());
+            config.nats.tls_cert = Some(pki.client_cert.clone());
+            config.nats.tls_key = Some(pki.client_key.clone());
+            config.check().expect("valid TLS bench config");
+        }
         let rt = Runtime::connect(config.clone()).await.expect("runtime");
         rt.agents
             .put(&agent_definition(&mock.base_url()))
@@ -1605,6 +1644,94 @@ fn uuid_like() -> String {
         .to_owned()
 }
 
+/// Model calls per step over `all_runs` (printed, prefixed with `who`); run before anything else
+/// calls the mock.
+async fn model_calls_per_step(env: &Env, all_runs: &[RunId], who: &str) -> f64 {
+    let calls = env.mock.calls();
+    let mut total_steps = 0u64;
+    for r in all_runs {
+        let evs = env.rt.journal.read(r, 0).await.expect("read");
+        let s = kedge_core::fold(evs.iter().map(|x| (x.seq, &x.envelope))).expect("fold");
+        total_steps += u64::from(s.step.get());
+    }
+    let repeated = calls.by_request_id.values().filter(|&&n| n != 1).count();
+    let calls_per_step = calls.total as f64 / total_steps as f64;
+    println!();
+    println!(
+        "  {who}Model calls per step: {} calls / {} steps over {} runs = {:.3}  (request ids called more than once: {repeated})",
+        calls.total,
+        total_steps,
+        all_runs.len(),
+        calls_per_step
+    );
+    calls_per_step
+}
+
+/// The ledger has exactly one line per operation of `all_runs` (printed, prefixed with `who`;
+/// asserted), and every submitted run is counted.
+fn check_ledger(env: &Env, all_runs: &[RunId], who: &str) {
+    let ledger =
+        std::fs::read_to_string(env.config.workspace_root.join("ledger.log")).unwrap_or_default();
+    let lines: Vec<&str> = ledger.lines().collect();
+    let ops: HashSet<&str> = lines.iter().filter_map(|l| l.split('\t').next()).collect();
+    let expected = all_runs.len() * K;
+    println!();
+    println!(
+        "  {who}Ledger: {} lines, {} distinct operation ids, expected {} ({} runs x {K}) -> {}",
+        lines.len(),
+        ops.len(),
+        expected,
+        all_runs.len(),
+        if lines.len() == expected && ops.len() == expected {
+            "OK, exactly one line per operation"
+        } else {
+            "MISMATCH"
+        }
+    );
+    assert_eq!(lines.len(), expected, "ledger lines");
+    assert_eq!(ops.len(), expected, "distinct operations in the ledger");
+    assert_eq!(env.submitted, all_runs.len());
+}
+
+/// One concurrency round: submits `n` runs at once (idempotency keys `<key>-<n>-<i>`), waits
+/// for every terminal event and reads the runs back; adds them to `all_runs`.
+async fn conc_round(env: &mut Env, key: &str, n: usize, all_runs: &mut Vec<RunId>) -> ConcRound {
+    let pid = env.server_pid();
+    let runs: Vec<RunId> = (0..n).map(|_| RunId::generate()).collect();
+    let rxs: Vec<_> = runs.iter().map(|r| env.terminals.register(r)).collect();
+    let cpu0 = cpu_mark(pid);
+    let t0 = Instant::now();
+    let env_ref = &*env;
+    let submits = runs.iter().enumerate().map(|(i, r)| async move {
+        let s = Instant::now();
+        env_ref.submit(r, &format!("{key}-{n}-{i}")).await;
+        ms(s.elapsed())
+    });
+    let submit_ms = futures::future::join_all(submits).await;
+    let mut timings = Vec::new();
+    for ((r, rx), sub) in runs.iter().zip(rxs).zip(submit_ms) {
+        let (at, ty) = tokio::time::timeout(RUN_TIMEOUT, rx)
+            .await
+            .unwrap_or_else(|_| panic!("run {r} not terminal"))
+            .expect("watcher");
+        assert_eq!(ty, "run.succeeded", "run {r} ended {ty}");
+        timings.push(RunTiming {
+            run: r.clone(),
+            submit: sub,
+            wall: ms(at - t0),
+        });
+    }
+    let elapsed = timings.iter().map(|t| t.wall).fold(0.0, f64::max);
+    let (cs, cm) = cpu_since(cpu0, pid);
+    env.submitted += n;
+    let mut c = Collected::default();
+    collect(env, &timings, &mut c).await;
+    all_runs.extend(runs.iter().cloned());
+    let rate = (ACTIONS * n) as f64 / (elapsed / 1e3);
+    let na = (ACTIONS * n) as f64;
+    (n, elapsed, rate, c, (cs / na, cm / na))
+}
+
 // ---------------------------------------------------------------------------------------------
 // One durability setting, end to end
 
@@ -1628,7 +1755,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     );
     println!("================================================================================");
     println!("  load average before: {}", loadavg());
-    let mut env = Env::start(sync_always).await;
+    let mut env = Env::start(sync_always, None, "").await;
     let pid = env.server_pid();
 
     // Warm-up: connections, HTTP pool, agent cache, consumers.
@@ -1681,76 +1808,20 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     );
     let mut conc = Vec::new();
     for (round, &n) in o.concurrency.iter().enumerate() {
-        let runs: Vec<RunId> = (0..n).map(|_| RunId::generate()).collect();
-        let rxs: Vec<_> = runs.iter().map(|r| env.terminals.register(r)).collect();
-        let cpu0 = cpu_mark(pid);
-        let t0 = Instant::now();
-        let env_ref = &env;
-        let submits = runs.iter().enumerate().map(|(i, r)| async move {
-            let s = Instant::now();
-            env_ref
-                .submit(r, &format!("{label}-c{round}-{n}-{i}"))
-                .await;
-            ms(s.elapsed())
-        });
-        let submit_ms = futures::future::join_all(submits).await;
-        let mut timings = Vec::new();
-        for ((r, rx), sub) in runs.iter().zip(rxs).zip(submit_ms) {
-            let (at, ty) = tokio::time::timeout(RUN_TIMEOUT, rx)
-                .await
-                .unwrap_or_else(|_| panic!("run {r} not terminal"))
-                .expect("watcher");
-            assert_eq!(ty, "run.succeeded", "run {r} ended {ty}");
-            timings.push(RunTiming {
-                run: r.clone(),
-                submit: sub,
-                wall: ms(at - t0),
-            });
-        }
-        let elapsed = timings.iter().map(|t| t.wall).fold(0.0, f64::max);
-        let (cs, cm) = cpu_since(cpu0, pid);
-        env.submitted += n;
-        let mut c = Collected::default();
-        collect(&env, &timings, &mut c).await;
-        all_runs.extend(runs.iter().cloned());
-        let rate = (ACTIONS * n) as f64 / (elapsed / 1e3);
+        let r = conc_round(&mut env, &format!("{label}-c{round}"), n, &mut all_runs).await;
+        let (n, elapsed, rate, c, (cs, cm)) = &r;
         let a = stats(&c.actions());
         let w = stats(&c.journal_wall);
-        let na = (ACTIONS * n) as f64;
         println!(
             "  {:>5} {:>10.1} {:>12.0} {:>14.3} {:>14.3} {:>12.1} {:>12.1}  {:.3} / {:.3}",
-            n,
-            elapsed,
-            rate,
-            a.p50,
-            a.p99,
-            w.p50,
-            w.max,
-            cs / na,
-            cm / na
+            n, elapsed, rate, a.p50, a.p99, w.p50, w.max, cs, cm
         );
-        conc.push((n, elapsed, rate, c, (cs / na, cm / na)));
+        conc.push(r);
     }
     print_conc_segments(&conc);
 
     // 4: model calls per step, before anything else calls the mock.
-    let calls = env.mock.calls();
-    let mut total_steps = 0u64;
-    for r in &all_runs {
-        let evs = env.rt.journal.read(r, 0).await.expect("read");
-        let s = kedge_core::fold(evs.iter().map(|x| (x.seq, &x.envelope))).expect("fold");
-        total_steps += u64::from(s.step.get());
-    }
-    let repeated = calls.by_request_id.values().filter(|&&n| n != 1).count();
-    let calls_per_step = calls.total as f64 / total_steps as f64;
-    println!();
-    println!(
-        "  Model calls per step: {} calls / {} steps over {} runs = {:.3}  (request ids called more than once: {repeated})",
-        calls.total,
-        total_steps,
-        all_runs.len(),
-        calls_per_step
-    );
+    let calls_per_step = model_calls_per_step(&env, &all_runs, "").await;
 
     // Traced run: the wiretap.
     if o.trace {
@@ -1776,27 +1847,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     print_costs(&costs, &seq);
 
     // The ledger: exactly one line per operation.
-    let ledger =
-        std::fs::read_to_string(env.config.workspace_root.join("ledger.log")).unwrap_or_default();
-    let lines: Vec<&str> = ledger.lines().collect();
-    let ops: HashSet<&str> = lines.iter().filter_map(|l| l.split('\t').next()).collect();
-    let expected = all_runs.len() * K;
-    println!();
-    println!(
-        "  Ledger: {} lines, {} distinct operation ids, expected {} ({} runs x {K}) -> {}",
-        lines.len(),
-        ops.len(),
-        expected,
-        all_runs.len(),
-        if lines.len() == expected && ops.len() == expected {
-            "OK, exactly one line per operation"
-        } else {
-            "MISMATCH"
-        }
-    );
-    assert_eq!(lines.len(), expected, "ledger lines");
-    assert_eq!(ops.len(), expected, "distinct operations in the ledger");
-    assert_eq!(env.submitted, all_runs.len());
+    check_ledger(&env, &all_runs, "");
 
     println!("  load average after: {}", loadavg());
     env.shutdown().await;
@@ -2121,6 +2172,412 @@ fn print_summary(results: &[ModeResult]) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// TLS comparison (`--tls-compare`): plain TCP vs TLS on the same workload, same sitting
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in a
+/// directory (the helper of kedge-runtime's connect tests).
+struct Pki {
+    ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+}
+
+impl Pki {
+    fn make(dir: &Path) -> Pki {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair, KeyUsagePurpose,
+        };
+        let write = |name: &str, text: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).expect("write pem");
+            path
+        };
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "kedge bench CA");
+        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_key = KeyPair::generate().expect("ca key");
+        let ca_cert = ca_params.self_signed(&ca_key).expect("ca cert");
+        let issuer = Issuer::new(ca_params, ca_key);
+
+        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose, cn: &str| {
+            let mut params = CertificateParams::new(names).expect("leaf params");
+            params.distinguished_name.push(DnType::CommonName, cn);
+            params.extended_key_usages = vec![usage];
+            params.use_authority_key_identifier_extension = true;
+            let key = KeyPair::generate().expect("leaf key");
+            let cert = params.signed_by(&key, &issuer).expect("sign leaf");
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf(
+            vec!["127.0.0.1".into(), "localhost".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+            "127.0.0.1",
+        );
+        let (client_cert, client_key) =
+            leaf(vec![], ExtendedKeyUsagePurpose::ClientAuth, "kedge-bench");
+        Pki {
+            ca: write("ca.pem", ca_cert.pem()),
+            server_cert: write("server.pem", server_cert),
+            server_key: write("server-key.pem", server_key),
+            client_cert: write("client.pem", client_cert),
+            client_key: write("client-key.pem", client_key),
+        }
+    }
+
+    /// The server side: offer TLS with this certificate and verify client certificates against
+    /// the CA. `allow_non_tls` lets the testkit's readiness probe in (it connects in plain text);
+    /// every Kedge connection requires TLS.
+    fn server_config(&self) -> String {
+        let quote = |p: &Path| format!("\"{}\"", p.display());
+        format!(
+            "tls {{\n  cert_file: {}\n  key_file: {}\n  ca_file: {}\n  verify: true\n  timeout: 5\n}}\n\
+             allow_non_tls: true\n",
+            quote(&self.server_cert),
+            quote(&self.server_key),
+            quote(&self.ca),
+        )
+    }
+}
+
+/// One side of the comparison and everything measured on it, over all repetitions.
+struct Variant {
+    label: &'static str,
+    env: Env,
+    /// The server's monitoring port (connz: which connections speak TLS).
+    http_port: u16,
+    all_runs: Vec<RunId>,
+    /// The sequential runs of every repetition.
+    seq: Collected,
+    /// Per repetition: elapsed ms of its sequential runs and CPU ms (server, kedge process).
+    seq_reps: Vec<(f64, (f64, f64))>,
+    /// Per concurrency level (as `Opts::concurrency`), one round per repetition.
+    conc: Vec<Vec<ConcRound>>,
+}
+
+impl Collected {
+    fn merge(&mut self, other: &Collected) {
+        self.model.extend(&other.model);
+        self.tool.extend(&other.tool);
+        self.journal_wall.extend(&other.journal_wall);
+        self.client_wall.extend(&other.client_wall);
+        self.submit.extend(&other.submit);
+        for (k, v) in &other.segments {
+            self.segments.entry(k).or_default().extend(v);
+        }
+        self.steps += other.steps;
+        self.runs += other.runs;
+    }
+}
+
+/// The Kedge connections the server sees (`kedge-*` names) and which TLS they speak.
+async fn kedge_connections(http_port: u16) -> (usize, usize, HashSet<String>) {
+    let body = reqwest::get(format!("http://127.0.0.1:{http_port}/connz?limit=1024"))
+        .await
+        .expect("connz")
+        .text()
+        .await
+        .expect("connz body");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("connz JSON");
+    let mut kedge = 0;
+    let mut tls = 0;
+    let mut kinds = HashSet::new();
+    for c in v["connections"].as_array().into_iter().flatten() {
+        if !c["name"].as_str().is_some_and(|n| n.starts_with("kedge-")) {
+            continue;
+        }
+        kedge += 1;
+        if let Some(version) = c["tls_version"].as_str() {
+            tls += 1;
+            kinds.insert(format!(
+                "TLS {version} {}",
+                c["tls_cipher_suite"].as_str().unwrap_or("?")
+            ));
+        }
+    }
+    (kedge, tls, kinds)
+}
+
+async fn tls_compare(o: &Opts) {
+    let sync_always = !o.default_mode;
+    let reps = o.tls_reps;
+    println!();
+    println!("================================================================================");
+    println!(
+        "  TLS cost: plain TCP vs TLS (client certificate verified), nats-server {}",
+        if sync_always {
+            "jetstream { sync_interval: always }"
+        } else {
+            "default sync"
+        }
+    );
+    println!(
+        "  {reps} repetitions of ({} sequential runs, then {:?} runs at once) per variant, alternated plain/tls, tls/plain, ...",
+        o.runs, o.concurrency
+    );
+    println!("================================================================================");
+    println!("  load average before: {}", loadavg());
+    let pki_dir = tempfile::tempdir().expect("temp dir");
+    let pki = Pki::make(pki_dir.path());
+    let mut variants = Vec::new();
+    for (label, tls) in [("plain", None), ("tls", Some(&pki))] {
+        let http_port = kedge_testkit::free_port();
+        let env = Env::start(
+            sync_always,
+            tls,
+            &format!("http: \"127.0.0.1:{http_port}\"\n"),
+        )
+        .await;
+        variants.push(Variant {
+            label,
+            env,
+            http_port,
+            all_runs: Vec::new(),
+            seq: Collected::default(),
+            seq_reps: Vec::new(),
+            conc: o.concurrency.iter().map(|_| Vec::new()).collect(),
+        });
+    }
+    for v in &mut variants {
+        // Warm-up: connections, HTTP pool, agent cache, consumers.
+        for i in 0..2 {
+            let t = v.env.run_one(format!("{}-warm-{i}", v.label)).await;
+            v.all_runs.push(t.run);
+            v.env.submitted += 1;
+        }
+        let (kedge, tls, kinds) = kedge_connections(v.http_port).await;
+        let mut kinds: Vec<String> = kinds.into_iter().collect();
+        kinds.sort();
+        println!(
+            "  {:<5}: the server sees {kedge} Kedge connections, {tls} of them over TLS {}",
+            v.label,
+            if kinds.is_empty() {
+                String::new()
+            } else {
+                format!("({})", kinds.join(", "))
+            }
+        );
+        assert!(
+            kedge > 0,
+            "no Kedge connection seen by the {} server",
+            v.label
+        );
+        let expect_tls = if v.label == "tls" { kedge } else { 0 };
+        assert_eq!(
+            tls, expect_tls,
+            "{} server: Kedge connections over TLS",
+            v.label
+        );
+    }
+
+    println!();
+    println!(
+        "  {:>4} {:<5} {:>6} {:>10} {:>10} {:>14} {:>14} {:>12}  CPU ms/action (server / kedge)",
+        "rep",
+        "",
+        "runs",
+        "elapsed ms",
+        "actions/s",
+        "action p50 ms",
+        "action p99 ms",
+        "run p50 ms",
+    );
+    for rep in 0..reps {
+        let order: [usize; 2] = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+        // Sequential runs, one at a time.
+        for &i in &order {
+            let v = &mut variants[i];
+            let pid = v.env.server_pid();
+            let mut timings = Vec::new();
+            let cpu0 = cpu_mark(pid);
+            let t0 = Instant::now();
+            for j in 0..o.runs {
+                let t = v.env.run_one(format!("{}-r{rep}-seq-{j}", v.label)).await;
+                timings.push(t);
+                v.env.submitted += 1;
+            }
+            let elapsed = ms(t0.elapsed());
+            let (cs, cm) = cpu_since(cpu0, pid);
+            let mut c = Collected::default();
+            collect(&v.env, &timings, &mut c).await;
+            v.all_runs.extend(timings.iter().map(|t| t.run.clone()));
+            let a = stats(&c.actions());
+            let w = stats(&c.journal_wall);
+            let na = (o.runs * ACTIONS) as f64;
+            println!(
+                "  {:>4} {:<5} {:>6} {:>10.1} {:>10.0} {:>14.3} {:>14.3} {:>12.1}  {:.3} / {:.3}",
+                rep + 1,
+                v.label,
+                format!("{}seq", o.runs),
+                elapsed,
+                na / (elapsed / 1e3),
+                a.p50,
+                a.p99,
+                w.p50,
+                cs / na,
+                cm / na
+            );
+            v.seq.merge(&c);
+            v.seq_reps.push((elapsed, (cs, cm)));
+        }
+        // Concurrency rounds, level by level, alternating at each level.
+        for (round, &n) in o.concurrency.iter().enumerate() {
+            for &i in &order {
+                let v = &mut variants[i];
+                let key = format!("{}-r{rep}-c{round}", v.label);
+                let r = conc_round(&mut v.env, &key, n, &mut v.all_runs).await;
+                let (n, elapsed, rate, c, (cs, cm)) = &r;
+                let a = stats(&c.actions());
+                let w = stats(&c.journal_wall);
+                println!(
+                    "  {:>4} {:<5} {:>6} {:>10.1} {:>10.0} {:>14.3} {:>14.3} {:>12.1}  {:.3} / {:.3}",
+                    rep + 1,
+                    v.label,
+                    n,
+                    elapsed,
+                    rate,
+                    a.p50,
+                    a.p99,
+                    w.p50,
+                    cs,
+                    cm
+                );
+                v.conc[round].push(r);
+            }
+        }
+        println!("  load average after repetition {}: {}", rep + 1, loadavg());
+    }
+
+    for v in &variants {
+        model_calls_per_step(&v.env, &v.all_runs, &format!("{}: ", v.label)).await;
+        check_ledger(&v.env, &v.all_runs, &format!("{}: ", v.label));
+    }
+    print_tls_summary(&variants, o);
+    println!("  load average after: {}", loadavg());
+    for v in variants {
+        v.env.shutdown().await;
+    }
+}
+
+fn print_tls_summary(variants: &[Variant], o: &Opts) {
+    let (plain, tls) = (&variants[0], &variants[1]);
+    println!();
+    println!("================================================================================");
+    println!("  Summary: the cost of TLS (same run; pooled over the repetitions)");
+    println!("================================================================================");
+    println!(
+        "  {:<46} {:>11} {:>11} {:>10} {:>11}",
+        "", "plain", "tls", "tls/plain", "tls-plain"
+    );
+    let row = |name: &str, p: f64, t: f64, decimals: usize| {
+        println!(
+            "    {:<44} {:>11.decimals$} {:>11.decimals$} {:>10.3} {:>+11.decimals$}",
+            name,
+            p,
+            t,
+            t / p,
+            t - p
+        );
+    };
+    let seq_figures = |v: &Variant| {
+        let elapsed: f64 = v.seq_reps.iter().map(|r| r.0).sum();
+        let cs: f64 = v.seq_reps.iter().map(|r| r.1.0).sum();
+        let cm: f64 = v.seq_reps.iter().map(|r| r.1.1).sum();
+        let na = (v.seq.runs * ACTIONS) as f64;
+        (na / (elapsed / 1e3), cs / na, cm / na)
+    };
+    let (pr, pcs, pcm) = seq_figures(plain);
+    let (tr, tcs, tcm) = seq_figures(tls);
+    println!(
+        "  sequential: one run at a time ({} runs x {ACTIONS} actions per variant)",
+        plain.seq.runs
+    );
+    let (pa, ta) = (stats(&plain.seq.actions()), stats(&tls.seq.actions()));
+    row("action p50 ms", pa.p50, ta.p50, 3);
+    row("action p99 ms", pa.p99, ta.p99, 3);
+    row("action mean ms", pa.mean, ta.mean, 3);
+    row(
+        "model action p50 ms",
+        stats(&plain.seq.model).p50,
+        stats(&tls.seq.model).p50,
+        3,
+    );
+    row(
+        "tool action p50 ms",
+        stats(&plain.seq.tool).p50,
+        stats(&tls.seq.tool).p50,
+        3,
+    );
+    row(
+        "run p50 ms (40 actions; client: submit->seen)",
+        stats(&plain.seq.client_wall).p50,
+        stats(&tls.seq.client_wall).p50,
+        1,
+    );
+    row(
+        "run p50 ms (journal: created->succeeded)",
+        stats(&plain.seq.journal_wall).p50,
+        stats(&tls.seq.journal_wall).p50,
+        1,
+    );
+    row(
+        "submit -> intake's answer p50 ms",
+        stats(&plain.seq.submit).p50,
+        stats(&tls.seq.submit).p50,
+        2,
+    );
+    row("actions/s", pr, tr, 0);
+    row("CPU ms/action nats-server", pcs, tcs, 3);
+    row("CPU ms/action kedge process", pcm, tcm, 3);
+    for (round, &n) in o.concurrency.iter().enumerate() {
+        let pooled = |v: &Variant| {
+            let rounds = &v.conc[round];
+            let mut c = Collected::default();
+            for r in rounds {
+                c.merge(&r.3);
+            }
+            let elapsed: f64 = rounds.iter().map(|r| r.1).sum();
+            let na = (ACTIONS * n * rounds.len()) as f64;
+            let cs = rounds.iter().map(|r| r.4.0).sum::<f64>() / rounds.len() as f64;
+            let cm = rounds.iter().map(|r| r.4.1).sum::<f64>() / rounds.len() as f64;
+            let rates: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.2)).collect();
+            (c, na / (elapsed / 1e3), cs, cm, rates)
+        };
+        let (pc, pr, pcs, pcm, prates) = pooled(plain);
+        let (tc, tr, tcs, tcm, trates) = pooled(tls);
+        println!(
+            "  {n} runs at once ({} rounds per variant)",
+            plain.conc[round].len()
+        );
+        row("actions/s (all actions / all elapsed)", pr, tr, 0);
+        let (pa, ta) = (stats(&pc.actions()), stats(&tc.actions()));
+        row("action p50 ms", pa.p50, ta.p50, 3);
+        row("action p99 ms", pa.p99, ta.p99, 3);
+        row(
+            "run p50 ms (journal)",
+            stats(&pc.journal_wall).p50,
+            stats(&tc.journal_wall).p50,
+            1,
+        );
+        row("CPU ms/action nats-server", pcs, tcs, 3);
+        row("CPU ms/action kedge process", pcm, tcm, 3);
+        println!(
+            "    actions/s per round: plain {}; tls {}",
+            prates.join(", "),
+            trates.join(", ")
+        );
+    }
+    println!(
+        "  (both environments live in this process and on these cores: the idle one's CPU is in the other's kedge figure; the load average is printed above)"
+    );
+}
+
 fn main() {
     let o = opts();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -2141,6 +2598,12 @@ fn main() {
             kedge_testkit::nats_server_binary().display(),
             loadavg()
         );
+        if o.tls_compare {
+            tls_compare(&o).await;
+            println!();
+            println!("total bench time {:.1} s", started.elapsed().as_secs_f64());
+            return;
+        }
         let mut results = Vec::new();
         if o.default_mode {
             results.push(run_mode("default sync", false, &o).await);

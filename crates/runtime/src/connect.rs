@@ -302,6 +302,15 @@ pub async fn connect_client(config: &Config) -> Result<async_nats::Client, Runti
     loop {
         match connect_options(config)?.connect(addrs.clone()).await {
             Ok(client) => {
+                if !client.server_info().auth_required {
+                    tracing::warn!(
+                        urls = %urls,
+                        "DEVELOPMENT MODE: this NATS server asks for no credentials, so anyone who \
+                         can reach it can act as every Kedge service and every tenant (forge \
+                         decisions, read and purge the journal). Run the secured configuration \
+                         (`kedge nats-config`, docs/SECURITY.md) anywhere else"
+                    );
+                }
                 tracing::debug!(
                     urls = %urls,
                     server = %client.server_info().server_name,
