@@ -70,6 +70,18 @@ pub struct Recorded {
     pub msg_id: Option<String>,
 }
 
+/// A run's last event, as [`Journal::last_event`] finds it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LastEvent {
+    pub seq: u64,
+    /// When the stream stored it (the server's clock; now, if the server did not say).
+    pub stored_at: time::OffsetDateTime,
+    /// Its type, from the subject (`None` for a subject outside the layout).
+    pub event_type: Option<EventType>,
+    /// The envelope (`None` if the payload does not parse).
+    pub envelope: Option<Envelope>,
+}
+
 /// The `Nats-Msg-Id` of the `index`-th decision (0-based) of an append by `writer` after
 /// `expected_last`. Deterministic, so a retry carries the same ids; includes the writer, so two
 /// racing writers never share one.
@@ -659,6 +671,51 @@ impl Journal {
         .await
         .map_err(|e| JournalError::from_wire("last sequence", e))?;
         Ok(last.map(|m| m.seq))
+    }
+
+    /// The run's last event of any kind, for a quick look without reading the journal: its
+    /// sequence, its type (from the subject), its envelope (`None` if it does not parse) and when
+    /// the stream stored it (the server's clock). `None` for a run with no events. Same
+    /// consistency as [`Journal::last_seq`].
+    pub async fn last_event(&self, run: &RunId) -> Result<Option<LastEvent>, JournalError> {
+        let last = wire::direct_last(
+            &self.client,
+            RUNS_STREAM,
+            &subjects::run_all(run),
+            self.timeout,
+        )
+        .await
+        .map_err(|e| JournalError::from_wire("last event", e))?;
+        Ok(last.map(|m| LastEvent {
+            seq: m.seq,
+            stored_at: m
+                .header("Nats-Time-Stamp")
+                .and_then(|t| {
+                    time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+                        .ok()
+                })
+                .unwrap_or_else(time::OffsetDateTime::now_utc),
+            event_type: subjects::parse_event(&m.subject).map(|p| p.event_type),
+            envelope: Envelope::from_json_bytes(&m.payload).ok(),
+        }))
+    }
+
+    /// Whether the run has at least one event of `event_type` (one direct get of that type's
+    /// subject; e.g. has a cancel been requested).
+    pub async fn has_event(
+        &self,
+        run: &RunId,
+        event_type: EventType,
+    ) -> Result<bool, JournalError> {
+        let last = wire::direct_last(
+            &self.client,
+            RUNS_STREAM,
+            &subjects::event(run, event_type),
+            self.timeout,
+        )
+        .await
+        .map_err(|e| JournalError::from_wire("event lookup", e))?;
+        Ok(last.is_some())
     }
 
     /// Sequence of the run's last decision; 0 if it has none (the `expected_last` of its first

@@ -287,3 +287,35 @@ async fn a_bounded_read_returns_a_gap_free_prefix_and_says_whether_more_follows(
         assert_eq!(got, seqs, "pages of {page_size}");
     }
 }
+
+#[tokio::test]
+async fn the_last_event_and_an_event_type_are_found_without_reading_the_journal() {
+    let (_server, journal) = setup().await;
+    let run = RunId::generate();
+    let other = RunId::generate();
+    assert_eq!(journal.last_event(&run).await.unwrap(), None);
+    let before = time::OffsetDateTime::now_utc() - Duration::from_secs(5);
+    let written = write_run(&journal, &run, &other).await;
+    let last = journal.last_event(&run).await.unwrap().expect("an event");
+    let (seq, env) = written.last().unwrap();
+    assert_eq!(last.seq, *seq);
+    assert_eq!(last.envelope.as_ref(), Some(env));
+    assert_eq!(last.event_type, Some(env.event_type()));
+    assert!(
+        last.stored_at > before,
+        "the server's time stamp: {:?}",
+        last.stored_at
+    );
+    assert!(
+        journal
+            .has_event(&run, kedge_core::EventType::RunCreated)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !journal
+            .has_event(&run, kedge_core::EventType::CancelRequested)
+            .await
+            .unwrap()
+    );
+}

@@ -139,7 +139,12 @@ mod tests {
             approver_of(&approvers, "tok-bob-0123456789").map(String::as_str),
             Some("bob")
         );
-        for wrong in ["", "tok-alice-012345678", "tok-alice-0123456789 ", "TOK-ALICE-0123456789"] {
+        for wrong in [
+            "",
+            "tok-alice-012345678",
+            "tok-alice-0123456789 ",
+            "TOK-ALICE-0123456789",
+        ] {
             assert_eq!(approver_of(&approvers, wrong), None, "{wrong:?}");
         }
     }

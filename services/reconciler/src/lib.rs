@@ -86,11 +86,6 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
 
 /// Scans every run once and nudges the stalled ones.
 pub async fn scan_once(rt: &Runtime) -> Result<ScanReport, ReconcileError> {
-    let stream = rt
-        .js
-        .get_stream(subjects::RUNS_STREAM)
-        .await
-        .map_err(|e| ReconcileError::Broker(e.to_string()))?;
     let runs = rt.journal.run_ids().await?;
     let mut report = ScanReport {
         runs: runs.len(),
@@ -98,7 +93,7 @@ pub async fn scan_once(rt: &Runtime) -> Result<ScanReport, ReconcileError> {
     };
     let stall_after = rt.config.timeouts.stall_after();
     for run in runs {
-        match check(rt, &stream, &run, stall_after).await {
+        match check(rt, &run, stall_after).await {
             Ok(Verdict::Active) => {}
             Ok(Verdict::Quiet) => report.quiet += 1,
             Ok(Verdict::Nudged) => {
@@ -124,15 +119,13 @@ enum Verdict {
 
 async fn check(
     rt: &Runtime,
-    stream: &async_nats::jetstream::stream::Stream,
     run: &RunId,
     stall_after: Duration,
 ) -> Result<Verdict, ReconcileError> {
-    let last = stream
-        .direct_get_last_for_subject(subjects::run_all(run))
-        .await
-        .map_err(|e| ReconcileError::Broker(e.to_string()))?;
-    let age = time::OffsetDateTime::now_utc() - last.time;
+    let Some(last) = rt.journal.last_event(run).await? else {
+        return Ok(Verdict::Quiet);
+    };
+    let age = time::OffsetDateTime::now_utc() - last.stored_at;
     if age < stall_after {
         return Ok(Verdict::Active);
     }
@@ -140,7 +133,7 @@ async fn check(
     // had nothing since that could make it runnable: no need to read its journal. This keeps a
     // scan over many waiting runs to one direct get each.
     // A run waiting on its tools is read: one of them may be stuck.
-    let settled = match subjects::parse_event(&last.subject).map(|p| p.event_type) {
+    let settled = match last.event_type {
         Some(
             EventType::RunSucceeded
             | EventType::RunFailed
@@ -148,8 +141,8 @@ async fn check(
             | EventType::RunUnknown,
         ) => true,
         Some(EventType::RunWaiting) => !matches!(
-            Envelope::from_json_bytes(&last.payload).map(|e| e.event),
-            Ok(Event::RunWaiting(RunWaiting {
+            last.envelope.map(|e| e.event),
+            Some(Event::RunWaiting(RunWaiting {
                 on: WaitReason::Tool
             }))
         ),

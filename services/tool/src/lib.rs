@@ -139,24 +139,20 @@ struct Ctx {
     /// Connections to the configured MCP servers (opened on first use).
     mcp: kedge_mcp::Pool,
     running: Running,
-    journal_stream: async_nats::jetstream::stream::Stream<()>,
 }
 
 impl Ctx {
     /// Whether the run's cancellation has been requested (best effort: on a broker error, no).
     async fn cancel_requested(&self, run: &RunId) -> bool {
-        let subject =
-            kedge_core::subjects::event(run, kedge_core::event::EventType::CancelRequested);
         match self
-            .journal_stream
-            .direct_get_last_for_subject(subject)
+            .rt
+            .journal
+            .has_event(run, kedge_core::event::EventType::CancelRequested)
             .await
         {
-            Ok(_) => true,
+            Ok(found) => found,
             Err(e) => {
-                if e.kind() != async_nats::jetstream::stream::DirectGetErrorKind::NotFound {
-                    tracing::warn!(run_id = %run, error = %e, "cannot check for a cancel request");
-                }
+                tracing::warn!(run_id = %run, error = %e, "cannot check for a cancel request");
                 false
             }
         }
@@ -180,11 +176,6 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             }
         }
     });
-    let journal_stream = rt
-        .js
-        .get_stream_no_info(kedge_core::subjects::RUNS_STREAM)
-        .await
-        .map_err(|e| RuntimeError::broker("journal stream", e))?;
     let mut messages = consumer
         .messages()
         .await
@@ -198,7 +189,6 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         },
         mcp: kedge_mcp::Pool::new(rt.config.mcp_servers.clone()),
         running,
-        journal_stream,
         rt: rt.clone(),
     });
     let workers = consumer::Workers::new(rt.config.tool_concurrency);
