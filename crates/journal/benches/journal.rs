@@ -202,7 +202,11 @@ async fn run(args: Args) {
         let e = [decision(&run)];
         let t = Instant::now();
         last = journal
-            .append_decisions(&run, last, "bench", &e)
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&run, "bench"),
+                last,
+                &e,
+            )
             .await
             .unwrap()
             .last_seq;
@@ -218,7 +222,11 @@ async fn run(args: Args) {
         let g = group(&run, i as u32 + 1);
         let t = Instant::now();
         last = journal
-            .append_decisions(&run, last, "bench", &g)
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&run, "bench"),
+                last,
+                &g,
+            )
             .await
             .unwrap()
             .last_seq;
@@ -242,7 +250,11 @@ async fn run(args: Args) {
     let run = RunId::generate();
     let noise = RunId::generate();
     let mut last = journal
-        .append_decisions(&run, 0, "bench", &[decision(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "bench"),
+            0,
+            &[decision(&run)],
+        )
         .await
         .unwrap()
         .last_seq;
@@ -251,7 +263,11 @@ async fn run(args: Args) {
     while count < 50 {
         if count + 4 <= 50 && step % 2 == 1 {
             last = journal
-                .append_decisions(&run, last, "bench", &group(&run, step))
+                .append_decisions(
+                    &kedge_journal::DecisionWriter::unfenced(&run, "bench"),
+                    last,
+                    &group(&run, step),
+                )
                 .await
                 .unwrap()
                 .last_seq;

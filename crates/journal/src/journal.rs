@@ -70,6 +70,55 @@ pub struct Recorded {
     pub msg_id: Option<String>,
 }
 
+/// The writer name of [`Journal::create_run`].
+const CREATOR: &str = "intake";
+
+/// The right to append one run's decisions: the single-writer rule as a type. Made only by
+/// [`crate::Lease::writer`] from a lease this process acquired (or, for benches and tests of the
+/// journal itself, [`DecisionWriter::unfenced`] behind the `unfenced-writer` feature). Its name,
+/// `<worker>-<lease revision>`, goes into every decision's `Nats-Msg-Id`, so a retried append is
+/// recognised as this holding's own.
+///
+/// Nothing else can make one:
+///
+/// ```compile_fail
+/// # use kedge_journal::DecisionWriter;
+/// let run: kedge_core::RunId = "run_x".parse().expect("valid");
+/// let forged = DecisionWriter::new(run, "me".to_owned()); // private: hold a lease instead
+/// ```
+///
+/// ```compile_fail
+/// # use std::time::Duration;
+/// let run: kedge_core::RunId = "run_x".parse().expect("valid");
+/// // A `Lease` is made only by `Leases` (it has a private field).
+/// let lease = kedge_journal::Lease { run, owner: "me".into(), revision: 1, ttl: Duration::from_secs(5) };
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionWriter {
+    run: RunId,
+    name: String,
+}
+
+impl DecisionWriter {
+    pub(crate) fn new(run: RunId, name: String) -> Self {
+        Self { run, name }
+    }
+
+    /// A writer that holds no lease: for benches and tests of the journal's own checks only.
+    #[cfg(feature = "unfenced-writer")]
+    pub fn unfenced(run: &RunId, name: &str) -> Self {
+        Self::new(run.clone(), name.to_owned())
+    }
+
+    pub fn run(&self) -> &RunId {
+        &self.run
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
 /// A run's last event, as [`Journal::last_event`] finds it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LastEvent {
@@ -244,15 +293,42 @@ impl Journal {
         &self.client
     }
 
-    /// Appends decisions of `run`, provided the run's last decision is at `expected_last` (0: the
-    /// run has no decision yet, which is how `run.created` is written).
+    /// Appends decisions of the writer's run, provided the run's last decision is at
+    /// `expected_last`. Only the holder of the run's lease has a [`DecisionWriter`]
+    /// ([`crate::Lease::writer`]); the run's first decision is [`Journal::create_run`]'s.
     ///
     /// One event is one publish; several are one atomic batch (all stored contiguously, or
     /// none). Errors: [`JournalError::Conflict`] when another decision was appended since
-    /// `expected_last`; [`JournalError::Duplicate`] when this very append (same writer,
-    /// `expected_last` and number of events) already landed, e.g. on a retry after a timeout;
-    /// [`JournalError::Unavailable`] for broker trouble (retry the same call).
+    /// `expected_last` (a zombie writer whose lease was taken over lands here);
+    /// [`JournalError::Duplicate`] when this very append (same writer, `expected_last` and number
+    /// of events) already landed, e.g. on a retry after a timeout; [`JournalError::Unavailable`]
+    /// for broker trouble (retry the same call).
     pub async fn append_decisions(
+        &self,
+        writer: &DecisionWriter,
+        expected_last: u64,
+        events: &[Envelope],
+    ) -> Result<Appended, JournalError> {
+        self.append_decisions_as(&writer.run, expected_last, &writer.name, events)
+            .await
+    }
+
+    /// Writes a run's first decision, its `run.created`, with the check that the run has no
+    /// decision yet: the narrow path by which intake (which holds no lease: the run has no
+    /// writer before it exists) starts a run. Anything but a `run.created` is refused.
+    /// `Conflict` means the run already exists; `Duplicate` that this very append landed.
+    pub async fn create_run(&self, created: &Envelope) -> Result<Appended, JournalError> {
+        if created.event_type() != EventType::RunCreated {
+            return Err(JournalError::BadRequest(format!(
+                "a run starts with run.created, not `{}`",
+                created.event_type()
+            )));
+        }
+        self.append_decisions_as(&created.run_id, 0, CREATOR, std::slice::from_ref(created))
+            .await
+    }
+
+    async fn append_decisions_as(
         &self,
         run: &RunId,
         expected_last: u64,

@@ -39,6 +39,9 @@ pub struct Released {
     pub seq: u64,
 }
 
+/// A lease this process acquired (and renews). Only [`Leases`] makes one (the private field keeps
+/// a struct literal out of other crates), so [`Lease::writer`], the right to append the run's
+/// decisions, comes only from holding it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
     pub run: RunId,
@@ -46,6 +49,38 @@ pub struct Lease {
     /// Sequence of the lease's last write: the fencing token. Grows with every renewal.
     pub revision: u64,
     /// Time to live of each write; the lease expires this long after its last renewal.
+    pub ttl: Duration,
+    _held: Held,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Held;
+
+impl Lease {
+    fn held(run: &RunId, owner: &str, revision: u64, ttl: Duration) -> Lease {
+        Lease {
+            run: run.clone(),
+            owner: owner.to_owned(),
+            revision,
+            ttl,
+            _held: Held,
+        }
+    }
+
+    /// The writer of the run's decisions for this holding, named `<worker>-<revision>` after the
+    /// revision it was acquired at (a writer made after a renewal gets another name).
+    pub fn writer(&self, worker: &str) -> crate::DecisionWriter {
+        crate::DecisionWriter::new(self.run.clone(), format!("{worker}-{}", self.revision))
+    }
+}
+
+/// Who holds a run's lease, as anyone may look it up ([`Leases::holder`]). Not a [`Lease`]:
+/// looking gives no right to write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseHolder {
+    pub run: RunId,
+    pub owner: String,
+    pub revision: u64,
     pub ttl: Duration,
 }
 
@@ -215,14 +250,7 @@ impl Leases {
                 ttl_secs: secs,
             };
             match self.write(run, seq, secs, Some(&value)).await {
-                Ok(revision) => {
-                    return Ok(Lease {
-                        run: run.clone(),
-                        owner: owner.to_owned(),
-                        revision,
-                        ttl,
-                    });
-                }
+                Ok(revision) => return Ok(Lease::held(run, owner, revision, ttl)),
                 // Someone took it since (or the marker expired): look first.
                 Err(e) if e.api_code() == Some(codes::WRONG_LAST_SEQUENCE) => {}
                 Err(e) => return Err(LeaseError::wire("acquire lease", e)),
@@ -261,12 +289,7 @@ impl Leases {
             match self.write(run, expected, secs, Some(&value)).await {
                 Ok(revision) => {
                     tracing::debug!(run_id = %run, owner, revision, "lease acquired");
-                    return Ok(Lease {
-                        run: run.clone(),
-                        owner: owner.to_owned(),
-                        revision,
-                        ttl,
-                    });
+                    return Ok(Lease::held(run, owner, revision, ttl));
                 }
                 Err(e) if e.api_code() == Some(codes::WRONG_LAST_SEQUENCE) => leader = true,
                 Err(e) => return Err(LeaseError::wire("acquire lease", e)),
@@ -322,13 +345,13 @@ impl Leases {
 
     /// The current holder of `run`'s lease, if any (by direct get: may trail the leader in a
     /// cluster).
-    pub async fn holder(&self, run: &RunId) -> Result<Option<Lease>, LeaseError> {
+    pub async fn holder(&self, run: &RunId) -> Result<Option<LeaseHolder>, LeaseError> {
         Ok(self.last(run, false).await?.and_then(|m| {
             if is_tombstone(&m) {
                 return None;
             }
             let v = holder_of(&m);
-            Some(Lease {
+            Some(LeaseHolder {
                 run: run.clone(),
                 owner: v.owner,
                 revision: m.seq,

@@ -38,8 +38,8 @@ mod wire;
 
 pub use error::{ErrorKind, JournalError};
 pub use journal::{
-    Appended, DecisionMsgId, Journal, LastEvent, ReadPage, Recorded, decision_msg_id,
-    parse_decision_msg_id,
+    Appended, DecisionMsgId, DecisionWriter, Journal, LastEvent, ReadPage, Recorded,
+    decision_msg_id, parse_decision_msg_id,
 };
 pub use layout::{LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout};
-pub use lease::{Lease, LeaseError, Leases, Released};
+pub use lease::{Lease, LeaseError, LeaseHolder, Leases, Released};

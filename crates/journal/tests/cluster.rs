@@ -38,14 +38,22 @@ async fn cluster_reads_see_every_acknowledged_event_and_failover_is_retryable() 
 
     // Read-your-writes after every append, whichever replica answers the direct gets.
     let mut last_decision = journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap()
         .last_seq;
     let mut count = 1;
     for step in 1..=6 {
         let g = journal
-            .append_decisions(&run, last_decision, "step", &step_group(&run, step))
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&run, "step"),
+                last_decision,
+                &step_group(&run, step),
+            )
             .await
             .unwrap();
         last_decision = g.last_seq;
@@ -72,7 +80,11 @@ async fn cluster_reads_see_every_acknowledged_event_and_failover_is_retryable() 
         let events = [run_started(&run)];
         loop {
             match journal
-                .append_decisions(&run, last_decision, "step", &events)
+                .append_decisions(
+                    &kedge_journal::DecisionWriter::unfenced(&run, "step"),
+                    last_decision,
+                    &events,
+                )
                 .await
             {
                 Ok(a) => {

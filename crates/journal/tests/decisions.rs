@@ -13,7 +13,11 @@ async fn concurrent_appends_from_the_same_sequence_exactly_one_lands() {
     let (_server, journal) = setup().await;
     let run = new_run();
     let created = journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap();
     assert_eq!(created.first_seq, created.last_seq);
@@ -30,7 +34,11 @@ async fn concurrent_appends_from_the_same_sequence_exactly_one_lands() {
                 step_group(&run, 1)
             };
             journal
-                .append_decisions(&run, created.last_seq, &format!("w{i}"), &events)
+                .append_decisions(
+                    &kedge_journal::DecisionWriter::unfenced(&run, &format!("w{i}")),
+                    created.last_seq,
+                    &events,
+                )
                 .await
         }
     });
@@ -65,7 +73,11 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
     let (_server, journal) = setup().await;
     let run = new_run();
     let created = journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap();
     let input = journal
@@ -80,7 +92,11 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
     );
 
     let next = journal
-        .append_decisions(&run, created.last_seq, "step-a", &[run_started(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+            created.last_seq,
+            &[run_started(&run)],
+        )
         .await
         .unwrap();
     assert!(next.last_seq > input);
@@ -90,7 +106,11 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
         .await
         .unwrap();
     let group = journal
-        .append_decisions(&run, next.last_seq, "step-a", &step_group(&run, 1))
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+            next.last_seq,
+            &step_group(&run, 1),
+        )
         .await
         .unwrap();
     assert_eq!(group.last_seq - group.first_seq, 3);
@@ -101,7 +121,11 @@ async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_tak
     let (_server, journal) = setup().await;
     let run = new_run();
     let created = journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap();
     // Worker A reads the run and is about to decide; meanwhile worker B takes over and decides.
@@ -109,13 +133,21 @@ async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_tak
     assert_eq!(seen_by_a, created.last_seq);
     let seen_by_b = journal.last_decision_seq(&run).await.unwrap();
     let b = journal
-        .append_decisions(&run, seen_by_b, "worker-b", &[run_started(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "worker-b"),
+            seen_by_b,
+            &[run_started(&run)],
+        )
         .await
         .unwrap();
 
     // The zombie's commit fails, with both sequences.
     let err = journal
-        .append_decisions(&run, seen_by_a, "worker-a", &step_group(&run, 1))
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "worker-a"),
+            seen_by_a,
+            &step_group(&run, 1),
+        )
         .await
         .unwrap_err();
     assert_eq!(
@@ -130,7 +162,11 @@ async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_tak
     // B is slow but nobody took over: its late commit lands.
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let late = journal
-        .append_decisions(&run, b.last_seq, "worker-b", &step_group(&run, 1))
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "worker-b"),
+            b.last_seq,
+            &step_group(&run, 1),
+        )
         .await
         .unwrap();
     assert_eq!(late.first_seq, b.last_seq + 1);
@@ -141,12 +177,20 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
     let (_server, journal) = setup().await;
     let run = new_run();
     let first = journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap();
     // `run.created` retried (intake's ack was lost).
     let again = journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap_err();
     assert_eq!(
@@ -160,19 +204,31 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
     // A single decision retried.
     let events = [run_started(&run)];
     let one = journal
-        .append_decisions(&run, first.last_seq, "step-a", &events)
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+            first.last_seq,
+            &events,
+        )
         .await
         .unwrap();
     assert_eq!(
         journal
-            .append_decisions(&run, first.last_seq, "step-a", &events)
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+                first.last_seq,
+                &events
+            )
             .await,
         Err(JournalError::Duplicate { seq: one.last_seq })
     );
     // Another writer from the same sequence is a conflict, not a duplicate.
     assert_eq!(
         journal
-            .append_decisions(&run, first.last_seq, "step-b", &events)
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&run, "step-b"),
+                first.last_seq,
+                &events
+            )
             .await,
         Err(JournalError::Conflict {
             expected: first.last_seq,
@@ -183,12 +239,20 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
     // A group retried.
     let group = step_group(&run, 1);
     let landed = journal
-        .append_decisions(&run, one.last_seq, "step-a", &group)
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+            one.last_seq,
+            &group,
+        )
         .await
         .unwrap();
     assert_eq!(
         journal
-            .append_decisions(&run, one.last_seq, "step-a", &group)
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+                one.last_seq,
+                &group
+            )
             .await,
         Err(JournalError::Duplicate {
             seq: landed.last_seq
@@ -208,11 +272,19 @@ async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() 
     let (_server, journal) = setup().await;
     let run = new_run();
     let created = journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap();
     let started = journal
-        .append_decisions(&run, created.last_seq, "step-b", &[run_started(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step-b"),
+            created.last_seq,
+            &[run_started(&run)],
+        )
         .await
         .unwrap();
     // Inputs land meanwhile; they do not count for the check.
@@ -223,7 +295,11 @@ async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() 
 
     let group = step_group(&run, 1);
     let stale = journal
-        .append_decisions(&run, created.last_seq, "step-a", &group)
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+            created.last_seq,
+            &group,
+        )
         .await;
     assert_eq!(
         stale,
@@ -245,7 +321,11 @@ async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() 
         .await
         .unwrap();
     let fresh = journal
-        .append_decisions(&run, started.last_seq, "step-a", &group)
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+            started.last_seq,
+            &group,
+        )
         .await
         .unwrap();
     assert_eq!(fresh.first_seq, input + 1);
@@ -275,16 +355,55 @@ async fn kinds_are_enforced() {
     assert!(matches!(err, JournalError::WrongKind { .. }), "{err:?}");
     assert_eq!(err.kind(), ErrorKind::Invalid);
     let err = journal
-        .append_decisions(&run, 0, "w", &[run_created(&run), user_message(&run, "hi")])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "w"),
+            0,
+            &[run_created(&run), user_message(&run, "hi")],
+        )
         .await
         .unwrap_err();
     assert!(matches!(err, JournalError::WrongKind { .. }), "{err:?}");
     let other = new_run();
     let err = journal
-        .append_decisions(&run, 0, "w", &[run_created(&other)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "w"),
+            0,
+            &[run_created(&other)],
+        )
         .await
         .unwrap_err();
     assert!(matches!(err, JournalError::BadRequest(_)), "{err:?}");
     assert_eq!(journal.last_seq(&run).await.unwrap(), None);
     assert_eq!(journal.last_decision_seq(&run).await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_run_is_created_only_with_run_created_and_only_once() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let not_created = user_message(&run, "hi");
+    assert!(matches!(
+        journal.create_run(&not_created).await,
+        Err(JournalError::BadRequest(_))
+    ));
+    let created = run_created(&run);
+    let first = journal.create_run(&created).await.unwrap();
+    assert_eq!(first.first_seq, first.last_seq);
+    // The same append again is recognised as ours; another run.created for the run conflicts.
+    assert!(matches!(
+        journal.create_run(&created).await,
+        Err(JournalError::Duplicate { .. })
+    ));
+    let mut other = run_created(&run);
+    other.at = kedge_core::event::Timestamp::now();
+    assert!(matches!(
+        journal
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&run, "someone"),
+                0,
+                &[other]
+            )
+            .await,
+        Err(JournalError::Conflict { .. })
+    ));
 }

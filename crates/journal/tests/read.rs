@@ -17,19 +17,31 @@ async fn write_run(journal: &Journal, run: &RunId, other: &RunId) -> Vec<(u64, E
     let mut written = Vec::new();
     let created = run_created(run);
     let a = journal
-        .append_decisions(run, 0, "intake", std::slice::from_ref(&created))
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(run, "intake"),
+            0,
+            std::slice::from_ref(&created),
+        )
         .await
         .unwrap();
     written.push((a.last_seq, created));
     journal
-        .append_decisions(other, 0, "intake", &[run_created(other)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(other, "intake"),
+            0,
+            &[run_created(other)],
+        )
         .await
         .unwrap();
     let mut last_decision = a.last_seq;
     for step in 1..=4 {
         let group = step_group(run, step);
         let g = journal
-            .append_decisions(run, last_decision, "step", &group)
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(run, "step"),
+                last_decision,
+                &group,
+            )
             .await
             .unwrap();
         last_decision = g.last_seq;
@@ -131,7 +143,11 @@ async fn a_message_that_is_not_an_envelope_is_reported_with_its_sequence() {
     let (server, journal) = setup().await;
     let run = new_run();
     journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap();
     let client = server.client().await;
@@ -178,7 +194,11 @@ async fn tail_replays_then_delivers_live_appends_without_gap_or_duplicate() {
     // Live: a decision group and an input, appended after the replay.
     let last_decision = journal.last_decision_seq(&run).await.unwrap();
     let live_group = journal
-        .append_decisions(&run, last_decision, "step", &step_group(&run, 9))
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step"),
+            last_decision,
+            &step_group(&run, 9),
+        )
         .await
         .unwrap();
     let live_input = journal
@@ -210,7 +230,11 @@ async fn tail_goes_on_after_a_broker_restart_without_replaying_old_events() {
     let (mut server, journal) = setup().await;
     let run = new_run();
     let created = journal
-        .append_decisions(&run, 0, "intake", &[run_created(&run)])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
+            0,
+            &[run_created(&run)],
+        )
         .await
         .unwrap();
     let input = journal
@@ -230,7 +254,11 @@ async fn tail_goes_on_after_a_broker_restart_without_replaying_old_events() {
     let started = Instant::now();
     let seq = loop {
         match journal
-            .append_decisions(&run, created.last_seq, "step", &[run_started(&run)])
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&run, "step"),
+                created.last_seq,
+                &[run_started(&run)],
+            )
             .await
         {
             Ok(a) => break a.last_seq,

@@ -1140,7 +1140,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
     let drun = RunId::generate();
     let last = Arc::new(Mutex::new(
         rt.journal
-            .append_decisions(&drun, 0, "w-bench", &[with_run(&created, &drun)])
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(&drun, "w-bench"),
+                0,
+                &[with_run(&created, &drun)],
+            )
             .await
             .expect("run.created")
             .last_seq,
@@ -1155,7 +1159,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                 let expected = *last.lock().unwrap();
                 let a = rt
                     .journal
-                    .append_decisions(drun, expected, "w-bench", &[e])
+                    .append_decisions(
+                        &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
+                        expected,
+                        &[e],
+                    )
                     .await
                     .expect("append 1");
                 *last.lock().unwrap() = a.last_seq;
@@ -1173,7 +1181,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                 let expected = *last.lock().unwrap();
                 let a = rt
                     .journal
-                    .append_decisions(drun, expected, "w-bench", &es)
+                    .append_decisions(
+                        &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
+                        expected,
+                        &es,
+                    )
                     .await
                     .expect("append 3");
                 *last.lock().unwrap() = a.last_seq;
@@ -1208,7 +1220,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                     let expected = *last.lock().unwrap();
                     let a = rt
                         .journal
-                        .append_decisions(drun, expected, "w-bench", &[e])
+                        .append_decisions(
+                            &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
+                            expected,
+                            &[e],
+                        )
                         .await
                         .expect("append chained");
                     *last.lock().unwrap() = a.last_seq;
@@ -1240,7 +1256,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                 let expected = *last.lock().unwrap();
                 let a = rt
                     .journal
-                    .append_decisions(drun, expected, "w-bench", &[e])
+                    .append_decisions(
+                        &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
+                        expected,
+                        &[e],
+                    )
                     .await
                     .expect("append big");
                 *last.lock().unwrap() = a.last_seq;
@@ -1261,7 +1281,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
         tokio::spawn(async move {
             let mut last = rt
                 .journal
-                .append_decisions(&brun, 0, "w-bg", &[first])
+                .append_decisions(
+                    &kedge_journal::DecisionWriter::unfenced(&brun, "w-bg"),
+                    0,
+                    &[first],
+                )
                 .await
                 .expect("bg first")
                 .last_seq;
@@ -1270,7 +1294,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                 let es: Vec<Envelope> = es.iter().map(|e| with_run(e, &brun)).collect();
                 last = rt
                     .journal
-                    .append_decisions(&brun, last, "w-bg", &es)
+                    .append_decisions(
+                        &kedge_journal::DecisionWriter::unfenced(&brun, "w-bg"),
+                        last,
+                        &es,
+                    )
                     .await
                     .expect("bg batch")
                     .last_seq;
@@ -1289,7 +1317,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                 let expected = *last.lock().unwrap();
                 let a = rt
                     .journal
-                    .append_decisions(drun, expected, "w-bench", &[e])
+                    .append_decisions(
+                        &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
+                        expected,
+                        &[e],
+                    )
                     .await
                     .expect("append 1 (contended)");
                 *last.lock().unwrap() = a.last_seq;
@@ -1348,7 +1380,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                 let writer = format!("w-tp{w}");
                 let mut last = rt
                     .journal
-                    .append_decisions(&run, 0, &writer, &[with_run(&first, &run)])
+                    .append_decisions(
+                        &kedge_journal::DecisionWriter::unfenced(&run, &writer),
+                        0,
+                        &[with_run(&first, &run)],
+                    )
                     .await
                     .expect("first")
                     .last_seq;
@@ -1358,7 +1394,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                     if batch {
                         last = rt
                             .journal
-                            .append_decisions(&run, last, &writer, &es)
+                            .append_decisions(
+                                &kedge_journal::DecisionWriter::unfenced(&run, &writer),
+                                last,
+                                &es,
+                            )
                             .await
                             .expect("batch")
                             .last_seq;
@@ -1366,7 +1406,11 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                         for e in es {
                             last = rt
                                 .journal
-                                .append_decisions(&run, last, &writer, &[e])
+                                .append_decisions(
+                                    &kedge_journal::DecisionWriter::unfenced(&run, &writer),
+                                    last,
+                                    &[e],
+                                )
                                 .await
                                 .expect("single")
                                 .last_seq;
@@ -2355,12 +2399,12 @@ async fn tls_compare(o: &Opts) {
         let mut kinds: Vec<String> = kinds.into_iter().collect();
         kinds.sort();
         println!(
-            "  {:<5}: the server sees {kedge} Kedge connections, {tls} of them over TLS {}",
+            "  {:<5}: the server sees {kedge} Kedge connections, {tls} of them over TLS{}",
             v.label,
             if kinds.is_empty() {
                 String::new()
             } else {
-                format!("({})", kinds.join(", "))
+                format!(" ({})", kinds.join(", "))
             }
         );
         assert!(

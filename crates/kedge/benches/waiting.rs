@@ -228,7 +228,11 @@ async fn append(
         let env = Envelope::new(run.clone(), Timestamp::now(), d);
         let appended = rt
             .journal
-            .append_decisions(run, *last_decision, "bench", std::slice::from_ref(&env))
+            .append_decisions(
+                &kedge_journal::DecisionWriter::unfenced(run, "bench"),
+                *last_decision,
+                std::slice::from_ref(&env),
+            )
             .await
             .unwrap();
         *last_decision = appended.last_seq;

@@ -280,7 +280,11 @@ async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm(
         kedge_core::event::Draft::new(Event::RunCreated(created)),
     );
     h.rt.journal
-        .append_decisions(&crashed, 0, "intake", &[env])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&crashed, "intake"),
+            0,
+            &[env],
+        )
         .await
         .expect("the crashed intake's write");
     let c = h.submit("idem", "hi", "crashed-key").await;

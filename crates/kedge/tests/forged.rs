@@ -416,7 +416,11 @@ async fn a_tool_requested_forged_onto_a_decision_subject_runs_nothing_and_is_ter
         None,
     );
     h.rt.journal
-        .append_decisions(&legit_run, 0, "step-x", &[legit])
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&legit_run, "step-x"),
+            0,
+            &[legit],
+        )
         .await
         .expect("appended");
     let deadline = Instant::now() + WAIT;

@@ -242,11 +242,7 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         Timestamp::now(),
         Draft::new(Event::RunCreated(Box::new(created))),
     );
-    match rt
-        .journal
-        .append_decisions(&run_id, 0, "intake", &[env])
-        .await
-    {
+    match rt.journal.create_run(&env).await {
         Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(run_id),
         Err(JournalError::Conflict { .. }) => {
             // The run exists. The same task again (same tenant and key) is the same run.

@@ -12,7 +12,7 @@ use kedge_core::event::{
 use kedge_core::fold::{FoldError, RunState};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
-use kedge_journal::{ErrorKind, JournalError, Lease, LeaseError, Released};
+use kedge_journal::{DecisionWriter, ErrorKind, JournalError, Lease, LeaseError, Released};
 use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
 use kedge_runtime::Runtime;
 use kedge_runtime::agents::AgentError;
@@ -171,8 +171,9 @@ impl Driver {
             Err(LeaseError::Held { .. }) => return Ok(Outcome::Busy),
             Err(e) => return Err(e.into()),
         };
-        // The writer id is stable for this holding, so a retried append is recognised as ours.
-        let writer = format!("{}-{}", cfg.worker_id, lease.revision);
+        // The right to write the run's decisions comes from the lease; its name is stable for
+        // this holding, so a retried append is recognised as ours.
+        let writer = lease.writer(&cfg.worker_id);
         let keeper = Keeper::start(&self.rt, lease, msg);
         let mut lost = keeper.lost.clone();
         let span = tracing::info_span!("drive", run_id = %run);
@@ -225,7 +226,7 @@ impl Driver {
     async fn commit(
         &self,
         state: &mut RunState,
-        writer: &str,
+        writer: &DecisionWriter,
         drafts: Vec<Draft>,
     ) -> Result<bool, DriveError> {
         if !self.append(state, writer, drafts).await? {
@@ -241,7 +242,7 @@ impl Driver {
     async fn append(
         &self,
         state: &mut RunState,
-        writer: &str,
+        writer: &DecisionWriter,
         drafts: Vec<Draft>,
     ) -> Result<bool, DriveError> {
         let mut drafts = drafts;
@@ -253,12 +254,7 @@ impl Driver {
             match self
                 .rt
                 .journal
-                .append_decisions(
-                    &state.run_id,
-                    expected,
-                    writer,
-                    std::slice::from_ref(&event),
-                )
+                .append_decisions(writer, expected, std::slice::from_ref(&event))
                 .await
             {
                 Ok(appended) => expected = appended.last_seq,
@@ -314,7 +310,7 @@ impl Driver {
     async fn drive_leased(
         &self,
         run: &RunId,
-        writer: &str,
+        writer: &DecisionWriter,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<(), DriveError> {
         let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
@@ -342,7 +338,7 @@ impl Driver {
     async fn drive_state(
         &self,
         state: &mut RunState,
-        writer: &str,
+        writer: &DecisionWriter,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<(), DriveError> {
         let run = state.run_id.clone();
@@ -385,7 +381,7 @@ impl Driver {
     async fn step(
         &self,
         state: &mut RunState,
-        writer: &str,
+        writer: &DecisionWriter,
         plan: StepPlan,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<(), DriveError> {
