@@ -2509,6 +2509,19 @@ async fn tls_compare(o: &Opts) {
     }
 }
 
+/// `tls / plain` of each repetition's pair (measured next to each other): "median m (lo..hi)".
+fn paired_ratios(plain: &[f64], tls: &[f64]) -> String {
+    let mut r: Vec<f64> = plain.iter().zip(tls).map(|(p, t)| t / p).collect();
+    r.sort_by(|a, b| a.total_cmp(b));
+    let s = stats(&r);
+    format!(
+        "median {:.3} ({:.3}..{:.3})",
+        s.p50,
+        r.first().copied().unwrap_or(0.0),
+        s.max
+    )
+}
+
 fn print_tls_summary(variants: &[Variant], o: &Opts) {
     let (plain, tls) = (&variants[0], &variants[1]);
     println!();
@@ -2577,6 +2590,16 @@ fn print_tls_summary(variants: &[Variant], o: &Opts) {
         2,
     );
     row("actions/s", pr, tr, 0);
+    let seq_rates = |v: &Variant| -> Vec<f64> {
+        v.seq_reps
+            .iter()
+            .map(|r| (o.runs * ACTIONS) as f64 / (r.0 / 1e3))
+            .collect()
+    };
+    println!(
+        "      actions/s tls/plain per repetition (paired): {}",
+        paired_ratios(&seq_rates(plain), &seq_rates(tls))
+    );
     row("CPU ms/action nats-server", pcs, tcs, 3);
     row("CPU ms/action kedge process", pcm, tcm, 3);
     for (round, &n) in o.concurrency.iter().enumerate() {
@@ -2600,6 +2623,11 @@ fn print_tls_summary(variants: &[Variant], o: &Opts) {
             plain.conc[round].len()
         );
         row("actions/s (all actions / all elapsed)", pr, tr, 0);
+        let rates = |v: &Variant| -> Vec<f64> { v.conc[round].iter().map(|r| r.2).collect() };
+        println!(
+            "      actions/s tls/plain per round (paired): {}",
+            paired_ratios(&rates(plain), &rates(tls))
+        );
         let (pa, ta) = (stats(&pc.actions()), stats(&tc.actions()));
         row("action p50 ms", pa.p50, ta.p50, 3);
         row("action p99 ms", pa.p99, ta.p99, 3);

@@ -299,7 +299,7 @@ async fn answer(
     );
     match rt
         .journal
-        .append_input(&env, &format!("answer:{question}"))
+        .append_input(&env, kedge_core::ids::InputId::answer(&question).as_str())
         .await
     {
         Ok(_) | Err(kedge_journal::JournalError::Duplicate { .. }) => Ok(()),

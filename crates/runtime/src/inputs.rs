@@ -11,7 +11,9 @@ use kedge_core::RunStatus;
 use kedge_core::event::{
     CancelRequested, Draft, Envelope, Event, QuestionAnswered, Timestamp, UserMessage,
 };
-use kedge_core::ids::{ApprovalId, CallbackKey, OperationId, QuestionId, RunId, TenantId};
+use kedge_core::ids::{CallbackKey, QuestionId, RunId, TenantId};
+
+pub use kedge_core::ids::InputId;
 use kedge_core::{RunState, fold};
 use kedge_journal::{JournalError, Recorded};
 use serde::Serialize;
@@ -22,55 +24,6 @@ use crate::callbacks::{CallbackError, Delivery};
 
 /// Largest text of a message or an answer, in bytes.
 pub const MAX_TEXT_BYTES: usize = 64 * 1024;
-
-/// The deduplication id (`Nats-Msg-Id`) of an input: what makes a repeat of the same input
-/// land once. Built only by these constructors.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct InputId(String);
-
-impl InputId {
-    /// A user message; `key` is the caller's idempotency key (a fresh id when it has none).
-    pub fn message(run: &RunId, key: Option<&str>) -> InputId {
-        let key = key
-            .map(str::to_owned)
-            .unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string());
-        InputId(format!("msg:{run}:{key}"))
-    }
-    /// The one answer a question gets.
-    pub fn answer(question: &QuestionId) -> InputId {
-        InputId(format!("answer:{question}"))
-    }
-    /// The one cancel request a run records.
-    pub fn cancel(run: &RunId) -> InputId {
-        InputId(format!("cancel:{run}"))
-    }
-    /// The one decision an approval gets.
-    pub fn approval_decided(approval: &ApprovalId) -> InputId {
-        InputId(format!("approval.decided:{approval}"))
-    }
-    /// One delivery of a callback (`delivery` is the sender's id, or the payload's digest).
-    pub fn callback(key: &CallbackKey, delivery: &str) -> InputId {
-        InputId(format!("callback:{key}:{delivery}"))
-    }
-    /// The one result an operation gets (a confirmed outcome uses the same id, so at most one
-    /// of the two lands).
-    pub fn tool_result(op: &OperationId) -> InputId {
-        InputId(format!("tool.result:{op}"))
-    }
-    /// A person's resolution of an ambiguous operation (`nonce` makes each one distinct).
-    pub fn outcome_resolved(op: &OperationId, nonce: &str) -> InputId {
-        InputId(format!("outcome.resolved:{op}:{nonce}"))
-    }
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Display for InputId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 /// Why an input was not appended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]

@@ -184,12 +184,12 @@ async fn check(
             );
             // Journaled once per stuck dispatch, also past the stream's duplicate window: later
             // scans find it in the journal and only ask again.
-            let key = format!("resolve:{}:{}", op.op, op.dispatches);
+            let key = kedge_core::ids::InputId::resolve_nudge(&op.op, op.dispatches);
             if !events
                 .iter()
                 .any(|r| r.msg_id.as_deref() == Some(key.as_str()))
             {
-                match rt.journal.append_input(&nudge, &key).await {
+                match rt.journal.append_input(&nudge, key.as_str()).await {
                     Ok(_) | Err(JournalError::Duplicate { .. }) => {}
                     Err(e) => return Err(e.into()),
                 }
@@ -225,8 +225,8 @@ async fn check(
             ),
         })),
     );
-    let key = format!("nudge:{run}:{}", state.last_seq);
-    match rt.journal.append_input(&nudge, &key).await {
+    let key = kedge_core::ids::InputId::nudge(run, state.last_seq);
+    match rt.journal.append_input(&nudge, key.as_str()).await {
         Ok(_) => {
             tracing::info!(run_id = %run, status = %state.status, "nudged a stalled run");
             Ok(Verdict::Nudged)

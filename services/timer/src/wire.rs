@@ -65,7 +65,9 @@ pub fn schedule_msg_id(timer: &TimerId) -> String {
 /// `Nats-Msg-Id` of a timer's `timer.fired` input in the journal: a firing handled twice is
 /// journaled once.
 pub fn fired_msg_id(timer: &TimerId) -> String {
-    format!("timer.fired:{timer}")
+    kedge_core::ids::InputId::timer_fired(timer)
+        .as_str()
+        .to_owned()
 }
 
 /// The `Nats-Schedule` value for `fire_at`: `@at <RFC 3339 in UTC>`, nanoseconds included (the

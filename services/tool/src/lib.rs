@@ -51,6 +51,7 @@ use kedge_core::event::{
     Draft, Envelope, Event, Timestamp, ToolRequested, ToolResult, ToolStarted,
 };
 use kedge_core::fold::handled_by_step;
+use kedge_core::ids::InputId;
 use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects::{
     TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE, TargetAnswer, TargetQuery,
@@ -461,10 +462,10 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     let stop = ctx.running.register(op);
     // `tool.started` goes out first and its acknowledgement is awaited alongside the tool, not
     // before it; `tool.result` is appended only after both, so the journal keeps the order.
-    let key = format!("tool.started:{op}:{revision}");
+    let key = InputId::tool_started(op, revision);
     let limited = env.limited_to(req.timeout_secs);
     let (started, ran) = futures::join!(
-        rt.journal.append_input(&started, &key),
+        rt.journal.append_input(&started, key.as_str()),
         target.run(&limited, &ctx.mcp, op, &req.arguments, stop)
     );
     ctx.running.unregister(op);
@@ -520,7 +521,7 @@ async fn journal_moved(
         rt,
         op,
         Event::TargetMoved(moved),
-        format!("target.moved:{op}:{dispatch}"),
+        InputId::target_moved(op, dispatch),
     )
     .await
 }
@@ -579,7 +580,7 @@ async fn journal_confirmed(rt: &Runtime, op: &OperationId, out: Output) -> Resul
         rt,
         op,
         Event::OutcomeConfirmed(confirmed),
-        format!("tool.result:{op}"),
+        InputId::tool_result(op),
     )
     .await
 }
@@ -596,7 +597,7 @@ async fn journal_ambiguous(
         rt,
         op,
         Event::OutcomeAmbiguous(ambiguous),
-        format!("outcome.ambiguous:{op}:{dispatch}"),
+        InputId::outcome_ambiguous(op, dispatch),
     )
     .await
 }
@@ -613,13 +614,7 @@ async fn journal_result(
         is_error: out.is_error,
         stopped,
     };
-    journal_input(
-        rt,
-        op,
-        Event::ToolResult(result),
-        format!("tool.result:{op}"),
-    )
-    .await
+    journal_input(rt, op, Event::ToolResult(result), InputId::tool_result(op)).await
 }
 
 /// Journals an input about `op` under the msg id `key`; a repeat (same key) is a no-op.
@@ -627,14 +622,14 @@ async fn journal_input(
     rt: &Runtime,
     op: &OperationId,
     event: Event,
-    key: String,
+    key: InputId,
 ) -> Result<(), ToolError> {
     let env = Envelope::new(
         op.run().clone(),
         Timestamp::now(),
         Draft::new(event).step(op.step()).op(op.clone()),
     );
-    match rt.journal.append_input(&env, &key).await {
+    match rt.journal.append_input(&env, key.as_str()).await {
         Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
         Err(e) => Err(e.into()),
     }
