@@ -28,6 +28,9 @@ pub struct NatsConfigArgs {
     /// The client address of the generated server.conf.
     #[arg(long, default_value = "127.0.0.1:4222")]
     pub listen: String,
+    /// The monitoring address of the generated server.conf (`none`: no monitoring port).
+    #[arg(long, default_value = "127.0.0.1:8222")]
+    pub http: String,
 }
 
 /// Runs the command; prints what it wrote.
@@ -57,10 +60,14 @@ pub fn run(args: &NatsConfigArgs) -> anyhow::Result<()> {
          # accounts. Add `tls {{ … }}` before exposing it beyond this host (docs/SECURITY.md).\n\
          server_name: kedge\n\
          listen: {listen}\n\
-         http: 127.0.0.1:8222\n\
+         {http}\
          jetstream {{ store_dir: \"./store\" }}\n\
          include ./accounts.conf\n",
-        listen = args.listen
+        listen = args.listen,
+        http = match args.http.as_str() {
+            "none" => String::new(),
+            addr => format!("http: {addr}\n"),
+        }
     );
     write(&args.out.join("server.conf"), &server)?;
     println!(

@@ -546,3 +546,176 @@ async fn each_kind_of_service_user_is_refused_what_is_not_its_job() {
         .expect("subscribe call");
     assert!(t.refused("kedge.tool.resolve").await);
 }
+
+#[tokio::test]
+async fn an_agent_is_started_only_by_the_tenants_it_allows() {
+    let Some(h) = harness().await else { return };
+    let name: kedge_core::ids::AgentName = "acme-only".parse().expect("name");
+    h.agent("acme-only", "asker").await;
+    let (_, stored) = h.rt.agents.latest(&name).await.expect("stored");
+    let mut def = (*stored).clone();
+    def.tenants = Some(vec!["acme".parse().expect("tenant")]);
+    h.rt.agents.put(&def).await.expect("stored again");
+    let task = kedge_core::task::TaskSubmission {
+        agent: name.clone(),
+        input: "hi".into(),
+        run_id: None,
+        budget: None,
+        metadata: Default::default(),
+    };
+    let as_tenant = |tenant: &'static str, key: &'static str| {
+        let client = h.rt.client.clone();
+        let task = task.clone();
+        async move {
+            let submission = kedge_intake::Submission {
+                task: &task,
+                key,
+                tenant,
+                caller: None,
+            };
+            kedge_intake::submit(&client, &submission, WAIT)
+                .await
+                .expect("intake answers")
+        }
+    };
+    match as_tenant("globex", "g-only-1").await {
+        kedge_intake::Answer::Rejected { error } => {
+            assert_eq!(error.field, "agent");
+            assert!(error.reason.contains("no agent named"), "{}", error.reason);
+        }
+        other => panic!("globex started acme's agent: {other:?}"),
+    }
+    assert!(matches!(
+        as_tenant("acme", "a-only-1").await,
+        kedge_intake::Answer::Accepted { .. }
+    ));
+    // Over the tenant gateway: globex's task is stored, but no run is ever made of it.
+    let globex = Tenant::connect(&h, TENANTS[1].1).await;
+    let ack = globex.submit("acme-only", "hi", "g-only-2").await;
+    let run = run_id(&ack);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let view = globex.ask(&format!("kedge.runs.{run}"), json!({})).await;
+    assert_eq!(view["error"]["status"], 404, "{view}");
+}
+
+/// Kills the server it holds when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn nats_config_writes_a_configuration_a_real_server_runs() {
+    let dir = tempfile::tempdir().expect("dir");
+    let out = dir.path().join("nats");
+    let example = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../nats/secure/tenants.example.json"
+    );
+    let port = kedge_testkit::free_port();
+    let url = format!("nats://127.0.0.1:{port}");
+    let kedge = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kedge"))
+            .args(args)
+            .env("KEDGE_LOG", "warn")
+            .env_remove("KEDGE_NATS_URL")
+            .output()
+            .expect("kedge runs")
+    };
+    let generate = || {
+        let done = kedge(&[
+            "nats-config",
+            "--tenants",
+            example,
+            "--out",
+            out.to_str().expect("utf-8 path"),
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--http",
+            "none",
+        ]);
+        assert!(
+            done.status.success(),
+            "{}",
+            String::from_utf8_lossy(&done.stderr)
+        );
+    };
+    generate();
+    let admin_key = out.join("keys/admin.nk");
+    let seed = std::fs::read_to_string(&admin_key).expect("admin seed");
+    generate();
+    assert_eq!(
+        std::fs::read_to_string(&admin_key).expect("admin seed"),
+        seed,
+        "running it again keeps the keys"
+    );
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&admin_key)
+            .expect("meta")
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o077, 0, "seeds are private: {mode:o}");
+    }
+    let log = std::fs::File::create(dir.path().join("nats.log")).expect("log");
+    let _server = Child(
+        std::process::Command::new(kedge_testkit::nats_server_binary())
+            .args(["-c", "server.conf"])
+            .current_dir(&out)
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("nats-server starts"),
+    );
+    let key = |kind: &str| out.join(format!("keys/{kind}.nk")).display().to_string();
+    // Only admin creates the layout; then the step's user can verify it.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let done = kedge(&["--nats-url", &url, "--nkey", &key("admin"), "layout"]);
+        if done.status.success() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "admin cannot create the layout: {}",
+            String::from_utf8_lossy(&done.stderr)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let done = kedge(&["--nats-url", &url, "--nkey", &key("step"), "layout"]);
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    // The example's approver logs in with the example password (bcrypt in the file); a wrong
+    // one is refused; a tenant has no JetStream.
+    let alice = async_nats::ConnectOptions::with_user_and_password(
+        "acme-alice".into(),
+        "alice-example-password".into(),
+    )
+    .connect(url.as_str())
+    .await
+    .expect("the approver logs in");
+    let info = tokio::time::timeout(
+        Duration::from_secs(1),
+        alice.request("$JS.API.INFO", "".into()),
+    )
+    .await;
+    assert!(
+        !matches!(info, Ok(Ok(_))),
+        "a tenant reached the JetStream API"
+    );
+    let wrong = async_nats::ConnectOptions::with_user_and_password(
+        "acme-alice".into(),
+        "not-her-password".into(),
+    )
+    .connect(url.as_str())
+    .await;
+    assert!(wrong.is_err(), "a wrong password is refused");
+}
