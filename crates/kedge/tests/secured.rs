@@ -30,26 +30,28 @@ struct Tenant {
 
 impl Tenant {
     async fn connect(h: &Harness, user: &str) -> Tenant {
+        Self::login(h, user.to_owned(), tenant_password(user)).await
+    }
+
+    /// Connects as `user`, keeping the server errors the connection receives.
+    async fn login(h: &Harness, user: String, password: String) -> Tenant {
         let errors = Arc::new(Mutex::new(Vec::new()));
         let seen = errors.clone();
-        let client = async_nats::ConnectOptions::with_user_and_password(
-            user.to_owned(),
-            tenant_password(user),
-        )
-        .request_timeout(Some(Duration::from_secs(2)))
-        .event_callback(move |event| {
-            let seen = seen.clone();
-            async move {
-                if let async_nats::Event::ServerError(e) = event
-                    && let Ok(mut v) = seen.lock()
-                {
-                    v.push(e.to_string());
+        let client = async_nats::ConnectOptions::with_user_and_password(user, password)
+            .request_timeout(Some(Duration::from_secs(2)))
+            .event_callback(move |event| {
+                let seen = seen.clone();
+                async move {
+                    if let async_nats::Event::ServerError(e) = event
+                        && let Ok(mut v) = seen.lock()
+                    {
+                        v.push(e.to_string());
+                    }
                 }
-            }
-        })
-        .connect(h.nats.url())
-        .await
-        .expect("tenant connects");
+            })
+            .connect(h.nats.url())
+            .await
+            .expect("connects");
         Tenant { client, errors }
     }
 
@@ -486,26 +488,7 @@ async fn each_kind_of_service_user_is_refused_what_is_not_its_job() {
         ),
     ];
     for (kind, subject) in cases {
-        let errors = Arc::new(Mutex::new(Vec::new()));
-        let seen = errors.clone();
-        let client = async_nats::ConnectOptions::with_user_and_password(
-            kind.user(),
-            common::kind_password(kind),
-        )
-        .event_callback(move |event| {
-            let seen = seen.clone();
-            async move {
-                if let async_nats::Event::ServerError(e) = event
-                    && let Ok(mut v) = seen.lock()
-                {
-                    v.push(e.to_string());
-                }
-            }
-        })
-        .connect(h.nats.url())
-        .await
-        .expect("connects");
-        let t = Tenant { client, errors };
+        let t = Tenant::login(&h, kind.user(), common::kind_password(kind)).await;
         t.client
             .publish(subject.clone(), r#"{"forged": true}"#.into())
             .await
@@ -518,27 +501,7 @@ async fn each_kind_of_service_user_is_refused_what_is_not_its_job() {
         "nothing was journaled"
     );
     // The subscriptions only tool runners hold.
-    let step = async_nats::ConnectOptions::with_user_and_password(
-        Kind::Step.user(),
-        common::kind_password(Kind::Step),
-    );
-    let errors = Arc::new(Mutex::new(Vec::new()));
-    let seen = errors.clone();
-    let client = step
-        .event_callback(move |event| {
-            let seen = seen.clone();
-            async move {
-                if let async_nats::Event::ServerError(e) = event
-                    && let Ok(mut v) = seen.lock()
-                {
-                    v.push(e.to_string());
-                }
-            }
-        })
-        .connect(h.nats.url())
-        .await
-        .expect("connects");
-    let t = Tenant { client, errors };
+    let t = Tenant::login(&h, Kind::Step.user(), common::kind_password(Kind::Step)).await;
     let _sub = t
         .client
         .subscribe("kedge.tool.resolve")

@@ -340,16 +340,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn input_ids_name_what_they_deduplicate() {
-        let run: RunId = "run_abc".parse().expect("valid");
-        let q: QuestionId = "q_1".parse().expect("valid");
-        assert_eq!(InputId::answer(&q).as_str(), "answer:q_1");
-        assert_eq!(InputId::cancel(&run).as_str(), "cancel:run_abc");
-        assert_eq!(InputId::message(&run, Some("k")).as_str(), "msg:run_abc:k");
-        assert_ne!(InputId::message(&run, None), InputId::message(&run, None));
-    }
-
-    #[test]
     fn refusals_map_to_http_statuses() {
         assert_eq!(Refusal::not_found(None, "x").status(), 404);
         assert_eq!(Refusal::conflict("run-ended", None, "x").status(), 409);

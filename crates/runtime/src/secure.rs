@@ -552,6 +552,35 @@ mod tests {
     }
 
     #[test]
+    fn each_kind_appends_only_the_inputs_it_makes() {
+        let may = |kind: Kind, subject: &str| {
+            allowed(kind, "publish")
+                .iter()
+                .any(|s| s == subject || s == "agent.run.*.i.>")
+        };
+        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
+            assert_eq!(
+                may(kind, "agent.run.*.i.approval.decided"),
+                matches!(
+                    kind,
+                    Kind::Approval | Kind::Bridge | Kind::Gateway | Kind::Operator | Kind::All
+                ),
+                "{kind}"
+            );
+            assert_eq!(
+                may(kind, "agent.run.*.i.tool.result"),
+                matches!(kind, Kind::Tool | Kind::Operator | Kind::All),
+                "{kind}"
+            );
+        }
+        assert!(
+            !allowed(Kind::Step, "publish")
+                .iter()
+                .any(|s| s.contains(".i."))
+        );
+    }
+
+    #[test]
     fn only_tool_runners_hear_tool_requests_and_only_the_reconciler_asks_to_resolve() {
         for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
             let subscribe = allowed(kind, "subscribe");
