@@ -49,7 +49,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -2222,76 +2222,7 @@ fn print_summary(results: &[ModeResult]) {
 // ---------------------------------------------------------------------------------------------
 // TLS comparison (`--tls-compare`): plain TCP vs TLS on the same workload, same sitting
 
-/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in a
-/// directory (the helper of kedge-runtime's connect tests).
-struct Pki {
-    ca: PathBuf,
-    server_cert: PathBuf,
-    server_key: PathBuf,
-    client_cert: PathBuf,
-    client_key: PathBuf,
-}
-
-impl Pki {
-    fn make(dir: &Path) -> Pki {
-        use rcgen::{
-            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-            KeyPair, KeyUsagePurpose,
-        };
-        let write = |name: &str, text: String| {
-            let path = dir.join(name);
-            std::fs::write(&path, text).expect("write pem");
-            path
-        };
-        let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "kedge bench CA");
-        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-        let ca_key = KeyPair::generate().expect("ca key");
-        let ca_cert = ca_params.self_signed(&ca_key).expect("ca cert");
-        let issuer = Issuer::new(ca_params, ca_key);
-
-        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose, cn: &str| {
-            let mut params = CertificateParams::new(names).expect("leaf params");
-            params.distinguished_name.push(DnType::CommonName, cn);
-            params.extended_key_usages = vec![usage];
-            params.use_authority_key_identifier_extension = true;
-            let key = KeyPair::generate().expect("leaf key");
-            let cert = params.signed_by(&key, &issuer).expect("sign leaf");
-            (cert.pem(), key.serialize_pem())
-        };
-        let (server_cert, server_key) = leaf(
-            vec!["127.0.0.1".into(), "localhost".into()],
-            ExtendedKeyUsagePurpose::ServerAuth,
-            "127.0.0.1",
-        );
-        let (client_cert, client_key) =
-            leaf(vec![], ExtendedKeyUsagePurpose::ClientAuth, "kedge-bench");
-        Pki {
-            ca: write("ca.pem", ca_cert.pem()),
-            server_cert: write("server.pem", server_cert),
-            server_key: write("server-key.pem", server_key),
-            client_cert: write("client.pem", client_cert),
-            client_key: write("client-key.pem", client_key),
-        }
-    }
-
-    /// The server side: offer TLS with this certificate and verify client certificates against
-    /// the CA. `allow_non_tls` lets the testkit's readiness probe in (it connects in plain text);
-    /// every Kedge connection requires TLS.
-    fn server_config(&self) -> String {
-        let quote = |p: &Path| format!("\"{}\"", p.display());
-        format!(
-            "tls {{\n  cert_file: {}\n  key_file: {}\n  ca_file: {}\n  verify: true\n  timeout: 5\n}}\n\
-             allow_non_tls: true\n",
-            quote(&self.server_cert),
-            quote(&self.server_key),
-            quote(&self.ca),
-        )
-    }
-}
+use kedge_testkit::tls::Pki;
 
 /// One side of the comparison and everything measured on it, over all repetitions.
 struct Variant {
@@ -2371,7 +2302,7 @@ async fn tls_compare(o: &Opts) {
     println!("================================================================================");
     println!("  load average before: {}", loadavg());
     let pki_dir = tempfile::tempdir().expect("temp dir");
-    let pki = Pki::make(pki_dir.path());
+    let pki = Pki::generate(pki_dir.path());
     let mut variants = Vec::new();
     for (label, tls) in [("plain", None), ("tls", Some(&pki))] {
         let http_port = kedge_testkit::free_port();

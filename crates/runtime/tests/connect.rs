@@ -8,7 +8,7 @@
 //! wrong credential is refused (a client that sends credentials never falls back to the
 //! no-auth user). The token server is spawned here: a token server has no users to fall back to.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -218,64 +218,12 @@ async fn a_token_authenticates_and_a_wrong_one_is_refused() {
         .expect("connects with the URL token");
 }
 
-/// A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files in `dir`.
-struct Pki {
-    ca: PathBuf,
-    server_cert: PathBuf,
-    server_key: PathBuf,
-    client_cert: PathBuf,
-    client_key: PathBuf,
-}
-
-fn make_pki(dir: &Path) -> Pki {
-    use rcgen::{
-        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-        KeyPair, KeyUsagePurpose,
-    };
-    let write = |name: &str, text: String| {
-        let path = dir.join(name);
-        std::fs::write(&path, text).expect("write pem");
-        path
-    };
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("ca params");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "kedge test CA");
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_key = KeyPair::generate().expect("ca key");
-    let ca_cert = ca_params.self_signed(&ca_key).expect("ca cert");
-    let issuer = Issuer::new(ca_params, ca_key);
-
-    let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose, cn: &str| {
-        let mut params = CertificateParams::new(names).expect("leaf params");
-        params.distinguished_name.push(DnType::CommonName, cn);
-        params.extended_key_usages = vec![usage];
-        params.use_authority_key_identifier_extension = true;
-        let key = KeyPair::generate().expect("leaf key");
-        let cert = params.signed_by(&key, &issuer).expect("sign leaf");
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server_cert, server_key) = leaf(
-        vec!["127.0.0.1".into(), "localhost".into()],
-        ExtendedKeyUsagePurpose::ServerAuth,
-        "127.0.0.1",
-    );
-    let (client_cert, client_key) =
-        leaf(vec![], ExtendedKeyUsagePurpose::ClientAuth, "kedge-client");
-    Pki {
-        ca: write("ca.pem", ca_cert.pem()),
-        server_cert: write("server.pem", server_cert),
-        server_key: write("server-key.pem", server_key),
-        client_cert: write("client.pem", client_cert),
-        client_key: write("client-key.pem", client_key),
-    }
-}
+use kedge_testkit::tls::Pki;
 
 #[tokio::test]
 async fn tls_with_a_client_certificate_connects_and_without_one_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let pki = make_pki(dir.path());
+    let pki = Pki::generate(dir.path());
     let quote = |p: &Path| format!("\"{}\"", p.display());
     // allow_non_tls: the testkit's readiness probe connects in plain text; every client below
     // requires TLS, which the server then verifies (client certificate required).
@@ -307,7 +255,7 @@ async fn tls_with_a_client_certificate_connects_and_without_one_is_refused() {
 
     // A server certificate from an unknown CA is not trusted.
     let other = tempfile::tempdir().expect("tempdir");
-    let stranger = make_pki(other.path());
+    let stranger = Pki::generate(other.path());
     let mut c = config(server.url());
     c.nats.tls_ca = Some(stranger.ca);
     c.nats.tls_cert = Some(pki.client_cert);

@@ -33,6 +33,8 @@
 //!
 //! [`kill -9`]: NatsServer::kill9
 
+pub mod tls;
+
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
 use std::net::TcpListener;
