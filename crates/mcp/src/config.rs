@@ -25,7 +25,8 @@ use serde::{Deserialize, Serialize};
 pub enum ServerConfig {
     /// A child process speaking newline-delimited JSON-RPC on stdin/stdout.
     ///
-    /// The child inherits this process's environment, with `env` added on top. Its stderr is
+    /// The child gets a cleared environment: `PATH` (to find its interpreter) and `env`, nothing
+    /// else of this process's (API keys, NATS credentials stay here). Its stderr is
     /// forwarded to `tracing` (target `kedge_mcp::stderr`, level debug). It runs in a process
     /// group of its own, so that ending it also ends whatever it started (`npx`, `uvx`, shell
     /// wrappers).

@@ -90,7 +90,14 @@ pub(crate) async fn connect(
     let alive = Arc::new(AtomicBool::new(true));
     match config {
         ServerConfig::Stdio { command, args, env } => {
+            // A cleared environment: the tool service's own (API keys, NATS credentials) is not
+            // the server's business. It gets PATH (to find its interpreter) and what its
+            // configuration names.
             let mut cmd = tokio::process::Command::new(command);
+            cmd.env_clear();
+            if let Some(path) = std::env::var_os("PATH") {
+                cmd.env("PATH", path);
+            }
             cmd.args(args).envs(env);
             let mut wrapped = CommandWrap::from(cmd);
             wrapped.wrap(ProcessGroup::leader());

@@ -464,3 +464,40 @@ async fn unknown_server_and_failed_start() {
     }
     assert!(!error.may_have_run());
 }
+
+#[tokio::test]
+async fn a_stdio_server_sees_path_and_its_own_env_and_nothing_else_of_ours() {
+    let pool = pool_of(
+        "everything",
+        ServerConfig::Stdio {
+            command: launcher("mcp-server-everything").display().to_string(),
+            args: vec!["stdio".into()],
+            env: BTreeMap::from([("SERVER_ONLY".to_owned(), "given".to_owned())]),
+        },
+    );
+    let outcome = pool
+        .call(
+            "everything",
+            "get-env",
+            obj(json!({})),
+            "op-env",
+            PATIENT,
+            never(),
+        )
+        .await
+        .unwrap();
+    let (text, is_error) = completed(outcome);
+    assert!(!is_error, "{text}");
+    let env: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(env["SERVER_ONLY"], "given", "{env}");
+    assert!(env.get("PATH").is_some(), "{env}");
+    // Cargo sets these for every test process: the server must not inherit them.
+    for ours in ["CARGO_PKG_NAME", "CARGO_MANIFEST_DIR"] {
+        assert!(
+            std::env::var_os(ours).is_some(),
+            "{ours} is set in the test process"
+        );
+        assert!(env.get(ours).is_none(), "{ours} leaked: {env}");
+    }
+    pool.close().await;
+}

@@ -187,8 +187,10 @@ impl Decoder {
 
 impl ModelClient {
     pub fn new() -> ModelClient {
+        // No redirects: a model endpoint that answers 3xx must not carry the API key elsewhere.
         let http = reqwest::Client::builder()
             .user_agent(concat!("kedge/", env!("CARGO_PKG_VERSION")))
+            .redirect(reqwest::redirect::Policy::none())
             .build()
             .unwrap_or_default();
         Self::with_http(http)

@@ -61,6 +61,8 @@ pub struct Config {
     /// `{"command": …, "args": [...], "env": {...}}` (a child speaking stdio) or `{"url": …}`
     /// (Streamable HTTP). An agent's tool named `<server>__<tool>` is the MCP tool `<tool>` of
     /// server `<server>`; names are letters, digits and `-` (no `_`, so the split is unambiguous).
+    /// `--dump-config` prints each stdio server's `env` values redacted (they may be secrets).
+    #[serde(serialize_with = "redacted_mcp_env")]
     pub mcp_servers: std::collections::BTreeMap<String, kedge_mcp::ServerConfig>,
     /// The HTTP bridge (`kedge serve bridge`).
     pub bridge: BridgeConfig,
@@ -164,6 +166,32 @@ impl std::fmt::Debug for Config {
             .field("approvers (names)", &approvers)
             .finish()
     }
+}
+
+fn redacted_mcp_env<S: serde::Serializer>(
+    servers: &std::collections::BTreeMap<String, kedge_mcp::ServerConfig>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    let shown: std::collections::BTreeMap<&String, kedge_mcp::ServerConfig> = servers
+        .iter()
+        .map(|(name, config)| {
+            let config = match config {
+                kedge_mcp::ServerConfig::Stdio { command, args, env } => {
+                    kedge_mcp::ServerConfig::Stdio {
+                        command: command.clone(),
+                        args: args.clone(),
+                        env: env
+                            .keys()
+                            .map(|k| (k.clone(), REDACTED.to_owned()))
+                            .collect(),
+                    }
+                }
+                other => other.clone(),
+            };
+            (name, config)
+        })
+        .collect();
+    serde::Serialize::serialize(&shown, s)
 }
 
 fn redacted_urls<S: serde::Serializer>(urls: &[String], s: S) -> Result<S::Ok, S::Error> {
@@ -1347,7 +1375,19 @@ mod tests {
         c.approvers.insert("approver-token".into(), "ann".into());
         c.api_keys.insert("OPENAI_API_KEY".into(), "sk-key".into());
         c.bridge.tokens = BridgeConfig::parse_tokens("bridge-token-0123456789=acme").expect("ok");
+        c.mcp_servers.insert(
+            "search".into(),
+            kedge_mcp::ServerConfig::Stdio {
+                command: "search-server".into(),
+                args: vec![],
+                env: [("SEARCH_API_KEY".to_owned(), "mcp-secret".to_owned())].into(),
+            },
+        );
         let dumped = serde_json::to_string_pretty(&c).expect("json");
+        assert!(
+            dumped.contains("SEARCH_API_KEY"),
+            "the variable's name is shown"
+        );
         let debug = format!("{c:?} {c:#?}");
         for text in [&dumped, &debug] {
             for secret in [
@@ -1358,6 +1398,7 @@ mod tests {
                 "approver-token",
                 "sk-key",
                 "bridge-token",
+                "mcp-secret",
             ] {
                 assert!(!text.contains(secret), "{secret} in {text}");
             }
