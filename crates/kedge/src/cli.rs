@@ -482,61 +482,165 @@ async fn send_input(
 }
 
 /// Runs the named services in this process until `shutdown`, then drains them.
+///
+/// Each service is supervised ([`supervise`]): one that panics, fails or ends before shutdown is
+/// restarted with backoff and logged, and the others keep going. Only a service that cannot even
+/// start (its first run fails: a misconfiguration) ends the process, with an error.
 pub async fn serve(
     rt: Runtime,
     services: &[Service],
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    use kedge_runtime::RuntimeError;
     let all = services.contains(&Service::All);
     let wanted = |s: Service| all || services.contains(&s);
-    let (tx, _) = tokio::sync::broadcast::channel::<()>(1);
-    let stop = |tx: &tokio::sync::broadcast::Sender<()>| {
-        let mut rx = tx.subscribe();
-        async move {
-            let _ = rx.recv().await;
-        }
-    };
+    let (tx, stopping) = tokio::sync::watch::channel(false);
     let mut tasks = tokio::task::JoinSet::new();
+    let mut start = |name: &'static str, run: fn(Runtime, Stop) -> ServiceFuture| {
+        let rt = rt.clone();
+        tasks.spawn(supervise(
+            name,
+            stopping.clone(),
+            Backoff::default(),
+            move |stop| run(rt.clone(), stop),
+        ));
+    };
+    fn boxed<E: std::fmt::Display>(
+        f: impl std::future::Future<Output = Result<(), E>> + Send + 'static,
+    ) -> ServiceFuture {
+        Box::pin(async move { f.await.map_err(|e| e.to_string()) })
+    }
     if wanted(Service::Intake) {
-        tasks.spawn(kedge_intake::run(rt.clone(), stop(&tx)));
+        start("intake", |rt, stop| boxed(kedge_intake::run(rt, stop)));
     }
     if wanted(Service::Step) {
-        tasks.spawn(kedge_step::run(rt.clone(), stop(&tx)));
+        start("step", |rt, stop| boxed(kedge_step::run(rt, stop)));
     }
     if wanted(Service::Tool) {
-        tasks.spawn(kedge_tool::run(rt.clone(), stop(&tx)));
+        start("tool", |rt, stop| boxed(kedge_tool::run(rt, stop)));
     }
     if wanted(Service::Timer) {
-        tasks.spawn(kedge_timer::run(rt.clone(), stop(&tx)));
+        start("timer", |rt, stop| boxed(kedge_timer::run(rt, stop)));
     }
     if wanted(Service::Reconciler) {
-        tasks.spawn(kedge_reconciler::run(rt.clone(), stop(&tx)));
+        start("reconciler", |rt, stop| {
+            boxed(kedge_reconciler::run(rt, stop))
+        });
     }
     if wanted(Service::Projector) {
-        tasks.spawn(kedge_bridge::run_projector(rt.clone(), stop(&tx)));
+        start("projector", |rt, stop| {
+            boxed(kedge_bridge::run_projector(rt, stop))
+        });
     }
     if services.contains(&Service::Bridge) {
-        let (rt, stop) = (rt.clone(), stop(&tx));
-        tasks.spawn(async move {
-            kedge_bridge::run(rt, stop)
-                .await
-                .map_err(|e| kedge_runtime::RuntimeError::broker("bridge", e))
+        start("bridge", |rt, stop| {
+            boxed(async move {
+                kedge_bridge::run(rt, stop)
+                    .await
+                    .map_err(|e| RuntimeError::broker("bridge", e))
+            })
         });
     }
     if wanted(Service::Approval) {
-        tasks.spawn(kedge_approval::run(rt.clone(), stop(&tx)));
+        start("approval", |rt, stop| boxed(kedge_approval::run(rt, stop)));
     }
     if wanted(Service::Gateway) {
-        tasks.spawn(kedge_gateway::run(rt.clone(), stop(&tx)));
+        start("gateway", |rt, stop| boxed(kedge_gateway::run(rt, stop)));
     }
+    let signal = tx.clone();
     tokio::spawn(async move {
         shutdown.await;
-        let _ = tx.send(());
+        let _ = signal.send(true);
     });
+    let mut failed = None;
     while let Some(done) = tasks.join_next().await {
-        done.context("a service panicked")??;
+        let outcome = done.map_err(|e| e.to_string()).and_then(|r| r);
+        if let Err(e) = outcome {
+            // A service that cannot start: stop the others and report it.
+            let _ = tx.send(true);
+            failed.get_or_insert(e);
+        }
     }
-    Ok(())
+    match failed {
+        Some(e) => Err(anyhow::anyhow!(e)),
+        None => Ok(()),
+    }
+}
+
+/// Resolves when the process shuts down.
+pub type Stop = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+/// One run of a service.
+pub type ServiceFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>;
+
+/// How long [`supervise`] waits before a restart: `first`, doubling to `max`; back to `first`
+/// after a run that lasted `reset_after`.
+#[derive(Debug, Clone, Copy)]
+pub struct Backoff {
+    pub first: Duration,
+    pub max: Duration,
+    pub reset_after: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            first: Duration::from_millis(500),
+            max: Duration::from_secs(30),
+            reset_after: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Runs a service until shutdown, each run in its own task. A run that panics, fails or ends
+/// before shutdown is logged and restarted after a backoff. The first run failing (returning an
+/// error, not panicking) is a service that cannot start: that error is returned.
+pub async fn supervise(
+    name: &'static str,
+    stopping: tokio::sync::watch::Receiver<bool>,
+    backoff: Backoff,
+    run: impl Fn(Stop) -> ServiceFuture,
+) -> Result<(), String> {
+    let mut delay = backoff.first;
+    let mut first = true;
+    loop {
+        let stop: Stop = {
+            let mut rx = stopping.clone();
+            Box::pin(async move {
+                let _ = rx.wait_for(|s| *s).await;
+            })
+        };
+        let started = std::time::Instant::now();
+        let outcome = tokio::spawn(run(stop)).await;
+        if *stopping.borrow() {
+            return Ok(());
+        }
+        match outcome {
+            Ok(Err(e)) if first => {
+                tracing::error!(service = name, error = %e, "service cannot start");
+                return Err(format!("{name}: {e}"));
+            }
+            Ok(Err(e)) => {
+                tracing::error!(service = name, error = %e, retry_in = ?delay, "service failed; restarting")
+            }
+            Ok(Ok(())) => {
+                tracing::warn!(service = name, retry_in = ?delay, "service ended before shutdown; restarting")
+            }
+            Err(e) => {
+                tracing::error!(service = name, error = %e, retry_in = ?delay, "service panicked; restarting")
+            }
+        }
+        first = false;
+        if started.elapsed() >= backoff.reset_after {
+            delay = backoff.first;
+        }
+        let mut rx = stopping.clone();
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = rx.wait_for(|s| *s) => return Ok(()),
+        }
+        delay = (delay * 2).min(backoff.max);
+    }
 }
 
 /// Resolves on the first SIGINT or SIGTERM.
@@ -679,6 +783,80 @@ fn mcp_tool_specs(server: &str, tools: Vec<kedge_mcp::ToolInfo>) -> Vec<serde_js
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn quick() -> Backoff {
+        Backoff {
+            first: Duration::from_millis(10),
+            max: Duration::from_millis(40),
+            reset_after: Duration::from_secs(60),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_service_that_panics_is_restarted_and_the_supervisor_stops_at_shutdown() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let counted = runs.clone();
+        let supervisor = tokio::spawn(supervise("test", rx, quick(), move |stop| {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                if n < 2 {
+                    panic!("injected panic {n}");
+                }
+                stop.await;
+                Ok(())
+            })
+        }));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while runs.load(Ordering::SeqCst) < 3 {
+            assert!(std::time::Instant::now() < deadline, "not restarted");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tx.send(true).expect("send");
+        let ended = tokio::time::timeout(Duration::from_secs(5), supervisor)
+            .await
+            .expect("stops at shutdown")
+            .expect("no panic escapes");
+        assert_eq!(ended, Ok(()));
+        assert_eq!(runs.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_service_that_cannot_start_is_reported_and_one_that_fails_later_restarts() {
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        let cannot = supervise("test", rx.clone(), quick(), |_| {
+            Box::pin(async { Err("bad configuration".to_owned()) })
+        })
+        .await;
+        assert_eq!(cannot, Err("test: bad configuration".to_owned()));
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let supervisor = tokio::spawn(supervise("test", rx, quick(), move |stop| {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                match n {
+                    0 => Ok(()), // ended early: restarted
+                    1 => Err("broker gone".to_owned()),
+                    _ => {
+                        stop.await;
+                        Ok(())
+                    }
+                }
+            })
+        }));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while runs.load(Ordering::SeqCst) < 3 {
+            assert!(std::time::Instant::now() < deadline, "not restarted");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tx.send(true).expect("send");
+        assert_eq!(supervisor.await.expect("joins"), Ok(()));
+    }
 
     #[test]
     fn nats_flags_are_global_and_clash_with_no_subcommand_flag() {
