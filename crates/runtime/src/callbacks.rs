@@ -120,17 +120,26 @@ pub async fn deliver(
     })
 }
 
+/// How much of an unknown callback's payload (as JSON text) is recorded.
+pub const MAX_RECORDED_PAYLOAD: usize = 4096;
+
 async fn record_unknown(
     rt: &Runtime,
     key: &str,
     payload: &serde_json::Value,
 ) -> Result<Delivery, CallbackError> {
+    // Anyone may send callbacks for made-up keys: the record keeps the start of the payload,
+    // never megabytes (and the stream itself is bounded, nats/streams/KEDGE_REJECTIONS.json).
+    let text = payload.to_string();
+    let kept: String = text.chars().take(MAX_RECORDED_PAYLOAD).collect();
     let body = serde_json::json!({
         "at": Timestamp::now(),
         "kind": "callback",
-        "key": key,
+        "key": key.chars().take(256).collect::<String>(),
         "reason": "no run has this correlation key",
-        "payload": payload,
+        "payload": kept,
+        "payload_bytes": text.len(),
+        "truncated": kept.len() < text.len(),
     });
     let ack = rt
         .js

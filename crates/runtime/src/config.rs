@@ -647,6 +647,18 @@ pub struct BridgeConfig {
     /// Frames a watched run's fan-out ring keeps; a connection further behind catches up from
     /// the journal.
     pub sse_ring: usize,
+    /// Open SSE connections one tenant may hold on one bridge; more are answered 429
+    /// (`KEDGE_BRIDGE_MAX_SSE_PER_TENANT`).
+    pub max_sse_per_tenant: usize,
+    /// Runs one tenant may start per minute through one bridge, 0 for no limit; more are answered
+    /// 429 with `Retry-After` (`KEDGE_BRIDGE_RUNS_PER_MINUTE`).
+    pub runs_per_minute: u32,
+    /// Unfinished runs one tenant may have at once, 0 for no limit (counted from the runs
+    /// projection at each submit); more are answered 429 (`KEDGE_BRIDGE_MAX_ACTIVE_RUNS`).
+    pub max_active_runs: usize,
+    /// How long a request other than an SSE stream may take; slower ones are answered 503
+    /// (`KEDGE_BRIDGE_REQUEST_TIMEOUT_MS`).
+    pub request_timeout_ms: u64,
 }
 
 /// One bearer token of the bridge. `Debug` and `Serialize` print the token redacted.
@@ -692,6 +704,10 @@ impl Default for BridgeConfig {
             sse_retry_ms: 1_000,
             max_sse_connections: 10_000,
             sse_ring: 1024,
+            max_sse_per_tenant: 1_000,
+            runs_per_minute: 600,
+            max_active_runs: 0,
+            request_timeout_ms: 30_000,
         }
     }
 }
@@ -765,10 +781,13 @@ impl BridgeConfig {
             || self.heartbeat_ms == 0
             || self.max_sse_connections == 0
             || self.sse_ring == 0
+            || self.max_sse_per_tenant == 0
+            || self.request_timeout_ms == 0
         {
             return invalid(
                 "bridge",
-                "max_body_bytes >= 1024; heartbeat_ms, max_sse_connections and sse_ring >= 1"
+                "max_body_bytes >= 1024; heartbeat_ms, max_sse_connections, sse_ring, \
+                 max_sse_per_tenant and request_timeout_ms >= 1"
                     .into(),
             );
         }
@@ -942,6 +961,18 @@ impl Config {
         }
         if let Some(v) = get("KEDGE_BRIDGE_OPEN") {
             self.bridge.open = flag("KEDGE_BRIDGE_OPEN", &v)?;
+        }
+        if let Some(v) = get("KEDGE_BRIDGE_MAX_SSE_PER_TENANT") {
+            self.bridge.max_sse_per_tenant = num("KEDGE_BRIDGE_MAX_SSE_PER_TENANT", &v)?;
+        }
+        if let Some(v) = get("KEDGE_BRIDGE_RUNS_PER_MINUTE") {
+            self.bridge.runs_per_minute = num("KEDGE_BRIDGE_RUNS_PER_MINUTE", &v)?;
+        }
+        if let Some(v) = get("KEDGE_BRIDGE_MAX_ACTIVE_RUNS") {
+            self.bridge.max_active_runs = num("KEDGE_BRIDGE_MAX_ACTIVE_RUNS", &v)?;
+        }
+        if let Some(v) = get("KEDGE_BRIDGE_REQUEST_TIMEOUT_MS") {
+            self.bridge.request_timeout_ms = num("KEDGE_BRIDGE_REQUEST_TIMEOUT_MS", &v)?;
         }
         let t = &mut self.timeouts;
         for (var, field) in [

@@ -219,6 +219,27 @@ pub(crate) async fn submit(
         Some(k) => k,
         None => uuid::Uuid::now_v7().simple().to_string(),
     };
+    // The tenant's quotas, after the request proved well-formed (a bad request is a 4xx of its
+    // own, never a 429).
+    bridge.quotas.start_run(&caller.tenant)?;
+    let active_cap = bridge.config.max_active_runs;
+    if active_cap > 0 {
+        let runs = bridge
+            .projection
+            .list(&caller.tenant)
+            .await
+            .map_err(|e| Problem::unavailable(e.to_string(), 1))?;
+        let active = runs.iter().filter(|r| !r.finished).count();
+        if active >= active_cap {
+            return Err(crate::quota::too_many(
+                format!(
+                    "tenant {} has {active} unfinished runs, its limit is {active_cap}",
+                    caller.tenant
+                ),
+                10,
+            ));
+        }
+    }
     let msg_id = format!("{}/{key}", caller.tenant);
     let submission = Submission {
         task: &task,
@@ -452,6 +473,7 @@ pub(crate) async fn events(
         }
         None => number(&params, "after")?.unwrap_or(0),
     };
+    let tenant_slot = bridge.quotas.open_stream(&caller.tenant)?;
     let permit = bridge.sse_slots.clone().try_acquire_owned().map_err(|_| {
         Problem::unavailable("this bridge serves its maximum of SSE connections", 2)
     })?;
@@ -477,6 +499,7 @@ pub(crate) async fn events(
         heartbeat: Duration::from_millis(bridge.config.heartbeat_ms),
         shutdown: bridge.shutdown.clone(),
         permit,
+        tenant_slot,
     };
     if conn.nothing_to_send() {
         return Ok(StatusCode::NO_CONTENT.into_response());

@@ -23,6 +23,7 @@ pub mod api;
 pub mod auth;
 pub mod problem;
 pub mod projection;
+pub mod quota;
 pub mod sse;
 pub mod tenants;
 pub use kedge_runtime::view;
@@ -98,6 +99,8 @@ pub struct Inner {
     pub projection: projection::Projection,
     pub tenants: tenants::TenantCache,
     pub sse_slots: Arc<Semaphore>,
+    /// Per-tenant limits: SSE connections and run starts ([`quota`]).
+    pub quotas: Arc<quota::Quotas>,
     pub shutdown: watch::Receiver<bool>,
     shutdown_tx: watch::Sender<bool>,
     last_layout_check: Mutex<Option<Instant>>,
@@ -130,6 +133,7 @@ impl Bridge {
                 hub: sse::Hub::new(rt.journal.clone(), rt.client.clone(), config.sse_ring),
                 tenants: tenants::TenantCache::new(&rt),
                 sse_slots: Arc::new(Semaphore::new(config.max_sse_connections)),
+                quotas: quota::Quotas::new(config.max_sse_per_tenant, config.runs_per_minute),
                 projection,
                 auth,
                 config,
@@ -223,11 +227,34 @@ pub fn router(bridge: Bridge) -> Router {
             None => tracing::error!(method, path, "route without a handler"),
         }
     }
+    let timeout = Duration::from_millis(bridge.config.request_timeout_ms);
     router
         .fallback(api::not_found)
         .method_not_allowed_fallback(api::method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            request_timeout(timeout, req, next)
+        }))
         .with_state(bridge)
+}
+
+/// Every request but an event stream gets `timeout` to be answered; past it, 503.
+async fn request_timeout(
+    timeout: Duration,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.uri().path().ends_with("/events") {
+        return next.run(req).await;
+    }
+    match tokio::time::timeout(timeout, next.run(req)).await {
+        Ok(response) => response,
+        Err(_) => Problem::unavailable(
+            format!("the request was not answered within {timeout:?}"),
+            1,
+        )
+        .into_response(),
+    }
 }
 
 /// Whether [`ROUTES`] has a handler for every entry (checked by a test).

@@ -315,6 +315,8 @@ pub struct Connection {
     pub shutdown: watch::Receiver<bool>,
     /// The connection's slot under `max_sse_connections`.
     pub permit: OwnedSemaphorePermit,
+    /// Its slot under the tenant's `max_sse_per_tenant`.
+    pub tenant_slot: crate::quota::SseSlot,
 }
 
 impl std::fmt::Debug for Connection {
@@ -358,6 +360,7 @@ impl Connection {
             heartbeat,
             mut shutdown,
             permit: _permit,
+            tenant_slot: _tenant_slot,
         } = self;
         let mut out = Out {
             tx,
