@@ -673,6 +673,14 @@ async fn agents(rt: Runtime, cmd: AgentsCmd) -> anyhow::Result<ExitCode> {
         AgentsCmd::Put { file } => {
             let bytes = std::fs::read(&file).with_context(|| format!("read {}", file.display()))?;
             let def = AgentDefinition::parse(&bytes)?;
+            // The operator's model policy: caught here, where the author can fix it, rather
+            // than at the run's first step.
+            rt.config
+                .check_model(
+                    &kedge_model::api_key_env(&def),
+                    def.model.base_url.as_deref(),
+                )
+                .map_err(|e| anyhow::anyhow!("{}: {e}", def.name))?;
             let revision = rt.agents.put(&def).await?;
             println!("{} revision {revision}", def.name);
         }

@@ -195,6 +195,7 @@ fn spawn_step_worker(config: &Config, crash: bool) -> anyhow::Result<std::proces
         .env("KEDGE_NATS_URL", config.nats_urls.join(","))
         .env("KEDGE_WORKSPACE_ROOT", &config.workspace_root)
         .env(API_KEY_VAR, "demo-key")
+        .env("KEDGE_MODEL_KEYS", API_KEY_VAR)
         .env("KEDGE_LEASE_TTL_MS", t.lease_ttl_ms.to_string())
         .env("KEDGE_LEASE_RENEW_MS", t.lease_renew_ms.to_string())
         .env("KEDGE_STEP_ACK_WAIT_MS", t.step_ack_wait_ms.to_string())

@@ -682,3 +682,55 @@ async fn nats_config_writes_a_configuration_a_real_server_runs() {
     .await;
     assert!(wrong.is_err(), "a wrong password is refused");
 }
+
+#[tokio::test]
+async fn agents_put_refuses_keys_and_endpoints_the_operator_did_not_allow() {
+    let Some(h) = harness().await else { return };
+    let dir = tempfile::tempdir().expect("dir");
+    let put = |name: &str, extra: Value| {
+        let mut def = json!({
+            "name": name,
+            "system_prompt": "x",
+            "model": {"provider": "openai", "name": "m"},
+        });
+        if let (Some(d), Some(e)) = (def.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                d.insert(k.clone(), v.clone());
+            }
+        }
+        let file = dir.path().join(format!("{name}.json"));
+        std::fs::write(&file, def.to_string()).expect("write");
+        std::process::Command::new(env!("CARGO_BIN_EXE_kedge"))
+            .args(["agents", "put"])
+            .arg(&file)
+            .env("KEDGE_NATS_URL", h.nats.url())
+            .envs(common::kind_env(&h.config, Kind::Admin))
+            .env("KEDGE_LOG", "warn")
+            .output()
+            .expect("kedge runs")
+    };
+    let ok = put("fine", json!({}));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    for (name, extra, says) in [
+        ("home", json!({"api_key_env": "HOME"}), "api_key_env"),
+        (
+            "exfil",
+            json!({"model": {"provider": "openai", "name": "m", "base_url": "https://evil.example/v1"}}),
+            "base_url",
+        ),
+        (
+            "plain",
+            json!({"model": {"provider": "openai", "name": "m", "base_url": "http://10.1.2.3/v1"}}),
+            "base_url",
+        ),
+    ] {
+        let out = put(name, extra);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name} was stored");
+        assert!(err.contains(says), "{name}: {err}");
+    }
+}

@@ -49,6 +49,11 @@ pub struct Config {
     pub workspace_root: PathBuf,
     /// Commands the `shell` tool may run.
     pub shell_allowlist: Vec<String>,
+    /// What confines the `shell` tool's commands (`KEDGE_SANDBOX`): `bwrap` (the default: each
+    /// command in a bubblewrap sandbox that sees only the run's workspace, with no network and
+    /// with resource limits; the tool service refuses to start without `bwrap`) or `unconfined`
+    /// (development only: commands see the whole machine; logged as a warning).
+    pub sandbox: SandboxKind,
     /// Runs a step worker drives at once.
     pub step_concurrency: usize,
     /// Tool operations a tool worker runs at once.
@@ -74,6 +79,55 @@ pub struct Config {
     /// approvals over NATS. Never printed.
     #[serde(default, skip_serializing)]
     pub approvers: std::collections::BTreeMap<String, String>,
+    /// Which API keys and endpoints agent definitions may use.
+    pub models: ModelPolicy,
+}
+
+/// What an agent definition may name for its model: the operator's choice, not the author's.
+/// An agent's `api_key_env` (or its provider's default variable) must be one of `keys` (or a key
+/// the embedding program put in [`Config::api_keys`]); its `model.base_url` (when set) must start
+/// with one of `base_urls`, each an `https://` prefix, or be on this host when `base_urls`
+/// holds `loopback`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelPolicy {
+    /// Environment variables agents may name as their API key (`KEDGE_MODEL_KEYS`,
+    /// comma-separated).
+    pub keys: Vec<String>,
+    /// Allowed base URL prefixes, `https://…` or `loopback` (`KEDGE_MODEL_BASE_URLS`).
+    pub base_urls: Vec<String>,
+}
+
+impl Default for ModelPolicy {
+    fn default() -> Self {
+        Self {
+            keys: vec!["OPENAI_API_KEY".into(), "ANTHROPIC_API_KEY".into()],
+            base_urls: vec![
+                "https://api.openai.com/".into(),
+                "https://api.anthropic.com/".into(),
+                "loopback".into(),
+            ],
+        }
+    }
+}
+
+/// Whether `url`'s host is this machine (127.0.0.0/8, ::1, localhost).
+pub fn is_loopback_url(url: &str) -> bool {
+    let Some((_, rest)) = url.split_once("://") else {
+        return false;
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if authority.contains('@') {
+        return false;
+    }
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 impl Config {
@@ -84,12 +138,54 @@ impl Config {
         &self.nats.inbox_prefix
     }
 
-    /// The value of an API-key variable: the environment, else [`Config::api_keys`].
+    /// The value of an API-key variable: the environment, else [`Config::api_keys`]. Only a
+    /// variable the operator allows ([`ModelPolicy::keys`], or one in `api_keys`) is read: an
+    /// agent definition cannot make the step send any other variable of its environment.
     pub fn api_key(&self, var: &str) -> Option<String> {
-        std::env::var(var)
-            .ok()
-            .filter(|v| !v.is_empty())
-            .or_else(|| self.api_keys.get(var).cloned())
+        if let Some(key) = self.api_keys.get(var) {
+            return std::env::var(var)
+                .ok()
+                .filter(|v| !v.is_empty())
+                .or_else(|| Some(key.clone()));
+        }
+        if !self.models.keys.iter().any(|k| k == var) {
+            tracing::warn!(
+                var,
+                "an agent names an API-key variable the operator did not allow (models.keys); \
+                 not read"
+            );
+            return None;
+        }
+        std::env::var(var).ok().filter(|v| !v.is_empty())
+    }
+
+    /// Whether an agent may use this key variable and base URL (see [`ModelPolicy`]); the
+    /// reason when not.
+    pub fn check_model(&self, key_var: &str, base_url: Option<&str>) -> Result<(), String> {
+        if !self.api_keys.contains_key(key_var) && !self.models.keys.iter().any(|k| k == key_var) {
+            return Err(format!(
+                "api_key_env `{key_var}` is not among the keys the operator allows \
+                 (models.keys / KEDGE_MODEL_KEYS: {})",
+                self.models.keys.join(", ")
+            ));
+        }
+        if let Some(url) = base_url {
+            let allowed = self.models.base_urls.iter().any(|prefix| {
+                if prefix == "loopback" {
+                    is_loopback_url(url)
+                } else {
+                    url.starts_with(prefix.as_str())
+                }
+            });
+            if !allowed {
+                return Err(format!(
+                    "model.base_url `{url}` is not among the endpoints the operator allows \
+                     (models.base_urls / KEDGE_MODEL_BASE_URLS: {})",
+                    self.models.base_urls.join(", ")
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -107,6 +203,7 @@ impl Default for Config {
             .into_iter()
             .map(String::from)
             .collect(),
+            sandbox: SandboxKind::Bwrap,
             step_concurrency: 256,
             tool_concurrency: 64,
             max_tool_output_bytes: 64 * 1024,
@@ -115,6 +212,28 @@ impl Default for Config {
             bridge: BridgeConfig::default(),
             api_keys: Default::default(),
             approvers: Default::default(),
+            models: ModelPolicy::default(),
+        }
+    }
+}
+
+/// What confines the `shell` tool's commands ([`Config::sandbox`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxKind {
+    /// bubblewrap: the run's workspace only, no network, resource limits.
+    Bwrap,
+    /// No confinement (development only).
+    Unconfined,
+}
+
+impl std::str::FromStr for SandboxKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "bwrap" => Ok(SandboxKind::Bwrap),
+            "unconfined" => Ok(SandboxKind::Unconfined),
+            other => Err(format!("`{other}` is not `bwrap` or `unconfined`")),
         }
     }
 }
@@ -137,6 +256,7 @@ impl std::fmt::Debug for Config {
             worker_id,
             workspace_root,
             shell_allowlist,
+            sandbox,
             step_concurrency,
             tool_concurrency,
             max_tool_output_bytes,
@@ -145,6 +265,7 @@ impl std::fmt::Debug for Config {
             bridge,
             api_keys,
             approvers,
+            models,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
         let api_keys: Vec<&String> = api_keys.keys().collect();
@@ -156,6 +277,7 @@ impl std::fmt::Debug for Config {
             .field("worker_id", worker_id)
             .field("workspace_root", workspace_root)
             .field("shell_allowlist", shell_allowlist)
+            .field("sandbox", sandbox)
             .field("step_concurrency", step_concurrency)
             .field("tool_concurrency", tool_concurrency)
             .field("max_tool_output_bytes", max_tool_output_bytes)
@@ -164,6 +286,7 @@ impl std::fmt::Debug for Config {
             .field("bridge", bridge)
             .field("api_keys (names)", &api_keys)
             .field("approvers (names)", &approvers)
+            .field("models", models)
             .finish()
     }
 }
@@ -934,6 +1057,12 @@ impl Config {
         if let Some(v) = get("KEDGE_WORKSPACE_ROOT") {
             self.workspace_root = PathBuf::from(v);
         }
+        if let Some(v) = get("KEDGE_SANDBOX") {
+            self.sandbox = v.parse().map_err(|reason| ConfigError::Env {
+                var: "KEDGE_SANDBOX",
+                reason,
+            })?;
+        }
         if let Some(v) = get("KEDGE_APPROVER_TOKENS") {
             for pair in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
                 let (token, name) = pair.split_once(':').ok_or_else(|| ConfigError::Env {
@@ -942,6 +1071,19 @@ impl Config {
                 })?;
                 self.approvers.insert(token.to_owned(), name.to_owned());
             }
+        }
+        let list = |v: &str| -> Vec<String> {
+            v.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect()
+        };
+        if let Some(v) = get("KEDGE_MODEL_KEYS") {
+            self.models.keys = list(&v);
+        }
+        if let Some(v) = get("KEDGE_MODEL_BASE_URLS") {
+            self.models.base_urls = list(&v);
         }
         if let Some(v) = get("KEDGE_MCP_SERVERS") {
             self.mcp_servers = serde_json::from_str(&v).map_err(|e| ConfigError::Env {
@@ -1032,6 +1174,17 @@ impl Config {
             });
         }
         self.bridge.check()?;
+        if let Some(bad) = self.models.base_urls.iter().find(|u| {
+            *u != "loopback" && !(u.starts_with("https://") && u.len() > "https://".len())
+        }) {
+            return Err(ConfigError::Invalid {
+                field: "models.base_urls",
+                reason: format!(
+                    "`{bad}`: an entry is an https:// prefix or `loopback` (plain http only on \
+                     this host)"
+                ),
+            });
+        }
         Ok(())
     }
 }
@@ -1056,6 +1209,58 @@ mod tests {
                 .contains("tool_ack_wait > tool_timeout + tool_grace"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn agents_use_only_the_keys_and_endpoints_the_operator_allows() {
+        let mut c = Config::default();
+        assert!(c.check_model("OPENAI_API_KEY", None).is_ok());
+        assert!(
+            c.check_model("OPENAI_API_KEY", Some("https://api.openai.com/v1"))
+                .is_ok()
+        );
+        assert!(
+            c.check_model("OPENAI_API_KEY", Some("http://127.0.0.1:8080/v1"))
+                .is_ok()
+        );
+        assert!(
+            c.check_model("OPENAI_API_KEY", Some("http://[::1]:8080/v1"))
+                .is_ok()
+        );
+        for (var, url) in [
+            ("HOME", None),
+            ("NATS_PASSWORD", None),
+            ("OPENAI_API_KEY", Some("https://evil.example/v1")),
+            (
+                "OPENAI_API_KEY",
+                Some("https://api.openai.com.evil.example/v1"),
+            ),
+            ("OPENAI_API_KEY", Some("http://10.0.0.5/v1")),
+            ("OPENAI_API_KEY", Some("http://127.0.0.1@evil.example/v1")),
+        ] {
+            assert!(c.check_model(var, url).is_err(), "{var} {url:?}");
+        }
+        assert_eq!(
+            c.api_key("HOME"),
+            None,
+            "a variable nobody allowed is not read"
+        );
+        c.api_keys.insert("EMBEDDED_KEY".into(), "k".into());
+        assert!(c.check_model("EMBEDDED_KEY", None).is_ok());
+        assert_eq!(c.api_key("EMBEDDED_KEY").as_deref(), Some("k"));
+        c.apply_env(|k| match k {
+            "KEDGE_MODEL_KEYS" => Some("MY_KEY".into()),
+            "KEDGE_MODEL_BASE_URLS" => Some("https://llm.internal/, loopback".into()),
+            _ => None,
+        })
+        .expect("applies");
+        assert!(
+            c.check_model("MY_KEY", Some("https://llm.internal/v1"))
+                .is_ok()
+        );
+        assert!(c.check_model("OPENAI_API_KEY", None).is_err());
+        c.models.base_urls.push("http://llm.internal/".into());
+        assert!(c.check().is_err(), "plain http beyond this host");
     }
 
     #[test]

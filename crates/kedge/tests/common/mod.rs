@@ -231,6 +231,7 @@ impl Harness {
             .env("KEDGE_WORKER_ID", worker)
             .env("KEDGE_WORKSPACE_ROOT", &self.config.workspace_root)
             .env(API_KEY_VAR, "test-key")
+            .env("KEDGE_MODEL_KEYS", API_KEY_VAR)
             .env("KEDGE_LEASE_TTL_MS", t.lease_ttl_ms.to_string())
             .env("KEDGE_LEASE_RENEW_MS", t.lease_renew_ms.to_string())
             .env("KEDGE_STEP_ACK_WAIT_MS", t.step_ack_wait_ms.to_string())
