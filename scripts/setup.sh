@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Makes sure a nats-server >= 2.14 is available at .tools/bin/nats-server (relative to the repo root).
+# Makes sure a nats-server >= 2.14 is available at .tools/bin/nats-server (relative to the repo root),
+# and bubblewrap (`bwrap`, the tool service's sandbox) on PATH.
 #
 # Order of preference:
 #   1. .tools/bin/nats-server already there and new enough: nothing to do (fast path).
@@ -42,6 +43,21 @@ new_enough() {
 report() {
     echo "setup: using nats-server $(server_version "$TARGET") at $TARGET ($1)"
 }
+
+# bubblewrap: the tool service's default sandbox (docs/CONFIG.md, `sandbox`). A no-op when
+# `bwrap` is on PATH; otherwise apt-get (root, Debian/Ubuntu), else a note on what to do.
+ensure_bwrap() {
+    command -v bwrap >/dev/null 2>&1 && return 0
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+        echo "setup: installing bubblewrap with apt-get" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >&2 || true
+        command -v bwrap >/dev/null 2>&1 && return 0
+    fi
+    echo "setup: WARNING: bwrap (bubblewrap) is not installed and cannot be installed here;" \
+        "the tool service will refuse to start unless KEDGE_SANDBOX=unconfined" >&2
+}
+ensure_bwrap
 
 # 1. Already installed.
 if new_enough "$TARGET"; then

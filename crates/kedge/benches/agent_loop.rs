@@ -1447,6 +1447,7 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
         shell_allowlist: vec![],
         timeout: Duration::from_secs(1),
         max_output: 64 * 1024,
+        sandbox: std::sync::Arc::new(kedge_tool::sandbox::Unconfined),
     };
     let trun = RunId::generate();
     out.push(OpCost {

@@ -1,18 +1,32 @@
 //! Built-in tools. Each run gets a workspace directory `<workspace_root>/<run_id>/`; paths are
 //! relative to it and may not leave it. `shell` runs only allowlisted commands, without a shell,
-//! inside the workspace, with a timeout after which the process is killed.
+//! through the configured [`Sandbox`] (which confines it to the workspace), with a timeout and an
+//! output cap past which its process group is killed (see [`crate::sandbox`]).
+//!
+//! The file tools open every path relative to a descriptor of the workspace with `openat2` and
+//! `RESOLVE_BENEATH` (kernel 5.6+): a `..` or a symlink (however deep, whatever created it) that
+//! would lead out of the workspace fails the open instead of being followed, and there is no
+//! window between a check and the open. `rustix` is the crate for it: safe wrappers of the raw
+//! system calls, already in the dependency tree (through tokio's and tempfile's users), where
+//! `cap-std` would add a family of crates for the same `openat2` call.
 //!
 //! `ledger_append` is the side-effect tool tests count: it appends `<operation id>\t<text>` to
 //! `<workspace_root>/ledger.log` every time it runs (it does not deduplicate), and it answers a
 //! confirm query (is the operation's line there?), so a runner that died mid-operation can be
 //! resolved without repeating the effect.
 
+use std::io::Read;
+use std::os::fd::OwnedFd;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kedge_core::ids::{OperationId, RunId};
+use rustix::fs::{Mode, OFlags, ResolveFlags};
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
+
+use crate::sandbox::{Ended, Sandbox};
 
 /// What a tool returned: content for the model, and whether it is an error.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,6 +110,8 @@ pub struct Env {
     pub shell_allowlist: Vec<String>,
     pub timeout: Duration,
     pub max_output: usize,
+    /// What confines `shell` commands.
+    pub sandbox: Arc<dyn Sandbox>,
 }
 
 impl Env {
@@ -130,6 +146,11 @@ impl Env {
         if let Err(e) = tokio::fs::create_dir_all(&work).await {
             return Output::error(format!("cannot create the workspace: {e}"));
         }
+        // Absolute, as the sandbox mounts it at its own path.
+        let work = match tokio::fs::canonicalize(&work).await {
+            Ok(work) => work,
+            Err(e) => return Output::error(format!("cannot find the workspace: {e}")),
+        };
         let result = match tool {
             Builtin::ReadFile => self.read_file(&work, args).await,
             Builtin::WriteFile => write_file(&work, args).await,
@@ -149,8 +170,18 @@ impl Env {
     pub async fn target_version(&self, tool: Builtin, run: &RunId, args: &Value) -> Option<String> {
         match tool {
             Builtin::WriteFile => {
-                let path = resolve(&self.workspace(run), str_arg(args, "path").ok()?).ok()?;
-                Some(match tokio::fs::read(&path).await {
+                let work = self.workspace(run);
+                let path = str_arg(args, "path").ok()?;
+                resolve(&work, path).ok()?;
+                let path = path.to_owned();
+                let read = blocking(move || {
+                    let file = beneath::open_file(&work, &path, OFlags::RDONLY, Mode::empty())?;
+                    let mut bytes = Vec::new();
+                    std::fs::File::from(file).read_to_end(&mut bytes)?;
+                    Ok(bytes)
+                })
+                .await;
+                Some(match read {
                     Ok(bytes) => kedge_core::event::Digest::of_bytes(&bytes)
                         .as_str()
                         .to_owned(),
@@ -187,13 +218,27 @@ impl Env {
     }
 
     async fn read_file(&self, work: &Path, args: &Value) -> Result<Output, String> {
-        let path = resolve(work, str_arg(args, "path")?)?;
-        let bytes = tokio::fs::read(&path)
-            .await
-            .map_err(|e| format!("cannot read {}: {e}", rel(work, &path)))?;
-        Ok(Output::ok(truncate(
+        let path = str_arg(args, "path")?;
+        resolve(work, path)?;
+        let (owned_work, owned_path, max) = (work.to_owned(), path.to_owned(), self.max_output);
+        // Read at most the cap (plus a few bytes to cut on a character boundary).
+        let (bytes, total) = blocking(move || {
+            let file = beneath::open_file(&owned_work, &owned_path, OFlags::RDONLY, Mode::empty())?;
+            let file = std::fs::File::from(file);
+            let total = file.metadata()?.len();
+            let mut bytes = Vec::new();
+            (&file).take(max as u64 + 4).read_to_end(&mut bytes)?;
+            Ok((bytes, total))
+        })
+        .await
+        .map_err(|e| format!("cannot read {path}: {}", beneath::explain(&e)))?;
+        let total = usize::try_from(total)
+            .unwrap_or(usize::MAX)
+            .max(bytes.len());
+        Ok(Output::ok(truncate_of(
             String::from_utf8_lossy(&bytes).into_owned(),
             self.max_output,
+            total,
         )))
     }
 
@@ -222,33 +267,46 @@ impl Env {
         {
             return Err("arguments may not name paths outside the workspace".into());
         }
-        let child = tokio::process::Command::new(command)
-            .args(&argv)
-            .current_dir(work)
-            .env_clear()
-            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| format!("cannot start `{command}`: {e}"))?;
-        match tokio::time::timeout(self.timeout, child.wait_with_output()).await {
-            Err(_) => Err(format!(
-                "`{command}` timed out after {} ms and was killed",
-                self.timeout.as_millis()
+        if !self.sandbox.confines() {
+            tracing::warn!(command, "running unconfined (sandbox \"unconfined\")");
+        }
+        let done = crate::sandbox::execute(
+            self.sandbox.as_ref(),
+            command,
+            &argv,
+            work,
+            self.timeout,
+            self.max_output,
+        )
+        .await
+        .map_err(|e| format!("cannot run `{command}`: {e}"))?;
+        let mut text = String::from_utf8_lossy(&done.stdout).into_owned();
+        if !done.stderr.is_empty() {
+            text.push_str(&String::from_utf8_lossy(&done.stderr));
+        }
+        match done.ended {
+            Ended::TimedOut => Err(format!(
+                "`{command}` timed out after {} ms and was killed; output so far: {}",
+                self.timeout.as_millis(),
+                truncate(text, self.max_output)
             )),
-            Ok(Err(e)) => Err(format!("`{command}` failed: {e}")),
-            Ok(Ok(out)) => {
-                let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
-                if !out.stderr.is_empty() {
-                    text.push_str(&String::from_utf8_lossy(&out.stderr));
+            Ended::OverCap => {
+                let mut cut = self.max_output.min(text.len());
+                while !text.is_char_boundary(cut) {
+                    cut -= 1;
                 }
+                text.truncate(cut);
+                Err(format!(
+                    "{text}\n[`{command}` printed more than {} bytes and was killed]",
+                    self.max_output
+                ))
+            }
+            Ended::Exited(status) => {
                 let text = truncate(text, self.max_output);
-                if out.status.success() {
+                if status.success() {
                     Ok(Output::ok(text))
                 } else {
-                    Ok(Output::error(format!("exit status {}: {text}", out.status)))
+                    Ok(Output::error(format!("exit status {status}: {text}")))
                 }
             }
         }
@@ -273,45 +331,190 @@ impl Env {
 }
 
 async fn write_file(work: &Path, args: &Value) -> Result<Output, String> {
-    let path = resolve(work, str_arg(args, "path")?)?;
+    let path = str_arg(args, "path")?;
+    resolve(work, path)?;
     let content = str_arg(args, "content")?;
-    if let Some(parent) = path.parent() {
-        tokio::fs::create_dir_all(parent)
-            .await
-            .map_err(|e| format!("cannot create {}: {e}", rel(work, parent)))?;
-    }
-    tokio::fs::write(&path, content)
-        .await
-        .map_err(|e| format!("cannot write {}: {e}", rel(work, &path)))?;
+    let (owned_work, owned_path, bytes) = (work.to_owned(), path.to_owned(), content.to_owned());
+    blocking(move || {
+        let rel = Path::new(&owned_path);
+        let dir = match rel.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => {
+                beneath::create_dirs(&owned_work, parent)?
+            }
+            _ => beneath::root(&owned_work)?,
+        };
+        let name = rel
+            .file_name()
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        let file = beneath::open_at(
+            &dir,
+            Path::new(name),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC,
+            Mode::from_raw_mode(0o644),
+        )?;
+        let mut file = std::fs::File::from(file);
+        std::io::Write::write_all(&mut file, bytes.as_bytes())
+    })
+    .await
+    .map_err(|e| format!("cannot write {path}: {}", beneath::explain(&e)))?;
     Ok(Output::ok(format!(
         "wrote {} bytes to {}",
         content.len(),
-        rel(work, &path)
+        Path::new(path).display()
     )))
 }
 
 async fn list_files(work: &Path, args: &Value) -> Result<Output, String> {
-    let dir = match args.get("path").and_then(Value::as_str) {
-        Some(p) if !p.is_empty() && p != "." => resolve(work, p)?,
-        _ => work.to_owned(),
-    };
-    let mut entries = tokio::fs::read_dir(&dir)
-        .await
-        .map_err(|e| format!("cannot list {}: {e}", rel(work, &dir)))?;
-    let mut names = Vec::new();
-    while let Ok(Some(entry)) = entries.next_entry().await {
-        let mut name = entry.file_name().to_string_lossy().into_owned();
-        if entry.file_type().await.map(|t| t.is_dir()).unwrap_or(false) {
-            name.push('/');
+    let path = match args.get("path").and_then(Value::as_str) {
+        Some(p) if !p.is_empty() && p != "." => {
+            resolve(work, p)?;
+            p.to_owned()
         }
-        names.push(name);
-    }
+        _ => ".".to_owned(),
+    };
+    let owned_work = work.to_owned();
+    let shown = path.clone();
+    let mut names = blocking(move || {
+        let dir = beneath::open_at(
+            &beneath::root(&owned_work)?,
+            Path::new(&path),
+            OFlags::RDONLY | OFlags::DIRECTORY,
+            Mode::empty(),
+        )?;
+        let mut names = Vec::new();
+        for entry in rustix::fs::Dir::read_from(&dir)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name == "." || name == ".." {
+                continue;
+            }
+            let is_dir = match entry.file_type() {
+                rustix::fs::FileType::Directory => true,
+                rustix::fs::FileType::Unknown => rustix::fs::statat(
+                    &dir,
+                    entry.file_name(),
+                    rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+                )
+                .map(|st| {
+                    rustix::fs::FileType::from_raw_mode(st.st_mode)
+                        == rustix::fs::FileType::Directory
+                })
+                .unwrap_or(false),
+                _ => false,
+            };
+            names.push(if is_dir { format!("{name}/") } else { name });
+        }
+        Ok(names)
+    })
+    .await
+    .map_err(|e| format!("cannot list {shown}: {}", beneath::explain(&e)))?;
     names.sort();
     Ok(Output::ok(if names.is_empty() {
         "(empty)".to_owned()
     } else {
         names.join("\n")
     }))
+}
+
+/// Runs blocking file work off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(std::io::Error::other)?
+}
+
+/// Opens beneath the workspace: every path is resolved relative to a descriptor of it with
+/// `RESOLVE_BENEATH`, so nothing (`..`, an absolute symlink, a symlink to `..`) leads out.
+mod beneath {
+    use super::*;
+
+    fn resolve_flags() -> ResolveFlags {
+        ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS
+    }
+
+    /// The workspace directory itself.
+    pub(super) fn root(work: &Path) -> std::io::Result<OwnedFd> {
+        Ok(rustix::fs::open(
+            work,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?)
+    }
+
+    /// `path` beneath `dir`.
+    pub(super) fn open_at(
+        dir: &OwnedFd,
+        path: &Path,
+        flags: OFlags,
+        mode: Mode,
+    ) -> std::io::Result<OwnedFd> {
+        Ok(rustix::fs::openat2(
+            dir,
+            path,
+            flags | OFlags::CLOEXEC,
+            mode,
+            resolve_flags(),
+        )?)
+    }
+
+    /// A regular file beneath the workspace (a FIFO or device is refused, without blocking).
+    pub(super) fn open_file(
+        work: &Path,
+        path: &str,
+        flags: OFlags,
+        mode: Mode,
+    ) -> std::io::Result<OwnedFd> {
+        let fd = open_at(
+            &root(work)?,
+            Path::new(path),
+            flags | OFlags::NONBLOCK,
+            mode,
+        )?;
+        let st = rustix::fs::fstat(&fd)?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file",
+            ));
+        }
+        Ok(fd)
+    }
+
+    /// Creates the directories of `rel` beneath the workspace one at a time (each opened
+    /// beneath the last), and returns the last.
+    pub(super) fn create_dirs(work: &Path, rel: &Path) -> std::io::Result<OwnedFd> {
+        let mut dir = root(work)?;
+        for part in rel.components() {
+            let Component::Normal(name) = part else {
+                continue;
+            };
+            let name = Path::new(name);
+            let flags = OFlags::RDONLY | OFlags::DIRECTORY;
+            dir = match open_at(&dir, name, flags, Mode::empty()) {
+                Ok(next) => next,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    match rustix::fs::mkdirat(&dir, name, Mode::from_raw_mode(0o755)) {
+                        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                    open_at(&dir, name, flags, Mode::empty())?
+                }
+                Err(e) => return Err(e),
+            };
+        }
+        Ok(dir)
+    }
+
+    /// An error for the model; `EXDEV` is what `RESOLVE_BENEATH` answers for a way out.
+    pub(super) fn explain(e: &std::io::Error) -> String {
+        if e.raw_os_error() == Some(rustix::io::Errno::XDEV.raw_os_error()) {
+            "it leads out of the workspace (through a symlink); not followed".to_owned()
+        } else {
+            e.to_string()
+        }
+    }
 }
 
 fn str_arg<'a>(args: &'a Value, name: &str) -> Result<&'a str, String> {
@@ -337,19 +540,18 @@ fn resolve(work: &Path, path: &str) -> Result<PathBuf, String> {
     Ok(work.join(p))
 }
 
-fn rel(work: &Path, path: &Path) -> String {
-    path.strip_prefix(work)
-        .map(|p| p.display().to_string())
-        .unwrap_or_else(|_| path.display().to_string())
+fn truncate(s: String, max: usize) -> String {
+    let total = s.len();
+    truncate_of(s, max, total)
 }
 
-fn truncate(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        let mut cut = max;
+/// Cuts `s` (the start of something `total` bytes long) to `max` bytes, with a note.
+fn truncate_of(mut s: String, max: usize, total: usize) -> String {
+    if total > max || s.len() > max {
+        let mut cut = max.min(s.len());
         while !s.is_char_boundary(cut) {
             cut -= 1;
         }
-        let total = s.len();
         s.truncate(cut);
         s.push_str(&format!(
             "\n[truncated: {total} bytes, showing the first {cut}]"
@@ -368,6 +570,7 @@ mod tests {
             shell_allowlist: vec!["echo".into(), "sleep".into(), "ls".into()],
             timeout: Duration::from_millis(500),
             max_output: 64,
+            sandbox: Arc::new(crate::sandbox::Unconfined),
         }
     }
 

@@ -37,6 +37,7 @@
 //! timer, and the answer or the timer's firing is the operation's result.
 
 pub mod builtin;
+pub mod sandbox;
 pub mod target;
 pub mod verify;
 
@@ -162,6 +163,13 @@ impl Ctx {
 
 /// Runs the tool service until `shutdown` resolves, then lets in-flight operations finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+    // No sandbox, no service (unless `unconfined` was chosen).
+    let sandbox = sandbox::from_config(rt.config.sandbox).await.map_err(|e| {
+        kedge_runtime::ConfigError::Invalid {
+            field: "sandbox",
+            reason: e.to_string(),
+        }
+    })?;
     let consumer = consumer::durable(&rt.js, "tool", rt.config.timeouts.tool_ack_wait()).await?;
     let running = Running::default();
     let mut cancels = rt
@@ -187,6 +195,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             shell_allowlist: rt.config.shell_allowlist.clone(),
             timeout: rt.config.timeouts.tool_timeout(),
             max_output: rt.config.max_tool_output_bytes,
+            sandbox,
         },
         mcp: kedge_mcp::Pool::new(rt.config.mcp_servers.clone()),
         running,

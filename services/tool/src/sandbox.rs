@@ -1,0 +1,640 @@
+//! What confines the `shell` tool's commands: the [`Sandbox`] seam, its two implementations, and
+//! [`execute`], which runs a command through one with its output capped while it is read.
+//!
+//! The allowlist of commands is policy; the sandbox is the boundary. Allowlisted programs take
+//! options that name files (`grep --file=…`, `sort --files0-from=… -o …`), so no check of the
+//! arguments can keep a command inside the workspace; what the command can *see* must.
+//!
+//! - [`Bubblewrap`] (the default, `sandbox: "bwrap"`): each command runs in a fresh bubblewrap
+//!   sandbox: new user, mount, pid, network, ipc, uts and cgroup namespaces (`--unshare-all`), all
+//!   capabilities dropped, a new session, a clean environment, killed with its parent. Its file
+//!   system holds read-only `/usr` (and the `/bin`, `/lib*` links or binds of the host), the few
+//!   harmless files of `/etc` programs load (`ld.so.cache`, `alternatives`, `localtime`), a fresh
+//!   `/proc`, a minimal `/dev`, an empty `/tmp`, and the run's workspace read-write at its own
+//!   path (so relative paths keep working). Nothing else exists in there: not `/etc/passwd`, not
+//!   `/home`, `/root`, the repository or the other runs' workspaces; a symlink pointing out of the
+//!   workspace points at nothing. No network interface but a down loopback. Inside, `prlimit`
+//!   (util-linux, in `/usr/bin`) sets the resource limits ([`Limits`]) before the command starts.
+//! - [`Unconfined`] (`sandbox: "unconfined"`, development only): the command runs as the tool
+//!   service's user in the workspace with a clean environment, and sees the whole machine. It is
+//!   chosen explicitly, and logged as a warning at startup and for every command.
+//!
+//! Why bubblewrap rather than Landlock or seccomp: Landlock restricts file access (and, from ABI
+//! 4, TCP) of an unprivileged process, but applying it needs code between `fork` and `exec`
+//! (`pre_exec`, which is `unsafe`, which the workspace forbids) or a helper binary, and it neither
+//! hides the file system nor isolates pids, ipc or sockets other than TCP. seccomp filters system
+//! calls, not paths: it cannot say "only this directory". bubblewrap is a small, audited,
+//! packaged (`apt-get install bubblewrap`) setuid-free program that builds exactly the view we
+//! want from namespaces, is what Flatpak runs every application in, and costs a few ms per
+//! command. Its pid namespace also makes the kill complete: when the command's process group is
+//! killed, bubblewrap's init dies and the kernel kills every process left in the namespace,
+//! including ones that escaped into a session of their own.
+//!
+//! Resource limits: CPU seconds, address space, file size and processes (`RLIMIT_NPROC`), set by
+//! `prlimit` inside the sandbox (no `pre_exec`, so no `unsafe` in our code). The kernel does not
+//! apply `RLIMIT_NPROC` to processes of the real root user, so when the tool service runs as root
+//! the process count is bounded only by the pid namespace's lifetime (the timeout, the output
+//! cap and cancel kill it all); running the tool service as an ordinary user makes the limit
+//! count the processes of that one sandbox (its user namespace has its own count).
+//!
+//! Killing: every command starts as the leader of a new process group; on timeout, on output
+//! over the cap, and when its future is dropped (the run's cancel), the whole group is sent
+//! `SIGKILL` before the leader is reaped (so the group id cannot have been reused).
+//! Unconfined, descendants that left the group survive; in the sandbox they die with it.
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kedge_runtime::config::SandboxKind;
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+/// The `PATH` commands see.
+const PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+/// Where `prlimit` must be, inside the sandbox (its `/usr` is the host's).
+const PRLIMIT: &str = "/usr/bin/prlimit";
+
+/// Resource limits of one command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// CPU time, in seconds (`RLIMIT_CPU`).
+    pub cpu_secs: u64,
+    /// Address space, in bytes (`RLIMIT_AS`).
+    pub address_space_bytes: u64,
+    /// Largest file it may write, in bytes (`RLIMIT_FSIZE`).
+    pub file_size_bytes: u64,
+    /// Processes (`RLIMIT_NPROC`; see the module doc for root).
+    pub processes: u64,
+}
+
+impl Limits {
+    /// The limits of a command that may run for `timeout`: CPU time just above it (the wall
+    /// clock kills it first), 1 GiB of address space, 64 MiB files, 64 processes.
+    pub fn for_timeout(timeout: Duration) -> Limits {
+        Limits {
+            cpu_secs: timeout.as_secs().saturating_add(1),
+            address_space_bytes: 1 << 30,
+            file_size_bytes: 64 << 20,
+            processes: 64,
+        }
+    }
+}
+
+/// Why a sandbox cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error(
+        "sandbox `bwrap`: {0}; install bubblewrap (scripts/setup.sh, or `apt-get install \
+         bubblewrap`) or set sandbox \"unconfined\" (KEDGE_SANDBOX=unconfined) for development"
+    )]
+    Unavailable(String),
+}
+
+/// A way to confine a command to a run's workspace.
+pub trait Sandbox: Send + Sync + std::fmt::Debug {
+    /// `bwrap`, `unconfined`.
+    fn name(&self) -> &'static str;
+    /// Whether commands are confined (false: development only).
+    fn confines(&self) -> bool;
+    /// The command that runs `program` with `args` in `workspace` (an absolute path that exists)
+    /// under `limits`. [`execute`] sets its stdio, process group and kill-on-drop.
+    fn command(
+        &self,
+        program: &str,
+        args: &[String],
+        workspace: &Path,
+        limits: &Limits,
+    ) -> tokio::process::Command;
+}
+
+/// The sandbox a configuration asks for: bubblewrap after checking that it works here (an error
+/// when it does not: the tool service then refuses to start), or the unconfined one, with a
+/// warning.
+pub async fn from_config(kind: SandboxKind) -> Result<Arc<dyn Sandbox>, SandboxError> {
+    match kind {
+        SandboxKind::Bwrap => Ok(Arc::new(Bubblewrap::probe().await?)),
+        SandboxKind::Unconfined => {
+            tracing::warn!(
+                "sandbox \"unconfined\": shell commands run with the tool service's user and see \
+                 the whole machine and network; use it for development only"
+            );
+            Ok(Arc::new(Unconfined))
+        }
+    }
+}
+
+/// No confinement: development only.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Unconfined;
+
+impl Sandbox for Unconfined {
+    fn name(&self) -> &'static str {
+        "unconfined"
+    }
+
+    fn confines(&self) -> bool {
+        false
+    }
+
+    fn command(
+        &self,
+        program: &str,
+        args: &[String],
+        workspace: &Path,
+        _limits: &Limits,
+    ) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(args)
+            .current_dir(workspace)
+            .env_clear()
+            .env("PATH", PATH);
+        cmd
+    }
+}
+
+/// A bubblewrap sandbox (see the module doc).
+#[derive(Debug, Clone)]
+pub struct Bubblewrap {
+    bwrap: PathBuf,
+    /// How the host's `/bin`, `/sbin`, `/lib*` appear inside: a symlink (merged `/usr`) or a
+    /// read-only bind.
+    system: Vec<SystemDir>,
+}
+
+#[derive(Debug, Clone)]
+enum SystemDir {
+    Link { path: &'static str, target: PathBuf },
+    Bind(&'static str),
+}
+
+impl Bubblewrap {
+    /// Finds `bwrap` on `PATH` (or in `/usr/bin`), checks that `prlimit` is where the sandbox
+    /// expects it, and runs `true` in a sandbox once, so a host where namespaces are denied fails
+    /// at startup and not at the first command.
+    pub async fn probe() -> Result<Bubblewrap, SandboxError> {
+        let bwrap = find_program("bwrap")
+            .ok_or_else(|| SandboxError::Unavailable("`bwrap` not found on PATH".into()))?;
+        if !Path::new(PRLIMIT).is_file() {
+            return Err(SandboxError::Unavailable(format!(
+                "{PRLIMIT} (util-linux) not found"
+            )));
+        }
+        let mut system = Vec::new();
+        for path in ["/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32"] {
+            match std::fs::symlink_metadata(path) {
+                Ok(m) if m.file_type().is_symlink() => {
+                    if let Ok(target) = std::fs::read_link(path) {
+                        system.push(SystemDir::Link { path, target });
+                    }
+                }
+                Ok(m) if m.is_dir() => system.push(SystemDir::Bind(path)),
+                _ => {}
+            }
+        }
+        let sandbox = Bubblewrap { bwrap, system };
+        let probe_dir = std::env::temp_dir();
+        let out = sandbox
+            .command(
+                "true",
+                &[],
+                &probe_dir,
+                &Limits::for_timeout(Duration::from_secs(5)),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .output();
+        match tokio::time::timeout(Duration::from_secs(10), out).await {
+            Ok(Ok(out)) if out.status.success() => {
+                tracing::info!(bwrap = %sandbox.bwrap.display(), "sandbox: bubblewrap");
+                Ok(sandbox)
+            }
+            Ok(Ok(out)) => Err(SandboxError::Unavailable(format!(
+                "`{}` does not work here ({}): {}",
+                sandbox.bwrap.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))),
+            Ok(Err(e)) => Err(SandboxError::Unavailable(format!(
+                "cannot run `{}`: {e}",
+                sandbox.bwrap.display()
+            ))),
+            Err(_) => Err(SandboxError::Unavailable(format!(
+                "`{}` did not finish a trial run in 10 s",
+                sandbox.bwrap.display()
+            ))),
+        }
+    }
+}
+
+impl Sandbox for Bubblewrap {
+    fn name(&self) -> &'static str {
+        "bwrap"
+    }
+
+    fn confines(&self) -> bool {
+        true
+    }
+
+    fn command(
+        &self,
+        program: &str,
+        args: &[String],
+        workspace: &Path,
+        limits: &Limits,
+    ) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(&self.bwrap);
+        cmd.env_clear()
+            .args(["--unshare-all", "--unshare-user"])
+            .args(["--uid", "65534", "--gid", "65534"])
+            .args(["--cap-drop", "ALL"])
+            .args(["--die-with-parent", "--new-session", "--clearenv"])
+            .args(["--setenv", "PATH", PATH])
+            .arg("--setenv")
+            .arg("HOME")
+            .arg(workspace)
+            .args(["--setenv", "TMPDIR", "/tmp"])
+            .args(["--ro-bind", "/usr", "/usr"]);
+        for dir in &self.system {
+            match dir {
+                SystemDir::Link { path, target } => {
+                    cmd.arg("--symlink").arg(target).arg(path);
+                }
+                SystemDir::Bind(path) => {
+                    cmd.args(["--ro-bind", path, path]);
+                }
+            }
+        }
+        for file in ["/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime"] {
+            cmd.args(["--ro-bind-try", file, file]);
+        }
+        cmd.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"])
+            .arg("--bind")
+            .arg(workspace)
+            .arg(workspace)
+            .arg("--chdir")
+            .arg(workspace)
+            .arg("--")
+            .arg(PRLIMIT)
+            .arg(format!("--cpu={}", limits.cpu_secs))
+            .arg(format!("--as={}", limits.address_space_bytes))
+            .arg(format!("--fsize={}", limits.file_size_bytes))
+            .arg(format!("--nproc={}", limits.processes))
+            .arg("--core=0")
+            .arg("--")
+            .arg(program)
+            .args(args);
+        cmd
+    }
+}
+
+fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/bin"), PathBuf::from("/usr/local/bin")])
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// How a command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// It exited (or was killed by a signal of its own making, e.g. `SIGXCPU`).
+    Exited(ExitStatus),
+    /// Still running at the timeout: its process group was killed.
+    TimedOut,
+    /// Its output went past the cap: its process group was killed.
+    OverCap,
+}
+
+/// What a command printed (stdout, then stderr; at most the cap plus one read's worth) and how it
+/// ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    pub ended: Ended,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+/// Runs `program args` through `sandbox` in `workspace`, reading its output as it comes and
+/// killing its process group past `max_output` bytes (stdout and stderr together) or at
+/// `timeout`. Dropping the future kills the group too (the run's cancel).
+pub async fn execute(
+    sandbox: &dyn Sandbox,
+    program: &str,
+    args: &[String],
+    workspace: &Path,
+    timeout: Duration,
+    max_output: usize,
+) -> std::io::Result<Finished> {
+    let limits = Limits::for_timeout(timeout);
+    let mut cmd = sandbox.command(program, args, workspace, &limits);
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let mut child = cmd.spawn()?;
+    // Declared after `child`, so dropped before it: the group is killed while its leader is
+    // not yet reaped.
+    let mut group = Group(child.id().and_then(|id| i32::try_from(id).ok()));
+    let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let ran = tokio::time::timeout(timeout, async {
+        if read_capped(stdout, stderr, max_output, &mut out, &mut err).await? {
+            return Ok(Ended::OverCap);
+        }
+        child.wait().await.map(Ended::Exited)
+    })
+    .await;
+    let ended = match ran {
+        Ok(Ok(Ended::Exited(status))) => {
+            // Reaped: its group id may belong to someone else now.
+            group.disarm();
+            return Ok(Finished {
+                ended: Ended::Exited(status),
+                stdout: out,
+                stderr: err,
+            });
+        }
+        Ok(Ok(ended)) => ended,
+        Ok(Err(e)) => {
+            group.kill();
+            let _ = child.kill().await;
+            return Err(e);
+        }
+        Err(_) => Ended::TimedOut,
+    };
+    group.kill();
+    let _ = child.kill().await;
+    Ok(Finished {
+        ended,
+        stdout: out,
+        stderr: err,
+    })
+}
+
+/// Reads both pipes to their ends into `out` and `err`; true (and stops reading) once together
+/// they hold more than `max` bytes.
+async fn read_capped(
+    mut stdout: Option<impl AsyncRead + Unpin>,
+    mut stderr: Option<impl AsyncRead + Unpin>,
+    max: usize,
+    out: &mut Vec<u8>,
+    err: &mut Vec<u8>,
+) -> std::io::Result<bool> {
+    let (mut a, mut b) = ([0u8; 8192], [0u8; 8192]);
+    while stdout.is_some() || stderr.is_some() {
+        tokio::select! {
+            n = read_some(&mut stdout, &mut a) => match n? {
+                0 => stdout = None,
+                n => out.extend_from_slice(&a[..n]),
+            },
+            n = read_some(&mut stderr, &mut b) => match n? {
+                0 => stderr = None,
+                n => err.extend_from_slice(&b[..n]),
+            },
+        }
+        if out.len() + err.len() > max {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// One read from `r`; never ready once `r` is gone.
+async fn read_some(
+    r: &mut Option<impl AsyncRead + Unpin>,
+    buf: &mut [u8],
+) -> std::io::Result<usize> {
+    match r {
+        Some(r) => r.read(buf).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A command's process group, killed on drop unless disarmed.
+struct Group(Option<i32>);
+
+impl Group {
+    fn kill(&mut self) {
+        if let Some(pid) = self.0.take().and_then(rustix::process::Pid::from_raw) {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
+    }
+
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("kedge-sbx-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("temp dir");
+        d
+    }
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// The sandbox under test; these tests need bubblewrap (scripts/setup.sh installs it).
+    async fn bwrap() -> Bubblewrap {
+        Bubblewrap::probe()
+            .await
+            .expect("bubblewrap works here (scripts/setup.sh installs it)")
+    }
+
+    #[tokio::test]
+    async fn no_network_inside() {
+        let sb = bwrap().await;
+        let ws = tmp("net");
+        // `cat` of bash's /dev/tcp is the only socket a shell can open without a client program.
+        let done = execute(
+            &sb,
+            "bash",
+            &args(&[
+                "-c",
+                "echo > /dev/tcp/1.1.1.1/53 && echo CONNECTED; cat /proc/net/dev",
+            ]),
+            &ws,
+            Duration::from_secs(5),
+            4096,
+        )
+        .await
+        .expect("ran");
+        let out = String::from_utf8_lossy(&done.stdout);
+        assert!(!out.contains("CONNECTED"), "{out}");
+        // Only a loopback interface exists.
+        let ifaces: Vec<&str> = out
+            .lines()
+            .filter_map(|l| l.split_once(':').map(|(n, _)| n.trim()))
+            .filter(|n| !n.contains('|'))
+            .collect();
+        assert_eq!(ifaces, vec!["lo"], "{out}");
+        // Unconfined, the same host does have other interfaces (or the check above proves nothing).
+        let host = std::fs::read_to_string("/proc/net/dev").expect("host interfaces");
+        assert!(host.lines().count() > 3, "{host}");
+        let _ = std::fs::remove_dir_all(&ws);
+    }
+
+    #[tokio::test]
+    async fn the_file_system_is_the_workspace_and_usr() {
+        let sb = bwrap().await;
+        let ws = tmp("fs");
+        std::fs::write(ws.join("mine"), "inside").expect("write");
+        let done = execute(
+            &sb,
+            "ls",
+            &args(&["/", "/etc"]),
+            &ws,
+            Duration::from_secs(5),
+            4096,
+        )
+        .await
+        .expect("ran");
+        let out = String::from_utf8_lossy(&done.stdout);
+        for absent in ["home", "root", "work", "passwd", "shadow", "hostname"] {
+            assert!(!out.lines().any(|l| l == absent), "{absent} visible: {out}");
+        }
+        let done = execute(
+            &sb,
+            "cat",
+            &args(&["mine"]),
+            &ws,
+            Duration::from_secs(5),
+            4096,
+        )
+        .await
+        .expect("ran");
+        assert_eq!(done.stdout, b"inside");
+        let _ = std::fs::remove_dir_all(&ws);
+    }
+
+    #[tokio::test]
+    async fn limits_apply_inside() {
+        let sb = bwrap().await;
+        let ws = tmp("limits");
+        let done = execute(
+            &sb,
+            "cat",
+            &args(&["/proc/self/limits"]),
+            &ws,
+            Duration::from_secs(3),
+            8192,
+        )
+        .await
+        .expect("ran");
+        let out = String::from_utf8_lossy(&done.stdout);
+        let limit = |name: &str| {
+            out.lines()
+                .find(|l| l.starts_with(name))
+                .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+                .unwrap_or_default()
+        };
+        assert!(limit("Max cpu time").contains(" 4 4 "), "{out}");
+        assert!(
+            limit("Max file size").contains(&format!(" {} ", 64 << 20)),
+            "{out}"
+        );
+        assert!(
+            limit("Max address space").contains(&format!(" {} ", 1u64 << 30)),
+            "{out}"
+        );
+        assert!(limit("Max processes").contains(" 64 64 "), "{out}");
+        // A file cannot grow past the size limit (SIGXFSZ).
+        let done = execute(
+            &sb,
+            "bash",
+            &args(&["-c", "head -c 70000000 /dev/zero > big"]),
+            &ws,
+            Duration::from_secs(5),
+            4096,
+        )
+        .await
+        .expect("ran");
+        assert!(
+            matches!(done.ended, Ended::Exited(s) if !s.success()),
+            "{done:?}"
+        );
+        let size = std::fs::metadata(ws.join("big")).expect("big").len();
+        assert_eq!(size, 64 << 20);
+        let _ = std::fs::remove_dir_all(&ws);
+    }
+
+    #[tokio::test]
+    async fn output_is_capped_while_read_and_the_group_is_killed() {
+        for sb in [&bwrap().await as &dyn Sandbox, &Unconfined] {
+            let ws = tmp("cap");
+            let started = std::time::Instant::now();
+            let done = execute(sb, "yes", &[], &ws, Duration::from_secs(20), 10_000)
+                .await
+                .expect("ran");
+            assert_eq!(done.ended, Ended::OverCap, "{}", sb.name());
+            assert!(done.stdout.len() <= 10_000 + 8192, "{}", done.stdout.len());
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{:?}",
+                started.elapsed()
+            );
+            let _ = std::fs::remove_dir_all(&ws);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_whole_group_dies_at_the_timeout_even_unconfined() {
+        let marker = format!("4{}.75", std::process::id() % 1000);
+        for sb in [&bwrap().await as &dyn Sandbox, &Unconfined] {
+            let ws = tmp("group");
+            let script = format!("sleep {marker} & sleep {marker}");
+            let done = execute(
+                sb,
+                "sh",
+                &args(&["-c", &script]),
+                &ws,
+                Duration::from_millis(300),
+                4096,
+            )
+            .await
+            .expect("ran");
+            assert_eq!(done.ended, Ended::TimedOut, "{}", sb.name());
+            let deadline = std::time::Instant::now() + Duration::from_secs(3);
+            while sleeping(&marker) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{}: a sleep outlived its command",
+                    sb.name()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let _ = std::fs::remove_dir_all(&ws);
+        }
+    }
+
+    /// Whether a process running `sleep <marker>` is alive.
+    fn sleeping(marker: &str) -> bool {
+        let wanted = format!("sleep\0{marker}");
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .any(|e| {
+                std::fs::read(e.path().join("cmdline"))
+                    .map(|c| String::from_utf8_lossy(&c).contains(&wanted))
+                    .unwrap_or(false)
+            })
+    }
+}
