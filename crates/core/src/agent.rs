@@ -55,8 +55,15 @@ fn default_max_output_tokens() -> u32 {
 }
 
 /// A tool as the model sees it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+///
+/// In a definition a tool is an object (`name`, `description`, `parameters`) or, for a built-in
+/// tool, just its name. A built-in listed without `parameters` (or with `null` or `{}`) gets
+/// Kedge's schema and, if it has no description, Kedge's description (docs/CONFIG.md lists them);
+/// any other tool without `parameters` accepts any object (`{"type": "object", "properties":
+/// {}}`). What is stored is the resolved tool, so a run keeps the schema of its revision.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(with = "ToolEntry")]
 pub struct ToolSpec {
     pub name: String,
     #[serde(default)]
@@ -64,6 +71,76 @@ pub struct ToolSpec {
     /// JSON Schema of the arguments object.
     #[serde(default = "empty_object_schema")]
     pub parameters: serde_json::Value,
+}
+
+/// A tool as a definition may write it.
+#[derive(Deserialize, JsonSchema)]
+#[serde(untagged)]
+#[allow(dead_code)] // only its schema is used; deserialization goes through `ToolSpecWire`
+enum ToolEntry {
+    /// A built-in tool by name (`read_file`, `shell`, …): Kedge supplies its schema.
+    Name(String),
+    Spec(ToolSpecWire),
+}
+
+/// A tool declared in full.
+#[derive(Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct ToolSpecWire {
+    /// `[a-zA-Z0-9_-]{1,64}`; an MCP tool is `<server>__<tool>`.
+    name: String,
+    #[serde(default)]
+    description: String,
+    /// JSON Schema of the arguments object (`"type": "object"`). Omitted for a built-in tool:
+    /// Kedge's schema; for any other tool: any object.
+    #[serde(default)]
+    parameters: Option<serde_json::Value>,
+}
+
+impl From<ToolSpecWire> for ToolSpec {
+    fn from(w: ToolSpecWire) -> ToolSpec {
+        let unset = match &w.parameters {
+            None | Some(serde_json::Value::Null) => true,
+            Some(serde_json::Value::Object(o)) => o.is_empty(),
+            Some(_) => false,
+        };
+        match crate::tools::builtin(&w.name) {
+            Some(b) if unset => ToolSpec {
+                description: if w.description.is_empty() {
+                    b.description.to_owned()
+                } else {
+                    w.description
+                },
+                name: w.name,
+                parameters: b.parameters(),
+            },
+            _ => ToolSpec {
+                name: w.name,
+                description: w.description,
+                parameters: match w.parameters {
+                    None | Some(serde_json::Value::Null) => empty_object_schema(),
+                    Some(p) => p,
+                },
+            },
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ToolSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ToolSpec, D::Error> {
+        // A string is a built-in's name (any other name gets the permissive default, as an
+        // entry without parameters does; `validate` checks the name).
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::String(name) => Ok(ToolSpec::from(ToolSpecWire {
+                name,
+                description: String::new(),
+                parameters: None,
+            })),
+            other => serde_json::from_value::<ToolSpecWire>(other)
+                .map(ToolSpec::from)
+                .map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 fn empty_object_schema() -> serde_json::Value {
@@ -133,6 +210,60 @@ pub struct DefinitionError {
     pub reason: String,
 }
 
+/// Most steps a run may be given.
+pub const MAX_STEPS: u32 = 100_000;
+/// Most attempts per step.
+pub const MAX_ATTEMPTS_PER_STEP: u32 = 100;
+/// Longest run deadline (a year): the timer service holds the deadline timer that long.
+pub const MAX_DEADLINE_SECS: u64 = 366 * 24 * 3600;
+/// Longest approval validity (the approval's expiry is a durable timer).
+pub const MAX_APPROVAL_TTL_SECS: u64 = 366 * 24 * 3600;
+/// Longest per-tool time limit (it can only tighten the tool service's own `tool_timeout`).
+pub const MAX_TOOL_TIMEOUT_SECS: u64 = 24 * 3600;
+/// Largest `max_output_tokens`.
+pub const MAX_OUTPUT_TOKENS: u64 = 1 << 20;
+
+fn in_range(field: &str, value: u64, min: u64, max: u64) -> Result<(), DefinitionError> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(DefinitionError {
+            field: field.to_owned(),
+            reason: format!("{value} is outside {min}..={max}"),
+        })
+    }
+}
+
+/// Range checks of a budget, shared by agent definitions and (for the limits a task sets)
+/// tasks: `Err((field, reason))` names the first field out of range, prefixed with `prefix`.
+pub fn check_budget(b: &Budget, prefix: &str) -> Result<(), (String, String)> {
+    let limits = [
+        (
+            "max_steps",
+            Some(u64::from(b.max_steps)),
+            u64::from(MAX_STEPS),
+        ),
+        ("max_tokens", Some(b.max_tokens), u64::MAX),
+        (
+            "max_attempts_per_step",
+            Some(u64::from(b.max_attempts_per_step)),
+            u64::from(MAX_ATTEMPTS_PER_STEP),
+        ),
+        ("deadline_secs", b.deadline_secs, MAX_DEADLINE_SECS),
+    ];
+    for (field, value, max) in limits {
+        if let Some(v) = value
+            && !(1..=max).contains(&v)
+        {
+            return Err((
+                format!("{prefix}{field}"),
+                format!("{v} is outside 1..={max}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Provider function names: `[a-zA-Z0-9_-]{1,64}` (the stricter of the two APIs).
 pub fn valid_tool_name(name: &str) -> bool {
     !name.is_empty()
@@ -173,18 +304,35 @@ impl AgentDefinition {
                     "must be a JSON Schema with \"type\": \"object\"",
                 );
             }
+            if let Err(reason) = crate::tools::check_schema(&t.parameters) {
+                return err(format!("tools[{i}].parameters"), &reason);
+            }
         }
-        for name in self.policy.keys() {
+        for (name, p) in &self.policy {
             if !seen.contains(name.as_str()) {
                 return err(format!("policy.{name}"), "names no tool of this agent");
             }
+            for (field, value, max) in [
+                ("timeout_secs", p.timeout_secs, MAX_TOOL_TIMEOUT_SECS),
+                (
+                    "approval_ttl_secs",
+                    p.approval_ttl_secs,
+                    MAX_APPROVAL_TTL_SECS,
+                ),
+            ] {
+                if let Some(v) = value {
+                    in_range(&format!("policy.{name}.{field}"), v, 1, max)?;
+                }
+            }
         }
-        if self.budget.max_steps == 0 || self.budget.max_attempts_per_step == 0 {
-            return err(
-                "budget".into(),
-                "max_steps and max_attempts_per_step must be >= 1",
-            );
-        }
+        check_budget(&self.budget, "budget.")
+            .map_err(|(field, reason)| DefinitionError { field, reason })?;
+        in_range(
+            "max_output_tokens",
+            u64::from(self.max_output_tokens),
+            1,
+            MAX_OUTPUT_TOKENS,
+        )?;
         Ok(())
     }
 
@@ -228,6 +376,86 @@ mod tests {
         assert_eq!(d.max_output_tokens, 4096);
         assert_eq!(d.tool_policy("read_file").approval, ApprovalRule::Never);
         assert_ne!(d.prompt_digest(), d.tools_digest());
+    }
+
+    #[test]
+    fn builtins_by_name_get_kedges_schema_and_explicit_schemas_are_kept() {
+        let mut v = def();
+        v["tools"] = serde_json::json!([
+            "shell",
+            {"name": "read_file"},
+            {"name": "write_file", "description": "mine", "parameters": {}},
+            {"name": "list_files", "parameters": {"type": "object", "properties": {}}},
+            {"name": "time__now"}
+        ]);
+        v["policy"] = serde_json::json!({});
+        let d = AgentDefinition::parse(v.to_string().as_bytes()).expect("valid");
+        let shell = crate::tools::builtin("shell").expect("built-in");
+        assert_eq!(d.tools[0], shell.spec());
+        assert_eq!(
+            d.tools[1].parameters["required"],
+            serde_json::json!(["path"])
+        );
+        assert_eq!(d.tools[2].description, "mine");
+        assert_eq!(
+            d.tools[2].parameters["required"],
+            serde_json::json!(["path", "content"])
+        );
+        assert_eq!(
+            d.tools[3].parameters,
+            empty_object_schema(),
+            "an explicit schema stays"
+        );
+        assert_eq!(d.tools[4].parameters, empty_object_schema());
+        // What is stored reads back the same (the schema is part of the revision).
+        let stored = serde_json::to_vec(&d).expect("json");
+        assert_eq!(AgentDefinition::parse(&stored).expect("valid"), d);
+    }
+
+    #[test]
+    fn schemas_and_numbers_are_checked_when_stored() {
+        let mut v = def();
+        v["tools"][0]["parameters"] =
+            serde_json::json!({"type": "object", "properties": {"path": {"type": "strin"}}});
+        let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("bad schema");
+        assert_eq!(e.field, "tools[0].parameters");
+        for (field, value, name) in [
+            (
+                "budget",
+                serde_json::json!({"max_steps": 1, "max_tokens": 1, "max_attempts_per_step": 1, "deadline_secs": u64::MAX}),
+                "budget.deadline_secs",
+            ),
+            (
+                "budget",
+                serde_json::json!({"max_steps": 0, "max_tokens": 1, "max_attempts_per_step": 1}),
+                "budget.max_steps",
+            ),
+            (
+                "budget",
+                serde_json::json!({"max_steps": 1, "max_tokens": 1, "max_attempts_per_step": 1000}),
+                "budget.max_attempts_per_step",
+            ),
+            (
+                "max_output_tokens",
+                serde_json::json!(0),
+                "max_output_tokens",
+            ),
+            (
+                "policy",
+                serde_json::json!({"read_file": {"approval_ttl_secs": u64::MAX}}),
+                "policy.read_file.approval_ttl_secs",
+            ),
+            (
+                "policy",
+                serde_json::json!({"read_file": {"timeout_secs": 0}}),
+                "policy.read_file.timeout_secs",
+            ),
+        ] {
+            let mut v = def();
+            v[field] = value;
+            let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err(name);
+            assert_eq!(e.field, name);
+        }
     }
 
     #[test]

@@ -80,7 +80,7 @@ impl Timeouts {
     }
     /// Age after which a `running` operation record is abandoned (`tool_timeout + tool_grace`).
     pub fn op_abandoned_after(&self) -> Duration {
-        Duration::from_millis(self.tool_timeout_ms + self.tool_grace_ms)
+        Duration::from_millis(self.tool_timeout_ms.saturating_add(self.tool_grace_ms))
     }
     pub fn tool_ack_wait(&self) -> Duration {
         Duration::from_millis(self.tool_ack_wait_ms)
@@ -103,7 +103,7 @@ impl Timeouts {
             ),
             (
                 "lease_renew < lease_ttl / 2",
-                t.lease_renew_ms > 0 && t.lease_renew_ms * 2 < t.lease_ttl_ms,
+                t.lease_renew_ms > 0 && t.lease_renew_ms.saturating_mul(2) < t.lease_ttl_ms,
                 format!(
                     "lease_renew_ms = {} and lease_ttl_ms = {}: one missed renewal must not lose the lease",
                     t.lease_renew_ms, t.lease_ttl_ms
@@ -111,7 +111,7 @@ impl Timeouts {
             ),
             (
                 "step_ack_wait > 2 * lease_renew",
-                t.step_ack_wait_ms > 2 * t.lease_renew_ms,
+                t.step_ack_wait_ms > t.lease_renew_ms.saturating_mul(2),
                 format!(
                     "step_ack_wait_ms = {} and lease_renew_ms = {}: in-progress acks are sent every renewal, \
                      so a message of a live worker must never be redelivered",
@@ -128,7 +128,7 @@ impl Timeouts {
             ),
             (
                 "tool_ack_wait > tool_timeout + tool_grace",
-                t.tool_ack_wait_ms > t.tool_timeout_ms + t.tool_grace_ms,
+                t.tool_ack_wait_ms > t.tool_timeout_ms.saturating_add(t.tool_grace_ms),
                 format!(
                     "tool_ack_wait_ms = {}, tool_timeout_ms = {}, tool_grace_ms = {}: a redelivered \
                      request would find its operation still held by a live runner",

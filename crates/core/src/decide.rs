@@ -5,7 +5,7 @@
 //! Duplicate and early wakes land on `Idle`: the model is never called while a tool result is
 //! missing (seed 004, 难点 4).
 
-use crate::agent::{DEFAULT_APPROVAL_TTL_SECS, ToolPolicy};
+use crate::agent::DEFAULT_APPROVAL_TTL_SECS;
 use crate::event::{
     ApprovalExpired, ApprovalInvalidated, ApprovalRequested, CallbackExpected, Verdict,
 };
@@ -20,6 +20,7 @@ use crate::fold::{ASK_USER_TOOL, AWAIT_CALLBACK_TOOL, ChatMessage, OpStatus, Run
 use crate::ids::ApprovalId;
 use crate::ids::{Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, StepNo, TimerId};
 use crate::machine::RunStatus;
+use crate::tools::Contract;
 
 /// Longest `wait` (and callback timeout) a model may ask for (seven days); longer requests are
 /// clamped.
@@ -71,6 +72,60 @@ pub struct StepPlan {
     pub context_digest: Digest,
     /// Decisions to journal (as one group) before calling the model.
     pub start: Vec<Draft>,
+}
+
+impl StepPlan {
+    /// Gives each tool call that `contract` refuses its refusal as an error result, in the
+    /// context, right after the assistant turn that made it (unless the context already holds a
+    /// result for it); the context digest, and `step.started`'s, follow. [`complete_step`] did
+    /// not dispatch such a call, so nothing else answers it. The verdict is a pure function of
+    /// the journaled call and the run's frozen revision, so every attempt, worker and replay
+    /// builds the same context.
+    pub fn answer_refused(&mut self, contract: &Contract) {
+        let mut out = Vec::with_capacity(self.context.len());
+        let mut changed = false;
+        for (i, message) in self.context.iter().enumerate() {
+            out.push(message.clone());
+            let ChatMessage::Assistant { message: turn } = message else {
+                continue;
+            };
+            if turn.tool_calls.is_empty() {
+                continue;
+            }
+            // The results of this turn: the tool messages up to the next assistant turn.
+            let answered: Vec<&str> = self.context[i + 1..]
+                .iter()
+                .take_while(|m| !matches!(m, ChatMessage::Assistant { .. }))
+                .filter_map(|m| match m {
+                    ChatMessage::Tool { call_id, .. } => Some(call_id.as_str()),
+                    ChatMessage::User { .. } | ChatMessage::Assistant { .. } => None,
+                })
+                .collect();
+            for call in &turn.tool_calls {
+                if answered.contains(&call.call_id.as_str()) {
+                    continue;
+                }
+                if let Err(refusal) = contract.check(call) {
+                    changed = true;
+                    out.push(ChatMessage::Tool {
+                        call_id: call.call_id.clone(),
+                        content: refusal.to_string(),
+                        is_error: true,
+                    });
+                }
+            }
+        }
+        if !changed {
+            return;
+        }
+        self.context = out;
+        self.context_digest = Digest::of(&self.context);
+        for draft in &mut self.start {
+            if let Event::StepStarted(started) = &mut draft.event {
+                started.context_digest = self.context_digest.clone();
+            }
+        }
+    }
 }
 
 /// What to do next.
@@ -254,7 +309,7 @@ pub fn finish_step(
     state: &RunState,
     c: &crate::fold::Completing,
     now: Timestamp,
-    policy: &std::collections::BTreeMap<String, ToolPolicy>,
+    contract: &Contract,
 ) -> Vec<Draft> {
     let mut as_written = state.clone();
     as_written.cancel_requested = None;
@@ -266,7 +321,7 @@ pub fn finish_step(
         c.response.clone(),
         c.reused,
         now,
-        policy,
+        contract,
     )
     .into_iter()
     .skip(1 + c.landed)
@@ -336,7 +391,7 @@ fn ask_again(
             timeout_secs: a.request.timeout_secs,
         },
         a.request.plan_version.saturating_add(1),
-        Timestamp(from.0 + ttl),
+        from.saturating_add_signed(ttl),
     )
 }
 
@@ -590,7 +645,9 @@ fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>) -> Next {
         // group that should have scheduled it was cut short.
         prefix.push(Draft::new(Event::TimerScheduled(TimerScheduled {
             timer_id: TimerId::for_deadline(&state.run_id),
-            fire_at: Timestamp(state.created_at.0 + std::time::Duration::from_secs(secs)),
+            fire_at: state
+                .created_at
+                .saturating_add(std::time::Duration::from_secs(secs)),
             purpose: TimerPurpose::RunDeadline,
         })));
     }
@@ -645,7 +702,7 @@ pub fn complete_step(
     response: ModelResponse,
     reused: bool,
     now: Timestamp,
-    policy: &std::collections::BTreeMap<String, ToolPolicy>,
+    contract: &Contract,
 ) -> Vec<Draft> {
     if let Some(reason) = &state.cancel_requested {
         // The answer is recorded (it was paid for) but nothing it asks for is dispatched.
@@ -672,10 +729,18 @@ pub fn complete_step(
     let mut waits_on_user = false;
     let mut waits_on_timer = false;
     let mut waits_on_approval = false;
+    let mut refused_any = false;
     let mut tool_drafts = Vec::new();
     for (index, call) in response.message.tool_calls.iter().enumerate() {
+        // The tool contract: a call to a tool the revision does not declare, or with arguments
+        // its schema refuses, is not dispatched (nor held for approval, nor handled by the step).
+        // Its error result is the refusal ([`StepPlan::answer_refused`]).
+        if contract.check(call).is_err() {
+            refused_any = true;
+            continue;
+        }
         let op = OperationId::new(&state.run_id, step, index as u32);
-        let tool_policy = policy.get(&call.name).cloned().unwrap_or_default();
+        let tool_policy = contract.policy(&call.name);
         if let Some(basis) = tool_policy.approval_basis(&call.name)
             && !crate::fold::handled_by_step(&call.name)
         {
@@ -696,7 +761,7 @@ pub fn complete_step(
                     timeout_secs: tool_policy.timeout_secs,
                 },
                 1,
-                Timestamp(now.0 + ttl),
+                now.saturating_add(ttl),
             ));
             continue;
         }
@@ -735,9 +800,11 @@ pub fn complete_step(
                 tool_drafts.push(
                     Draft::new(Event::TimerScheduled(TimerScheduled {
                         timer_id: TimerId::for_operation(&op),
-                        fire_at: Timestamp(
-                            now.0 + seconds_arg(&call.arguments, "timeout_seconds", 0),
-                        ),
+                        fire_at: now.saturating_add(seconds_arg(
+                            &call.arguments,
+                            "timeout_seconds",
+                            0,
+                        )),
                         purpose: TimerPurpose::QuestionTimeout { question_id },
                     }))
                     .step(step)
@@ -746,7 +813,7 @@ pub fn complete_step(
             }
         } else if call.name == WAIT_TOOL {
             waits_on_timer = true;
-            let fire_at = Timestamp(now.0 + seconds_arg(&call.arguments, "seconds", 0));
+            let fire_at = now.saturating_add(seconds_arg(&call.arguments, "seconds", 0));
             tool_drafts.push(
                 Draft::new(Event::TimerScheduled(TimerScheduled {
                     timer_id: TimerId::for_operation(&op),
@@ -759,9 +826,11 @@ pub fn complete_step(
         } else if call.name == AWAIT_CALLBACK_TOOL {
             waits_on_timer = true;
             let key = CallbackKey::for_operation(&op);
-            let expires_at = Timestamp(
-                now.0 + seconds_arg(&call.arguments, "timeout_seconds", DEFAULT_CALLBACK_SECS),
-            );
+            let expires_at = now.saturating_add(seconds_arg(
+                &call.arguments,
+                "timeout_seconds",
+                DEFAULT_CALLBACK_SECS,
+            ));
             tool_drafts.push(
                 Draft::new(Event::CallbackExpected(CallbackExpected {
                     key: key.clone(),
@@ -781,7 +850,9 @@ pub fn complete_step(
             );
         }
     }
-    let has_tools = !tool_drafts.is_empty();
+    // Refused calls still wait for their results: the run goes on with the next step, whose
+    // context answers them.
+    let has_tools = !tool_drafts.is_empty() || refused_any;
     let output = response.message.text.clone();
     drafts.push(
         Draft::new(Event::StepCompleted(StepCompleted {

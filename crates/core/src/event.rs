@@ -28,8 +28,32 @@ use crate::ids::{
 pub struct Timestamp(#[serde(with = "time::serde::rfc3339")] pub OffsetDateTime);
 
 impl Timestamp {
+    /// The latest instant a timestamp holds (9999-12-31T23:59:59.999999999Z).
+    pub const MAX: Timestamp = Timestamp(time::PrimitiveDateTime::MAX.assume_utc());
+    /// The earliest instant a timestamp holds (-9999-01-01T00:00:00Z).
+    pub const MIN: Timestamp = Timestamp(time::PrimitiveDateTime::MIN.assume_utc());
+
     pub fn now() -> Self {
         Self(OffsetDateTime::now_utc())
+    }
+
+    /// `self + d`, or [`Timestamp::MAX`] when that is past the last representable instant.
+    /// Time arithmetic in the core goes through these helpers: `OffsetDateTime + Duration`
+    /// panics on overflow, and the amounts come from tasks, definitions and model output.
+    pub fn saturating_add(self, d: std::time::Duration) -> Timestamp {
+        time::Duration::try_from(d)
+            .ok()
+            .and_then(|d| self.0.checked_add(d))
+            .map_or(Timestamp::MAX, Timestamp)
+    }
+
+    /// `self + d` for a signed duration, clamped to [`Timestamp::MIN`]..=[`Timestamp::MAX`].
+    pub fn saturating_add_signed(self, d: time::Duration) -> Timestamp {
+        match self.0.checked_add(d) {
+            Some(t) => Timestamp(t),
+            None if d.is_negative() => Timestamp::MIN,
+            None => Timestamp::MAX,
+        }
     }
 }
 

@@ -9,6 +9,8 @@
 //! - [`agent`]: agent definitions (prompt, model, tools, policy, budget).
 //! - [`config`]: the timeouts and the relations between them.
 //! - [`task`]: the task submission and its validation.
+//! - [`tools`]: the built-in tools' schemas and a run's tool contract (what the model may call,
+//!   with what arguments).
 //! - [`schema`]: the JSON Schemas under `schemas/`, generated from these types.
 //!
 //! Invariant: a run's state is a function of its journal alone (DESIGN principle 1); everything
@@ -24,6 +26,7 @@ pub mod machine;
 pub mod schema;
 pub mod subjects;
 pub mod task;
+pub mod tools;
 
 pub use decide::{ModelResponse, Next, StepPlan, complete_step, decide};
 pub use event::{Draft, Envelope, Event, EventKind, EventType};

@@ -155,17 +155,32 @@ impl TaskSubmission {
             ));
         }
         if let Some(b) = &self.budget {
-            for (field, value) in [
-                ("budget.max_steps", b.max_steps.map(u64::from)),
-                ("budget.max_tokens", b.max_tokens),
+            // Every number is range-checked here, where it enters: a deadline of `u64::MAX`
+            // seconds must be a rejection naming the field, not arithmetic trouble later.
+            use crate::agent::{MAX_ATTEMPTS_PER_STEP, MAX_DEADLINE_SECS, MAX_STEPS};
+            for (field, value, max) in [
+                (
+                    "budget.max_steps",
+                    b.max_steps.map(u64::from),
+                    u64::from(MAX_STEPS),
+                ),
+                ("budget.max_tokens", b.max_tokens, u64::MAX),
                 (
                     "budget.max_attempts_per_step",
                     b.max_attempts_per_step.map(u64::from),
+                    u64::from(MAX_ATTEMPTS_PER_STEP),
                 ),
-                ("budget.deadline_secs", b.deadline_secs),
+                ("budget.deadline_secs", b.deadline_secs, MAX_DEADLINE_SECS),
             ] {
-                if value == Some(0) {
-                    return Err(TaskRejection::new(field, "must be at least 1"));
+                match value {
+                    Some(0) => return Err(TaskRejection::new(field, "must be at least 1")),
+                    Some(v) if v > max => {
+                        return Err(TaskRejection::new(
+                            field,
+                            format!("{v} is over the limit of {max}"),
+                        ));
+                    }
+                    _ => {}
                 }
             }
         }
@@ -232,6 +247,26 @@ mod tests {
             (
                 br#"{"agent":"demo","input":"hi","budget":{"max_steps":0}}"#,
                 "budget.max_steps",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","budget":{"deadline_secs":18446744073709551615}}"#,
+                "budget.deadline_secs",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","budget":{"deadline_secs":-1}}"#,
+                "budget.deadline_secs",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","budget":{"deadline_secs":1e300}}"#,
+                "budget.deadline_secs",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","budget":{"max_steps":4294967295}}"#,
+                "budget.max_steps",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","budget":{"max_attempts_per_step":1000}}"#,
+                "budget.max_attempts_per_step",
             ),
             (b"not json", "body"),
         ];

@@ -10,6 +10,7 @@ use kedge_core::event::{
 use kedge_core::fold::{ChatMessage, RunState, fold};
 use kedge_core::ids::{OperationId, QuestionId, RunId, StepNo};
 use kedge_core::machine::RunStatus;
+use kedge_core::tools::{Contract, builtin};
 
 /// Every envelope the simulated runs journal must validate against `schemas/envelope.schema.json`.
 fn assert_valid(env: &Envelope) {
@@ -865,6 +866,11 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
         },
     )]
     .into();
+    let declared = [kedge_core::agent::ToolSpec {
+        name: "write_file".into(),
+        description: String::new(),
+        parameters: serde_json::json!({"type": "object"}),
+    }];
     let drafts = complete_step(
         &sim.state(),
         plan.step,
@@ -873,7 +879,7 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
         tools(&[("call_1", "write_file")]),
         false,
         Timestamp::now(),
-        &policy,
+        &Contract::new(&declared, &policy),
     );
     sim.commit(observed(drafts, "v1"));
     assert_eq!(sim.state().status, RunStatus::WaitingApproval);
@@ -970,5 +976,301 @@ fn operations_without_an_outcome_past_the_cutoff_are_stuck_but_questions_never_a
     assert!(
         sim.state().ops_stuck_since(later).is_empty(),
         "it has its outcome"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tool contract (issue 10, item 1): only declared tools run, with arguments their schema
+// accepts; any other call is answered with the refusal and nothing is dispatched.
+// ---------------------------------------------------------------------------------------------
+
+/// The contract of an agent that declares the built-ins `read_file` and `shell` (Kedge's schemas).
+fn read_and_shell() -> Contract {
+    let tools: Vec<_> = ["read_file", "shell"]
+        .iter()
+        .map(|n| builtin(n).expect("built-in").spec())
+        .collect();
+    // A policy for the undeclared tool must not matter: it never gets that far.
+    Contract::new(&tools, &Default::default())
+}
+
+fn calls(calls: &[(&str, &str, serde_json::Value)]) -> ModelResponse {
+    let mut r = tools(&[]);
+    r.message.tool_calls = calls
+        .iter()
+        .map(|(id, name, arguments)| ToolCall {
+            call_id: (*id).into(),
+            name: (*name).into(),
+            arguments: arguments.clone(),
+        })
+        .collect();
+    r
+}
+
+/// Completes the open step with `response` under `contract`; returns the group.
+fn complete_under(sim: &mut Sim, contract: &Contract, response: ModelResponse) -> Vec<Draft> {
+    let mut plan = sim.expect_step();
+    plan.answer_refused(contract);
+    sim.commit(plan.start.clone());
+    let drafts = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        response,
+        false,
+        Timestamp::now(),
+        contract,
+    );
+    sim.commit(drafts.clone());
+    drafts
+}
+
+fn types(drafts: &[Draft]) -> Vec<&'static str> {
+    drafts
+        .iter()
+        .map(|d| d.event.event_type().as_str())
+        .collect()
+}
+
+#[test]
+fn undeclared_tools_and_invalid_arguments_are_refused_and_never_dispatched() {
+    let contract = read_and_shell();
+    let mut sim = Sim::new(Budget::default());
+    let group = complete_under(
+        &mut sim,
+        &contract,
+        calls(&[
+            (
+                "c_write",
+                "write_file",
+                serde_json::json!({"path": "x", "content": "pwned"}),
+            ),
+            ("c_bad", "read_file", serde_json::json!({"path": 5})),
+            (
+                "c_ok",
+                "read_file",
+                serde_json::json!({"path": "notes.txt"}),
+            ),
+        ]),
+    );
+    assert_eq!(
+        types(&group),
+        ["step.completed", "tool.requested", "run.waiting"],
+        "only the valid call is dispatched"
+    );
+    let Event::ToolRequested(req) = &group[1].event else {
+        unreachable!()
+    };
+    assert_eq!(
+        (req.tool.as_str(), req.call_id.as_str()),
+        ("read_file", "c_ok")
+    );
+    assert_eq!(group[1].op, Some(OperationId::new(&sim.run, StepNo(1), 2)));
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::WaitingTool);
+    assert_eq!(state.ops.len(), 1, "no operation exists for a refused call");
+    assert!(state.approvals.is_empty());
+    assert_eq!(
+        decide(&state),
+        Next::Idle(Idle::WaitingTools { missing: 1 }),
+        "the dispatched call is still out"
+    );
+    sim.result(&sim.ops_of(1)[0], "the notes");
+    // The next step's context answers every call: the refusals are readable error results.
+    let mut plan = sim.expect_step();
+    let before = plan.context_digest.clone();
+    plan.answer_refused(&contract);
+    assert_ne!(plan.context_digest, before);
+    assert_eq!(plan.context_digest, Digest::of(&plan.context));
+    let Some(Event::StepStarted(started)) = plan.start.last().map(|d| &d.event) else {
+        panic!("step.started last")
+    };
+    assert_eq!(
+        started.context_digest, plan.context_digest,
+        "journaled digest follows"
+    );
+    assert_well_formed(&plan.context);
+    let result = |id: &str| {
+        plan.context
+            .iter()
+            .find_map(|m| match m {
+                ChatMessage::Tool {
+                    call_id,
+                    content,
+                    is_error,
+                } if call_id == id => Some((content.clone(), *is_error)),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("no result for {id}"))
+    };
+    let (write, is_error) = result("c_write");
+    assert!(
+        is_error && write.contains("tool not offered") && write.contains("write_file"),
+        "{write}"
+    );
+    let (bad, is_error) = result("c_bad");
+    assert!(is_error && bad.contains("at /path:"), "{bad}");
+    assert_eq!(result("c_ok"), ("the notes".to_owned(), false));
+    // Answering again changes nothing (every worker and attempt builds the same context).
+    let once = plan.clone();
+    plan.answer_refused(&contract);
+    assert_eq!(plan, once);
+    sim.commit(plan.start.clone());
+    let done = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        text("done"),
+        false,
+        Timestamp::now(),
+        &contract,
+    );
+    sim.commit(done);
+    assert_eq!(sim.state().status, RunStatus::Succeeded);
+}
+
+#[test]
+fn a_step_whose_calls_are_all_refused_goes_on_to_the_next_step() {
+    let contract = read_and_shell();
+    let mut sim = Sim::new(Budget::default());
+    let group = complete_under(
+        &mut sim,
+        &contract,
+        calls(&[
+            ("c1", "ask_user", serde_json::json!({"question": "?"})),
+            ("c2", "shell", serde_json::json!({"command": ["ls"]})),
+        ]),
+    );
+    assert_eq!(
+        types(&group),
+        ["step.completed", "run.waiting"],
+        "nothing dispatched, no question"
+    );
+    let state = sim.state();
+    assert!(state.questions.is_empty() && state.ops.is_empty());
+    let mut plan = sim.expect_step();
+    plan.answer_refused(&contract);
+    assert_well_formed(&plan.context);
+    assert_eq!(
+        plan.context
+            .iter()
+            .filter(|m| matches!(m, ChatMessage::Tool { is_error: true, .. }))
+            .count(),
+        2
+    );
+    // The model tries again, correctly this time.
+    let group = complete_under(
+        &mut sim,
+        &contract,
+        calls(&[("c3", "shell", serde_json::json!({"command": "ls"}))]),
+    );
+    assert_eq!(
+        types(&group),
+        ["step.completed", "tool.requested", "run.waiting"]
+    );
+}
+
+#[test]
+fn a_cut_short_group_with_refusals_is_finished_the_same_way() {
+    let contract = read_and_shell();
+    let mut sim = Sim::new(Budget::default());
+    let plan = sim.expect_step();
+    sim.commit(plan.start.clone());
+    let response = calls(&[
+        ("c1", "write_file", serde_json::json!({})),
+        ("c2", "read_file", serde_json::json!({"path": "a"})),
+    ]);
+    let now = Timestamp::now();
+    let group = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        response,
+        false,
+        now,
+        &contract,
+    );
+    // The writer died after `step.completed`.
+    sim.commit(group[..1].to_vec());
+    let Next::Finish(c) = decide(&sim.state()) else {
+        panic!("finish expected")
+    };
+    let rest = kedge_core::decide::finish_step(&sim.state(), &c, now, &contract);
+    assert_eq!(rest, group[1..].to_vec());
+}
+
+#[test]
+fn huge_durations_never_panic_they_saturate() {
+    // A run created before budgets were range-checked (or any bundle) with an absurd deadline.
+    let mut sim = Sim::new(Budget {
+        deadline_secs: Some(u64::MAX),
+        ..Budget::default()
+    });
+    let plan = sim.expect_step();
+    let fire_at = plan
+        .start
+        .iter()
+        .find_map(|d| match &d.event {
+            Event::TimerScheduled(t) => Some(t.fire_at),
+            _ => None,
+        })
+        .expect("deadline timer");
+    assert_eq!(fire_at, Timestamp::MAX);
+    sim.commit(plan.start.clone());
+    // Approval validity, waits and question timeouts from policy and model output.
+    let policy: std::collections::BTreeMap<String, kedge_core::agent::ToolPolicy> = [(
+        "shell".to_owned(),
+        kedge_core::agent::ToolPolicy {
+            approval: kedge_core::agent::ApprovalRule::Always,
+            approval_ttl_secs: Some(u64::MAX),
+            ..Default::default()
+        },
+    )]
+    .into();
+    let declared: Vec<_> = ["shell", "wait", "ask_user", "await_callback"]
+        .iter()
+        .map(|n| builtin(n).expect("built-in").spec())
+        .collect();
+    let contract = Contract::new(&declared, &policy);
+    let drafts = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        calls(&[
+            ("c1", "shell", serde_json::json!({"command": "ls"})),
+            ("c2", "wait", serde_json::json!({"seconds": 1e308})),
+            (
+                "c3",
+                "ask_user",
+                serde_json::json!({"question": "?", "timeout_seconds": 1e308}),
+            ),
+            (
+                "c4",
+                "await_callback",
+                serde_json::json!({"timeout_seconds": 1e308}),
+            ),
+        ]),
+        false,
+        Timestamp::now(),
+        &contract,
+    );
+    let expiry = drafts
+        .iter()
+        .find_map(|d| match &d.event {
+            Event::ApprovalRequested(a) => Some(a.expires_at),
+            _ => None,
+        })
+        .expect("approval requested");
+    assert_eq!(expiry, Timestamp::MAX);
+    sim.commit(observed(drafts, "v1"));
+    assert_eq!(sim.state().status, RunStatus::WaitingApproval);
+    assert!(Timestamp::MAX.saturating_add(std::time::Duration::MAX) == Timestamp::MAX);
+    assert_eq!(
+        Timestamp::MIN.saturating_add_signed(time::Duration::MIN),
+        Timestamp::MIN
     );
 }

@@ -12,6 +12,7 @@ use kedge_core::event::{
 use kedge_core::fold::{FoldError, RunState};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
+use kedge_core::tools::Contract;
 use kedge_journal::{DecisionWriter, ErrorKind, JournalError, Lease, LeaseError, Released};
 use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
 use kedge_runtime::Runtime;
@@ -359,8 +360,8 @@ impl Driver {
                 }
                 Next::Finish(cut) => {
                     tracing::warn!(run_id = %run, step = %cut.step, landed = cut.landed, "finishing a step's decisions cut short");
-                    let policy = match self.definition(state).await {
-                        Ok(def) => def.policy.clone(),
+                    let contract = match self.definition(state).await {
+                        Ok(def) => Contract::of(&def),
                         Err(reason) => {
                             let fail = Draft::new(Event::RunFailed(RunFailed {
                                 reason: FailureReason::Internal,
@@ -371,7 +372,7 @@ impl Driver {
                         }
                     };
                     let rest =
-                        kedge_core::decide::finish_step(state, &cut, Timestamp::now(), &policy);
+                        kedge_core::decide::finish_step(state, &cut, Timestamp::now(), &contract);
                     self.commit(state, writer, rest).await?;
                 }
             }
@@ -400,6 +401,11 @@ impl Driver {
                     return Ok(());
                 }
             };
+            // The tool contract of the run's revision: calls it refuses were not dispatched,
+            // and the model reads the refusal as their result.
+            let contract = Contract::of(&def);
+            let mut plan = plan;
+            plan.answer_refused(&contract);
             // A worker that died after the model answered left the response behind.
             if let Some((request, digest)) = &plan.unfinished
                 && let Some(stored) = self.rt.idempotency.stored_response(request).await?
@@ -414,7 +420,7 @@ impl Driver {
                     stored.response,
                     true,
                     Timestamp::now(),
-                    &def.policy,
+                    &contract,
                 );
                 self.commit(state, writer, drafts).await?;
                 return Ok(());
@@ -455,7 +461,7 @@ impl Driver {
                         response,
                         false,
                         Timestamp::now(),
-                        &def.policy,
+                        &contract,
                     );
                     self.commit(state, writer, drafts).await?;
                     Ok(())

@@ -1,0 +1,461 @@
+//! The tool contract: which tools a run's model may call, and with what arguments.
+//!
+//! The agent definition is the contract. A run's frozen agent revision declares its tools, each
+//! with the JSON Schema of its arguments; [`Contract`] is that list with the schemas compiled.
+//! [`Contract::check`] is the verdict on one tool call the model made: a call to a tool the
+//! revision does not declare is refused ("not offered"), and so is a call whose arguments do not
+//! match the tool's schema (the refusal names the JSON path of each mismatch). A refused call is
+//! never dispatched; the model gets the refusal as the call's error result.
+//!
+//! Kedge supplies the schemas of its built-in tools ([`BUILTINS`]): an agent that lists a
+//! built-in by name (a bare `"read_file"`, or an entry without `parameters`) gets Kedge's schema
+//! and description, which match what the tool service accepts. The schema is written into the
+//! stored revision, so a run keeps the schema its revision was stored with.
+//!
+//! Invariants: the verdict is a pure function of the call and the revision's tools (no clock, no
+//! I/O), so the same journal and revision always give the same verdict; a schema that does not
+//! compile refuses every call of its tool rather than letting them through.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use serde_json::{Value, json};
+
+use crate::agent::{AgentDefinition, ToolPolicy, ToolSpec};
+use crate::event::{Digest, ToolCall};
+
+/// A tool Kedge implements itself, with the schema of its arguments.
+#[derive(Debug, Clone, Copy)]
+pub struct Builtin {
+    pub name: &'static str,
+    pub description: &'static str,
+    schema: fn() -> Value,
+}
+
+impl Builtin {
+    /// The JSON Schema of the tool's arguments.
+    pub fn parameters(&self) -> Value {
+        (self.schema)()
+    }
+
+    /// The tool as an agent definition lists it.
+    pub fn spec(&self) -> ToolSpec {
+        ToolSpec {
+            name: self.name.to_owned(),
+            description: self.description.to_owned(),
+            parameters: self.parameters(),
+        }
+    }
+}
+
+fn path_property(what: &str) -> Value {
+    json!({"type": "string", "minLength": 1,
+           "description": format!("{what}, relative to the run's workspace (no `..`, not absolute)")})
+}
+
+/// Every built-in tool, in the order the docs list them.
+pub const BUILTINS: &[Builtin] = &[
+    Builtin {
+        name: "read_file",
+        description: "Read a text file of the run's workspace.",
+        schema: || {
+            json!({"type": "object",
+                   "properties": {"path": path_property("The file to read")},
+                   "required": ["path"], "additionalProperties": false})
+        },
+    },
+    Builtin {
+        name: "write_file",
+        description: "Write (create or replace) a text file in the run's workspace.",
+        schema: || {
+            json!({"type": "object",
+                   "properties": {"path": path_property("The file to write"),
+                                  "content": {"type": "string", "description": "The whole new content of the file"}},
+                   "required": ["path", "content"], "additionalProperties": false})
+        },
+    },
+    Builtin {
+        name: "list_files",
+        description: "List a directory of the run's workspace (directories end with `/`).",
+        schema: || {
+            json!({"type": "object",
+                   "properties": {"path": {"type": "string",
+                                           "description": "The directory to list, relative to the run's workspace (default: its root)"}},
+                   "additionalProperties": false})
+        },
+    },
+    Builtin {
+        name: "shell",
+        description: "Run one allowlisted command (no shell) in the run's workspace.",
+        schema: || {
+            json!({"type": "object",
+                   "properties": {"command": {"type": "string", "minLength": 1,
+                                              "description": "The program to run; must be on the operator's allowlist"},
+                                  "args": {"type": "array", "items": {"type": "string"},
+                                           "description": "Its arguments (no absolute paths, no `..`)"}},
+                   "required": ["command"], "additionalProperties": false})
+        },
+    },
+    Builtin {
+        name: "ledger_append",
+        description: "Append one line to the ledger (a counted side effect).",
+        schema: || {
+            json!({"type": "object",
+                   "properties": {"text": {"type": "string", "description": "The line to append"}},
+                   "required": ["text"], "additionalProperties": false})
+        },
+    },
+    Builtin {
+        name: "ask_user",
+        description: "Ask the user a question and wait for the answer.",
+        schema: || {
+            json!({"type": "object",
+                   "properties": {"question": {"type": "string", "minLength": 1, "description": "The question"},
+                                  "timeout_seconds": {"type": "number", "minimum": 0,
+                                                      "description": "Close the question unanswered after this long"}},
+                   "required": ["question"], "additionalProperties": false})
+        },
+    },
+    Builtin {
+        name: "wait",
+        description: "Wait a number of seconds (at most seven days) before continuing.",
+        schema: || {
+            json!({"type": "object",
+                   "properties": {"seconds": {"type": "number", "minimum": 0,
+                                              "description": "How long to wait (longer than seven days is cut to seven days)"}},
+                   "required": ["seconds"], "additionalProperties": false})
+        },
+    },
+    Builtin {
+        name: "await_callback",
+        description: "Wait for an external callback; its payload is the result.",
+        schema: || {
+            json!({"type": "object",
+                   "properties": {"timeout_seconds": {"type": "number", "minimum": 0,
+                                                      "description": "Give up after this long (default one day, at most seven days)"}},
+                   "additionalProperties": false})
+        },
+    },
+];
+
+/// The built-in tool named `name`, if there is one.
+pub fn builtin(name: &str) -> Option<&'static Builtin> {
+    BUILTINS.iter().find(|b| b.name == name)
+}
+
+/// Longest text of one schema error shown to the model.
+const MAX_ERROR_CHARS: usize = 300;
+/// Schema errors listed in one refusal.
+const MAX_ERRORS: usize = 5;
+
+/// One place where arguments do not match a schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArgumentError {
+    /// JSON Pointer into the arguments (`/path`, `/args/0`); empty for the arguments as a whole.
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for ArgumentError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "at (root): {}", self.message)
+        } else {
+            write!(f, "at {}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// Why a tool call is not run. Its display is the error result the model reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refusal {
+    /// The run's agent revision does not declare the tool.
+    NotOffered { tool: String, offered: Vec<String> },
+    /// The arguments do not match the tool's schema.
+    InvalidArguments {
+        tool: String,
+        errors: Vec<ArgumentError>,
+    },
+    /// The tool's schema does not compile (a revision stored before schemas were checked).
+    BrokenSchema { tool: String, reason: String },
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::NotOffered { tool, offered } => {
+                write!(
+                    f,
+                    "not run: tool not offered: `{tool}` is not a tool of this agent"
+                )?;
+                if offered.is_empty() {
+                    write!(f, " (it has none)")
+                } else {
+                    write!(f, "; its tools are {}", offered.join(", "))
+                }
+            }
+            Refusal::InvalidArguments { tool, errors } => {
+                write!(
+                    f,
+                    "not run: invalid arguments for `{tool}` (they must match its JSON Schema): "
+                )?;
+                for (i, e) in errors.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str("; ")?;
+                    }
+                    write!(f, "{e}")?;
+                }
+                Ok(())
+            }
+            Refusal::BrokenSchema { tool, reason } => {
+                write!(f, "not run: the schema of `{tool}` is not usable: {reason}")
+            }
+        }
+    }
+}
+
+/// A declared tool with its compiled schema.
+struct Offered {
+    validator: Result<jsonschema::Validator, String>,
+}
+
+/// What a run's agent revision lets the model call: its tools (schemas compiled) and its policy.
+///
+/// `Contract::default()` declares no list at all: every tool is offered with the default policy
+/// and arguments are not checked. It exists for tests and benches that script a model without an
+/// agent; the step service always uses [`Contract::of`] the run's revision.
+#[derive(Default)]
+pub struct Contract {
+    tools: Option<BTreeMap<String, Offered>>,
+    policy: BTreeMap<String, ToolPolicy>,
+}
+
+impl fmt::Debug for Contract {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Contract")
+            .field(
+                "tools",
+                &self.tools.as_ref().map(|t| t.keys().collect::<Vec<_>>()),
+            )
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+/// Contracts of the definitions seen lately, by the digest of their tools and policy (compiling
+/// a schema costs far more than a digest); cleared when it grows past this many.
+const CACHED_CONTRACTS: usize = 256;
+
+fn cache() -> &'static Mutex<HashMap<Digest, Arc<Contract>>> {
+    static CACHE: OnceLock<Mutex<HashMap<Digest, Arc<Contract>>>> = OnceLock::new();
+    CACHE.get_or_init(Mutex::default)
+}
+
+impl Contract {
+    /// The contract of an agent revision, compiled once per tools and policy and then shared.
+    pub fn of(def: &AgentDefinition) -> Arc<Contract> {
+        let key = Digest::of(&(&def.tools, &def.policy));
+        if let Ok(cache) = cache().lock()
+            && let Some(c) = cache.get(&key)
+        {
+            return c.clone();
+        }
+        let contract = Arc::new(Contract::new(&def.tools, &def.policy));
+        if let Ok(mut cache) = cache().lock() {
+            if cache.len() >= CACHED_CONTRACTS {
+                cache.clear();
+            }
+            cache.insert(key, contract.clone());
+        }
+        contract
+    }
+
+    /// The contract of these tools and policy, compiled now.
+    pub fn new(tools: &[ToolSpec], policy: &BTreeMap<String, ToolPolicy>) -> Contract {
+        let tools = tools
+            .iter()
+            .map(|t| {
+                let validator = jsonschema::validator_for(&t.parameters).map_err(|e| e.to_string());
+                (t.name.clone(), Offered { validator })
+            })
+            .collect();
+        Contract {
+            tools: Some(tools),
+            policy: policy.clone(),
+        }
+    }
+
+    /// The policy for a tool (the default for a tool without an entry). Only asked for tools the
+    /// contract offers: an undeclared tool never gets as far as its policy.
+    pub fn policy(&self, tool: &str) -> ToolPolicy {
+        self.policy.get(tool).cloned().unwrap_or_default()
+    }
+
+    /// Whether the call may run: the tool is declared and the arguments match its schema.
+    pub fn check(&self, call: &ToolCall) -> Result<(), Refusal> {
+        let Some(tools) = &self.tools else {
+            return Ok(());
+        };
+        let Some(offered) = tools.get(&call.name) else {
+            return Err(Refusal::NotOffered {
+                tool: call.name.clone(),
+                offered: tools.keys().cloned().collect(),
+            });
+        };
+        let validator = match &offered.validator {
+            Ok(v) => v,
+            Err(reason) => {
+                return Err(Refusal::BrokenSchema {
+                    tool: call.name.clone(),
+                    reason: reason.clone(),
+                });
+            }
+        };
+        if validator.is_valid(&call.arguments) {
+            return Ok(());
+        }
+        let errors = validator
+            .iter_errors(&call.arguments)
+            .take(MAX_ERRORS)
+            .map(|e| ArgumentError {
+                path: e.instance_path().as_str().to_owned(),
+                message: clip(&e.to_string()),
+            })
+            .collect();
+        Err(Refusal::InvalidArguments {
+            tool: call.name.clone(),
+            errors,
+        })
+    }
+}
+
+/// `s` cut to [`MAX_ERROR_CHARS`] characters (an error may quote a long argument).
+fn clip(s: &str) -> String {
+    match s.char_indices().nth(MAX_ERROR_CHARS) {
+        Some((at, _)) => format!("{}…", &s[..at]),
+        None => s.to_owned(),
+    }
+}
+
+/// Checks that `schema` is a JSON Schema Kedge can validate arguments against: valid against its
+/// meta-schema, and compilable (patterns are valid regular expressions, every `$ref` resolves
+/// inside the schema; nothing is fetched).
+pub fn check_schema(schema: &Value) -> Result<(), String> {
+    jsonschema::meta::validate(schema).map_err(|e| {
+        let at = e.instance_path().as_str();
+        if at.is_empty() {
+            format!("not a valid JSON Schema: {}", clip(&e.to_string()))
+        } else {
+            format!("not a valid JSON Schema at {at}: {}", clip(&e.to_string()))
+        }
+    })?;
+    jsonschema::validator_for(schema)
+        .map(|_| ())
+        .map_err(|e| format!("the schema does not compile: {}", clip(&e.to_string())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(name: &str, arguments: Value) -> ToolCall {
+        ToolCall {
+            call_id: "c1".into(),
+            name: name.into(),
+            arguments,
+        }
+    }
+
+    fn contract(names: &[&str]) -> Contract {
+        let tools: Vec<ToolSpec> = names
+            .iter()
+            .map(|n| builtin(n).expect("a built-in").spec())
+            .collect();
+        Contract::new(&tools, &BTreeMap::new())
+    }
+
+    #[test]
+    fn every_builtin_schema_is_a_valid_object_schema() {
+        for b in BUILTINS {
+            let p = b.parameters();
+            assert_eq!(p["type"], "object", "{}", b.name);
+            check_schema(&p).unwrap_or_else(|e| panic!("{}: {e}", b.name));
+        }
+    }
+
+    #[test]
+    fn an_undeclared_tool_is_not_offered() {
+        let c = contract(&["shell", "read_file"]);
+        let r = c
+            .check(&call("write_file", json!({"path": "a", "content": "x"})))
+            .expect_err("not declared");
+        assert!(matches!(r, Refusal::NotOffered { .. }));
+        let text = r.to_string();
+        assert!(text.contains("tool not offered"), "{text}");
+        assert!(text.contains("read_file, shell"), "{text}");
+    }
+
+    #[test]
+    fn invalid_arguments_name_the_json_path() {
+        let c = contract(&["read_file", "shell"]);
+        assert_eq!(
+            c.check(&call("read_file", json!({"path": "a.txt"}))),
+            Ok(())
+        );
+        let r = c
+            .check(&call("read_file", json!({"path": 5})))
+            .expect_err("wrong type");
+        let text = r.to_string();
+        assert!(text.contains("at /path:"), "{text}");
+        let r = c
+            .check(&call("shell", json!({"command": "ls", "args": ["-l", 3]})))
+            .expect_err("wrong item");
+        assert!(r.to_string().contains("at /args/1:"), "{r}");
+        let r = c
+            .check(&call("read_file", json!("not an object")))
+            .expect_err("not an object");
+        assert!(r.to_string().contains("at (root):"), "{r}");
+        let r = c
+            .check(&call("read_file", json!({"path": "a", "mode": "x"})))
+            .expect_err("extra property");
+        assert!(r.to_string().contains("mode"), "{r}");
+    }
+
+    #[test]
+    fn long_arguments_are_clipped_in_the_refusal() {
+        let c = contract(&["read_file"]);
+        let r = c
+            .check(&call("read_file", json!({"path": ["x".repeat(10_000)]})))
+            .expect_err("wrong type");
+        assert!(r.to_string().len() < 1_000, "{}", r.to_string().len());
+    }
+
+    #[test]
+    fn the_default_contract_offers_everything() {
+        let c = Contract::default();
+        assert_eq!(c.check(&call("anything", json!(null))), Ok(()));
+    }
+
+    #[test]
+    fn bad_schemas_are_named() {
+        assert!(check_schema(&json!({"type": "object"})).is_ok());
+        assert!(check_schema(&json!({"type": "objekt"})).is_err());
+        assert!(
+            check_schema(&json!({"type": "object", "properties": {"a": {"pattern": "("}}}))
+                .is_err()
+        );
+        assert!(check_schema(&json!({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}})).is_err());
+    }
+
+    #[test]
+    fn contracts_are_shared_per_definition() {
+        let def: AgentDefinition = serde_json::from_value(json!({
+            "name": "t", "system_prompt": "p",
+            "model": {"provider": "openai", "name": "m"},
+            "tools": ["read_file"]
+        }))
+        .expect("parses");
+        assert!(Arc::ptr_eq(&Contract::of(&def), &Contract::of(&def)));
+    }
+}
