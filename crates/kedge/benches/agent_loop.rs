@@ -268,6 +268,7 @@ fn bench_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
     config
         .api_keys
         .insert(API_KEY_VAR.into(), "bench-key".into());
+    config.ledger_tool = true;
     let t = &mut config.timeouts;
     t.lease_ttl_ms = 2_000;
     t.lease_renew_ms = 500;
@@ -1448,6 +1449,7 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
         timeout: Duration::from_secs(1),
         max_output: 64 * 1024,
         sandbox: std::sync::Arc::new(kedge_tool::sandbox::Unconfined),
+        ledger: true,
     };
     let trun = RunId::generate();
     out.push(OpCost {

@@ -73,6 +73,8 @@ pub async fn run(args: DemoArgs, base: Config) -> anyhow::Result<ExitCode> {
     config
         .api_keys
         .insert(API_KEY_VAR.into(), "demo-key".into());
+    // The demo's agent counts its side effect with the test tool.
+    config.ledger_tool = true;
     // Short timeouts so that a crashed worker's run is picked up within seconds.
     let t = &mut config.timeouts;
     t.lease_ttl_ms = 2_000;

@@ -54,6 +54,9 @@ pub struct Config {
     /// with resource limits; the tool service refuses to start without `bwrap`) or `unconfined`
     /// (development only: commands see the whole machine; logged as a warning).
     pub sandbox: SandboxKind,
+    /// Offer the test-only `ledger_append` tool (`KEDGE_LEDGER_TOOL=1`): the side effect the
+    /// tests, the demo and the benches count. Off in production.
+    pub ledger_tool: bool,
     /// Runs a step worker drives at once.
     pub step_concurrency: usize,
     /// Tool operations a tool worker runs at once.
@@ -204,6 +207,7 @@ impl Default for Config {
             .map(String::from)
             .collect(),
             sandbox: SandboxKind::Bwrap,
+            ledger_tool: false,
             step_concurrency: 256,
             tool_concurrency: 64,
             max_tool_output_bytes: 64 * 1024,
@@ -257,6 +261,7 @@ impl std::fmt::Debug for Config {
             workspace_root,
             shell_allowlist,
             sandbox,
+            ledger_tool,
             step_concurrency,
             tool_concurrency,
             max_tool_output_bytes,
@@ -278,6 +283,7 @@ impl std::fmt::Debug for Config {
             .field("workspace_root", workspace_root)
             .field("shell_allowlist", shell_allowlist)
             .field("sandbox", sandbox)
+            .field("ledger_tool", ledger_tool)
             .field("step_concurrency", step_concurrency)
             .field("tool_concurrency", tool_concurrency)
             .field("max_tool_output_bytes", max_tool_output_bytes)
@@ -1056,6 +1062,9 @@ impl Config {
         }
         if let Some(v) = get("KEDGE_WORKSPACE_ROOT") {
             self.workspace_root = PathBuf::from(v);
+        }
+        if let Some(v) = get("KEDGE_LEDGER_TOOL") {
+            self.ledger_tool = flag("KEDGE_LEDGER_TOOL", &v)?;
         }
         if let Some(v) = get("KEDGE_SANDBOX") {
             self.sandbox = v.parse().map_err(|reason| ConfigError::Env {

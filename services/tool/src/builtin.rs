@@ -112,6 +112,8 @@ pub struct Env {
     pub max_output: usize,
     /// What confines `shell` commands.
     pub sandbox: Arc<dyn Sandbox>,
+    /// Whether the test-only `ledger_append` is offered (configuration `ledger_tool`).
+    pub ledger: bool,
 }
 
 impl Env {
@@ -156,6 +158,11 @@ impl Env {
             Builtin::WriteFile => write_file(&work, args).await,
             Builtin::ListFiles => list_files(&work, args).await,
             Builtin::Shell => self.shell(&work, args).await,
+            Builtin::LedgerAppend if !self.ledger => Err(
+                "tool `ledger_append` is not offered here (a test-only tool; the operator \
+                 enables it with ledger_tool / KEDGE_LEDGER_TOOL=1)"
+                    .to_owned(),
+            ),
             Builtin::LedgerAppend => self.ledger_append(op, args).await,
         };
         match result {
@@ -571,6 +578,7 @@ mod tests {
             timeout: Duration::from_millis(500),
             max_output: 64,
             sandbox: Arc::new(crate::sandbox::Unconfined),
+            ledger: true,
         }
     }
 
@@ -660,6 +668,28 @@ mod tests {
             )
             .await;
         assert!(outside.is_error);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn the_test_ledger_is_not_offered_unless_configured() {
+        let dir = tmp("ledger-off");
+        let env = Env {
+            ledger: false,
+            ..env(&dir)
+        };
+        let out = env
+            .run(
+                Builtin::LedgerAppend,
+                &op(0),
+                &serde_json::json!({"text": "paid 5"}),
+            )
+            .await;
+        assert!(
+            out.is_error && out.content.contains("not offered"),
+            "{out:?}"
+        );
+        assert!(!env.ledger().exists(), "nothing was appended");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

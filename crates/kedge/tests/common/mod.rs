@@ -43,6 +43,7 @@ fn test_agent(name: &str, model: &str, base_url: &str) -> AgentDefinition {
         "ask_user",
         "ledger_append",
         "wait",
+        "await_callback",
     ]
     .iter()
     .map(|n| tool(n))
@@ -81,6 +82,7 @@ pub fn fast_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
         .api_keys
         .insert(API_KEY_VAR.into(), "test-key".into());
     config.shell_allowlist.push("sleep".into());
+    config.ledger_tool = true;
     let t = &mut config.timeouts;
     t.lease_ttl_ms = 2_000;
     t.lease_renew_ms = 500;
@@ -232,6 +234,7 @@ impl Harness {
             .env("KEDGE_WORKSPACE_ROOT", &self.config.workspace_root)
             .env(API_KEY_VAR, "test-key")
             .env("KEDGE_MODEL_KEYS", API_KEY_VAR)
+            .env("KEDGE_LEDGER_TOOL", "1")
             .env("KEDGE_LEASE_TTL_MS", t.lease_ttl_ms.to_string())
             .env("KEDGE_LEASE_RENEW_MS", t.lease_renew_ms.to_string())
             .env("KEDGE_STEP_ACK_WAIT_MS", t.step_ack_wait_ms.to_string())
