@@ -4,7 +4,15 @@
 //! refuses makes the fold fail, because the single writer never journals one. Inputs never change
 //! the status; an input that no longer matters (a result for an unknown operation, a second result
 //! for the same operation, a message to a cancelled run) is counted in
-//! [`RunState::ignored_inputs`] and otherwise ignored, since anyone may append inputs.
+//! [`RunState::ignored_inputs`] and otherwise ignored, since anyone may append inputs. That
+//! includes inputs stored before the run's `run.created` (anyone may publish on a run id that
+//! does not exist yet): [`fold`] counts and skips them.
+//!
+//! Messages on a run's subjects that are not events of the run at all (the journal sets them
+//! aside: not JSON, the wrong shape, a decision without the writer's id …) never reach the fold
+//! as events; the decision writer folds them in with [`RunState::set_aside`], which counts them
+//! and, for one on a decision subject, moves the last decision sequence past it (the broker's
+//! expected-sequence check counts it).
 //!
 //! Context consumption is explicit: `step.started` records `inputs_through`, the sequence of the
 //! last input its model context includes, and the fold moves exactly those inputs into the
@@ -214,6 +222,9 @@ pub struct RunState {
     pub output: Option<String>,
     pub failure: Option<RunFailed>,
     pub ignored_inputs: u32,
+    /// Messages on the run's subjects that were not events of the run, set aside (see
+    /// [`RunState::set_aside`]); only the folds of the decision writer count them.
+    pub set_aside: u32,
     /// A step whose `step.completed` landed but whose decision group did not end yet (its
     /// decisions are appended one after another; a writer that died in between left the rest
     /// for the next one).
@@ -269,13 +280,22 @@ fn payload_text(payload: &serde_json::Value) -> String {
     }
 }
 
-/// Folds a run's journal, in sequence order, into its state.
+/// Folds a run's journal, in sequence order, into its state. Inputs before `run.created`
+/// (published on the run's subjects before it existed) are counted as ignored.
 pub fn fold<'a>(
     events: impl IntoIterator<Item = (u64, &'a Envelope)>,
 ) -> Result<RunState, FoldError> {
     let mut iter = events.into_iter();
-    let (seq, first) = iter.next().ok_or(FoldError::Empty)?;
+    let mut early_inputs: u32 = 0;
+    let (seq, first) = loop {
+        let (seq, env) = iter.next().ok_or(FoldError::Empty)?;
+        match env.kind() {
+            crate::event::EventKind::Input => early_inputs = early_inputs.saturating_add(1),
+            crate::event::EventKind::Decision => break (seq, env),
+        }
+    };
     let mut state = RunState::created(seq, first)?;
+    state.ignored_inputs = early_inputs;
     for (seq, env) in iter {
         state.apply(seq, env)?;
     }
@@ -321,6 +341,7 @@ impl RunState {
             output: None,
             failure: None,
             ignored_inputs: 0,
+            set_aside: 0,
             completing: None,
         })
     }
@@ -361,6 +382,22 @@ impl RunState {
         }
         self.last_seq = seq;
         Ok(())
+    }
+
+    /// Folds in a message at `seq` that the journal set aside (it is not an event of the run):
+    /// counted, and skipped. One on a decision subject still moved the run's last decision (the
+    /// broker's expected-sequence check counts every message on `.d.`), so the next decision is
+    /// appended after it. A sequence at or before the last one folded is only counted.
+    pub fn set_aside(&mut self, seq: u64, kind: crate::event::EventKind) {
+        self.set_aside = self.set_aside.saturating_add(1);
+        if seq <= self.last_seq {
+            return;
+        }
+        self.last_seq = seq;
+        match kind {
+            crate::event::EventKind::Decision => self.last_decision_seq = seq,
+            crate::event::EventKind::Input => {}
+        }
     }
 
     fn inconsistent(seq: u64, env: &Envelope, why: impl Into<String>) -> FoldError {
@@ -1028,5 +1065,80 @@ impl RunState {
                 },
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Digest, Draft, EventKind, ModelSpec, Provider, RunStarted, UserMessage};
+
+    fn run() -> RunId {
+        "run_fold1".parse().expect("valid")
+    }
+
+    fn env(event: Event) -> Envelope {
+        Envelope::new(run(), Timestamp::now(), Draft::new(event))
+    }
+
+    fn created() -> Envelope {
+        env(Event::RunCreated(Box::new(RunCreated {
+            agent: "demo".parse().expect("valid"),
+            agent_revision: 1,
+            agent_digest: Digest::of_bytes(b"agent"),
+            model: ModelSpec {
+                provider: Provider::Openai,
+                name: "mock".into(),
+                base_url: None,
+            },
+            prompt_digest: Digest::of_bytes(b"prompt"),
+            tools_digest: Digest::of_bytes(b"tools"),
+            policy_digest: Digest::of_bytes(b"policy"),
+            budget: Default::default(),
+            tenant: "acme".parse().expect("valid"),
+            caller: None,
+            idempotency_key: None,
+            input: "hello".into(),
+            runtime_version: "test".into(),
+            metadata: Default::default(),
+        })))
+    }
+
+    fn message(text: &str) -> Envelope {
+        env(Event::UserMessage(UserMessage { text: text.into() }))
+    }
+
+    #[test]
+    fn inputs_before_run_created_are_counted_and_skipped() {
+        let (early, c, late) = (message("too early"), created(), message("hi"));
+        let state = fold([(1, &early), (2, &early), (3, &c), (4, &late)]).expect("folds");
+        assert_eq!(state.ignored_inputs, 2);
+        assert_eq!(state.pending_messages.len(), 1);
+        assert_eq!(state.last_seq, 4);
+        assert!(matches!(fold([(1, &early)]), Err(FoldError::Empty)));
+        let started = env(Event::RunStarted(RunStarted {}));
+        assert!(matches!(
+            fold([(1, &early), (2, &started)]),
+            Err(FoldError::NotCreatedFirst { seq: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn set_aside_messages_are_counted_and_a_decision_moves_the_expected_sequence() {
+        let c = created();
+        let mut state = fold([(3, &c)]).expect("folds");
+        // One from before the run existed: only counted.
+        state.set_aside(1, EventKind::Input);
+        assert_eq!((state.set_aside, state.last_seq), (1, 3));
+        state.set_aside(4, EventKind::Input);
+        assert_eq!((state.last_seq, state.last_decision_seq), (4, 3));
+        state.set_aside(5, EventKind::Decision);
+        assert_eq!((state.last_seq, state.last_decision_seq), (5, 5));
+        assert_eq!(state.set_aside, 3);
+        // The run goes on after them.
+        let started = env(Event::RunStarted(RunStarted {}));
+        state.apply(6, &started).expect("applies");
+        assert_eq!(state.last_decision_seq, 6);
+        assert_eq!(state.status, RunStatus::Running);
     }
 }

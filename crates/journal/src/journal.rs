@@ -17,8 +17,16 @@
 //! - **Reads are exact and consistent.** [`Journal::read`] returns exactly the run's events after a
 //!   sequence, in order, including every event acknowledged before the call (see its docs).
 //! - Messages under a run's tree that are neither `.d.` nor `.i.` (a reserved place for non-event
-//!   subtrees; timer schedules live in their own stream, `KEDGE_TIMERS`) are skipped; a message under `.d.`/`.i.` that is not a
-//!   valid envelope of the run is an error ([`JournalError::Invalid`]), never silently dropped.
+//!   subtrees; timer schedules live in their own stream, `KEDGE_TIMERS`) are skipped.
+//! - **A malformed message never makes a run unreadable.** Anyone may publish on a run's input
+//!   subjects (and, on an unsecured broker, on its decision subjects), and the stream denies
+//!   deletes, so a message under `.d.`/`.i.` that is not a valid envelope of the run (not JSON,
+//!   the wrong shape, another run's or another type's envelope, a digest that does not match, a
+//!   decision without the writer's `Nats-Msg-Id`) is *set aside*: reads return the well-formed
+//!   events and report the others as [`SetAside`] (sequence, subject, reason) in
+//!   [`ReadPage::set_aside`], never fail on them. A set-aside decision still moved the run's
+//!   last decision sequence (the server counts it), so the writer folds it in as such
+//!   (`RunState::set_aside`).
 
 use std::time::Duration;
 
@@ -30,6 +38,7 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use kedge_core::subjects::{self, RUNS_STREAM};
 use kedge_core::{Envelope, EventKind, EventType, RunId};
+use serde::Serialize;
 use tracing::Instrument;
 
 use crate::error::JournalError;
@@ -220,48 +229,145 @@ fn check_group(run: &RunId, writer: &str, events: &[Envelope]) -> Result<(), Jou
     Ok(())
 }
 
-/// Turns a stored message of `run` into a [`Recorded`]; `Ok(None)` for a message outside the
-/// run's `.d.`/`.i.` subtrees.
-fn decode(run: &RunId, m: StoredMessage) -> Result<Option<Recorded>, JournalError> {
-    let prefix = format!("agent.run.{run}.");
-    let Some(rest) = m.subject.strip_prefix(&prefix) else {
-        return Err(JournalError::Invalid {
-            seq: m.seq,
-            reason: format!("subject `{}` is not in {run}'s journal", m.subject),
-        });
-    };
-    if !(rest.starts_with("d.") || rest.starts_with("i.")) {
-        return Ok(None);
+/// A message on a run's event subjects that is not a valid event of the run: left in the stream
+/// (it cannot be deleted), skipped by reads and reported.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct SetAside {
+    /// Its stream sequence.
+    pub seq: u64,
+    pub subject: String,
+    /// Whether it sits on a decision (`.d.`) or an input (`.i.`) subject.
+    pub kind: EventKind,
+    /// Why it is not an event, for operators.
+    pub reason: String,
+}
+
+/// What [`decode`] makes of a stored message. Short-lived (moved straight into a page), so the
+/// size of its event variant does not matter.
+#[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)]
+enum Decoded {
+    Event(Recorded),
+    /// Under the run's tree but not an event subject (`.d.`/`.i.`).
+    Skip,
+    SetAside(SetAside),
+}
+
+/// The longest reason kept for a set-aside message.
+const MAX_REASON: usize = 300;
+
+fn shorten(mut reason: String) -> String {
+    if reason.len() > MAX_REASON {
+        let mut end = MAX_REASON;
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        reason.truncate(end);
+        reason.push('…');
     }
-    let envelope = Envelope::from_json_bytes(&m.payload).map_err(|e| JournalError::Invalid {
-        seq: m.seq,
-        reason: e.to_string(),
-    })?;
-    if envelope.run_id != *run || envelope.subject() != m.subject {
-        return Err(JournalError::Invalid {
+    reason
+}
+
+/// Turns a stored message of `run` into a [`Recorded`], or sets it aside with the reason.
+fn decode(run: &RunId, m: StoredMessage) -> Decoded {
+    let prefix = format!("agent.run.{run}.");
+    let set_aside = |kind: EventKind, reason: String| {
+        Decoded::SetAside(SetAside {
             seq: m.seq,
-            reason: format!(
-                "envelope of {} `{}` stored on `{}`",
+            subject: m.subject.chars().take(MAX_REASON).collect(),
+            kind,
+            reason: shorten(reason),
+        })
+    };
+    let Some(rest) = m.subject.strip_prefix(&prefix) else {
+        // Never asked for (reads filter on the run's tree); set aside rather than trusted.
+        return set_aside(
+            EventKind::Input,
+            format!("subject `{}` is not in {run}'s journal", m.subject),
+        );
+    };
+    let kind = if rest.starts_with("d.") {
+        EventKind::Decision
+    } else if rest.starts_with("i.") {
+        EventKind::Input
+    } else {
+        return Decoded::Skip;
+    };
+    let envelope = match Envelope::from_json_bytes(&m.payload) {
+        Ok(envelope) => envelope,
+        Err(e) => return set_aside(kind, format!("not an event envelope: {e}")),
+    };
+    if envelope.run_id != *run || envelope.subject() != m.subject {
+        return set_aside(
+            kind,
+            format!(
+                "an envelope of {} `{}` stored on `{}`",
                 envelope.run_id,
                 envelope.event_type(),
                 m.subject
             ),
-        });
+        );
     }
     let msg_id = m.header(wire::MSG_ID).map(str::to_owned);
-    Ok(Some(Recorded {
+    if kind == EventKind::Decision {
+        // Every decision the journal appends carries the writer's id, naming this run and a
+        // place before its own sequence; a message without one was not appended by a writer.
+        match msg_id.as_deref().map(parse_decision_msg_id) {
+            Some(Some(id)) if id.run == *run && id.expected_last < m.seq => {}
+            Some(Some(id)) if id.run != *run => {
+                return set_aside(
+                    kind,
+                    format!("a decision whose Nats-Msg-Id names run {}", id.run),
+                );
+            }
+            Some(Some(id)) => {
+                return set_aside(
+                    kind,
+                    format!(
+                        "a decision whose Nats-Msg-Id expects decision {} at or after its own sequence",
+                        id.expected_last
+                    ),
+                );
+            }
+            Some(None) | None => {
+                return set_aside(
+                    kind,
+                    "a decision without the writer's Nats-Msg-Id (d:<run>:<expected>:<index>:<writer>)"
+                        .to_owned(),
+                );
+            }
+        }
+    }
+    Decoded::Event(Recorded {
         seq: m.seq,
         envelope,
         msg_id,
-    }))
+    })
 }
 
-/// What [`Journal::read_at_most`] returns.
-#[derive(Debug, Clone)]
+/// What [`Journal::read_at_most`] and [`Journal::read_with_set_aside`] return.
+#[derive(Debug, Clone, Default)]
 pub struct ReadPage {
+    /// The well-formed events, in order.
     pub events: Vec<Recorded>,
+    /// The messages in the same range that are not events of the run, in order.
+    pub set_aside: Vec<SetAside>,
     /// The run has events after the last one returned (as of the read).
     pub more: bool,
+}
+
+impl ReadPage {
+    /// Adds what `decode` made of a message.
+    fn push(&mut self, run: &RunId, d: Decoded) {
+        match d {
+            Decoded::Event(r) => self.events.push(r),
+            Decoded::Skip => {}
+            Decoded::SetAside(a) => {
+                tracing::debug!(run_id = %run, seq = a.seq, reason = %a.reason, "journal message set aside");
+                self.set_aside.push(a);
+            }
+        }
+    }
 }
 
 /// Handle on the journal stream. Cheap to clone (it clones a NATS client handle).
@@ -496,12 +602,26 @@ impl Journal {
     /// before the leader's last sequence, the replica is asked again and, failing that, the rest
     /// is read from the leader. So every event acknowledged before the call is returned.
     /// Returns promptly (one round trip) when there is nothing after `after`.
+    ///
+    /// Messages that are not events of the run are left out (see [`SetAside`]); use
+    /// [`Journal::read_with_set_aside`] to see them.
     pub async fn read(&self, run: &RunId, after: u64) -> Result<Vec<Recorded>, JournalError> {
         Ok(self.read_at_most(run, after, usize::MAX).await?.events)
     }
 
+    /// [`Journal::read`], with the messages set aside in the same range: what the run's
+    /// decision writer folds (a set-aside decision still moved the run's last decision).
+    pub async fn read_with_set_aside(
+        &self,
+        run: &RunId,
+        after: u64,
+    ) -> Result<ReadPage, JournalError> {
+        self.read_at_most(run, after, usize::MAX).await
+    }
+
     /// The first `max` of the run's events after `after` (all of them if fewer), in order, and
     /// whether more may follow. A page of a long run costs a page, not the rest of the run.
+    /// The page also lists the messages set aside up to its last event.
     pub async fn read_at_most(
         &self,
         run: &RunId,
@@ -555,7 +675,7 @@ impl Journal {
         let map = |e: WireError| JournalError::from_wire(op, e);
         let leader_last = leader_last.map_err(map)?.map_or(0, |m| m.seq);
         let mut page = first.map_err(map)?;
-        let mut out = Vec::new();
+        let mut out = ReadPage::default();
         let mut reached = after;
         let mut stale = 0;
         loop {
@@ -565,22 +685,16 @@ impl Journal {
                     continue;
                 }
                 reached = m.seq;
-                if let Some(r) = decode(run, m)? {
-                    out.push(r);
-                }
+                out.push(run, decode(run, m));
                 // A prefix of what follows `after` is gap-free whoever answered.
-                if out.len() >= max {
-                    return Ok(ReadPage {
-                        more: reached < leader_last,
-                        events: out,
-                    });
+                if out.events.len() >= max {
+                    out.more = reached < leader_last;
+                    return Ok(out);
                 }
             }
             if page.pending == 0 && reached >= leader_last {
-                return Ok(ReadPage {
-                    events: out,
-                    more: false,
-                });
+                out.more = false;
+                return Ok(out);
             }
             if page.pending == 0 || reached == before {
                 // The replica that answered trails the leader (or made no progress).
@@ -611,23 +725,20 @@ impl Journal {
                 break;
             };
             reached = m.seq;
-            if let Some(r) = decode(run, m)? {
-                out.push(r);
-            }
-            if out.len() >= max {
+            out.push(run, decode(run, m));
+            if out.events.len() >= max {
                 break;
             }
         }
-        Ok(ReadPage {
-            more: reached < leader_last,
-            events: out,
-        })
+        out.more = reached < leader_last;
+        Ok(out)
     }
 
     /// The run's events after `after`, then every new one as it is appended: no gap, no
     /// duplicate. Backed by an ordered consumer (`DeliverPolicy::ByStartSequence`, filter
     /// `agent.run.<id>.>`), which recreates itself after broker trouble from the last delivered
-    /// sequence. Errors are yielded as items and the stream goes on.
+    /// sequence. Errors are yielded as items and the stream goes on. Messages that are not
+    /// events of the run are skipped (see [`SetAside`]).
     pub fn tail(
         &self,
         run: &RunId,
@@ -700,7 +811,14 @@ impl Journal {
                             headers: msg.headers.clone().unwrap_or_default(),
                             payload: msg.payload.clone(),
                         };
-                        decode(&run, stored).transpose()
+                        match decode(&run, stored) {
+                            Decoded::Event(r) => Some(Ok(r)),
+                            Decoded::Skip => None,
+                            Decoded::SetAside(a) => {
+                                tracing::debug!(run_id = %run, seq = a.seq, reason = %a.reason, "tail: journal message set aside");
+                                None
+                            }
+                        }
                     }
                 },
             };
@@ -930,44 +1048,73 @@ mod tests {
     }
 
     fn stored(seq: u64, subject: &str, payload: Vec<u8>) -> StoredMessage {
+        stored_with_id(seq, subject, payload, None)
+    }
+
+    fn stored_with_id(
+        seq: u64,
+        subject: &str,
+        payload: Vec<u8>,
+        msg_id: Option<&str>,
+    ) -> StoredMessage {
+        let mut headers = HeaderMap::new();
+        if let Some(id) = msg_id {
+            headers.insert(wire::MSG_ID, id);
+        }
         StoredMessage {
             seq,
             subject: subject.to_owned(),
-            headers: HeaderMap::new(),
+            headers,
             payload: payload.into(),
         }
     }
 
+    fn set_aside_at(d: Decoded) -> Option<(u64, EventKind)> {
+        match d {
+            Decoded::SetAside(a) => Some((a.seq, a.kind)),
+            Decoded::Event(_) | Decoded::Skip => None,
+        }
+    }
+
     #[test]
-    fn decode_checks_subject_run_and_envelope() {
+    fn decode_sets_aside_what_is_not_an_event_of_the_run() {
         let r = run();
         let env = decision(&r);
-        let ok = decode(&r, stored(3, &env.subject(), env.to_json_bytes())).expect("decodes");
-        assert_eq!(ok.map(|rec| rec.seq), Some(3));
+        let id = |expected: u64| decision_msg_id(&r, expected, 0, "w");
+        let ok = decode(
+            &r,
+            stored_with_id(3, &env.subject(), env.to_json_bytes(), Some(&id(2))),
+        );
+        assert!(
+            matches!(ok, Decoded::Event(ref rec) if rec.seq == 3),
+            "{ok:?}"
+        );
         // Not an envelope.
         let bad = decode(
             &r,
             stored(4, "agent.run.run_j1.d.run.started", b"{}".to_vec()),
         );
-        assert!(matches!(bad, Err(JournalError::Invalid { seq: 4, .. })));
+        assert_eq!(set_aside_at(bad), Some((4, EventKind::Decision)));
         // An envelope stored under the wrong type.
         let misfiled = decode(
             &r,
-            stored(5, "agent.run.run_j1.d.run.created", env.to_json_bytes()),
+            stored_with_id(
+                5,
+                "agent.run.run_j1.d.run.created",
+                env.to_json_bytes(),
+                Some(&id(2)),
+            ),
         );
-        assert!(matches!(
-            misfiled,
-            Err(JournalError::Invalid { seq: 5, .. })
-        ));
+        assert_eq!(set_aside_at(misfiled), Some((5, EventKind::Decision)));
         // Another run's tree.
         let foreign = decode(
             &r,
             stored(6, "agent.run.run_x.d.run.started", env.to_json_bytes()),
         );
-        assert!(matches!(foreign, Err(JournalError::Invalid { seq: 6, .. })));
+        assert!(set_aside_at(foreign).is_some());
         // A non-event subtree is skipped.
         let sched = decode(&r, stored(7, "agent.run.run_j1.s.timer", b"x".to_vec()));
-        assert!(matches!(sched, Ok(None)));
+        assert_eq!(sched, Decoded::Skip);
         // A decision with data that fails its digest.
         let step = Envelope::new(
             r.clone(),
@@ -987,15 +1134,52 @@ mod tests {
         value["data"]["inputs_through"] = 9.into();
         let tampered = decode(
             &r,
-            stored(
+            stored_with_id(
                 8,
                 &step.subject(),
                 serde_json::to_vec(&value).expect("json"),
+                Some(&id(2)),
             ),
         );
+        assert_eq!(set_aside_at(tampered), Some((8, EventKind::Decision)));
+        // Decisions without the writer's id, with another run's, or with an impossible place.
+        let other: RunId = "run_other".parse().expect("valid");
+        for (seq, msg_id) in [
+            (9, None),
+            (10, Some("client-key".to_owned())),
+            (11, Some(decision_msg_id(&other, 2, 0, "w"))),
+            (12, Some(id(12))),
+        ] {
+            let d = decode(
+                &r,
+                stored_with_id(seq, &env.subject(), env.to_json_bytes(), msg_id.as_deref()),
+            );
+            assert_eq!(
+                set_aside_at(d),
+                Some((seq, EventKind::Decision)),
+                "{msg_id:?}"
+            );
+        }
+        // An input needs no particular id; a garbage input is set aside as an input.
+        let input = Envelope::new(
+            r.clone(),
+            Timestamp::now(),
+            Draft::new(Event::UserMessage(UserMessage { text: "hi".into() })),
+        );
         assert!(matches!(
-            tampered,
-            Err(JournalError::Invalid { seq: 8, .. })
+            decode(&r, stored(13, &input.subject(), input.to_json_bytes())),
+            Decoded::Event(_)
         ));
+        let garbage = decode(
+            &r,
+            stored(14, &input.subject(), vec![0xff; 10 * MAX_REASON]),
+        );
+        match garbage {
+            Decoded::SetAside(a) => {
+                assert_eq!((a.seq, a.kind), (14, EventKind::Input));
+                assert!(a.reason.len() <= MAX_REASON + 3, "{}", a.reason);
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -5,7 +5,8 @@
 //!   them with every flag Kedge relies on.
 //! - [`journal`]: [`Journal`] — decision appends (single writer, optimistic concurrency on the
 //!   run's decision subjects, atomic groups), input appends (deduplicated by `Nats-Msg-Id`),
-//!   exact reads after a sequence (of the whole run or of one event type), live tails,
+//!   exact reads after a sequence (of the whole run or of one event type; messages that are not
+//!   events of the run are set aside and reported, never fatal), live tails,
 //!   last-sequence lookups.
 //! - [`lease`]: [`Leases`] — per-run leases with a TTL in `kedge_leases`, whose revision is a
 //!   fencing token.
@@ -38,7 +39,7 @@ mod wire;
 
 pub use error::{ErrorKind, JournalError};
 pub use journal::{
-    Appended, DecisionMsgId, DecisionWriter, Journal, LastEvent, ReadPage, Recorded,
+    Appended, DecisionMsgId, DecisionWriter, Journal, LastEvent, ReadPage, Recorded, SetAside,
     decision_msg_id, parse_decision_msg_id,
 };
 pub use layout::{LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout};

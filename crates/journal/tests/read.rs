@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use futures::StreamExt;
-use kedge_core::{Envelope, RunId};
+use kedge_core::{Envelope, EventKind, RunId};
 use kedge_journal::{ErrorKind, Journal, JournalError, Recorded};
 
 /// Writes a run of `n` decisions and inputs (groups included), interleaved with another run's
@@ -138,32 +138,173 @@ async fn an_input_published_twice_with_one_msg_id_is_stored_once() {
     assert_eq!(all[0].msg_id.as_deref(), Some("client-key-1"));
 }
 
-#[tokio::test]
-async fn a_message_that_is_not_an_envelope_is_reported_with_its_sequence() {
-    let (server, journal) = setup().await;
-    let run = new_run();
-    journal
-        .append_decisions(
-            &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
-            &[run_created(&run)],
-        )
-        .await
-        .unwrap();
-    let client = server.client().await;
-    let js = async_nats::jetstream::new(client);
-    let ack = js
-        .publish(format!("agent.run.{run}.i.user.message"), "not json".into())
+/// Publishes raw bytes on `subject` (anyone may, on an input subject) and returns the sequence.
+async fn publish_raw(
+    js: &async_nats::jetstream::Context,
+    subject: String,
+    payload: Vec<u8>,
+    msg_id: Option<&str>,
+) -> u64 {
+    let mut headers = async_nats::HeaderMap::new();
+    if let Some(id) = msg_id {
+        headers.insert("Nats-Msg-Id", id);
+    }
+    js.publish_with_headers(subject, headers, payload.into())
         .await
         .unwrap()
         .await
-        .unwrap();
-    let err = journal.read(&run, 0).await.unwrap_err();
-    assert!(
-        matches!(err, JournalError::Invalid { seq, .. } if seq == ack.sequence),
-        "{err:?}"
+        .unwrap()
+        .sequence
+}
+
+#[tokio::test]
+async fn messages_that_are_not_events_of_the_run_are_set_aside_and_reported_never_fatal() {
+    let (server, journal) = setup().await;
+    let (run, other) = (new_run(), new_run());
+    let js = async_nats::jetstream::new(server.client().await);
+    // Before the run exists, too.
+    let early = publish_raw(
+        &js,
+        format!("agent.run.{run}.i.user.message"),
+        b"early junk".to_vec(),
+        None,
+    )
+    .await;
+    let written = write_run(&journal, &run, &other).await;
+    let input = |t: &str| format!("agent.run.{run}.i.{t}");
+    let mut bad = vec![early];
+    bad.push(publish_raw(&js, input("user.message"), b"not json".to_vec(), None).await);
+    bad.push(
+        publish_raw(
+            &js,
+            input("user.message"),
+            b"{\"run_id\": 1}".to_vec(),
+            None,
+        )
+        .await,
     );
-    assert_eq!(err.kind(), ErrorKind::Invalid);
+    bad.push(
+        publish_raw(
+            &js,
+            input("user.message"),
+            user_message(&other, "another run's").to_json_bytes(),
+            None,
+        )
+        .await,
+    );
+    bad.push(
+        publish_raw(
+            &js,
+            input("tool.result"),
+            user_message(&run, "another type's").to_json_bytes(),
+            None,
+        )
+        .await,
+    );
+    // A well-formed decision without the writer's Nats-Msg-Id, and one with a client's id.
+    bad.push(
+        publish_raw(
+            &js,
+            format!("agent.run.{run}.d.run.started"),
+            run_started(&run).to_json_bytes(),
+            None,
+        )
+        .await,
+    );
+    bad.push(
+        publish_raw(
+            &js,
+            format!("agent.run.{run}.d.run.started"),
+            run_started(&run).to_json_bytes(),
+            Some("client-key"),
+        )
+        .await,
+    );
+    // The run goes on after them: the writer appends after the set-aside decision.
+    let last_decision = journal.last_decision_seq(&run).await.unwrap();
+    assert_eq!(last_decision, *bad.last().unwrap(), "the broker counts it");
+    let more = journal
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step"),
+            last_decision,
+            &step_group(&run, 5),
+        )
+        .await
+        .unwrap();
+
+    let want: Vec<u64> = written
+        .iter()
+        .map(|(s, _)| *s)
+        .chain(more.first_seq..=more.last_seq)
+        .collect();
+    let got: Vec<u64> = journal
+        .read(&run, 0)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.seq)
+        .collect();
+    assert_eq!(got, want, "read returns the events only");
+    let page = journal.read_with_set_aside(&run, 0).await.unwrap();
+    assert_eq!(page.events.len(), want.len());
+    let aside: Vec<u64> = page.set_aside.iter().map(|a| a.seq).collect();
+    assert_eq!(aside, bad);
+    let kinds: Vec<EventKind> = page.set_aside.iter().map(|a| a.kind).collect();
+    assert_eq!(kinds[..5], [EventKind::Input; 5]);
+    assert_eq!(kinds[5..], [EventKind::Decision; 2]);
+    for a in &page.set_aside {
+        assert!(!a.reason.is_empty(), "{a:?}");
+        assert!(a.subject.starts_with(&format!("agent.run.{run}.")), "{a:?}");
+    }
+    // From the middle: only what follows.
+    let after = bad[2];
+    let page = journal.read_with_set_aside(&run, after).await.unwrap();
+    assert_eq!(
+        page.set_aside.iter().map(|a| a.seq).collect::<Vec<_>>(),
+        bad[3..]
+    );
+    assert!(page.events.iter().all(|r| r.seq > after));
+    // Pages skip them too and stay gap-free in events.
+    let mut after = 0;
+    let mut paged = Vec::new();
+    let mut paged_aside = Vec::new();
+    loop {
+        let page = journal.read_at_most(&run, after, 3).await.unwrap();
+        paged.extend(page.events.iter().map(|r| r.seq));
+        paged_aside.extend(page.set_aside.iter().map(|a| a.seq));
+        if let Some(last) = page.events.last() {
+            after = last.seq;
+        }
+        if !page.more {
+            break;
+        }
+    }
+    assert_eq!(paged, want);
+    assert_eq!(paged_aside, bad);
+    // A tail skips them as well.
+    let mut tail = Box::pin(journal.tail(&run, 0));
+    let mut tailed = Vec::new();
+    while tailed.len() < want.len() {
+        let r = tokio::time::timeout(Duration::from_secs(5), tail.next())
+            .await
+            .expect("in time")
+            .expect("open")
+            .unwrap();
+        tailed.push(r.seq);
+    }
+    assert_eq!(tailed, want);
+    // A run id that holds nothing but garbage reads as empty.
+    let ghost = new_run();
+    publish_raw(
+        &js,
+        format!("agent.run.{ghost}.d.run.created"),
+        b"x".to_vec(),
+        None,
+    )
+    .await;
+    let page = journal.read_with_set_aside(&ghost, 0).await.unwrap();
+    assert!(page.events.is_empty());
+    assert_eq!(page.set_aside.len(), 1);
 }
 
 #[tokio::test]

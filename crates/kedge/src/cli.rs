@@ -346,12 +346,23 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Status { run } => {
             let rt = Runtime::connect(config).await?;
-            let events = rt.journal.read(&run, 0).await?;
-            if events.is_empty() {
+            let page = rt.journal.read_with_set_aside(&run, 0).await?;
+            if page.events.is_empty() {
                 bail!("no run {run}");
             }
-            let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
+            let state = kedge_core::fold(page.events.iter().map(|r| (r.seq, &r.envelope)))?;
             println!("{}", timeline::status_line(&state));
+            // Messages on the run's subjects that are not events of the run: skipped by every
+            // reader, recorded on agent.rejected.journal.<run>.<seq> (KEDGE_REJECTIONS).
+            if !page.set_aside.is_empty() {
+                println!(
+                    "set aside: {} message(s) on the run's subjects that are not events of it",
+                    page.set_aside.len()
+                );
+                for a in &page.set_aside {
+                    println!("  seq {} on {}: {}", a.seq, a.subject, a.reason);
+                }
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Message { run, text } => {

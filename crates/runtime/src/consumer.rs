@@ -2,6 +2,12 @@
 //! `nats consumer add --config` takes), embedded in the binary. The ack wait comes from the
 //! checked [`kedge_core::config::Timeouts`], so the file and the timeout relations cannot
 //! disagree.
+//!
+//! Redelivery is bounded: a consumer whose file sets `max_deliver` hands a message back with a
+//! growing delay ([`retry_delay`]) and, on its last delivery ([`is_last_delivery`]), gives up on
+//! it with [`dead_letter`]: a record on `agent.rejected.dead.<consumer>` (stream
+//! `KEDGE_REJECTIONS`, 30 days; `nats stream view KEDGE_REJECTIONS --subject
+//! 'agent.rejected.dead.>'`), an error log line, and a `Term`. Never a silent loop.
 
 use std::time::Duration;
 
@@ -93,6 +99,90 @@ pub async fn next_message(
     }
 }
 
+/// The subject of the dead letters of consumer `consumer`.
+pub fn dead_letter_subject(consumer: &str) -> String {
+    format!("agent.rejected.dead.{consumer}")
+}
+
+/// The `max_deliver` of consumer `name`'s file; `None` when unbounded (or unknown).
+pub fn max_deliver(name: &str) -> Option<i64> {
+    let (_, config) = config(name, Duration::from_secs(1)).ok()?;
+    (config.max_deliver > 0).then_some(config.max_deliver)
+}
+
+/// How many times the server delivered `msg` (1 the first time; 1 if it does not say).
+pub fn deliveries(msg: &async_nats::jetstream::Message) -> i64 {
+    msg.info().map(|i| i.delivered).unwrap_or(1).max(1)
+}
+
+/// Whether this is the last delivery consumer `name` makes of `msg` (its `max_deliver`).
+pub fn is_last_delivery(name: &str, msg: &async_nats::jetstream::Message) -> bool {
+    max_deliver(name).is_some_and(|max| deliveries(msg) >= max)
+}
+
+/// The delay before the next delivery after the `delivered`-th: `base` doubled per delivery,
+/// at most `cap`.
+pub fn retry_delay(delivered: i64, base: Duration, cap: Duration) -> Duration {
+    let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 20)).unwrap_or(20);
+    base.saturating_mul(1u32 << doublings).min(cap)
+}
+
+/// Gives up on `msg`: records it on [`dead_letter_subject`] (stream `KEDGE_REJECTIONS`; its
+/// stream, sequence, subject, deliveries, the reason and the start of its body; `Nats-Msg-Id`
+/// `dead:<consumer>:<stream seq>`, so a repeat is stored once), logs at error and terminates
+/// it. A record that cannot be written is logged too; the message is terminated anyway (the
+/// consumer would not deliver it again).
+pub async fn dead_letter(
+    js: &Context,
+    consumer: &str,
+    msg: &async_nats::jetstream::Message,
+    reason: &str,
+) {
+    let (stream, seq) = msg
+        .info()
+        .map(|i| (i.stream.to_owned(), i.stream_sequence))
+        .unwrap_or_default();
+    let delivered = deliveries(msg);
+    tracing::error!(
+        consumer,
+        stream = %stream,
+        seq,
+        subject = %msg.subject,
+        delivered,
+        reason,
+        "giving up on a message; recorded as a dead letter"
+    );
+    let body = serde_json::json!({
+        "at": kedge_core::event::Timestamp::now(),
+        "consumer": consumer,
+        "stream": stream,
+        "seq": seq,
+        "subject": msg.subject.as_str(),
+        "deliveries": delivered,
+        "reason": reason,
+        "body": String::from_utf8_lossy(&msg.payload[..msg.payload.len().min(4096)]),
+    });
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", format!("dead:{consumer}:{seq}").as_str());
+    let recorded = match js
+        .publish_with_headers(
+            dead_letter_subject(consumer),
+            headers,
+            body.to_string().into(),
+        )
+        .await
+    {
+        Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(e) = recorded {
+        tracing::error!(consumer, seq, error = %e, "could not record the dead letter");
+    }
+    if let Err(e) = msg.ack_with(async_nats::jetstream::AckKind::Term).await {
+        tracing::warn!(consumer, seq, error = %e, "could not terminate the dead letter");
+    }
+}
+
 /// Runs handlers with at most `n` at once; [`Workers::drain`] waits for those in flight (a
 /// service's graceful stop).
 #[derive(Debug, Clone)]
@@ -146,6 +236,20 @@ mod tests {
             got, expected,
             "a new input type must wake the step (or be excluded here)"
         );
+    }
+
+    #[test]
+    fn redelivery_backs_off_and_is_bounded_where_it_must_be() {
+        let base = Duration::from_secs(1);
+        let cap = Duration::from_secs(30);
+        assert_eq!(retry_delay(1, base, cap), base);
+        assert_eq!(retry_delay(3, base, cap), Duration::from_secs(4));
+        assert_eq!(retry_delay(60, base, cap), cap);
+        assert_eq!(retry_delay(-5, base, cap), base);
+        // The consumers whose handlers give up on the last delivery have a bound.
+        for name in ["intake", "step"] {
+            assert!(max_deliver(name).is_some_and(|m| m > 1), "{name}");
+        }
     }
 
     #[test]

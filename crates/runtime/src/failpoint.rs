@@ -1,10 +1,16 @@
-//! Crash injection for the fault tests: `KEDGE_FAILPOINTS=step.after_model_stored,…` makes the
-//! process abort (as abruptly as `kill -9`, no cleanup) when it reaches a named point.
+//! Fault injection for the fault tests.
 //!
-//! The points are named where they are hit; docs/CONFIG.md lists them. With the variable unset
-//! a hit costs one atomic load.
+//! - `KEDGE_FAILPOINTS=step.after_model_stored,…` makes the process abort (as abruptly as
+//!   `kill -9`, no cleanup) when it reaches a named point ([`hit`]).
+//! - `KEDGE_FAILPOINTS=panic:step.drive` makes the code at a panic point ([`panic_point`]) panic
+//!   instead, every time; a test running services in-process arms one for a single key (a run
+//!   id) and a number of hits with [`arm_panic`]. A panic is what a bug looks like: the service
+//!   must contain it (the message is handed back, the process goes on).
+//!
+//! The points are named where they are hit; docs/CONFIG.md lists them. With nothing armed a hit
+//! costs one atomic load (and, for panic points, one uncontended lock).
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 fn armed() -> &'static [String] {
     static ARMED: OnceLock<Vec<String>> = OnceLock::new();
@@ -25,5 +31,69 @@ pub fn hit(name: &str) {
     if armed().iter().any(|a| a == name) {
         eprintln!("kedge: failpoint {name} hit, aborting");
         std::process::abort();
+    }
+}
+
+/// A panic armed in-process: at `name`, for `key`, `times` more hits.
+struct ArmedPanic {
+    name: String,
+    key: String,
+    times: u32,
+}
+
+fn panics() -> &'static Mutex<Vec<ArmedPanic>> {
+    static PANICS: OnceLock<Mutex<Vec<ArmedPanic>>> = OnceLock::new();
+    PANICS.get_or_init(Mutex::default)
+}
+
+/// Arms the panic point `name` for `key` (e.g. a run id): its next `times` hits with that key
+/// panic. For tests that run services in this process.
+pub fn arm_panic(name: &str, key: &str, times: u32) {
+    if let Ok(mut p) = panics().lock() {
+        p.push(ArmedPanic {
+            name: name.to_owned(),
+            key: key.to_owned(),
+            times,
+        });
+    }
+}
+
+/// Panics if `name` is armed: for every key by `KEDGE_FAILPOINTS=panic:<name>`, or for `key`
+/// by [`arm_panic`] (until its hits are used up).
+pub fn panic_point(name: &str, key: &str) {
+    let by_env = armed()
+        .iter()
+        .any(|a| a.strip_prefix("panic:") == Some(name));
+    let by_test = panics().lock().is_ok_and(|mut p| {
+        let hit = p
+            .iter_mut()
+            .find(|a| a.name == name && a.key == key && a.times > 0);
+        match hit {
+            Some(a) => {
+                a.times -= 1;
+                true
+            }
+            None => false,
+        }
+    });
+    if by_env || by_test {
+        panic!("kedge: failpoint {name} hit for {key}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_armed_panic_fires_for_its_key_and_its_number_of_hits() {
+        arm_panic("test.point", "run_a", 2);
+        panic_point("test.point", "run_b");
+        panic_point("other.point", "run_a");
+        for _ in 0..2 {
+            let r = std::panic::catch_unwind(|| panic_point("test.point", "run_a"));
+            assert!(r.is_err());
+        }
+        panic_point("test.point", "run_a");
     }
 }

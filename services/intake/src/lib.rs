@@ -10,8 +10,12 @@
 //! two runs, also after the stream's duplicate window. A task without a Msg-Id is keyed by its
 //! stream sequence (safe against redelivery, not against a client publishing twice).
 //!
-//! A task that fails validation is acked (never retried), recorded on `agent.rejected.<agent>`
-//! (stream `KEDGE_REJECTIONS`) with the reason, and answered when it asked for an answer.
+//! A task that fails validation, or that cannot be journaled for a reason retrying will not
+//! change, is acked (never retried), recorded on `agent.rejected.<agent>` (stream
+//! `KEDGE_REJECTIONS`) with the reason, and answered when it asked for an answer. Only broker
+//! trouble is retried, with a growing delay, and at most the consumer's `max_deliver` times:
+//! the last delivery is rejected the same way ("gave up after N deliveries: …"), so no task is
+//! left unanswered. A panic while handling a task is contained (the task is handed back).
 //!
 //! Intake also answers external callbacks over NATS: a request on `agent.callback.<key>` (queue
 //! group `kedge-callbacks`; body = the payload, JSON or text; optional `Kedge-Delivery-Id`
@@ -33,16 +37,17 @@
 //! not exist.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{AckKind, Message};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use kedge_core::event::{Draft, Envelope, Event, RunCreated, Timestamp};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{self, TaskSubject};
 use kedge_core::task::{TaskRejection, TaskSubmission};
-use kedge_journal::JournalError;
+use kedge_journal::{ErrorKind, JournalError};
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
@@ -51,9 +56,16 @@ pub use kedge_runtime::tasks::{
     submit, submit_raw,
 };
 
+/// The durable consumer's name.
+const CONSUMER: &str = "intake";
+/// Redelivery delays of a task that cannot be handled now (doubled per delivery up to the cap;
+/// the consumer's `max_deliver` bounds the tries, and the last one is answered).
+const RETRY_DELAY: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
 /// Runs intake until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let consumer = consumer::durable(&rt.js, "intake", Duration::from_secs(30)).await?;
+    let consumer = consumer::durable(&rt.js, CONSUMER, Duration::from_secs(30)).await?;
     let mut messages = consumer
         .messages()
         .await
@@ -71,7 +83,29 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             },
         };
         let rt = rt.clone();
-        workers.spawn(async move { handle(&rt, msg).await }).await;
+        workers
+            .spawn(async move {
+                // A panic while handling one task (a bug) is contained: the task is handed back
+                // (bounded by the consumer's max_deliver; the last delivery is answered).
+                let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+                if let Err(panic) = AssertUnwindSafe(handle(&rt, &msg)).catch_unwind().await {
+                    let reason = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_default();
+                    tracing::error!(seq, panic = %reason, "handling a task panicked; handing it back");
+                    let delay = consumer::retry_delay(
+                        consumer::deliveries(&msg),
+                        RETRY_DELAY,
+                        RETRY_MAX,
+                    );
+                    if let Err(e) = msg.ack_with(AckKind::Nak(Some(delay))).await {
+                        tracing::warn!(seq, error = %e, "could not hand the task back; it is redelivered after the ack wait");
+                    }
+                }
+            })
+            .await;
     }
     workers.drain().await;
     tracing::info!("intake service stopped");
@@ -132,7 +166,7 @@ fn header<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
         .filter(|v| !v.is_empty())
 }
 
-async fn handle(rt: &Runtime, msg: Message) {
+async fn handle(rt: &Runtime, msg: &Message) {
     let headers = msg.headers.as_ref();
     let reply_to = header(headers, REPLY_HEADER)
         .filter(|r| {
@@ -144,14 +178,16 @@ async fn handle(rt: &Runtime, msg: Message) {
         })
         .map(str::to_owned);
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
-    let answer = match accept(rt, &msg, seq).await {
+    let answer = match accept(rt, msg, seq).await {
         Ok(run_id) => {
             tracing::info!(run_id = %run_id, "task accepted");
             Answer::Accepted { run_id }
         }
         Err(Refusal::Reject(rejection)) => {
             tracing::warn!(subject = %msg.subject, field = %rejection.field, reason = %rejection.reason, "task rejected");
-            if let Err(e) = record_rejection(rt, &msg, &rejection).await {
+            if let Err(e) = record_rejection(rt, msg, &rejection).await
+                && !consumer::is_last_delivery(CONSUMER, msg)
+            {
                 tracing::warn!(error = %e, "could not record the rejection; will retry");
                 let _ = msg
                     .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
@@ -160,10 +196,30 @@ async fn handle(rt: &Runtime, msg: Message) {
             }
             Answer::Rejected { error: rejection }
         }
+        Err(Refusal::Retry(reason)) if consumer::is_last_delivery(CONSUMER, msg) => {
+            // Never leave a task unanswered: the last try is a rejection that says why.
+            let rejection = TaskRejection::new(
+                "task",
+                format!(
+                    "gave up after {} deliveries: {reason}",
+                    consumer::deliveries(msg)
+                ),
+            );
+            tracing::error!(subject = %msg.subject, reason = %rejection.reason, "task rejected at its last delivery");
+            if let Err(e) = record_rejection(rt, msg, &rejection).await {
+                tracing::error!(error = %e, "could not record the rejection");
+            }
+            Answer::Rejected { error: rejection }
+        }
         Err(Refusal::Retry(reason)) => {
-            tracing::warn!(%reason, "intake cannot proceed now; will retry");
+            let delivered = consumer::deliveries(msg);
+            tracing::warn!(%reason, delivered, "intake cannot proceed now; will retry");
             let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .ack_with(AckKind::Nak(Some(consumer::retry_delay(
+                    delivered,
+                    RETRY_DELAY,
+                    RETRY_MAX,
+                ))))
                 .await;
             return;
         }
@@ -246,12 +302,13 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(run_id),
         Err(JournalError::Conflict { .. }) => {
             // The run exists. The same task again (same tenant and key) is the same run.
-            let first = rt
+            // Its run.created (inputs may precede it: anyone may publish on a run id).
+            let created = rt
                 .journal
-                .read(&run_id, 0)
+                .read_type(&run_id, kedge_core::event::EventType::RunCreated)
                 .await
-                .map_err(|e| Refusal::Retry(e.to_string()))?;
-            match first.first().map(|r| &r.envelope.event) {
+                .map_err(|e| journal_refusal(&e))?;
+            match created.first().map(|r| &r.envelope.event) {
                 Some(Event::RunCreated(c))
                     if c.tenant == tenant && key.is_some() && c.idempotency_key == key =>
                 {
@@ -263,8 +320,24 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
                 ))),
             }
         }
-        Err(e) if e.is_retryable() => Err(Refusal::Retry(e.to_string())),
-        Err(e) => Err(Refusal::Retry(e.to_string())),
+        Err(e) => Err(journal_refusal(&e)),
+    }
+}
+
+/// What a failed `run.created` append means for the task: broker trouble is retried; anything
+/// else (a run that cannot be journaled as given, a broker that refuses it) will not change by
+/// retrying and is answered as a rejection naming the reason.
+fn journal_refusal(e: &JournalError) -> Refusal {
+    match e.kind() {
+        ErrorKind::Unavailable => Refusal::Retry(e.to_string()),
+        ErrorKind::Conflict
+        | ErrorKind::Duplicate
+        | ErrorKind::TooOld
+        | ErrorKind::Invalid
+        | ErrorKind::Other => Refusal::Reject(TaskRejection::new(
+            "task",
+            format!("the run could not be journaled: {e}"),
+        )),
     }
 }
 
@@ -314,6 +387,38 @@ async fn record_rejection(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_broker_trouble_is_retried() {
+        let retry = |e: JournalError| matches!(journal_refusal(&e), Refusal::Retry(_));
+        assert!(retry(JournalError::Unavailable {
+            op: "append",
+            reason: "timeout".into()
+        }));
+        for permanent in [
+            JournalError::BadRequest("too big".into()),
+            JournalError::Rejected {
+                op: "append",
+                reason: "maximum payload exceeded".into(),
+            },
+            JournalError::Invalid {
+                seq: 3,
+                reason: "x".into(),
+            },
+            JournalError::TooOld {
+                what: "x",
+                reason: "y".into(),
+            },
+        ] {
+            match journal_refusal(&permanent) {
+                Refusal::Reject(r) => {
+                    assert_eq!(r.field, "task");
+                    assert!(r.reason.contains(&permanent.to_string()), "{}", r.reason);
+                }
+                Refusal::Retry(_) => panic!("{permanent} is retried"),
+            }
+        }
+    }
 
     #[test]
     fn only_inboxes_are_answered() {

@@ -24,7 +24,8 @@
 //! What makes a run stall although every message is at-least-once: a wake acked by a worker that
 //! then failed before it could act (a bug, a lost lease at the wrong moment), or a state the
 //! consumers never see again. A stalled scan is not silent: every scan logs what it checked and
-//! nudged, and errors are logged per run, never swallowed.
+//! nudged, and errors are logged per run, never swallowed. A panic while checking one run is
+//! contained to that run (logged at error, the scan goes on).
 
 use std::future::Future;
 use std::time::Duration;
@@ -93,7 +94,21 @@ pub async fn scan_once(rt: &Runtime) -> Result<ScanReport, ReconcileError> {
     };
     let stall_after = rt.config.timeouts.stall_after();
     for run in runs {
-        match check(rt, &run, stall_after).await {
+        // Each run is checked in its own task, so that a panic while checking one (a bug, a
+        // journal nobody foresaw) is logged with its run and the scan goes on.
+        let checked = {
+            let rt = rt.clone();
+            let run = run.clone();
+            tokio::spawn(async move { check(&rt, &run, stall_after).await }).await
+        };
+        let checked = match checked {
+            Ok(checked) => checked,
+            Err(e) => {
+                tracing::error!(run_id = %run, error = %e, "checking the run panicked; going on with the scan");
+                continue;
+            }
+        };
+        match checked {
             Ok(Verdict::Active) => {}
             Ok(Verdict::Quiet) => report.quiet += 1,
             Ok(Verdict::Nudged) => {
@@ -152,6 +167,13 @@ async fn check(
         return Ok(Verdict::Quiet);
     }
     let events = rt.journal.read(run, 0).await?;
+    if !events
+        .iter()
+        .any(|r| r.envelope.event_type() == EventType::RunCreated)
+    {
+        // Only messages set aside (or inputs) on a run id that was never created.
+        return Ok(Verdict::Quiet);
+    }
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
     let abandoned_after = rt.config.timeouts.op_abandoned_after();
     let cutoff = Timestamp(

@@ -54,6 +54,9 @@ pub enum DriveError {
     /// An approval request needs the target's version and no tool runner gave it.
     #[error("precondition query for `{tool}`: {reason}")]
     Precondition { tool: String, reason: String },
+    /// The drive panicked (a bug): contained by the service, retried a bounded number of times.
+    #[error("the drive panicked: {0}")]
+    Panicked(String),
 }
 
 impl DriveError {
@@ -71,7 +74,8 @@ impl DriveError {
             DriveError::Lease(_)
             | DriveError::Fold(_)
             | DriveError::Idempotency(_)
-            | DriveError::Agent(_) => false,
+            | DriveError::Agent(_)
+            | DriveError::Panicked(_) => false,
         }
     }
 }
@@ -90,6 +94,28 @@ pub struct Driver {
     /// The release markers this process left on runs' leases: the next acquire of such a run
     /// tries to take over its own marker first (one round trip instead of two).
     released: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Released>>>,
+}
+
+/// The stream where set-aside journal messages are recorded.
+const REJECTIONS_STREAM: &str = "KEDGE_REJECTIONS";
+
+/// Folds `events` and the messages `set_aside` among them into `state`, in sequence order.
+fn fold_merged<'a>(
+    state: &mut RunState,
+    events: impl Iterator<Item = &'a kedge_journal::Recorded>,
+    set_aside: &[kedge_journal::SetAside],
+) -> Result<(), FoldError> {
+    let mut aside = set_aside.iter().peekable();
+    for r in events {
+        while let Some(a) = aside.next_if(|a| a.seq < r.seq) {
+            state.set_aside(a.seq, a.kind);
+        }
+        state.apply(r.seq, &r.envelope)?;
+    }
+    for a in aside {
+        state.set_aside(a.seq, a.kind);
+    }
+    Ok(())
 }
 
 /// Runs whose folded state is kept between drives; beyond it the cache starts over.
@@ -200,22 +226,84 @@ impl Driver {
         result.map(|()| Outcome::Idle)
     }
 
-    async fn load(&self, run: &RunId) -> Result<RunState, DriveError> {
-        let events = self.rt.journal.read(run, 0).await?;
-        if events.is_empty() {
-            return Err(DriveError::NoRun);
+    /// The run's state from its whole journal; `None` for a run with no `run.created` (a wake by
+    /// an input published on a run id that does not exist: nothing to drive, and when the run is
+    /// created its own wake drives it, the early input ignored).
+    async fn load(&self, run: &RunId) -> Result<Option<RunState>, DriveError> {
+        let page = self.rt.journal.read_with_set_aside(run, 0).await?;
+        if !page.set_aside.is_empty() {
+            self.record_set_aside(run, &page.set_aside).await;
         }
-        Ok(kedge_core::fold::fold(
-            events.iter().map(|r| (r.seq, &r.envelope)),
-        )?)
+        // `fold` takes the run up to its first decision (inputs before it are ignored); the rest
+        // is folded in order with the messages set aside.
+        let Some(created) = page
+            .events
+            .iter()
+            .position(|r| r.envelope.kind() == kedge_core::event::EventKind::Decision)
+        else {
+            return Ok(None);
+        };
+        let (head, tail) = page.events.split_at(created + 1);
+        let mut state = kedge_core::fold::fold(head.iter().map(|r| (r.seq, &r.envelope)))?;
+        fold_merged(&mut state, tail.iter(), &page.set_aside)?;
+        Ok(Some(state))
     }
 
     /// Reads what landed after the state's last event and folds it in.
     async fn refresh(&self, state: &mut RunState) -> Result<(), DriveError> {
-        for r in self.rt.journal.read(&state.run_id, state.last_seq).await? {
-            state.apply(r.seq, &r.envelope)?;
+        let page = self
+            .rt
+            .journal
+            .read_with_set_aside(&state.run_id, state.last_seq)
+            .await?;
+        fold_merged(state, page.events.iter(), &page.set_aside)?;
+        if !page.set_aside.is_empty() {
+            self.record_set_aside(&state.run_id, &page.set_aside).await;
         }
         Ok(())
+    }
+
+    /// Records messages set aside from a run's journal where operators see them, once each:
+    /// `agent.rejected.journal.<run>.<seq>` in `KEDGE_REJECTIONS` (looked up first, and
+    /// `Nats-Msg-Id` `journal:<run>:<seq>` within the duplicate window). Best effort: a record
+    /// that cannot be written is logged; the run goes on.
+    async fn record_set_aside(&self, run: &RunId, set_aside: &[kedge_journal::SetAside]) {
+        let stream = match self.rt.js.get_stream_no_info(REJECTIONS_STREAM).await {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(run_id = %run, error = %e, "cannot record set-aside journal messages");
+                return;
+            }
+        };
+        for a in set_aside {
+            let subject = format!("agent.rejected.journal.{run}.{}", a.seq);
+            if stream.direct_get_last_for_subject(&subject).await.is_ok() {
+                continue;
+            }
+            tracing::warn!(run_id = %run, seq = a.seq, subject = %a.subject, reason = %a.reason, "journal message set aside");
+            let body = serde_json::json!({
+                "at": Timestamp::now(),
+                "run_id": run,
+                "seq": a.seq,
+                "subject": a.subject,
+                "kind": a.kind,
+                "reason": a.reason,
+            });
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", format!("journal:{run}:{}", a.seq).as_str());
+            let published = match self
+                .rt
+                .js
+                .publish_with_headers(subject, headers, body.to_string().into())
+                .await
+            {
+                Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = published {
+                tracing::warn!(run_id = %run, seq = a.seq, error = %e, "cannot record a set-aside journal message");
+            }
+        }
     }
 
     /// Appends decisions one after another, each with the concurrency check against the one
@@ -263,7 +351,7 @@ impl Driver {
                 Err(JournalError::Duplicate { seq }) => expected = seq,
                 Err(JournalError::Conflict { expected, actual }) => {
                     tracing::warn!(run_id = %state.run_id, expected, actual, "decision conflict; re-reading");
-                    *state = self.load(&state.run_id).await?;
+                    *state = self.load(&state.run_id).await?.ok_or(DriveError::NoRun)?;
                     return Ok(false);
                 }
                 Err(e) => return Err(e.into()),
@@ -314,13 +402,22 @@ impl Driver {
         writer: &DecisionWriter,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<(), DriveError> {
+        // A panic here (a bug; or the test failpoint) is contained by the service: the wake is
+        // handed back and the lease expires.
+        failpoint::panic_point("step.drive", run.as_str());
         let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
         let mut state = match cached {
             Some(mut state) => {
                 self.refresh(&mut state).await?;
                 state
             }
-            None => self.load(run).await?,
+            None => match self.load(run).await? {
+                Some(state) => state,
+                None => {
+                    tracing::debug!(run_id = %run, "woken for a run that has no run.created; nothing to drive");
+                    return Ok(());
+                }
+            },
         };
         let result = self.drive_state(&mut state, writer, lost).await;
         if result.is_ok()

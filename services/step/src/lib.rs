@@ -15,6 +15,15 @@
 //! Wakes for a run this process is already driving are folded into the running drive (it reads
 //! the journal again before letting go), so a burst of inputs costs one drive, not one each.
 //! A wake for a run whose lease another worker holds is handed back with a short delay.
+//!
+//! Hostile or broken input never stops a run or the service: messages on a run's subjects that
+//! are not events of the run are set aside by the journal, recorded once on
+//! `agent.rejected.journal.<run>.<seq>` (`KEDGE_REJECTIONS`), counted in the folded state, and
+//! the wake they caused is acked once the run is driven. A drive that panics is contained (the
+//! wake is handed back with a delay, the lease expires, other drives go on). Every failure is
+//! retried with a growing delay a bounded number of times (`max_deliver` of the `step`
+//! consumer); the last delivery of a failing wake is a dead letter on
+//! `agent.rejected.dead.step`, logged at error.
 
 mod drive;
 
@@ -23,16 +32,29 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream::AckKind;
-use futures::StreamExt;
+use std::panic::AssertUnwindSafe;
+
+use async_nats::jetstream::{AckKind, Message};
+use futures::{FutureExt, StreamExt};
 use kedge_core::ids::RunId;
 use kedge_model::ModelClient;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
 pub use drive::{DriveError, Outcome};
 
-/// Redelivery delay of a wake whose run is leased by another worker.
+/// Redelivery delay of a wake whose run is leased by another worker (doubled per delivery up to
+/// [`BUSY_MAX`]).
 const BUSY_DELAY: Duration = Duration::from_millis(250);
+const BUSY_MAX: Duration = Duration::from_secs(2);
+/// Redelivery delays after a retryable failure (doubled per delivery up to the cap).
+const RETRY_DELAY: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+/// Redelivery delays after a failure that may not go away (a panic, a journal that does not
+/// fold): retried a bounded number of times in case it was transient, then a dead letter.
+const FAIL_DELAY: Duration = Duration::from_secs(2);
+const FAIL_MAX: Duration = Duration::from_secs(60);
+/// The durable consumer's name (and the dead letters' subject token).
+const CONSUMER: &str = "step";
 
 /// Per-run bookkeeping of this process: whether more wakes arrived during the drive.
 type Active = Arc<Mutex<HashMap<RunId, bool>>>;
@@ -62,7 +84,7 @@ async fn watch_cancels(
 
 /// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let consumer = consumer::durable(&rt.js, "step", rt.config.timeouts.step_ack_wait()).await?;
+    let consumer = consumer::durable(&rt.js, CONSUMER, rt.config.timeouts.step_ack_wait()).await?;
     let mut messages = consumer
         .messages()
         .await
@@ -77,7 +99,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     loop {
         let msg = tokio::select! {
             _ = &mut shutdown => break,
-            next = consumer::next_message(&mut messages, "step") => match next {
+            next = consumer::next_message(&mut messages, CONSUMER) => match next {
                 Some(msg) => msg,
                 None => break,
             },
@@ -109,48 +131,106 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         }
         let driver = driver.clone();
         let active = active.clone();
-        workers.spawn(async move {
-            let msg = Arc::new(msg);
-            let result = loop {
-                let result = driver.drive(&run_id, Some(msg.clone())).await;
-                let again = match active.lock() {
-                    Ok(mut map) => match map.get_mut(&run_id) {
-                        Some(dirty) if *dirty && result.is_ok() => {
-                            *dirty = false;
-                            true
-                        }
-                        _ => {
-                            map.remove(&run_id);
-                            false
-                        }
-                    },
-                    Err(_) => false,
+        let js = rt.js.clone();
+        workers
+            .spawn(async move {
+                let msg = Arc::new(msg);
+                let result = loop {
+                    // A panic in a drive (a bug) is contained: this run's wake is handed back
+                    // (bounded, like any failure), the process and its other drives go on.
+                    let result = AssertUnwindSafe(driver.drive(&run_id, Some(msg.clone())))
+                        .catch_unwind()
+                        .await
+                        .unwrap_or_else(|panic| {
+                            let reason = panic_message(panic.as_ref());
+                            tracing::error!(run_id = %run_id, panic = %reason, "drive panicked; the wake is handed back");
+                            Err(DriveError::Panicked(reason))
+                        });
+                    let again = match active.lock() {
+                        Ok(mut map) => match map.get_mut(&run_id) {
+                            Some(dirty) if *dirty && result.is_ok() => {
+                                *dirty = false;
+                                true
+                            }
+                            _ => {
+                                map.remove(&run_id);
+                                false
+                            }
+                        },
+                        Err(_) => false,
+                    };
+                    if !again {
+                        break result;
+                    }
                 };
-                if !again {
-                    break result;
-                }
-            };
-            let ack = match &result {
-                Ok(Outcome::Idle) => msg.ack().await,
-                Ok(Outcome::Busy) => msg.ack_with(AckKind::Nak(Some(BUSY_DELAY))).await,
-                Err(e) if e.is_retryable() => {
-                    tracing::warn!(run_id = %run_id, error = %e, "drive failed; will retry");
-                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                        .await
-                }
-                Err(e) => {
-                    tracing::error!(run_id = %run_id, error = %e, "drive failed");
-                    msg.ack_with(AckKind::Nak(Some(Duration::from_secs(5))))
-                        .await
-                }
-            };
-            if let Err(e) = ack {
-                tracing::warn!(run_id = %run_id, error = %e, "ack failed; the wake will be redelivered");
-            }
-        }).await;
+                settle(&js, &run_id, &msg, result).await;
+            })
+            .await;
     }
     // Drain: wait for every in-flight drive to finish.
     workers.drain().await;
     tracing::info!("step service stopped");
     Ok(())
+}
+
+/// What a panic carried, as text.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
+
+/// Acks, hands back (with a delay growing per delivery) or, on the consumer's last delivery,
+/// gives up on a wake after its drive.
+async fn settle(
+    js: &async_nats::jetstream::Context,
+    run_id: &RunId,
+    msg: &Message,
+    result: Result<Outcome, DriveError>,
+) {
+    let delivered = consumer::deliveries(msg);
+    let last = consumer::is_last_delivery(CONSUMER, msg);
+    let ack = match &result {
+        Ok(Outcome::Idle) => msg.ack().await,
+        Ok(Outcome::Busy) if last => {
+            // Not a failure: the holder reads the journal again before it lets go, and the
+            // reconciler nudges a run left with work.
+            tracing::warn!(run_id = %run_id, delivered, "run still driven elsewhere at the wake's last delivery; dropping the wake");
+            msg.ack().await
+        }
+        Ok(Outcome::Busy) => {
+            msg.ack_with(AckKind::Nak(Some(consumer::retry_delay(
+                delivered, BUSY_DELAY, BUSY_MAX,
+            ))))
+            .await
+        }
+        Err(e) if last => {
+            let reason = format!("run {run_id}: {e}");
+            consumer::dead_letter(js, CONSUMER, msg, &reason).await;
+            return;
+        }
+        Err(e) if e.is_retryable() => {
+            tracing::warn!(run_id = %run_id, error = %e, delivered, "drive failed; will retry");
+            msg.ack_with(AckKind::Nak(Some(consumer::retry_delay(
+                delivered,
+                RETRY_DELAY,
+                RETRY_MAX,
+            ))))
+            .await
+        }
+        Err(e) => {
+            tracing::error!(run_id = %run_id, error = %e, delivered, "drive failed");
+            msg.ack_with(AckKind::Nak(Some(consumer::retry_delay(
+                delivered, FAIL_DELAY, FAIL_MAX,
+            ))))
+            .await
+        }
+    };
+    if let Err(e) = ack {
+        tracing::warn!(run_id = %run_id, error = %e, "ack failed; the wake will be redelivered");
+    }
 }

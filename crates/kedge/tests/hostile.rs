@@ -1,0 +1,273 @@
+//! Hostile and broken input end to end (issue 10, item 4): garbage on a run's subjects is set
+//! aside and recorded while the run goes on; a panic in a drive is contained; intake answers
+//! what it cannot do as a rejection instead of retrying it forever.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use common::{Harness, Svc};
+use kedge_core::RunStatus;
+use kedge_core::event::{Draft, Envelope, Event, Timestamp, UserMessage};
+use kedge_core::ids::RunId;
+use kedge_core::task::TaskSubmission;
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Publishes `payload` on `subject` through JetStream (as the test's admin) and returns its
+/// stream sequence.
+async fn publish(h: &Harness, subject: String, payload: Vec<u8>, msg_id: Option<&str>) -> u64 {
+    let mut headers = HeaderMap::new();
+    if let Some(id) = msg_id {
+        headers.insert("Nats-Msg-Id", id);
+    }
+    h.rt.js
+        .publish_with_headers(subject, headers, payload.into())
+        .await
+        .expect("published")
+        .await
+        .expect("stored")
+        .sequence
+}
+
+fn user_message(run: &RunId, text: &str) -> Envelope {
+    Envelope::new(
+        run.clone(),
+        Timestamp::now(),
+        Draft::new(Event::UserMessage(UserMessage { text: text.into() })),
+    )
+}
+
+/// Waits until every sequence in `seqs` has its record on `agent.rejected.journal.<run>.<seq>`;
+/// returns the records.
+async fn recorded_set_aside(h: &Harness, run: &RunId, seqs: &[u64]) -> Vec<serde_json::Value> {
+    let stream =
+        h.rt.js
+            .get_stream("KEDGE_REJECTIONS")
+            .await
+            .expect("rejections stream");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut found = Vec::new();
+        for seq in seqs {
+            if let Ok(m) = stream
+                .direct_get_last_for_subject(format!("agent.rejected.journal.{run}.{seq}"))
+                .await
+            {
+                found.push(serde_json::from_slice(&m.payload).expect("a JSON record"));
+            }
+        }
+        if found.len() == seqs.len() {
+            return found;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "set-aside records of {run}: {} of {seqs:?}",
+            found.len()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_on_a_run_s_subjects_is_set_aside_and_recorded_and_the_run_goes_on() {
+    let script = json!({"models": {"mh": {"steps": [{"text": "first"}, {"text": "second"}]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("hostile", "mh").await;
+    let run = h.submit("hostile", "go", "task-hostile").await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.output.as_deref(), Some("first"));
+
+    let other: RunId = "run_someone_else".parse().expect("valid");
+    let mut bad = Vec::new();
+    let on = |t: &str| format!("agent.run.{run}.{t}");
+    // Not JSON, on the input subject that wakes the step.
+    bad.push(publish(&h, on("i.user.message"), b"not json".to_vec(), None).await);
+    // JSON of the wrong shape.
+    bad.push(
+        publish(
+            &h,
+            on("i.user.message"),
+            json!({"run_id": run, "type": "user.message", "data": 7})
+                .to_string()
+                .into_bytes(),
+            Some("wrong-shape"),
+        )
+        .await,
+    );
+    // A well-formed envelope of another run, and one of another type.
+    bad.push(
+        publish(
+            &h,
+            on("i.user.message"),
+            user_message(&other, "not yours").to_json_bytes(),
+            None,
+        )
+        .await,
+    );
+    bad.push(
+        publish(
+            &h,
+            on("i.cancel.requested"),
+            user_message(&run, "misfiled").to_json_bytes(),
+            None,
+        )
+        .await,
+    );
+    // A huge payload, on another input subject.
+    bad.push(publish(&h, on("i.tool.result"), vec![b'{'; 900 * 1024], None).await);
+    // A decision without the writer's Nats-Msg-Id (the test is admin; on a secured broker only
+    // the step may publish there): set aside, and the writer's next append goes after it.
+    bad.push(
+        publish(
+            &h,
+            on("d.run.succeeded"),
+            json!({"garbage": true}).to_string().into_bytes(),
+            None,
+        )
+        .await,
+    );
+
+    // The run goes on: a real message revives it and it finishes its second turn.
+    h.input(
+        &run,
+        Event::UserMessage(UserMessage {
+            text: "again".into(),
+        }),
+        "again-1",
+    )
+    .await;
+    let state = h
+        .wait_for(&run, WAIT, |s| {
+            s.status == RunStatus::Succeeded && s.output.as_deref() == Some("second")
+        })
+        .await;
+    assert_eq!(state.turn, 2);
+    // What the readers see: only events, never a failure.
+    let events = h.events(&run).await;
+    assert!(events.iter().all(|r| !bad.contains(&r.seq)));
+    let page =
+        h.rt.journal
+            .read_with_set_aside(&run, 0)
+            .await
+            .expect("read");
+    let aside: Vec<u64> = page.set_aside.iter().map(|a| a.seq).collect();
+    assert_eq!(aside, bad);
+    // Recorded once each, where operators look.
+    let records = recorded_set_aside(&h, &run, &bad).await;
+    for (record, seq) in records.iter().zip(&bad) {
+        assert_eq!(record["seq"], *seq);
+        assert_eq!(record["run_id"], run.as_str());
+        assert!(record["reason"].as_str().is_some_and(|r| !r.is_empty()));
+    }
+    assert_eq!(records[5]["kind"], "decision");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inputs_published_before_a_run_exists_do_not_stop_it() {
+    let script = json!({"models": {"me": {"steps": [{"text": "fine"}]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("early", "me").await;
+    let run: RunId = "run_early_bird".parse().expect("valid");
+    publish(
+        &h,
+        format!("agent.run.{run}.i.user.message"),
+        b"\xff\xfe garbage".to_vec(),
+        None,
+    )
+    .await;
+    publish(
+        &h,
+        format!("agent.run.{run}.i.user.message"),
+        user_message(&run, "before you were born").to_json_bytes(),
+        Some("early-1"),
+    )
+    .await;
+    let task = TaskSubmission {
+        agent: "early".parse().expect("agent"),
+        input: "go".into(),
+        run_id: Some(run.clone()),
+        budget: None,
+        metadata: Default::default(),
+    };
+    match h.submit_task(&task, "task-early").await {
+        kedge_intake::Answer::Accepted { run_id } => assert_eq!(run_id, run),
+        kedge_intake::Answer::Rejected { error } => panic!("rejected: {error}"),
+    }
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    assert_eq!(state.ignored_inputs, 1, "the early message is ignored");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_a_drive_is_contained_and_the_run_is_retried() {
+    let script = json!({"models": {
+        "mp": {"steps": [{"text": "survived"}]},
+        "mq": {"steps": [{"text": "unbothered"}]}
+    }});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("panicky", "mp").await;
+    h.agent("calm", "mq").await;
+    let run: RunId = "run_panicky".parse().expect("valid");
+    kedge_runtime::failpoint::arm_panic("step.drive", run.as_str(), 2);
+    let task = TaskSubmission {
+        agent: "panicky".parse().expect("agent"),
+        input: "go".into(),
+        run_id: Some(run.clone()),
+        budget: None,
+        metadata: Default::default(),
+    };
+    match h.submit_task(&task, "task-panicky").await {
+        kedge_intake::Answer::Accepted { run_id } => assert_eq!(run_id, run),
+        kedge_intake::Answer::Rejected { error } => panic!("rejected: {error}"),
+    }
+    // The service survives the panics: another run completes meanwhile.
+    let calm = h.submit("calm", "go", "task-calm").await;
+    let state = h.wait_terminal(&calm, WAIT).await;
+    assert_eq!(state.output.as_deref(), Some("unbothered"));
+    // The panicking run's wake was handed back, and its third drive succeeds.
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    assert_eq!(state.output.as_deref(), Some("survived"));
+    assert_eq!(h.mock.calls().total, 2, "one model call per run");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_intake_cannot_journal_is_answered_as_a_rejection_not_retried() {
+    let script = json!({"models": {"mr": {"steps": [{"text": "never"}]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("taken", "mr").await;
+    // Someone put garbage on the decision subject of the run id the task asks for: the run
+    // cannot be created (its first decision must be run.created), and retrying will not help.
+    let run: RunId = "run_squatted".parse().expect("valid");
+    publish(
+        &h,
+        format!("agent.run.{run}.d.run.created"),
+        b"squatter".to_vec(),
+        None,
+    )
+    .await;
+    let task = TaskSubmission {
+        agent: "taken".parse().expect("agent"),
+        input: "go".into(),
+        run_id: Some(run.clone()),
+        budget: None,
+        metadata: Default::default(),
+    };
+    let t = Instant::now();
+    match h.submit_task(&task, "task-squatted").await {
+        kedge_intake::Answer::Rejected { error } => {
+            assert_eq!(error.field, "run_id");
+            assert!(error.reason.contains("already exists"), "{}", error.reason);
+        }
+        kedge_intake::Answer::Accepted { run_id } => panic!("accepted {run_id}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(h.mock.calls().total, 0);
+    h.shutdown().await;
+}
