@@ -734,3 +734,21 @@ async fn agents_put_refuses_keys_and_endpoints_the_operator_did_not_allow() {
         assert!(err.contains(says), "{name}: {err}");
     }
 }
+
+#[tokio::test]
+async fn a_stored_agent_outside_the_model_policy_fails_its_run_without_calling_anyone() {
+    let Some(h) = harness().await else { return };
+    let name: kedge_core::ids::AgentName = "elsewhere".parse().expect("name");
+    h.agent("elsewhere", "asker").await;
+    let (_, stored) = h.rt.agents.latest(&name).await.expect("stored");
+    let mut def = (*stored).clone();
+    // Stored around `kedge agents put` (straight into the bucket, as admin).
+    def.model.base_url = Some("https://model.evil.example/v1".into());
+    h.rt.agents.put(&def).await.expect("stored again");
+    let run = h.submit("elsewhere", "hi", "elsewhere-1").await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Failed);
+    let reason = format!("{:?}", state.failure);
+    assert!(reason.contains("base_url"), "{reason}");
+    assert_eq!(h.mock.total_calls(), 0, "nobody was called");
+}

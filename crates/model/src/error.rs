@@ -73,6 +73,12 @@ pub struct ModelError {
 }
 
 impl ModelError {
+    /// The call was not made: the operator's policy does not allow the agent's key variable or
+    /// endpoint. Fatal: the same call would be refused again.
+    pub fn refused_by_policy(reason: impl Into<String>) -> Self {
+        Self::new(ErrorClass::Fatal, ModelErrorKind::Request, reason)
+    }
+
     pub(crate) fn new(class: ErrorClass, kind: ModelErrorKind, message: impl Into<String>) -> Self {
         Self {
             class,

@@ -632,7 +632,14 @@ impl Driver {
         plan: &StepPlan,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<kedge_core::decide::ModelResponse, CallError> {
-        let api_key = self.rt.config.api_key(&kedge_model::api_key_env(def));
+        // The operator's model policy, at run time too: a definition stored around
+        // `kedge agents put` still cannot send the conversation or a key elsewhere.
+        let key_var = kedge_model::api_key_env(def);
+        self.rt
+            .config
+            .check_model(&key_var, state.bundle.model.base_url.as_deref())
+            .map_err(|reason| CallError::Model(ModelError::refused_by_policy(reason)))?;
+        let api_key = self.rt.config.api_key(&key_var);
         let call = ModelCall {
             spec: &state.bundle.model,
             api_key: api_key.as_deref(),
