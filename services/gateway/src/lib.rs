@@ -19,7 +19,8 @@
 //! | `kedge.callback.<key>` (`Kedge-Delivery-Id`) | the payload | the delivery (`{"status": "accepted" …}`) |
 //! | `kedge.approve.<approver>.<run>.<approval>` (approvers only) | `{"verdict", "args_digest", "comment"?}` | `{"seq"}` |
 //!
-//! Refusals are `{"error": {"status": 404 | 409 | 410 | 422 | 503, "kind", "field"?, "reason"}}`;
+//! Refusals are `{"error": {"status": 404 | 409 | 410 | 422 | 429 | 503, "kind", "field"?, "reason"}}`
+//! (429: a tenant already has [`MAX_FOLLOWS_PER_TENANT`] follows open on this process);
 //! another tenant's run is answered exactly like a run that does not exist. A task is forwarded
 //! to `agent.task.<agent>.<tenant>` with `Nats-Msg-Id` `<tenant>/<key>` (so two tenants' keys
 //! never collide in the stream's deduplication) and only the headers Kedge sets: a tenant cannot
@@ -53,6 +54,9 @@ pub const MAX_IN_FLIGHT: usize = 1024;
 /// How long one follow request streams before it ends with `Kedge-End: timeout` (the client
 /// asks again from its last `Kedge-Seq`). Under the server's default response threshold.
 pub const FOLLOW_FOR: Duration = Duration::from_secs(60);
+/// Follows one tenant may have open on one gateway process at once (each holds a request slot
+/// for up to [`FOLLOW_FOR`]): one tenant cannot take every slot from the others.
+pub const MAX_FOLLOWS_PER_TENANT: usize = 64;
 /// Largest page of `history`.
 pub const MAX_PAGE: usize = 1000;
 /// Header carrying an event's journal sequence in a follow.
@@ -440,8 +444,51 @@ struct FollowFrom {
 
 /// Streams the run's public events after `after` to the reply subject, live, until the run has
 /// finished or [`FOLLOW_FOR`] passed; then an end message.
+/// Open follows per tenant in this process.
+fn follows() -> &'static std::sync::Mutex<std::collections::HashMap<TenantId, usize>> {
+    static FOLLOWS: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::HashMap<TenantId, usize>>,
+    > = std::sync::OnceLock::new();
+    FOLLOWS.get_or_init(Default::default)
+}
+
+/// One of a tenant's open follows; given back when dropped.
+struct FollowSlot(TenantId);
+
+impl FollowSlot {
+    fn take(tenant: &TenantId) -> Option<FollowSlot> {
+        let mut open = follows().lock().ok()?;
+        let n = open.entry(tenant.clone()).or_insert(0);
+        if *n >= MAX_FOLLOWS_PER_TENANT {
+            return None;
+        }
+        *n += 1;
+        Some(FollowSlot(tenant.clone()))
+    }
+}
+
+impl Drop for FollowSlot {
+    fn drop(&mut self) {
+        if let Ok(mut open) = follows().lock()
+            && let Some(n) = open.get_mut(&self.0)
+        {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                open.remove(&self.0);
+            }
+        }
+    }
+}
+
 async fn follow(rt: &Runtime, msg: &async_nats::Message, tenant: &TenantId, run: &RunId) {
     let Some(to) = msg.reply.clone() else { return };
+    let Some(_slot) = FollowSlot::take(tenant) else {
+        let why = format!(
+            "tenant {tenant} has {MAX_FOLLOWS_PER_TENANT} follows open on this gateway; close one \
+             or retry"
+        );
+        return reply_error(rt, msg, 429, "quota_exceeded", None, &why).await;
+    };
     let from: FollowFrom = match body(&msg.payload) {
         Ok(f) => f,
         Err(r) => {
@@ -651,6 +698,22 @@ async fn approve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn follows_are_capped_per_tenant_and_given_back() {
+        let acme: TenantId = "acme-follow-test".parse().expect("tenant");
+        let other: TenantId = "other-follow-test".parse().expect("tenant");
+        let held: Vec<FollowSlot> = (0..MAX_FOLLOWS_PER_TENANT)
+            .map(|_| FollowSlot::take(&acme).expect("under the cap"))
+            .collect();
+        assert!(FollowSlot::take(&acme).is_none(), "over the cap");
+        assert!(
+            FollowSlot::take(&other).is_some(),
+            "another tenant is not affected"
+        );
+        drop(held);
+        assert!(FollowSlot::take(&acme).is_some(), "slots come back");
+    }
 
     #[test]
     fn subjects_parse_to_requests_with_the_tenant_in_front() {
