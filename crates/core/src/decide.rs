@@ -618,14 +618,24 @@ fn fail(reason: FailureReason, message: String) -> Next {
 }
 
 fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>) -> Next {
+    // An exhausted budget fails the run after the prefix (`run.started`, `run.revived`): a
+    // message to a finished run whose budget is spent revives it and then fails it with the
+    // reason, a sequence the state machine allows (a bare `run.failed` from `succeeded` is not).
+    let fail_after = |prefix: Vec<Draft>, reason, message: String| {
+        let mut drafts = prefix;
+        drafts.push(Draft::new(Event::RunFailed(RunFailed { reason, message })));
+        Next::Commit(drafts)
+    };
     if state.step.get() >= budget.max_steps {
-        return fail(
+        return fail_after(
+            prefix,
             FailureReason::MaxSteps,
             format!("the run used its {} steps", budget.max_steps),
         );
     }
     if state.usage.total() >= budget.max_tokens {
-        return fail(
+        return fail_after(
+            prefix,
             FailureReason::MaxTokens,
             format!(
                 "the run used {} of its {} tokens",

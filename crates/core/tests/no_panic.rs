@@ -768,8 +768,9 @@ fn run_journal(start: &Start, actions: &[Action], contract: &Contract) {
                         for d in &plan.start {
                             push(&mut journal, Envelope::new(run(), now, d.clone()), 1);
                         }
-                        let Ok(after) = fold(journal.iter().map(|(s, e)| (*s, e))) else {
-                            return;
+                        let after = match fold(journal.iter().map(|(s, e)| (*s, e))) {
+                            Ok(after) => after,
+                            Err(e) => panic!("a step's start does not fold: {e}"),
                         };
                         complete_step(
                             &after,
@@ -784,8 +785,14 @@ fn run_journal(start: &Start, actions: &[Action], contract: &Contract) {
                     }
                     Next::Finish(c) => finish_step(&state, &c, now, contract),
                 };
+                let committed = !drafts.is_empty();
                 for d in drafts {
                     push(&mut journal, Envelope::new(run(), now, d), 1);
+                }
+                // What the writer decides on a state that folds, folds: a decision the state
+                // machine refuses would stop the run's journal from folding for good.
+                if committed && let Err(e) = fold(journal.iter().map(|(s, e)| (*s, e))) {
+                    panic!("decide's decisions do not fold: {e}");
                 }
             }
         }
@@ -899,7 +906,9 @@ proptest! {
 /// `run.failed` (max steps) from `succeeded`, which the transition table refuses, so the
 /// journal would stop folding. (Also from `failed`, with `max_steps: 0`.)
 #[test]
-#[ignore = "found by no_panic: decide proposes run.failed in a terminal run that gets a message with no steps left; fold refuses it"]
+/// Found by no_panic: `decide` used to propose a bare `run.failed` in a finished run that got a
+/// message with no steps left, which the state machine refuses (the run stopped folding). It now
+/// revives the run and then fails it with the reason.
 fn a_message_to_a_finished_run_with_no_steps_left_folds() {
     let mut journal = vec![(
         1,
@@ -952,6 +961,13 @@ fn a_message_to_a_finished_run_with_no_steps_left_folds() {
             journal.push((seq, Envelope::new(run(), Timestamp::now(), d)));
         }
     }
-    // Today: `run.failed` is not allowed in status `succeeded`.
-    state(&journal);
+    let last = state(&journal);
+    assert_eq!(last.status, kedge_core::RunStatus::Failed);
+    assert!(
+        last.failure
+            .as_ref()
+            .is_some_and(|f| f.message.contains("steps")),
+        "{:?}",
+        last.failure
+    );
 }
