@@ -271,3 +271,130 @@ async fn a_task_intake_cannot_journal_is_answered_as_a_rejection_not_retried() {
     assert_eq!(h.mock.calls().total, 0);
     h.shutdown().await;
 }
+
+/// A small deterministic generator (xorshift64*), so a failure can be replayed from its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn bytes(&mut self, max: u64) -> Vec<u8> {
+        let len = self.below(max);
+        (0..len).map(|_| (self.next() & 0xff) as u8).collect()
+    }
+    /// Arbitrary JSON of bounded depth, with the journal's own keys among the object keys.
+    fn json(&mut self, depth: u32) -> serde_json::Value {
+        const KEYS: &[&str] = &[
+            "run_id",
+            "type",
+            "at",
+            "step",
+            "attempt",
+            "op",
+            "data",
+            "digest",
+            "text",
+            "answer",
+            "question_id",
+            "approval_id",
+            "verdict",
+            "args_digest",
+            "payload",
+            "key",
+            "x",
+        ];
+        match self.below(if depth == 0 { 5 } else { 7 }) {
+            0 => serde_json::Value::Null,
+            1 => json!(self.below(2) == 0),
+            2 => match self.below(4) {
+                0 => json!(u64::MAX),
+                1 => json!(-1),
+                2 => json!(1e300),
+                _ => json!(self.next()),
+            },
+            3 => json!(String::from_utf8_lossy(&self.bytes(64))),
+            4 => json!(format!("run_{}", self.below(1000))),
+            5 => (0..self.below(4))
+                .map(|_| self.json(depth - 1))
+                .collect::<Vec<_>>()
+                .into(),
+            _ => {
+                let mut m = serde_json::Map::new();
+                for _ in 0..self.below(6) {
+                    let k = KEYS[self.below(KEYS.len() as u64) as usize].to_owned();
+                    m.insert(k, self.json(depth - 1));
+                }
+                m.into()
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn arbitrary_bytes_on_any_input_subject_of_a_live_run_never_stop_it() {
+    let script = json!({"models": {"mr": {"steps": [
+        {"text": "asking", "tool_calls": [{"name": "ask_user", "arguments": {"question": "Go on?"}}]},
+        {"text": "finished"}
+    ]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    h.agent("random", "mr").await;
+    let run = h.submit("random", "go", "task-random").await;
+    let state = h
+        .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingUser)
+        .await;
+    let question = state.questions.keys().next().expect("a question").clone();
+    // Every input type Kedge knows, and tokens it does not.
+    let types: Vec<String> = kedge_core::EventType::ALL
+        .iter()
+        .filter(|t| t.kind() == kedge_core::EventKind::Input)
+        .map(|t| t.as_str().to_owned())
+        .chain(["bogus".to_owned(), "user.message.extra".to_owned()])
+        .collect();
+    let seed = 0x5eed_cafe_u64;
+    let mut rng = Rng(seed);
+    let mut published = 0;
+    for i in 0..120 {
+        let ty = &types[rng.below(types.len() as u64) as usize];
+        let payload = match rng.below(3) {
+            0 => rng.bytes(2048),
+            1 => rng.json(4).to_string().into_bytes(),
+            // An envelope of this run whose `data` is arbitrary (the digest then rarely fits).
+            _ => json!({
+                "run_id": run, "type": ty, "at": "2026-01-01T00:00:00Z", "step": rng.below(5),
+                "attempt": 1, "data": rng.json(3), "digest": "sha256:00"
+            })
+            .to_string()
+            .into_bytes(),
+        };
+        let id = format!("random-{seed}-{i}");
+        publish(&h, format!("agent.run.{run}.i.{ty}"), payload, Some(&id)).await;
+        published += 1;
+    }
+    assert_eq!(published, 120);
+    // The run still reads, still waits for its question, and finishes once it is answered.
+    let state = h.state(&run).await;
+    assert_eq!(
+        state.status,
+        RunStatus::WaitingUser,
+        "seed {seed:#x}: {state:?}"
+    );
+    h.input(
+        &run,
+        Event::QuestionAnswered(kedge_core::event::QuestionAnswered {
+            question_id: question.clone(),
+            answer: "yes".into(),
+        }),
+        &kedge_core::ids::InputId::answer(&question).to_string(),
+    )
+    .await;
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "seed {seed:#x}");
+    assert_eq!(done.output.as_deref(), Some("finished"));
+}
