@@ -630,6 +630,11 @@ impl InputId {
     pub fn nudge(run: &RunId, last_seq: u64) -> InputId {
         InputId(format!("nudge:{run}:{last_seq}"))
     }
+    /// An operator's retry of a run whose wake became dead letter `dead_seq`
+    /// (`kedge dead retry`).
+    pub fn dead_retry(run: &RunId, dead_seq: u64) -> InputId {
+        InputId(format!("retry:{run}:{dead_seq}"))
+    }
     /// The reconciler's nudge naming an operation stuck in one dispatch.
     pub fn resolve_nudge(op: &OperationId, dispatch: u32) -> InputId {
         InputId(format!("resolve:{op}:{dispatch}"))

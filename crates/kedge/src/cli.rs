@@ -158,6 +158,10 @@ pub enum Command {
     /// The kedge_runs projection (a cache of the journal).
     #[command(subcommand)]
     Runs(RunsCmd),
+    /// Messages a consumer gave up on (dead letters, `agent.rejected.dead.<consumer>` in
+    /// KEDGE_REJECTIONS).
+    #[command(subcommand)]
+    Dead(DeadCmd),
     /// The configured MCP servers (`mcp_servers`).
     #[command(subcommand)]
     Mcp(McpCmd),
@@ -171,6 +175,18 @@ pub enum McpCmd {
     /// Print a server's tools as agent-definition tool entries (`<server>__<tool>`, description,
     /// JSON Schema), ready for an agent's `tools`.
     Tools { server: String },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DeadCmd {
+    /// List the dead letters, oldest first (one line each; `--json` for the records).
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drive the run of a dead letter again (a wake of the step: the run gets a nudge). SEQ is
+    /// the dead letter's sequence in KEDGE_REJECTIONS, as `list` prints it.
+    Retry { seq: u64 },
 }
 
 #[derive(Debug, Subcommand)]
@@ -261,6 +277,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
     match cli.command {
         Command::Demo(args) => crate::demo::run(args, config).await,
+        Command::Dead(cmd) => dead(&Runtime::connect(config).await?, cmd).await,
         Command::Runs(RunsCmd::Rebuild) => {
             let rt = Runtime::connect(config).await?;
             let report = kedge_bridge::rebuild(&rt).await?;
@@ -464,6 +481,77 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 by: Some("cli".into()),
             });
             send_input(&rt, &run, event, &InputId::cancel(&run)).await
+        }
+    }
+}
+
+/// The dead letters in KEDGE_REJECTIONS: (stream sequence, record).
+async fn dead_letters(rt: &Runtime) -> anyhow::Result<Vec<(u64, serde_json::Value)>> {
+    let stream = rt
+        .js
+        .get_stream_no_info("KEDGE_REJECTIONS")
+        .await
+        .context("open KEDGE_REJECTIONS")?;
+    let mut out = Vec::new();
+    let mut from = 1;
+    loop {
+        match stream
+            .direct_get_next_for_subject("agent.rejected.dead.>", Some(from))
+            .await
+        {
+            Ok(m) => {
+                let record = serde_json::from_slice(&m.payload)
+                    .unwrap_or_else(|_| serde_json::json!({"unreadable": true}));
+                out.push((m.sequence, record));
+                from = m.sequence + 1;
+            }
+            Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
+                return Ok(out);
+            }
+            Err(e) => return Err(e).context("read dead letters"),
+        }
+    }
+}
+
+async fn dead(rt: &Runtime, cmd: DeadCmd) -> anyhow::Result<ExitCode> {
+    match cmd {
+        DeadCmd::List { json } => {
+            for (seq, r) in dead_letters(rt).await? {
+                if json {
+                    println!("{}", serde_json::json!({"seq": seq, "record": r}));
+                    continue;
+                }
+                let s = |k: &str| r[k].as_str().unwrap_or("?").to_owned();
+                println!(
+                    "{seq:>8}  {}  {} {}#{}  {}  after {} deliveries: {}",
+                    s("at"),
+                    s("consumer"),
+                    s("stream"),
+                    r["seq"],
+                    s("subject"),
+                    r["deliveries"],
+                    s("reason")
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadCmd::Retry { seq } => {
+            let letters = dead_letters(rt).await?;
+            let Some((_, record)) = letters.iter().find(|(s, _)| *s == seq) else {
+                bail!("no dead letter at sequence {seq} (see `kedge dead list`)");
+            };
+            let subject = record["subject"].as_str().unwrap_or_default();
+            let Some(parsed) = kedge_core::subjects::parse_event(subject) else {
+                bail!(
+                    "dead letter {seq} is not a wake of a run (subject `{subject}`); only the \
+                     step's dead letters can be retried"
+                );
+            };
+            let run = parsed.run_id;
+            let nudge = Event::Nudge(kedge_core::event::Nudge {
+                reason: format!("retried by an operator from dead letter {seq}"),
+            });
+            send_input(rt, &run, nudge, &InputId::dead_retry(&run, seq)).await
         }
     }
 }

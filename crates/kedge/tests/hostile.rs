@@ -398,3 +398,74 @@ async fn arbitrary_bytes_on_any_input_subject_of_a_live_run_never_stop_it() {
     assert_eq!(done.status, RunStatus::Succeeded, "seed {seed:#x}");
     assert_eq!(done.output.as_deref(), Some("finished"));
 }
+
+#[tokio::test]
+async fn dead_letters_are_listed_and_a_run_s_wake_is_retried_once() {
+    let script = json!({"models": {"md": {"steps": [{"text": "done"}]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("dead", "md").await;
+    let run = h.submit("dead", "go", "task-dead").await;
+    h.wait_terminal(&run, WAIT).await;
+    // What the step's consumer records when it gives up on a wake, and one of intake's.
+    let record = |consumer: &str, subject: String| {
+        json!({"at": Timestamp::now(), "consumer": consumer, "stream": "KEDGE_RUNS", "seq": 3,
+               "subject": subject, "deliveries": 100, "reason": "panicked every time", "body": ""})
+        .to_string()
+        .into_bytes()
+    };
+    let wake = publish(
+        &h,
+        "agent.rejected.dead.step".into(),
+        record("step", format!("agent.run.{run}.i.user.message")),
+        None,
+    )
+    .await;
+    let task = publish(
+        &h,
+        "agent.rejected.dead.intake".into(),
+        record("intake", "agent.task.dead".into()),
+        None,
+    )
+    .await;
+    let kedge = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kedge"))
+            .args(args)
+            .env("KEDGE_NATS_URL", h.nats.url())
+            .envs(common::kind_env(
+                &h.config,
+                kedge_runtime::secure::Kind::Admin,
+            ))
+            .env("KEDGE_LOG", "warn")
+            .output()
+            .expect("kedge runs")
+    };
+    let listed = kedge(&["dead", "list"]);
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("agent.run.{run}.i.user.message")),
+        "{text}"
+    );
+    assert!(
+        text.contains("panicked every time") && text.contains("intake"),
+        "{text}"
+    );
+    let retried = kedge(&["dead", "retry", &wake.to_string()]);
+    assert!(
+        retried.status.success(),
+        "{}",
+        String::from_utf8_lossy(&retried.stderr)
+    );
+    let again = kedge(&["dead", "retry", &wake.to_string()]);
+    assert!(String::from_utf8_lossy(&again.stdout).contains("already journaled"));
+    let nudges = h
+        .events(&run)
+        .await
+        .into_iter()
+        .filter(|r| matches!(r.envelope.event, Event::Nudge(_)))
+        .count();
+    assert_eq!(nudges, 1, "one retry, journaled once");
+    let refused = kedge(&["dead", "retry", &task.to_string()]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("not a wake of a run"));
+}
