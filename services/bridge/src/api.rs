@@ -16,7 +16,6 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use kedge_core::event::Event;
 use kedge_core::ids::{QuestionId, RunId};
 use kedge_core::task::{MAX_INPUT_BYTES, MAX_TASK_BYTES, TaskSubmission};
 use kedge_core::{RunState, RunStatus};
@@ -168,13 +167,9 @@ fn accepted(body: Value) -> Response {
 /// The run's whole journal, if the run exists and belongs to the caller's tenant (else 404).
 async fn owned_run(bridge: &Bridge, caller: &Caller, run: &RunId) -> Result<Vec<Recorded>> {
     let events = bridge.rt.journal.read(run, 0).await?;
-    match events.first().map(|r| &r.envelope.event) {
-        Some(Event::RunCreated(c)) if c.tenant == caller.tenant => {
-            bridge.tenants.remember(run, &c.tenant);
-            Ok(events)
-        }
-        _ => Err(Problem::not_found(format!("no run {run}"))),
-    }
+    inputs::check_owner(&caller.tenant, run, &events).map_err(refused)?;
+    bridge.tenants.remember(run, &caller.tenant);
+    Ok(events)
 }
 
 /// Checks the run's tenant without reading its journal (cached after the first time).
