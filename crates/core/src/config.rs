@@ -35,6 +35,13 @@ pub struct Timeouts {
     pub stall_after_ms: u64,
     /// Longest wait before retrying a model call after a retryable error.
     pub max_retry_delay_ms: u64,
+    /// How often each step and tool process publishes its liveness heartbeat (the failure
+    /// detector, docs/ARCHITECTURE.md "Takeover").
+    pub heartbeat_ms: u64,
+    /// A process whose heartbeats have been silent this long is suspected; it is declared gone
+    /// only when the broker answers a ping to it with "no responders" (its connection is
+    /// closed). A suspect that answers, or does not answer in time, is alive.
+    pub suspect_after_ms: u64,
 }
 
 impl Default for Timeouts {
@@ -49,6 +56,8 @@ impl Default for Timeouts {
             tool_ack_wait_ms: 90_000,
             stall_after_ms: 120_000,
             max_retry_delay_ms: 30_000,
+            heartbeat_ms: 100,
+            suspect_after_ms: 350,
         }
     }
 }
@@ -91,11 +100,17 @@ impl Timeouts {
     pub fn max_retry_delay(&self) -> Duration {
         Duration::from_millis(self.max_retry_delay_ms)
     }
+    pub fn heartbeat(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_ms)
+    }
+    pub fn suspect_after(&self) -> Duration {
+        Duration::from_millis(self.suspect_after_ms)
+    }
 
     /// Checks every relation; the first broken one is returned.
     pub fn check(&self) -> Result<(), RelationError> {
         let t = self;
-        let rules: [(&'static str, bool, String); 7] = [
+        let rules: [(&'static str, bool, String); 8] = [
             (
                 "lease_ttl >= 1s and whole seconds",
                 t.lease_ttl_ms >= 1_000 && t.lease_ttl_ms.is_multiple_of(1_000),
@@ -141,6 +156,14 @@ impl Timeouts {
                 format!(
                     "stall_after_ms = {} and step_ack_wait_ms = {}: the reconciler would nudge runs whose wake is about to be redelivered",
                     t.stall_after_ms, t.step_ack_wait_ms
+                ),
+            ),
+            (
+                "heartbeat > 0 and suspect_after >= 3 * heartbeat",
+                t.heartbeat_ms > 0 && t.suspect_after_ms >= t.heartbeat_ms.saturating_mul(3),
+                format!(
+                    "heartbeat_ms = {} and suspect_after_ms = {}: two late heartbeats must not make a live process a suspect",
+                    t.heartbeat_ms, t.suspect_after_ms
                 ),
             ),
             (
@@ -215,6 +238,13 @@ mod tests {
                     ..base.clone()
                 },
                 "stall_after > step_ack_wait",
+            ),
+            (
+                Timeouts {
+                    suspect_after_ms: 250,
+                    ..base.clone()
+                },
+                "heartbeat > 0 and suspect_after >= 3 * heartbeat",
             ),
             (
                 Timeouts {

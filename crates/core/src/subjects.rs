@@ -24,6 +24,29 @@ pub const TOOL_RESOLVE: &str = "kedge.tool.resolve";
 pub const TOOL_INSPECT: &str = "kedge.tool.inspect";
 pub const TOOL_RESOLVE_QUEUE: &str = "kedge-tool";
 
+/// Liveness of worker processes (the failure detector, `kedge_runtime::liveness`): each step
+/// or tool process publishes heartbeats on `kedge.live.hb.<worker>` and answers pings on
+/// `kedge.live.ping.<worker>`. Core NATS only; nothing is stored.
+pub const LIVE_HEARTBEATS: &str = "kedge.live.hb.*";
+
+/// The heartbeat subject of worker `worker` (a subject token: see [`is_token`]).
+pub fn live_heartbeat(worker: &str) -> String {
+    format!("kedge.live.hb.{worker}")
+}
+
+/// The ping subject of worker `worker`.
+pub fn live_ping(worker: &str) -> String {
+    format!("kedge.live.ping.{worker}")
+}
+
+/// Whether `s` may be used as one subject token by Kedge: 1 to 128 of `[A-Za-z0-9_-]`.
+pub fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 128
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
 /// A precondition query: where would this call's target be now?
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TargetQuery {

@@ -301,6 +301,39 @@ impl Leases {
         })
     }
 
+    /// Takes the lease on `run` for `owner` from a holder that is gone (its connection closed:
+    /// see `kedge_runtime::liveness`), without waiting for its TTL. `revision` is the holder's
+    /// last write as [`LeaseError::Held`] reported it; the write is a compare-and-set on it, so
+    /// of several takers exactly one wins, and a holder that renewed meanwhile (it was not gone
+    /// after all) keeps the lease: the others get [`LeaseError::Lost`]. The old holder's writes
+    /// are fenced as after an expiry: its renewals fail, and its appends meet the concurrency
+    /// check.
+    pub async fn take_over(
+        &self,
+        run: &RunId,
+        owner: &str,
+        ttl: Duration,
+        revision: u64,
+    ) -> Result<Lease, LeaseError> {
+        let secs = ttl_secs(ttl)?;
+        check_owner(owner)?;
+        let value = LeaseValue {
+            owner: owner.to_owned(),
+            ttl_secs: secs,
+        };
+        match self.write(run, revision, secs, Some(&value)).await {
+            Ok(new) => {
+                tracing::info!(run_id = %run, owner, revision = new, "lease taken over from a gone holder");
+                Ok(Lease::held(run, owner, new, ttl))
+            }
+            Err(e) if e.api_code() == Some(codes::WRONG_LAST_SEQUENCE) => Err(LeaseError::Lost {
+                run: run.clone(),
+                revision,
+            }),
+            Err(e) => Err(LeaseError::wire("take over lease", e)),
+        }
+    }
+
     /// Extends the lease by its TTL from now. The result has a new revision (the fencing token
     /// to use from now on); the lease still expires unless renewed again.
     /// [`LeaseError::Lost`] if it expired or someone else took it meanwhile.

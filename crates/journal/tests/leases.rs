@@ -184,3 +184,46 @@ async fn a_release_hint_takes_the_lease_back_only_while_nobody_took_it_since() {
     );
     assert!(a3.revision > released2.seq);
 }
+
+#[tokio::test]
+async fn a_gone_holders_lease_is_taken_over_at_once_by_exactly_one_taker() {
+    let (_server, leases) = leases().await;
+    let run = new_run();
+    let ttl = Duration::from_secs(30);
+    let a = leases.acquire(&run, "worker-a", ttl).await.unwrap();
+    let Err(LeaseError::Held { owner, revision }) = leases.acquire(&run, "worker-b", ttl).await
+    else {
+        panic!("held by a");
+    };
+    assert_eq!(owner, "worker-a");
+    // Two takers race on the revision they saw: one wins, long before the TTL.
+    let (b, c) = tokio::join!(
+        leases.take_over(&run, "worker-b", ttl, revision),
+        leases.take_over(&run, "worker-c", ttl, revision)
+    );
+    let won = match (b, c) {
+        (Ok(l), Err(LeaseError::Lost { .. })) | (Err(LeaseError::Lost { .. }), Ok(l)) => l,
+        other => panic!("exactly one taker wins: {other:?}"),
+    };
+    assert!(won.revision > a.revision);
+    assert_eq!(leases.holder(&run).await.unwrap().unwrap().owner, won.owner);
+    // The old holder is fenced: its renewal and release fail.
+    assert!(matches!(
+        leases.renew(&a).await,
+        Err(LeaseError::Lost { .. })
+    ));
+    assert!(matches!(
+        leases.release(a).await,
+        Err(LeaseError::Lost { .. })
+    ));
+    // A holder that renewed since the taker looked keeps its lease.
+    let renewed = leases.renew(&won).await.unwrap();
+    assert!(matches!(
+        leases.take_over(&run, "worker-d", ttl, won.revision).await,
+        Err(LeaseError::Lost { .. })
+    ));
+    assert_eq!(
+        leases.holder(&run).await.unwrap().unwrap().revision,
+        renewed.revision
+    );
+}

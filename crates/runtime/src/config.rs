@@ -1136,6 +1136,8 @@ impl Config {
             ("KEDGE_TOOL_ACK_WAIT_MS", &mut t.tool_ack_wait_ms),
             ("KEDGE_STALL_AFTER_MS", &mut t.stall_after_ms),
             ("KEDGE_MAX_RETRY_DELAY_MS", &mut t.max_retry_delay_ms),
+            ("KEDGE_HEARTBEAT_MS", &mut t.heartbeat_ms),
+            ("KEDGE_SUSPECT_AFTER_MS", &mut t.suspect_after_ms),
         ] {
             if let Some(v) = get(var) {
                 *field = num(var, &v)?;
@@ -1170,10 +1172,13 @@ impl Config {
                 reason: format!("{} is not between 1 and 5", self.replicas),
             });
         }
-        if self.worker_id.is_empty() || !self.worker_id.chars().all(|c| c.is_ascii_graphic()) {
+        if !kedge_core::subjects::is_token(&self.worker_id) {
             return Err(ConfigError::Invalid {
                 field: "worker_id",
-                reason: "must be non-empty printable ASCII without spaces".into(),
+                reason: format!(
+                    "`{}` must be 1 to 128 of A-Z a-z 0-9 _ - (it names the worker's liveness subjects)",
+                    self.worker_id.escape_debug()
+                ),
             });
         }
         if self.step_concurrency == 0 || self.tool_concurrency == 0 {

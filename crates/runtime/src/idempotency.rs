@@ -177,6 +177,23 @@ impl IdempotencyStore {
         dispatch: u32,
         abandoned_after: Duration,
     ) -> Result<Claim, IdempotencyError> {
+        self.claim_from(op, args_digest, runner, dispatch, abandoned_after, None)
+            .await
+    }
+
+    /// [`IdempotencyStore::claim`], where the caller knows that runner `gone` is gone (the
+    /// broker has no connection for it: `crate::liveness`): a `running` record of `gone` is
+    /// abandoned whatever its age. Taking it over is the same compare-and-set, so of several
+    /// takers one wins; whether the operation happened is for the confirm query to say.
+    pub async fn claim_from(
+        &self,
+        op: &OperationId,
+        args_digest: &Digest,
+        runner: &str,
+        dispatch: u32,
+        abandoned_after: Duration,
+        gone: Option<&str>,
+    ) -> Result<Claim, IdempotencyError> {
         let mine = |state| OpRecord {
             args_digest: args_digest.clone(),
             runner: runner.to_owned(),
@@ -218,7 +235,8 @@ impl IdempotencyStore {
                 OpState::Running => {
                     let age = Duration::try_from(time::OffsetDateTime::now_utc() - since)
                         .unwrap_or_default();
-                    if !redispatched && age < abandoned_after {
+                    let holder_gone = gone.is_some_and(|g| g == rec.runner);
+                    if !redispatched && !holder_gone && age < abandoned_after {
                         return Ok(Claim::Held {
                             runner: rec.runner,
                             retry_in: abandoned_after - age,

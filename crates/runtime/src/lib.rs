@@ -32,6 +32,7 @@ pub mod consumer;
 pub mod failpoint;
 pub mod idempotency;
 pub mod inputs;
+pub mod liveness;
 pub mod secure;
 pub mod tasks;
 pub mod view;
@@ -82,9 +83,29 @@ pub struct Runtime {
     pub leases: Leases,
     pub agents: agents::AgentStore,
     pub idempotency: idempotency::IdempotencyStore,
+    /// This process's failure detector, started by the first service that needs it
+    /// ([`Runtime::liveness`]) and shared by the others.
+    liveness: Arc<tokio::sync::OnceCell<liveness::Liveness>>,
 }
 
 impl Runtime {
+    /// This process's failure detector ([`liveness::Liveness`]), started on first use with the
+    /// configured worker id, heartbeat and suspicion threshold.
+    pub async fn liveness(&self) -> Result<liveness::Liveness, RuntimeError> {
+        self.liveness
+            .get_or_try_init(|| {
+                let t = &self.config.timeouts;
+                liveness::Liveness::start(
+                    self.client.clone(),
+                    &self.config.worker_id,
+                    t.heartbeat(),
+                    t.suspect_after(),
+                )
+            })
+            .await
+            .cloned()
+    }
+
     /// Connects ([`connect_client`]: credentials, TLS, inbox prefix from `config.nats`), checks
     /// (and creates where missing) the broker layout, and opens the stores.
     pub async fn connect(config: Config) -> Result<Runtime, RuntimeError> {
@@ -127,6 +148,7 @@ impl Runtime {
             js,
             client,
             config: Arc::new(config),
+            liveness: Arc::default(),
         })
     }
 }

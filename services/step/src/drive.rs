@@ -19,6 +19,7 @@ use kedge_runtime::Runtime;
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::failpoint;
 use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
+use kedge_runtime::liveness::Liveness;
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
@@ -94,6 +95,9 @@ pub struct Driver {
     /// The release markers this process left on runs' leases: the next acquire of such a run
     /// tries to take over its own marker first (one round trip instead of two).
     released: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Released>>>,
+    /// The failure detector: a lease held by a process that is gone is taken over at once, and
+    /// the runs this process holds are announced in its heartbeats.
+    liveness: Liveness,
 }
 
 /// The stream where set-aside journal messages are recorded.
@@ -143,8 +147,13 @@ impl Keeper {
                 }
                 match leases.renew(&lease).await {
                     Ok(renewed) => lease = renewed,
+                    // Broker trouble (a leader election, a reconnect): the lease is still ours
+                    // until its TTL runs out or someone takes it; try again next time.
+                    Err(e @ LeaseError::Unavailable { .. }) => {
+                        tracing::warn!(run_id = %lease.run, error = %e, "lease renewal failed; will try again");
+                    }
                     Err(e) => {
-                        tracing::warn!(run_id = %lease.run, error = %e, "lease renewal failed");
+                        tracing::warn!(run_id = %lease.run, error = %e, "lease lost");
                         let _ = lost_tx.send(true);
                         return None;
                     }
@@ -169,11 +178,13 @@ impl Driver {
         rt: Runtime,
         model: ModelClient,
         cancels: tokio::sync::broadcast::Sender<RunId>,
+        liveness: Liveness,
     ) -> Self {
         Self {
             rt,
             model,
             cancels,
+            liveness,
             cache: Arc::default(),
             released: Arc::default(),
         }
@@ -188,16 +199,43 @@ impl Driver {
     ) -> Result<Outcome, DriveError> {
         let cfg = &self.rt.config;
         let hint = self.released.lock().ok().and_then(|mut r| r.remove(run));
+        let ttl = cfg.timeouts.lease_ttl();
         let lease = match self
             .rt
             .leases
-            .acquire_after(run, &cfg.worker_id, cfg.timeouts.lease_ttl(), hint)
+            .acquire_after(run, &cfg.worker_id, ttl, hint)
             .await
         {
             Ok(lease) => lease,
+            // Held by a process that is gone (the broker has no connection for it), or by this
+            // process itself (one drive per run per process, so such a lease is left over from
+            // an earlier holding whose release failed, possibly before a restart under the same
+            // worker id): take it over now instead of waiting out its TTL.
+            Err(LeaseError::Held { owner, revision })
+                if owner == cfg.worker_id || self.liveness.is_gone(&owner).await =>
+            {
+                match self
+                    .rt
+                    .leases
+                    .take_over(run, &cfg.worker_id, ttl, revision)
+                    .await
+                {
+                    Ok(lease) => {
+                        tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
+                        lease
+                    }
+                    Err(LeaseError::Lost { .. } | LeaseError::Held { .. }) => {
+                        return Ok(Outcome::Busy);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
             Err(LeaseError::Held { .. }) => return Ok(Outcome::Busy),
             Err(e) => return Err(e.into()),
         };
+        // Announced in this process's heartbeats while held: if it dies, a standby adopts the
+        // run as soon as the broker says it is gone.
+        let hold = self.liveness.hold_run(run);
         // The right to write the run's decisions comes from the lease; its name is stable for
         // this holding, so a retried append is recognised as ours.
         let writer = lease.writer(&cfg.worker_id);
@@ -223,6 +261,7 @@ impl Driver {
                 }
             }
         }
+        drop(hold);
         result.map(|()| Outcome::Idle)
     }
 
@@ -528,7 +567,7 @@ impl Driver {
                 return Ok(());
             }
             failpoint::hit("step.after_step_started");
-            let result = self.call_model(state, &def, &plan, lost).await;
+            let result = self.call_model(state, &def, &plan).await;
             if result.is_err() {
                 self.refresh(state).await?;
             }
@@ -549,6 +588,11 @@ impl Driver {
                     );
                     put?;
                     failpoint::hit("step.after_model_stored");
+                    if *lost.borrow() {
+                        // Stored: the run's holder now reuses it instead of paying again.
+                        tracing::warn!("lease lost during the model call; its response is stored for the next holder");
+                        return Err(DriveError::LeaseLost);
+                    }
                     read?;
                     let drafts = complete_step(
                         state,
@@ -563,7 +607,6 @@ impl Driver {
                     self.commit(state, writer, drafts).await?;
                     Ok(())
                 }
-                Err(CallError::LeaseLost) => Err(DriveError::LeaseLost),
                 Err(CallError::Cancelled) => {
                     tracing::info!("cancel requested; model call aborted");
                     let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
@@ -630,7 +673,6 @@ impl Driver {
         state: &RunState,
         def: &AgentDefinition,
         plan: &StepPlan,
-        lost: &mut watch::Receiver<bool>,
     ) -> Result<kedge_core::decide::ModelResponse, CallError> {
         // The operator's model policy, at run time too: a definition stored around
         // `kedge agents put` still cannot send the conversation or a key elsewhere.
@@ -685,9 +727,10 @@ impl Driver {
         let result = if state.cancel_requested.is_some() {
             Err(CallError::Cancelled)
         } else {
+            // A lost lease does not abort the call: the answer is paid for, so it is stored
+            // (and reused by whoever holds the run now) even if this worker may not commit it.
             tokio::select! {
                 r = self.model.complete(&call, &mut on_delta) => r.map_err(CallError::Model),
-                _ = lost.wait_for(|l| *l) => Err(CallError::LeaseLost),
                 _ = cancelled => Err(CallError::Cancelled),
             }
         };
@@ -699,7 +742,6 @@ impl Driver {
 
 enum CallError {
     Model(ModelError),
-    LeaseLost,
     Cancelled,
 }
 

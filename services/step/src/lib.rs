@@ -7,14 +7,19 @@
 //!
 //! - `Commit(decisions)`: append them with the optimistic-concurrency check;
 //! - `Step(plan)`: journal `step.started` (intent before effect), call the model while renewing
-//!   the lease (a lost renewal aborts the call), store the response in `kedge_idempotency` the
-//!   moment it returns, then commit the step's decisions as one atomic group. A plan that names
+//!   the lease, store the response in `kedge_idempotency` the moment it returns, then commit the
+//!   step's decisions. A lease lost meanwhile does not abort the call (the answer is paid for):
+//!   the response is stored and left to the run's new holder, which reuses it. A plan that names
 //!   an unfinished earlier attempt first looks for that attempt's stored response and reuses it,
 //!   so a worker killed after the model answered costs no second call.
 //!
 //! Wakes for a run this process is already driving are folded into the running drive (it reads
 //! the journal again before letting go), so a burst of inputs costs one drive, not one each.
-//! A wake for a run whose lease another worker holds is handed back with a short delay.
+//! A wake for a run whose lease another worker holds is handed back with a short delay, unless
+//! that worker is gone (`kedge_runtime::liveness`: the broker has no connection for it), in
+//! which case the lease is taken over at once. The runs this process drives are announced in
+//! its heartbeats; when another worker is found gone, the runs its last heartbeat named are
+//! adopted and driven here right away (docs/ARCHITECTURE.md "Takeover").
 //!
 //! Hostile or broken input never stops a run or the service: messages on a run's subjects that
 //! are not events of the run are set aside by the journal, recorded once on
@@ -91,14 +96,36 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .map_err(|e| RuntimeError::broker("step consumer", e))?;
     let (cancels, _) = tokio::sync::broadcast::channel(1024);
     watch_cancels(&rt, cancels.clone()).await?;
-    let driver = drive::Driver::new(rt.clone(), ModelClient::new(), cancels);
-    let active: Active = Arc::default();
-    let workers = consumer::Workers::new(rt.config.step_concurrency);
+    let liveness = rt.liveness().await?;
+    let mut deaths = liveness.deaths();
+    let drives = Drives {
+        driver: drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness),
+        active: Arc::default(),
+        workers: consumer::Workers::new(rt.config.step_concurrency),
+        js: rt.js.clone(),
+    };
     tracing::info!(worker = %rt.config.worker_id, "step service started");
     tokio::pin!(shutdown);
     loop {
         let msg = tokio::select! {
             _ = &mut shutdown => break,
+            death = deaths.recv() => {
+                match death {
+                    // A process that held runs is gone: drive them now (the lease is taken
+                    // over from it), not when their wakes are redelivered.
+                    Ok(death) => {
+                        for run in death.held.runs {
+                            tracing::info!(run_id = %run, worker = %death.worker, "adopting a run of a gone worker");
+                            drives.start(run, None).await;
+                        }
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "missed worker deaths; their runs wait for redelivery");
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => {}
+                }
+                continue;
+            }
             next = consumer::next_message(&mut messages, CONSUMER) => match next {
                 Some(msg) => msg,
                 None => break,
@@ -109,9 +136,29 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             let _ = msg.ack_with(AckKind::Term).await;
             continue;
         };
-        let run_id = parsed.run_id;
+        drives.start(parsed.run_id, Some(msg)).await;
+    }
+    // Drain: wait for every in-flight drive to finish.
+    drives.workers.drain().await;
+    tracing::info!("step service stopped");
+    Ok(())
+}
+
+/// Starts drives: at most one per run in this process (a wake for a run being driven is folded
+/// into that drive), at most `step_concurrency` at once.
+struct Drives {
+    driver: drive::Driver,
+    active: Active,
+    workers: consumer::Workers,
+    js: async_nats::jetstream::Context,
+}
+
+impl Drives {
+    /// Drives `run_id`, woken by `msg` (settled after the drive) or, without one, adopted from
+    /// a gone worker.
+    async fn start(&self, run_id: RunId, msg: Option<Message>) {
         // Whether a drive of this run is already in progress here (then it absorbs this wake).
-        let absorbed = match active.lock() {
+        let absorbed = match self.active.lock() {
             Ok(mut map) => match map.get_mut(&run_id) {
                 Some(dirty) => {
                     *dirty = true;
@@ -122,23 +169,25 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                     false
                 }
             },
-            Err(_) => break,
+            Err(_) => return,
         };
         if absorbed {
             // The drive in progress will read this event before it lets go.
-            let _ = msg.ack().await;
-            continue;
+            if let Some(msg) = msg {
+                let _ = msg.ack().await;
+            }
+            return;
         }
-        let driver = driver.clone();
-        let active = active.clone();
-        let js = rt.js.clone();
-        workers
+        let driver = self.driver.clone();
+        let active = self.active.clone();
+        let js = self.js.clone();
+        self.workers
             .spawn(async move {
-                let msg = Arc::new(msg);
+                let msg = msg.map(Arc::new);
                 let result = loop {
                     // A panic in a drive (a bug) is contained: this run's wake is handed back
                     // (bounded, like any failure), the process and its other drives go on.
-                    let result = AssertUnwindSafe(driver.drive(&run_id, Some(msg.clone())))
+                    let result = AssertUnwindSafe(driver.drive(&run_id, msg.clone()))
                         .catch_unwind()
                         .await
                         .unwrap_or_else(|panic| {
@@ -163,14 +212,17 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                         break result;
                     }
                 };
-                settle(&js, &run_id, &msg, result).await;
+                match msg {
+                    Some(msg) => settle(&js, &run_id, &msg, result).await,
+                    None => {
+                        if let Err(e) = result {
+                            tracing::warn!(run_id = %run_id, error = %e, "adopted run not driven; its wake's redelivery will retry");
+                        }
+                    }
+                }
             })
             .await;
     }
-    // Drain: wait for every in-flight drive to finish.
-    workers.drain().await;
-    tracing::info!("step service stopped");
-    Ok(())
 }
 
 /// What a panic carried, as text.

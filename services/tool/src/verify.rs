@@ -197,6 +197,37 @@ pub async fn journaled(
     Ok((op, journaled))
 }
 
+/// The journaled `tool.requested` of `op`'s latest dispatch, with the same checks as a
+/// delivered request: what a runner adopting the operations of a gone runner runs (it knows
+/// only their ids, from the gone runner's heartbeat).
+pub async fn latest(journal: &Journal, op: &OperationId) -> Result<ToolRequested, CheckError> {
+    let run = op.run();
+    let requests = journal.read_type(run, EventType::ToolRequested).await?;
+    let found = requests.into_iter().rev().find_map(|r| match r {
+        Recorded {
+            seq,
+            envelope:
+                Envelope {
+                    op: Some(o),
+                    event: Event::ToolRequested(req),
+                    ..
+                },
+            msg_id,
+        } if o == *op => Some((seq, req, msg_id)),
+        _ => None,
+    });
+    let Some((seq, journaled, msg_id)) = found else {
+        return Err(Refusal::NotJournaled {
+            op: op.clone(),
+            dispatch: 0,
+        }
+        .into());
+    };
+    writer_append(run, seq, msg_id.as_deref())?;
+    args_match(&journaled)?;
+    Ok(journaled)
+}
+
 /// Checks a precondition query: the run exists and its agent declares the tool.
 pub async fn inspectable(
     journal: &Journal,

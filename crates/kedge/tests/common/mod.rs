@@ -270,6 +270,11 @@ impl Harness {
         false
     }
 
+    /// The process id of a child started by [`Harness::spawn_process`].
+    pub fn pid(&self, index: usize) -> u32 {
+        self.children[index].id()
+    }
+
     pub fn kill9(&mut self, index: usize) {
         let _ = self.children[index].kill();
         let _ = self.children[index].wait();

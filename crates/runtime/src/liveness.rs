@@ -1,0 +1,436 @@
+//! The failure detector: which worker processes are alive, and what a dead one held.
+//!
+//! One [`Liveness`] per process that drives runs or runs tools (`kedge serve step`, `tool`,
+//! `all`), shared by its services ([`crate::Runtime::liveness`]). It
+//!
+//! - publishes a **heartbeat** on `kedge.live.hb.<worker>` every `heartbeat_ms`, and at once
+//!   (coalesced over [`CHANGE_GAP`]) whenever what it holds changes: the runs whose lease it
+//!   holds and the tool operations it is running. Core NATS: nothing is stored, and a broker
+//!   leader election (a JetStream matter) does not interrupt it;
+//! - answers **pings** on `kedge.live.ping.<worker>`;
+//! - **watches** every other worker's heartbeats. One silent for `suspect_after_ms` is a suspect
+//!   and is pinged. The broker answers a ping to a process whose connection is closed (killed,
+//!   crashed, partitioned away from the broker) with *no responders* at once: that process is
+//!   **gone**, and a [`Death`] with what its last heartbeat said it held goes to every
+//!   [`Liveness::deaths`] receiver. A suspect that answers, or does not answer in time (a
+//!   process paused by the OS or a long GC-like stall: its connection is open), is alive; it is
+//!   pinged again every [`PROBE_EVERY`] while it stays silent.
+//!
+//! Nobody takes anything from a live process, however slow: the broker's verdict on its
+//! connection is the only way to "gone". What is held is still fenced the usual way (lease
+//! revisions, operation records' compare-and-set), so a wrong verdict (a process whose
+//! connection dropped and came back) costs repeated work, never a double effect.
+//!
+//! [`Liveness::is_gone`] asks the same question about any worker on demand (a lease or an
+//! operation record left by a process this one never heard, e.g. before a restart).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use async_nats::{Client, RequestErrorKind};
+use futures::StreamExt as _;
+use kedge_core::ids::{OperationId, RunId};
+use kedge_core::subjects::{self, LIVE_HEARTBEATS};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, broadcast};
+
+use crate::RuntimeError;
+
+/// The shortest gap between two heartbeats sent because what the process holds changed.
+pub const CHANGE_GAP: Duration = Duration::from_millis(20);
+/// How often a silent process that answered (or did not answer) a ping is pinged again.
+pub const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// A worker silent this long is forgotten (it left without a verdict: e.g. stopped cleanly).
+const FORGET_AFTER: Duration = Duration::from_secs(600);
+/// At most this many workers are tracked (a flood of made-up names cannot grow memory).
+const MAX_PEERS: usize = 4096;
+
+/// What a heartbeat says its process holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Beat {
+    /// Runs whose lease the process holds (it is driving them).
+    #[serde(default)]
+    pub runs: Vec<RunId>,
+    /// Tool operations the process is running.
+    #[serde(default)]
+    pub ops: Vec<OperationId>,
+}
+
+/// A process found gone, and what its last heartbeat said it held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Death {
+    pub worker: String,
+    pub held: Beat,
+    /// How long its heartbeats had been silent when the broker said it is gone.
+    pub silent_for: Duration,
+}
+
+/// A process's verdict on another, from a ping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// It answered.
+    Alive,
+    /// Its connection is open but it did not answer in time (paused, overloaded): alive.
+    Unresponsive,
+    /// The broker knows no subscriber: the process is gone.
+    Gone,
+    /// The ping itself failed (this process's own broker trouble): no verdict.
+    Unknown,
+}
+
+struct Peer {
+    seen: Instant,
+    held: Beat,
+    probing: bool,
+    next_probe: Instant,
+}
+
+struct Inner {
+    client: Client,
+    me: String,
+    heartbeat: Duration,
+    suspect_after: Duration,
+    runs: Mutex<HashSet<RunId>>,
+    ops: Mutex<HashSet<OperationId>>,
+    changed: Notify,
+    peers: Mutex<HashMap<String, Peer>>,
+    deaths: broadcast::Sender<Death>,
+}
+
+/// This process's liveness: its heartbeat, its answers to pings and its view of the others.
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct Liveness {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Liveness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Liveness")
+            .field("worker", &self.inner.me)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A run or an operation this process holds, announced in its heartbeats until dropped.
+#[must_use = "what is held is announced only while the Hold lives"]
+pub struct Hold {
+    inner: Arc<Inner>,
+    what: Held,
+}
+
+#[derive(Debug)]
+enum Held {
+    Run(RunId),
+    Op(OperationId),
+}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Hold").field(&self.what).finish()
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let removed = match &self.what {
+            Held::Run(run) => self.inner.runs.lock().is_ok_and(|mut s| s.remove(run)),
+            Held::Op(op) => self.inner.ops.lock().is_ok_and(|mut s| s.remove(op)),
+        };
+        if removed {
+            self.inner.changed.notify_one();
+        }
+    }
+}
+
+impl Liveness {
+    /// Starts answering pings, heartbeating and watching the other workers. The tasks stop when
+    /// the last clone is dropped.
+    pub async fn start(
+        client: Client,
+        worker: &str,
+        heartbeat: Duration,
+        suspect_after: Duration,
+    ) -> Result<Liveness, RuntimeError> {
+        if !subjects::is_token(worker) {
+            return Err(RuntimeError::broker(
+                "liveness",
+                format!(
+                    "worker id `{}` is not a subject token",
+                    worker.escape_debug()
+                ),
+            ));
+        }
+        let pings = client
+            .subscribe(subjects::live_ping(worker))
+            .await
+            .map_err(|e| RuntimeError::broker("subscribe to liveness pings", e))?;
+        let beats = client
+            .subscribe(LIVE_HEARTBEATS)
+            .await
+            .map_err(|e| RuntimeError::broker("subscribe to liveness heartbeats", e))?;
+        let (deaths, _) = broadcast::channel(256);
+        let inner = Arc::new(Inner {
+            client,
+            me: worker.to_owned(),
+            heartbeat,
+            suspect_after,
+            runs: Mutex::default(),
+            ops: Mutex::default(),
+            changed: Notify::new(),
+            peers: Mutex::default(),
+            deaths,
+        });
+        tokio::spawn(answer_pings(Arc::downgrade(&inner), pings));
+        tokio::spawn(send_heartbeats(Arc::downgrade(&inner)));
+        tokio::spawn(watch_heartbeats(Arc::downgrade(&inner), beats));
+        tokio::spawn(probe_suspects(Arc::downgrade(&inner)));
+        tracing::info!(worker, ?heartbeat, ?suspect_after, "liveness started");
+        Ok(Liveness { inner })
+    }
+
+    /// This process's worker id.
+    pub fn worker(&self) -> &str {
+        &self.inner.me
+    }
+
+    /// Announces that this process holds `run`'s lease until the [`Hold`] is dropped.
+    pub fn hold_run(&self, run: &RunId) -> Hold {
+        if self
+            .inner
+            .runs
+            .lock()
+            .is_ok_and(|mut s| s.insert(run.clone()))
+        {
+            self.inner.changed.notify_one();
+        }
+        Hold {
+            inner: self.inner.clone(),
+            what: Held::Run(run.clone()),
+        }
+    }
+
+    /// Announces that this process runs operation `op` until the [`Hold`] is dropped.
+    pub fn hold_op(&self, op: &OperationId) -> Hold {
+        if self
+            .inner
+            .ops
+            .lock()
+            .is_ok_and(|mut s| s.insert(op.clone()))
+        {
+            self.inner.changed.notify_one();
+        }
+        Hold {
+            inner: self.inner.clone(),
+            what: Held::Op(op.clone()),
+        }
+    }
+
+    /// The deaths of other workers, as this process finds them.
+    pub fn deaths(&self) -> broadcast::Receiver<Death> {
+        self.inner.deaths.subscribe()
+    }
+
+    /// Whether `worker` is gone: this process itself never is; one whose heartbeat arrived
+    /// within `suspect_after` is alive without asking; any other is pinged.
+    pub async fn is_gone(&self, worker: &str) -> bool {
+        if worker == self.inner.me {
+            return false;
+        }
+        let recent = self.inner.peers.lock().is_ok_and(|peers| {
+            peers
+                .get(worker)
+                .is_some_and(|p| p.seen.elapsed() < self.inner.suspect_after)
+        });
+        if recent {
+            return false;
+        }
+        ping(&self.inner.client, worker, self.inner.suspect_after).await == Verdict::Gone
+    }
+}
+
+/// Pings `worker`, waiting at most `wait` for its answer.
+pub async fn ping(client: &Client, worker: &str, wait: Duration) -> Verdict {
+    if !subjects::is_token(worker) {
+        // Not a name a Kedge process can have: nobody answers for it.
+        return Verdict::Gone;
+    }
+    let request = async_nats::Request::new().timeout(Some(wait));
+    match client
+        .send_request(subjects::live_ping(worker), request)
+        .await
+    {
+        Ok(_) => Verdict::Alive,
+        Err(e) => match e.kind() {
+            RequestErrorKind::NoResponders => Verdict::Gone,
+            RequestErrorKind::TimedOut => Verdict::Unresponsive,
+            RequestErrorKind::InvalidSubject
+            | RequestErrorKind::MaxPayloadExceeded
+            | RequestErrorKind::Other => Verdict::Unknown,
+        },
+    }
+}
+
+async fn answer_pings(inner: Weak<Inner>, mut pings: async_nats::Subscriber) {
+    while let Some(ping) = pings.next().await {
+        // Once the process's liveness is dropped, it stops answering (and unsubscribes).
+        let Some(live) = inner.upgrade() else { return };
+        if let Some(reply) = ping.reply
+            && let Err(e) = live.client.publish(reply, bytes::Bytes::new()).await
+        {
+            tracing::debug!(error = %e, "cannot answer a liveness ping");
+        }
+    }
+}
+
+async fn send_heartbeats(inner: Weak<Inner>) {
+    loop {
+        let Some(live) = inner.upgrade() else { return };
+        let beat = Beat {
+            runs: live
+                .runs
+                .lock()
+                .map(|s| s.iter().cloned().collect())
+                .unwrap_or_default(),
+            ops: live
+                .ops
+                .lock()
+                .map(|s| s.iter().cloned().collect())
+                .unwrap_or_default(),
+        };
+        match serde_json::to_vec(&beat) {
+            Ok(body) => {
+                if let Err(e) = live
+                    .client
+                    .publish(subjects::live_heartbeat(&live.me), body.into())
+                    .await
+                {
+                    tracing::debug!(error = %e, "cannot publish a heartbeat");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot encode a heartbeat"),
+        }
+        let every = live.heartbeat;
+        let changed = async {
+            live.changed.notified().await;
+            tokio::time::sleep(CHANGE_GAP).await;
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = changed => {}
+        }
+    }
+}
+
+async fn watch_heartbeats(inner: Weak<Inner>, mut beats: async_nats::Subscriber) {
+    while let Some(msg) = beats.next().await {
+        let Some(live) = inner.upgrade() else { return };
+        let Some(worker) = msg.subject.as_str().strip_prefix("kedge.live.hb.") else {
+            continue;
+        };
+        if worker == live.me || !subjects::is_token(worker) {
+            continue;
+        }
+        // A heartbeat that does not parse still says its sender is alive.
+        let held = serde_json::from_slice::<Beat>(&msg.payload).ok();
+        let Ok(mut peers) = live.peers.lock() else {
+            return;
+        };
+        let now = Instant::now();
+        if let Some(peer) = peers.get_mut(worker) {
+            peer.seen = now;
+            if let Some(held) = held {
+                peer.held = held;
+            }
+        } else if peers.len() < MAX_PEERS {
+            peers.insert(
+                worker.to_owned(),
+                Peer {
+                    seen: now,
+                    held: held.unwrap_or_default(),
+                    probing: false,
+                    next_probe: now,
+                },
+            );
+        }
+    }
+}
+
+async fn probe_suspects(inner: Weak<Inner>) {
+    loop {
+        let Some(live) = inner.upgrade() else { return };
+        let tick = (live.heartbeat / 2).max(Duration::from_millis(10));
+        let now = Instant::now();
+        let mut suspects = Vec::new();
+        if let Ok(mut peers) = live.peers.lock() {
+            peers.retain(|_, p| p.seen.elapsed() < FORGET_AFTER);
+            for (worker, peer) in peers.iter_mut() {
+                if !peer.probing
+                    && peer.seen.elapsed() >= live.suspect_after
+                    && peer.next_probe <= now
+                {
+                    peer.probing = true;
+                    suspects.push(worker.clone());
+                }
+            }
+        }
+        for worker in suspects {
+            let inner = Arc::downgrade(&live);
+            tokio::spawn(async move {
+                let Some(live) = inner.upgrade() else { return };
+                let verdict = ping(&live.client, &worker, live.suspect_after).await;
+                let Ok(mut peers) = live.peers.lock() else {
+                    return;
+                };
+                match verdict {
+                    Verdict::Gone => {
+                        if let Some(peer) = peers.remove(&worker) {
+                            let death = Death {
+                                worker: worker.clone(),
+                                held: peer.held,
+                                silent_for: peer.seen.elapsed(),
+                            };
+                            tracing::warn!(
+                                worker = %death.worker,
+                                silent_ms = death.silent_for.as_millis() as u64,
+                                runs = death.held.runs.len(),
+                                ops = death.held.ops.len(),
+                                "worker gone (the broker has no connection for it); taking over what it held"
+                            );
+                            let _ = live.deaths.send(death);
+                        }
+                    }
+                    Verdict::Alive | Verdict::Unresponsive | Verdict::Unknown => {
+                        if let Some(peer) = peers.get_mut(&worker) {
+                            tracing::info!(%worker, ?verdict, silent_ms = peer.seen.elapsed().as_millis() as u64, "silent worker is not gone");
+                            peer.probing = false;
+                            peer.next_probe = Instant::now() + PROBE_EVERY;
+                        }
+                    }
+                }
+            });
+        }
+        drop(live);
+        tokio::time::sleep(tick).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn beats_parse_leniently() {
+        let b: Beat = serde_json::from_str("{}").expect("empty");
+        assert_eq!(b, Beat::default());
+        let run = RunId::generate();
+        let body = serde_json::to_vec(&Beat {
+            runs: vec![run.clone()],
+            ops: vec![],
+        })
+        .expect("encodes");
+        let back: Beat = serde_json::from_slice(&body).expect("decodes");
+        assert_eq!(back.runs, vec![run]);
+    }
+}
