@@ -247,7 +247,7 @@ mod tests {
         assert_eq!(retry_delay(60, base, cap), cap);
         assert_eq!(retry_delay(-5, base, cap), base);
         // The consumers whose handlers give up on the last delivery have a bound.
-        for name in ["intake", "step"] {
+        for name in ["intake", "step", "timer", "timer-fired", "projector"] {
             assert!(max_deliver(name).is_some_and(|m| m > 1), "{name}");
         }
     }

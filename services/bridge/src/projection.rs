@@ -31,7 +31,7 @@ use kedge_core::ids::{AgentName, RunId, TenantId};
 use kedge_core::subjects::{self, RUNS_BUCKET};
 use kedge_core::{FoldError, RunStatus};
 use kedge_journal::{Journal, JournalError, Recorded};
-use kedge_runtime::{Runtime, RuntimeError, consumer};
+use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use serde::{Deserialize, Serialize};
 
 use crate::tenants::TenantCache;
@@ -284,31 +284,59 @@ impl Projection {
     }
 }
 
+/// The projector's durable consumer (`nats/consumers/KEDGE_RUNS/projector.json`).
+pub const PROJECTOR: &str = "projector";
+/// First redelivery delay after a failure; it doubles per delivery up to the configured
+/// `max_retry_delay`, and the consumer's `max_deliver` bounds the tries.
+const RETRY_DELAY: Duration = Duration::from_secs(1);
+
 /// Runs the projector until `shutdown` resolves.
+///
+/// A decision it cannot project (broker trouble, or a panic, which is contained) is handed back
+/// with a growing delay; at the consumer's last delivery (`max_deliver` 20), and at once for a
+/// run whose journal does not fold, it is given up on as a dead letter
+/// (`agent.rejected.dead.projector`, `kedge dead list`): the projection is a cache, a later
+/// decision of the run or `kedge runs rebuild` brings the summary up to date.
 pub async fn run_projector(
     rt: Runtime,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), RuntimeError> {
     let projection = Projection::open(&rt).await?;
-    let consumer = consumer::durable(&rt.js, "projector", Duration::from_secs(30)).await?;
+    let consumer = consumer::durable(&rt.js, PROJECTOR, Duration::from_secs(30)).await?;
     let mut messages = consumer
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("projector consumer", e))?;
     let workers = consumer::Workers::new(16);
+    let cap = rt.config.timeouts.max_retry_delay();
     tracing::info!(worker = %rt.config.worker_id, "projector started");
     tokio::pin!(shutdown);
     loop {
         let msg = tokio::select! {
             _ = &mut shutdown => break,
-            next = consumer::next_message(&mut messages, "projector") => match next {
+            next = consumer::next_message(&mut messages, PROJECTOR) => match next {
                 Some(msg) => msg,
                 None => break,
             },
         };
         let projection = projection.clone();
         workers
-            .spawn(async move { handle(&projection, msg).await })
+            .spawn(async move {
+                use futures::FutureExt as _;
+                let handled = std::panic::AssertUnwindSafe(handle(&projection, &msg))
+                    .catch_unwind()
+                    .await;
+                let verdict = handled.unwrap_or_else(|panic| {
+                    let reason = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic without a message".to_owned());
+                    tracing::error!(subject = %msg.subject, panic = %reason, "projecting panicked");
+                    Verdict::Retry(format!("panicked: {reason}"))
+                });
+                settle(&projection.js, &msg, verdict, cap).await;
+            })
             .await;
     }
     workers.drain().await;
@@ -316,12 +344,41 @@ pub async fn run_projector(
     Ok(())
 }
 
-async fn handle(projection: &Projection, msg: Message) {
+/// What the projector tells the broker about a decision.
+#[derive(Debug)]
+enum Verdict {
+    Ack,
+    /// Failed for the reason: handed back, given up on at the last delivery.
+    Retry(String),
+    /// Never worth another delivery: given up on at once.
+    Poison(String),
+}
+
+async fn settle(js: &Context, msg: &Message, verdict: Verdict, cap: Duration) {
+    let delivered = consumer::deliveries(msg);
+    let ack = match verdict {
+        Verdict::Ack => msg.ack().await,
+        Verdict::Poison(reason) => return consumer::dead_letter(js, PROJECTOR, msg, &reason).await,
+        Verdict::Retry(reason) if consumer::is_last_delivery(PROJECTOR, msg) => {
+            return consumer::dead_letter(js, PROJECTOR, msg, &reason).await;
+        }
+        Verdict::Retry(reason) => {
+            let delay = consumer::retry_delay(delivered, RETRY_DELAY.min(cap), cap);
+            tracing::warn!(subject = %msg.subject, delivered, %reason, "projection deferred");
+            msg.ack_with(AckKind::Nak(Some(delay))).await
+        }
+    };
+    if let Err(e) = ack {
+        tracing::warn!(subject = %msg.subject, error = %e, "ack failed; the decision will be redelivered");
+    }
+}
+
+async fn handle(projection: &Projection, msg: &Message) -> Verdict {
     let Some(parsed) = subjects::parse_event(&msg.subject) else {
-        let _ = msg.ack_with(AckKind::Term).await;
-        return;
+        return Verdict::Poison("not a journal event subject".into());
     };
     let run = parsed.run_id;
+    failpoint::panic_point("projector.project", run.as_str());
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(u64::MAX);
     // A summary folded through this decision or later is already there (a burst of decisions of
     // one run costs one journal read).
@@ -329,22 +386,14 @@ async fn handle(projection: &Projection, msg: Message) {
         && let Ok(Some(stored)) = projection.get(&tenant, &run).await
         && stored.seq >= seq
     {
-        let _ = msg.ack().await;
-        return;
+        return Verdict::Ack;
     }
     match projection.project(&run, false).await {
-        Ok(_) => {
-            let _ = msg.ack().await;
-        }
-        Err(e) if e.is_retryable() => {
-            tracing::warn!(run_id = %run, error = %e, "projection deferred");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
-        }
+        Ok(_) => Verdict::Ack,
+        Err(e) if e.is_retryable() => Verdict::Retry(format!("run {run}: {e}")),
         Err(e) => {
             tracing::error!(run_id = %run, error = %e, "run cannot be projected");
-            let _ = msg.ack_with(AckKind::Term).await;
+            Verdict::Poison(format!("run {run} cannot be projected: {e}"))
         }
     }
 }

@@ -70,16 +70,23 @@
 //! - Ack after effect: a `timer.scheduled` is acked only after the broker stored the schedule,
 //!   a firing only after the journal stored the input; a crash in between redelivers, and the
 //!   message ids make the repeat a no-op.
+//! - **Never a silent loop.** A message that fails is handed back with a delay doubling per
+//!   delivery up to `max_retry_delay`; both consumers' `max_deliver` is bounded (100), and on the
+//!   last delivery the message is given up on as a dead letter (`agent.rejected.dead.timer` or
+//!   `…timer-fired`, `kedge dead list`), as is a poison message at once. A panic while handling a
+//!   message is contained and counts as a failed delivery.
 
 pub mod wire;
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-use async_nats::jetstream::{AckKind, Message};
+use async_nats::jetstream::{AckKind, Context, Message};
+use futures::FutureExt as _;
 use kedge_core::event::{Draft, Envelope, Event, TimerFired, Timestamp};
 use kedge_journal::JournalError;
-use kedge_runtime::{Runtime, RuntimeError, consumer};
+use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tracing::Instrument;
 
 use crate::wire::{Due, ScheduleError};
@@ -87,19 +94,22 @@ use crate::wire::{Due, ScheduleError};
 /// Ack wait of both timer consumers (as in their files): handling a message takes one broker
 /// round trip.
 pub const ACK_WAIT: Duration = Duration::from_secs(30);
+/// The consumer of `timer.scheduled` decisions (`nats/consumers/KEDGE_RUNS/timer.json`).
+pub const SCHEDULED_CONSUMER: &str = "timer";
+/// The consumer of firings (`nats/consumers/KEDGE_TIMERS/timer-fired.json`).
+pub const FIRED_CONSUMER: &str = "timer-fired";
 /// Messages handled at once (both consumers together).
 const CONCURRENCY: usize = 64;
 /// Timeout of one broker request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-/// Redelivery delay after broker trouble.
+/// First redelivery delay after a failure; it doubles per delivery up to the configured
+/// `max_retry_delay`, and the consumer's `max_deliver` bounds the tries.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
-/// Redelivery delay after a refusal that needs an operator (the message is kept, never dropped).
-const REFUSED_DELAY: Duration = Duration::from_secs(30);
 
 /// Runs the timer service until `shutdown` resolves, then lets in-flight messages finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let scheduled = consumer::durable(&rt.js, "timer", ACK_WAIT).await?;
-    let fired = consumer::durable(&rt.js, "timer-fired", ACK_WAIT).await?;
+    let scheduled = consumer::durable(&rt.js, SCHEDULED_CONSUMER, ACK_WAIT).await?;
+    let fired = consumer::durable(&rt.js, FIRED_CONSUMER, ACK_WAIT).await?;
     let mut scheduled = scheduled
         .messages()
         .await
@@ -114,22 +124,38 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let ended = loop {
         let (msg, kind) = tokio::select! {
             _ = &mut shutdown => break None,
-            next = consumer::next_message(&mut scheduled, "timer") => match next {
+            next = consumer::next_message(&mut scheduled, SCHEDULED_CONSUMER) => match next {
                 Some(msg) => (msg, Kind::Scheduled),
-                None => break Some("timer"),
+                None => break Some(SCHEDULED_CONSUMER),
             },
-            next = consumer::next_message(&mut fired, "timer-fired") => match next {
+            next = consumer::next_message(&mut fired, FIRED_CONSUMER) => match next {
                 Some(msg) => (msg, Kind::Fired),
-                None => break Some("timer-fired"),
+                None => break Some(FIRED_CONSUMER),
             },
         };
         let rt = rt.clone();
         workers
             .spawn(async move {
-                match kind {
-                    Kind::Scheduled => on_scheduled(&rt, msg).await,
-                    Kind::Fired => on_fired(&rt, msg).await,
-                }
+                // A panic while handling one message (a bug) is contained: it counts as a
+                // failed delivery (handed back, and dead-lettered at the last one).
+                let handled = AssertUnwindSafe(async {
+                    match kind {
+                        Kind::Scheduled => on_scheduled(&rt, &msg).await,
+                        Kind::Fired => on_fired(&rt, &msg).await,
+                    }
+                })
+                .catch_unwind()
+                .await;
+                let verdict = handled.unwrap_or_else(|panic| {
+                    let reason = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic without a message".to_owned());
+                    tracing::error!(subject = %msg.subject, panic = %reason, "handling a timer message panicked");
+                    Verdict::Retry(format!("panicked: {reason}"))
+                });
+                settle(&rt, kind.consumer(), &msg, verdict).await;
             })
             .await;
     };
@@ -152,21 +178,46 @@ enum Kind {
     Fired,
 }
 
+impl Kind {
+    fn consumer(self) -> &'static str {
+        match self {
+            Kind::Scheduled => SCHEDULED_CONSUMER,
+            Kind::Fired => FIRED_CONSUMER,
+        }
+    }
+}
+
 /// What to tell the broker about a handled message.
 #[derive(Debug)]
 enum Verdict {
     Ack,
-    /// Hand it back for redelivery after the delay.
-    Retry(Duration),
-    /// A poison message: never deliver it again.
-    Term,
+    /// Not due yet by this clock: hand it back until it is (not a failure).
+    Early(Duration),
+    /// It failed (for the reason): hand it back with a delay growing per delivery; at the
+    /// consumer's last delivery, give up on it as a dead letter.
+    Retry(String),
+    /// A poison message: never deliver it again; recorded as a dead letter.
+    Poison(String),
 }
 
-async fn settle(msg: &Message, verdict: Verdict) {
+/// Acks, hands back or gives up on `msg`: never a silent loop (the consumers' `max_deliver` is
+/// bounded, and what they give up on lands on `agent.rejected.dead.<consumer>`).
+async fn settle(rt: &Runtime, consumer: &'static str, msg: &Message, verdict: Verdict) {
+    let js: &Context = &rt.js;
+    let delivered = consumer::deliveries(msg);
     let kind = match verdict {
         Verdict::Ack => AckKind::Ack,
-        Verdict::Retry(d) => AckKind::Nak(Some(d)),
-        Verdict::Term => AckKind::Term,
+        Verdict::Early(d) => AckKind::Nak(Some(d)),
+        Verdict::Poison(reason) => return consumer::dead_letter(js, consumer, msg, &reason).await,
+        Verdict::Retry(reason) if consumer::is_last_delivery(consumer, msg) => {
+            return consumer::dead_letter(js, consumer, msg, &reason).await;
+        }
+        Verdict::Retry(reason) => {
+            let cap = rt.config.timeouts.max_retry_delay();
+            let delay = consumer::retry_delay(delivered, RETRY_DELAY.min(cap), cap);
+            tracing::warn!(consumer, subject = %msg.subject, delivered, %reason, retry_in_ms = delay.as_millis() as u64, "will retry");
+            AckKind::Nak(Some(delay))
+        }
     };
     if let Err(e) = msg.ack_with(kind).await {
         tracing::warn!(subject = %msg.subject, error = %e, "ack failed; the message will be redelivered");
@@ -174,17 +225,13 @@ async fn settle(msg: &Message, verdict: Verdict) {
 }
 
 /// A `timer.scheduled` decision: store its schedule in `KEDGE_TIMERS`.
-async fn on_scheduled(rt: &Runtime, msg: Message) {
+async fn on_scheduled(rt: &Runtime, msg: &Message) -> Verdict {
     let envelope = match Envelope::from_json_bytes(&msg.payload) {
         Ok(e) => e,
-        Err(e) => {
-            tracing::error!(subject = %msg.subject, error = %e, "not an envelope; terminating");
-            return settle(&msg, Verdict::Term).await;
-        }
+        Err(e) => return Verdict::Poison(format!("not an envelope: {e}")),
     };
     let Event::TimerScheduled(t) = &envelope.event else {
-        tracing::error!(subject = %msg.subject, "not a timer.scheduled event; terminating");
-        return settle(&msg, Verdict::Term).await;
+        return Verdict::Poison("not a timer.scheduled event".into());
     };
     let due = Due {
         run_id: envelope.run_id.clone(),
@@ -194,53 +241,56 @@ async fn on_scheduled(rt: &Runtime, msg: Message) {
         op: envelope.op.clone(),
     };
     let span = tracing::info_span!("schedule", run_id = %due.run_id, timer_id = %due.timer_id, fire_at = %due.fire_at);
-    let verdict = async {
+    async {
+        failpoint::panic_point("timer.schedule", due.run_id.as_str());
         match wire::schedule(&rt.client, &due, REQUEST_TIMEOUT).await {
             Ok(stored) => {
-                tracing::debug!(seq = stored.seq, duplicate = stored.duplicate, "timer scheduled");
+                tracing::debug!(
+                    seq = stored.seq,
+                    duplicate = stored.duplicate,
+                    "timer scheduled"
+                );
                 Verdict::Ack
             }
-            Err(ScheduleError::Unavailable(why)) => {
-                tracing::warn!(error = %why, "cannot schedule the timer yet; will retry");
-                Verdict::Retry(RETRY_DELAY)
+            Err(e @ ScheduleError::Unavailable(_)) => {
+                Verdict::Retry(format!("cannot schedule the timer yet: {e}"))
             }
             Err(e @ ScheduleError::Refused(_)) => {
-                tracing::error!(error = %e, "the broker refused the timer's schedule; kept for retry");
-                Verdict::Retry(REFUSED_DELAY)
+                tracing::error!(error = %e, "the broker refused the timer's schedule");
+                Verdict::Retry(e.to_string())
             }
         }
     }
     .instrument(span)
-    .await;
-    settle(&msg, verdict).await;
+    .await
 }
 
 /// A fired timer: journal `timer.fired` in its run.
-async fn on_fired(rt: &Runtime, msg: Message) {
+async fn on_fired(rt: &Runtime, msg: &Message) -> Verdict {
     let named = wire::parse_fired_subject(&msg.subject);
     let due: Option<Due> = serde_json::from_slice(&msg.payload).ok();
     let due = match (named, due) {
         (Some((run, timer)), Some(due)) if due.run_id == run && due.timer_id == timer => due,
-        _ => {
-            tracing::error!(subject = %msg.subject, "not a timer firing Kedge scheduled; terminating");
-            return settle(&msg, Verdict::Term).await;
-        }
+        _ => return Verdict::Poison("not a timer firing Kedge scheduled".into()),
     };
     let span = tracing::info_span!("fire", run_id = %due.run_id, timer_id = %due.timer_id, fire_at = %due.fire_at);
-    let verdict = fire(rt, &due).instrument(span).await;
-    settle(&msg, verdict).await;
+    let last = consumer::is_last_delivery(FIRED_CONSUMER, msg);
+    fire(rt, &due, last).instrument(span).await
 }
 
-async fn fire(rt: &Runtime, due: &Due) -> Verdict {
+/// Journals the firing of `due`. `last`: the consumer's last delivery of it (then an early
+/// firing is journaled now rather than handed back into nothing).
+async fn fire(rt: &Runtime, due: &Due, last: bool) -> Verdict {
+    failpoint::panic_point("timer.fire", due.run_id.as_str());
     let now = Timestamp::now();
-    if now < due.fire_at {
+    if now < due.fire_at && !last {
         // The broker's clock is ahead of ours: wait until the timer is due here too.
         let early = (due.fire_at.0 - now.0).unsigned_abs();
         tracing::warn!(
             early_ms = early.as_millis() as u64,
             "timer fired before it was due by this clock; waiting"
         );
-        return Verdict::Retry(early + Duration::from_millis(1));
+        return Verdict::Early(early + Duration::from_millis(1));
     }
     let mut draft = Draft::new(Event::TimerFired(TimerFired {
         timer_id: due.timer_id.clone(),
@@ -262,13 +312,10 @@ async fn fire(rt: &Runtime, due: &Due) -> Verdict {
             tracing::debug!(seq, "timer already fired");
             Verdict::Ack
         }
-        Err(e) if e.is_retryable() => {
-            tracing::warn!(error = %e, "cannot journal the firing yet; will retry");
-            Verdict::Retry(RETRY_DELAY)
-        }
+        Err(e) if e.is_retryable() => Verdict::Retry(format!("cannot journal the firing yet: {e}")),
         Err(e) => {
-            tracing::error!(error = %e, "the journal refused the firing; kept for retry");
-            Verdict::Retry(REFUSED_DELAY)
+            tracing::error!(error = %e, "the journal refused the firing");
+            Verdict::Retry(format!("the journal refused the firing: {e}"))
         }
     }
 }

@@ -1,0 +1,195 @@
+//! Every consumer gives up on a message that always fails after a bounded number of deliveries
+//! with backoff, and what it gave up on is a dead letter on `agent.rejected.dead.<consumer>`
+//! (issue 10, "never a silent loop"): here the timer service's two consumers and the projector
+//! (the step's and intake's are in `hostile.rs`). A failure is injected as a panic at the
+//! handler's failpoint, so each test also shows the panic is contained.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Harness;
+use kedge_core::event::Timestamp;
+use kedge_core::ids::{RunId, TimerId};
+use kedge_runtime::secure::Kind;
+use kedge_runtime::{Config, Runtime, consumer, failpoint};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A broker and no services, with retry delays short enough to reach `max_deliver` quickly.
+async fn harness() -> Harness {
+    Harness::start_with(json!({"models": {}}), &[], |c| {
+        c.timeouts.max_retry_delay_ms = 20;
+    })
+    .await
+}
+
+/// Runs a service in this process as the user of `kind` until the test ends.
+fn spawn<F, Fut>(config: &Config, kind: Kind, run: F)
+where
+    F: FnOnce(Runtime) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let config = common::as_kind(config, kind);
+    tokio::spawn(async move {
+        let rt = Runtime::connect(config).await.expect("service runtime");
+        run(rt).await;
+    });
+}
+
+fn spawn_timer(config: &Config) {
+    spawn(config, Kind::Timer, |rt| async move {
+        kedge_timer::run(rt, futures::future::pending())
+            .await
+            .expect("timer service");
+    });
+}
+
+fn spawn_projector(config: &Config) {
+    spawn(config, Kind::Projector, |rt| async move {
+        kedge_bridge::run_projector(rt, futures::future::pending())
+            .await
+            .expect("projector");
+    });
+}
+
+/// Publishes `payload` on `subject` as the test's admin.
+async fn publish(h: &Harness, subject: String, payload: Vec<u8>) {
+    h.rt.js
+        .publish(subject, payload.into())
+        .await
+        .expect("published")
+        .await
+        .expect("stored");
+}
+
+/// The dead letters of `consumer` whose subject is `subject`, once there is one (or panics).
+async fn dead_letter(h: &Harness, consumer: &str, subject: &str) -> serde_json::Value {
+    let stream =
+        h.rt.js
+            .get_stream("KEDGE_REJECTIONS")
+            .await
+            .expect("rejections stream");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Ok(m) = stream
+            .direct_get_last_for_subject(consumer::dead_letter_subject(consumer))
+            .await
+        {
+            let record: serde_json::Value = serde_json::from_slice(&m.payload).expect("json");
+            if record["subject"] == subject {
+                return record;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no dead letter of {consumer} for {subject} within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// How many messages the durable `name` of `stream` still holds (pending or unacked).
+async fn outstanding(h: &Harness, stream: &str, name: &str) -> (u64, usize) {
+    let mut c: async_nats::jetstream::consumer::PullConsumer =
+        h.rt.js
+            .get_consumer_from_stream(name, stream)
+            .await
+            .expect("consumer");
+    let info = c.info().await.expect("consumer info");
+    (info.num_pending, info.num_ack_pending)
+}
+
+#[tokio::test]
+async fn a_timer_firing_that_always_fails_is_a_dead_letter_after_max_deliver() {
+    let h = harness().await;
+    spawn_timer(&h.config);
+    let run = RunId::generate();
+    let timer = TimerId::for_deadline(&run);
+    failpoint::arm_panic("timer.fire", run.as_str(), u32::MAX);
+    let due = kedge_timer::wire::Due {
+        run_id: run.clone(),
+        timer_id: timer.clone(),
+        fire_at: Timestamp::now(),
+        step: None,
+        op: None,
+    };
+    let subject = kedge_timer::wire::fired_subject(&run, &timer);
+    publish(&h, subject.clone(), serde_json::to_vec(&due).expect("json")).await;
+    let record = dead_letter(&h, "timer-fired", &subject).await;
+    let max = consumer::max_deliver("timer-fired").expect("bounded");
+    assert_eq!(record["deliveries"], max, "{record}");
+    assert_eq!(record["stream"], "KEDGE_TIMERS", "{record}");
+    assert!(
+        record["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("panicked")),
+        "{record}"
+    );
+    // Given up on: the consumer holds nothing more, and nothing was journaled.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(outstanding(&h, "KEDGE_TIMERS", "timer-fired").await, (0, 0));
+    assert!(h.events(&run).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_timer_decision_that_always_fails_or_is_poison_is_a_dead_letter() {
+    let h = harness().await;
+    spawn_timer(&h.config);
+    // Poison: not an envelope. Given up on at its first delivery.
+    let poison = RunId::generate();
+    let subject = format!("agent.run.{poison}.d.timer.scheduled");
+    publish(&h, subject.clone(), b"{not json".to_vec()).await;
+    let record = dead_letter(&h, "timer", &subject).await;
+    assert_eq!(record["deliveries"], 1, "{record}");
+    assert!(
+        record["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("not an envelope")),
+        "{record}"
+    );
+    // A well-formed decision whose handling always fails: after `max_deliver` deliveries.
+    let run = RunId::generate();
+    failpoint::arm_panic("timer.schedule", run.as_str(), u32::MAX);
+    let envelope = kedge_core::event::Envelope::new(
+        run.clone(),
+        Timestamp::now(),
+        kedge_core::event::Draft::new(kedge_core::event::Event::TimerScheduled(
+            kedge_core::event::TimerScheduled {
+                timer_id: TimerId::for_deadline(&run),
+                fire_at: Timestamp::now(),
+                purpose: kedge_core::event::TimerPurpose::RunDeadline,
+            },
+        )),
+    );
+    let subject = format!("agent.run.{run}.d.timer.scheduled");
+    publish(&h, subject.clone(), envelope.to_json_bytes()).await;
+    let record = dead_letter(&h, "timer", &subject).await;
+    let max = consumer::max_deliver("timer").expect("bounded");
+    assert_eq!(record["deliveries"], max, "{record}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(outstanding(&h, "KEDGE_RUNS", "timer").await, (0, 0));
+}
+
+#[tokio::test]
+async fn the_projector_gives_up_on_a_decision_that_always_fails() {
+    let h = harness().await;
+    spawn_projector(&h.config);
+    // Always fails (a panic every time): given up on after `max_deliver` deliveries.
+    let run = RunId::generate();
+    failpoint::arm_panic("projector.project", run.as_str(), u32::MAX);
+    let subject = format!("agent.run.{run}.d.run.created");
+    publish(&h, subject.clone(), b"{}".to_vec()).await;
+    let record = dead_letter(&h, "projector", &subject).await;
+    let max = consumer::max_deliver("projector").expect("bounded");
+    assert_eq!(record["deliveries"], max, "{record}");
+    // Not a journal event's subject (a malformed body on a run's subject is set aside by the
+    // journal read instead, and the run projects without it): given up on at once.
+    let subject = "agent.run.not-a-run.d.run.created".to_owned();
+    publish(&h, subject.clone(), b"{}".to_vec()).await;
+    let record = dead_letter(&h, "projector", &subject).await;
+    assert_eq!(record["deliveries"], 1, "{record}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(outstanding(&h, "KEDGE_RUNS", "projector").await, (0, 0));
+}
