@@ -200,3 +200,50 @@ async fn a_runner_killed_mid_tool_call_is_replaced_by_the_standby_at_once() {
     assert_schema_valid(&h.events(&run).await);
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lost_mid_model_call_keeps_the_paid_answer_for_the_next_holder() {
+    let script = json!({"models": {"slow": {"steps": [
+        {"text": "thinking", "delay_ms": 2000},
+    ]}}});
+    // Fast timeouts (renewal every 500 ms): the worker notices the loss during the call.
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("slow", "slow").await;
+    let run = h.submit("slow", "go", "task-lease-lost").await;
+    // Wait for the call to be in flight, then take the lease as a worker that no longer
+    // exists would have (a false takeover, e.g. across a reconnect).
+    let holder = loop {
+        let started = h
+            .events(&run)
+            .await
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::StepStarted(_)));
+        if let Some(holder) = h.rt.leases.holder(&run).await.expect("lease read")
+            && started
+        {
+            break holder;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    h.rt.leases
+        .take_over(&run, "w-vanished", holder.ttl, holder.revision)
+        .await
+        .expect("taken");
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    assert_eq!(
+        h.mock.total_calls(),
+        1,
+        "the answer received after the loss was stored and reused, not paid again"
+    );
+    let reused = h
+        .events(&run)
+        .await
+        .iter()
+        .any(|r| matches!(&r.envelope.event, Event::StepCompleted(c) if c.reused));
+    assert!(
+        reused,
+        "the next holder completed the step from the stored response"
+    );
+    h.shutdown().await;
+}
