@@ -279,38 +279,107 @@ pub async fn run(
     serve(bridge, listener, shutdown).await
 }
 
+/// How long a client has to send a request's line and headers, from the moment the bridge starts
+/// reading them (on a new connection, and on a kept-alive one between requests). A connection
+/// that trickles its headers or stops half-way (slowloris) is closed at this point, so it cannot
+/// hold a connection slot forever. Fixed (the bridge's configuration has no field for it yet);
+/// [`serve_with_header_timeout`] takes another value.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long in-flight requests may take to finish once shutdown begins.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Serves `bridge` on `listener` until `shutdown` resolves; then ends the SSE streams, lets
-/// in-flight requests finish (up to 10 s) and returns.
+/// in-flight requests finish (up to 10 s) and returns. HTTP/1.1, with [`HEADER_READ_TIMEOUT`].
 pub async fn serve(
     bridge: Bridge,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), BridgeError> {
+    serve_with_header_timeout(bridge, listener, shutdown, HEADER_READ_TIMEOUT).await
+}
+
+/// [`serve`] with a header-read timeout of `header_timeout` (a test's short one).
+///
+/// Each accepted connection is served by hyper's HTTP/1 connection with a timer, so the
+/// header-read timeout applies (`axum::serve` sets no timer, and so has none); the request
+/// timeout is the router's ([`router`]).
+pub async fn serve_with_header_timeout(
+    bridge: Bridge,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    header_timeout: Duration,
+) -> Result<(), BridgeError> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+
     let local = listener
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
-    tracing::info!(listen = %local, "bridge serving");
-    let (stop_tx, mut stop_rx) = watch::channel(false);
+    tracing::info!(listen = %local, header_timeout_ms = header_timeout.as_millis() as u64, "bridge serving");
+    let (stop_tx, stop_rx) = watch::channel(false);
     let closer = bridge.clone();
     tokio::spawn(async move {
         shutdown.await;
         closer.close_streams();
         let _ = stop_tx.send(true);
     });
-    let mut graceful = stop_rx.clone();
-    let server = axum::serve(listener, router(bridge))
-        .with_graceful_shutdown(async move {
-            let _ = graceful.wait_for(|s| *s).await;
-        })
-        .into_future();
-    let deadline = async move {
-        let _ = stop_rx.wait_for(|s| *s).await;
-        tokio::time::sleep(Duration::from_secs(10)).await;
-    };
+    let app = router(bridge);
+    // Every connection's task holds a receiver; the sender sees them all gone once they end.
+    let (open_tx, open_rx) = watch::channel(());
+    let mut stopping = stop_rx.clone();
+    loop {
+        let stop = async {
+            let _ = stopping.wait_for(|s| *s).await;
+        };
+        let (stream, _) = tokio::select! {
+            _ = stop => break,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    // Out of descriptors, a connection reset before it was accepted: the
+                    // listener itself is fine.
+                    tracing::warn!(error = %e, "bridge: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let mut graceful = stop_rx.clone();
+        let open = open_rx.clone();
+        tokio::spawn(async move {
+            let stop = async move {
+                let _ = graceful.wait_for(|s| *s).await;
+            };
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(TokioTimer::new())
+                .header_read_timeout(header_timeout);
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let served = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = stop => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = served {
+                tracing::debug!(error = %e, "bridge: connection ended with an error");
+            }
+            drop(open);
+        });
+    }
+    drop(open_rx);
+    drop(listener);
     tokio::select! {
-        r = server => r.map_err(|e| BridgeError::Serve(e.to_string()))?,
-        _ = deadline => tracing::warn!("bridge: connections still open 10 s after shutdown; closing them"),
+        _ = open_tx.closed() => {}
+        _ = tokio::time::sleep(DRAIN_TIMEOUT) => {
+            tracing::warn!("bridge: connections still open 10 s after shutdown; closing them");
+        }
     }
     tracing::info!("bridge stopped");
     Ok(())
