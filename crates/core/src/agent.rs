@@ -175,7 +175,20 @@ pub struct ToolPolicy {
     /// How long an approval request stays valid (default one day).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval_ttl_secs: Option<u64>,
+    /// The tool's commands may use the network (`shell`: the sandbox shares the host's network
+    /// namespace instead of giving the command none). Default false: no network. Only for tools
+    /// that run in the sandbox (`shell`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub network: bool,
 }
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// The tools whose operations run in the tool service's sandbox, where a network grant means
+/// something.
+pub const SANDBOXED_TOOLS: &[&str] = &["shell"];
 
 /// Default validity of an approval request.
 pub const DEFAULT_APPROVAL_TTL_SECS: u64 = 24 * 3600;
@@ -312,6 +325,12 @@ impl AgentDefinition {
             if !seen.contains(name.as_str()) {
                 return err(format!("policy.{name}"), "names no tool of this agent");
             }
+            if p.network && !SANDBOXED_TOOLS.contains(&name.as_str()) {
+                return err(
+                    format!("policy.{name}.network"),
+                    "only tools that run in the sandbox (shell) can be granted the network",
+                );
+            }
             for (field, value, max) in [
                 ("timeout_secs", p.timeout_secs, MAX_TOOL_TIMEOUT_SECS),
                 (
@@ -413,6 +432,18 @@ mod tests {
     }
 
     #[test]
+    fn only_sandboxed_tools_are_granted_the_network_and_none_by_default() {
+        let mut v = def();
+        v["tools"] = serde_json::json!([{"name": "shell", "description": "Run a command"}]);
+        v["policy"] = serde_json::json!({"shell": {}});
+        let d = AgentDefinition::parse(v.to_string().as_bytes()).expect("valid");
+        assert!(!d.tool_policy("shell").network, "no network unless granted");
+        v["policy"] = serde_json::json!({"shell": {"network": true}});
+        let d = AgentDefinition::parse(v.to_string().as_bytes()).expect("valid");
+        assert!(d.tool_policy("shell").network);
+    }
+
+    #[test]
     fn schemas_and_numbers_are_checked_when_stored() {
         let mut v = def();
         v["tools"][0]["parameters"] =
@@ -449,6 +480,11 @@ mod tests {
                 "policy",
                 serde_json::json!({"read_file": {"timeout_secs": 0}}),
                 "policy.read_file.timeout_secs",
+            ),
+            (
+                "policy",
+                serde_json::json!({"read_file": {"network": true}}),
+                "policy.read_file.network",
             ),
         ] {
             let mut v = def();

@@ -333,6 +333,7 @@ struct Held {
     risk: crate::event::Risk,
     basis: String,
     timeout_secs: Option<u64>,
+    network: bool,
 }
 
 /// `approval.requested` (version `version`) and its expiry timer.
@@ -360,6 +361,7 @@ fn approval_request(
             // check): the pure core cannot look at the target.
             target_version: None,
             timeout_secs: held.timeout_secs,
+            network: held.network,
         }))
         .step(op.step())
         .op(op.clone()),
@@ -389,6 +391,7 @@ fn ask_again(
             risk: a.request.risk,
             basis: a.request.basis.clone(),
             timeout_secs: a.request.timeout_secs,
+            network: a.request.network,
         },
         a.request.plan_version.saturating_add(1),
         from.saturating_add_signed(ttl),
@@ -473,6 +476,7 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                             redispatch: tool.dispatches,
                             expect_version: a.request.target_version.clone(),
                             timeout_secs: tool.timeout_secs,
+                            network: tool.network,
                         }))
                         .step(op.step())
                         .op(op.clone()),
@@ -581,6 +585,7 @@ fn redispatches(state: &RunState) -> Vec<Draft> {
                 redispatch: o.dispatches,
                 expect_version: approved_version(state, &o.op),
                 timeout_secs: o.timeout_secs,
+                network: o.network,
             }))
             .step(o.op.step())
             .op(o.op.clone())
@@ -769,6 +774,7 @@ pub fn complete_step(
                     risk: tool_policy.risk,
                     basis,
                     timeout_secs: tool_policy.timeout_secs,
+                    network: tool_policy.network,
                 },
                 1,
                 now.saturating_add(ttl),
@@ -784,6 +790,7 @@ pub fn complete_step(
                 redispatch: 0,
                 expect_version: None,
                 timeout_secs: tool_policy.timeout_secs,
+                network: tool_policy.network,
             }))
             .step(step)
             .op(op.clone()),

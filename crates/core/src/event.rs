@@ -491,6 +491,14 @@ pub struct ToolRequested {
     /// applies the smaller of it and its own `tool_timeout`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,
+    /// The agent policy grants this tool the network (`policy.<tool>.network`): the runner's
+    /// sandbox shares the host's network with the command. Absent: no network.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub network: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -525,6 +533,9 @@ pub struct ApprovalRequested {
     /// The policy's time limit for the tool, carried to the dispatch once approved.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<u64>,
+    /// The policy's network grant for the tool, carried to the dispatch once approved.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub network: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -114,6 +114,8 @@ pub struct ToolOp {
     pub target_moved: Option<crate::event::TargetMoved>,
     /// The policy's time limit for it (from its request), repeated on every dispatch.
     pub timeout_secs: Option<u64>,
+    /// The policy's network grant for it (from its request), repeated on every dispatch.
+    pub network: bool,
 }
 
 /// The step whose `step.started` has no `step.completed` yet.
@@ -524,6 +526,7 @@ impl RunState {
                                 since: env.at,
                                 target_moved: None,
                                 timeout_secs: req.timeout_secs,
+                                network: req.network,
                             },
                         );
                     }
@@ -559,6 +562,7 @@ impl RunState {
                     since: env.at,
                     target_moved: None,
                     timeout_secs: req.timeout_secs,
+                    network: req.network,
                 });
                 // A fresh request (after an invalidation) is made for where the target is now.
                 tool.target_moved = None;

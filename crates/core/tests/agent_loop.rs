@@ -862,6 +862,8 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
         kedge_core::agent::ToolPolicy {
             approval: kedge_core::agent::ApprovalRule::Always,
             timeout_secs: Some(7),
+            // Plumbing only (a stored definition grants the network to `shell` alone).
+            network: true,
             ..Default::default()
         },
     )]
@@ -895,6 +897,7 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
         Some(7),
         "the policy's limit reaches the dispatch"
     );
+    assert!(req.network, "so does its network grant");
     assert_eq!(sim.state().status, RunStatus::WaitingTool);
     let op = sim.ops_of(1)[0].clone();
     // The runner finds the target elsewhere and does not run it.
@@ -935,6 +938,7 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
     assert_eq!(req.expect_version.as_deref(), Some("v2"));
     assert_eq!(req.redispatch, 1, "the next dispatch of the same operation");
     assert_eq!(req.timeout_secs, Some(7), "and every later one");
+    assert!(req.network, "and every later one");
     sim.result(&op, "written");
     assert!(matches!(decide(&sim.state()), Next::Step(_)));
 }

@@ -88,6 +88,7 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
                 redispatch: 0,
                 expect_version: None,
                 timeout_secs: None,
+                network: false,
             }))
             .step(StepNo(step))
             .op(OperationId::new(run, StepNo(step), i)),

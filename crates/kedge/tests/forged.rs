@@ -46,6 +46,7 @@ fn request(
             redispatch,
             expect_version: None,
             timeout_secs: None,
+            network: false,
         }))
         .step(op.step())
         .op(op.clone()),

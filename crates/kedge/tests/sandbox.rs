@@ -228,3 +228,65 @@ async fn endless_output_is_cut_while_read_and_stray_children_die_at_the_timeout(
     }
     h.shutdown().await;
 }
+
+/// A `shell` command has no network unless its tool's policy grants it (`policy.shell.network`,
+/// carried on `tool.requested`): without the grant it cannot connect to a listener on the host's
+/// loopback (the sandbox's loopback is another namespace's, and down); with it, it can. The
+/// tool service's environment applied to a request, with the real bubblewrap sandbox.
+#[tokio::test]
+async fn a_command_reaches_the_network_only_when_its_tool_policy_grants_it() {
+    use kedge_core::event::{Digest, ToolRequested};
+    use kedge_core::ids::{OperationId, StepNo};
+    use kedge_tool::builtin::{Builtin, Env};
+
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let port = listener.local_addr().expect("addr").port();
+    let sandbox = kedge_tool::sandbox::from_config(kedge_runtime::config::SandboxKind::Bwrap)
+        .await
+        .expect("bubblewrap works here (scripts/setup.sh installs it)");
+    let root = tempfile::tempdir().expect("workspace root");
+    let env = Env {
+        root: root.path().to_owned(),
+        shell_allowlist: vec!["bash".into()],
+        timeout: Duration::from_secs(10),
+        max_output: 4096,
+        sandbox,
+        ledger: false,
+    };
+    let run: RunId = format!("run_net_{}", std::process::id())
+        .parse()
+        .expect("run id");
+    let op = OperationId::new(&run, StepNo(1), 0);
+    let args = json!({"command": "bash", "args": ["-c",
+        format!("echo hello > /dev/tcp/127.0.0.1/{port} && echo CONNECTED")]});
+    let request = |network: bool| ToolRequested {
+        call_id: "c1".into(),
+        tool: "shell".into(),
+        arguments: args.clone(),
+        args_digest: Digest::of_json(&args),
+        redispatch: 0,
+        expect_version: None,
+        timeout_secs: None,
+        network,
+    };
+    let accepted = || match listener.accept() {
+        Ok(_) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
+        Err(e) => panic!("accept: {e}"),
+    };
+
+    let denied = env
+        .for_request(&request(false))
+        .run(Builtin::Shell, &op, &args)
+        .await;
+    assert!(!denied.content.contains("CONNECTED"), "{denied:?}");
+    assert!(!accepted(), "a command without the grant reached the host");
+
+    let granted = env
+        .for_request(&request(true))
+        .run(Builtin::Shell, &op, &args)
+        .await;
+    assert!(granted.content.contains("CONNECTED"), "{granted:?}");
+    assert!(accepted(), "the granted command's connection arrived");
+}

@@ -137,6 +137,19 @@ impl Env {
         }
     }
 
+    /// This environment as a request's policy leaves it: the time limit lowered to its
+    /// `timeout_secs` ([`Env::limited_to`]) and, when the policy grants the tool the network
+    /// (`network`), a sandbox that shares it ([`crate::sandbox::WithNetwork`]).
+    pub fn for_request(&self, req: &kedge_core::event::ToolRequested) -> std::borrow::Cow<'_, Env> {
+        let limited = self.limited_to(req.timeout_secs);
+        if !req.network {
+            return limited;
+        }
+        let mut env = limited.into_owned();
+        env.sandbox = Arc::new(crate::sandbox::WithNetwork(env.sandbox.clone()));
+        std::borrow::Cow::Owned(env)
+    }
+
     /// Cuts `s` to the largest output kept inline, with a note.
     pub fn truncate(&self, s: String) -> String {
         truncate(s, self.max_output)

@@ -13,7 +13,10 @@
 //!   `/proc`, a minimal `/dev`, an empty `/tmp`, and the run's workspace read-write at its own
 //!   path (so relative paths keep working). Nothing else exists in there: not `/etc/passwd`, not
 //!   `/home`, `/root`, the repository or the other runs' workspaces; a symlink pointing out of the
-//!   workspace points at nothing. No network interface but a down loopback. Inside, `prlimit`
+//!   workspace points at nothing. No network interface but a down loopback, unless the agent's
+//!   policy grants the tool the network (`policy.shell.network: true`, carried on each
+//!   `tool.requested`): then the command shares the host's network namespace (`--share-net`) and
+//!   sees `/etc/resolv.conf`, `/etc/hosts` and the CA certificates; nothing else changes. Inside, `prlimit`
 //!   (util-linux, in `/usr/bin`) sets the resource limits ([`Limits`]) before the command starts.
 //! - [`Unconfined`] (`sandbox: "unconfined"`, development only): the command runs as the tool
 //!   service's user in the workspace with a clean environment, and sees the whole machine. It is
@@ -54,6 +57,14 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 const PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 /// Where `prlimit` must be, inside the sandbox (its `/usr` is the host's).
 const PRLIMIT: &str = "/usr/bin/prlimit";
+/// What a command granted the network sees of `/etc` besides the usual few files.
+const NETWORK_FILES: &[&str] = &[
+    "/etc/resolv.conf",
+    "/etc/hosts",
+    "/etc/nsswitch.conf",
+    "/etc/ssl",
+    "/etc/ca-certificates",
+];
 
 /// Resource limits of one command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +77,9 @@ pub struct Limits {
     pub file_size_bytes: u64,
     /// Processes (`RLIMIT_NPROC`; see the module doc for root).
     pub processes: u64,
+    /// The host's network is shared with the command (the tool's policy grants it); otherwise
+    /// it has none.
+    pub network: bool,
 }
 
 impl Limits {
@@ -77,7 +91,37 @@ impl Limits {
             address_space_bytes: 1 << 30,
             file_size_bytes: 64 << 20,
             processes: 64,
+            network: false,
         }
+    }
+}
+
+/// `inner`, with the network shared with every command: the sandbox of a tool whose policy
+/// grants it the network ([`Limits::network`]).
+#[derive(Debug, Clone)]
+pub struct WithNetwork(pub Arc<dyn Sandbox>);
+
+impl Sandbox for WithNetwork {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+
+    fn confines(&self) -> bool {
+        self.0.confines()
+    }
+
+    fn command(
+        &self,
+        program: &str,
+        args: &[String],
+        workspace: &Path,
+        limits: &Limits,
+    ) -> tokio::process::Command {
+        let limits = Limits {
+            network: true,
+            ..*limits
+        };
+        self.0.command(program, args, workspace, &limits)
     }
 }
 
@@ -269,6 +313,14 @@ impl Sandbox for Bubblewrap {
         }
         for file in ["/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime"] {
             cmd.args(["--ro-bind-try", file, file]);
+        }
+        if limits.network {
+            // Granted by the tool's policy: the host's network, and what resolving names and
+            // checking certificates read.
+            cmd.arg("--share-net");
+            for file in NETWORK_FILES {
+                cmd.args(["--ro-bind-try", file, file]);
+            }
         }
         cmd.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"])
             .arg("--bind")

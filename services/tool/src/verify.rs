@@ -336,6 +336,7 @@ mod tests {
                 redispatch: 0,
                 expect_version: None,
                 timeout_secs: None,
+                network: false,
             }))
             .step(op.step())
             .op(op.clone()),

@@ -95,6 +95,7 @@ pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
             redispatch: 0,
             expect_version: None,
             timeout_secs: None,
+            network: false,
         }))
         .step(StepNo(step))
         .op(OperationId::new(run, StepNo(step), index)),
