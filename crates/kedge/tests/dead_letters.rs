@@ -193,3 +193,35 @@ async fn the_projector_gives_up_on_a_decision_that_always_fails() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(outstanding(&h, "KEDGE_RUNS", "projector").await, (0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_operation_that_always_fails_is_a_dead_letter_after_max_deliver() {
+    use common::Svc;
+    let script = json!({"models": {"m": {"steps": [
+        {"text": "paying", "delay_ms": 300,
+         "tool_calls": [{"name": "ledger_append", "arguments": {"text": "pay 5"}}]},
+        {"text": "paid"}
+    ]}}});
+    let h = Harness::start_with(script, &[Svc::Intake, Svc::Step, Svc::Tool], |c| {
+        c.timeouts.max_retry_delay_ms = 20;
+    })
+    .await;
+    h.agent("payer", "m").await;
+    let run = h.submit("payer", "go", "task-tool-dead").await;
+    failpoint::arm_panic("tool.execute", run.as_str(), u32::MAX);
+    let subject = format!("agent.run.{run}.d.tool.requested");
+    let record = dead_letter(&h, "tool", &subject).await;
+    let max = consumer::max_deliver("tool").expect("bounded");
+    assert_eq!(record["deliveries"], max, "{record}");
+    assert!(
+        record["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("panicked")),
+        "{record}"
+    );
+    // Given up on, nothing ran, and the service goes on.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(outstanding(&h, "KEDGE_RUNS", "tool").await, (0, 0));
+    assert!(h.ledger().is_empty(), "the operation never ran");
+    h.shutdown().await;
+}

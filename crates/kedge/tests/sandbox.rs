@@ -290,3 +290,39 @@ async fn a_command_reaches_the_network_only_when_its_tool_policy_grants_it() {
     assert!(granted.content.contains("CONNECTED"), "{granted:?}");
     assert!(accepted(), "the granted command's connection arrived");
 }
+
+/// The same through the tool service: the grant travels from the agent's policy through
+/// `tool.requested` to the sandbox of that one command.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_an_agent_whose_policy_grants_network_reaches_the_host() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = listener.local_addr().expect("addr").port();
+    let connect = format!("echo hello > /dev/tcp/127.0.0.1/{port} && echo CONNECTED");
+    let script = json!({"models": {"net": {"steps": [
+        {"text": "calling", "tool_calls": [shell("bash", &["-c", &connect])]},
+        {"text": "done"}
+    ]}}});
+    let h = Harness::start_with(script, &[Svc::Intake, Svc::Step, Svc::Tool], |c| {
+        c.shell_allowlist.push("bash".into());
+    })
+    .await;
+    h.agent_with_policy("offline", "net", json!({})).await;
+    h.agent_with_policy("online", "net", json!({"shell": {"network": true}}))
+        .await;
+    let mut out = Vec::new();
+    for agent in ["offline", "online"] {
+        let run = RunId::generate();
+        submit_as(&h, agent, &run).await;
+        let state = h.wait_terminal(&run, WAIT).await;
+        assert_eq!(state.status, RunStatus::Succeeded, "{agent}");
+        let (_, content, _) = results(&h, &run).await.pop().expect("a tool result");
+        out.push(content);
+    }
+    assert!(
+        !out[0].contains("CONNECTED"),
+        "without the grant: {}",
+        out[0]
+    );
+    assert!(out[1].contains("CONNECTED"), "with the grant: {}", out[1]);
+    h.shutdown().await;
+}

@@ -81,6 +81,17 @@ pub fn panic_point(name: &str, key: &str) {
     }
 }
 
+/// What a caught panic carried, as text (for the log line and the dead letter's reason).
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

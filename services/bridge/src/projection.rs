@@ -327,11 +327,7 @@ pub async fn run_projector(
                     .catch_unwind()
                     .await;
                 let verdict = handled.unwrap_or_else(|panic| {
-                    let reason = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a panic without a message".to_owned());
+                    let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
                     tracing::error!(subject = %msg.subject, panic = %reason, "projecting panicked");
                     Verdict::Retry(format!("panicked: {reason}"))
                 });

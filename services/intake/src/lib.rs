@@ -89,11 +89,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 // (bounded by the consumer's max_deliver; the last delivery is answered).
                 let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
                 if let Err(panic) = AssertUnwindSafe(handle(&rt, &msg)).catch_unwind().await {
-                    let reason = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
+                    let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
                     tracing::error!(seq, panic = %reason, "handling a task panicked; handing it back");
                     let delay = consumer::retry_delay(
                         consumer::deliveries(&msg),

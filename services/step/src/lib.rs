@@ -191,7 +191,7 @@ impl Drives {
                         .catch_unwind()
                         .await
                         .unwrap_or_else(|panic| {
-                            let reason = panic_message(panic.as_ref());
+                            let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
                             tracing::error!(run_id = %run_id, panic = %reason, "drive panicked; the wake is handed back");
                             Err(DriveError::Panicked(reason))
                         });
@@ -222,17 +222,6 @@ impl Drives {
                 }
             })
             .await;
-    }
-}
-
-/// What a panic carried, as text.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_owned()
     }
 }
 

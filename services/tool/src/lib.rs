@@ -49,11 +49,12 @@ pub mod verify;
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use kedge_core::event::{
     Draft, Envelope, Event, Timestamp, ToolRequested, ToolResult, ToolStarted,
 };
@@ -99,6 +100,14 @@ pub enum Handled {
     /// Nothing done: the request is not what the journal decided (see [`verify`]).
     Refused { reason: String },
 }
+
+/// The durable consumer's name (and the dead letters' subject token).
+const CONSUMER: &str = "tool";
+/// Redelivery delays after a failure (doubled per delivery up to the cap); the consumer's
+/// `max_deliver` bounds the tries, and the last failing one is a dead letter on
+/// `agent.rejected.dead.tool`.
+const RETRY_DELAY: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// The stop signal of one running operation.
 type StopSignal = (OperationId, watch::Sender<bool>);
@@ -180,7 +189,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             reason: e.to_string(),
         }
     })?;
-    let consumer = consumer::durable(&rt.js, "tool", rt.config.timeouts.tool_ack_wait()).await?;
+    let consumer = consumer::durable(&rt.js, CONSUMER, rt.config.timeouts.tool_ack_wait()).await?;
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
     let running = Running::default();
@@ -253,7 +262,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 workers.spawn(async move { answer_resolve(&ctx, request).await }).await;
                 continue;
             }
-            next = consumer::next_message(&mut messages, "tool") => match next {
+            next = consumer::next_message(&mut messages, CONSUMER) => match next {
                 Some(msg) => msg,
                 None => break,
             },
@@ -273,6 +282,8 @@ enum ToolError {
     Journal(#[from] JournalError),
     #[error(transparent)]
     Idempotency(#[from] IdempotencyError),
+    #[error("panicked: {0}")]
+    Panicked(String),
 }
 
 async fn handle(ctx: &Ctx, msg: Message) {
@@ -310,18 +321,45 @@ async fn handle(ctx: &Ctx, msg: Message) {
         return;
     }
     let span = tracing::info_span!("tool", run_id = %run_id, op = %op, tool = %req.tool);
-    let result = execute(ctx, &op, &req).instrument(span).await;
+    // A panic while handling it (a bug) is contained: it counts as a failed delivery (handed
+    // back, and a dead letter at the last one); the service and its other operations go on.
+    let result = AssertUnwindSafe(execute(ctx, &op, &req).instrument(span))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| {
+            let reason = failpoint::panic_message(panic.as_ref());
+            tracing::error!(op = %op, panic = %reason, "handling a tool operation panicked");
+            Err(ToolError::Panicked(reason))
+        });
+    let delivered = consumer::deliveries(&msg);
+    let last = consumer::is_last_delivery(CONSUMER, &msg);
     let ack = match result {
+        Ok(Handled::Busy { retry_in_ms }) if last => {
+            // Not a failure: the live runner holding it records its outcome, and the reconciler
+            // resolves it if that runner goes away.
+            tracing::warn!(op = %op, retry_in_ms, delivered, "held by a live runner at the request's last delivery; dropping the request");
+            msg.ack().await
+        }
         Ok(Handled::Busy { retry_in_ms }) => {
             tracing::info!(op = %op, retry_in_ms, "held by a live runner; put back");
             msg.ack_with(AckKind::Nak(Some(Duration::from_millis(retry_in_ms))))
                 .await
         }
         Ok(_) => msg.ack().await,
+        Err(e) if last => {
+            let reason = format!("operation {op}: {e}");
+            consumer::dead_letter(&ctx.rt.js, CONSUMER, &msg, &reason).await;
+            return;
+        }
         Err(e) => {
-            tracing::warn!(op = %op, error = %e, "tool operation not finished; will retry");
-            msg.ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await
+            tracing::warn!(op = %op, error = %e, delivered, "tool operation not finished; will retry");
+            let cap = ctx.rt.config.timeouts.max_retry_delay().min(RETRY_MAX);
+            msg.ack_with(AckKind::Nak(Some(consumer::retry_delay(
+                delivered,
+                RETRY_DELAY.min(cap),
+                cap,
+            ))))
+            .await
         }
     };
     if let Err(e) = ack {
@@ -414,6 +452,8 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     // Announced in this process's heartbeats from before the claim until the outcome is
     // recorded: if this process dies meanwhile, a standby takes the operation over at once.
     let _hold = ctx.liveness.hold_op(op);
+    // A panic here (a bug; or the test failpoint) is contained by the handler.
+    failpoint::panic_point("tool.execute", op.run().as_str());
     let abandoned_after = rt.config.timeouts.op_abandoned_after();
     // The cancel check is a read of the journal; it goes out with the claim.
     let (claim, cancel_requested) = futures::join!(
@@ -546,7 +586,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     // `tool.started` goes out first and its acknowledgement is awaited alongside the tool, not
     // before it; `tool.result` is appended only after both, so the journal keeps the order.
     let key = InputId::tool_started(op, revision);
-    let limited = env.limited_to(req.timeout_secs);
+    let limited = env.for_request(req);
     let (started, ran) = futures::join!(
         rt.journal.append_input(&started, key.as_str()),
         target.run(&limited, &ctx.mcp, op, &req.arguments, stop)
