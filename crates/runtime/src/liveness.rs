@@ -24,7 +24,7 @@
 //! [`Liveness::is_gone`] asks the same question about any worker on demand (a lease or an
 //! operation record left by a process this one never heard, e.g. before a restart).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -91,8 +91,8 @@ struct Inner {
     me: String,
     heartbeat: Duration,
     suspect_after: Duration,
-    runs: Mutex<HashSet<RunId>>,
-    ops: Mutex<HashSet<OperationId>>,
+    runs: Mutex<BTreeSet<RunId>>,
+    ops: Mutex<BTreeSet<OperationId>>,
     changed: Notify,
     peers: Mutex<HashMap<String, Peer>>,
     deaths: broadcast::Sender<Death>,
@@ -285,6 +285,10 @@ async fn answer_pings(inner: Weak<Inner>, mut pings: async_nats::Subscriber) {
 }
 
 async fn send_heartbeats(inner: Weak<Inner>) {
+    // A heartbeat goes out every `heartbeat`, and between two when what is held differs from
+    // what the last one said (a run held and let go within one gap is not worth a message).
+    let mut last_sent: Option<Beat> = None;
+    let mut due = tokio::time::Instant::now();
     loop {
         let Some(live) = inner.upgrade() else { return };
         let beat = Beat {
@@ -299,25 +303,29 @@ async fn send_heartbeats(inner: Weak<Inner>) {
                 .map(|s| s.iter().cloned().collect())
                 .unwrap_or_default(),
         };
-        match serde_json::to_vec(&beat) {
-            Ok(body) => {
-                if let Err(e) = live
-                    .client
-                    .publish(subjects::live_heartbeat(&live.me), body.into())
-                    .await
-                {
-                    tracing::debug!(error = %e, "cannot publish a heartbeat");
+        let now = tokio::time::Instant::now();
+        if now >= due || last_sent.as_ref() != Some(&beat) {
+            match serde_json::to_vec(&beat) {
+                Ok(body) => {
+                    if let Err(e) = live
+                        .client
+                        .publish(subjects::live_heartbeat(&live.me), body.into())
+                        .await
+                    {
+                        tracing::debug!(error = %e, "cannot publish a heartbeat");
+                    }
                 }
+                Err(e) => tracing::warn!(error = %e, "cannot encode a heartbeat"),
             }
-            Err(e) => tracing::warn!(error = %e, "cannot encode a heartbeat"),
+            last_sent = Some(beat);
+            due = now + live.heartbeat;
         }
-        let every = live.heartbeat;
         let changed = async {
             live.changed.notified().await;
             tokio::time::sleep(CHANGE_GAP).await;
         };
         tokio::select! {
-            _ = tokio::time::sleep(every) => {}
+            _ = tokio::time::sleep_until(due) => {}
             _ = changed => {}
         }
     }
