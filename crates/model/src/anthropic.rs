@@ -35,7 +35,7 @@ use crate::sse::SseEvent;
 use crate::{Delta, ModelCall};
 
 /// The public endpoint.
-pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com/v1";
+pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com";
 
 /// The `anthropic-version` header sent with every request.
 pub const API_VERSION: &str = "2023-06-01";

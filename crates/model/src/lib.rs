@@ -50,7 +50,7 @@ pub const REQUEST_ID_HEADER: &str = "x-kedge-request-id";
 #[derive(Clone, Copy)]
 pub struct ModelCall<'a> {
     /// Provider, model name and base URL (`None` → [`openai::DEFAULT_BASE_URL`] /
-    /// [`anthropic::DEFAULT_BASE_URL`]). A base URL ends before the endpoint: `…/v1`.
+    /// [`anthropic::DEFAULT_BASE_URL`]); see [`endpoint`] for the forms accepted.
     pub spec: &'a ModelSpec,
     /// Read from the environment by the caller (see [`api_key_env`]). `None` sends no
     /// credentials (for local servers that need none).
@@ -118,14 +118,32 @@ pub fn default_api_key_env(provider: Provider) -> &'static str {
     }
 }
 
-/// The URL a call is posted to.
+/// The URL a call is posted to. Base URLs are taken the way each provider's SDK writes them:
+/// OpenAI's with the version (`https://api.openai.com/v1`, `http://127.0.0.1:8080/v1`; a bare
+/// `scheme://host[:port]` gets `/v1`), Anthropic's without it (`https://api.anthropic.com`; one
+/// that already ends in `/v1` is taken as is).
 pub fn endpoint(spec: &ModelSpec) -> String {
-    let (default, path) = match spec.provider {
-        Provider::Openai => (openai::DEFAULT_BASE_URL, "/chat/completions"),
-        Provider::Anthropic => (anthropic::DEFAULT_BASE_URL, "/messages"),
-    };
-    let base = spec.base_url.as_deref().unwrap_or(default);
-    format!("{}{path}", base.trim_end_matches('/'))
+    let base = spec
+        .base_url
+        .as_deref()
+        .unwrap_or(match spec.provider {
+            Provider::Openai => openai::DEFAULT_BASE_URL,
+            Provider::Anthropic => anthropic::DEFAULT_BASE_URL,
+        })
+        .trim_end_matches('/');
+    let has_version = base.ends_with("/v1");
+    match spec.provider {
+        Provider::Openai if has_version || has_path(base) => format!("{base}/chat/completions"),
+        Provider::Openai => format!("{base}/v1/chat/completions"),
+        Provider::Anthropic if has_version => format!("{base}/messages"),
+        Provider::Anthropic => format!("{base}/v1/messages"),
+    }
+}
+
+/// Whether a URL (without a trailing `/`) has a path after its authority.
+fn has_path(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    rest.contains('/')
 }
 
 /// The request body of a call, as it would be sent.
@@ -569,9 +587,29 @@ pub(crate) mod tests {
         );
         spec.base_url = Some("http://127.0.0.1:8080/v1/".into());
         assert_eq!(endpoint(&spec), "http://127.0.0.1:8080/v1/chat/completions");
+        spec.base_url = Some("http://127.0.0.1:11434".into());
+        assert_eq!(
+            endpoint(&spec),
+            "http://127.0.0.1:11434/v1/chat/completions",
+            "a bare host gets the version"
+        );
+        spec.base_url = Some("https://gateway.example/openai/v1".into());
+        assert_eq!(
+            endpoint(&spec),
+            "https://gateway.example/openai/v1/chat/completions"
+        );
         spec.provider = Provider::Anthropic;
         spec.base_url = None;
         assert_eq!(endpoint(&spec), "https://api.anthropic.com/v1/messages");
+        // As Anthropic's SDKs write it, and the older form with the version.
+        for base in [
+            "https://api.anthropic.com",
+            "https://api.anthropic.com/",
+            "https://api.anthropic.com/v1",
+        ] {
+            spec.base_url = Some(base.into());
+            assert_eq!(endpoint(&spec), "https://api.anthropic.com/v1/messages");
+        }
         assert_eq!(
             default_api_key_env(Provider::Anthropic),
             "ANTHROPIC_API_KEY"

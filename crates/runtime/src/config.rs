@@ -177,7 +177,10 @@ impl Config {
                 if prefix == "loopback" {
                     is_loopback_url(url)
                 } else {
+                    // `https://api.anthropic.com` (as Anthropic's SDKs write it) is the
+                    // allowed `https://api.anthropic.com/`; `…com.evil` is not.
                     url.starts_with(prefix.as_str())
+                        || format!("{url}/").starts_with(prefix.as_str())
                 }
             });
             if !allowed {
@@ -1241,7 +1244,13 @@ mod tests {
             c.check_model("OPENAI_API_KEY", Some("http://[::1]:8080/v1"))
                 .is_ok()
         );
+        assert!(
+            c.check_model("ANTHROPIC_API_KEY", Some("https://api.anthropic.com"))
+                .is_ok(),
+            "as Anthropic's SDKs write it"
+        );
         for (var, url) in [
+            ("ANTHROPIC_API_KEY", Some("https://api.anthropic.com.evil")),
             ("HOME", None),
             ("NATS_PASSWORD", None),
             ("OPENAI_API_KEY", Some("https://evil.example/v1")),
