@@ -198,40 +198,19 @@ impl Driver {
         msg: Option<Arc<Message>>,
     ) -> Result<Outcome, DriveError> {
         let cfg = &self.rt.config;
-        let hint = self.released.lock().ok().and_then(|mut r| r.remove(run));
-        let ttl = cfg.timeouts.lease_ttl();
-        let lease = match self
-            .rt
-            .leases
-            .acquire_after(run, &cfg.worker_id, ttl, hint)
-            .await
-        {
-            Ok(lease) => lease,
-            // Held by a process that is gone (the broker has no connection for it), or by this
-            // process itself (one drive per run per process, so such a lease is left over from
-            // an earlier holding whose release failed, possibly before a restart under the same
-            // worker id): take it over now instead of waiting out its TTL.
-            Err(LeaseError::Held { owner, revision })
-                if owner == cfg.worker_id || self.liveness.is_gone(&owner).await =>
-            {
-                match self
-                    .rt
-                    .leases
-                    .take_over(run, &cfg.worker_id, ttl, revision)
-                    .await
-                {
-                    Ok(lease) => {
-                        tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
-                        lease
-                    }
-                    Err(LeaseError::Lost { .. } | LeaseError::Held { .. }) => {
-                        return Ok(Outcome::Busy);
-                    }
-                    Err(e) => return Err(e.into()),
+        // The lease and the run's state are fetched at once (one round trip instead of two on
+        // the way to the next decision). Reading without the lease is harmless: a state made
+        // stale by another holder's appends meets the concurrency check and is read again.
+        let (lease, state) = futures::join!(self.acquire(run), self.read_state(run));
+        let lease = match lease {
+            Ok(Some(lease)) => lease,
+            other => {
+                // Not ours to drive now: what was read stays good for the next drive here.
+                if let Ok(Some(state)) = state {
+                    self.keep(state);
                 }
+                return other.map(|_| Outcome::Busy);
             }
-            Err(LeaseError::Held { .. }) => return Ok(Outcome::Busy),
-            Err(e) => return Err(e.into()),
         };
         // Announced in this process's heartbeats while held: if it dies, a standby adopts the
         // run as soon as the broker says it is gone.
@@ -243,7 +222,7 @@ impl Driver {
         let mut lost = keeper.lost.clone();
         let span = tracing::info_span!("drive", run_id = %run);
         let result = self
-            .drive_leased(run, &writer, &mut lost)
+            .drive_leased(run, &writer, &mut lost, state)
             .instrument(span)
             .await;
         if let Some(lease) = keeper.finish().await {
@@ -435,39 +414,86 @@ impl Driver {
         Ok(())
     }
 
+    /// Takes the run's lease: `None` when another live worker holds it.
+    async fn acquire(&self, run: &RunId) -> Result<Option<Lease>, DriveError> {
+        let cfg = &self.rt.config;
+        let hint = self.released.lock().ok().and_then(|mut r| r.remove(run));
+        let ttl = cfg.timeouts.lease_ttl();
+        match self
+            .rt
+            .leases
+            .acquire_after(run, &cfg.worker_id, ttl, hint)
+            .await
+        {
+            Ok(lease) => Ok(Some(lease)),
+            // Held by a process that is gone (the broker has no connection for it), or by this
+            // process itself (one drive per run per process, so such a lease is left over from
+            // an earlier holding whose release failed, possibly before a restart under the same
+            // worker id): take it over now instead of waiting out its TTL.
+            Err(LeaseError::Held { owner, revision })
+                if owner == cfg.worker_id || self.liveness.is_gone(&owner).await =>
+            {
+                match self
+                    .rt
+                    .leases
+                    .take_over(run, &cfg.worker_id, ttl, revision)
+                    .await
+                {
+                    Ok(lease) => {
+                        tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
+                        Ok(Some(lease))
+                    }
+                    Err(LeaseError::Lost { .. } | LeaseError::Held { .. }) => Ok(None),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            Err(LeaseError::Held { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The run's state: the one cached from this process's last drive, brought up to date, or
+    /// the whole journal folded. `None` for a run with no `run.created`.
+    async fn read_state(&self, run: &RunId) -> Result<Option<RunState>, DriveError> {
+        let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
+        match cached {
+            Some(mut state) => {
+                self.refresh(&mut state).await?;
+                Ok(Some(state))
+            }
+            None => self.load(run).await,
+        }
+    }
+
+    /// Keeps a run's state for its next drive here (not a finished run's with nothing pending).
+    fn keep(&self, state: RunState) {
+        if let Ok(mut cache) = self.cache.lock() {
+            if cache.len() >= CACHE_RUNS {
+                cache.clear();
+            }
+            if !state.status.is_terminal() || !state.pending_messages.is_empty() {
+                cache.insert(state.run_id.clone(), state);
+            }
+        }
+    }
+
     async fn drive_leased(
         &self,
         run: &RunId,
         writer: &DecisionWriter,
         lost: &mut watch::Receiver<bool>,
+        state: Result<Option<RunState>, DriveError>,
     ) -> Result<(), DriveError> {
         // A panic here (a bug; or the test failpoint) is contained by the service: the wake is
         // handed back and the lease expires.
         failpoint::panic_point("step.drive", run.as_str());
-        let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
-        let mut state = match cached {
-            Some(mut state) => {
-                self.refresh(&mut state).await?;
-                state
-            }
-            None => match self.load(run).await? {
-                Some(state) => state,
-                None => {
-                    tracing::debug!(run_id = %run, "woken for a run that has no run.created; nothing to drive");
-                    return Ok(());
-                }
-            },
+        let Some(mut state) = state? else {
+            tracing::debug!(run_id = %run, "woken for a run that has no run.created; nothing to drive");
+            return Ok(());
         };
         let result = self.drive_state(&mut state, writer, lost).await;
-        if result.is_ok()
-            && let Ok(mut cache) = self.cache.lock()
-        {
-            if cache.len() >= CACHE_RUNS {
-                cache.clear();
-            }
-            if !state.status.is_terminal() || !state.pending_messages.is_empty() {
-                cache.insert(run.clone(), state);
-            }
+        if result.is_ok() {
+            self.keep(state);
         }
         result
     }
