@@ -4,10 +4,14 @@
 //! cargo bench -p kedge-journal --bench journal                       # default fsync policy
 //! cargo bench -p kedge-journal --bench journal -- --sync-always      # sync_interval: always
 //! cargo bench -p kedge-journal --bench journal -- --iters 500
+//! cargo bench -p kedge-journal --bench journal -- --history 1000,10000,100000   # reads vs history
 //! ```
 //!
 //! Prints p50/p99 per operation. One client, one request in flight: these are latencies, not
 //! throughput.
+//!
+//! `--history LEVELS` measures instead what reading one run costs as the stream fills up with
+//! other runs (issue 11, "scale with history"); see [`history`].
 
 #![allow(clippy::unwrap_used)]
 
@@ -26,12 +30,21 @@ use kedge_testkit::{NatsServer, ServerOptions};
 struct Args {
     iters: usize,
     sync_always: bool,
+    /// `--history`: cumulative numbers of runs in the stream to measure reads at.
+    history: Vec<usize>,
+    /// `--filler-events`: events per filler run in `--history` mode.
+    filler_events: usize,
+    /// `--reads`: reads measured per kind and level in `--history` mode.
+    reads: usize,
 }
 
 fn args() -> Args {
     let mut out = Args {
         iters: 2000,
         sync_always: false,
+        history: Vec::new(),
+        filler_events: 5,
+        reads: 400,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -42,6 +55,24 @@ fn args() -> Args {
                     .next()
                     .and_then(|n| n.parse().ok())
                     .expect("--iters takes a number")
+            }
+            "--history" => {
+                out.history = it
+                    .next()
+                    .map(|l| l.split(',').map(|n| n.trim().parse().unwrap()).collect())
+                    .expect("--history takes levels, e.g. 1000,10000,100000")
+            }
+            "--filler-events" => {
+                out.filler_events = it
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .expect("--filler-events takes a number")
+            }
+            "--reads" => {
+                out.reads = it
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .expect("--reads takes a number")
             }
             // `cargo bench` passes `--bench`; ignore it and anything else.
             _ => {}
@@ -167,7 +198,11 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(run(args));
+    if args.history.is_empty() {
+        rt.block_on(run(args));
+    } else {
+        rt.block_on(history(args));
+    }
 }
 
 async fn run(args: Args) {
@@ -379,6 +414,327 @@ async fn run(args: Args) {
         } else {
             "default"
         }
+    );
+    table.print();
+    drop(server);
+}
+
+// ---------------------------------------------------------------------------------------------
+// --history: what reading one run costs as the stream fills up with other runs.
+
+/// Compact 50-event runs written at each level (after its filler runs, 10 at a time).
+const COMPACT: usize = 20;
+/// 50-event runs whose events are spread over each level's filler runs (a run that lived while
+/// the level's runs came and went).
+const SPREAD: usize = 4;
+/// Filler runs written concurrently.
+const FILL_WRITERS: usize = 64;
+
+fn created(run: &RunId) -> Envelope {
+    env(
+        run,
+        Draft::new(Event::RunCreated(Box::new(kedge_core::event::RunCreated {
+            agent: "bench".parse().unwrap(),
+            agent_revision: 1,
+            agent_digest: Digest::of_bytes(b"agent"),
+            model: kedge_core::event::ModelSpec {
+                provider: kedge_core::event::Provider::Openai,
+                name: "mock".into(),
+                base_url: None,
+            },
+            prompt_digest: Digest::of_bytes(b"prompt"),
+            tools_digest: Digest::of_bytes(b"tools"),
+            policy_digest: Digest::of_bytes(b"policy"),
+            budget: kedge_core::event::Budget::default(),
+            tenant: "acme".parse().unwrap(),
+            caller: Some("bench".into()),
+            idempotency_key: None,
+            input: "look this up".into(),
+            runtime_version: "bench".into(),
+            metadata: Default::default(),
+        }))),
+    )
+}
+
+/// Writes a run one event at a time, as the services would: `run.created`, then decisions and
+/// inputs in a fixed rotation (each decision checked against the one before).
+struct Writer {
+    run: RunId,
+    last_decision: u64,
+    written: usize,
+}
+
+impl Writer {
+    fn new() -> Self {
+        Self {
+            run: RunId::generate(),
+            last_decision: 0,
+            written: 0,
+        }
+    }
+
+    async fn next(&mut self, journal: &Journal) {
+        let run = &self.run;
+        let w = kedge_journal::DecisionWriter::unfenced(run, "bench");
+        let step = (self.written / 5) as u32 + 1;
+        let decision = match self.written {
+            0 => {
+                self.last_decision = journal.create_run(&created(run)).await.unwrap().last_seq;
+                self.written += 1;
+                return;
+            }
+            1 => Some(decision(run)),
+            // From the third event on: user.message (input), step.completed, tool.requested
+            // ×2, user.message, … (a 5-event run has 5 subjects, like a short real one).
+            n => match n % 5 {
+                3 => Some(group(run, step).swap_remove(0)),
+                4 => Some(group(run, step).swap_remove(1)),
+                0 => Some(group(run, step).swap_remove(2)),
+                _ => None,
+            },
+        };
+        match decision {
+            Some(d) => {
+                self.last_decision = journal
+                    .append_decisions(&w, self.last_decision, &[d])
+                    .await
+                    .unwrap()
+                    .last_seq;
+            }
+            None => {
+                journal
+                    .append_input(
+                        &input(run, self.written),
+                        &format!("h-{run}-{}", self.written),
+                    )
+                    .await
+                    .unwrap();
+            }
+        }
+        self.written += 1;
+    }
+}
+
+/// Writes `count` filler runs of `events` events each, `FILL_WRITERS` at a time.
+async fn fill(journal: &Journal, count: usize, events: usize) {
+    futures::stream::iter(0..count)
+        .map(|_| {
+            let journal = journal.clone();
+            async move {
+                let mut w = Writer::new();
+                for _ in 0..events {
+                    w.next(&journal).await;
+                }
+            }
+        })
+        .buffer_unordered(FILL_WRITERS)
+        .collect::<Vec<()>>()
+        .await;
+}
+
+/// The read path before issue 11 (kept here as the baseline, spoken on the wire): a leader
+/// `last_by_subj` on `agent.run.<id>.>` beside a batched direct get with that wildcard from
+/// sequence 1, 256 per page. Returns the number of messages read.
+async fn legacy_read(client: &async_nats::Client, run: &RunId) -> usize {
+    let filter = format!("agent.run.{run}.>");
+    let leader = client.request(
+        "$JS.API.STREAM.MSG.GET.KEDGE_RUNS",
+        serde_json::json!({ "last_by_subj": filter })
+            .to_string()
+            .into(),
+    );
+    let (leader, mut page) = futures::join!(leader, raw_batch(client, &filter, 1, 256));
+    let leader: serde_json::Value = serde_json::from_slice(&leader.unwrap().payload).unwrap();
+    let last = leader["message"]["seq"].as_u64().unwrap();
+    let mut got = 0;
+    loop {
+        let mut reached = 0;
+        for (seq, payload) in &page.0 {
+            let _ = Envelope::from_json_bytes(payload).unwrap();
+            reached = *seq;
+            got += 1;
+        }
+        if page.1 == 0 && reached >= last {
+            return got;
+        }
+        page = raw_batch(client, &filter, reached + 1, 256).await;
+    }
+}
+
+/// A batched direct get: (sequence, payload) of each message, and the pending count at the end.
+async fn raw_batch(
+    client: &async_nats::Client,
+    filter: &str,
+    from: u64,
+    batch: usize,
+) -> (Vec<(u64, bytes::Bytes)>, u64) {
+    let inbox = client.new_inbox();
+    let mut sub = client.subscribe(inbox.clone()).await.unwrap();
+    client
+        .publish_with_reply(
+            "$JS.API.DIRECT.GET.KEDGE_RUNS",
+            inbox,
+            serde_json::json!({ "seq": from, "next_by_subj": filter, "batch": batch })
+                .to_string()
+                .into(),
+        )
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(10), sub.next())
+            .await
+            .unwrap()
+            .unwrap();
+        let header = |name: &str| {
+            m.headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .and_then(|v| v.as_str().parse::<u64>().ok())
+        };
+        match m.status.map(|s| s.as_u16()) {
+            Some(204) => return (out, header("Nats-Num-Pending").unwrap_or(0)),
+            Some(404) => return (out, 0),
+            Some(other) => panic!("direct get status {other}"),
+            None => out.push((header("Nats-Sequence").unwrap(), m.payload.clone())),
+        }
+    }
+}
+
+/// Times `reads` calls of `f`, cycling over `runs`.
+async fn time_reads<F, Fut>(runs: &[RunId], reads: usize, mut f: F) -> Vec<Duration>
+where
+    F: FnMut(RunId) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    for run in runs {
+        f(run.clone()).await;
+    }
+    let mut out = Vec::with_capacity(reads);
+    for i in 0..reads {
+        let run = runs[i % runs.len()].clone();
+        let t = Instant::now();
+        f(run).await;
+        out.push(t.elapsed());
+    }
+    out
+}
+
+/// `--history`: for each level N (cumulative), fills the stream with filler runs up to N runs
+/// (`--filler-events` each, 5 by default), with `SPREAD` 50-event runs whose events are spread
+/// over that fill and `COMPACT` 50-event runs written right after it; then times, one read at
+/// a time and cycling over runs, reading a whole 50-event run: the ones just written ("recent"),
+/// the first level's ("old"), the previous level's, and the spread ones — with `Journal::read` and with the read path
+/// as it was before issue 11 (`legacy_read`), back to back on the same runs. Also the cost of
+/// `last_event` and of `run_ids` (every run: the reconciler's old scan).
+async fn history(args: Args) {
+    let server = NatsServer::start().await;
+    let client = server.client().await;
+    let report = ensure_layout(&client, &LayoutOptions::default())
+        .await
+        .unwrap();
+    let journal = Journal::new(client.clone());
+    eprintln!(
+        "nats-server {}, R1 file storage; levels {:?}, filler runs of {} events, {} reads per line",
+        report.server_version, args.history, args.filler_events, args.reads
+    );
+    let mut table = Table::default();
+    let mut total = 0;
+    let mut old: Vec<RunId> = Vec::new();
+    let mut previous: Vec<RunId> = Vec::new();
+    for &level in &args.history {
+        assert!(level >= total, "levels must grow");
+        let new_fillers = level - total - COMPACT - SPREAD;
+        let t0 = Instant::now();
+        // Spread runs: one event each after every 49th of the fill.
+        let mut spread: Vec<Writer> = (0..SPREAD).map(|_| Writer::new()).collect();
+        for chunk in 0..50 {
+            for w in &mut spread {
+                w.next(&journal).await;
+            }
+            if chunk < 49 {
+                let n = new_fillers / 49 + usize::from(chunk < new_fillers % 49);
+                fill(&journal, n, args.filler_events).await;
+            }
+        }
+        // Compact runs: 50 events each, 10 runs written side by side.
+        let compact: Vec<RunId> = futures::stream::iter(0..COMPACT)
+            .map(|_| {
+                let journal = journal.clone();
+                async move {
+                    let mut w = Writer::new();
+                    for _ in 0..50 {
+                        w.next(&journal).await;
+                    }
+                    w.run
+                }
+            })
+            .buffer_unordered(10)
+            .collect()
+            .await;
+        total = level;
+        eprintln!("N={level}: wrote the level in {:.1?}", t0.elapsed());
+        if old.is_empty() {
+            old = compact.clone();
+        }
+        let mid = std::mem::replace(&mut previous, compact.clone());
+        let spread: Vec<RunId> = spread.into_iter().map(|w| w.run).collect();
+        for run in compact.iter().chain(&spread) {
+            assert_eq!(journal.read(run, 0).await.unwrap().len(), 50);
+            assert_eq!(legacy_read(&client, run).await, 50);
+        }
+        let mut kinds = vec![("recent", &compact), ("old", &old)];
+        if !mid.is_empty() && mid != old {
+            kinds.push(("previous level's", &mid));
+        }
+        kinds.push(("spread", &spread));
+        for (kind, runs) in kinds {
+            let s = time_reads(runs, args.reads, |run| {
+                let journal = journal.clone();
+                async move {
+                    assert_eq!(journal.read(&run, 0).await.unwrap().len(), 50);
+                }
+            })
+            .await;
+            table.add(&format!("N={level} read {kind} 50-event run"), s);
+            let s = time_reads(runs, args.reads, |run| {
+                let client = client.clone();
+                async move {
+                    assert_eq!(legacy_read(&client, &run).await, 50);
+                }
+            })
+            .await;
+            table.add(&format!("N={level}   same, before (legacy_read)"), s);
+        }
+        let s = time_reads(&compact, args.reads, |run| {
+            let journal = journal.clone();
+            async move {
+                assert!(journal.last_event(&run).await.unwrap().is_some());
+            }
+        })
+        .await;
+        table.add(&format!("N={level} last_event (recent run)"), s);
+        let s = time_reads(&old, args.reads, |run| {
+            let journal = journal.clone();
+            async move {
+                assert!(journal.last_event(&run).await.unwrap().is_some());
+            }
+        })
+        .await;
+        table.add(&format!("N={level} last_event (old run)"), s);
+        let s = time_reads(&old[..1], 3, |_| {
+            let journal = journal.clone();
+            async move {
+                assert_eq!(journal.run_ids().await.unwrap().len(), level);
+            }
+        })
+        .await;
+        table.add(&format!("N={level} run_ids (every run)"), s);
+    }
+    println!();
+    println!(
+        "kedge-journal history bench: nats-server {}, R1 file storage, filler runs of {} events",
+        report.server_version, args.filler_events
     );
     table.print();
     drop(server);

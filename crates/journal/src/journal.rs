@@ -370,6 +370,34 @@ impl ReadPage {
     }
 }
 
+/// A read in progress ([`Journal::read_at_most`]): what came back so far.
+struct Reading<'a> {
+    run: &'a RunId,
+    out: ReadPage,
+    /// The last sequence taken (the read's `after` before any).
+    reached: u64,
+    /// Messages taken (events, set aside and skipped alike).
+    fetched: u64,
+    max: usize,
+}
+
+impl Reading<'_> {
+    /// Takes the next message of a page, in order: one at or before `reached` (a page asked
+    /// again from an earlier sequence) is left out, and nothing more once `max` events are in.
+    fn take(&mut self, m: StoredMessage) {
+        if m.seq <= self.reached || self.full() {
+            return;
+        }
+        self.reached = m.seq;
+        self.fetched += 1;
+        self.out.push(self.run, decode(self.run, m));
+    }
+
+    fn full(&self) -> bool {
+        self.out.events.len() >= self.max
+    }
+}
+
 /// Handle on the journal stream. Cheap to clone (it clones a NATS client handle).
 #[derive(Debug, Clone)]
 pub struct Journal {
@@ -649,6 +677,27 @@ impl Journal {
     }
 
     /// [`Journal::read_at_most`] over `filter`, a subject filter inside the run's tree.
+    ///
+    /// Cost does not grow with the stream's history (issue 11; `cargo bench -p kedge-journal
+    /// --bench journal -- --history 1000,10000,100000`). A batched direct get asks the server
+    /// for the next `batch` messages matching the filter; when fewer match, it looks for the one
+    /// after the last match, and for a wildcard filter on a stream with many subjects (more than
+    /// 64k: ~10k runs) nats-server 2.15 cannot skip blocks for that search, so it walks every
+    /// message block from the run's last event to the end of the stream: a read of an old run
+    /// cost tens of ms at 100k runs. So a wildcard read never asks for more than match:
+    ///
+    /// 1. a probe of one message from `after + 1`, sent with the leader's "last message of the
+    ///    run" lookup; its end-of-batch status carries `Nats-Num-Pending`, the number of matching
+    ///    messages after it (as the responder sees the stream);
+    /// 2. pages of exactly `min(pending, page)` messages, each reporting what is pending after
+    ///    it. From sequence 1 (`after == 0`) the first page starts over at 1 rather than after
+    ///    the probe: the server counts what is pending from the stream's start out of its subject
+    ///    index, but from a later sequence by visiting message blocks.
+    ///
+    /// A literal filter ([`Journal::read_type`]) needs no probe: the server skips blocks for it.
+    /// The consistency argument is unchanged: pages may come from a replica that trails the
+    /// leader; the read is complete only when it reaches the leader's last sequence, asked in the
+    /// same round trip as the probe.
     async fn read_filtered(
         &self,
         run: &RunId,
@@ -660,6 +709,14 @@ impl Journal {
         let max = max.max(1);
         let page_size = READ_PAGE.min(max);
         let t = self.timeout;
+        let wildcard = filter.split('.').any(|token| token == ">" || token == "*");
+        let mut r = Reading {
+            run,
+            out: ReadPage::default(),
+            reached: after,
+            fetched: 0,
+            max,
+        };
         let leader_q = serde_json::json!({ "last_by_subj": filter });
         let (leader_last, first) = futures::join!(
             wire::leader_get(&self.client, RUNS_STREAM, leader_q, t),
@@ -668,70 +725,71 @@ impl Journal {
                 RUNS_STREAM,
                 filter,
                 after.saturating_add(1),
-                page_size,
-                t
+                if wildcard { 1 } else { page_size },
+                t,
+                |m| r.take(m),
             ),
         );
         let map = |e: WireError| JournalError::from_wire(op, e);
         let leader_last = leader_last.map_err(map)?.map_or(0, |m| m.seq);
-        let mut page = first.map_err(map)?;
-        let mut out = ReadPage::default();
-        let mut reached = after;
+        let mut pending = first.map_err(map)?;
+        let mut before = after;
         let mut stale = 0;
         loop {
-            let before = reached;
-            for m in std::mem::take(&mut page.messages) {
-                if m.seq <= reached {
-                    continue;
-                }
-                reached = m.seq;
-                out.push(run, decode(run, m));
-                // A prefix of what follows `after` is gap-free whoever answered.
-                if out.events.len() >= max {
-                    out.more = reached < leader_last;
-                    return Ok(out);
-                }
+            // A prefix of what follows `after` is gap-free whoever answered.
+            if r.full() {
+                r.out.more = r.reached < leader_last;
+                return Ok(r.out);
             }
-            if page.pending == 0 && reached >= leader_last {
-                out.more = false;
-                return Ok(out);
+            if pending == 0 && r.reached >= leader_last {
+                r.out.more = false;
+                return Ok(r.out);
             }
-            if page.pending == 0 || reached == before {
+            let mut from = r.reached.saturating_add(1);
+            let batch = if pending == 0 || r.reached == before {
                 // The replica that answered trails the leader (or made no progress).
                 stale += 1;
                 if stale > STALE_RETRIES {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(u64::from(stale))).await;
-            }
-            page = wire::direct_batch(
-                &self.client,
-                RUNS_STREAM,
-                filter,
-                reached.saturating_add(1),
-                page_size,
-                t,
-            )
+                // Probe again: the answer says how many to ask for.
+                1
+            } else {
+                let want = usize::try_from(pending)
+                    .unwrap_or(usize::MAX)
+                    .min(page_size);
+                let again = usize::try_from(r.fetched).unwrap_or(usize::MAX);
+                if wildcard && after == 0 && again.saturating_add(want) <= page_size {
+                    // Start over at 1: what is pending from there is counted from the subject
+                    // index (see above); the messages already read are skipped.
+                    from = 1;
+                    again + want
+                } else {
+                    want
+                }
+            };
+            before = r.reached;
+            pending = wire::direct_batch(&self.client, RUNS_STREAM, filter, from, batch, t, |m| {
+                r.take(m)
+            })
             .await
             .map_err(map)?;
         }
-        tracing::debug!(run_id = %run, reached, leader_last, "read: finishing from the leader");
-        while reached < leader_last {
-            let q = serde_json::json!({ "seq": reached.saturating_add(1), "next_by_subj": filter });
+        tracing::debug!(run_id = %run, reached = r.reached, leader_last, "read: finishing from the leader");
+        while r.reached < leader_last && !r.full() {
+            let q =
+                serde_json::json!({ "seq": r.reached.saturating_add(1), "next_by_subj": filter });
             let Some(m) = wire::leader_get(&self.client, RUNS_STREAM, q, t)
                 .await
                 .map_err(map)?
             else {
                 break;
             };
-            reached = m.seq;
-            out.push(run, decode(run, m));
-            if out.events.len() >= max {
-                break;
-            }
+            r.take(m);
         }
-        out.more = reached < leader_last;
-        Ok(out)
+        r.out.more = r.reached < leader_last;
+        Ok(r.out)
     }
 
     /// The run's events after `after`, then every new one as it is appended: no gap, no
@@ -850,6 +908,105 @@ impl Journal {
             }
         }
         Ok(runs)
+    }
+
+    /// The stream's last sequence (0 when empty), from the stream's state: where a
+    /// [`Journal::runs_touched_after`] that follows should start.
+    pub async fn stream_last_seq(&self) -> Result<u64, JournalError> {
+        let info = wire::api(
+            &self.client,
+            &format!("STREAM.INFO.{RUNS_STREAM}"),
+            Bytes::new(),
+            self.timeout,
+        )
+        .await
+        .map_err(|e| JournalError::from_wire("stream state", e))?;
+        Ok(info["state"]["last_seq"].as_u64().unwrap_or(0))
+    }
+
+    /// The runs with at least one message in the journal after sequence `after`, and the
+    /// sequence through which they were looked for (`after` when there is nothing new). Costs
+    /// what was appended since `after`, not the journal's history: an ordered consumer over
+    /// `agent.run.>` that delivers headers only (no payload), drained up to the stream's last
+    /// sequence as of the call. What the reconciler uses to keep its set of runs to look at.
+    pub async fn runs_touched_after(
+        &self,
+        after: u64,
+    ) -> Result<(std::collections::BTreeSet<RunId>, u64), JournalError> {
+        let op = "runs touched";
+        let mut runs = std::collections::BTreeSet::new();
+        let target = self.stream_last_seq().await?;
+        if target <= after {
+            return Ok((runs, after));
+        }
+        let stream =
+            self.js
+                .get_stream_no_info(RUNS_STREAM)
+                .await
+                .map_err(|e| JournalError::Rejected {
+                    op,
+                    reason: e.to_string(),
+                })?;
+        let consumer = stream
+            .create_consumer(OrderedConfig {
+                filter_subject: "agent.run.>".to_owned(),
+                headers_only: true,
+                deliver_policy: DeliverPolicy::ByStartSequence {
+                    start_sequence: after.saturating_add(1),
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| consumer_error(op, e))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| JournalError::Unavailable {
+                op,
+                reason: e.to_string(),
+            })?;
+        let mut through = after;
+        while through < target {
+            let next = tokio::time::timeout(self.timeout, messages.next()).await;
+            let msg = match next {
+                Err(_) => {
+                    return Err(JournalError::Unavailable {
+                        op,
+                        reason: format!("no message after {through} (waiting for {target})"),
+                    });
+                }
+                Ok(None) => {
+                    return Err(JournalError::Unavailable {
+                        op,
+                        reason: "the consumer ended".to_owned(),
+                    });
+                }
+                Ok(Some(Err(e))) => return Err(ordered_error(e)),
+                Ok(Some(Ok(msg))) => msg,
+            };
+            let seq = msg
+                .info()
+                .map_err(|e| JournalError::Rejected {
+                    op,
+                    reason: format!("message without JetStream metadata: {e}"),
+                })?
+                .stream_sequence;
+            if seq <= through {
+                continue;
+            }
+            through = seq;
+            // `agent.run.<id>.…`: anything whose third token is not a run id is not a run's.
+            if let Some(run) = msg
+                .subject
+                .as_str()
+                .split('.')
+                .nth(2)
+                .and_then(|id| id.parse::<RunId>().ok())
+            {
+                runs.insert(run);
+            }
+        }
+        Ok((runs, through))
     }
 
     /// Sequence of the run's last event of any kind; `None` for a run with no events.

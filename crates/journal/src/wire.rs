@@ -339,16 +339,13 @@ pub(crate) async fn direct_last(
     parse_direct(msg)
 }
 
-/// One page of a batched direct get.
-#[derive(Debug, Default)]
-pub(crate) struct DirectPage {
-    pub(crate) messages: Vec<StoredMessage>,
-    /// Matching messages left after this page, as the responder saw the stream.
-    pub(crate) pending: u64,
-}
-
 /// Batched direct get: up to `batch` messages matching `subject` from sequence `from` on,
-/// followed by an end-of-batch status (204) carrying `Nats-Num-Pending`. A 404 means none.
+/// handed to `each` as they arrive (the caller's work on one overlaps the server sending the
+/// next), followed by an end-of-batch status (204) whose `Nats-Num-Pending` is returned: the
+/// matching messages left after the batch, as the responder saw the stream. A 404 means none.
+///
+/// Ask for no more than match (see `Journal::read_filtered`): when fewer do, the server looks
+/// for the next one to the end of the stream.
 pub(crate) async fn direct_batch(
     client: &Client,
     stream: &str,
@@ -356,7 +353,8 @@ pub(crate) async fn direct_batch(
     from: u64,
     batch: usize,
     timeout: Duration,
-) -> Result<DirectPage, WireError> {
+    mut each: impl FnMut(StoredMessage),
+) -> Result<u64, WireError> {
     let inbox = client.new_inbox();
     let mut sub = client
         .subscribe(inbox.clone())
@@ -371,7 +369,7 @@ pub(crate) async fn direct_batch(
         )
         .await
         .map_err(|e| WireError::Client(e.to_string()))?;
-    let mut page = DirectPage::default();
+    let mut received = 0usize;
     loop {
         let msg = match tokio::time::timeout(timeout, sub.next()).await {
             Err(_) => return Err(WireError::TimedOut),
@@ -381,22 +379,22 @@ pub(crate) async fn direct_batch(
         match msg.status {
             Some(status) if status.as_u16() == 204 => {
                 // End of batch.
-                page.pending = msg
+                return Ok(msg
                     .headers
                     .as_ref()
                     .and_then(|h| h.get(NUM_PENDING))
                     .and_then(|v| v.as_str().parse().ok())
-                    .unwrap_or(0);
-                return Ok(page);
+                    .unwrap_or(0));
             }
-            Some(StatusCode::NOT_FOUND) if page.messages.is_empty() => return Ok(page),
+            Some(StatusCode::NOT_FOUND) if received == 0 => return Ok(0),
             Some(_) => {
                 return Err(status_error(&msg)
                     .unwrap_or_else(|| WireError::Malformed("unexpected status".into())));
             }
             None => {
                 if let Some(m) = parse_direct(msg)? {
-                    page.messages.push(m);
+                    received += 1;
+                    each(m);
                 }
             }
         }

@@ -167,3 +167,75 @@ async fn the_reconciler_resolves_operations_stuck_in_running() {
         h.shutdown().await;
     }
 }
+
+/// A reconciler's scans look at the runs that are not settled (and those an event touched since
+/// its last scan), not at every run ever created: runs that ended or wait on a person are
+/// dropped once found so, and come back only when an event lands on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scans_look_at_unsettled_runs_only() {
+    let script = json!({"models": {
+        "done": {"steps": [{"text": "done"}]},
+        "tool": {"steps": [
+            {"text": "acting", "tool_calls": [{"name": "shell", "arguments": {"command": "echo", "args": ["x"]}}]},
+            {"text": "done"}
+        ]}
+    }});
+    // No tool service: the second agent's run waits on its tool, with an operation in flight.
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("done", "done").await;
+    h.agent("tool", "tool").await;
+    let mut done = Vec::new();
+    for i in 0..4 {
+        done.push(h.submit("done", "go", &format!("us-{i}")).await);
+    }
+    for run in &done {
+        assert_eq!(
+            h.wait_terminal(run, WAIT).await.status,
+            RunStatus::Succeeded
+        );
+    }
+    let waiting = h.submit("tool", "go", "us-tool").await;
+    h.wait_for(&waiting, WAIT, |s| s.status == RunStatus::WaitingTool)
+        .await;
+
+    let rec = h.runtime_as(kedge_runtime::secure::Kind::Reconciler).await;
+    let mut reconciler = kedge_reconciler::Reconciler::new(rec);
+    // A fresh reconciler lists every run once.
+    let first = reconciler.scan().await.expect("scan");
+    assert_eq!(first.runs, 5, "{first:?}");
+    assert_eq!(first.settled, 4, "{first:?}");
+    assert_eq!(reconciler.unsettled(), 1);
+    // Then only the run that is not settled.
+    let second = reconciler.scan().await.expect("scan");
+    assert_eq!(
+        second.runs, 1,
+        "settled runs are not visited again: {second:?}"
+    );
+    assert!(second.nudged.is_empty() && second.resolving.is_empty());
+
+    // An event on an ended run brings it back for one look; found settled, it goes again.
+    h.input(
+        &done[0],
+        Event::UserMessage(kedge_core::event::UserMessage {
+            text: "one more thing".into(),
+        }),
+        "us-more",
+    )
+    .await;
+    let mut third = reconciler.scan().await.expect("scan");
+    for _ in 0..50 {
+        // The revived turn may still be running when the scan looks.
+        if third.runs == 2 && reconciler.unsettled() == 1 {
+            break;
+        }
+        assert_eq!(
+            third.runs, 2,
+            "the touched run and the waiting one: {third:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        third = reconciler.scan().await.expect("scan");
+    }
+    assert_eq!(reconciler.unsettled(), 1);
+    assert_eq!(reconciler.scan().await.expect("scan").runs, 1);
+    h.shutdown().await;
+}

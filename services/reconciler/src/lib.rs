@@ -1,9 +1,17 @@
 //! The reconciler: the last line of recovery (seed 004, section 七, layer ③).
 //!
-//! Every `stall_after / 2` it scans the runs (the subjects `agent.run.*.d.run.created` of the
-//! journal stream) and nudges each run that should be progressing and is not: its last event is
-//! older than `stall_after`, nobody holds its lease, and `decide` on its folded journal says there
-//! is work to do (a step or a commit), not a legitimate wait. The nudge is a `nudge` input whose
+//! Every `stall_after / 2` it scans the runs that are not settled and nudges each run that
+//! should be progressing and is not: its last event is older than `stall_after`, nobody holds its
+//! lease, and `decide` on its folded journal says there is work to do (a step or a commit), not a
+//! legitimate wait.
+//!
+//! **Its work follows the unsettled runs, not history** ([`Reconciler`]). A run whose last event
+//! settles it (ended, or waiting on a person, a timer or a callback: not on its tools) has
+//! nothing that could make it runnable until a new event lands on it, so once a scan finds it so
+//! it is dropped from the set of runs to look at, until an event on it is seen. Each scan first
+//! reads which runs the journal touched since the previous one (headers only:
+//! [`kedge_journal::Journal::runs_touched_after`]), adds them to the set, then checks the set.
+//! A process's first scan lists every run (the subjects `agent.run.*.d.run.created`) once. The nudge is a `nudge` input whose
 //! `Nats-Msg-Id` is `nudge:<run>:<last seq>`, so any number of reconciler replicas nudging the
 //! same stalled state append one message, and the nudge itself is journaled (the run's history
 //! says why it woke). The step service treats it like any other wake.
@@ -27,6 +35,7 @@
 //! nudged, and errors are logged per run, never swallowed. A panic while checking one run is
 //! contained to that run (logged at error, the scan goes on).
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::Duration;
 
@@ -42,7 +51,11 @@ use kedge_runtime::{Runtime, RuntimeError};
 /// What one scan found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ScanReport {
+    /// Runs checked (a [`Reconciler`]'s runs not settled, and those touched since its last scan).
     pub runs: usize,
+    /// Runs found settled: the next scan of the same [`Reconciler`] leaves them out unless an
+    /// event lands on them meanwhile.
+    pub settled: usize,
     /// Runs whose last event is older than the stall threshold.
     pub quiet: usize,
     pub nudged: Vec<RunId>,
@@ -66,16 +79,18 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let every = (rt.config.timeouts.stall_after() / 2).max(Duration::from_secs(1));
     tracing::info!(worker = %rt.config.worker_id, every_ms = every.as_millis() as u64, "reconciler started");
     tokio::pin!(shutdown);
+    let mut reconciler = Reconciler::new(rt);
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
             _ = tokio::time::sleep(every) => {}
         }
-        match scan_once(&rt).await {
+        match reconciler.scan().await {
             Ok(report) => tracing::info!(
                 runs = report.runs,
                 quiet = report.quiet,
                 nudged = report.nudged.len(),
+                unsettled = reconciler.unsettled(),
                 "reconciler scan"
             ),
             Err(e) => tracing::warn!(error = %e, "reconciler scan failed"),
@@ -85,48 +100,132 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     Ok(())
 }
 
-/// Scans every run once and nudges the stalled ones.
+/// Scans every run once and nudges the stalled ones (a [`Reconciler`]'s first scan).
 pub async fn scan_once(rt: &Runtime) -> Result<ScanReport, ReconcileError> {
-    let runs = rt.journal.run_ids().await?;
-    let mut report = ScanReport {
-        runs: runs.len(),
-        ..Default::default()
-    };
-    let stall_after = rt.config.timeouts.stall_after();
-    for run in runs {
-        // Each run is checked in its own task, so that a panic while checking one (a bug, a
-        // journal nobody foresaw) is logged with its run and the scan goes on.
-        let checked = {
-            let rt = rt.clone();
-            let run = run.clone();
-            tokio::spawn(async move { check(&rt, &run, stall_after).await }).await
-        };
-        let checked = match checked {
-            Ok(checked) => checked,
-            Err(e) => {
-                tracing::error!(run_id = %run, error = %e, "checking the run panicked; going on with the scan");
-                continue;
-            }
-        };
-        match checked {
-            Ok(Verdict::Active) => {}
-            Ok(Verdict::Quiet) => report.quiet += 1,
-            Ok(Verdict::Nudged) => {
-                report.quiet += 1;
-                report.nudged.push(run);
-            }
-            Ok(Verdict::Resolving(ops)) => {
-                report.quiet += 1;
-                report.resolving.extend(ops);
-            }
-            Err(e) => tracing::warn!(run_id = %run, error = %e, "cannot check run"),
+    Reconciler::new(rt.clone()).scan().await
+}
+
+/// Runs checked at once in a scan.
+const CONCURRENT_CHECKS: usize = 16;
+
+/// A reconciler's state across scans: the runs it still has to look at.
+pub struct Reconciler {
+    rt: Runtime,
+    /// Runs not found settled by the last check, or touched since.
+    unsettled: BTreeSet<RunId>,
+    /// The journal sequence through which `unsettled` accounts for what was appended (`None`:
+    /// not built yet; the first scan lists every run).
+    through: Option<u64>,
+}
+
+impl std::fmt::Debug for Reconciler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reconciler")
+            .field("unsettled", &self.unsettled.len())
+            .field("through", &self.through)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reconciler {
+    pub fn new(rt: Runtime) -> Self {
+        Self {
+            rt,
+            unsettled: BTreeSet::new(),
+            through: None,
         }
     }
-    Ok(report)
+
+    /// How many runs the next scan will look at, before what the journal gets meanwhile.
+    pub fn unsettled(&self) -> usize {
+        self.unsettled.len()
+    }
+
+    /// One scan: brings the set of runs to look at up to date with the journal, checks each
+    /// (nudging the stalled ones), and drops those found settled. [`ScanReport::runs`] counts
+    /// the runs checked.
+    pub async fn scan(&mut self) -> Result<ScanReport, ReconcileError> {
+        match self.through {
+            None => {
+                // Whatever lands from here on is picked up by the next scan.
+                let through = self.rt.journal.stream_last_seq().await?;
+                self.unsettled.extend(self.rt.journal.run_ids().await?);
+                self.through = Some(through);
+            }
+            Some(after) => {
+                let (touched, through) = self.rt.journal.runs_touched_after(after).await?;
+                self.unsettled.extend(touched);
+                self.through = Some(through);
+            }
+        }
+        let runs: Vec<RunId> = self.unsettled.iter().cloned().collect();
+        let mut report = ScanReport {
+            runs: runs.len(),
+            ..Default::default()
+        };
+        let stall_after = self.rt.config.timeouts.stall_after();
+        let mut pending = runs.into_iter();
+        let mut checks = tokio::task::JoinSet::new();
+        loop {
+            while checks.len() < CONCURRENT_CHECKS {
+                let Some(run) = pending.next() else { break };
+                // Each run is checked in its own task, so that a panic while checking one (a
+                // bug, a journal nobody foresaw) is logged with its run and the scan goes on.
+                let rt = self.rt.clone();
+                checks.spawn(async move {
+                    let checked = {
+                        let run = run.clone();
+                        tokio::spawn(async move { check(&rt, &run, stall_after).await }).await
+                    };
+                    (run, checked)
+                });
+            }
+            let Some(done) = checks.join_next().await else {
+                break;
+            };
+            let Ok((run, checked)) = done else {
+                // The outer task only awaits the inner one; it does not panic.
+                continue;
+            };
+            let checked = match checked {
+                Ok(checked) => checked,
+                Err(e) => {
+                    tracing::error!(run_id = %run, error = %e, "checking the run panicked; going on with the scan");
+                    continue;
+                }
+            };
+            match checked {
+                Ok(Verdict::Active) => {}
+                Ok(Verdict::Settled { quiet }) => {
+                    report.quiet += usize::from(quiet);
+                    report.settled += 1;
+                    self.unsettled.remove(&run);
+                }
+                Ok(Verdict::Quiet) => report.quiet += 1,
+                Ok(Verdict::Nudged) => {
+                    report.quiet += 1;
+                    report.nudged.push(run);
+                }
+                Ok(Verdict::Resolving(ops)) => {
+                    report.quiet += 1;
+                    report.resolving.extend(ops);
+                }
+                Err(e) => tracing::warn!(run_id = %run, error = %e, "cannot check run"),
+            }
+        }
+        report.nudged.sort();
+        report.resolving.sort();
+        Ok(report)
+    }
 }
 
 enum Verdict {
     Active,
+    /// Nothing can make the run runnable until an event lands on it: no need to look again
+    /// before then. `quiet`: its last event is older than the stall threshold.
+    Settled {
+        quiet: bool,
+    },
     Quiet,
     Nudged,
     Resolving(Vec<OperationId>),
@@ -138,15 +237,13 @@ async fn check(
     stall_after: Duration,
 ) -> Result<Verdict, ReconcileError> {
     let Some(last) = rt.journal.last_event(run).await? else {
-        return Ok(Verdict::Quiet);
+        return Ok(Verdict::Settled { quiet: true });
     };
     let age = time::OffsetDateTime::now_utc() - last.stored_at;
-    if age < stall_after {
-        return Ok(Verdict::Active);
-    }
+    let quiet = age >= stall_after;
     // A run whose last event is the writer settling it (waiting, ended, parked for a person) has
-    // had nothing since that could make it runnable: no need to read its journal. This keeps a
-    // scan over many waiting runs to one direct get each.
+    // had nothing since that could make it runnable: no need to read its journal, nor to look
+    // at it again before a new event lands on it.
     // A run waiting on its tools is read: one of them may be stuck.
     let settled = match last.event_type {
         Some(
@@ -164,7 +261,10 @@ async fn check(
         _ => false,
     };
     if settled {
-        return Ok(Verdict::Quiet);
+        return Ok(Verdict::Settled { quiet });
+    }
+    if !quiet {
+        return Ok(Verdict::Active);
     }
     let events = rt.journal.read(run, 0).await?;
     if !events
@@ -172,7 +272,7 @@ async fn check(
         .any(|r| r.envelope.event_type() == EventType::RunCreated)
     {
         // Only messages set aside (or inputs) on a run id that was never created.
-        return Ok(Verdict::Quiet);
+        return Ok(Verdict::Settled { quiet });
     }
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
     let abandoned_after = rt.config.timeouts.op_abandoned_after();
@@ -226,7 +326,16 @@ async fn check(
         Next::Commit(_) | Next::Step(_) | Next::Finish(_) => true,
     };
     if !runnable {
-        return Ok(Verdict::Quiet);
+        // `decide` is a function of the journal alone: it says the same until an event lands.
+        // Only an operation in flight can change the verdict meanwhile (it may get stuck).
+        let in_flight = state.ops_stuck_since(Timestamp(
+            time::OffsetDateTime::now_utc() + time::Duration::days(365 * 100),
+        ));
+        return Ok(if in_flight.is_empty() {
+            Verdict::Settled { quiet }
+        } else {
+            Verdict::Quiet
+        });
     }
     match rt.leases.holder(run).await {
         Ok(Some(lease)) => {
