@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -15,8 +16,9 @@ use serde::{Deserialize, Serialize};
 /// {"url": "http://127.0.0.1:3001/mcp"}
 /// ```
 ///
-/// `args` and `env` are optional (default: none). Unknown keys are rejected, and so is an object
-/// with both `command` and `url`, or with `args`/`env` next to `url`, so a typo in a configuration
+/// `args`, `env` and `sandbox` are optional (default: none). Unknown keys are rejected, and so is
+/// an object with both `command` and `url`, or with `args`/`env`/`sandbox` next to `url`, so a typo
+/// in a configuration
 /// file is an error at startup rather than a silently ignored setting. A configuration file
 /// typically holds a map of them, `{"time": {"command": …}, "search": {"url": …}}`, which
 /// deserializes straight into the `BTreeMap` that [`Pool::new`](crate::Pool::new) takes.
@@ -30,6 +32,10 @@ pub enum ServerConfig {
     /// forwarded to `tracing` (target `kedge_mcp::stderr`, level debug). It runs in a process
     /// group of its own, so that ending it also ends whatever it started (`npx`, `uvx`, shell
     /// wrappers).
+    ///
+    /// With `sandbox` ([`StdioSandbox`]) the child is confined: it is started by the pool's
+    /// [`Launcher`](crate::Launcher), which must be a sandboxing one (the tool service's);
+    /// [`Pool::new`](crate::Pool::new) refuses to start such a server.
     Stdio {
         /// Program to run; looked up on `PATH` when it has no slash.
         command: String,
@@ -37,6 +43,9 @@ pub enum ServerConfig {
         args: Vec<String>,
         /// Extra environment variables for the child.
         env: BTreeMap<String, String>,
+        /// Confine the child (`"sandbox": {…}`); `None`: it runs as the pool's own user and sees
+        /// the whole machine.
+        sandbox: Option<StdioSandbox>,
     },
     /// A Streamable HTTP endpoint, e.g. `http://127.0.0.1:3001/mcp`.
     Http {
@@ -55,6 +64,7 @@ impl ServerConfig {
             command: command.into(),
             args: args.into_iter().map(Into::into).collect(),
             env: BTreeMap::new(),
+            sandbox: None,
         }
     }
 
@@ -68,14 +78,65 @@ impl ServerConfig {
 impl fmt::Debug for ServerConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Stdio { command, args, env } => f
+            Self::Stdio {
+                command,
+                args,
+                env,
+                sandbox,
+            } => f
                 .debug_struct("Stdio")
                 .field("command", command)
                 .field("args", args)
                 .field("env", &env.keys().collect::<Vec<_>>())
+                .field("sandbox", sandbox)
                 .finish(),
             Self::Http { url } => f.debug_struct("Http").field("url", url).finish(),
         }
+    }
+}
+
+/// How a stdio server is confined (`"sandbox"` in its configuration):
+///
+/// ```json
+/// {"command": "/usr/bin/node", "args": ["/srv/mcp/server.js"],
+///  "sandbox": {"network": false, "read_only": ["/srv/mcp/server.js"]}}
+/// ```
+///
+/// What confining means is the [`Launcher`](crate::Launcher)'s business; the tool service's
+/// (bubblewrap) gives the server a private, writable directory of its own as its whole writable
+/// file system, read-only `/usr` and the system libraries, the `read_only` paths (read-only, at
+/// the same place), no network unless `network`, and resource limits.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StdioSandbox {
+    /// The server shares the host's network (default: none at all).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub network: bool,
+    /// Host files and directories the server may read (and run): absolute, without `..`, not
+    /// `/`. Its program must be under `/usr` or one of these.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub read_only: Vec<PathBuf>,
+}
+
+impl StdioSandbox {
+    /// Checks the paths; the error names the field.
+    pub fn check(&self) -> Result<(), String> {
+        for (i, path) in self.read_only.iter().enumerate() {
+            let bad = |why: &str| Err(format!("\"sandbox.read_only[{i}]\" {path:?}: {why}"));
+            if !path.is_absolute() {
+                return bad("must be an absolute path");
+            }
+            if path.components().any(|c| c == Component::ParentDir) {
+                return bad("must not contain `..`");
+            }
+            if path.as_os_str().as_encoded_bytes().contains(&0) {
+                return bad("must not contain a NUL byte");
+            }
+            if path.components().all(|c| c == Component::RootDir) {
+                return bad("`/` would expose the whole file system");
+            }
+        }
+        Ok(())
     }
 }
 
@@ -89,6 +150,8 @@ struct RawServerConfig {
     args: Option<Vec<String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     env: Option<BTreeMap<String, String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sandbox: Option<StdioSandbox>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     url: Option<String>,
 }
@@ -108,15 +171,25 @@ impl TryFrom<RawServerConfig> for ServerConfig {
                 if command.trim().is_empty() {
                     return Err("\"command\" is empty".into());
                 }
+                if let Some(sandbox) = &raw.sandbox {
+                    sandbox.check()?;
+                    if command.contains('/') && !Path::new(&command).is_absolute() {
+                        return Err(format!(
+                            "\"command\" of a sandboxed server must be an absolute path or a \
+                             program name (looked up on PATH), got {command:?}"
+                        ));
+                    }
+                }
                 Ok(Self::Stdio {
                     command,
                     args: raw.args.unwrap_or_default(),
                     env: raw.env.unwrap_or_default(),
+                    sandbox: raw.sandbox,
                 })
             }
             (None, Some(url)) => {
-                if raw.args.is_some() || raw.env.is_some() {
-                    return Err("\"args\" and \"env\" apply only to a \"command\" server, not to a \"url\" one".into());
+                if raw.args.is_some() || raw.env.is_some() || raw.sandbox.is_some() {
+                    return Err("\"args\", \"env\" and \"sandbox\" apply only to a \"command\" server, not to a \"url\" one".into());
                 }
                 if !(url.starts_with("http://") || url.starts_with("https://")) {
                     return Err(format!(
@@ -132,10 +205,16 @@ impl TryFrom<RawServerConfig> for ServerConfig {
 impl From<ServerConfig> for RawServerConfig {
     fn from(config: ServerConfig) -> Self {
         match config {
-            ServerConfig::Stdio { command, args, env } => Self {
+            ServerConfig::Stdio {
+                command,
+                args,
+                env,
+                sandbox,
+            } => Self {
                 command: Some(command),
                 args: (!args.is_empty()).then_some(args),
                 env: (!env.is_empty()).then_some(env),
+                sandbox,
                 url: None,
             },
             ServerConfig::Http { url } => Self {
@@ -168,8 +247,76 @@ mod tests {
                 command: "x".into(),
                 args: vec!["a".into(), "b".into()],
                 env: BTreeMap::from([("K".to_string(), "V".to_string())]),
+                sandbox: None,
             })
         );
+    }
+
+    #[test]
+    fn sandbox_option() {
+        let parsed = parse(json!({"command": "/usr/bin/node", "args": ["/srv/s.js"],
+            "sandbox": {"network": true, "read_only": ["/srv/s.js", "/opt/node/"]}}));
+        let Ok(ServerConfig::Stdio { sandbox, .. }) = parsed else {
+            panic!("{parsed:?}")
+        };
+        assert_eq!(
+            sandbox,
+            Some(StdioSandbox {
+                network: true,
+                read_only: vec!["/srv/s.js".into(), "/opt/node/".into()],
+            })
+        );
+        // An empty object: confined, no network, nothing more to read.
+        let parsed = parse(json!({"command": "node", "sandbox": {}}));
+        assert!(
+            matches!(&parsed, Ok(ServerConfig::Stdio { sandbox: Some(s), .. }) if *s == StdioSandbox::default()),
+            "{parsed:?}"
+        );
+        // Absent: not sandboxed, as before.
+        let parsed = parse(json!({"command": "node"}));
+        assert!(
+            matches!(&parsed, Ok(ServerConfig::Stdio { sandbox: None, .. })),
+            "{parsed:?}"
+        );
+    }
+
+    #[test]
+    fn sandbox_paths_are_checked_where_parsed() {
+        for (value, needle) in [
+            (
+                json!({"command": "x", "sandbox": {"read_only": ["/ok", "rel/path"]}}),
+                "\"sandbox.read_only[1]\" \"rel/path\": must be an absolute path",
+            ),
+            (
+                json!({"command": "x", "sandbox": {"read_only": ["/srv/../etc"]}}),
+                "\"sandbox.read_only[0]\" \"/srv/../etc\": must not contain `..`",
+            ),
+            (
+                json!({"command": "x", "sandbox": {"read_only": ["/"]}}),
+                "\"sandbox.read_only[0]\" \"/\": `/` would expose",
+            ),
+            (
+                json!({"command": "x", "sandbox": {"read_only": [""]}}),
+                "must be an absolute path",
+            ),
+            (
+                json!({"command": "x", "sandbox": {"net": true}}),
+                "unknown field `net`",
+            ),
+            (
+                json!({"command": "./bin/server", "sandbox": {}}),
+                "absolute path or a program name",
+            ),
+            (
+                json!({"url": "http://a", "sandbox": {}}),
+                "only to a \"command\"",
+            ),
+        ] {
+            let err = parse(value.clone()).expect_err(&value.to_string());
+            assert!(err.contains(needle), "{value}: {err}");
+        }
+        // Unsandboxed, a relative command is still fine (run from the service's directory).
+        assert!(parse(json!({"command": "./bin/server"})).is_ok());
     }
 
     #[test]
@@ -205,6 +352,20 @@ mod tests {
             serde_json::to_value(&stdio).ok(),
             Some(json!({"command": "x", "args": ["--y"]}))
         );
+        let boxed = json!({"command": "x", "sandbox": {"read_only": ["/srv"]}});
+        assert_eq!(
+            parse(boxed.clone())
+                .ok()
+                .and_then(|c| serde_json::to_value(c).ok()),
+            Some(boxed)
+        );
+        let networked = json!({"command": "x", "sandbox": {"network": true}});
+        assert_eq!(
+            parse(networked.clone())
+                .ok()
+                .and_then(|c| serde_json::to_value(c).ok()),
+            Some(networked)
+        );
         let http = ServerConfig::http("https://h/mcp");
         assert_eq!(
             serde_json::to_value(&http).ok(),
@@ -218,6 +379,7 @@ mod tests {
             command: "x".into(),
             args: vec![],
             env: BTreeMap::from([("TOKEN".to_string(), "secret".to_string())]),
+            sandbox: None,
         };
         let shown = format!("{config:?}");
         assert!(

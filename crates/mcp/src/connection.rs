@@ -15,7 +15,7 @@ use rmcp::{Peer, ServiceExt};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::ChildStderr;
 
-use crate::{McpError, ServerConfig};
+use crate::{Launch, Launcher, McpError, ServerConfig};
 
 /// How many of a child's last stderr lines are kept for connect errors.
 const STDERR_TAIL_LINES: usize = 20;
@@ -77,10 +77,12 @@ fn client_info() -> ClientConfig {
     .with_protocol_version(ProtocolVersion::LATEST_WITH_INITIALIZE)
 }
 
-/// Starts a session with `config` and completes the MCP handshake within `timeout`.
+/// Starts a session with `config` (a stdio server's process made by `launcher`) and completes the
+/// MCP handshake within `timeout`.
 pub(crate) async fn connect(
     server: &str,
     config: &ServerConfig,
+    launcher: &dyn Launcher,
     timeout: Duration,
 ) -> Result<Connection, McpError> {
     let connect_error = |reason: String| McpError::Connect {
@@ -89,16 +91,23 @@ pub(crate) async fn connect(
     };
     let alive = Arc::new(AtomicBool::new(true));
     match config {
-        ServerConfig::Stdio { command, args, env } => {
-            // A cleared environment: the tool service's own (API keys, NATS credentials) is not
-            // the server's business. It gets PATH (to find its interpreter) and what its
-            // configuration names.
-            let mut cmd = tokio::process::Command::new(command);
-            cmd.env_clear();
-            if let Some(path) = std::env::var_os("PATH") {
-                cmd.env("PATH", path);
-            }
-            cmd.args(args).envs(env);
+        ServerConfig::Stdio {
+            command,
+            args,
+            env,
+            sandbox,
+        } => {
+            // The launcher decides the environment (cleared: the tool service's own is not the
+            // server's business), the working directory and any confinement.
+            let cmd = launcher
+                .command(&Launch {
+                    server,
+                    command,
+                    args,
+                    env,
+                    sandbox: sandbox.as_ref(),
+                })
+                .map_err(connect_error)?;
             let mut wrapped = CommandWrap::from(cmd);
             wrapped.wrap(ProcessGroup::leader());
             let (child, stderr) = TokioChildProcess::builder(wrapped)
@@ -106,7 +115,7 @@ pub(crate) async fn connect(
                 .spawn()
                 .map_err(|e| connect_error(format!("cannot start {command:?}: {e}")))?;
             let pid = child.id();
-            tracing::debug!(?pid, %command, "started MCP server child");
+            tracing::debug!(?pid, %command, sandboxed = sandbox.is_some(), "started MCP server child");
             let tail = forward_stderr(server, stderr);
             let transport = Watched {
                 inner: child,

@@ -20,6 +20,11 @@
 //!   SIGKILL to the child's process group) and deletes HTTP sessions. Dropping the pool inside a
 //!   Tokio runtime also ends children, without waiting.
 //! - Cheap to [`Clone`]; every clone is the same pool.
+//! - **Launched, not spawned blindly.** A stdio server's process is made by the pool's
+//!   [`Launcher`]: [`Direct`] (what [`Pool::new`] uses) runs it unconfined with a cleared
+//!   environment and refuses a server whose configuration asks for a sandbox
+//!   ([`StdioSandbox`]); [`Pool::with_launcher`] takes another, e.g. the tool service's, which
+//!   confines such servers in its sandbox. This crate does not know how a sandbox is made.
 //!
 //! # Calls, stops and timeouts
 //!
@@ -67,8 +72,10 @@ mod config;
 mod connection;
 mod content;
 mod error;
+mod launch;
 mod pool;
 
-pub use config::ServerConfig;
+pub use config::{ServerConfig, StdioSandbox};
 pub use error::McpError;
+pub use launch::{Direct, Launch, Launcher, direct_command};
 pub use pool::{DEFAULT_CONNECT_TIMEOUT, OPERATION_ID_META_KEY, Outcome, Pool, ToolInfo};

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use crate::connection::{self, Connection};
-use crate::{McpError, ServerConfig, content};
+use crate::{Direct, Launcher, McpError, ServerConfig, content};
 
 /// The `_meta` key that carries the caller's operation id on every `tools/call`.
 pub const OPERATION_ID_META_KEY: &str = "kedge/operation_id";
@@ -69,6 +69,8 @@ pub struct Pool {
 struct Inner {
     servers: BTreeMap<String, Server>,
     connect_timeout: Duration,
+    /// Makes the processes of stdio servers.
+    launcher: Arc<dyn Launcher>,
 }
 
 struct Server {
@@ -98,8 +100,12 @@ impl fmt::Debug for Pool {
 
 impl Pool {
     /// A pool over `servers` (name → how to reach it). Nothing is started until first use.
+    ///
+    /// Stdio servers are started unconfined ([`Direct`]); one whose configuration asks for a
+    /// sandbox is refused (a [`McpError::Connect`] naming it): use [`Pool::with_launcher`] with a
+    /// sandboxing launcher for those.
     pub fn new(servers: BTreeMap<String, ServerConfig>) -> Self {
-        Self::with_connect_timeout(servers, DEFAULT_CONNECT_TIMEOUT)
+        Self::build(servers, DEFAULT_CONNECT_TIMEOUT, Arc::new(Direct))
     }
 
     /// Like [`Pool::new`], with a bound on starting a server plus its handshake (and on
@@ -107,6 +113,32 @@ impl Pool {
     pub fn with_connect_timeout(
         servers: BTreeMap<String, ServerConfig>,
         connect_timeout: Duration,
+    ) -> Self {
+        Self::build(servers, connect_timeout, Arc::new(Direct))
+    }
+
+    /// Like [`Pool::new`], with the processes of stdio servers made by `launcher` (e.g. one that
+    /// confines them in a sandbox).
+    pub fn with_launcher(
+        servers: BTreeMap<String, ServerConfig>,
+        launcher: Arc<dyn Launcher>,
+    ) -> Self {
+        Self::build(servers, DEFAULT_CONNECT_TIMEOUT, launcher)
+    }
+
+    /// [`Pool::with_launcher`] with a connect timeout of its own.
+    pub fn with_launcher_and_connect_timeout(
+        servers: BTreeMap<String, ServerConfig>,
+        launcher: Arc<dyn Launcher>,
+        connect_timeout: Duration,
+    ) -> Self {
+        Self::build(servers, connect_timeout, launcher)
+    }
+
+    fn build(
+        servers: BTreeMap<String, ServerConfig>,
+        connect_timeout: Duration,
+        launcher: Arc<dyn Launcher>,
     ) -> Self {
         let servers = servers
             .into_iter()
@@ -122,6 +154,7 @@ impl Pool {
             inner: Arc::new(Inner {
                 servers,
                 connect_timeout,
+                launcher,
             }),
         }
     }
@@ -367,8 +400,15 @@ impl Pool {
         }
         // Dropping the dead session ends its loop and child in the background.
         *current = None;
-        let conn =
-            Arc::new(connection::connect(server, &entry.config, self.inner.connect_timeout).await?);
+        let conn = Arc::new(
+            connection::connect(
+                server,
+                &entry.config,
+                self.inner.launcher.as_ref(),
+                self.inner.connect_timeout,
+            )
+            .await?,
+        );
         *current = Some(conn.clone());
         Ok(conn)
     }

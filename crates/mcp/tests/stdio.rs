@@ -473,6 +473,7 @@ async fn a_stdio_server_sees_path_and_its_own_env_and_nothing_else_of_ours() {
             command: launcher("mcp-server-everything").display().to_string(),
             args: vec!["stdio".into()],
             env: BTreeMap::from([("SERVER_ONLY".to_owned(), "given".to_owned())]),
+            sandbox: None,
         },
     );
     let outcome = pool

@@ -308,16 +308,20 @@ fn redacted_mcp_env<S: serde::Serializer>(
         .iter()
         .map(|(name, config)| {
             let config = match config {
-                kedge_mcp::ServerConfig::Stdio { command, args, env } => {
-                    kedge_mcp::ServerConfig::Stdio {
-                        command: command.clone(),
-                        args: args.clone(),
-                        env: env
-                            .keys()
-                            .map(|k| (k.clone(), REDACTED.to_owned()))
-                            .collect(),
-                    }
-                }
+                kedge_mcp::ServerConfig::Stdio {
+                    command,
+                    args,
+                    env,
+                    sandbox,
+                } => kedge_mcp::ServerConfig::Stdio {
+                    command: command.clone(),
+                    args: args.clone(),
+                    env: env
+                        .keys()
+                        .map(|k| (k.clone(), REDACTED.to_owned()))
+                        .collect(),
+                    sandbox: sandbox.clone(),
+                },
                 other => other.clone(),
             };
             (name, config)
@@ -1640,6 +1644,7 @@ mod tests {
                 command: "search-server".into(),
                 args: vec![],
                 env: [("SEARCH_API_KEY".to_owned(), "mcp-secret".to_owned())].into(),
+                sandbox: None,
             },
         );
         let dumped = serde_json::to_string_pretty(&c).expect("json");

@@ -45,6 +45,7 @@
 //! `SIGKILL` before the leader is reaped (so the group id cannot have been reused).
 //! Unconfined, descendants that left the group survive; in the sandbox they die with it.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::Arc;
@@ -69,8 +70,9 @@ const NETWORK_FILES: &[&str] = &[
 /// Resource limits of one command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
-    /// CPU time, in seconds (`RLIMIT_CPU`).
-    pub cpu_secs: u64,
+    /// CPU time, in seconds (`RLIMIT_CPU`); `None`: not limited (a long-lived MCP server,
+    /// whose CPU time adds up over many calls).
+    pub cpu_secs: Option<u64>,
     /// Address space, in bytes (`RLIMIT_AS`).
     pub address_space_bytes: u64,
     /// Largest file it may write, in bytes (`RLIMIT_FSIZE`).
@@ -87,13 +89,44 @@ impl Limits {
     /// clock kills it first), 1 GiB of address space, 64 MiB files, 64 processes.
     pub fn for_timeout(timeout: Duration) -> Limits {
         Limits {
-            cpu_secs: timeout.as_secs().saturating_add(1),
+            cpu_secs: Some(timeout.as_secs().saturating_add(1)),
             address_space_bytes: 1 << 30,
             file_size_bytes: 64 << 20,
             processes: 64,
             network: false,
         }
     }
+
+    /// The limits of a long-lived MCP server: those of a command, without a CPU-time limit,
+    /// with the network only if `network`.
+    pub fn for_server(network: bool) -> Limits {
+        Limits {
+            cpu_secs: None,
+            network,
+            ..Limits::for_timeout(Duration::ZERO)
+        }
+    }
+}
+
+/// What a long-lived program (an MCP server) needs beyond a shell command: more of the host to
+/// read, and an environment.
+#[derive(Debug, Clone, Copy)]
+pub struct Extra<'a> {
+    /// Host paths (absolute, existing) shown read-only at the same place.
+    pub read_only: &'a [PathBuf],
+    /// Environment variables set inside (after, so over, the sandbox's own `PATH`, `HOME`,
+    /// `TMPDIR`).
+    pub env: &'a BTreeMap<String, String>,
+}
+
+static NO_ENV: BTreeMap<String, String> = BTreeMap::new();
+
+impl Extra<'_> {
+    /// Nothing extra: a shell command.
+    pub const NONE: Extra<'static> = Extra {
+        read_only: &[],
+        env: &NO_ENV,
+    };
 }
 
 /// `inner`, with the network shared with every command: the sandbox of a tool whose policy
@@ -110,18 +143,20 @@ impl Sandbox for WithNetwork {
         self.0.confines()
     }
 
-    fn command(
+    fn command_with(
         &self,
         program: &str,
         args: &[String],
         workspace: &Path,
         limits: &Limits,
+        extra: &Extra<'_>,
     ) -> tokio::process::Command {
         let limits = Limits {
             network: true,
             ..*limits
         };
-        self.0.command(program, args, workspace, &limits)
+        self.0
+            .command_with(program, args, workspace, &limits, extra)
     }
 }
 
@@ -142,14 +177,28 @@ pub trait Sandbox: Send + Sync + std::fmt::Debug {
     /// Whether commands are confined (false: development only).
     fn confines(&self) -> bool;
     /// The command that runs `program` with `args` in `workspace` (an absolute path that exists)
-    /// under `limits`. [`execute`] sets its stdio, process group and kill-on-drop.
+    /// under `limits`, with `extra` paths to read and environment. The caller sets its stdio
+    /// and process group ([`execute`] for a shell command, the MCP pool for a server).
+    fn command_with(
+        &self,
+        program: &str,
+        args: &[String],
+        workspace: &Path,
+        limits: &Limits,
+        extra: &Extra<'_>,
+    ) -> tokio::process::Command;
+
+    /// [`Sandbox::command_with`] with nothing extra: a shell command. [`execute`] sets its
+    /// stdio, process group and kill-on-drop.
     fn command(
         &self,
         program: &str,
         args: &[String],
         workspace: &Path,
         limits: &Limits,
-    ) -> tokio::process::Command;
+    ) -> tokio::process::Command {
+        self.command_with(program, args, workspace, limits, &Extra::NONE)
+    }
 }
 
 /// The sandbox a configuration asks for: bubblewrap after checking that it works here (an error
@@ -181,18 +230,20 @@ impl Sandbox for Unconfined {
         false
     }
 
-    fn command(
+    fn command_with(
         &self,
         program: &str,
         args: &[String],
         workspace: &Path,
         _limits: &Limits,
+        extra: &Extra<'_>,
     ) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(program);
         cmd.args(args)
             .current_dir(workspace)
             .env_clear()
-            .env("PATH", PATH);
+            .env("PATH", PATH)
+            .envs(extra.env);
         cmd
     }
 }
@@ -217,6 +268,13 @@ impl Bubblewrap {
     /// expects it, and runs `true` in a sandbox once, so a host where namespaces are denied fails
     /// at startup and not at the first command.
     pub async fn probe() -> Result<Bubblewrap, SandboxError> {
+        let sandbox = Bubblewrap::locate()?;
+        sandbox.trial().await
+    }
+
+    /// Finds `bwrap` and `prlimit` and reads how the host lays out its system directories,
+    /// without a trial run ([`Bubblewrap::probe`] does one).
+    pub fn locate() -> Result<Bubblewrap, SandboxError> {
         let bwrap = find_program("bwrap")
             .ok_or_else(|| SandboxError::Unavailable("`bwrap` not found on PATH".into()))?;
         if !Path::new(PRLIMIT).is_file() {
@@ -236,7 +294,12 @@ impl Bubblewrap {
                 _ => {}
             }
         }
-        let sandbox = Bubblewrap { bwrap, system };
+        Ok(Bubblewrap { bwrap, system })
+    }
+
+    /// Runs `true` in a sandbox once.
+    async fn trial(self) -> Result<Bubblewrap, SandboxError> {
+        let sandbox = self;
         let probe_dir = std::env::temp_dir();
         let out = sandbox
             .command(
@@ -282,12 +345,13 @@ impl Sandbox for Bubblewrap {
         true
     }
 
-    fn command(
+    fn command_with(
         &self,
         program: &str,
         args: &[String],
         workspace: &Path,
         limits: &Limits,
+        extra: &Extra<'_>,
     ) -> tokio::process::Command {
         let mut cmd = tokio::process::Command::new(&self.bwrap);
         cmd.env_clear()
@@ -299,8 +363,11 @@ impl Sandbox for Bubblewrap {
             .arg("--setenv")
             .arg("HOME")
             .arg(workspace)
-            .args(["--setenv", "TMPDIR", "/tmp"])
-            .args(["--ro-bind", "/usr", "/usr"]);
+            .args(["--setenv", "TMPDIR", "/tmp"]);
+        for (name, value) in extra.env {
+            cmd.arg("--setenv").arg(name).arg(value);
+        }
+        cmd.args(["--ro-bind", "/usr", "/usr"]);
         for dir in &self.system {
             match dir {
                 SystemDir::Link { path, target } => {
@@ -322,16 +389,22 @@ impl Sandbox for Bubblewrap {
                 cmd.args(["--ro-bind-try", file, file]);
             }
         }
-        cmd.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"])
-            .arg("--bind")
+        cmd.args(["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]);
+        // After the tmpfs, so a path under /tmp is not hidden by it.
+        for path in extra.read_only {
+            cmd.arg("--ro-bind").arg(path).arg(path);
+        }
+        cmd.arg("--bind")
             .arg(workspace)
             .arg(workspace)
             .arg("--chdir")
             .arg(workspace)
             .arg("--")
-            .arg(PRLIMIT)
-            .arg(format!("--cpu={}", limits.cpu_secs))
-            .arg(format!("--as={}", limits.address_space_bytes))
+            .arg(PRLIMIT);
+        if let Some(cpu) = limits.cpu_secs {
+            cmd.arg(format!("--cpu={cpu}"));
+        }
+        cmd.arg(format!("--as={}", limits.address_space_bytes))
             .arg(format!("--fsize={}", limits.file_size_bytes))
             .arg(format!("--nproc={}", limits.processes))
             .arg("--core=0")
@@ -340,6 +413,215 @@ impl Sandbox for Bubblewrap {
             .args(args);
         cmd
     }
+}
+
+/// The tool service's pool of MCP servers (`mcp_servers`): a stdio server whose configuration
+/// has `"sandbox"` is started by an [`McpLauncher`] in the sandbox `config.sandbox` names; the
+/// others are started unconfined, as the tool service's user, and each of those is logged once
+/// here as a warning when the sandbox is `bwrap` (they are trusted code the operator chose; the
+/// option confines one when it is not).
+///
+/// The sandbox is located again here without a trial run: the tool service's
+/// [`from_config`] has already checked that it works (or refused to start).
+pub fn mcp_pool(config: &kedge_runtime::Config) -> kedge_mcp::Pool {
+    let sandbox: Arc<dyn Sandbox> = match config.sandbox {
+        SandboxKind::Bwrap => match Bubblewrap::locate() {
+            Ok(bwrap) => Arc::new(bwrap),
+            Err(error) => {
+                tracing::error!(%error, "MCP servers that ask for a sandbox will be refused");
+                return kedge_mcp::Pool::new(config.mcp_servers.clone());
+            }
+        },
+        SandboxKind::Unconfined => Arc::new(Unconfined),
+    };
+    mcp_pool_in(config.mcp_servers.clone(), sandbox, &config.workspace_root)
+}
+
+/// [`mcp_pool`] with a sandbox and workspace root of the caller's choosing.
+pub fn mcp_pool_in(
+    servers: BTreeMap<String, kedge_mcp::ServerConfig>,
+    sandbox: Arc<dyn Sandbox>,
+    workspace_root: &Path,
+) -> kedge_mcp::Pool {
+    for (name, server) in &servers {
+        if let kedge_mcp::ServerConfig::Stdio {
+            command,
+            sandbox: None,
+            ..
+        } = server
+            && sandbox.confines()
+        {
+            tracing::warn!(
+                server = %name,
+                %command,
+                "MCP stdio server `{name}` is not sandboxed (no \"sandbox\" in its \
+                 configuration): it runs as the tool service's user and sees the whole machine \
+                 and network"
+            );
+        }
+    }
+    let launcher = McpLauncher::new(sandbox, workspace_root);
+    kedge_mcp::Pool::with_launcher(servers, Arc::new(launcher))
+}
+
+/// Starts MCP stdio servers for the pool ([`kedge_mcp::Launcher`]): one whose configuration
+/// has `"sandbox"` ([`kedge_mcp::StdioSandbox`]) runs through the [`Sandbox`]:
+///
+/// - its whole writable file system is a directory of its own, `<workspace_root>/.mcp/<server>/`
+///   (created, mode 0700; also its `HOME` and working directory), plus an empty `/tmp`;
+/// - it reads `/usr` and the system libraries, as a shell command does, and the configured
+///   `read_only` paths (which must exist and must not overlap the workspace root: the runs'
+///   workspaces stay out of its sight);
+/// - its program is resolved to an absolute path (on the configured `env`'s `PATH`, else the
+///   sandbox's) that must lie under `/usr` or a `read_only` path: nothing from elsewhere runs;
+/// - it gets the configured `env` (set inside: the sandbox clears everything) and no network
+///   unless the option grants it;
+/// - [`Limits::for_server`]: address space, file size and processes as for a shell command, no
+///   CPU-time limit (it lives across many calls).
+///
+/// A server without `"sandbox"` runs as before ([`kedge_mcp::direct_command`]). With the
+/// [`Unconfined`] sandbox a sandboxed server runs unconfined in its directory, with a warning.
+#[derive(Debug)]
+pub struct McpLauncher {
+    sandbox: Arc<dyn Sandbox>,
+    workspace_root: PathBuf,
+}
+
+impl McpLauncher {
+    /// A launcher confining servers in `sandbox`, with their directories under
+    /// `workspace_root/.mcp/`.
+    pub fn new(sandbox: Arc<dyn Sandbox>, workspace_root: &Path) -> McpLauncher {
+        McpLauncher {
+            sandbox,
+            workspace_root: workspace_root.to_owned(),
+        }
+    }
+
+    /// `<workspace_root>/.mcp/<server>/`, created with mode 0700; and the workspace root,
+    /// canonical.
+    fn server_dir(&self, server: &str) -> Result<(PathBuf, PathBuf), String> {
+        use std::os::unix::fs::PermissionsExt as _;
+
+        if server.is_empty()
+            || server.starts_with('.')
+            || !server
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        {
+            return Err(format!(
+                "server name {server:?} cannot name its sandbox directory"
+            ));
+        }
+        let root = std::fs::create_dir_all(&self.workspace_root)
+            .and_then(|()| self.workspace_root.canonicalize())
+            .map_err(|e| format!("workspace root {}: {e}", self.workspace_root.display()))?;
+        let mcp = root.join(".mcp");
+        let dir = mcp.join(server);
+        for d in [&mcp, &dir] {
+            std::fs::create_dir_all(d)
+                .and_then(|()| std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)))
+                .map_err(|e| format!("sandbox directory {}: {e}", d.display()))?;
+        }
+        Ok((dir, root))
+    }
+}
+
+impl kedge_mcp::Launcher for McpLauncher {
+    fn command(&self, launch: &kedge_mcp::Launch<'_>) -> Result<tokio::process::Command, String> {
+        let Some(options) = launch.sandbox else {
+            return Ok(kedge_mcp::direct_command(launch));
+        };
+        let (dir, root) = self.server_dir(launch.server)?;
+        // The read-only paths: they must exist (bubblewrap would fail less clearly), and may
+        // neither hold nor lie inside the workspace root.
+        let mut visible = vec![PathBuf::from("/usr")];
+        let mut real_allowed = vec![PathBuf::from("/usr")];
+        for (i, path) in options.read_only.iter().enumerate() {
+            let real = path
+                .canonicalize()
+                .map_err(|e| format!("\"sandbox.read_only[{i}]\" {}: {e}", path.display()))?;
+            if real.starts_with(&root) || root.starts_with(&real) {
+                return Err(format!(
+                    "\"sandbox.read_only[{i}]\" {} overlaps the workspace root {}: the server \
+                     would see the runs' workspaces",
+                    path.display(),
+                    root.display()
+                ));
+            }
+            visible.push(path.clone());
+            real_allowed.push(real);
+        }
+        let program = resolve_program(launch.command, launch.env.get("PATH").map(String::as_str))?;
+        let real = program
+            .canonicalize()
+            .map_err(|e| format!("command {}: {e}", program.display()))?;
+        if !real_allowed.iter().any(|a| real.starts_with(a)) {
+            return Err(format!(
+                "command {} ({}) is neither under /usr nor under a \"sandbox.read_only\" path: \
+                 a sandboxed server runs only programs it can read",
+                launch.command,
+                real.display()
+            ));
+        }
+        // Run it by the path it was found at when that is visible inside (argv[0] unchanged),
+        // else by its real path.
+        let program = if visible.iter().any(|a| program.starts_with(a)) {
+            program
+        } else {
+            real
+        };
+        if !self.sandbox.confines() {
+            tracing::warn!(
+                server = launch.server,
+                "sandbox \"{}\": MCP server `{}` asks for a sandbox but runs unconfined (development only)",
+                self.sandbox.name(),
+                launch.server
+            );
+        }
+        let read_only: Vec<PathBuf> = options.read_only.clone();
+        tracing::info!(
+            server = launch.server,
+            sandbox = self.sandbox.name(),
+            dir = %dir.display(),
+            network = options.network,
+            "starting a sandboxed MCP server"
+        );
+        Ok(self.sandbox.command_with(
+            &program.to_string_lossy(),
+            launch.args,
+            &dir,
+            &Limits::for_server(options.network),
+            &Extra {
+                read_only: &read_only,
+                env: launch.env,
+            },
+        ))
+    }
+}
+
+/// `command` as an absolute path: itself when it has a slash (a sandboxed server's must be
+/// absolute), else the first executable file of that name on `path` (the sandbox's `PATH` when
+/// the configuration sets none).
+fn resolve_program(command: &str, path: Option<&str>) -> Result<PathBuf, String> {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    if command.contains('/') {
+        let program = PathBuf::from(command);
+        if !program.is_absolute() {
+            return Err(format!(
+                "command {command:?}: a sandboxed server's command is an absolute path or a name"
+            ));
+        }
+        return Ok(program);
+    }
+    let path = path.unwrap_or(PATH);
+    std::env::split_paths(path)
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join(command))
+        .find(|p| {
+            std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+        .ok_or_else(|| format!("command {command:?} not found on PATH {path:?}"))
 }
 
 fn find_program(name: &str) -> Option<PathBuf> {
@@ -674,6 +956,51 @@ mod tests {
             }
             let _ = std::fs::remove_dir_all(&ws);
         }
+    }
+
+    #[tokio::test]
+    async fn a_server_gets_its_env_its_read_only_paths_and_no_cpu_limit() {
+        let sb = bwrap().await;
+        let ws = tmp("server");
+        let shown = tmp("server-ro");
+        std::fs::write(shown.join("data"), "readable\n").expect("write");
+        let env = BTreeMap::from([("GIVEN".to_owned(), "yes".to_owned())]);
+        let read_only = [shown.clone()];
+        let script = format!(
+            "echo \"$GIVEN\"; cat {0}/data; echo x > {0}/data || echo RO; grep 'Max cpu time' /proc/self/limits",
+            shown.display()
+        );
+        let mut cmd = sb.command_with(
+            "bash",
+            &args(&["-c", &script]),
+            &ws,
+            &Limits::for_server(false),
+            &Extra {
+                read_only: &read_only,
+                env: &env,
+            },
+        );
+        let out = cmd.output().await.expect("ran");
+        let out = String::from_utf8_lossy(&out.stdout);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[..3], ["yes", "readable", "RO"], "{out}");
+        // Not the shell's `--cpu`: inherited from this process (unlimited in a test).
+        let host = std::fs::read_to_string("/proc/self/limits").expect("limits");
+        let host_cpu = host
+            .lines()
+            .find(|l| l.starts_with("Max cpu time"))
+            .unwrap_or("");
+        assert_eq!(
+            lines[3].split_whitespace().collect::<Vec<_>>(),
+            host_cpu.split_whitespace().collect::<Vec<_>>(),
+            "{out}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(shown.join("data")).expect("data"),
+            "readable\n"
+        );
+        let _ = std::fs::remove_dir_all(&ws);
+        let _ = std::fs::remove_dir_all(&shown);
     }
 
     /// Whether a process running `sleep <marker>` is alive.

@@ -101,6 +101,7 @@ impl Recorder {
             command: "sh".into(),
             args: vec!["-c".into(), script.into()],
             env: self.env(&launcher("mcp-server-everything")),
+            sandbox: None,
         }
     }
 
@@ -111,6 +112,7 @@ impl Recorder {
             command: "sh".into(),
             args: vec!["-c".into(), script.into()],
             env: self.env(&launcher("mcp-server-everything")),
+            sandbox: None,
         }
     }
 
