@@ -44,6 +44,23 @@ async fn heartbeat_of(h: &Harness, worker: &str) {
     tokio::time::sleep(Duration::from_millis(300)).await;
 }
 
+/// Waits until the run's first step has started and returns the worker holding its lease.
+async fn driver_of(h: &Harness, run: &RunId) -> String {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let started = h
+            .events(run)
+            .await
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::StepStarted(_)));
+        if started && let Some(l) = h.rt.leases.holder(run).await.expect("lease read") {
+            return l.owner;
+        }
+        assert!(Instant::now() < deadline, "nobody drove {run}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits until the run's lease is held by `worker` and its first step has started.
 async fn driven_by(h: &Harness, run: &RunId, worker: &str) {
     let deadline = Instant::now() + WAIT;
@@ -84,15 +101,24 @@ async fn a_worker_killed_mid_model_call_is_replaced_by_the_standby_at_once() {
     ]}}});
     let mut h = harness(script, &[Svc::Intake]).await;
     h.agent("slow", "slow").await;
-    let a = h.spawn_process("step", "w-a", "");
-    heartbeat_of(&h, "w-a").await;
+    // Two workers, both up and hearing each other; whichever takes the run is killed the
+    // moment its `step.started` is journaled (the worst moment: nothing but the lease and the
+    // heartbeat announce that it holds the run).
+    let workers = [
+        ("w-a", h.spawn_process("all", "w-a", "")),
+        ("w-b", h.spawn_process("all", "w-b", "")),
+    ];
+    for (w, _) in workers {
+        heartbeat_of(&h, w).await;
+    }
     let run = h.submit("slow", "go", "task-kill-model").await;
-    driven_by(&h, &run, "w-a").await;
-    h.spawn_process("step", "w-b", "");
-    heartbeat_of(&h, "w-b").await;
-
+    let holder = driver_of(&h, &run).await;
+    let (_, doomed) = workers
+        .into_iter()
+        .find(|(w, _)| *w == holder)
+        .expect("one of ours drives it");
     let killed = Instant::now();
-    h.kill9(a);
+    h.kill9(doomed);
     let state = h.wait_terminal(&run, WAIT).await;
     let took = killed.elapsed();
     assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
@@ -164,18 +190,34 @@ async fn a_runner_killed_mid_tool_call_is_replaced_by_the_standby_at_once() {
     let config = h.dir.path().join("tool-config.json");
     std::fs::write(&config, r#"{"shell_allowlist": ["sleep"]}"#).expect("config file");
     let env = [("KEDGE_CONFIG", config.display().to_string())];
-    let a = h.spawn_process_with_env("tool", "w-ta", "", &env);
-    heartbeat_of(&h, "w-ta").await;
+    let runners = [
+        ("w-ta", h.spawn_process_with_env("tool", "w-ta", "", &env)),
+        ("w-tb", h.spawn_process_with_env("tool", "w-tb", "", &env)),
+    ];
+    for (w, _) in runners {
+        heartbeat_of(&h, w).await;
+    }
     let run = h.submit("sleeper", "go", "task-kill-tool").await;
-    h.wait_for(&run, WAIT, |s| {
-        s.ops
-            .values()
-            .any(|op| matches!(&op.status, OpStatus::Started { runner } if runner == "w-ta"))
-    })
-    .await;
-    h.spawn_process_with_env("tool", "w-tb", "", &env);
-    heartbeat_of(&h, "w-tb").await;
-
+    // Killed the moment its `tool.started` is journaled.
+    let state = h
+        .wait_for(&run, WAIT, |s| {
+            s.ops
+                .values()
+                .any(|op| matches!(op.status, OpStatus::Started { .. }))
+        })
+        .await;
+    let runner = state
+        .ops
+        .values()
+        .find_map(|op| match &op.status {
+            OpStatus::Started { runner } => Some(runner.clone()),
+            _ => None,
+        })
+        .expect("started");
+    let (_, a) = runners
+        .into_iter()
+        .find(|(w, _)| *w == runner)
+        .expect("one of ours runs it");
     let killed = Instant::now();
     h.kill9(a);
     // An interrupted shell command may or may not have had its effect, and `shell` has no

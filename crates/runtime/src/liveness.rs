@@ -3,9 +3,11 @@
 //! One [`Liveness`] per process that drives runs or runs tools (`kedge serve step`, `tool`,
 //! `all`), shared by its services ([`crate::Runtime::liveness`]). It
 //!
-//! - publishes a **heartbeat** on `kedge.live.hb.<worker>` every `heartbeat_ms`, and at once
-//!   (coalesced over [`CHANGE_GAP`]) whenever what it holds changes: the runs whose lease it
-//!   holds and the tool operations it is running. Core NATS: nothing is stored, and a broker
+//! - publishes a **heartbeat** on `kedge.live.hb.<worker>` every `heartbeat_ms`, naming what
+//!   it holds: the runs whose lease it holds and the tool operations it is running. A newly held
+//!   run or operation is announced at once, before the holder acts on it (so a process killed
+//!   right after it took a run, at the worst moment, is still known to have held it); a release
+//!   is announced after [`CHANGE_GAP`] if still true. Core NATS: nothing is stored, and a broker
 //!   leader election (a JetStream matter) does not interrupt it;
 //! - answers **pings** on `kedge.live.ping.<worker>`;
 //! - **watches** every other worker's heartbeats. One silent for `suspect_after_ms` is a suspect
@@ -94,6 +96,9 @@ struct Inner {
     runs: Mutex<BTreeSet<RunId>>,
     ops: Mutex<BTreeSet<OperationId>>,
     changed: Notify,
+    /// What the last heartbeat sent said (the periodic task sends between two periodic beats
+    /// only when this changed).
+    last_sent: Mutex<Option<Beat>>,
     peers: Mutex<HashMap<String, Peer>>,
     deaths: broadcast::Sender<Death>,
 }
@@ -179,6 +184,7 @@ impl Liveness {
             runs: Mutex::default(),
             ops: Mutex::default(),
             changed: Notify::new(),
+            last_sent: Mutex::default(),
             peers: Mutex::default(),
             deaths,
         });
@@ -195,15 +201,17 @@ impl Liveness {
         &self.inner.me
     }
 
-    /// Announces that this process holds `run`'s lease until the [`Hold`] is dropped.
-    pub fn hold_run(&self, run: &RunId) -> Hold {
-        if self
+    /// Announces that this process holds `run`'s lease until the [`Hold`] is dropped. The
+    /// heartbeat saying so is sent before this returns (not at the next beat): whatever the
+    /// holder does next (a model call) happens after a standby can know it holds the run.
+    pub async fn hold_run(&self, run: &RunId) -> Hold {
+        let new = self
             .inner
             .runs
             .lock()
-            .is_ok_and(|mut s| s.insert(run.clone()))
-        {
-            self.inner.changed.notify_one();
+            .is_ok_and(|mut s| s.insert(run.clone()));
+        if new {
+            send_beat(&self.inner).await;
         }
         Hold {
             inner: self.inner.clone(),
@@ -211,15 +219,16 @@ impl Liveness {
         }
     }
 
-    /// Announces that this process runs operation `op` until the [`Hold`] is dropped.
-    pub fn hold_op(&self, op: &OperationId) -> Hold {
-        if self
+    /// Announces that this process runs operation `op` until the [`Hold`] is dropped; like
+    /// [`Liveness::hold_run`], announced before this returns (before the tool runs).
+    pub async fn hold_op(&self, op: &OperationId) -> Hold {
+        let new = self
             .inner
             .ops
             .lock()
-            .is_ok_and(|mut s| s.insert(op.clone()))
-        {
-            self.inner.changed.notify_one();
+            .is_ok_and(|mut s| s.insert(op.clone()));
+        if new {
+            send_beat(&self.inner).await;
         }
         Hold {
             inner: self.inner.clone(),
@@ -284,49 +293,66 @@ async fn answer_pings(inner: Weak<Inner>, mut pings: async_nats::Subscriber) {
     }
 }
 
+/// What this process holds now.
+fn snapshot(live: &Inner) -> Beat {
+    Beat {
+        runs: live
+            .runs
+            .lock()
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default(),
+        ops: live
+            .ops
+            .lock()
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default(),
+    }
+}
+
+/// Publishes a heartbeat saying what this process holds now.
+async fn send_beat(live: &Inner) {
+    let beat = snapshot(live);
+    match serde_json::to_vec(&beat) {
+        Ok(body) => {
+            if let Err(e) = live
+                .client
+                .publish(subjects::live_heartbeat(&live.me), body.into())
+                .await
+            {
+                tracing::debug!(error = %e, "cannot publish a heartbeat");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot encode a heartbeat"),
+    }
+    if let Ok(mut last) = live.last_sent.lock() {
+        *last = Some(beat);
+    }
+}
+
 async fn send_heartbeats(inner: Weak<Inner>) {
-    // A heartbeat goes out every `heartbeat`, and between two when what is held differs from
-    // what the last one said (a run held and let go within one gap is not worth a message).
-    let mut last_sent: Option<Beat> = None;
+    // A heartbeat goes out every `heartbeat`, and between two when what is held shrank since
+    // the last one sent (what is newly held is announced at once by `hold_run`/`hold_op`; a
+    // release is worth a message only if it is still true after the coalescing gap).
     let mut due = tokio::time::Instant::now();
     loop {
         let Some(live) = inner.upgrade() else { return };
-        let beat = Beat {
-            runs: live
-                .runs
-                .lock()
-                .map(|s| s.iter().cloned().collect())
-                .unwrap_or_default(),
-            ops: live
-                .ops
-                .lock()
-                .map(|s| s.iter().cloned().collect())
-                .unwrap_or_default(),
-        };
         let now = tokio::time::Instant::now();
-        if now >= due || last_sent.as_ref() != Some(&beat) {
-            match serde_json::to_vec(&beat) {
-                Ok(body) => {
-                    if let Err(e) = live
-                        .client
-                        .publish(subjects::live_heartbeat(&live.me), body.into())
-                        .await
-                    {
-                        tracing::debug!(error = %e, "cannot publish a heartbeat");
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot encode a heartbeat"),
-            }
-            last_sent = Some(beat);
+        let changed = live
+            .last_sent
+            .lock()
+            .map(|last| last.as_ref() != Some(&snapshot(&live)))
+            .unwrap_or(true);
+        if now >= due || changed {
+            send_beat(&live).await;
             due = now + live.heartbeat;
         }
-        let changed = async {
+        let notified = async {
             live.changed.notified().await;
             tokio::time::sleep(CHANGE_GAP).await;
         };
         tokio::select! {
             _ = tokio::time::sleep_until(due) => {}
-            _ = changed => {}
+            _ = notified => {}
         }
     }
 }

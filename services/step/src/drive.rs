@@ -214,7 +214,7 @@ impl Driver {
         };
         // Announced in this process's heartbeats while held: if it dies, a standby adopts the
         // run as soon as the broker says it is gone.
-        let hold = self.liveness.hold_run(run);
+        let hold = self.liveness.hold_run(run).await;
         // The right to write the run's decisions comes from the lease; its name is stable for
         // this holding, so a retried append is recognised as ours.
         let writer = lease.writer(&cfg.worker_id);

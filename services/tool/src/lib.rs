@@ -451,7 +451,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     let target = Target::of(&req.tool, &ctx.mcp);
     // Announced in this process's heartbeats from before the claim until the outcome is
     // recorded: if this process dies meanwhile, a standby takes the operation over at once.
-    let _hold = ctx.liveness.hold_op(op);
+    let _hold = ctx.liveness.hold_op(op).await;
     // A panic here (a bug; or the test failpoint) is contained by the handler.
     failpoint::panic_point("tool.execute", op.run().as_str());
     let abandoned_after = rt.config.timeouts.op_abandoned_after();
