@@ -296,7 +296,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Mcp(McpCmd::Tools { server }) => {
-            let pool = kedge_mcp::Pool::new(config.mcp_servers.clone());
+            // Through the tool service's sandbox, as the tool service would start it.
+            let pool = kedge_tool::sandbox::mcp_pool(&config);
             if !pool.has_server(&server) {
                 bail!(
                     "no MCP server `{server}` in mcp_servers (configured: {})",
