@@ -31,7 +31,9 @@ pub struct AgentDefinition {
     pub policy: BTreeMap<String, ToolPolicy>,
     #[serde(default)]
     pub budget: Budget,
-    /// `max_tokens` sent with each model call.
+    /// The most tokens each model call may write (OpenAI `max_completion_tokens`, or
+    /// `max_tokens` on other OpenAI-compatible servers; Anthropic `max_tokens`; thinking
+    /// included).
     #[serde(default = "default_max_output_tokens")]
     pub max_output_tokens: u32,
     /// Tenants that may start runs of this agent. Absent: every tenant (an open agent, the
@@ -274,6 +276,14 @@ pub fn check_budget(b: &Budget, prefix: &str) -> Result<(), (String, String)> {
             ));
         }
     }
+    if let Some(c) = b.max_cost
+        && !(c.is_finite() && c > 0.0)
+    {
+        return Err((
+            format!("{prefix}max_cost"),
+            format!("{c} must be a number > 0"),
+        ));
+    }
     Ok(())
 }
 
@@ -352,6 +362,24 @@ impl AgentDefinition {
             1,
             MAX_OUTPUT_TOKENS,
         )?;
+        let tool_names: Vec<&str> = self.tools.iter().map(|t| t.name.as_str()).collect();
+        crate::settings::check(
+            self.model.provider,
+            &self.model.settings,
+            self.model.price.as_ref(),
+            self.max_output_tokens,
+            &tool_names,
+        )
+        .map_err(|(field, reason)| DefinitionError {
+            field: format!("model.{field}"),
+            reason,
+        })?;
+        if self.budget.max_cost.is_some() && self.model.price.is_none() {
+            return err(
+                "budget.max_cost".into(),
+                "needs model.price to count what the run costs",
+            );
+        }
         Ok(())
     }
 
@@ -492,6 +520,166 @@ mod tests {
             let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err(name);
             assert_eq!(e.field, name);
         }
+    }
+
+    #[test]
+    fn model_settings_and_prices_are_checked_against_the_providers_rules() {
+        let with = |model: serde_json::Value, extra: serde_json::Value| {
+            let mut v = def();
+            v["model"] = model;
+            for (k, x) in extra.as_object().expect("object") {
+                v[k] = x.clone();
+            }
+            AgentDefinition::parse(v.to_string().as_bytes())
+        };
+        let openai = |settings: serde_json::Value| serde_json::json!({"provider": "openai", "name": "m", "settings": settings});
+        let anthropic = |settings: serde_json::Value| serde_json::json!({"provider": "anthropic", "name": "m", "settings": settings});
+        let none = serde_json::json!({});
+        let d = with(
+            openai(serde_json::json!({
+                "temperature": 1.5, "top_p": 0.9, "stop": ["END"], "seed": 7,
+                "tool_choice": {"tool": "read_file"}, "parallel_tool_calls": false,
+                "reasoning_effort": "low"
+            })),
+            none.clone(),
+        )
+        .expect("valid OpenAI settings");
+        assert_eq!(d.model.settings.seed, Some(7));
+        with(
+            anthropic(serde_json::json!({
+                "thinking": {"budget_tokens": 1024}, "top_p": 0.95, "cache": true,
+                "tool_choice": "auto", "stop": ["a", "b", "c", "d", "e"]
+            })),
+            none.clone(),
+        )
+        .expect("valid Anthropic settings");
+        for (model, extra, field) in [
+            (
+                openai(serde_json::json!({"temperature": 2.5})),
+                none.clone(),
+                "model.settings.temperature",
+            ),
+            (
+                anthropic(serde_json::json!({"temperature": 1.5})),
+                none.clone(),
+                "model.settings.temperature",
+            ),
+            (
+                openai(serde_json::json!({"top_p": -0.1})),
+                none.clone(),
+                "model.settings.top_p",
+            ),
+            (
+                openai(serde_json::json!({"stop": ["a", "b", "c", "d", "e"]})),
+                none.clone(),
+                "model.settings.stop",
+            ),
+            (
+                openai(serde_json::json!({"stop": [""]})),
+                none.clone(),
+                "model.settings.stop[0]",
+            ),
+            (
+                anthropic(serde_json::json!({"seed": 1})),
+                none.clone(),
+                "model.settings.seed",
+            ),
+            (
+                anthropic(serde_json::json!({"reasoning_effort": "high"})),
+                none.clone(),
+                "model.settings.reasoning_effort",
+            ),
+            (
+                openai(serde_json::json!({"thinking": {"budget_tokens": 2048}})),
+                none.clone(),
+                "model.settings.thinking",
+            ),
+            (
+                openai(serde_json::json!({"cache": true})),
+                none.clone(),
+                "model.settings.cache",
+            ),
+            (
+                openai(serde_json::json!({"tool_choice": {"tool": "shell"}})),
+                none.clone(),
+                "model.settings.tool_choice",
+            ),
+            (
+                openai(serde_json::json!({"tool_choice": "required"})),
+                serde_json::json!({"tools": [], "policy": {}}),
+                "model.settings.tool_choice",
+            ),
+            (
+                openai(serde_json::json!({"parallel_tool_calls": true})),
+                serde_json::json!({"tools": [], "policy": {}}),
+                "model.settings.parallel_tool_calls",
+            ),
+            (
+                anthropic(serde_json::json!({"thinking": {"budget_tokens": 1000}})),
+                none.clone(),
+                "model.settings.thinking.budget_tokens",
+            ),
+            (
+                anthropic(serde_json::json!({"thinking": {"budget_tokens": 4096}})),
+                none.clone(),
+                "model.settings.thinking.budget_tokens",
+            ),
+            (
+                anthropic(
+                    serde_json::json!({"thinking": {"budget_tokens": 2048}, "temperature": 1}),
+                ),
+                none.clone(),
+                "model.settings.temperature",
+            ),
+            (
+                anthropic(serde_json::json!({"thinking": {"budget_tokens": 2048}, "top_p": 0.5})),
+                none.clone(),
+                "model.settings.top_p",
+            ),
+            (
+                anthropic(
+                    serde_json::json!({"thinking": {"budget_tokens": 2048}, "tool_choice": "required"}),
+                ),
+                none.clone(),
+                "model.settings.tool_choice",
+            ),
+            (
+                serde_json::json!({"provider": "openai", "name": "m", "price": {"input_per_mtok": -1, "output_per_mtok": 1}}),
+                none.clone(),
+                "model.price.input_per_mtok",
+            ),
+            (
+                serde_json::json!({"provider": "openai", "name": "m", "price": {"input_per_mtok": 1, "output_per_mtok": 1, "currency": "US$"}}),
+                none.clone(),
+                "model.price.currency",
+            ),
+            (
+                serde_json::json!({"provider": "openai", "name": "m"}),
+                serde_json::json!({"budget": {"max_steps": 5, "max_tokens": 100, "max_attempts_per_step": 1, "max_cost": 1.0}}),
+                "budget.max_cost",
+            ),
+            (
+                serde_json::json!({"provider": "openai", "name": "m", "price": {"input_per_mtok": 1, "output_per_mtok": 1}}),
+                serde_json::json!({"budget": {"max_steps": 5, "max_tokens": 100, "max_attempts_per_step": 1, "max_cost": 0}}),
+                "budget.max_cost",
+            ),
+        ] {
+            let e = with(model.clone(), extra).expect_err(field);
+            assert_eq!(e.field, field, "{model}: {e}");
+        }
+        let d = with(
+            serde_json::json!({"provider": "openai", "name": "m", "price": {"input_per_mtok": 2, "output_per_mtok": 8}}),
+            serde_json::json!({"budget": {"max_steps": 5, "max_tokens": 100, "max_attempts_per_step": 1, "max_cost": 0.5}}),
+        )
+        .expect("a priced model with a cost budget");
+        assert_eq!(d.model.price.as_ref().expect("price").currency, "USD");
+        assert_eq!(
+            AgentDefinition::parse(&serde_json::to_vec(&d).expect("json"))
+                .expect("reads back")
+                .budget
+                .max_cost,
+            Some(0.5)
+        );
     }
 
     #[test]

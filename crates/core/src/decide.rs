@@ -649,6 +649,24 @@ fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>) -> Next {
             ),
         );
     }
+    // Cost is counted like tokens: each `step.completed` carries what its usage cost at the
+    // frozen `model.price`, and no new step starts once the sum reached the limit.
+    if let Some(max_cost) = budget.max_cost {
+        let spent = state.usage.cost.unwrap_or(0.0);
+        if spent >= max_cost {
+            let currency = state
+                .bundle
+                .model
+                .price
+                .as_ref()
+                .map_or("", |p| p.currency.as_str());
+            return fail_after(
+                prefix,
+                FailureReason::MaxCost,
+                format!("the run cost {spent} of its {max_cost} {currency}"),
+            );
+        }
+    }
     if let Some(secs) = budget.deadline_secs
         && !state
             .timers
@@ -719,6 +737,12 @@ pub fn complete_step(
     now: Timestamp,
     contract: &Contract,
 ) -> Vec<Draft> {
+    // What the step cost, at the run's frozen price (recomputed from the tokens, so a step
+    // finished by another worker records the same).
+    let response = ModelResponse {
+        usage: response.usage.priced(state.bundle.model.price.as_ref()),
+        ..response
+    };
     if let Some(reason) = &state.cancel_requested {
         // The answer is recorded (it was paid for) but nothing it asks for is dispatched.
         let mut drafts = vec![

@@ -18,6 +18,8 @@ use sha2::{Digest as _, Sha256};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
+pub use crate::settings::{ModelSettings, Price};
+
 use crate::ids::{
     AgentName, ApprovalId, Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, RunId,
     StepNo, TenantId, TimerId,
@@ -181,18 +183,25 @@ pub enum Provider {
     Anthropic,
 }
 
-/// The model a run is frozen to.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+/// The model a run is frozen to, with the settings sent on every call and its price.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ModelSpec {
     pub provider: Provider,
     pub name: String,
     /// Base URL of the API; `None` means the provider's public endpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub base_url: Option<String>,
+    /// Sampling, tool choice, reasoning / thinking and caching settings (docs/CONFIG.md).
+    #[serde(default, skip_serializing_if = "ModelSettings::is_empty")]
+    pub settings: ModelSettings,
+    /// What the model's tokens cost: with it, usage is reported in currency and
+    /// `budget.max_cost` can be enforced.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub price: Option<Price>,
 }
 
 /// Limits a run is held to. Frozen into `run.created`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Budget {
     /// Model calls (steps) the run may make in all its turns.
     pub max_steps: u32,
@@ -203,6 +212,10 @@ pub struct Budget {
     /// Wall-clock limit of the run in seconds, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_secs: Option<u64>,
+    /// What the run may spend, in the currency of `model.price` (which it needs), counted
+    /// like `max_tokens`: no new step once the run's cost reached it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<f64>,
 }
 
 impl Default for Budget {
@@ -212,15 +225,19 @@ impl Default for Budget {
             max_tokens: 1_000_000,
             max_attempts_per_step: 3,
             deadline_secs: None,
+            max_cost: None,
         }
     }
 }
 
-/// Tokens spent.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+/// Tokens spent, and what they cost when the run's model has a price.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Usage {
     pub input_tokens: u64,
     pub output_tokens: u64,
+    /// In the currency of the run's `model.price`; absent without a price.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
 }
 
 impl Usage {
@@ -230,6 +247,17 @@ impl Usage {
     pub fn add(&mut self, other: Usage) {
         self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
         self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
+        self.cost = match (self.cost, other.cost) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
+    }
+    /// This usage with its cost at `price` (none without a price).
+    pub fn priced(self, price: Option<&Price>) -> Usage {
+        Usage {
+            cost: price.map(|p| p.cost(&self)),
+            ..self
+        }
     }
 }
 
@@ -243,12 +271,30 @@ pub struct ToolCall {
 }
 
 /// The assistant's turn as the model returned it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct AssistantMessage {
     #[serde(default)]
     pub text: String,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tool_calls: Vec<ToolCall>,
+    /// Anthropic extended thinking: the turn's thinking blocks, in order, exactly as received
+    /// (signature included). Sent back unchanged with the turn, as the API requires.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub thinking: Vec<ThinkingBlock>,
+}
+
+/// One block of a model's extended thinking (Anthropic).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ThinkingBlock {
+    Thinking {
+        thinking: String,
+        signature: String,
+    },
+    /// Thinking the provider encrypted; passed back as received.
+    RedactedThinking {
+        data: String,
+    },
 }
 
 /// Why the model stopped.
@@ -363,6 +409,8 @@ pub enum FailureReason {
     AttemptsExhausted,
     MaxSteps,
     MaxTokens,
+    /// The run's cost reached `budget.max_cost`.
+    MaxCost,
     Deadline,
     ModelRejected,
     Operator,

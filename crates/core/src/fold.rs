@@ -1094,6 +1094,8 @@ mod tests {
                 provider: Provider::Openai,
                 name: "mock".into(),
                 base_url: None,
+                settings: Default::default(),
+                price: None,
             },
             prompt_digest: Digest::of_bytes(b"prompt"),
             tools_digest: Digest::of_bytes(b"tools"),

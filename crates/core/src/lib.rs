@@ -11,6 +11,7 @@
 //! - [`task`]: the task submission and its validation.
 //! - [`tools`]: the built-in tools' schemas and a run's tool contract (what the model may call,
 //!   with what arguments).
+//! - [`settings`]: model settings (sampling, tool choice, thinking, caching) and prices.
 //! - [`schema`]: the JSON Schemas under `schemas/`, generated from these types.
 //!
 //! Invariant: a run's state is a function of its journal alone (DESIGN principle 1); everything
@@ -24,6 +25,7 @@ pub mod fold;
 pub mod ids;
 pub mod machine;
 pub mod schema;
+pub mod settings;
 pub mod subjects;
 pub mod task;
 pub mod tools;

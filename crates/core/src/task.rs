@@ -35,7 +35,7 @@ pub struct TaskSubmission {
 }
 
 /// Per-task budget limits.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BudgetOverride {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -46,6 +46,9 @@ pub struct BudgetOverride {
     pub max_attempts_per_step: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deadline_secs: Option<u64>,
+    /// In the currency of the agent's `model.price` (an agent without a price refuses it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost: Option<f64>,
 }
 
 impl BudgetOverride {
@@ -68,6 +71,10 @@ impl BudgetOverride {
                     v.min(default.max_attempts_per_step)
                 }),
             deadline_secs: min_opt(self.deadline_secs, default.deadline_secs),
+            max_cost: match (self.max_cost, default.max_cost) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            },
         }
     }
 }
@@ -118,6 +125,7 @@ impl TaskSubmission {
                         "max_tokens",
                         "max_attempts_per_step",
                         "deadline_secs",
+                        "max_cost",
                     ],
                 )?;
                 Some(BudgetOverride {
@@ -125,6 +133,7 @@ impl TaskSubmission {
                     max_tokens: field(b, "budget.", "max_tokens")?,
                     max_attempts_per_step: field(b, "budget.", "max_attempts_per_step")?,
                     deadline_secs: field(b, "budget.", "deadline_secs")?,
+                    max_cost: field(b, "budget.", "max_cost")?,
                 })
             }
             None | Some(serde_json::Value::Null) => None,
@@ -182,6 +191,14 @@ impl TaskSubmission {
                     }
                     _ => {}
                 }
+            }
+            if let Some(c) = b.max_cost
+                && !(c.is_finite() && c > 0.0)
+            {
+                return Err(TaskRejection::new(
+                    "budget.max_cost",
+                    format!("{c} must be a number > 0"),
+                ));
             }
         }
         Ok(())

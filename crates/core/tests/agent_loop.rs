@@ -54,6 +54,13 @@ impl Sim {
                 provider: Provider::Openai,
                 name: "mock".into(),
                 base_url: None,
+                settings: Default::default(),
+                // Priced whenever the budget limits cost.
+                price: budget.max_cost.map(|_| kedge_core::event::Price {
+                    input_per_mtok: 1000.0,
+                    output_per_mtok: 4000.0,
+                    currency: "EUR".into(),
+                }),
             },
             prompt_digest: Digest::of_bytes(b"prompt"),
             tools_digest: Digest::of_bytes(b"tools"),
@@ -161,10 +168,12 @@ fn tools(calls: &[(&str, &str)]) -> ModelResponse {
                     arguments: serde_json::json!({"path": id}),
                 })
                 .collect(),
+            thinking: Vec::new(),
         },
         usage: Usage {
             input_tokens: 10,
             output_tokens: 5,
+            cost: None,
         },
         finish: FinishReason::ToolCalls,
     }
@@ -175,10 +184,12 @@ fn text(t: &str) -> ModelResponse {
         message: AssistantMessage {
             text: t.into(),
             tool_calls: vec![],
+            thinking: Vec::new(),
         },
         usage: Usage {
             input_tokens: 10,
             output_tokens: 5,
+            cost: None,
         },
         finish: FinishReason::Stop,
     }
@@ -478,6 +489,40 @@ fn max_steps_and_max_tokens_are_enforced() {
     assert!(matches!(
         decide(&sim.state()),
         Next::Commit(d) if matches!(&d[0].event, Event::RunFailed(f) if f.reason == FailureReason::MaxTokens)
+    ));
+}
+
+#[test]
+fn max_cost_is_enforced_like_tokens_at_the_frozen_price() {
+    // 10 input and 5 output tokens a step at 1000 and 4000 EUR per million: 0.03 EUR a step.
+    let mut sim = Sim::new(Budget {
+        max_cost: Some(0.05),
+        ..Budget::default()
+    });
+    sim.run_step(tools(&[("call_1", "read_file")]));
+    let cost = sim.state().usage.cost.expect("priced");
+    assert!((cost - 0.03).abs() < 1e-12, "{cost}");
+    let completed = sim
+        .events
+        .iter()
+        .find_map(|(_, e)| match &e.event {
+            Event::StepCompleted(done) => Some(done.usage),
+            _ => None,
+        })
+        .expect("step.completed");
+    assert_eq!(completed.cost, Some(cost), "each step records what it cost");
+    let op = sim.ops_of(1).remove(0);
+    sim.result(&op, "x");
+    // Under the limit: a second step.
+    sim.run_step(tools(&[("call_2", "read_file")]));
+    let op = sim.ops_of(2).remove(0);
+    sim.result(&op, "y");
+    let state = sim.state();
+    assert!(state.usage.cost.expect("priced") >= 0.05);
+    assert!(matches!(
+        decide(&state),
+        Next::Commit(d) if matches!(&d[0].event, Event::RunFailed(f)
+            if f.reason == FailureReason::MaxCost && f.message.contains("EUR"))
     ));
 }
 

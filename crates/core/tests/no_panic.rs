@@ -461,6 +461,13 @@ fn created(budget: Budget) -> Envelope {
                 provider: Provider::Openai,
                 name: "mock".into(),
                 base_url: None,
+                settings: Default::default(),
+                // A priced model whenever the budget limits cost, so that the cost check runs.
+                price: budget.max_cost.map(|_| kedge_core::event::Price {
+                    input_per_mtok: 1000.0,
+                    output_per_mtok: 4000.0,
+                    currency: "USD".into(),
+                }),
             },
             prompt_digest: Digest::of_bytes(b"prompt"),
             tools_digest: Digest::of_bytes(b"tools"),
@@ -484,13 +491,15 @@ fn arb_budget() -> impl Strategy<Value = Budget> {
         prop_oneof![3 => 0u64..5000, 1 => any::<u64>()],
         small,
         prop::option::of(prop_oneof![0u64..100, any::<u64>()]),
+        prop::option::of(prop_oneof![0.0f64..0.01, any::<f64>()]),
     )
         .prop_map(
-            |(max_steps, max_tokens, max_attempts_per_step, deadline_secs)| Budget {
+            |(max_steps, max_tokens, max_attempts_per_step, deadline_secs, max_cost)| Budget {
                 max_steps,
                 max_tokens,
                 max_attempts_per_step,
                 deadline_secs,
+                max_cost,
             },
         )
 }
@@ -660,10 +669,15 @@ fn arb_response() -> impl Strategy<Value = ModelResponse> {
         ]),
     )
         .prop_map(|(text, tool_calls, (i, o), finish)| ModelResponse {
-            message: AssistantMessage { text, tool_calls },
+            message: AssistantMessage {
+                text,
+                tool_calls,
+                thinking: Vec::new(),
+            },
             usage: Usage {
                 input_tokens: u64::from(i),
                 output_tokens: u64::from(o),
+                cost: None,
             },
             finish,
         })
@@ -865,15 +879,17 @@ proptest! {
         max_tokens in prop::option::of(prop_oneof![0u64..3, any::<u64>()]),
         max_attempts_per_step in prop::option::of(prop_oneof![0u32..=MAX_ATTEMPTS_PER_STEP + 1, any::<u32>()]),
         deadline_secs in prop::option::of(prop_oneof![0u64..=MAX_DEADLINE_SECS + 1, any::<u64>()]),
+        max_cost in prop::option::of(prop_oneof![-1.0f64..1.0, -1e300f64..1e300]),
     ) {
-        let budget = BudgetOverride { max_steps, max_tokens, max_attempts_per_step, deadline_secs };
+        let budget = BudgetOverride { max_steps, max_tokens, max_attempts_per_step, deadline_secs, max_cost };
         let mut doc = valid_task();
         doc["budget"] = serde_json::to_value(&budget).expect("json");
         let ok = |v: Option<u64>, max: u64| v.is_none_or(|v| (1..=max).contains(&v));
         let expected = ok(max_steps.map(u64::from), u64::from(MAX_STEPS))
             && ok(max_tokens, u64::MAX)
             && ok(max_attempts_per_step.map(u64::from), u64::from(MAX_ATTEMPTS_PER_STEP))
-            && ok(deadline_secs, MAX_DEADLINE_SECS);
+            && ok(deadline_secs, MAX_DEADLINE_SECS)
+            && max_cost.is_none_or(|c| c > 0.0);
         let parsed = TaskSubmission::parse(&to_bytes(&doc));
         prop_assert_eq!(parsed.is_ok(), expected, "{:?}: {:?}", budget, parsed);
         check_task(&to_bytes(&doc));
@@ -932,6 +948,7 @@ fn a_message_to_a_finished_run_with_no_steps_left_folds() {
         message: AssistantMessage {
             text: "done".into(),
             tool_calls: vec![],
+            thinking: Vec::new(),
         },
         usage: Usage::default(),
         finish: FinishReason::Stop,

@@ -97,10 +97,12 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
             message: AssistantMessage {
                 text: "I will look this up in three places.".into(),
                 tool_calls: vec![],
+                thinking: Vec::new(),
             },
             usage: Usage {
                 input_tokens: 1200,
                 output_tokens: 80,
+                cost: None,
             },
             finish: FinishReason::ToolCalls,
             reused: false,
@@ -441,6 +443,8 @@ fn created(run: &RunId) -> Envelope {
                 provider: kedge_core::event::Provider::Openai,
                 name: "mock".into(),
                 base_url: None,
+                settings: Default::default(),
+                price: None,
             },
             prompt_digest: Digest::of_bytes(b"prompt"),
             tools_digest: Digest::of_bytes(b"tools"),

@@ -183,6 +183,8 @@ fn created(i: usize) -> RunCreated {
             provider: Provider::Openai,
             name: "mock".into(),
             base_url: None,
+            settings: Default::default(),
+            price: None,
         },
         prompt_digest: Digest::of_bytes(b"prompt"),
         tools_digest: Digest::of_bytes(b"tools"),
@@ -206,10 +208,12 @@ fn wait_an_hour() -> ModelResponse {
                 name: "wait".into(),
                 arguments: serde_json::json!({"seconds": 3600}),
             }],
+            thinking: Vec::new(),
         },
         usage: Usage {
             input_tokens: 20,
             output_tokens: 5,
+            cost: None,
         },
         finish: FinishReason::ToolCalls,
     }

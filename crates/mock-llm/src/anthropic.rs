@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, StatusCode};
 use serde_json::{Map, Value, json};
 
 use crate::error::{ApiError, ErrorClass};
-use crate::reply::{Output, Parsed, pieces, sse};
+use crate::reply::{Output, Parsed, pieces, sse, thinking_signature};
 use crate::script::{Cue, valid_tool_name};
 
 const BLOCK_TYPES: [&str; 11] = [
@@ -160,6 +160,32 @@ fn check_block(i: usize, j: usize, role: &str, block: &Value) -> Result<(), ApiE
             if !obj.get("input").is_some_and(Value::is_object) {
                 return Err(ApiError::invalid(format!(
                     "{path}.tool_use.input: Input should be a valid dictionary"
+                )));
+            }
+        }
+        "thinking" | "redacted_thinking" => {
+            if role != "assistant" {
+                return Err(ApiError::invalid(format!(
+                    "{path}: `{kind}` blocks can only be in `assistant` messages"
+                )));
+            }
+            let fields: &[&str] = if kind == "thinking" {
+                &["thinking", "signature"]
+            } else {
+                &["data"]
+            };
+            for f in fields {
+                if !obj.get(*f).is_some_and(Value::is_string) {
+                    return Err(ApiError::invalid(format!(
+                        "{path}.{kind}.{f}: Field required"
+                    )));
+                }
+            }
+            if obj.contains_key("cache_control") {
+                // Thinking blocks cannot be marked for caching (Anthropic's documentation;
+                // not in PEERS.md).
+                return Err(ApiError::invalid(format!(
+                    "{path}.{kind}.cache_control: Extra inputs are not permitted"
                 )));
             }
         }
@@ -389,6 +415,378 @@ fn check_system(system: &Value) -> Result<(), ApiError> {
     }
 }
 
+/// Messages API request parameters; anything else is "Extra inputs are not permitted".
+const PARAMS: [&str; 17] = [
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "stream",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "metadata",
+    "thinking",
+    "service_tier",
+    "container",
+    "mcp_servers",
+    "context_management",
+];
+
+fn check_unit_range(obj: &Map<String, Value>, param: &str) -> Result<Option<f64>, ApiError> {
+    match obj.get(param) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => {
+            let x = n.as_f64().unwrap_or(f64::NAN);
+            if x > 1.0 {
+                Err(ApiError::invalid(format!(
+                    "{param}: Input should be less than or equal to 1"
+                )))
+            } else if x < 0.0 || x.is_nan() {
+                Err(ApiError::invalid(format!(
+                    "{param}: Input should be greater than or equal to 0"
+                )))
+            } else {
+                Ok(Some(x))
+            }
+        }
+        Some(_) => Err(ApiError::invalid(format!(
+            "{param}: Input should be a valid number"
+        ))),
+    }
+}
+
+/// The sampling, tool-choice and thinking parameters. Returns whether thinking is enabled.
+///
+/// From PEERS.md and the task list: no unknown parameter (`seed`, `reasoning_effort`,
+/// `parallel_tool_calls` are OpenAI's), temperature and top_p 0–1, `stop_sequences` a list
+/// of strings, `tool_choice` one of `auto` / `any` / `tool` (+ `name`, an offered tool) /
+/// `none`, `thinking: {type: enabled, budget_tokens ≥ 1024 and < max_tokens}`, no temperature
+/// other than 1 with thinking. From Anthropic's extended-thinking documentation (not in
+/// PEERS.md): with thinking, top_p ≥ 0.95 and no tool choice that forces tool use; and a
+/// `tool_choice` needs `tools`.
+fn check_settings(obj: &Map<String, Value>) -> Result<bool, ApiError> {
+    if let Some(k) = obj.keys().find(|k| !PARAMS.contains(&k.as_str())) {
+        return Err(ApiError::invalid(format!(
+            "{k}: Extra inputs are not permitted"
+        )));
+    }
+    let temperature = check_unit_range(obj, "temperature")?;
+    let top_p = check_unit_range(obj, "top_p")?;
+    match obj.get("stop_sequences") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(stops)) => {
+            for (i, s) in stops.iter().enumerate() {
+                if !s.is_string() {
+                    return Err(ApiError::invalid(format!(
+                        "stop_sequences.{i}: Input should be a valid string"
+                    )));
+                }
+            }
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop_sequences: Input should be a valid list",
+            ));
+        }
+    }
+    let tool_names: Option<Vec<&str>> = obj.get("tools").and_then(Value::as_array).map(|t| {
+        t.iter()
+            .filter_map(|t| t.get("name").and_then(Value::as_str))
+            .collect()
+    });
+    let mut forced = false;
+    if let Some(choice) = obj.get("tool_choice").filter(|c| !c.is_null()) {
+        let Some(c) = choice.as_object() else {
+            return Err(ApiError::invalid(
+                "tool_choice: Input should be a valid dictionary",
+            ));
+        };
+        let kind = c.get("type").and_then(Value::as_str).unwrap_or_default();
+        let allowed: &[&str] = match kind {
+            "auto" | "any" => &["type", "disable_parallel_tool_use"],
+            "tool" => &["type", "name", "disable_parallel_tool_use"],
+            "none" => &["type"],
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "tool_choice: Input tag '{kind}' found using 'type' does not match any of the \
+                     expected tags: 'auto', 'any', 'tool', 'none'"
+                )));
+            }
+        };
+        if let Some(k) = c.keys().find(|k| !allowed.contains(&k.as_str())) {
+            return Err(ApiError::invalid(format!(
+                "tool_choice.{kind}.{k}: Extra inputs are not permitted"
+            )));
+        }
+        if c.get("disable_parallel_tool_use")
+            .is_some_and(|d| !d.is_boolean())
+        {
+            return Err(ApiError::invalid(format!(
+                "tool_choice.{kind}.disable_parallel_tool_use: Input should be a valid boolean"
+            )));
+        }
+        let Some(names) = &tool_names else {
+            return Err(ApiError::invalid(
+                "tool_choice may only be specified while providing tools",
+            ));
+        };
+        if kind == "tool" {
+            let Some(name) = c.get("name").and_then(Value::as_str) else {
+                return Err(ApiError::invalid("tool_choice.tool.name: Field required"));
+            };
+            if !names.contains(&name) {
+                return Err(ApiError::invalid(format!(
+                    "tool_choice.tool.name: Tool '{name}' not found in provided tools"
+                )));
+            }
+        }
+        forced = matches!(kind, "any" | "tool");
+    }
+    let thinking = match obj.get("thinking") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(t)) => match t.get("type").and_then(Value::as_str) {
+            Some("disabled") => false,
+            Some("enabled") => {
+                let budget = match t.get("budget_tokens") {
+                    Some(Value::Number(n)) if n.is_u64() || n.is_i64() => {
+                        n.as_i64().unwrap_or(i64::MAX)
+                    }
+                    None | Some(Value::Null) => {
+                        return Err(ApiError::invalid(
+                            "thinking.enabled.budget_tokens: Field required",
+                        ));
+                    }
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "thinking.enabled.budget_tokens: Input should be a valid integer",
+                        ));
+                    }
+                };
+                if budget < 1024 {
+                    return Err(ApiError::invalid(
+                        "thinking.enabled.budget_tokens: Input should be greater than or equal to \
+                         1024",
+                    ));
+                }
+                let max_tokens = obj.get("max_tokens").and_then(Value::as_i64).unwrap_or(0);
+                if max_tokens <= budget {
+                    return Err(ApiError::invalid(
+                        "`max_tokens` must be greater than `thinking.budget_tokens`. Please \
+                         consult our documentation at \
+                         https://docs.claude.com/en/docs/build-with-claude/extended-thinking#max-tokens-and-context-window-size",
+                    ));
+                }
+                true
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    "thinking: Input tag found using 'type' does not match any of the expected \
+                     tags: 'enabled', 'disabled'",
+                ));
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "thinking: Input should be a valid dictionary",
+            ));
+        }
+    };
+    if thinking {
+        if temperature.is_some_and(|t| t != 1.0) {
+            return Err(ApiError::invalid(
+                "`temperature` may only be set to 1 when thinking is enabled. Please consult our \
+                 documentation at \
+                 https://docs.claude.com/en/docs/build-with-claude/extended-thinking#feature-compatibility",
+            ));
+        }
+        if top_p.is_some_and(|p| p < 0.95) {
+            return Err(ApiError::invalid(
+                "`top_p` must be greater than or equal to 0.95 or unset when thinking is enabled. \
+                 Please consult our documentation at \
+                 https://docs.claude.com/en/docs/build-with-claude/extended-thinking#feature-compatibility",
+            ));
+        }
+        if forced {
+            return Err(ApiError::invalid(
+                "Thinking may not be enabled when tool_choice forces tool use.",
+            ));
+        }
+    }
+    Ok(thinking)
+}
+
+/// `cache_control` is `{"type": "ephemeral"}` (with an optional `ttl` of `5m` or `1h`), on at
+/// most 4 blocks in all of `tools`, `system` and `messages` (PEERS.md task list).
+fn check_cache_control(obj: &Map<String, Value>) -> Result<(), ApiError> {
+    fn mark<'a>(marked: &mut Vec<(String, &'a Value)>, path: String, block: &'a Value) {
+        if let Some(c) = block.get("cache_control").filter(|c| !c.is_null()) {
+            marked.push((path, c));
+        }
+    }
+    let mut marked: Vec<(String, &Value)> = Vec::new();
+    for (i, tool) in obj
+        .get("tools")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        mark(&mut marked, format!("tools.{i}.custom"), tool);
+    }
+    for (j, block) in obj
+        .get("system")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        mark(&mut marked, format!("system.{j}"), block);
+    }
+    for (i, message) in obj
+        .get("messages")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        for (j, block) in message
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let kind = block
+                .get("type")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            mark(
+                &mut marked,
+                format!("messages.{i}.content.{j}.{kind}"),
+                block,
+            );
+            for (k, inner) in block
+                .get("content")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .enumerate()
+            {
+                mark(
+                    &mut marked,
+                    format!("messages.{i}.content.{j}.{kind}.content.{k}"),
+                    inner,
+                );
+            }
+        }
+    }
+    for (path, c) in &marked {
+        let Some(c) = c.as_object() else {
+            return Err(ApiError::invalid(format!(
+                "{path}.cache_control: Input should be a valid dictionary"
+            )));
+        };
+        if c.get("type").and_then(Value::as_str) != Some("ephemeral") {
+            return Err(ApiError::invalid(format!(
+                "{path}.cache_control.ephemeral.type: Input should be 'ephemeral'"
+            )));
+        }
+        if let Some(k) = c.keys().find(|k| !["type", "ttl"].contains(&k.as_str())) {
+            return Err(ApiError::invalid(format!(
+                "{path}.cache_control.ephemeral.{k}: Extra inputs are not permitted"
+            )));
+        }
+        if c.get("ttl")
+            .is_some_and(|t| !matches!(t.as_str(), Some("5m" | "1h")))
+        {
+            return Err(ApiError::invalid(format!(
+                "{path}.cache_control.ephemeral.ttl: Input should be '5m' or '1h'"
+            )));
+        }
+    }
+    if marked.len() > 4 {
+        return Err(ApiError::invalid(format!(
+            "A maximum of 4 blocks with cache_control may be provided. Found {}.",
+            marked.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Every `thinking` block carries the signature the mock gave it: a block that was changed (or
+/// made up) is refused, as the real API refuses a thinking block whose signature does not match.
+fn check_signatures(messages: &[Value]) -> Result<(), ApiError> {
+    for (i, message) in messages.iter().enumerate() {
+        for (j, block) in message
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            if block.get("type").and_then(Value::as_str) != Some("thinking") {
+                continue;
+            }
+            let text = block
+                .get("thinking")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            let signature = block
+                .get("signature")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            if signature != thinking_signature(text) {
+                return Err(ApiError::invalid(format!(
+                    "messages.{i}.content.{j}: Invalid `signature` in `thinking` block"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// With thinking on, the assistant turn whose tool use the conversation is continuing (the
+/// last assistant turn, when the last user turn starts with `tool_result` blocks) must start
+/// with its thinking block, passed back unchanged (the task list; Anthropic's documentation).
+fn check_thinking_kept(turns: &[Turn]) -> Result<(), ApiError> {
+    let Some(last_user) = turns.iter().rposition(|t| t.role == "user") else {
+        return Ok(());
+    };
+    let continues_tool_use = turns[last_user]
+        .blocks
+        .first()
+        .and_then(|b| b.get("type"))
+        .and_then(Value::as_str)
+        == Some("tool_result");
+    let Some(k) = last_user.checked_sub(1) else {
+        return Ok(());
+    };
+    if !continues_tool_use || turns[k].role != "assistant" {
+        return Ok(());
+    }
+    let first = turns[k]
+        .blocks
+        .first()
+        .and_then(|b| b.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if matches!(first, "thinking" | "redacted_thinking") {
+        return Ok(());
+    }
+    Err(ApiError::invalid(format!(
+        "messages.{k}.content.0.type: Expected `thinking` or `redacted_thinking`, but found \
+         `{first}`. When `thinking` is enabled, a final `assistant` message must start with a \
+         thinking block (preceeding the lastmost set of `tool_use` and `tool_result` blocks). We \
+         recommend you include thinking blocks from previous turns. To avoid this requirement, \
+         disable `thinking`. Please consult our documentation at \
+         https://docs.claude.com/en/docs/build-with-claude/extended-thinking"
+    )))
+}
+
 fn check_tools(tools: &Value) -> Result<(), ApiError> {
     let Some(tools) = tools.as_array() else {
         return Err(ApiError::invalid("tools: Input should be a valid list"));
@@ -472,6 +870,8 @@ pub(crate) fn validate(body: &Value) -> Result<Parsed, ApiError> {
     if let Some(tools) = obj.get("tools").filter(|t| !t.is_null()) {
         check_tools(tools)?;
     }
+    let thinking = check_settings(obj)?;
+    check_cache_control(obj)?;
     if messages.is_empty() {
         return Err(ApiError::invalid(
             "messages: at least one message is required",
@@ -485,6 +885,10 @@ pub(crate) fn validate(body: &Value) -> Result<Parsed, ApiError> {
         .collect::<Result<Vec<Turn>, ApiError>>()?;
     let turns = merge(turns);
     check_tool_use(&turns)?;
+    check_signatures(messages)?;
+    if thinking {
+        check_thinking_kept(&turns)?;
+    }
 
     let input_chars = Value::Array(messages.clone()).to_string().chars().count()
         + system.map_or(0, |s| s.to_string().chars().count());
@@ -492,6 +896,7 @@ pub(crate) fn validate(body: &Value) -> Result<Parsed, ApiError> {
         model,
         stream,
         include_usage: false,
+        thinking,
         cue: cue(&turns),
         input_chars,
     })
@@ -536,7 +941,11 @@ fn stop_reason(out: &Output) -> &'static str {
 }
 
 fn content(out: &Output) -> Vec<Value> {
-    let mut blocks = Vec::with_capacity(out.calls.len() + 1);
+    let mut blocks = Vec::with_capacity(out.calls.len() + 2);
+    if let Some(thinking) = &out.thinking {
+        blocks.push(json!({"type": "thinking", "thinking": thinking,
+                           "signature": thinking_signature(thinking)}));
+    }
     if let Some(text) = &out.text {
         blocks.push(json!({"type": "text", "text": text}));
     }
@@ -577,6 +986,30 @@ pub(crate) fn stream_frames(out: &Output) -> Vec<String> {
         event("ping", json!({"type": "ping"})),
     ];
     let mut index = 0;
+    if let Some(thinking) = &out.thinking {
+        frames.push(event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index,
+                   "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+        ));
+        for piece in pieces(thinking) {
+            frames.push(event(
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": index,
+                       "delta": {"type": "thinking_delta", "thinking": piece}}),
+            ));
+        }
+        frames.push(event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": index,
+                   "delta": {"type": "signature_delta", "signature": thinking_signature(thinking)}}),
+        ));
+        frames.push(event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": index}),
+        ));
+        index += 1;
+    }
     if let Some(text) = &out.text {
         frames.push(event(
             "content_block_start",
@@ -647,6 +1080,162 @@ mod tests {
     }
     fn tool_result(id: &str) -> Value {
         json!({"type": "tool_result", "tool_use_id": id, "content": "contents"})
+    }
+
+    #[test]
+    fn settings_are_checked_as_the_real_api_checks_them() {
+        let tools = json!([{"name": "read_file", "input_schema": {"type": "object"}}]);
+        let with = |extra: Value| {
+            let mut b = body(json!([{"role": "user", "content": "go"}]));
+            for (k, v) in extra.as_object().expect("object") {
+                b[k] = v.clone();
+            }
+            b
+        };
+        validate(&with(json!({
+            "tools": tools, "tool_choice": {"type": "tool", "name": "read_file", "disable_parallel_tool_use": true},
+            "temperature": 1, "top_p": 0.5, "stop_sequences": ["END"],
+        })))
+        .expect("valid settings");
+        let p = validate(&with(json!({
+            "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "temperature": 1, "top_p": 0.95, "tools": tools, "tool_choice": {"type": "auto"},
+        })))
+        .expect("thinking with what it allows");
+        assert!(p.thinking);
+        for (extra, words) in [
+            (json!({"seed": 1}), "seed: Extra inputs are not permitted"),
+            (
+                json!({"reasoning_effort": "low"}),
+                "reasoning_effort: Extra inputs",
+            ),
+            (
+                json!({"temperature": 1.5}),
+                "temperature: Input should be less than or equal to 1",
+            ),
+            (
+                json!({"top_p": -1}),
+                "top_p: Input should be greater than or equal to 0",
+            ),
+            (
+                json!({"stop_sequences": "END"}),
+                "stop_sequences: Input should be a valid list",
+            ),
+            (
+                json!({"tool_choice": {"type": "auto"}}),
+                "tool_choice may only be specified while providing tools",
+            ),
+            (
+                json!({"tools": tools, "tool_choice": {"type": "required"}}),
+                "does not match any of the expected tags",
+            ),
+            (
+                json!({"tools": tools, "tool_choice": {"type": "tool", "name": "shell"}}),
+                "Tool 'shell' not found",
+            ),
+            (
+                json!({"tools": tools, "tool_choice": {"type": "none", "disable_parallel_tool_use": true}}),
+                "Extra inputs",
+            ),
+            (
+                json!({"thinking": {"type": "enabled", "budget_tokens": 1000}}),
+                "greater than or equal to 1024",
+            ),
+            (
+                json!({"thinking": {"type": "enabled", "budget_tokens": 1024}}),
+                "`max_tokens` must be greater than `thinking.budget_tokens`",
+            ),
+            (
+                json!({"max_tokens": 2000, "temperature": 0.5, "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+                "`temperature` may only be set to 1",
+            ),
+            (
+                json!({"max_tokens": 2000, "top_p": 0.5, "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+                "`top_p` must be greater than or equal to 0.95",
+            ),
+            (
+                json!({"max_tokens": 2000, "tools": tools, "tool_choice": {"type": "any"}, "thinking": {"type": "enabled", "budget_tokens": 1024}}),
+                "Thinking may not be enabled when tool_choice forces tool use",
+            ),
+        ] {
+            let m = rejected(&with(extra.clone()));
+            assert!(m.contains(words), "{extra}: {m}");
+        }
+    }
+
+    #[test]
+    fn cache_control_is_ephemeral_on_at_most_four_blocks() {
+        let cc = json!({"type": "ephemeral"});
+        let b = json!({"model": "m", "max_tokens": 100,
+            "system": [{"type": "text", "text": "be brief", "cache_control": cc}],
+            "tools": [{"name": "a", "input_schema": {"type": "object"}, "cache_control": cc}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "one", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                {"type": "text", "text": "two", "cache_control": cc}]}]});
+        validate(&b).expect("four breakpoints");
+        let mut five = b.clone();
+        five["messages"][0]["content"]
+            .as_array_mut()
+            .expect("blocks")
+            .push(json!({"type": "text", "text": "three", "cache_control": cc}));
+        assert_eq!(
+            rejected(&five),
+            "A maximum of 4 blocks with cache_control may be provided. Found 5."
+        );
+        let mut wrong = b.clone();
+        wrong["system"][0]["cache_control"] = json!({"type": "persistent"});
+        assert!(rejected(&wrong).contains("Input should be 'ephemeral'"));
+    }
+
+    #[test]
+    fn thinking_blocks_must_come_back_signed_and_first_in_a_tool_use_turn() {
+        let thought = "Step 1: deciding how to answer.";
+        let thinking = json!({"type": "thinking", "thinking": thought, "signature": thinking_signature(thought)});
+        let request = |assistant: Vec<Value>| {
+            json!({"model": "m", "max_tokens": 2000,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "tools": [{"name": "read_file", "input_schema": {"type": "object"}}],
+            "messages": [
+                {"role": "user", "content": "go"},
+                {"role": "assistant", "content": assistant},
+                {"role": "user", "content": [tool_result("toolu_1")]},
+            ]})
+        };
+        validate(&request(vec![thinking.clone(), tool_use("toolu_1")])).expect("kept");
+        let m = rejected(&request(vec![tool_use("toolu_1")]));
+        assert!(
+            m.starts_with("messages.1.content.0.type: Expected `thinking` or `redacted_thinking`, but found `tool_use`"),
+            "{m}"
+        );
+        let mut changed = thinking.clone();
+        changed["thinking"] = "Something else.".into();
+        assert_eq!(
+            rejected(&request(vec![changed, tool_use("toolu_1")])),
+            "messages.1.content.0: Invalid `signature` in `thinking` block"
+        );
+        // Without thinking enabled, an earlier turn's blocks may still be sent (signed).
+        let mut off = request(vec![thinking, tool_use("toolu_1")]);
+        off.as_object_mut().expect("object").remove("thinking");
+        validate(&off).expect("thinking blocks without thinking enabled");
+        // The answer to a thinking request starts with a signed thinking block.
+        let p = validate(&request(vec![
+            json!({"type": "thinking", "thinking": thought, "signature": thinking_signature(thought)}),
+            tool_use("toolu_1"),
+        ]))
+        .expect("valid");
+        let out = Output::generate(
+            crate::error::Provider::Anthropic,
+            &p,
+            &crate::script::Response::plain_ok(),
+        );
+        let content = message(&out)["content"].clone();
+        assert_eq!(content[0]["type"], "thinking");
+        assert_eq!(
+            content[0]["signature"],
+            thinking_signature(content[0]["thinking"].as_str().expect("text")).as_str()
+        );
+        let frames = stream_frames(&out).concat();
+        assert!(frames.contains("thinking_delta") && frames.contains("signature_delta"));
     }
 
     #[test]
@@ -843,6 +1432,7 @@ mod tests {
             created: 1,
             model: "m".into(),
             text: Some("Reading.".into()),
+            thinking: None,
             calls: vec![crate::reply::Call {
                 id: "toolu_1".into(),
                 name: "read_file".into(),

@@ -44,7 +44,13 @@
 //!   assistant message without `content` and without `tool_calls`; an empty `tool_calls`;
 //!   `function.arguments` that is not a string; function names (in `tools` and in `tool_calls`)
 //!   outside `^[a-zA-Z0-9_-]{1,64}$`; missing `model` / `messages`, empty `messages`, unknown
-//!   roles, `stream_options` without `stream: true`.
+//!   roles, `stream_options` without `stream: true`. Settings: an unknown parameter
+//!   ("Unrecognized request argument supplied: …"); `temperature` outside 0–2, `top_p` outside
+//!   0–1 ("decimal above maximum value"); `stop` not a string or an array of at most 4 strings;
+//!   a `seed` that is not an integer; `max_tokens` / `max_completion_tokens` below 1;
+//!   `reasoning_effort` other than `minimal`, `low`, `medium`, `high`; `tool_choice` other than
+//!   `none` / `auto` / `required` / `{"type": "function", "function": {"name"}}` naming an
+//!   offered function; `tool_choice` or `parallel_tool_calls` without `tools`.
 //! - **Anthropic**, 400 `{"type": "error", "error": {"type": "invalid_request_error", "message"},
 //!   "request_id": "req_…"}`: a `tool_use` not answered by `tool_result` blocks at the start of
 //!   the next user message ("messages.N: \`tool_use\` ids were found without \`tool_result\`
@@ -54,6 +60,17 @@
 //!   final assistant prefill, which must not end in whitespace); a `"system"` role message;
 //!   missing `model` / `max_tokens` / `messages`; invalid tool names. Consecutive same-role
 //!   messages are **merged** before the tool checks, as the current API does, not rejected.
+//!   Settings: an unknown parameter ("seed: Extra inputs are not permitted"); `temperature`
+//!   or `top_p` outside 0–1; `stop_sequences` not a list of strings; `tool_choice` other than
+//!   `auto` / `any` / `tool` (+ `name`, an offered tool) / `none`, or without `tools`;
+//!   `thinking` without `type: enabled` and `budget_tokens` ≥ 1024 and < `max_tokens`; with
+//!   thinking, a temperature other than 1, `top_p` below 0.95 or a forcing `tool_choice`;
+//!   a `thinking` block whose `signature` is not the one the mock gave it (text changed or made
+//!   up), and, with thinking, a last assistant turn whose tool use is being answered that does
+//!   not start with its thinking block; `cache_control` other than `{"type": "ephemeral"}`
+//!   (optional `ttl` `5m` / `1h`), on a thinking block, or on more than 4 blocks in all.
+//!   With thinking enabled, every answer starts with a signed `thinking` block
+//!   (`thinking_delta` pieces and a `signature_delta` when streamed).
 //! - An unknown `model`: 404 (`model_not_found` / `not_found_error`).
 //!
 //! # Script format

@@ -447,6 +447,7 @@ pub(crate) fn validate(body: &Value) -> Result<Parsed, ApiError> {
     if let Some(tools) = field(obj, "tools") {
         check_tools(tools)?;
     }
+    check_settings(obj)?;
 
     let roles = messages
         .iter()
@@ -459,9 +460,218 @@ pub(crate) fn validate(body: &Value) -> Result<Parsed, ApiError> {
         model,
         stream,
         include_usage,
+        thinking: false,
         cue: cue(messages, &roles),
         input_chars: Value::Array(messages.clone()).to_string().chars().count(),
     })
+}
+
+/// Chat Completions request parameters; anything else is "Unrecognized request argument".
+const PARAMS: [&str; 34] = [
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "max_tokens",
+    "max_completion_tokens",
+    "reasoning_effort",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "user",
+    "response_format",
+    "metadata",
+    "store",
+    "service_tier",
+    "modalities",
+    "audio",
+    "prediction",
+    "web_search_options",
+    "functions",
+    "function_call",
+    "verbosity",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+
+/// `Invalid 'param': decimal above/below …` for a number outside `min..=max`.
+fn check_range(
+    obj: &serde_json::Map<String, Value>,
+    param: &str,
+    min: f64,
+    max: f64,
+) -> Result<(), ApiError> {
+    let Some(v) = field(obj, param) else {
+        return Ok(());
+    };
+    let Some(x) = v.as_f64() else {
+        return Err(wrong_type(param, "a decimal", v));
+    };
+    let (side, bound, op) = if x > max {
+        ("above maximum", max, "<=")
+    } else if x < min {
+        ("below minimum", min, ">=")
+    } else {
+        return Ok(());
+    };
+    Err(ApiError::invalid_param(
+        format!(
+            "Invalid '{param}': decimal {side} value. Expected a value {op} {bound}, but got {v} \
+             instead."
+        ),
+        param,
+    ))
+}
+
+/// The sampling and tool settings, as the real API checks them (wording from its answers;
+/// the rules are those PEERS.md and the task list: temperature 0–2, top_p 0–1, at most 4 stop
+/// sequences, an integer seed, a positive integer output cap, `tool_choice` in one of its
+/// forms naming an offered tool, `tool_choice` and `parallel_tool_calls` only with `tools`,
+/// `reasoning_effort` one of its values, and no unknown parameter).
+fn check_settings(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    if let Some(k) = obj.keys().find(|k| !PARAMS.contains(&k.as_str())) {
+        return Err(ApiError::invalid(format!(
+            "Unrecognized request argument supplied: {k}"
+        )));
+    }
+    check_range(obj, "temperature", 0.0, 2.0)?;
+    check_range(obj, "top_p", 0.0, 1.0)?;
+    match field(obj, "stop") {
+        None | Some(Value::String(_)) => {}
+        Some(Value::Array(stops)) => {
+            if stops.len() > 4 {
+                return Err(ApiError::invalid_param(
+                    format!(
+                        "Invalid 'stop': array too long. Expected an array with maximum length 4, \
+                         but got an array with length {} instead.",
+                        stops.len()
+                    ),
+                    "stop",
+                ));
+            }
+            for (i, s) in stops.iter().enumerate() {
+                if !s.is_string() {
+                    return Err(wrong_type(&format!("stop[{i}]"), "a string", s));
+                }
+            }
+        }
+        Some(other) => {
+            return Err(wrong_type(
+                "stop",
+                "one of a string or array of strings",
+                other,
+            ));
+        }
+    }
+    if let Some(seed) = field(obj, "seed")
+        && !(seed.is_i64() || seed.is_u64())
+    {
+        return Err(wrong_type("seed", "an integer", seed));
+    }
+    for cap in ["max_tokens", "max_completion_tokens"] {
+        match field(obj, cap) {
+            None => {}
+            Some(v) if v.as_u64().is_some_and(|n| n >= 1) => {}
+            Some(v) if v.is_i64() => {
+                return Err(ApiError::invalid_param(
+                    format!(
+                        "Invalid '{cap}': integer below minimum value. Expected a value >= 1, but \
+                         got {v} instead."
+                    ),
+                    cap,
+                ));
+            }
+            Some(v) => return Err(wrong_type(cap, "an integer", v)),
+        }
+    }
+    if let Some(effort) = field(obj, "reasoning_effort") {
+        let ok = effort
+            .as_str()
+            .is_some_and(|e| ["minimal", "low", "medium", "high"].contains(&e));
+        if !ok {
+            return Err(ApiError::invalid_param(
+                format!(
+                    "Invalid value: {effort}. Supported values are: 'minimal', 'low', 'medium', \
+                     and 'high'."
+                ),
+                "reasoning_effort",
+            ));
+        }
+    }
+    let tool_names: Option<Vec<&str>> = field(obj, "tools").and_then(Value::as_array).map(|t| {
+        t.iter()
+            .filter_map(|t| t.pointer("/function/name").and_then(Value::as_str))
+            .collect()
+    });
+    if let Some(parallel) = field(obj, "parallel_tool_calls") {
+        if !parallel.is_boolean() {
+            return Err(wrong_type("parallel_tool_calls", "a boolean", parallel));
+        }
+        if tool_names.is_none() {
+            return Err(ApiError::invalid_param(
+                "Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed \
+                 when 'tools' are specified.",
+                "parallel_tool_calls",
+            ));
+        }
+    }
+    if let Some(choice) = field(obj, "tool_choice") {
+        let Some(names) = &tool_names else {
+            return Err(ApiError::invalid_param(
+                "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are \
+                 specified.",
+                "tool_choice",
+            ));
+        };
+        match choice {
+            Value::String(c) if ["none", "auto", "required"].contains(&c.as_str()) => {}
+            Value::String(c) => {
+                return Err(ApiError::invalid_param(
+                    format!(
+                        "Invalid value: '{c}'. Supported values are: 'none', 'auto', and \
+                         'required'."
+                    ),
+                    "tool_choice",
+                ));
+            }
+            Value::Object(o) => {
+                if o.get("type").and_then(Value::as_str) != Some("function") {
+                    return Err(missing("tool_choice.type"));
+                }
+                let Some(name) = o.get("function").and_then(|f| f.get("name")) else {
+                    return Err(missing("tool_choice.function.name"));
+                };
+                let name = name.as_str().unwrap_or_default();
+                if !names.contains(&name) {
+                    return Err(ApiError::invalid_param(
+                        format!(
+                            "Invalid value for 'tool_choice': function '{name}' is not one of the \
+                             functions in 'tools'."
+                        ),
+                        "tool_choice",
+                    ));
+                }
+            }
+            other => {
+                return Err(wrong_type(
+                    "tool_choice",
+                    "one of a string or object",
+                    other,
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_tools(tools: &Value) -> Result<(), ApiError> {
@@ -663,6 +873,94 @@ mod tests {
                 e
             }
         }
+    }
+
+    #[test]
+    fn settings_are_checked_as_the_real_api_checks_them() {
+        let tools =
+            json!([{"type": "function", "function": {"name": "read_file", "parameters": {}}}]);
+        let with = |extra: Value| {
+            let mut b = body(vec![user("hi")]);
+            for (k, v) in extra.as_object().expect("object") {
+                b[k] = v.clone();
+            }
+            b
+        };
+        validate(&with(json!({
+            "tools": tools, "tool_choice": {"type": "function", "function": {"name": "read_file"}},
+            "parallel_tool_calls": false, "temperature": 2, "top_p": 0, "stop": ["a", "b", "c", "d"],
+            "seed": -3, "max_completion_tokens": 10, "reasoning_effort": "minimal",
+        })))
+        .expect("valid settings");
+        validate(&with(
+            json!({"tools": tools, "tool_choice": "required", "stop": "END"}),
+        ))
+        .expect("required, and stop as one string");
+        for (extra, param, words) in [
+            (
+                json!({"temperature": 2.5}),
+                "temperature",
+                "decimal above maximum value",
+            ),
+            (
+                json!({"temperature": -0.1}),
+                "temperature",
+                "decimal below minimum value",
+            ),
+            (
+                json!({"temperature": "hot"}),
+                "temperature",
+                "expected a decimal",
+            ),
+            (json!({"top_p": 1.1}), "top_p", "Expected a value <= 1"),
+            (
+                json!({"stop": ["a", "b", "c", "d", "e"]}),
+                "stop",
+                "maximum length 4",
+            ),
+            (json!({"seed": 1.5}), "seed", "expected an integer"),
+            (
+                json!({"max_completion_tokens": 0}),
+                "max_completion_tokens",
+                "Expected a value >= 1",
+            ),
+            (
+                json!({"reasoning_effort": "extreme"}),
+                "reasoning_effort",
+                "Supported values",
+            ),
+            (
+                json!({"tool_choice": "auto"}),
+                "tool_choice",
+                "only allowed when 'tools' are specified",
+            ),
+            (
+                json!({"parallel_tool_calls": true}),
+                "parallel_tool_calls",
+                "only allowed when 'tools'",
+            ),
+            (
+                json!({"tools": tools, "tool_choice": "any"}),
+                "tool_choice",
+                "'none', 'auto', and 'required'",
+            ),
+            (
+                json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "shell"}}}),
+                "tool_choice",
+                "'shell' is not one of the functions",
+            ),
+        ] {
+            let e = rejected(&with(extra.clone()));
+            assert_eq!(e.param.as_deref(), Some(param), "{extra}: {}", e.message);
+            assert!(e.message.contains(words), "{extra}: {}", e.message);
+        }
+        let e = rejected(&with(
+            json!({"thinking": {"type": "enabled", "budget_tokens": 2048}}),
+        ));
+        assert_eq!(
+            e.message,
+            "Unrecognized request argument supplied: thinking"
+        );
     }
 
     #[test]
@@ -898,6 +1196,7 @@ mod tests {
             created: 1,
             model: "m".into(),
             text: Some("Let me look.".into()),
+            thinking: None,
             calls: vec![crate::reply::Call {
                 id: "call_1".into(),
                 name: "read_file".into(),

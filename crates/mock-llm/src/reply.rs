@@ -15,6 +15,8 @@ pub(crate) struct Parsed {
     pub(crate) stream: bool,
     /// OpenAI `stream_options.include_usage`.
     pub(crate) include_usage: bool,
+    /// Anthropic `thinking` enabled: the answer starts with a signed thinking block.
+    pub(crate) thinking: bool,
     pub(crate) cue: Cue,
     /// Characters counted for `input_tokens`: the compact JSON of `messages` (and `system`).
     pub(crate) input_chars: usize,
@@ -28,6 +30,8 @@ pub(crate) struct Output {
     pub(crate) created: u64,
     pub(crate) model: String,
     pub(crate) text: Option<String>,
+    /// The thinking block's text (Anthropic, with thinking enabled).
+    pub(crate) thinking: Option<String>,
     pub(crate) calls: Vec<Call>,
     pub(crate) input_tokens: u64,
     pub(crate) output_tokens: u64,
@@ -63,7 +67,14 @@ impl Output {
                 }
             })
             .collect();
+        let thinking = parsed.thinking.then(|| {
+            format!(
+                "Step {}: deciding how to answer.",
+                parsed.cue.assistant_turns + 1
+            )
+        });
         let output_chars = response.text.as_deref().map_or(0, |t| t.chars().count())
+            + thinking.as_deref().map_or(0, |t| t.chars().count())
             + calls
                 .iter()
                 .map(|c| c.name.chars().count() + c.arguments.chars().count())
@@ -75,6 +86,7 @@ impl Output {
                 .map_or(0, |d| d.as_secs()),
             model: parsed.model.clone(),
             text: response.text.clone(),
+            thinking,
             calls,
             input_tokens: tokens(parsed.input_chars),
             output_tokens: tokens(output_chars),
@@ -92,6 +104,20 @@ pub(crate) fn next_id() -> u64 {
 /// Anthropic's `request_id` / `request-id` (and OpenAI's `x-request-id`).
 pub(crate) fn new_request_id() -> String {
     format!("req_mock{:016}", next_id())
+}
+
+/// The signature the mock gives a thinking block: a keyed hash (FNV-1a, 64 bits) of its text,
+/// so that a block sent back changed, or made up, no longer matches.
+pub(crate) fn thinking_signature(thinking: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in b"kedge-mock-llm thinking key\0"
+        .iter()
+        .chain(thinking.as_bytes())
+    {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("mocksig_{h:016x}")
 }
 
 /// Deterministic token count: characters / 4 + 1.

@@ -15,8 +15,17 @@
 //! (never the case for Anthropic's own ids) has its other characters replaced by `_`, on the
 //! `tool_use` and its `tool_result` alike.
 //!
+//! Settings (`model.settings`): `temperature`, `top_p`, `stop_sequences`, `thinking: {type:
+//! enabled, budget_tokens}`, `tool_choice` (`auto`, `none`, `any`, `tool` + `name`, see
+//! [`crate::effective_tool_choice`]; `disable_parallel_tool_use` for `parallel_tool_calls:
+//! false`) only with `tools`. With `cache`, `cache_control: {type: ephemeral}` marks the system
+//! prompt (then sent as one text block), the last tool and the last block of the last message:
+//! three breakpoints of the four allowed, so each step of a long run reads the prefix the previous
+//! step wrote. Thinking blocks of an assistant turn come first in its content, exactly as
+//! received (thinking text and signature, or redacted data).
+//!
 //! Response: `message_start`, per block `content_block_start` / `content_block_delta`
-//! (`text_delta`, `input_json_delta`) / `content_block_stop`, `message_delta` (stop reason,
+//! (`text_delta`, `input_json_delta`, `thinking_delta`, `signature_delta`) / `content_block_stop`, `message_delta` (stop reason,
 //! output tokens), `message_stop`; `ping` ignored; `error` → [`ModelError`]. Input tokens count
 //! cache reads and writes too (`input_tokens + cache_creation_input_tokens +
 //! cache_read_input_tokens`), since all of them are billed input.
@@ -24,8 +33,9 @@
 use std::collections::BTreeMap;
 
 use kedge_core::decide::ModelResponse;
-use kedge_core::event::{AssistantMessage, FinishReason, ToolCall, Usage};
+use kedge_core::event::{AssistantMessage, FinishReason, ThinkingBlock, ToolCall, Usage};
 use kedge_core::fold::ChatMessage;
+use kedge_core::settings::ToolChoice;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -68,6 +78,18 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
             }
             ChatMessage::Assistant { message } => {
                 let t = turn(&mut turns, Role::Assistant);
+                // Thinking blocks first, exactly as received (the API checks the signature).
+                for block in &message.thinking {
+                    t.blocks.push(match block {
+                        ThinkingBlock::Thinking {
+                            thinking,
+                            signature,
+                        } => json!({"type": "thinking", "thinking": thinking, "signature": signature}),
+                        ThinkingBlock::RedactedThinking { data } => {
+                            json!({"type": "redacted_thinking", "data": data})
+                        }
+                    });
+                }
                 if !message.text.trim().is_empty() {
                     t.blocks.push(json!({"type": "text", "text": message.text}));
                 }
@@ -96,7 +118,8 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
             }
         }
     }
-    let messages: Vec<Value> = turns
+    let cache = call.spec.settings.cache;
+    let mut messages: Vec<Value> = turns
         .into_iter()
         .map(|t| {
             let mut content = t.results;
@@ -111,6 +134,17 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
             json!({"role": role, "content": content})
         })
         .collect();
+    if cache {
+        // The conversation so far: the next step reads it from the cache.
+        if let Some(block) = messages
+            .last_mut()
+            .and_then(|m| m["content"].as_array_mut())
+            .and_then(|blocks| blocks.last_mut())
+            .filter(|b| !matches!(b["type"].as_str(), Some("thinking" | "redacted_thinking")))
+        {
+            block["cache_control"] = ephemeral();
+        }
+    }
     let mut body = json!({
         "model": call.spec.name,
         "max_tokens": call.max_output_tokens,
@@ -118,10 +152,15 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
         "stream": true,
     });
     if !call.system.trim().is_empty() {
-        body["system"] = call.system.into();
+        body["system"] = if cache {
+            json!([{"type": "text", "text": call.system, "cache_control": ephemeral()}])
+        } else {
+            call.system.into()
+        };
     }
+    let s = &call.spec.settings;
     if !call.tools.is_empty() {
-        body["tools"] = call
+        let mut tools: Vec<Value> = call
             .tools
             .iter()
             .map(|t| {
@@ -132,8 +171,45 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                 tool
             })
             .collect();
+        if cache && let Some(last) = tools.last_mut() {
+            // Caches every tool definition (they precede the system prompt in the prefix).
+            last["cache_control"] = ephemeral();
+        }
+        body["tools"] = tools.into();
+        let serial = s.parallel_tool_calls == Some(false);
+        let choice = crate::effective_tool_choice(call);
+        let mut tool_choice = match choice {
+            None if serial => Some(json!({"type": "auto"})),
+            None => None,
+            Some(ToolChoice::Auto) => Some(json!({"type": "auto"})),
+            Some(ToolChoice::None) => Some(json!({"type": "none"})),
+            Some(ToolChoice::Required) => Some(json!({"type": "any"})),
+            Some(ToolChoice::Tool(name)) => Some(json!({"type": "tool", "name": name})),
+        };
+        if let Some(tc) = &mut tool_choice {
+            if serial && tc["type"] != "none" {
+                tc["disable_parallel_tool_use"] = true.into();
+            }
+            body["tool_choice"] = tc.clone();
+        }
+    }
+    if let Some(t) = s.temperature {
+        body["temperature"] = t.into();
+    }
+    if let Some(p) = s.top_p {
+        body["top_p"] = p.into();
+    }
+    if !s.stop.is_empty() {
+        body["stop_sequences"] = s.stop.clone().into();
+    }
+    if let Some(thinking) = s.thinking {
+        body["thinking"] = json!({"type": "enabled", "budget_tokens": thinking.budget_tokens});
     }
     body
+}
+
+fn ephemeral() -> Value {
+    json!({"type": "ephemeral"})
 }
 
 /// The message `role` continues: the last one when it has that role, else a new one.
@@ -214,7 +290,17 @@ enum BlockStart {
         #[serde(default)]
         input: Option<Value>,
     },
-    /// `thinking`, `server_tool_use`, …: not part of the provider-neutral response.
+    Thinking {
+        #[serde(default)]
+        thinking: String,
+        #[serde(default)]
+        signature: String,
+    },
+    RedactedThinking {
+        #[serde(default)]
+        data: String,
+    },
+    /// `server_tool_use`, …: not part of the provider-neutral response.
     #[serde(other)]
     Other,
 }
@@ -227,6 +313,12 @@ enum BlockDelta {
     },
     InputJsonDelta {
         partial_json: String,
+    },
+    ThinkingDelta {
+        thinking: String,
+    },
+    SignatureDelta {
+        signature: String,
     },
     #[serde(other)]
     Other,
@@ -259,6 +351,11 @@ enum Block {
         start_input: Option<Value>,
         json: String,
     },
+    Thinking {
+        thinking: String,
+        signature: String,
+    },
+    RedactedThinking(String),
     Other,
 }
 
@@ -326,6 +423,14 @@ impl Decoder {
                             json: String::new(),
                         }
                     }
+                    BlockStart::Thinking {
+                        thinking,
+                        signature,
+                    } => Block::Thinking {
+                        thinking,
+                        signature,
+                    },
+                    BlockStart::RedactedThinking { data } => Block::RedactedThinking(data),
                     BlockStart::Other => Block::Other,
                 };
                 self.blocks.insert(index, block);
@@ -343,6 +448,18 @@ impl Decoder {
                         BlockDelta::InputJsonDelta { partial_json },
                     ) => {
                         json.push_str(&partial_json);
+                    }
+                    (
+                        Some(Block::Thinking { thinking, .. }),
+                        BlockDelta::ThinkingDelta { thinking: piece },
+                    ) => {
+                        thinking.push_str(&piece);
+                    }
+                    (
+                        Some(Block::Thinking { signature, .. }),
+                        BlockDelta::SignatureDelta { signature: piece },
+                    ) => {
+                        signature.push_str(&piece);
                     }
                     (Some(Block::Other), _) | (_, BlockDelta::Other) => {}
                     (_, _) => {
@@ -392,6 +509,7 @@ impl Decoder {
         }
         let mut text = String::new();
         let mut tool_calls = Vec::new();
+        let mut thinking_blocks = Vec::new();
         for block in self.blocks.into_values() {
             match block {
                 Block::Text(t) => text.push_str(&t),
@@ -411,17 +529,32 @@ impl Decoder {
                         arguments,
                     });
                 }
+                Block::Thinking {
+                    thinking,
+                    signature,
+                } => thinking_blocks.push(ThinkingBlock::Thinking {
+                    thinking,
+                    signature,
+                }),
+                Block::RedactedThinking(data) => {
+                    thinking_blocks.push(ThinkingBlock::RedactedThinking { data })
+                }
                 Block::Other => {}
             }
         }
         Ok(ModelResponse {
-            message: AssistantMessage { text, tool_calls },
+            message: AssistantMessage {
+                text,
+                tool_calls,
+                thinking: thinking_blocks,
+            },
             usage: Usage {
                 input_tokens: self
                     .input
                     .saturating_add(self.cache_creation)
                     .saturating_add(self.cache_read),
                 output_tokens: self.output,
+                cost: None,
             },
             finish: match self.stop_reason.as_deref() {
                 Some("end_turn" | "stop_sequence") => FinishReason::Stop,
@@ -510,10 +643,12 @@ mod tests {
                         arguments: json!({}),
                     },
                 ],
+                thinking: Vec::new(),
             },
             usage: Usage {
                 input_tokens: 42,
                 output_tokens: 17,
+                cost: None,
             },
             finish: FinishReason::ToolCalls,
         };
@@ -574,12 +709,21 @@ mod tests {
         );
         let r = decode(stream.as_bytes(), 13).0.expect("decodes");
         assert_eq!(r.message.text, "ok");
+        assert_eq!(
+            r.message.thinking,
+            vec![ThinkingBlock::Thinking {
+                thinking: "hmm".into(),
+                signature: "x".into()
+            }],
+            "thinking blocks are kept, signature included"
+        );
         assert_eq!(r.finish, FinishReason::Length);
         assert_eq!(
             r.usage,
             Usage {
                 input_tokens: 3,
-                output_tokens: 5
+                output_tokens: 5,
+                cost: None,
             }
         );
     }
@@ -590,6 +734,8 @@ mod tests {
             provider: Provider::Anthropic,
             name: "claude-test".into(),
             base_url: None,
+            settings: Default::default(),
+            price: None,
         };
         let mut context = conversation();
         if let ChatMessage::Assistant { message } = &mut context[1] {
@@ -645,6 +791,8 @@ mod tests {
             provider: Provider::Anthropic,
             name: "claude-test".into(),
             base_url: None,
+            settings: Default::default(),
+            price: None,
         };
         let context = vec![
             ChatMessage::User { text: " ".into() },

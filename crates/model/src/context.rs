@@ -142,6 +142,7 @@ mod tests {
                         arguments: serde_json::json!({}),
                     })
                     .collect(),
+                thinking: Vec::new(),
             },
         }
     }

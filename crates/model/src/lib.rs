@@ -35,6 +35,7 @@ use kedge_core::decide::ModelResponse;
 use kedge_core::event::{ModelSpec, Provider};
 use kedge_core::fold::ChatMessage;
 use kedge_core::ids::ModelRequestId;
+use kedge_core::settings::ToolChoice;
 use reqwest::header::{ACCEPT, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -144,6 +145,19 @@ pub fn endpoint(spec: &ModelSpec) -> String {
 fn has_path(url: &str) -> bool {
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
     rest.contains('/')
+}
+
+/// The tool choice a call sends: the agent's `model.settings.tool_choice`, except that one that
+/// forces a tool call (`required`, a named tool) holds for the first step after a user message
+/// only; a step that continues after tool results gets `auto`, or the run could never end.
+pub fn effective_tool_choice(call: &ModelCall<'_>) -> Option<ToolChoice> {
+    let choice = call.spec.settings.tool_choice.clone()?;
+    let after_user = matches!(call.context.last(), Some(ChatMessage::User { .. }));
+    if choice.forces_a_call() && !after_user {
+        Some(ToolChoice::Auto)
+    } else {
+        Some(choice)
+    }
 }
 
 /// The request body of a call, as it would be sent.
@@ -507,6 +521,7 @@ pub(crate) mod tests {
                         call("call_1", "read_dir", serde_json::json!({"path": "/etc"})),
                         call("call_2", "now", serde_json::json!({})),
                     ],
+                    thinking: Vec::new(),
                 },
             },
             ChatMessage::Tool {
@@ -526,6 +541,7 @@ pub(crate) mod tests {
                 message: AssistantMessage {
                     text: "Working on it.".into(),
                     tool_calls: vec![call("call_3", "now", "{oops".into())],
+                    thinking: Vec::new(),
                 },
             },
             ChatMessage::Tool {
@@ -537,6 +553,7 @@ pub(crate) mod tests {
                 message: AssistantMessage {
                     text: String::new(),
                     tool_calls: vec![],
+                    thinking: Vec::new(),
                 },
             },
             ChatMessage::User {
@@ -565,6 +582,8 @@ pub(crate) mod tests {
             provider: Provider::Openai,
             name: "m".into(),
             base_url: None,
+            settings: Default::default(),
+            price: None,
         };
         let context = conversation();
         let call = call_with(&spec, &context);
@@ -580,6 +599,8 @@ pub(crate) mod tests {
             provider: Provider::Openai,
             name: "m".into(),
             base_url: None,
+            settings: Default::default(),
+            price: None,
         };
         assert_eq!(
             endpoint(&spec),
@@ -622,6 +643,8 @@ pub(crate) mod tests {
             provider: Provider::Anthropic,
             name: "m".into(),
             base_url: None,
+            settings: Default::default(),
+            price: None,
         };
         let context = conversation();
         let call = call_with(&spec, &context);

@@ -8,6 +8,10 @@
 //! `max_tokens`) and `max_tokens` on any other base URL (compatible servers such as llama.cpp and
 //! vLLM read that one).
 //!
+//! Settings (`model.settings`): `temperature`, `top_p`, `stop`, `seed`, `reasoning_effort` as
+//! named; `tool_choice` (`"auto"`, `"none"`, `"required"`, `{"type": "function", "function":
+//! {"name"}}`, see [`crate::effective_tool_choice`]) and `parallel_tool_calls` only with `tools`.
+//!
 //! Response: `data:` chunks until `data: [DONE]`; text from `delta.content`, tool calls
 //! reassembled from `delta.tool_calls[]` by `index`, usage from the extra `choices: []` chunk
 //! that `stream_options.include_usage` asks for.
@@ -17,6 +21,7 @@ use std::collections::BTreeMap;
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::{AssistantMessage, FinishReason, ToolCall, Usage};
 use kedge_core::fold::ChatMessage;
+use kedge_core::settings::ToolChoice;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -105,6 +110,34 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                 json!({"type": "function", "function": function})
             })
             .collect();
+        // Both are refused without `tools`.
+        if let Some(choice) = crate::effective_tool_choice(call) {
+            body["tool_choice"] = match choice {
+                ToolChoice::Auto => "auto".into(),
+                ToolChoice::None => "none".into(),
+                ToolChoice::Required => "required".into(),
+                ToolChoice::Tool(name) => json!({"type": "function", "function": {"name": name}}),
+            };
+        }
+        if let Some(parallel) = call.spec.settings.parallel_tool_calls {
+            body["parallel_tool_calls"] = parallel.into();
+        }
+    }
+    let s = &call.spec.settings;
+    if let Some(t) = s.temperature {
+        body["temperature"] = t.into();
+    }
+    if let Some(p) = s.top_p {
+        body["top_p"] = p.into();
+    }
+    if !s.stop.is_empty() {
+        body["stop"] = s.stop.clone().into();
+    }
+    if let Some(seed) = s.seed {
+        body["seed"] = seed.into();
+    }
+    if let Some(effort) = s.reasoning_effort {
+        body["reasoning_effort"] = effort.as_str().into();
     }
     body
 }
@@ -218,6 +251,7 @@ impl Decoder {
             self.usage = Some(Usage {
                 input_tokens: u.prompt_tokens.unwrap_or(0),
                 output_tokens: u.completion_tokens.unwrap_or(0),
+                cost: None,
             });
         }
         // Only one choice is asked for (no `n`); ignore any other.
@@ -307,6 +341,7 @@ impl Decoder {
             message: AssistantMessage {
                 text: self.text,
                 tool_calls,
+                thinking: Vec::new(),
             },
             usage: self.usage.unwrap_or_default(),
             finish: match self.finish.as_deref() {
@@ -381,10 +416,12 @@ mod tests {
                         arguments: json!({}),
                     },
                 ],
+                thinking: Vec::new(),
             },
             usage: Usage {
                 input_tokens: 42,
                 output_tokens: 17,
+                cost: None,
             },
             finish: FinishReason::ToolCalls,
         };
@@ -453,6 +490,8 @@ mod tests {
             provider: Provider::Openai,
             name: "gpt-test".into(),
             base_url: Some("http://127.0.0.1:9/v1".into()),
+            settings: Default::default(),
+            price: None,
         };
         let context = conversation();
         let body = request_body(&call_with(&spec, &context));
@@ -499,6 +538,8 @@ mod tests {
             provider: Provider::Openai,
             name: "gpt-test".into(),
             base_url: None,
+            settings: Default::default(),
+            price: None,
         };
         let context = vec![ChatMessage::User { text: "hi".into() }];
         let mut call = call_with(&spec, &context);

@@ -24,6 +24,8 @@ fn spec(mock: &MockHandle, provider: Provider, model: &str) -> ModelSpec {
         provider,
         name: model.into(),
         base_url: Some(format!("{}/v1", mock.base_url())),
+        settings: Default::default(),
+        price: None,
     }
 }
 
@@ -491,6 +493,8 @@ async fn nothing_listening_is_a_retryable_connect_error() {
         provider: Provider::Openai,
         name: "m".into(),
         base_url: Some(format!("http://127.0.0.1:{port}/v1")),
+        settings: Default::default(),
+        price: None,
     };
     let e = call(&spec, &user("hi"), &request_id(1, 1), SECS_5)
         .await
@@ -512,6 +516,7 @@ async fn awkward_contexts_are_repaired_into_requests_the_strict_mock_accepts() {
         message: AssistantMessage {
             text: text.into(),
             tool_calls,
+            thinking: Vec::new(),
         },
     };
     let result = |id: &str, content: &str| ChatMessage::Tool {
@@ -553,5 +558,177 @@ async fn awkward_contexts_are_repaired_into_requests_the_strict_mock_accepts() {
             .result
             .unwrap_or_else(|e| panic!("{provider:?}: the mock refused the request: {e}"));
         assert_eq!(r.message.text, "accepted");
+    }
+}
+
+/// One call with `spec`'s settings and a 4096-token cap (thinking needs room).
+async fn call_settings(spec: &ModelSpec, context: &[ChatMessage], step: u32) -> ModelResponse {
+    try_call_settings(spec, context, step)
+        .await
+        .unwrap_or_else(|e| panic!("{:?} step {step}: {e}", spec.provider))
+}
+
+async fn try_call_settings(
+    spec: &ModelSpec,
+    context: &[ChatMessage],
+    step: u32,
+) -> Result<ModelResponse, ModelError> {
+    let tools = tools();
+    let id = request_id(step, 1);
+    let call = ModelCall {
+        spec,
+        api_key: Some("test-key"),
+        system: "You are a terse test agent.",
+        tools: &tools,
+        context,
+        request_id: &id,
+        max_output_tokens: 4096,
+        timeout: SECS_5,
+    };
+    ModelClient::new().complete(&call, &mut |_| {}).await
+}
+
+#[tokio::test]
+async fn settings_reach_the_wire_in_each_providers_form_and_pass_the_strict_mock() {
+    let script = json!({"models": {"tuned": {"steps": [
+        {"tool_calls": [{"name": "now", "arguments": {}}]},
+        {"text": "Noon."}
+    ]}}});
+    let settings = |provider| {
+        serde_json::from_value::<kedge_core::settings::ModelSettings>(match provider {
+            Provider::Openai => json!({
+                "temperature": 0.3, "top_p": 0.9, "stop": ["END"], "seed": 42,
+                "tool_choice": "required", "parallel_tool_calls": false, "reasoning_effort": "low"
+            }),
+            Provider::Anthropic => json!({
+                "top_p": 0.95, "stop": ["END"], "tool_choice": "auto",
+                "parallel_tool_calls": false, "thinking": {"budget_tokens": 1024}, "cache": true
+            }),
+        })
+        .expect("settings")
+    };
+    for provider in PROVIDERS {
+        let mock = mock(script.clone()).await;
+        let mut spec = spec(&mock, provider, "tuned");
+        spec.settings = settings(provider);
+        let mut context = user("What time is it?");
+        let r = call_settings(&spec, &context, 1).await;
+        let call_id = r.message.tool_calls[0].call_id.clone();
+        if provider == Provider::Anthropic {
+            assert_eq!(r.message.thinking.len(), 1, "the thinking block is kept");
+        }
+        context.push(ChatMessage::Assistant { message: r.message });
+        context.push(ChatMessage::Tool {
+            call_id,
+            content: "12:00".into(),
+            is_error: false,
+        });
+        let r = call_settings(&spec, &context, 2).await;
+        assert_eq!(r.message.text, "Noon.");
+
+        let bodies = mock.requests("tuned");
+        assert_eq!(bodies.len(), 2);
+        let (first, second) = (&bodies[0], &bodies[1]);
+        match provider {
+            Provider::Openai => {
+                assert_eq!(first["temperature"], 0.3);
+                assert_eq!(first["top_p"], 0.9);
+                assert_eq!(first["stop"], json!(["END"]));
+                assert_eq!(first["seed"], 42);
+                assert_eq!(first["reasoning_effort"], "low");
+                assert_eq!(first["parallel_tool_calls"], false);
+                assert_eq!(
+                    first["tool_choice"], "required",
+                    "forced after the user message"
+                );
+                assert_eq!(second["tool_choice"], "auto", "not after tool results");
+            }
+            Provider::Anthropic => {
+                assert_eq!(
+                    first["thinking"],
+                    json!({"type": "enabled", "budget_tokens": 1024})
+                );
+                assert_eq!(first["top_p"], 0.95);
+                assert_eq!(first["stop_sequences"], json!(["END"]));
+                assert_eq!(
+                    first["tool_choice"],
+                    json!({"type": "auto", "disable_parallel_tool_use": true})
+                );
+                assert!(first.get("temperature").is_none() && first.get("seed").is_none());
+                let ephemeral = json!({"type": "ephemeral"});
+                assert_eq!(first["system"][0]["cache_control"], ephemeral);
+                assert_eq!(
+                    first["tools"][1]["cache_control"], ephemeral,
+                    "the last tool"
+                );
+                assert!(first["tools"][0].get("cache_control").is_none());
+                let last = |b: &serde_json::Value| {
+                    b["messages"]
+                        .as_array()
+                        .and_then(|m| m.last())
+                        .cloned()
+                        .expect("message")
+                };
+                assert_eq!(last(first)["content"][0]["cache_control"], ephemeral);
+                // The thinking block went back first in the assistant turn, unchanged.
+                let turn = &second["messages"][1];
+                assert_eq!(turn["role"], "assistant");
+                assert_eq!(turn["content"][0]["type"], "thinking");
+                assert!(
+                    turn["content"][0]["signature"]
+                        .as_str()
+                        .is_some_and(|s| !s.is_empty())
+                );
+                assert_eq!(turn["content"][1]["type"], "tool_use");
+                assert_eq!(last(second)["content"][0]["type"], "tool_result");
+                assert_eq!(last(second)["content"][0]["cache_control"], ephemeral);
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_thinking_block_not_passed_back_unchanged_is_refused() {
+    let mock = mock(json!({"models": {"think": {"steps": [
+        {"tool_calls": [{"name": "now", "arguments": {}}]},
+        {"text": "Noon."}
+    ]}}}))
+    .await;
+    let mut spec = spec(&mock, Provider::Anthropic, "think");
+    spec.settings.thinking = Some(kedge_core::settings::Thinking {
+        budget_tokens: 1024,
+    });
+    let context = user("What time is it?");
+    let r = call_settings(&spec, &context, 1).await;
+    let call_id = r.message.tool_calls[0].call_id.clone();
+    for tamper in [true, false] {
+        let mut message = r.message.clone();
+        if tamper {
+            if let kedge_core::event::ThinkingBlock::Thinking { thinking, .. } =
+                &mut message.thinking[0]
+            {
+                thinking.push_str(" (edited)");
+            }
+        } else {
+            message.thinking.clear();
+        }
+        let mut context = context.clone();
+        context.push(ChatMessage::Assistant { message });
+        context.push(ChatMessage::Tool {
+            call_id: call_id.clone(),
+            content: "12:00".into(),
+            is_error: false,
+        });
+        let e = try_call_settings(&spec, &context, 2)
+            .await
+            .expect_err("refused");
+        assert_eq!(e.class, ErrorClass::Fatal, "{e}");
+        assert_eq!(e.status, Some(400));
+        let words = if tamper {
+            "Invalid `signature` in `thinking` block"
+        } else {
+            "must start with a thinking block"
+        };
+        assert!(e.message.contains(words), "{}", e.message);
     }
 }

@@ -59,6 +59,8 @@ async fn a_redirect_is_an_error_and_the_key_goes_nowhere_else() {
             provider,
             name: "m".into(),
             base_url: Some(format!("{base}/v1")),
+            settings: Default::default(),
+            price: None,
         };
         let run: RunId = "run_redirect".parse().expect("run id");
         let id = ModelRequestId::new(&run, StepNo(1), Attempt(1));

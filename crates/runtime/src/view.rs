@@ -177,6 +177,12 @@ pub struct UsageView {
     pub input_tokens: u64,
     pub output_tokens: u64,
     pub total_tokens: u64,
+    /// What the run cost so far, when its model has a price (`model.price`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
+    /// The price's currency (and `budget.max_cost`'s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub currency: Option<String>,
 }
 
 impl From<Usage> for UsageView {
@@ -185,6 +191,8 @@ impl From<Usage> for UsageView {
             input_tokens: u.input_tokens,
             output_tokens: u.output_tokens,
             total_tokens: u.total(),
+            cost: u.cost,
+            currency: None,
         }
     }
 }
@@ -308,7 +316,10 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
         last_seq: state.last_seq,
         current_step,
         waiting,
-        usage: state.usage.into(),
+        usage: UsageView {
+            currency: state.bundle.model.price.as_ref().map(|p| p.currency.clone()),
+            ..state.usage.into()
+        },
         budget: state.bundle.budget.clone(),
         result,
         failure: state.failure.clone(),

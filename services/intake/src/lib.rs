@@ -265,6 +265,16 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         tracing::warn!(agent = %task.agent, %tenant, "task for an agent this tenant may not start");
         return Err(no_such_agent());
     }
+    if task.budget.as_ref().is_some_and(|b| b.max_cost.is_some()) && def.model.price.is_none() {
+        // A cost limit that nothing would count is refused, not silently ignored.
+        return Err(Refusal::Reject(TaskRejection::new(
+            "budget.max_cost",
+            format!(
+                "agent `{}` has no model.price, so the run's cost is not counted",
+                task.agent
+            ),
+        )));
+    }
     let run_id = match &task.run_id {
         Some(id) => id.clone(),
         None => derive_run_id(&tenant, key.as_deref(), seq),

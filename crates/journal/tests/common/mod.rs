@@ -42,6 +42,8 @@ pub fn run_created(run: &RunId) -> Envelope {
                     provider: Provider::Openai,
                     name: "mock".into(),
                     base_url: None,
+                    settings: Default::default(),
+                    price: None,
                 },
                 prompt_digest: Digest::of_bytes(b"prompt"),
                 tools_digest: Digest::of_bytes(b"tools"),
@@ -71,10 +73,12 @@ pub fn step_completed(run: &RunId, step: u32) -> Envelope {
             message: AssistantMessage {
                 text: format!("step {step}"),
                 tool_calls: vec![],
+                thinking: Vec::new(),
             },
             usage: Usage {
                 input_tokens: 10,
                 output_tokens: 5,
+                cost: None,
             },
             finish: FinishReason::ToolCalls,
             reused: false,
