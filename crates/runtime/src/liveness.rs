@@ -57,6 +57,30 @@ pub struct Beat {
     /// Tool operations the process is running.
     #[serde(default)]
     pub ops: Vec<OperationId>,
+    /// Only what was just taken, to add to what the last full heartbeat said (a newly held
+    /// run or operation is announced at once, with one id instead of everything held).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub added: bool,
+}
+
+impl Beat {
+    /// What a watcher knows its sender holds after this heartbeat, `known` before it.
+    fn onto(self, known: &mut Beat) {
+        if self.added {
+            for run in self.runs {
+                if !known.runs.contains(&run) {
+                    known.runs.push(run);
+                }
+            }
+            for op in self.ops {
+                if !known.ops.contains(&op) {
+                    known.ops.push(op);
+                }
+            }
+        } else {
+            *known = self;
+        }
+    }
 }
 
 /// A process found gone, and what its last heartbeat said it held.
@@ -211,7 +235,12 @@ impl Liveness {
             .lock()
             .is_ok_and(|mut s| s.insert(run.clone()));
         if new {
-            send_beat(&self.inner).await;
+            let added = Beat {
+                runs: vec![run.clone()],
+                ops: Vec::new(),
+                added: true,
+            };
+            send_added(&self.inner, &added).await;
         }
         Hold {
             inner: self.inner.clone(),
@@ -228,7 +257,12 @@ impl Liveness {
             .lock()
             .is_ok_and(|mut s| s.insert(op.clone()));
         if new {
-            send_beat(&self.inner).await;
+            let added = Beat {
+                runs: Vec::new(),
+                ops: vec![op.clone()],
+                added: true,
+            };
+            send_added(&self.inner, &added).await;
         }
         Hold {
             inner: self.inner.clone(),
@@ -306,13 +340,13 @@ fn snapshot(live: &Inner) -> Beat {
             .lock()
             .map(|s| s.iter().cloned().collect())
             .unwrap_or_default(),
+        added: false,
     }
 }
 
-/// Publishes a heartbeat saying what this process holds now.
-async fn send_beat(live: &Inner) {
-    let beat = snapshot(live);
-    match serde_json::to_vec(&beat) {
+/// Publishes `beat` on this process's heartbeat subject.
+async fn publish(live: &Inner, beat: &Beat) {
+    match serde_json::to_vec(beat) {
         Ok(body) => {
             if let Err(e) = live
                 .client
@@ -324,8 +358,24 @@ async fn send_beat(live: &Inner) {
         }
         Err(e) => tracing::warn!(error = %e, "cannot encode a heartbeat"),
     }
+}
+
+/// Publishes a full heartbeat: what this process holds now.
+async fn send_beat(live: &Inner) {
+    let beat = snapshot(live);
+    publish(live, &beat).await;
     if let Ok(mut last) = live.last_sent.lock() {
         *last = Some(beat);
+    }
+}
+
+/// Publishes what was just taken; watchers add it to what they know.
+async fn send_added(live: &Inner, added: &Beat) {
+    publish(live, added).await;
+    // What watchers now know, near enough: a release not yet announced goes out with the next
+    // change check or periodic beat.
+    if let Ok(mut last) = live.last_sent.lock() {
+        *last = Some(snapshot(live));
     }
 }
 
@@ -375,14 +425,18 @@ async fn watch_heartbeats(inner: Weak<Inner>, mut beats: async_nats::Subscriber)
         if let Some(peer) = peers.get_mut(worker) {
             peer.seen = now;
             if let Some(held) = held {
-                peer.held = held;
+                held.onto(&mut peer.held);
             }
         } else if peers.len() < MAX_PEERS {
             peers.insert(
                 worker.to_owned(),
                 Peer {
                     seen: now,
-                    held: held.unwrap_or_default(),
+                    held: held.map_or_else(Beat::default, |h| {
+                        let mut known = Beat::default();
+                        h.onto(&mut known);
+                        known
+                    }),
                     probing: false,
                     next_probe: now,
                 },
@@ -455,6 +509,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_added_beat_adds_and_a_full_one_replaces() {
+        let (a, b) = (RunId::generate(), RunId::generate());
+        let mut known = Beat::default();
+        let added = |run: &RunId| Beat {
+            runs: vec![run.clone()],
+            ops: vec![],
+            added: true,
+        };
+        added(&a).onto(&mut known);
+        added(&b).onto(&mut known);
+        added(&a).onto(&mut known);
+        assert_eq!(known.runs, vec![a.clone(), b.clone()]);
+        Beat {
+            runs: vec![b.clone()],
+            ops: vec![],
+            added: false,
+        }
+        .onto(&mut known);
+        assert_eq!(known.runs, vec![b]);
+        // On the wire, a full beat says nothing about `added`.
+        let body = serde_json::to_string(&Beat::default()).expect("encodes");
+        assert_eq!(body, r#"{"runs":[],"ops":[]}"#);
+        let parsed: Beat = serde_json::from_str(r#"{"runs":[],"added":true}"#).expect("parses");
+        assert!(parsed.added);
+    }
+
+    #[test]
     fn beats_parse_leniently() {
         let b: Beat = serde_json::from_str("{}").expect("empty");
         assert_eq!(b, Beat::default());
@@ -462,6 +543,7 @@ mod tests {
         let body = serde_json::to_vec(&Beat {
             runs: vec![run.clone()],
             ops: vec![],
+            added: false,
         })
         .expect("encodes");
         let back: Beat = serde_json::from_slice(&body).expect("decodes");
