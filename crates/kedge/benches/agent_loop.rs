@@ -8,7 +8,18 @@
 //! cargo bench -p kedge --bench agent_loop -- --sync-always-only --no-trace
 //! cargo bench -p kedge --bench agent_loop -- --tls-compare         # plain TCP vs TLS, same run
 //! cargo bench -p kedge --bench agent_loop -- --tls-compare --tls-reps 6 --runs 20
+//! cargo bench -p kedge --bench agent_loop -- --json FILE         # also write the key figures as JSON
+//! scripts/bench-vs-restate.sh [--quick]         # Restate first, then this bench: one table, ratios
 //! ```
+//!
+//! **Side by side with Restate** (issue 11): `scripts/bench-vs-restate.sh` runs the Restate peer
+//! (`../shared/peers/restate`, installed once from the npm registry into `.tools/restate-peer/`)
+//! right before this bench, in the same sitting, then prints one table — Restate, Kedge with
+//! default sync, Kedge with `sync_interval: always` — of action p50/p99, run p50, actions/s at 64
+//! runs and CPU ms per action, with the ratios Kedge / Restate and the goals marked met or not,
+//! and beside it the per-action bill (broker operations by kind from the wiretap, CPU split by
+//! process). It reads this bench's `--json` file. Without node, npm or root (the peer runs in a
+//! private network namespace) it prints Kedge alone and says why.
 //!
 //! Workload (the one the peers were measured on): K = 20 iterations of one model call (mock, zero
 //! latency) then one `ledger_append` tool call — 40 journaled actions per run — then a final text
@@ -90,6 +101,9 @@ struct Opts {
     tls_compare: bool,
     /// `--tls-reps`: repetitions of each variant's measurements in the TLS comparison.
     tls_reps: usize,
+    /// `--json FILE`: also write the report's key figures to FILE as JSON (for
+    /// `scripts/bench-vs-restate.sh`); not with `--tls-compare`.
+    json: Option<std::path::PathBuf>,
 }
 
 fn opts() -> Opts {
@@ -102,6 +116,7 @@ fn opts() -> Opts {
         trace: true,
         tls_compare: false,
         tls_reps: 4,
+        json: None,
     };
     let mut runs: Option<usize> = None;
     let mut it = std::env::args().skip(1);
@@ -129,6 +144,7 @@ fn opts() -> Opts {
                     .expect("--tls-reps takes a number")
                     .max(1)
             }
+            "--json" => o.json = Some(it.next().expect("--json takes a file name").into()),
             // `cargo bench` passes `--bench`; ignore it and anything else.
             _ => {}
         }
@@ -948,12 +964,20 @@ fn with_run(e: &Envelope, run: &RunId) -> Envelope {
 }
 
 /// A copy of the first `n` events of `src` under a new run id (raw publishes, for reading).
+/// Decisions carry a writer's `Nats-Msg-Id` (readers set aside a decision without one).
 async fn copy_run(rt: &Runtime, src: &[Recorded], n: usize) -> RunId {
     let run = RunId::generate();
-    for r in src.iter().take(n) {
+    for (i, r) in src.iter().take(n).enumerate() {
         let e = with_run(&r.envelope, &run);
+        let mut headers = async_nats::HeaderMap::new();
+        if e.event_type().kind() == kedge_core::EventKind::Decision {
+            headers.insert(
+                "Nats-Msg-Id",
+                kedge_journal::journal::decision_msg_id(&run, 0, i, "bench-copy").as_str(),
+            );
+        }
         rt.js
-            .publish(e.subject(), e.to_json_bytes().into())
+            .publish_with_headers(e.subject(), headers, e.to_json_bytes().into())
             .await
             .expect("publish")
             .await
@@ -1787,9 +1811,16 @@ async fn conc_round(env: &mut Env, key: &str, n: usize, all_runs: &mut Vec<RunId
 
 struct ModeResult {
     label: &'static str,
+    sync_always: bool,
     seq: Collected,
     conc: Vec<ConcRound>,
     calls_per_step: f64,
+    /// CPU ms per action during the sequential runs: (nats-server, kedge process).
+    seq_cpu: (f64, f64),
+    /// The wiretap of the traced run (`--no-trace`: none).
+    tap: Option<TapReport>,
+    /// Load average before and after this setting's measurements.
+    load: (String, String),
 }
 
 async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResult {
@@ -1804,7 +1835,8 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
         }
     );
     println!("================================================================================");
-    println!("  load average before: {}", loadavg());
+    let load_before = loadavg();
+    println!("  load average before: {load_before}");
     let mut env = Env::start(sync_always, None, "").await;
     let pid = env.server_pid();
 
@@ -1833,6 +1865,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
 
     print_sequential(&seq, o.runs);
     let n_actions = (o.runs * ACTIONS) as f64;
+    let seq_cpu = (cpu_srv / n_actions, cpu_me / n_actions);
     println!(
         "  CPU during the sequential runs: nats-server {:.3} ms/action, kedge process (services+mock+client) {:.3} ms/action; {:.0}% of one core busy in total",
         cpu_srv / n_actions,
@@ -1874,6 +1907,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     let calls_per_step = model_calls_per_step(&env, &all_runs, "").await;
 
     // Traced run: the wiretap.
+    let mut tap = None;
     if o.trace {
         let (tap_client, store, task) = start_tap(&env.nats.url()).await;
         let t = env.run_one(format!("{label}-traced")).await;
@@ -1885,6 +1919,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
         let recs = std::mem::take(&mut *store.lock().unwrap());
         let rep = analyze_tap(&recs, &t.run);
         print_tap(&rep, t.wall);
+        tap = Some(rep);
     }
 
     // 5: op costs, on an idle server (the services would drive the runs the bench writes).
@@ -1899,13 +1934,18 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     // The ledger: exactly one line per operation.
     check_ledger(&env, &all_runs, "");
 
-    println!("  load average after: {}", loadavg());
+    let load_after = loadavg();
+    println!("  load average after: {load_after}");
     env.shutdown().await;
     ModeResult {
         label,
+        sync_always,
         seq,
         conc,
         calls_per_step,
+        seq_cpu,
+        tap,
+        load: (load_before, load_after),
     }
 }
 
@@ -2007,7 +2047,7 @@ fn print_tap(rep: &TapReport, wall: f64) {
         "operation", "count", "per act.", "reply p50 ms", "reply p99 ms"
     );
     for (cat, (n, lat)) in &rep.ops {
-        if cat.contains("KEDGE_TASKS") || cat.contains("/ordered") || cat.starts_with("api ") {
+        if !per_action_op(cat) {
             // intake's own queue and the bench's terminal watcher: not per-action work.
             continue;
         }
@@ -2028,7 +2068,7 @@ fn print_tap(rep: &TapReport, wall: f64) {
     }
     let (mut requests, mut all) = (0usize, 0usize);
     for (cat, (n, lat)) in &rep.ops {
-        if cat.contains("KEDGE_TASKS") || cat.contains("/ordered") || cat.starts_with("api ") {
+        if !per_action_op(cat) {
             continue;
         }
         all += n;
@@ -2220,6 +2260,96 @@ fn print_summary(results: &[ModeResult]) {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// `--json FILE`: the key figures, for scripts/bench-vs-restate.sh
+
+/// Whether a tapped category is per-action work (not intake's queue, the bench's terminal
+/// watcher or JetStream API calls): the same filter `print_tap` applies.
+fn per_action_op(cat: &str) -> bool {
+    !(cat.contains("KEDGE_TASKS") || cat.contains("/ordered") || cat.starts_with("api "))
+}
+
+fn stats_json(s: &Stats) -> serde_json::Value {
+    serde_json::json!({"n": s.n, "p50_ms": s.p50, "p99_ms": s.p99, "mean_ms": s.mean, "max_ms": s.max})
+}
+
+/// The figures of the report that the comparison with the peers needs, one object per
+/// durability setting. Times in ms, CPU in ms per action.
+fn json_summary(results: &[ModeResult], o: &Opts, load_start: &str) -> serde_json::Value {
+    let modes: Vec<serde_json::Value> = results
+        .iter()
+        .map(|r| {
+            let conc: Vec<serde_json::Value> = r
+                .conc
+                .iter()
+                .map(|(n, elapsed, rate, c, (cs, cm))| {
+                    serde_json::json!({
+                        "runs": n,
+                        "elapsed_ms": elapsed,
+                        "actions_per_s": rate,
+                        "action": stats_json(&stats(&c.actions())),
+                        "run_journal": stats_json(&stats(&c.journal_wall)),
+                        "cpu_ms_per_action": {"nats_server": cs, "kedge": cm},
+                    })
+                })
+                .collect();
+            let tap = r.tap.as_ref().map(|t| {
+                let ops: Vec<serde_json::Value> = t
+                    .ops
+                    .iter()
+                    .filter(|(cat, _)| per_action_op(cat))
+                    .map(|(cat, (n, lat))| {
+                        serde_json::json!({
+                            "op": cat,
+                            "count": n,
+                            "per_action": *n as f64 / ACTIONS as f64,
+                            "request_reply": !lat.is_empty(),
+                        })
+                    })
+                    .collect();
+                let (all, requests) = t
+                    .ops
+                    .iter()
+                    .filter(|(cat, _)| per_action_op(cat))
+                    .fold((0, 0), |(a, q), (_, (n, lat))| (a + n, q + lat.len()));
+                serde_json::json!({
+                    "ops": ops,
+                    "messages_per_action": all as f64 / ACTIONS as f64,
+                    "round_trips_per_action": requests as f64 / ACTIONS as f64,
+                })
+            });
+            serde_json::json!({
+                "label": r.label,
+                "sync_always": r.sync_always,
+                "loadavg_before": r.load.0,
+                "loadavg_after": r.load.1,
+                "sequential": {
+                    "runs": r.seq.runs,
+                    "action": stats_json(&stats(&r.seq.actions())),
+                    "model_action": stats_json(&stats(&r.seq.model)),
+                    "tool_action": stats_json(&stats(&r.seq.tool)),
+                    "run_client": stats_json(&stats(&r.seq.client_wall)),
+                    "run_journal": stats_json(&stats(&r.seq.journal_wall)),
+                    "cpu_ms_per_action": {"nats_server": r.seq_cpu.0, "kedge": r.seq_cpu.1},
+                },
+                "concurrency": conc,
+                "model_calls_per_step": r.calls_per_step,
+                "wiretap": tap,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "bench": "kedge-agent_loop",
+        "k_iterations": K,
+        "actions_per_run": ACTIONS,
+        "sequential_runs": o.runs,
+        "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+        "loadavg_start": load_start,
+        "loadavg_end": loadavg(),
+        "modes": modes,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2602,10 +2732,11 @@ fn main() {
             o.micro_iters,
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
+        let load_start = loadavg();
         println!(
             "nats-server: {}; load average {} (other processes on these cores inflate every figure: compare ratios within one run)",
             kedge_testkit::nats_server_binary().display(),
-            loadavg()
+            load_start
         );
         if o.tls_compare {
             tls_compare(&o).await;
@@ -2623,5 +2754,12 @@ fn main() {
         print_summary(&results);
         println!();
         println!("total bench time {:.1} s", started.elapsed().as_secs_f64());
+        if let Some(path) = &o.json {
+            let summary = json_summary(&results, &o, &load_start);
+            let text = serde_json::to_string_pretty(&summary).expect("JSON summary");
+            std::fs::write(path, text + "\n")
+                .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+            println!("key figures written to {}", path.display());
+        }
     });
 }

@@ -1,0 +1,379 @@
+#!/usr/bin/env bash
+# Restate and Kedge side by side, in one sitting (issue 11, "Cost per action"): one command that
+# measures the Restate peer right before Kedge's agent_loop bench on the same machine and prints
+# both with the ratios Kedge / Restate, the goals marked met or not, and the per-action bill
+# (broker operations by kind, CPU ms per action split by process).
+#
+#   scripts/bench-vs-restate.sh                  # full: Restate latency (50 workflows) + throughput
+#                                                # (64 workflows, 15 s), then agent_loop, both settings
+#   scripts/bench-vs-restate.sh --quick          # agent_loop --quick; Restate 20 workflows / 8 s
+#   scripts/bench-vs-restate.sh --kedge-only     # skip the peer (prints Kedge alone)
+#   scripts/bench-vs-restate.sh --verbose        # also stream agent_loop's full report
+#   scripts/bench-vs-restate.sh -- --runs 20     # anything after `--` goes to agent_loop
+#
+# The peer is ../shared/peers/restate (or $RESTATE_PEER_SRC): restate-server 1.7 and its TypeScript
+# SDK from the npm registry, the same K = 20 llm + tool workload. It is copied into
+# .tools/restate-peer/ (git-ignored) and installed there once (`setup.sh` = `npm ci`); later runs
+# reuse it while package-lock.json and the node version stay the same. It runs in a private network
+# namespace with only loopback (`run_in_netns.sh`, needs root). When node, npm, root or the peer are
+# missing, or the peer fails, the script says why and prints Kedge alone.
+#
+# Everything it prints and reads is kept under target/bench-vs-restate/<UTC time>/: the peer's JSON
+# lines and logs, agent_loop's full report (kedge.log) and its key figures (kedge.json, from
+# `agent_loop --json`), and the table (table.txt). Numbers move by 2x from machine to machine and
+# with the load of other processes on these cores: only the ratios of one sitting mean anything;
+# the load averages are printed with them.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PEER_SRC="${RESTATE_PEER_SRC:-$ROOT/../shared/peers/restate}"
+PEER_DIR="$ROOT/.tools/restate-peer"
+OUT="$ROOT/target/bench-vs-restate/$(date -u +%Y%m%dT%H%M%SZ)"
+
+quick=0
+peer=1
+verbose=0
+bench_args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --quick) quick=1 ;;
+        --kedge-only | --no-peer) peer=0 ;;
+        --verbose | -v) verbose=1 ;;
+        -h | --help)
+            sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+            exit 0
+            ;;
+        --)
+            shift
+            bench_args=("$@")
+            break
+            ;;
+        *)
+            echo "bench-vs-restate: unknown option $1 (see --help)" >&2
+            exit 2
+            ;;
+    esac
+    shift
+done
+if [ "$quick" = 1 ]; then
+    bench_args=(--quick "${bench_args[@]}")
+    peer_workflows=20
+    peer_seconds=8
+else
+    peer_workflows=50
+    peer_seconds=15
+fi
+
+mkdir -p "$OUT"
+say() { echo "bench-vs-restate: $*" >&2; }
+say "results in ${OUT#"$ROOT"/}; load average $(cut -d' ' -f1-3 /proc/loadavg), $(nproc) cores"
+
+command -v python3 >/dev/null 2>&1 || {
+    say "ERROR: python3 is not on PATH (it prints the table)"
+    exit 1
+}
+
+# --- Kedge: build first, so that the peer runs right before Kedge measures ---------------------
+
+if [ -z "${KEDGE_NATS_SERVER:-}" ]; then
+    scripts/setup.sh >"$OUT/setup.log" 2>&1 || {
+        say "ERROR: scripts/setup.sh failed (a nats-server for agent_loop); see $OUT/setup.log"
+        exit 1
+    }
+fi
+say "building the agent_loop bench (cargo bench --no-run; the target dir may be locked by other builds)"
+# The executable is run directly below (as `cargo bench` runs it: from the package directory),
+# so that a rebuild cannot come between the peer and Kedge when the tree changes meanwhile.
+if ! cargo bench -p kedge --bench agent_loop --no-run --message-format=json \
+    >"$OUT/build.json" 2>"$OUT/build.log"; then
+    tail -n 30 "$OUT/build.log" >&2
+    say "ERROR: the agent_loop bench does not build; see $OUT/build.log"
+    exit 1
+fi
+BENCH_EXE="$(python3 -c '
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "agent_loop" and m.get("executable"):
+        print(m["executable"])
+' "$OUT/build.json" | tail -n 1)"
+if [ ! -x "$BENCH_EXE" ]; then
+    say "ERROR: cargo built no agent_loop executable; see $OUT/build.log"
+    exit 1
+fi
+
+# --- The peer ---------------------------------------------------------------------------------
+
+peer_why=""
+peer_ok=0
+
+# Copies the peer's files into $PEER_DIR and installs its packages unless the same lock file was
+# already installed there with the same node. Sets peer_why on failure.
+install_peer() {
+    if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+        peer_why="node and npm are needed for the Restate peer and are not on PATH (the machine's Node.js 20 + npm, e.g. apt-get install nodejs npm)"
+        return 1
+    fi
+    if [ "$(id -u)" != 0 ]; then
+        peer_why="the Restate peer runs in a private network namespace (unshare --net), which needs root; this shell is not root"
+        return 1
+    fi
+    if ! command -v unshare >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
+        peer_why="unshare and ip (util-linux, iproute2) are needed for the peer's private network namespace"
+        return 1
+    fi
+    if [ ! -f "$PEER_SRC/bench_restate.mjs" ] || [ ! -f "$PEER_SRC/package-lock.json" ]; then
+        peer_why="the Restate peer is not at $PEER_SRC (set RESTATE_PEER_SRC)"
+        return 1
+    fi
+    mkdir -p "$PEER_DIR"
+    # The peer's own files only (not node_modules/ or results/); the source may be read-only.
+    find "$PEER_SRC" -maxdepth 1 -type f -exec cp -f {} "$PEER_DIR"/ \;
+    chmod -R u+w "$PEER_DIR"
+    local stamp want
+    want="$(sha256sum "$PEER_DIR/package-lock.json" | cut -d' ' -f1) $(node --version)"
+    stamp="$PEER_DIR/.installed"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] &&
+        [ -x "$PEER_DIR/node_modules/@restatedev/restate-server-linux-x64/bin/restate-server" ]; then
+        say "restate peer: already installed in ${PEER_DIR#"$ROOT"/}"
+        return 0
+    fi
+    say "restate peer: installing into ${PEER_DIR#"$ROOT"/} (npm ci from the npm registry, once)"
+    rm -f "$stamp"
+    if ! "$PEER_DIR/setup.sh" >"$OUT/restate-setup.log" 2>&1; then
+        peer_why="the peer's setup.sh (npm ci) failed: $(tail -n 1 "$OUT/restate-setup.log")"
+        return 1
+    fi
+    echo "$want" >"$stamp"
+}
+
+# Runs one peer command; its last stdout line (JSON) goes to $OUT/restate-<name>.json.
+run_peer() {
+    local name="$1"
+    shift
+    say "restate peer: $name ($*)"
+    if ! (cd "$PEER_DIR" && ./run_in_netns.sh node --import ./preload.mjs bench_restate.mjs "$@") \
+        >"$OUT/restate-$name.log" 2>&1; then
+        peer_why="the peer's $name run failed: $(tail -n 1 "$OUT/restate-$name.log")"
+        return 1
+    fi
+    tail -n 1 "$OUT/restate-$name.log" >"$OUT/restate-$name.json"
+    if ! python3 -c 'import json,sys; json.load(open(sys.argv[1]))' "$OUT/restate-$name.json" 2>/dev/null; then
+        peer_why="the peer's $name run printed no JSON last (see $OUT/restate-$name.log)"
+        return 1
+    fi
+}
+
+if [ "$peer" = 0 ]; then
+    peer_why="skipped (--kedge-only)"
+elif install_peer &&
+    run_peer latency latency --k 20 --workflows "$peer_workflows" &&
+    run_peer throughput throughput --n 64 --k 20 --seconds "$peer_seconds"; then
+    peer_ok=1
+fi
+if [ "$peer_ok" = 0 ]; then
+    say "restate peer not measured: $peer_why"
+    rm -f "$OUT/restate-latency.json" "$OUT/restate-throughput.json"
+fi
+
+# --- Kedge ------------------------------------------------------------------------------------
+
+say "kedge: agent_loop ${bench_args[*]} (default sync, then sync_interval: always; a few minutes): ${BENCH_EXE#"$ROOT"/}"
+kedge_ok=1
+run_kedge() {
+    (cd "$ROOT/crates/kedge" && "$BENCH_EXE" --bench --json "$OUT/kedge.json" "${bench_args[@]}")
+}
+if [ "$verbose" = 1 ]; then
+    run_kedge 2>&1 | tee "$OUT/kedge.log" || kedge_ok=0
+else
+    run_kedge >"$OUT/kedge.log" 2>&1 || kedge_ok=0
+fi
+if [ "$kedge_ok" = 0 ] || [ ! -f "$OUT/kedge.json" ]; then
+    tail -n 30 "$OUT/kedge.log" >&2
+    say "ERROR: agent_loop failed; see $OUT/kedge.log"
+    kedge_ok=0
+fi
+
+# --- The table --------------------------------------------------------------------------------
+
+python3 - "$OUT" "$peer_why" <<'PY' | tee "$OUT/table.txt"
+import json, os, re, sys
+
+out, peer_why = sys.argv[1], sys.argv[2]
+
+def load(name):
+    p = os.path.join(out, name)
+    return json.load(open(p)) if os.path.exists(p) else None
+
+lat, tp, kedge = load("restate-latency.json"), load("restate-throughput.json"), load("kedge.json")
+modes = (kedge or {}).get("modes", [])
+
+def at64(m):
+    c = [r for r in m["concurrency"] if r["runs"] == 64] or m["concurrency"][-1:]
+    return c[0] if c else None
+
+# One column per system: figure name -> value.
+cols = []
+if lat and tp:
+    v = tp["versions"]
+    cpu, lcpu = tp["cpu"], lat["cpu"]
+    steps = tp["steps_per_s"]
+    wf = lat["workflow_e2e_via_ingress"]
+    # latency mode: CPU cores over the measured loop ~ sum of the workflows' durations
+    seq_wall_per_step = wf["mean_ms"] / lat["steps_per_workflow"]
+    cols.append({
+        "name": f"Restate {v['restate_server']}",
+        "action_p50": lat["step_overhead"]["p50_ms"],
+        "action_p99": lat["step_overhead"]["p99_ms"],
+        "run_p50": wf["p50_ms"],
+        "rate64": steps,
+        "cpu64": (cpu["restate_server_cores"] + cpu["bench_process_cores"]) / steps * 1e3 if steps else None,
+        "cpu64_split": (cpu["restate_server_cores"] / steps * 1e3, cpu["bench_process_cores"] / steps * 1e3) if steps else None,
+        "cpu_seq_split": (lcpu["restate_server_cores"] * seq_wall_per_step, lcpu["bench_process_cores"] * seq_wall_per_step),
+    })
+for m in modes:
+    s, c = m["sequential"], at64(m)
+    cols.append({
+        "name": "Kedge " + ("sync always" if m["sync_always"] else "default sync"),
+        "action_p50": s["action"]["p50_ms"],
+        "action_p99": s["action"]["p99_ms"],
+        "run_p50": s["run_client"]["p50_ms"],
+        "run_p50_journal": s["run_journal"]["p50_ms"],
+        "rate64": c["actions_per_s"] if c else None,
+        "rate_n": c["runs"] if c else None,
+        "cpu64": sum(c["cpu_ms_per_action"].values()) if c else None,
+        "cpu64_split": (c["cpu_ms_per_action"]["nats_server"], c["cpu_ms_per_action"]["kedge"]) if c else None,
+        "cpu_seq_split": (s["cpu_ms_per_action"]["nats_server"], s["cpu_ms_per_action"]["kedge"]),
+        "calls_per_step": m["model_calls_per_step"],
+        "mode": m,
+    })
+restate = cols[0] if lat and tp else None
+kcols = cols[1:] if restate else cols
+
+print()
+print("=" * 100)
+print("  Restate vs Kedge, same machine, same sitting (K = 20: 40 actions per run)")
+print("=" * 100)
+loads = []
+if lat and tp:
+    loads.append(f"Restate latency end {' '.join(str(x) for x in lat['cpu']['loadavg_end'])}")
+    loads.append(f"throughput end {' '.join(str(x) for x in tp['cpu']['loadavg_end'])}"
+                 f" (other processes {tp['cpu']['other_processes_cores']} cores busy)")
+for m in modes:
+    loads.append(f"Kedge {m['label']} before {m['loadavg_before']} / after {m['loadavg_after']}")
+print(f"  {kedge['cores'] if kedge else os.cpu_count()} cores; load averages (1/5/15 min, they include the bench's own processes):")
+for l in loads:
+    print(f"    {l}")
+if not restate:
+    print(f"  Restate NOT measured: {peer_why}. Kedge alone below, without ratios.")
+if not kedge:
+    print("  Kedge NOT measured: agent_loop failed (see kedge.log). Restate alone below.")
+
+def f(x, d=3):
+    if x is None:
+        return "-"
+    return f"{x:,.{d}f}"
+
+rows = [
+    # key, label, digits, goal: (op, factor) on ratio Kedge / Restate
+    ("action_p50", "action p50 ms (sequential)", 3, ("<=", 0.8)),
+    ("action_p99", "action p99 ms (sequential)", 2, None),
+    ("run_p50", "run p50 ms (submit -> result)", 1, ("<=", 0.8)),
+    ("rate64", "actions/s @64 runs", 0, (">=", 1.25)),
+    ("cpu64", "CPU ms/action @64 (all procs)", 3, None),
+]
+w0, w = 32, max(len(c["name"]) for c in cols) if cols else 13
+head = f"  {'':<{w0}}"
+for c in cols:
+    head += f" {c['name']:>{w}}"
+    if restate and c is not restate:
+        head += f" {'ratio':>6} {'goal':<14}"
+print()
+print(head)
+for key, label, d, goal in rows:
+    line = f"  {label:<{w0}}"
+    for c in cols:
+        line += f" {f(c.get(key), d):>{w}}"
+        if restate and c is not restate:
+            r = c.get(key) / restate[key] if c.get(key) is not None and restate.get(key) else None
+            g = ""
+            if goal and r is not None:
+                op, k = goal
+                ok = r <= k if op == "<=" else r >= k
+                g = f"{op}{k}x {'met' if ok else 'NOT met'}"
+            line += f" {f(r, 2):>6} {g:<14}"
+    print(line)
+print()
+print("  ratio = Kedge / Restate. Goals (issue 11): action p50 and run p50 <= 0.8x Restate's,")
+print("  actions/s at 64 runs >= 1.25x; `sync_interval: always` (fsync before every ack) beside them.")
+if restate:
+    print(f"  Restate: step overhead = step call latency - step body (latency mode, {lat['workflows']} workflows);"
+          f" run = ingress call; @64 = 64 workflows in a closed loop, {tp['window_s']:.0f} s window"
+          f" ({tp['error_count']} errors).")
+if kcols:
+    kc = kcols[0]
+    print(f"  Kedge: action = journal stamps ({kedge['sequential_runs']} sequential runs); run = client submit -> terminal seen"
+          f" (journal run.created -> run.succeeded: " + ", ".join(f"{f(k['run_p50_journal'], 1)} ms" for k in kcols) + ");")
+    print(f"  @64 = one batch of {kc['rate_n']} runs submitted at once, until the last one ends. Model calls per step: "
+          + ", ".join(f(k["calls_per_step"], 3) for k in kcols) + ".")
+
+# The per-action bill.
+print()
+print("  Per-action bill")
+bw = max(len(c["name"]) for c in cols) if cols else 16
+lw = 58
+head = f"  {'':<{lw}}" + "".join(f" {c['name']:>{bw}}" for c in cols)
+print(head)
+def cpu_rows(key, what):
+    b = f"  {'CPU ms/action ' + what + ': broker':<{lw}}"
+    r = f"  {'  runtime (Kedge process / Restate node service+client)':<{lw}}"
+    for c in cols:
+        sp = c.get(key)
+        b += f" {f(sp[0] if sp else None):>{bw}}"
+        r += f" {f(sp[1] if sp else None):>{bw}}"
+    print(b)
+    print(r)
+cpu_rows("cpu64_split", "@64")
+cpu_rows("cpu_seq_split", "sequential")
+print("    (broker = nats-server for Kedge, restate-server for Restate; the runtime of Kedge is the bench process:")
+print("    services + mock model + client; Restate sequential ~ its CPU cores x mean run / 40 actions)")
+def op_name(op):
+    # An ephemeral consumer's generated name (the bench's own watchers) says nothing.
+    kind, _, consumer = op.rpartition("/")
+    if kind and re.fullmatch(r"[A-Za-z0-9]{8}", consumer) and not consumer.islower():
+        return kind + "/(ephemeral)"
+    return op
+taps = [k["mode"].get("wiretap") for k in kcols]
+if any(taps):
+    per = []  # one {op: (per action, request/reply)} per Kedge column
+    for t in taps:
+        d = {}
+        for o in (t or {}).get("ops", []):
+            n = op_name(o["op"])
+            prev = d.get(n, (0.0, False))
+            d[n] = (prev[0] + o["per_action"], prev[1] or o["request_reply"])
+        per.append(d)
+    names = sorted({n for d in per for n in d}, key=lambda n: (-max(d.get(n, (0,))[0] for d in per), n))
+    print()
+    print(f"  {'broker operations per action (Kedge wiretap of one run)':<{lw}}"
+          + "".join(f" {k['name']:>{bw}}" for k in kcols))
+    for n in names:
+        line = f"    {n:<{lw - 2}}"
+        for d in per:
+            v = d.get(n)
+            line += f" {(f(v[0], 2) + (' rr' if v[1] else '   ')) if v else '-':>{bw}}"
+        print(line)
+    for key, label in (("messages_per_action", "= messages per action"), ("round_trips_per_action", "= of which request/reply round trips (rr)")):
+        print(f"    {label:<{lw - 2}}" + "".join(f" {f(t[key] if t else None, 2) + '   ':>{bw}}" for t in taps))
+    print("    (Restate: the traffic between restate-server and the service is not tapped)")
+elif kcols:
+    print("  (no wiretap: agent_loop ran with --no-trace)")
+print()
+PY
+
+if [ "$kedge_ok" = 0 ]; then
+    exit 1
+fi
+say "table written to ${OUT#"$ROOT"/}/table.txt; agent_loop's full report in ${OUT#"$ROOT"/}/kedge.log"
