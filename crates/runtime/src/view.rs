@@ -317,7 +317,12 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
         current_step,
         waiting,
         usage: UsageView {
-            currency: state.bundle.model.price.as_ref().map(|p| p.currency.clone()),
+            currency: state
+                .bundle
+                .model
+                .price
+                .as_ref()
+                .map(|p| p.currency.clone()),
             ..state.usage.into()
         },
         budget: state.bundle.budget.clone(),
