@@ -150,22 +150,14 @@ pub async fn journaled(
     let claimed_digest = claimed.digest.clone();
     let (op, claim) = request_of(claimed)?;
     let run = op.run();
-    let requests = journal.read_type(run, EventType::ToolRequested).await?;
-    let found = requests.into_iter().rev().find_map(|r| match r {
-        Recorded {
-            seq,
-            envelope:
-                Envelope {
-                    op: Some(o),
-                    event: Event::ToolRequested(req),
-                    digest,
-                    ..
-                },
-            msg_id,
-        } if o == op && req.redispatch == claim.redispatch => Some((seq, req, digest, msg_id)),
-        _ => None,
-    });
-    let Some((seq, journaled, journaled_digest, msg_id)) = found else {
+    let found = find_request(journal, &op, Some(claim.redispatch)).await?;
+    let Some(Found {
+        seq,
+        req: journaled,
+        digest: journaled_digest,
+        msg_id,
+    }) = found
+    else {
         return Err(match journal.last_seq(run).await? {
             None => Refusal::NoSuchRun(run.clone()),
             Some(_) => Refusal::NotJournaled {
@@ -201,31 +193,54 @@ pub async fn journaled(
 /// delivered request: what a runner adopting the operations of a gone runner runs (it knows
 /// only their ids, from the gone runner's heartbeat).
 pub async fn latest(journal: &Journal, op: &OperationId) -> Result<ToolRequested, CheckError> {
-    let run = op.run();
-    let requests = journal.read_type(run, EventType::ToolRequested).await?;
-    let found = requests.into_iter().rev().find_map(|r| match r {
-        Recorded {
-            seq,
-            envelope:
-                Envelope {
-                    op: Some(o),
-                    event: Event::ToolRequested(req),
-                    ..
-                },
-            msg_id,
-        } if o == *op => Some((seq, req, msg_id)),
-        _ => None,
-    });
-    let Some((seq, journaled, msg_id)) = found else {
+    let Some(found) = find_request(journal, op, None).await? else {
         return Err(Refusal::NotJournaled {
             op: op.clone(),
             dispatch: 0,
         }
         .into());
     };
-    writer_append(run, seq, msg_id.as_deref())?;
-    args_match(&journaled)?;
-    Ok(journaled)
+    writer_append(op.run(), found.seq, found.msg_id.as_deref())?;
+    args_match(&found.req)?;
+    Ok(found.req)
+}
+
+/// A journaled `tool.requested` and where it is.
+struct Found {
+    seq: u64,
+    req: ToolRequested,
+    digest: Digest,
+    msg_id: Option<String>,
+}
+
+/// The last journaled `tool.requested` of `op` (of dispatch `dispatch` if given).
+async fn find_request(
+    journal: &Journal,
+    op: &OperationId,
+    dispatch: Option<u32>,
+) -> Result<Option<Found>, CheckError> {
+    let requests = journal
+        .read_type(op.run(), EventType::ToolRequested)
+        .await?;
+    Ok(requests.into_iter().rev().find_map(|r| match r {
+        Recorded {
+            seq,
+            envelope:
+                Envelope {
+                    op: Some(o),
+                    event: Event::ToolRequested(req),
+                    digest,
+                    ..
+                },
+            msg_id,
+        } if o == *op && dispatch.is_none_or(|d| d == req.redispatch) => Some(Found {
+            seq,
+            req,
+            digest,
+            msg_id,
+        }),
+        _ => None,
+    }))
 }
 
 /// Checks a precondition query: the run exists and its agent declares the tool.
