@@ -122,6 +122,47 @@ pub async fn owned_run(
     Ok(events)
 }
 
+/// Not found unless the run exists and belongs to `tenant`; reads only its `run.created`.
+pub async fn check_tenant(rt: &Runtime, tenant: &TenantId, run: &RunId) -> Result<(), Refusal> {
+    let created = rt
+        .journal
+        .read_type(run, kedge_core::event::EventType::RunCreated)
+        .await?;
+    check_owner(tenant, run, &created)
+}
+
+/// A page of the run's public events ([`crate::view::is_public`]) after `after`: at most
+/// `limit`, and whether more follow. Reads a page (plus one) at a time, not the rest of the
+/// run, and reads again only when internal events filtered out made the page short.
+pub async fn public_page(
+    rt: &Runtime,
+    run: &RunId,
+    after: u64,
+    limit: usize,
+) -> Result<(Vec<Recorded>, bool), JournalError> {
+    let limit = limit.max(1);
+    let mut public: Vec<Recorded> = Vec::new();
+    let mut cursor = after;
+    loop {
+        let want = limit + 1 - public.len();
+        let page = rt.journal.read_at_most(run, cursor, want).await?;
+        if let Some(last) = page.events.last() {
+            cursor = last.seq;
+        }
+        public.extend(
+            page.events
+                .into_iter()
+                .filter(|r| crate::view::is_public(r.envelope.event_type())),
+        );
+        if public.len() > limit || !page.more {
+            break;
+        }
+    }
+    let more = public.len() > limit;
+    public.truncate(limit);
+    Ok((public, more))
+}
+
 /// Not found unless `events` start with a `run.created` of `tenant`.
 pub fn check_owner(tenant: &TenantId, run: &RunId, events: &[Recorded]) -> Result<(), Refusal> {
     match events.first().map(|r| &r.envelope.event) {

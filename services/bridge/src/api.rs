@@ -409,29 +409,10 @@ pub(crate) async fn history(
     let after = number(&params, "after")?.unwrap_or(0);
     let limit = page_size(&params)?;
     check_owner(&bridge, &caller, &run).await?;
-    // Read a page (plus one, to know whether there is a next), not the rest of the run; read
-    // again only when internal events filtered out made the page short.
-    let mut public: Vec<Recorded> = Vec::new();
-    let mut cursor = after;
-    loop {
-        let want = limit + 1 - public.len();
-        let page = bridge.rt.journal.read_at_most(&run, cursor, want).await?;
-        if let Some(last) = page.events.last() {
-            cursor = last.seq;
-        }
-        public.extend(
-            page.events
-                .into_iter()
-                .filter(|r| view::is_public(r.envelope.event_type())),
-        );
-        if public.len() > limit || !page.more {
-            break;
-        }
-    }
-    let more = public.len() > limit;
-    let page: Vec<Value> = public.iter().take(limit).map(view::event_json).collect();
+    let (public, more) = inputs::public_page(&bridge.rt, &run, after, limit).await?;
+    let page: Vec<Value> = public.iter().map(view::event_json).collect();
     let next_after = if more {
-        public.get(limit - 1).map(|r| r.seq)
+        public.last().map(|r| r.seq)
     } else {
         None
     };

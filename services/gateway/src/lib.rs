@@ -421,17 +421,10 @@ async fn history(
 ) -> Result<Value, Refusal> {
     let page: Page = body(payload)?;
     let limit = page.limit.unwrap_or(100).clamp(1, MAX_PAGE);
-    let events = inputs::owned_run(rt, tenant, run).await?;
-    let public: Vec<_> = events
-        .iter()
-        .filter(|r| r.seq > page.after && view::is_public(r.envelope.event_type()))
-        .collect();
-    let more = public.len() > limit;
-    let listed: Vec<Value> = public
-        .iter()
-        .take(limit)
-        .map(|r| view::event_json(r))
-        .collect();
+    // A page costs a page, not the run's whole journal.
+    inputs::check_tenant(rt, tenant, run).await?;
+    let (public, more) = inputs::public_page(rt, run, page.after, limit).await?;
+    let listed: Vec<Value> = public.iter().map(view::event_json).collect();
     Ok(json!({ "run_id": run, "events": listed, "more": more }))
 }
 
