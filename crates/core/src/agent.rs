@@ -41,6 +41,33 @@ pub struct AgentDefinition {
     /// exist: its task is rejected as naming no such agent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenants: Option<Vec<TenantId>>,
+    /// JSON Schema the final answer (the model's text when it calls no tools) must match, as
+    /// JSON. Requested in the provider's structured-output form where it has one (OpenAI
+    /// `response_format`) and validated by Kedge in any case: `result.validation` is `valid` or
+    /// `invalid {errors}`. Absent: the answer is free text, `not_checked`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_schema: Option<serde_json::Value>,
+    /// What an answer that does not match `output_schema` means: `fail` (default) fails the run
+    /// naming the errors, `accept` succeeds with `invalid {errors}`.
+    #[serde(default, skip_serializing_if = "OnInvalidOutput::is_fail")]
+    pub on_invalid_output: OnInvalidOutput,
+}
+
+/// What an answer that does not match the agent's `output_schema` means for the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnInvalidOutput {
+    /// The run fails (`invalid_output`), its message naming the errors.
+    #[default]
+    Fail,
+    /// The run succeeds; its result's validation is `invalid {errors}`.
+    Accept,
+}
+
+impl OnInvalidOutput {
+    fn is_fail(&self) -> bool {
+        *self == OnInvalidOutput::Fail
+    }
 }
 
 impl AgentDefinition {
@@ -331,6 +358,11 @@ impl AgentDefinition {
                 return err(format!("tools[{i}].parameters"), &reason);
             }
         }
+        if let Some(schema) = &self.output_schema
+            && let Err(reason) = crate::tools::check_schema(schema)
+        {
+            return err("output_schema".into(), &reason);
+        }
         for (name, p) in &self.policy {
             if !seen.contains(name.as_str()) {
                 return err(format!("policy.{name}"), "names no tool of this agent");
@@ -457,6 +489,37 @@ mod tests {
         // What is stored reads back the same (the schema is part of the revision).
         let stored = serde_json::to_vec(&d).expect("json");
         assert_eq!(AgentDefinition::parse(&stored).expect("valid"), d);
+    }
+
+    #[test]
+    fn an_output_schema_is_checked_when_stored_and_fail_is_the_default() {
+        let d = AgentDefinition::parse(def().to_string().as_bytes()).expect("valid");
+        assert_eq!(d.output_schema, None);
+        assert_eq!(d.on_invalid_output, OnInvalidOutput::Fail);
+        let mut v = def();
+        v["output_schema"] = serde_json::json!({"type": "object", "required": ["answer"],
+            "properties": {"answer": {"type": "string"}}});
+        v["on_invalid_output"] = serde_json::json!("accept");
+        let d = AgentDefinition::parse(v.to_string().as_bytes()).expect("valid");
+        assert_eq!(d.on_invalid_output, OnInvalidOutput::Accept);
+        let stored = serde_json::to_vec(&d).expect("json");
+        assert_eq!(AgentDefinition::parse(&stored).expect("valid"), d);
+        for bad in [
+            serde_json::json!({"type": "strin"}),
+            serde_json::json!({"type": "string", "pattern": "("}),
+            serde_json::json!({"$ref": "#/definitions/missing"}),
+        ] {
+            v["output_schema"] = bad.clone();
+            let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("bad schema");
+            assert_eq!(e.field, "output_schema", "{bad}: {e}");
+        }
+        v["output_schema"] = serde_json::json!({"type": "string"});
+        v["on_invalid_output"] = serde_json::json!("retry_forever");
+        let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("unknown choice");
+        assert!(
+            e.reason.contains("on_invalid_output") || e.reason.contains("retry_forever"),
+            "{e}"
+        );
     }
 
     #[test]
