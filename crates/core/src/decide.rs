@@ -5,7 +5,7 @@
 //! Duplicate and early wakes land on `Idle`: the model is never called while a tool result is
 //! missing (seed 004, 难点 4).
 
-use crate::agent::DEFAULT_APPROVAL_TTL_SECS;
+use crate::agent::{DEFAULT_APPROVAL_TTL_SECS, OnInvalidOutput};
 use crate::event::{
     ApprovalExpired, ApprovalInvalidated, ApprovalRequested, CallbackExpected, Verdict,
 };
@@ -14,7 +14,7 @@ use crate::event::{
     RunCancelled, RunCancelling, RunFailed, RunResumed, RunRevived, RunStarted, RunSucceeded,
     RunUnknown, RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
 };
-use crate::event::{TimerPurpose, TimerScheduled, Timestamp};
+use crate::event::{OutputValidation, TimerPurpose, TimerScheduled, Timestamp};
 use crate::fold::ApprovalStatus;
 use crate::fold::{ASK_USER_TOOL, AWAIT_CALLBACK_TOOL, ChatMessage, OpStatus, RunState, WAIT_TOOL};
 use crate::ids::ApprovalId;
@@ -919,13 +919,23 @@ pub fn complete_step(
         };
         drafts.push(Draft::new(Event::RunWaiting(RunWaiting { on })).step(step));
     } else {
-        drafts.push(
-            Draft::new(Event::RunSucceeded(RunSucceeded {
-                output,
-                validation: Default::default(),
-            }))
-            .step(step),
-        );
+        // The final answer, checked against the output schema of the run's revision.
+        let validation = contract.check_output(&output);
+        let event = match validation {
+            OutputValidation::Invalid { errors }
+                if contract.on_invalid_output() == OnInvalidOutput::Fail =>
+            {
+                Event::RunFailed(RunFailed {
+                    reason: FailureReason::InvalidOutput,
+                    message: format!(
+                        "the answer does not match output_schema: {}",
+                        errors.join("; ")
+                    ),
+                })
+            }
+            validation => Event::RunSucceeded(RunSucceeded { output, validation }),
+        };
+        drafts.push(Draft::new(event).step(step));
     }
     drafts
 }

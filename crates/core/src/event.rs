@@ -415,6 +415,9 @@ pub enum FailureReason {
     ModelRejected,
     Operator,
     Internal,
+    /// The final answer did not match the agent's `output_schema` (with `on_invalid_output:
+    /// fail`); the message names the errors by JSON path.
+    InvalidOutput,
 }
 
 /// An approver's verdict.

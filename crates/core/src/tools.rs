@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use serde_json::{Value, json};
 
-use crate::agent::{AgentDefinition, ToolPolicy, ToolSpec};
-use crate::event::{Digest, ToolCall};
+use crate::agent::{AgentDefinition, OnInvalidOutput, ToolPolicy, ToolSpec};
+use crate::event::{Digest, OutputValidation, ToolCall};
 
 /// A tool Kedge implements itself, with the schema of its arguments.
 #[derive(Debug, Clone, Copy)]
@@ -229,6 +229,9 @@ struct Offered {
 pub struct Contract {
     tools: Option<BTreeMap<String, Offered>>,
     policy: BTreeMap<String, ToolPolicy>,
+    /// The revision's `output_schema`, compiled, if it declares one.
+    output: Option<Offered>,
+    on_invalid_output: OnInvalidOutput,
 }
 
 impl fmt::Debug for Contract {
@@ -239,6 +242,8 @@ impl fmt::Debug for Contract {
                 &self.tools.as_ref().map(|t| t.keys().collect::<Vec<_>>()),
             )
             .field("policy", &self.policy)
+            .field("output_schema", &self.output.is_some())
+            .field("on_invalid_output", &self.on_invalid_output)
             .finish()
     }
 }
@@ -255,13 +260,21 @@ fn cache() -> &'static Mutex<HashMap<Digest, Arc<Contract>>> {
 impl Contract {
     /// The contract of an agent revision, compiled once per tools and policy and then shared.
     pub fn of(def: &AgentDefinition) -> Arc<Contract> {
-        let key = Digest::of(&(&def.tools, &def.policy));
+        let key = Digest::of(&(
+            &def.tools,
+            &def.policy,
+            &def.output_schema,
+            def.on_invalid_output,
+        ));
         if let Ok(cache) = cache().lock()
             && let Some(c) = cache.get(&key)
         {
             return c.clone();
         }
-        let contract = Arc::new(Contract::new(&def.tools, &def.policy));
+        let contract = Arc::new(
+            Contract::new(&def.tools, &def.policy)
+                .with_output(def.output_schema.as_ref(), def.on_invalid_output),
+        );
         if let Ok(mut cache) = cache().lock() {
             if cache.len() >= CACHED_CONTRACTS {
                 cache.clear();
@@ -283,7 +296,63 @@ impl Contract {
         Contract {
             tools: Some(tools),
             policy: policy.clone(),
+            output: None,
+            on_invalid_output: OnInvalidOutput::default(),
         }
+    }
+
+    /// This contract with the final answer checked against `schema` (none: not checked).
+    pub fn with_output(mut self, schema: Option<&Value>, on_invalid: OnInvalidOutput) -> Contract {
+        self.output = schema.map(|s| Offered {
+            validator: jsonschema::validator_for(s).map_err(|e| e.to_string()),
+        });
+        self.on_invalid_output = on_invalid;
+        self
+    }
+
+    /// What an answer that does not match the output schema means for the run.
+    pub fn on_invalid_output(&self) -> OnInvalidOutput {
+        self.on_invalid_output
+    }
+
+    /// Whether the final answer `text` matches the revision's `output_schema`: it must parse as
+    /// JSON and validate; each error names the JSON Pointer of the place (`at /items/0: …`).
+    /// `not_checked` when the revision declares no schema. Pure: a replay decides the same.
+    pub fn check_output(&self, text: &str) -> OutputValidation {
+        let Some(output) = &self.output else {
+            return OutputValidation::NotChecked;
+        };
+        let validator = match &output.validator {
+            Ok(v) => v,
+            Err(reason) => {
+                return OutputValidation::Invalid {
+                    errors: vec![format!("output_schema is not usable: {}", clip(reason))],
+                };
+            }
+        };
+        let value: Value = match serde_json::from_str(text) {
+            Ok(v) => v,
+            Err(e) => {
+                return OutputValidation::Invalid {
+                    errors: vec![format!("at (root): the answer is not JSON: {e}")],
+                };
+            }
+        };
+        if validator.is_valid(&value) {
+            return OutputValidation::Valid;
+        }
+        let errors = validator
+            .iter_errors(&value)
+            .take(MAX_ERRORS)
+            .map(|e| {
+                ArgumentError {
+                    path: e.instance_path().as_str().to_owned(),
+                    message: clip(&e.to_string()),
+                }
+                .to_string()
+            })
+            .collect();
+        OutputValidation::Invalid { errors }
     }
 
     /// The policy for a tool (the default for a tool without an entry). Only asked for tools the

@@ -1323,3 +1323,113 @@ fn huge_durations_never_panic_they_saturate() {
         Timestamp::MIN
     );
 }
+
+fn structured(on_invalid: kedge_core::agent::OnInvalidOutput) -> Contract {
+    let schema = serde_json::json!({
+        "type": "object",
+        "required": ["answer", "sources"],
+        "properties": {
+            "answer": {"type": "string"},
+            "sources": {"type": "array", "items": {"type": "string"}}
+        }
+    });
+    read_and_shell().with_output(Some(&schema), on_invalid)
+}
+
+/// The group that ends the run, and the same group recomputed the way a replay after a crash
+/// would (the writer died after `step.completed`; the next one finishes it).
+fn final_group(contract: &Contract, answer: &str) -> (Vec<Draft>, Sim) {
+    let mut sim = Sim::new(Budget::default());
+    let plan = sim.expect_step();
+    sim.commit(plan.start.clone());
+    let now = Timestamp::now();
+    let group = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        text(answer),
+        false,
+        now,
+        contract,
+    );
+    let mut replay = Sim::new(Budget::default());
+    replay.commit(plan.start.clone());
+    replay.commit(group[..1].to_vec());
+    let Next::Finish(c) = decide(&replay.state()) else {
+        panic!("finish expected")
+    };
+    let rest = kedge_core::decide::finish_step(&replay.state(), &c, now, contract);
+    assert_eq!(rest, group[1..].to_vec(), "a replay decides the same");
+    sim.commit(group.clone());
+    (group, sim)
+}
+
+#[test]
+fn a_final_answer_is_validated_against_the_output_schema() {
+    use kedge_core::agent::OnInvalidOutput;
+    use kedge_core::event::OutputValidation;
+    // No schema: not checked, free text succeeds.
+    let (group, _) = final_group(&read_and_shell(), "plain words");
+    assert!(matches!(
+        &group.last().expect("event").event,
+        Event::RunSucceeded(s) if s.validation == OutputValidation::NotChecked
+    ));
+    // Valid.
+    for on_invalid in [OnInvalidOutput::Fail, OnInvalidOutput::Accept] {
+        let (group, sim) = final_group(
+            &structured(on_invalid),
+            r#"{"answer": "42", "sources": ["a", "b"]}"#,
+        );
+        assert!(
+            matches!(&group.last().expect("event").event,
+                Event::RunSucceeded(s) if s.validation == OutputValidation::Valid),
+            "{group:?}"
+        );
+        assert_eq!(
+            sim.state().status,
+            kedge_core::machine::RunStatus::Succeeded
+        );
+    }
+    // Invalid, fail: the run fails naming the JSON paths.
+    let bad = r#"{"answer": 42, "sources": ["a", 7]}"#;
+    let (group, sim) = final_group(&structured(OnInvalidOutput::Fail), bad);
+    let Event::RunFailed(f) = &group.last().expect("event").event else {
+        panic!("run.failed expected: {group:?}")
+    };
+    assert_eq!(f.reason, FailureReason::InvalidOutput);
+    assert!(f.message.contains("at /answer:"), "{}", f.message);
+    assert!(f.message.contains("at /sources/1:"), "{}", f.message);
+    assert_eq!(sim.state().status, kedge_core::machine::RunStatus::Failed);
+    // Invalid, accept: the run succeeds with the errors.
+    let (group, sim) = final_group(&structured(OnInvalidOutput::Accept), bad);
+    let Event::RunSucceeded(s) = &group.last().expect("event").event else {
+        panic!("run.succeeded expected: {group:?}")
+    };
+    let OutputValidation::Invalid { errors } = &s.validation else {
+        panic!("invalid expected: {s:?}")
+    };
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(errors[0].starts_with("at /answer:"), "{errors:?}");
+    assert_eq!(s.output, bad);
+    assert_eq!(
+        sim.state().status,
+        kedge_core::machine::RunStatus::Succeeded
+    );
+    // Not JSON at all.
+    let (group, _) = final_group(&structured(OnInvalidOutput::Accept), "Sure! Here it is.");
+    assert!(
+        matches!(&group.last().expect("event").event,
+            Event::RunSucceeded(s) if matches!(&s.validation,
+                OutputValidation::Invalid { errors } if errors[0].contains("not JSON"))),
+        "{group:?}"
+    );
+    // A step that calls tools is not a final answer: nothing is validated.
+    let mut sim = Sim::new(Budget::default());
+    let group = complete_under(
+        &mut sim,
+        &structured(OnInvalidOutput::Fail),
+        calls(&[("c1", "read_file", serde_json::json!({"path": "a"}))]),
+    );
+    assert_eq!(types(&group).last(), Some(&"run.waiting"));
+}
