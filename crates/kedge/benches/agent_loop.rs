@@ -1654,6 +1654,7 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                     context: &plan.context,
                     request_id,
                     max_output_tokens: def.max_output_tokens,
+                    output_schema: def.output_schema.as_ref(),
                     timeout: Duration::from_secs(10),
                 };
                 let mut sink = |_d: kedge_model::Delta| {};

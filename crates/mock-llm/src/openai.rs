@@ -504,6 +504,75 @@ const PARAMS: [&str; 34] = [
     "safety_identifier",
 ];
 
+/// `response_format` as the real API checks it: `type` one of `text`, `json_object`,
+/// `json_schema`; with `json_schema`, an object `json_schema` with a `name` matching
+/// `^[a-zA-Z0-9_-]{1,64}$`, an optional object `schema` and an optional boolean `strict`.
+fn check_response_format(format: &Value) -> Result<(), ApiError> {
+    let Some(obj) = format.as_object() else {
+        return Err(wrong_type("response_format", "an object", format));
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        None => return Err(missing("response_format.type")),
+        Some("text" | "json_object") => return Ok(()),
+        Some("json_schema") => {}
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                format!(
+                    "Invalid value: '{other}'. Supported values are: 'text', 'json_object', and \
+                     'json_schema'."
+                ),
+                "response_format.type",
+            ));
+        }
+    }
+    let Some(spec) = obj.get("json_schema") else {
+        return Err(missing("response_format.json_schema"));
+    };
+    let Some(spec) = spec.as_object() else {
+        return Err(wrong_type("response_format.json_schema", "an object", spec));
+    };
+    match spec.get("name") {
+        None => return Err(missing("response_format.json_schema.name")),
+        Some(Value::String(name)) if crate::script::valid_tool_name(name) => {}
+        Some(Value::String(name)) => {
+            return Err(ApiError::invalid_param(
+                format!(
+                    "Invalid 'response_format.json_schema.name': string does not match pattern. \
+                     Expected a string that matches the pattern '^[a-zA-Z0-9_-]{{1,64}}$', but got \
+                     '{name}' instead."
+                ),
+                "response_format.json_schema.name",
+            ));
+        }
+        Some(other) => {
+            return Err(wrong_type(
+                "response_format.json_schema.name",
+                "a string",
+                other,
+            ));
+        }
+    }
+    if let Some(schema) = spec.get("schema")
+        && !schema.is_object()
+    {
+        return Err(wrong_type(
+            "response_format.json_schema.schema",
+            "an object",
+            schema,
+        ));
+    }
+    if let Some(strict) = spec.get("strict")
+        && !(strict.is_boolean() || strict.is_null())
+    {
+        return Err(wrong_type(
+            "response_format.json_schema.strict",
+            "a boolean",
+            strict,
+        ));
+    }
+    Ok(())
+}
+
 /// `Invalid 'param': decimal above/below …` for a number outside `min..=max`.
 fn check_range(
     obj: &serde_json::Map<String, Value>,
@@ -607,6 +676,9 @@ fn check_settings(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> 
                 "reasoning_effort",
             ));
         }
+    }
+    if let Some(format) = field(obj, "response_format") {
+        check_response_format(format)?;
     }
     let tool_names: Option<Vec<&str>> = field(obj, "tools").and_then(Value::as_array).map(|t| {
         t.iter()
@@ -953,6 +1025,48 @@ mod tests {
             let e = rejected(&with(extra.clone()));
             assert_eq!(e.param.as_deref(), Some(param), "{extra}: {}", e.message);
             assert!(e.message.contains(words), "{extra}: {}", e.message);
+        }
+        validate(&with(
+            json!({"response_format": {"type": "json_schema", "json_schema":
+            {"name": "output", "schema": {"type": "object"}, "strict": false}}}),
+        ))
+        .expect("a json_schema response format");
+        validate(&with(json!({"response_format": {"type": "json_object"}}))).expect("json_object");
+        for (format, param, words) in [
+            (
+                json!({"type": "yaml"}),
+                "response_format.type",
+                "Supported values",
+            ),
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+                "Missing required",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {}}}),
+                "response_format.json_schema.name",
+                "Missing required",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "my output"}}),
+                "response_format.json_schema.name",
+                "does not match pattern",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "o", "schema": "x"}}),
+                "response_format.json_schema.schema",
+                "expected an object",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "o", "strict": "no"}}),
+                "response_format.json_schema.strict",
+                "expected a boolean",
+            ),
+        ] {
+            let e = rejected(&with(json!({ "response_format": format.clone() })));
+            assert_eq!(e.param.as_deref(), Some(param), "{format}: {}", e.message);
+            assert!(e.message.contains(words), "{format}: {}", e.message);
         }
         let e = rejected(&with(
             json!({"thinking": {"type": "enabled", "budget_tokens": 2048}}),

@@ -62,6 +62,9 @@ pub struct ModelCall<'a> {
     /// Sent as `X-Kedge-Request-Id`.
     pub request_id: &'a ModelRequestId,
     pub max_output_tokens: u32,
+    /// The agent's `output_schema`: the final answer is requested as JSON matching it where
+    /// the provider has a structured-output form (OpenAI `response_format`).
+    pub output_schema: Option<&'a serde_json::Value>,
     /// Limit on the whole call, from sending the request to the last byte of the stream.
     /// Waiting for the first byte and the gaps between chunks are also bounded by
     /// [`ModelClient::with_idle_timeout`] when that is shorter.
@@ -78,6 +81,7 @@ impl fmt::Debug for ModelCall<'_> {
             .field("context", &self.context.len())
             .field("request_id", self.request_id)
             .field("max_output_tokens", &self.max_output_tokens)
+            .field("output_schema", &self.output_schema.is_some())
             .field("timeout", &self.timeout)
             .finish()
     }
@@ -571,6 +575,7 @@ pub(crate) mod tests {
             context,
             request_id: &REQUEST_ID,
             max_output_tokens: 256,
+            output_schema: None,
             timeout: Duration::from_secs(5),
         }
     }

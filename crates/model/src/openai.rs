@@ -139,8 +139,19 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
     if let Some(effort) = s.reasoning_effort {
         body["reasoning_effort"] = effort.as_str().into();
     }
+    if let Some(schema) = call.output_schema {
+        // Not strict: strict mode accepts only a subset of JSON Schema, and Kedge validates
+        // the answer against the whole schema in any case.
+        body["response_format"] = json!({
+            "type": "json_schema",
+            "json_schema": {"name": OUTPUT_SCHEMA_NAME, "schema": schema, "strict": false},
+        });
+    }
     body
 }
+
+/// `response_format.json_schema.name` of the agent's `output_schema`.
+pub const OUTPUT_SCHEMA_NAME: &str = "output";
 
 fn is_public_endpoint(base_url: Option<&str>) -> bool {
     base_url.is_none_or(|u| u.contains("://api.openai.com"))
@@ -550,5 +561,26 @@ mod tests {
         assert!(body.get("max_tokens").is_none());
         assert!(body.get("tools").is_none());
         assert_eq!(body["messages"], json!([{"role": "user", "content": "hi"}]));
+    }
+
+    #[test]
+    fn an_output_schema_is_requested_as_response_format_json_schema() {
+        let spec = ModelSpec {
+            provider: Provider::Openai,
+            name: "gpt-test".into(),
+            base_url: None,
+            settings: Default::default(),
+            price: None,
+        };
+        let context = vec![ChatMessage::User { text: "hi".into() }];
+        let mut call = call_with(&spec, &context);
+        assert!(request_body(&call).get("response_format").is_none());
+        let schema = json!({"type": "object", "properties": {"answer": {"type": "string"}}});
+        call.output_schema = Some(&schema);
+        assert_eq!(
+            request_body(&call)["response_format"],
+            json!({"type": "json_schema",
+                   "json_schema": {"name": "output", "schema": schema, "strict": false}})
+        );
     }
 }

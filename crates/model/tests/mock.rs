@@ -91,6 +91,7 @@ async fn call_with(
         context,
         request_id: id,
         max_output_tokens: 512,
+        output_schema: None,
         timeout,
     };
     let mut text_deltas = String::new();
@@ -583,6 +584,7 @@ async fn try_call_settings(
         context,
         request_id: &id,
         max_output_tokens: 4096,
+        output_schema: None,
         timeout: SECS_5,
     };
     ModelClient::new().complete(&call, &mut |_| {}).await

@@ -73,6 +73,7 @@ async fn a_redirect_is_an_error_and_the_key_goes_nowhere_else() {
             context: &context,
             request_id: &id,
             max_output_tokens: 16,
+            output_schema: None,
             timeout: Duration::from_secs(5),
         };
         let result = ModelClient::new().complete(&call, &mut |_| {}).await;

@@ -716,6 +716,7 @@ impl Driver {
             context: &plan.context,
             request_id: &plan.request_id,
             max_output_tokens: def.max_output_tokens,
+            output_schema: def.output_schema.as_ref(),
             timeout: self.rt.config.timeouts.model_timeout(),
         };
         // Token deltas go to core NATS, never to the journal.
