@@ -370,6 +370,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             let state = kedge_core::fold(page.events.iter().map(|r| (r.seq, &r.envelope)))?;
             println!("{}", timeline::status_line(&state));
+            if let Some(v) = kedge_runtime::view::result_validation(&page.events) {
+                println!("{}", timeline::validation_line(&v));
+            }
             // Messages on the run's subjects that are not events of the run: skipped by every
             // reader, recorded on agent.rejected.journal.<run>.<seq> (KEDGE_REJECTIONS).
             if !page.set_aside.is_empty() {

@@ -1,6 +1,6 @@
 //! A run's events as a readable timeline (`kedge watch`, `kedge demo`).
 
-use kedge_core::event::{AttemptOutcome, Event};
+use kedge_core::event::{AttemptOutcome, Event, OutputValidation};
 use kedge_core::fold::RunState;
 use kedge_journal::Recorded;
 
@@ -98,6 +98,21 @@ pub fn line(r: &Recorded) -> String {
     )
 }
 
+/// The result's check against the agent's `output_schema`, in one line (the run's result
+/// reported apart from its status).
+pub fn validation_line(v: &OutputValidation) -> String {
+    match v {
+        OutputValidation::NotChecked => {
+            "result: not checked (the agent declares no output_schema)".to_owned()
+        }
+        OutputValidation::Valid => "result: valid against the agent's output_schema".to_owned(),
+        OutputValidation::Invalid { errors } => format!(
+            "result: invalid against the agent's output_schema: {}",
+            errors.join("; ")
+        ),
+    }
+}
+
 /// The run's status in one line.
 pub fn status_line(s: &RunState) -> String {
     let mut line = format!(
@@ -107,6 +122,15 @@ pub fn status_line(s: &RunState) -> String {
         s.step,
         s.usage.total()
     );
+    if let Some(cost) = s.usage.cost {
+        let currency = s
+            .bundle
+            .model
+            .price
+            .as_ref()
+            .map_or("", |p| p.currency.as_str());
+        line.push_str(&format!(", cost {cost:.4} {currency}"));
+    }
     if let Some(out) = &s.output {
         line.push_str(&format!(" · output “{}”", clip(out, 100)));
     }
@@ -114,4 +138,22 @@ pub fn status_line(s: &RunState) -> String {
         line.push_str(&format!(" · failed: {}", f.message));
     }
     line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_result_is_reported_with_its_validation() {
+        assert!(validation_line(&OutputValidation::NotChecked).contains("not checked"));
+        assert!(validation_line(&OutputValidation::Valid).contains("valid against"));
+        let invalid = validation_line(&OutputValidation::Invalid {
+            errors: vec!["at /answer: 42 is not of type \"string\"".into()],
+        });
+        assert!(
+            invalid.contains("invalid") && invalid.contains("/answer"),
+            "{invalid}"
+        );
+    }
 }
