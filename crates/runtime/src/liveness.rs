@@ -47,6 +47,10 @@ pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 const FORGET_AFTER: Duration = Duration::from_secs(600);
 /// At most this many workers are tracked (a flood of made-up names cannot grow memory).
 const MAX_PEERS: usize = 4096;
+/// At most this many runs and this many operations are remembered per worker (far above any
+/// `step_concurrency` / `tool_concurrency` in use; beyond it, a gone worker's extra holdings are
+/// recovered by redelivery instead).
+const MAX_HELD: usize = 10_000;
 
 /// What a heartbeat says its process holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,24 +65,31 @@ pub struct Beat {
     /// run or operation is announced at once, with one id instead of everything held).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub added: bool,
+    /// Which process sent it (random per process): two live processes configured with the same
+    /// worker id are told apart, and each logs it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub instance: String,
 }
 
 impl Beat {
     /// What a watcher knows its sender holds after this heartbeat, `known` before it.
+    /// At most [`MAX_HELD`] runs and operations are kept.
     fn onto(self, known: &mut Beat) {
         if self.added {
             for run in self.runs {
-                if !known.runs.contains(&run) {
+                if known.runs.len() < MAX_HELD && !known.runs.contains(&run) {
                     known.runs.push(run);
                 }
             }
             for op in self.ops {
-                if !known.ops.contains(&op) {
+                if known.ops.len() < MAX_HELD && !known.ops.contains(&op) {
                     known.ops.push(op);
                 }
             }
         } else {
             *known = self;
+            known.runs.truncate(MAX_HELD);
+            known.ops.truncate(MAX_HELD);
         }
     }
 }
@@ -115,6 +126,10 @@ struct Peer {
 struct Inner {
     client: Client,
     me: String,
+    /// This process among those that may (wrongly) share its worker id.
+    instance: String,
+    /// Another live process heartbeats under this worker id.
+    id_shared: std::sync::atomic::AtomicBool,
     heartbeat: Duration,
     suspect_after: Duration,
     runs: Mutex<BTreeSet<RunId>>,
@@ -203,6 +218,8 @@ impl Liveness {
         let inner = Arc::new(Inner {
             client,
             me: worker.to_owned(),
+            instance: uuid::Uuid::new_v4().simple().to_string(),
+            id_shared: std::sync::atomic::AtomicBool::new(false),
             heartbeat,
             suspect_after,
             runs: Mutex::default(),
@@ -239,6 +256,7 @@ impl Liveness {
                 runs: vec![run.clone()],
                 ops: Vec::new(),
                 added: true,
+                instance: self.inner.instance.clone(),
             };
             send_added(&self.inner, &added).await;
         }
@@ -261,6 +279,7 @@ impl Liveness {
                 runs: Vec::new(),
                 ops: vec![op.clone()],
                 added: true,
+                instance: self.inner.instance.clone(),
             };
             send_added(&self.inner, &added).await;
         }
@@ -273,6 +292,16 @@ impl Liveness {
     /// The deaths of other workers, as this process finds them.
     pub fn deaths(&self) -> broadcast::Receiver<Death> {
         self.inner.deaths.subscribe()
+    }
+
+    /// Whether no other live process heartbeats under this process's worker id. Only then may
+    /// a lease or record under that id be taken for a leftover of this process's own (e.g.
+    /// from before a restart): with two live processes sharing an id, it may be the other's.
+    pub fn id_is_unique(&self) -> bool {
+        !self
+            .inner
+            .id_shared
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether `worker` is gone: this process itself never is; one whose heartbeat arrived
@@ -341,6 +370,7 @@ fn snapshot(live: &Inner) -> Beat {
             .map(|s| s.iter().cloned().collect())
             .unwrap_or_default(),
         added: false,
+        instance: live.instance.clone(),
     }
 }
 
@@ -413,11 +443,28 @@ async fn watch_heartbeats(inner: Weak<Inner>, mut beats: async_nats::Subscriber)
         let Some(worker) = msg.subject.as_str().strip_prefix("kedge.live.hb.") else {
             continue;
         };
-        if worker == live.me || !subjects::is_token(worker) {
+        if !subjects::is_token(worker) {
             continue;
         }
         // A heartbeat that does not parse still says its sender is alive.
         let held = serde_json::from_slice::<Beat>(&msg.payload).ok();
+        if worker == live.me {
+            let other = held
+                .as_ref()
+                .is_some_and(|b| !b.instance.is_empty() && b.instance != live.instance);
+            if other
+                && !live
+                    .id_shared
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+            {
+                tracing::error!(
+                    worker = %live.me,
+                    "another live process uses this worker id: worker ids must be unique \
+                     (leases it left behind are no longer taken for this process's own)"
+                );
+            }
+            continue;
+        }
         let Ok(mut peers) = live.peers.lock() else {
             return;
         };
@@ -516,6 +563,7 @@ mod tests {
             runs: vec![run.clone()],
             ops: vec![],
             added: true,
+            instance: String::new(),
         };
         added(&a).onto(&mut known);
         added(&b).onto(&mut known);
@@ -525,6 +573,7 @@ mod tests {
             runs: vec![b.clone()],
             ops: vec![],
             added: false,
+            instance: String::new(),
         }
         .onto(&mut known);
         assert_eq!(known.runs, vec![b]);
@@ -533,6 +582,15 @@ mod tests {
         assert_eq!(body, r#"{"runs":[],"ops":[]}"#);
         let parsed: Beat = serde_json::from_str(r#"{"runs":[],"added":true}"#).expect("parses");
         assert!(parsed.added);
+        // A heartbeat cannot make a watcher remember more than MAX_HELD of either.
+        let flood = Beat {
+            runs: (0..MAX_HELD + 5).map(|_| RunId::generate()).collect(),
+            ..Beat::default()
+        };
+        flood.onto(&mut known);
+        assert_eq!(known.runs.len(), MAX_HELD);
+        added(&RunId::generate()).onto(&mut known);
+        assert_eq!(known.runs.len(), MAX_HELD);
     }
 
     #[test]
@@ -544,6 +602,7 @@ mod tests {
             runs: vec![run.clone()],
             ops: vec![],
             added: false,
+            instance: String::new(),
         })
         .expect("encodes");
         let back: Beat = serde_json::from_slice(&body).expect("decodes");

@@ -429,9 +429,11 @@ impl Driver {
             // Held by a process that is gone (the broker has no connection for it), or by this
             // process itself (one drive per run per process, so such a lease is left over from
             // an earlier holding whose release failed, possibly before a restart under the same
-            // worker id): take it over now instead of waiting out its TTL.
+            // worker id; unless another live process heartbeats under that id): take it over now
+            // instead of waiting out its TTL.
             Err(LeaseError::Held { owner, revision })
-                if owner == cfg.worker_id || self.liveness.is_gone(&owner).await =>
+                if (owner == cfg.worker_id && self.liveness.id_is_unique())
+                    || self.liveness.is_gone(&owner).await =>
             {
                 match self
                     .rt

@@ -1,0 +1,65 @@
+//! The failure detector against a real nats-server: what is held is announced, a process whose
+//! connection closes is found gone with what it held, and two processes wrongly sharing a
+//! worker id notice it.
+
+use std::time::Duration;
+
+use kedge_core::ids::RunId;
+use kedge_runtime::liveness::{Liveness, Verdict, ping};
+use kedge_testkit::NatsServer;
+
+const BEAT: Duration = Duration::from_millis(50);
+const SUSPECT: Duration = Duration::from_millis(150);
+
+async fn client(server: &NatsServer) -> async_nats::Client {
+    async_nats::connect(server.url()).await.expect("connects")
+}
+
+#[tokio::test]
+async fn a_closed_connection_is_gone_with_what_it_held() {
+    let server = NatsServer::start().await;
+    let watcher = Liveness::start(client(&server).await, "w-watch", BEAT, SUSPECT)
+        .await
+        .expect("starts");
+    let mut deaths = watcher.deaths();
+    let doomed_client = client(&server).await;
+    let doomed = Liveness::start(doomed_client.clone(), "w-doomed", BEAT, SUSPECT)
+        .await
+        .expect("starts");
+    let run = RunId::generate();
+    let _hold = doomed.hold_run(&run).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        ping(&doomed_client, "w-doomed", SUSPECT).await,
+        Verdict::Alive
+    );
+    // The process's connection closes (what a kill -9 does to it): the server drops its
+    // subscriptions, and its heartbeats stop.
+    doomed_client.drain().await.expect("drained");
+    std::mem::forget(_hold);
+    std::mem::forget(doomed);
+    let death = tokio::time::timeout(Duration::from_secs(10), deaths.recv())
+        .await
+        .expect("found gone in time")
+        .expect("a death");
+    assert_eq!(death.worker, "w-doomed");
+    assert_eq!(death.held.runs, vec![run]);
+    assert!(watcher.id_is_unique());
+}
+
+#[tokio::test]
+async fn two_live_processes_sharing_a_worker_id_notice_it() {
+    let server = NatsServer::start().await;
+    let alone = Liveness::start(client(&server).await, "w-alone", BEAT, SUSPECT)
+        .await
+        .expect("starts");
+    let a = Liveness::start(client(&server).await, "w-same", BEAT, SUSPECT)
+        .await
+        .expect("starts");
+    let b = Liveness::start(client(&server).await, "w-same", BEAT, SUSPECT)
+        .await
+        .expect("starts");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(!a.id_is_unique() && !b.id_is_unique());
+    assert!(alone.id_is_unique(), "its own heartbeats are not another's");
+}
