@@ -7,7 +7,9 @@
 //!   it holds: the runs whose lease it holds and the tool operations it is running. A newly held
 //!   run or operation is announced at once, before the holder acts on it (so a process killed
 //!   right after it took a run, at the worst moment, is still known to have held it); a release
-//!   is announced after [`CHANGE_GAP`] if still true. Core NATS: nothing is stored, and a broker
+//!   goes out with the next periodic beat (announcing it sooner would only spare a standby a
+//!   harmless, idle drive of a released run, and only when this process dies in between).
+//!   Core NATS: nothing is stored, and a broker
 //!   leader election (a JetStream matter) does not interrupt it;
 //! - answers **pings** on `kedge.live.ping.<worker>`;
 //! - **watches** every other worker's heartbeats. One silent for `suspect_after_ms` is a suspect
@@ -35,12 +37,10 @@ use futures::StreamExt as _;
 use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects::{self, LIVE_HEARTBEATS};
 use serde::{Deserialize, Serialize};
-use tokio::sync::{Notify, broadcast};
+use tokio::sync::broadcast;
 
 use crate::RuntimeError;
 
-/// The shortest gap between two heartbeats sent because what the process holds changed.
-pub const CHANGE_GAP: Duration = Duration::from_millis(20);
 /// How often a silent process that answered (or did not answer) a ping is pinged again.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// A worker silent this long is forgotten (it left without a verdict: e.g. stopped cleanly).
@@ -134,10 +134,6 @@ struct Inner {
     suspect_after: Duration,
     runs: Mutex<BTreeSet<RunId>>,
     ops: Mutex<BTreeSet<OperationId>>,
-    changed: Notify,
-    /// What the last heartbeat sent said (the periodic task sends between two periodic beats
-    /// only when this changed).
-    last_sent: Mutex<Option<Beat>>,
     peers: Mutex<HashMap<String, Peer>>,
     deaths: broadcast::Sender<Death>,
 }
@@ -178,12 +174,9 @@ impl std::fmt::Debug for Hold {
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        let removed = match &self.what {
-            Held::Run(run) => self.inner.runs.lock().is_ok_and(|mut s| s.remove(run)),
-            Held::Op(op) => self.inner.ops.lock().is_ok_and(|mut s| s.remove(op)),
-        };
-        if removed {
-            self.inner.changed.notify_one();
+        match &self.what {
+            Held::Run(run) => drop(self.inner.runs.lock().map(|mut s| s.remove(run))),
+            Held::Op(op) => drop(self.inner.ops.lock().map(|mut s| s.remove(op))),
         }
     }
 }
@@ -224,8 +217,6 @@ impl Liveness {
             suspect_after,
             runs: Mutex::default(),
             ops: Mutex::default(),
-            changed: Notify::new(),
-            last_sent: Mutex::default(),
             peers: Mutex::default(),
             deaths,
         });
@@ -258,7 +249,7 @@ impl Liveness {
                 added: true,
                 instance: self.inner.instance.clone(),
             };
-            send_added(&self.inner, &added).await;
+            publish(&self.inner, &added).await;
         }
         Hold {
             inner: self.inner.clone(),
@@ -281,7 +272,7 @@ impl Liveness {
                 added: true,
                 instance: self.inner.instance.clone(),
             };
-            send_added(&self.inner, &added).await;
+            publish(&self.inner, &added).await;
         }
         Hold {
             inner: self.inner.clone(),
@@ -390,50 +381,14 @@ async fn publish(live: &Inner, beat: &Beat) {
     }
 }
 
-/// Publishes a full heartbeat: what this process holds now.
-async fn send_beat(live: &Inner) {
-    let beat = snapshot(live);
-    publish(live, &beat).await;
-    if let Ok(mut last) = live.last_sent.lock() {
-        *last = Some(beat);
-    }
-}
-
-/// Publishes what was just taken; watchers add it to what they know.
-async fn send_added(live: &Inner, added: &Beat) {
-    publish(live, added).await;
-    // What watchers now know, near enough: a release not yet announced goes out with the next
-    // change check or periodic beat.
-    if let Ok(mut last) = live.last_sent.lock() {
-        *last = Some(snapshot(live));
-    }
-}
-
+/// Publishes a full heartbeat every `heartbeat`: what this process holds now.
 async fn send_heartbeats(inner: Weak<Inner>) {
-    // A heartbeat goes out every `heartbeat`, and between two when what is held shrank since
-    // the last one sent (what is newly held is announced at once by `hold_run`/`hold_op`; a
-    // release is worth a message only if it is still true after the coalescing gap).
-    let mut due = tokio::time::Instant::now();
     loop {
         let Some(live) = inner.upgrade() else { return };
-        let now = tokio::time::Instant::now();
-        let changed = live
-            .last_sent
-            .lock()
-            .map(|last| last.as_ref() != Some(&snapshot(&live)))
-            .unwrap_or(true);
-        if now >= due || changed {
-            send_beat(&live).await;
-            due = now + live.heartbeat;
-        }
-        let notified = async {
-            live.changed.notified().await;
-            tokio::time::sleep(CHANGE_GAP).await;
-        };
-        tokio::select! {
-            _ = tokio::time::sleep_until(due) => {}
-            _ = notified => {}
-        }
+        publish(&live, &snapshot(&live)).await;
+        let every = live.heartbeat;
+        drop(live);
+        tokio::time::sleep(every).await;
     }
 }
 
