@@ -654,12 +654,7 @@ fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>) -> Next {
     if let Some(max_cost) = budget.max_cost {
         let spent = state.usage.cost.unwrap_or(0.0);
         if spent >= max_cost {
-            let currency = state
-                .bundle
-                .model
-                .price
-                .as_ref()
-                .map_or("", |p| p.currency.as_str());
+            let currency = state.bundle.model.currency().unwrap_or_default();
             return fail_after(
                 prefix,
                 FailureReason::MaxCost,

@@ -200,6 +200,14 @@ pub struct ModelSpec {
     pub price: Option<Price>,
 }
 
+impl ModelSpec {
+    /// The currency of the model's price (and of the run's cost and `budget.max_cost`), if it
+    /// has one.
+    pub fn currency(&self) -> Option<&str> {
+        self.price.as_ref().map(|p| p.currency.as_str())
+    }
+}
+
 /// Limits a run is held to. Frozen into `run.created`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Budget {

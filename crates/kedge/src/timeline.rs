@@ -123,12 +123,7 @@ pub fn status_line(s: &RunState) -> String {
         s.usage.total()
     );
     if let Some(cost) = s.usage.cost {
-        let currency = s
-            .bundle
-            .model
-            .price
-            .as_ref()
-            .map_or("", |p| p.currency.as_str());
+        let currency = s.bundle.model.currency().unwrap_or_default();
         line.push_str(&format!(", cost {cost:.4} {currency}"));
     }
     if let Some(out) = &s.output {

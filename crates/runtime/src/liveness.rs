@@ -237,46 +237,43 @@ impl Liveness {
     /// heartbeat saying so is sent before this returns (not at the next beat): whatever the
     /// holder does next (a model call) happens after a standby can know it holds the run.
     pub async fn hold_run(&self, run: &RunId) -> Hold {
-        let new = self
-            .inner
-            .runs
-            .lock()
-            .is_ok_and(|mut s| s.insert(run.clone()));
-        if new {
-            let added = Beat {
-                runs: vec![run.clone()],
-                ops: Vec::new(),
-                added: true,
-                instance: self.inner.instance.clone(),
-            };
-            publish(&self.inner, &added).await;
-        }
-        Hold {
-            inner: self.inner.clone(),
-            what: Held::Run(run.clone()),
-        }
+        self.hold(Held::Run(run.clone())).await
     }
 
     /// Announces that this process runs operation `op` until the [`Hold`] is dropped; like
     /// [`Liveness::hold_run`], announced before this returns (before the tool runs).
     pub async fn hold_op(&self, op: &OperationId) -> Hold {
-        let new = self
-            .inner
-            .ops
-            .lock()
-            .is_ok_and(|mut s| s.insert(op.clone()));
+        self.hold(Held::Op(op.clone())).await
+    }
+
+    async fn hold(&self, what: Held) -> Hold {
+        let mut added = Beat {
+            added: true,
+            instance: self.inner.instance.clone(),
+            ..Beat::default()
+        };
+        let new = match &what {
+            Held::Run(run) => {
+                added.runs.push(run.clone());
+                self.inner
+                    .runs
+                    .lock()
+                    .is_ok_and(|mut s| s.insert(run.clone()))
+            }
+            Held::Op(op) => {
+                added.ops.push(op.clone());
+                self.inner
+                    .ops
+                    .lock()
+                    .is_ok_and(|mut s| s.insert(op.clone()))
+            }
+        };
         if new {
-            let added = Beat {
-                runs: Vec::new(),
-                ops: vec![op.clone()],
-                added: true,
-                instance: self.inner.instance.clone(),
-            };
             publish(&self.inner, &added).await;
         }
         Hold {
             inner: self.inner.clone(),
-            what: Held::Op(op.clone()),
+            what,
         }
     }
 

@@ -317,12 +317,7 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
         current_step,
         waiting,
         usage: UsageView {
-            currency: state
-                .bundle
-                .model
-                .price
-                .as_ref()
-                .map(|p| p.currency.clone()),
+            currency: state.bundle.model.currency().map(str::to_owned),
             ..state.usage.into()
         },
         budget: state.bundle.budget.clone(),
