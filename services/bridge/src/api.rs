@@ -647,6 +647,132 @@ pub(crate) async fn approve(
     ))
 }
 
+/// `POST /v1/runs/{id}/operations/{op}/resolve`: a person's verdict on an operation whose
+/// outcome is ambiguous (its runner died mid-effect and the tool has no confirm query):
+/// `completed` (with the result to give the model), `retry` (run it again under the same
+/// operation id) or `failed` (with the reason). Journals `outcome.resolved`; needs `write`.
+pub(crate) async fn resolve(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path((id, op)): Path<(String, String)>,
+    raw: std::result::Result<Bytes, BytesRejection>,
+) -> Result<Response> {
+    use kedge_core::event::{Draft, Envelope, Event, OutcomeResolved, Resolution, Timestamp};
+    use kedge_core::fold::OpStatus;
+    caller.require_write()?;
+    let run = run_id(&id)?;
+    let op: kedge_core::ids::OperationId = op
+        .parse()
+        .map_err(|e: kedge_core::ids::IdError| Problem::malformed("op", e.to_string()))?;
+    let raw = body(raw, bridge.config.max_body_bytes)?;
+    let obj = object(&raw, &["resolution", "content", "reason"], false)?;
+    let resolution = match text(&obj, "resolution", true, 16)?.as_deref() {
+        Some("retry") => Resolution::Retry,
+        Some("completed") => Resolution::Completed {
+            content: text(&obj, "content", true, MAX_INPUT_BYTES)?.unwrap_or_default(),
+        },
+        Some("failed") => Resolution::Failed {
+            reason: text(&obj, "reason", true, 4096)?.unwrap_or_default(),
+        },
+        _ => {
+            return Err(Problem::invalid(
+                "resolution",
+                "must be \"completed\", \"retry\" or \"failed\"",
+            ));
+        }
+    };
+    let events = owned_run(&bridge, &caller, &run).await?;
+    let state = fold(&run, &events)?;
+    let not_found =
+        || Problem::not_found(format!("run {run} has no operation {op}")).with_field("op");
+    if op.run() != &run {
+        return Err(not_found());
+    }
+    let tool = state.ops.get(&op).ok_or_else(not_found)?;
+    if tool.result.is_some() || !matches!(tool.status, OpStatus::Ambiguous { .. }) {
+        return Err(Problem::conflict(
+            "operation-not-ambiguous",
+            format!("operation {op} has no ambiguous outcome to resolve (it has a result, or its fate is still being found out)"),
+        )
+        .with_field("op"));
+    }
+    let mut draft = Draft::new(Event::OutcomeResolved(OutcomeResolved {
+        resolution,
+        by: caller.name.clone(),
+    }));
+    draft.op = Some(op.clone());
+    let env = Envelope::new(run.clone(), Timestamp::now(), draft);
+    let nonce = uuid::Uuid::now_v7().simple().to_string();
+    let seq = bridge
+        .rt
+        .journal
+        .append_input(
+            &env,
+            kedge_core::ids::InputId::outcome_resolved(&op, &nonce).as_str(),
+        )
+        .await?;
+    Ok(accepted(
+        json!({ "run_id": run, "op": op, "seq": seq, "links": Links::for_run(&run) }),
+    ))
+}
+
+/// `POST /v1/runs/{id}/sse-ticket`: an SSE ticket for the run's event stream, as an `HttpOnly;
+/// SameSite=Strict` cookie scoped to `/v1/runs/{id}/events` ([`crate::ticket`]), so a browser's
+/// `EventSource` needs no token in its URL. Any scope may ask (it only reads).
+pub(crate) async fn sse_ticket(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response> {
+    let run = run_id(&id)?;
+    check_owner(&bridge, &caller, &run).await?;
+    let (ticket, expires) = bridge
+        .auth
+        .issue_ticket(&caller, &run, crate::ticket::now_unix())
+        .ok_or_else(|| Problem::internal("no ticket key for this caller"))?;
+    // Behind a TLS-terminating proxy the cookie is marked Secure (it only ever names the proxy's
+    // own scheme, so a forged header can only make the cookie stricter).
+    let secure = headers
+        .get("x-forwarded-proto")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"https"));
+    let ttl = bridge.auth.ticket_ttl();
+    let cookie = crate::ticket::set_cookie(&run, &ticket, ttl, secure);
+    let expires_at = time::OffsetDateTime::from_unix_timestamp(expires as i64)
+        .ok()
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        });
+    let mut response = Json(json!({
+        "run_id": run,
+        "expires_at": expires_at,
+        "ttl_secs": ttl.as_secs(),
+        "events": Links::for_run(&run).events,
+    }))
+    .into_response();
+    let h = response.headers_mut();
+    h.insert(
+        header::SET_COOKIE,
+        HeaderValue::from_str(&cookie).map_err(|e| Problem::internal(e.to_string()))?,
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    Ok(response)
+}
+
+/// `GET /v1/whoami`: the tenant and scope of the caller's token (the console shows only the
+/// actions the scope allows).
+pub(crate) async fn whoami(caller: Caller) -> Response {
+    Json(json!({
+        "tenant": caller.tenant,
+        "scope": caller.scope.as_str(),
+        "caller": caller.name,
+        "can_write": caller.scope.can_write(),
+        "can_approve": caller.scope.can_approve(),
+    }))
+    .into_response()
+}
+
 /// `POST /v1/callbacks/{key}`: an external event for a correlation key; the body (any JSON) is
 /// the payload. `Kedge-Delivery-Id` identifies a delivery for deduplication.
 pub(crate) async fn callback(

@@ -1,7 +1,8 @@
 //! Bearer tokens mapped to tenants.
 //!
 //! A request carries `Authorization: Bearer <token>` (or, for `EventSource`, which cannot set
-//! headers, `?access_token=<token>` on a GET). The token names a tenant and a scope (`read`: GETs
+//! headers, an SSE ticket cookie on a run's event stream ([`crate::ticket`]), or
+//! `?access_token=<token>` on a GET, which leaks the token into logs). The token names a tenant and a scope (`read`: GETs
 //! only; `write`: also submit, message, answer, cancel, deliver callbacks; `approve`: read and
 //! decide approvals; `write+approve`: both). Deciding approvals is its own scope, so the token an
 //! application submits with cannot approve what its own runs ask for. A tenant sees and acts on only its own runs: the run's tenant is
@@ -15,11 +16,12 @@
 use std::collections::HashMap;
 
 use axum::http::{HeaderMap, Method, header};
-use kedge_core::ids::TenantId;
+use kedge_core::ids::{RunId, TenantId};
 use kedge_runtime::config::BridgeConfig;
 use sha2::{Digest, Sha256};
 
 use crate::problem::Problem;
+use crate::ticket::{self, TICKET_TTL, TicketError, TicketKey};
 
 /// What a token allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +44,15 @@ impl Scope {
         }
     }
 
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Read => "read",
+            Scope::Write => "write",
+            Scope::Approve => "approve",
+            Scope::WriteApprove => "write+approve",
+        }
+    }
+
     pub fn can_write(self) -> bool {
         matches!(self, Scope::Write | Scope::WriteApprove)
     }
@@ -58,6 +69,8 @@ pub struct Caller {
     pub scope: Scope,
     /// A name for `Kedge-Caller` and `by` fields: never the token itself.
     pub name: String,
+    /// The id of the key its SSE tickets are signed with ([`crate::ticket`]).
+    pub ticket_key: String,
 }
 
 impl Caller {
@@ -100,6 +113,9 @@ pub enum AuthConfigError {
 pub struct Auth {
     by_digest: HashMap<[u8; 32], Caller>,
     open: Option<Caller>,
+    /// SSE ticket keys by id, with the caller a ticket acts for ([`crate::ticket`]).
+    tickets: HashMap<String, (Caller, TicketKey)>,
+    ticket_ttl: std::time::Duration,
 }
 
 fn digest(token: &str) -> [u8; 32] {
@@ -109,6 +125,7 @@ fn digest(token: &str) -> [u8; 32] {
 impl Auth {
     pub fn from_config(config: &BridgeConfig) -> Result<Auth, AuthConfigError> {
         let mut by_digest = HashMap::new();
+        let mut tickets = HashMap::new();
         for t in &config.tokens {
             let tenant: TenantId = t
                 .tenant
@@ -122,33 +139,84 @@ impl Auth {
             })?;
             let d = digest(&t.token);
             let hex: String = d[..4].iter().map(|b| format!("{b:02x}")).collect();
-            by_digest.insert(
-                d,
-                Caller {
-                    tenant,
-                    scope,
-                    name: format!("token-{hex}"),
-                },
-            );
+            let key = TicketKey::for_token(&t.token);
+            let caller = Caller {
+                tenant,
+                scope,
+                name: format!("token-{hex}"),
+                ticket_key: key.id.clone(),
+            };
+            tickets.insert(key.id.clone(), (caller.clone(), key));
+            by_digest.insert(d, caller);
         }
-        let open = if config.open {
-            Some(Caller {
-                tenant: config
-                    .open_tenant
-                    .parse()
-                    .map_err(|e: kedge_core::ids::IdError| {
-                        AuthConfigError::Invalid(e.to_string())
-                    })?,
-                scope: Scope::WriteApprove,
-                name: "open-mode".into(),
-            })
-        } else {
-            None
-        };
+        let open =
+            if config.open {
+                let key = TicketKey::open(&config.open_tenant);
+                let caller =
+                    Caller {
+                        tenant: config.open_tenant.parse().map_err(
+                            |e: kedge_core::ids::IdError| AuthConfigError::Invalid(e.to_string()),
+                        )?,
+                        scope: Scope::WriteApprove,
+                        name: "open-mode".into(),
+                        ticket_key: key.id.clone(),
+                    };
+                tickets.insert(key.id.clone(), (caller.clone(), key));
+                Some(caller)
+            } else {
+                None
+            };
         if by_digest.is_empty() && open.is_none() {
             return Err(AuthConfigError::NoTokens);
         }
-        Ok(Auth { by_digest, open })
+        Ok(Auth {
+            by_digest,
+            open,
+            tickets,
+            ticket_ttl: TICKET_TTL,
+        })
+    }
+
+    /// The caller a bearer token stands for, if the table has it.
+    pub fn caller_of_token(&self, token: &str) -> Option<Caller> {
+        self.by_digest.get(&digest(token)).cloned()
+    }
+
+    /// How long the SSE tickets this table issues stay valid.
+    pub fn ticket_ttl(&self) -> std::time::Duration {
+        self.ticket_ttl
+    }
+
+    /// This table with another ticket lifetime (tests).
+    pub fn with_ticket_ttl(mut self, ttl: std::time::Duration) -> Auth {
+        self.ticket_ttl = ttl;
+        self
+    }
+
+    /// An SSE ticket for `caller` to read `run`'s events, issued at `now` (unix seconds): the
+    /// ticket and its expiry.
+    pub fn issue_ticket(&self, caller: &Caller, run: &RunId, now: u64) -> Option<(String, u64)> {
+        let (_, key) = self.tickets.get(&caller.ticket_key)?;
+        let expires = now.saturating_add(self.ticket_ttl.as_secs());
+        Some((key.issue(&caller.tenant, run, expires), expires))
+    }
+
+    /// The caller an SSE ticket acts for, on `run`'s event stream at `now`: its token's tenant,
+    /// read-only. 401 for a ticket that is malformed, signed by no known key, for another run or
+    /// tenant, or expired.
+    pub fn ticket_caller(&self, ticket: &str, run: &RunId, now: u64) -> Result<Caller, Problem> {
+        let parsed = ticket::parse(ticket)
+            .ok_or_else(|| Problem::unauthorized(TicketError::Invalid.to_string()))?;
+        let (caller, key) = self
+            .tickets
+            .get(parsed.key_id)
+            .ok_or_else(|| Problem::unauthorized(TicketError::Invalid.to_string()))?;
+        key.verify(&parsed, &caller.tenant, run, now)
+            .map_err(|e| Problem::unauthorized(e.to_string()))?;
+        Ok(Caller {
+            scope: Scope::Read,
+            ..caller.clone()
+        })
     }
 
     pub fn is_open(&self) -> bool {
@@ -193,7 +261,7 @@ impl Auth {
 }
 
 /// `access_token` from a raw query string.
-fn query_token(query: Option<&str>) -> Option<String> {
+pub(crate) fn query_token(query: Option<&str>) -> Option<String> {
     let query = query?;
     let params: Vec<(String, String)> =
         axum::extract::Query::<Vec<(String, String)>>::try_from_uri(
@@ -289,6 +357,34 @@ mod tests {
         );
         assert_eq!(q.map_err(|p| p.status), Err(401));
         assert!(!c.name.contains("write-token"));
+    }
+
+    #[test]
+    fn a_ticket_acts_for_its_tokens_tenant_read_only_on_one_run_until_it_expires() {
+        let auth = Auth::from_config(&config(false)).expect("auth");
+        let writer = auth
+            .authenticate(&Method::POST, &bearer("write-token-0123456789"), None)
+            .expect("known");
+        let run = RunId::generate();
+        let other = RunId::generate();
+        let (t, expires) = auth.issue_ticket(&writer, &run, 1_000).expect("issued");
+        assert_eq!(expires, 1_000 + TICKET_TTL.as_secs());
+        let c = auth.ticket_caller(&t, &run, 1_001).expect("valid");
+        assert_eq!(c.tenant, writer.tenant);
+        assert_eq!(c.scope, Scope::Read, "a ticket only reads");
+        let status = |r: Result<Caller, Problem>| r.map(|c| c.scope).map_err(|p| p.status);
+        assert_eq!(status(auth.ticket_caller(&t, &other, 1_001)), Err(401));
+        assert_eq!(status(auth.ticket_caller(&t, &run, expires)), Err(401));
+        assert_eq!(status(auth.ticket_caller("v1.nope", &run, 1_001)), Err(401));
+        // A table without that token (the token was revoked) refuses its tickets.
+        let mut fewer = config(false);
+        fewer.tokens.remove(0);
+        let fewer = Auth::from_config(&fewer).expect("auth");
+        assert_eq!(status(fewer.ticket_caller(&t, &run, 1_001)), Err(401));
+        let short = Auth::from_config(&config(false))
+            .expect("auth")
+            .with_ticket_ttl(std::time::Duration::from_secs(5));
+        assert_eq!(short.issue_ticket(&writer, &run, 10).map(|t| t.1), Some(15));
     }
 
     #[test]

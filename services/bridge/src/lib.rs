@@ -2,8 +2,10 @@
 //!
 //! Browsers and services reach Kedge here: submit a task, list and inspect runs, read a run's
 //! history, watch it live over SSE (resumable from any bridge), send a message, answer a
-//! question, request cancellation. docs/API.md is the reference; `schemas/openapi.json` the
-//! contract (a test checks it against [`ROUTES`]).
+//! question, decide an approval, resolve an ambiguous operation, request cancellation.
+//! docs/API.md is the reference; `schemas/openapi.json` the contract (a test checks it against
+//! [`ROUTES`]). The web console ([`console`]) is served at `/` from assets compiled into the
+//! binary, on the API's origin; its event streams authenticate with SSE tickets ([`ticket`]).
 //!
 //! Invariants:
 //! - **Stateless.** Every answer comes from the broker: the journal for anything about one run,
@@ -21,11 +23,13 @@
 
 pub mod api;
 pub mod auth;
+pub mod console;
 pub mod problem;
 pub mod projection;
 pub mod quota;
 pub mod sse;
 pub mod tenants;
+pub mod ticket;
 pub use kedge_runtime::view;
 
 use std::future::Future;
@@ -62,7 +66,10 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/runs/{id}/answers/{question_id}"),
     ("POST", "/v1/runs/{id}/cancel"),
     ("POST", "/v1/runs/{id}/approvals/{approval_id}"),
+    ("POST", "/v1/runs/{id}/operations/{op}/resolve"),
+    ("POST", "/v1/runs/{id}/sse-ticket"),
     ("POST", "/v1/callbacks/{key}"),
+    ("GET", "/v1/whoami"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
     ("GET", "/openapi.json"),
@@ -185,10 +192,40 @@ impl FromRequestParts<Bridge> for Caller {
     type Rejection = Problem;
 
     async fn from_request_parts(parts: &mut Parts, bridge: &Bridge) -> Result<Caller, Problem> {
+        // A browser's EventSource on a run's stream: the SSE ticket cookie, when the request
+        // carries no token of its own ([`ticket`]).
+        if parts.method == Method::GET
+            && !parts
+                .headers
+                .contains_key(axum::http::header::AUTHORIZATION)
+            && auth::query_token(parts.uri.query()).is_none()
+            && let Some(run) = events_run(parts.uri.path())
+        {
+            let tickets = ticket::cookies(&parts.headers);
+            let now = ticket::now_unix();
+            let mut refused = None;
+            for t in &tickets {
+                match bridge.auth.ticket_caller(t, &run, now) {
+                    Ok(caller) => return Ok(caller),
+                    Err(p) => refused = Some(p),
+                }
+            }
+            if let Some(p) = refused {
+                return Err(p);
+            }
+        }
         bridge
             .auth
             .authenticate(&parts.method, &parts.headers, parts.uri.query())
     }
+}
+
+/// The run of a `/v1/runs/{id}/events` path.
+fn events_run(path: &str) -> Option<kedge_core::ids::RunId> {
+    path.strip_prefix("/v1/runs/")?
+        .strip_suffix("/events")?
+        .parse()
+        .ok()
 }
 
 fn handler_for(method: &str, path: &str) -> Option<MethodRouter<Bridge>> {
@@ -202,7 +239,10 @@ fn handler_for(method: &str, path: &str) -> Option<MethodRouter<Bridge>> {
         ("POST", "/v1/runs/{id}/answers/{question_id}") => post(api::answer),
         ("POST", "/v1/runs/{id}/cancel") => post(api::cancel),
         ("POST", "/v1/runs/{id}/approvals/{approval_id}") => post(api::approve),
+        ("POST", "/v1/runs/{id}/operations/{op}/resolve") => post(api::resolve),
+        ("POST", "/v1/runs/{id}/sse-ticket") => post(api::sse_ticket),
         ("POST", "/v1/callbacks/{key}") => post(api::callback),
+        ("GET", "/v1/whoami") => get(api::whoami),
         ("GET", "/healthz") => get(api::healthz),
         ("GET", "/readyz") => get(api::readyz),
         ("GET", "/openapi.json") => get(openapi),
@@ -227,6 +267,7 @@ pub fn router(bridge: Bridge) -> Router {
             None => tracing::error!(method, path, "route without a handler"),
         }
     }
+    router = router.merge(console::router());
     let timeout = Duration::from_millis(bridge.config.request_timeout_ms);
     router
         .fallback(api::not_found)
