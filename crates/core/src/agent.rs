@@ -209,6 +209,11 @@ pub struct ToolPolicy {
     /// that run in the sandbox (`shell`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub network: bool,
+    /// How failed operations of this tool are tried again (attempts, backoff with jitter, the
+    /// error classes retried). Absent: one attempt, its error goes to the model. `timeout_secs`
+    /// is the limit of each attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<crate::tools::RetryPolicy>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -372,6 +377,11 @@ impl AgentDefinition {
                     format!("policy.{name}.network"),
                     "only tools that run in the sandbox (shell) can be granted the network",
                 );
+            }
+            if let Some(retry) = &p.retry
+                && let Err((field, reason)) = retry.check(name)
+            {
+                return err(format!("policy.{name}.retry.{field}"), &reason);
             }
             for (field, value, max) in [
                 ("timeout_secs", p.timeout_secs, MAX_TOOL_TIMEOUT_SECS),
@@ -759,5 +769,96 @@ mod tests {
         v["tools"][0]["parameters"] = serde_json::json!({"type": "string"});
         let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("not object");
         assert_eq!(e.field, "tools[0].parameters");
+    }
+
+    #[test]
+    fn a_tool_retry_policy_is_checked_when_stored_naming_the_field() {
+        let mut v = def();
+        v["tools"] = serde_json::json!(["read_file", "shell", {"name": "srv__search"}]);
+        v["policy"] = serde_json::json!({
+            "srv__search": {"timeout_secs": 5, "retry": {"attempts": 4, "initial_backoff_ms": 200,
+                "max_backoff_ms": 5000, "multiplier": 3, "jitter": 0.2,
+                "on": ["timeout", "transient", "rate_limited"], "idempotent": true}},
+            "read_file": {"retry": {"on": ["timeout"]}},
+            "shell": {"retry": {}}
+        });
+        let d = AgentDefinition::parse(v.to_string().as_bytes()).expect("valid");
+        let r = d.tool_policy("srv__search").retry.expect("a policy");
+        assert_eq!((r.max_attempts(), r.idempotent), (4, true));
+        assert_eq!(
+            d.tool_policy("shell").retry,
+            Some(crate::tools::RetryPolicy::default())
+        );
+        assert_eq!(
+            d.tool_policy("list_files").retry,
+            None,
+            "none declared: one attempt"
+        );
+        let stored = serde_json::to_vec(&d).expect("json");
+        assert_eq!(AgentDefinition::parse(&stored).expect("valid"), d);
+        for (tool, retry, field) in [
+            (
+                "srv__search",
+                serde_json::json!({"attempts": 0}),
+                "policy.srv__search.retry.attempts",
+            ),
+            (
+                "srv__search",
+                serde_json::json!({"attempts": 1000}),
+                "policy.srv__search.retry.attempts",
+            ),
+            (
+                "srv__search",
+                serde_json::json!({"attempts": -2}),
+                "policy.srv__search.retry.attempts",
+            ),
+            (
+                "srv__search",
+                serde_json::json!({"initial_backoff_ms": -100}),
+                "policy.srv__search.retry.initial_backoff_ms",
+            ),
+            (
+                "srv__search",
+                serde_json::json!({"max_backoff_ms": 86_400_000}),
+                "policy.srv__search.retry.max_backoff_ms",
+            ),
+            (
+                "srv__search",
+                serde_json::json!({"multiplier": 0}),
+                "policy.srv__search.retry.multiplier",
+            ),
+            (
+                "srv__search",
+                serde_json::json!({"jitter": 2}),
+                "policy.srv__search.retry.jitter",
+            ),
+            (
+                "srv__search",
+                serde_json::json!({"on": ["timeout"]}),
+                "policy.srv__search.retry.on",
+            ),
+            (
+                "shell",
+                serde_json::json!({"on": ["timeout"]}),
+                "policy.shell.retry.on",
+            ),
+            (
+                "shell",
+                serde_json::json!({"idempotent": true}),
+                "policy.shell.retry.idempotent",
+            ),
+        ] {
+            let mut v = v.clone();
+            v["policy"] = serde_json::json!({ tool: {"retry": retry} });
+            let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err(field);
+            assert_eq!(e.field, field, "{e}");
+        }
+        // Misspelled fields and classes are refused too.
+        v["policy"] = serde_json::json!({"shell": {"retry": {"retries": 3}}});
+        let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("unknown field");
+        assert!(e.reason.contains("retries"), "{e}");
+        v["policy"] = serde_json::json!({"shell": {"retry": {"on": ["flaky"]}}});
+        let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("unknown class");
+        assert!(e.reason.contains("flaky"), "{e}");
     }
 }

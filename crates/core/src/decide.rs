@@ -328,12 +328,40 @@ pub fn finish_step(
     .collect()
 }
 
+/// The backoff of model-call retries: 400 ms after the first failed attempt, doubling, at most
+/// 51.2 s before the configuration's `max_retry_delay` caps it; half of each wait drawn at
+/// random (equal jitter), so the runs a provider outage failed together do not all call again
+/// at the same instant when it ends.
+pub const MODEL_BACKOFF: crate::tools::Backoff = crate::tools::Backoff {
+    initial: std::time::Duration::from_millis(400),
+    max: std::time::Duration::from_millis(51_200),
+    multiplier: 2.0,
+    jitter: 0.5,
+};
+
+/// The wait before the next attempt of a model call after attempt `attempt` (1 for the first)
+/// failed with a retryable error: the provider's `retry_after` when it sent one (it says when
+/// the call will be taken; waiting less only earns another refusal), else [`MODEL_BACKOFF`]
+/// with the jitter drawn from `draw` (a uniformly random `u64`: the step service draws it, the
+/// core has no randomness); never more than `max` (`max_retry_delay`).
+pub fn model_retry_delay(
+    attempt: u32,
+    retry_after: Option<std::time::Duration>,
+    max: std::time::Duration,
+    draw: u64,
+) -> std::time::Duration {
+    retry_after
+        .unwrap_or_else(|| MODEL_BACKOFF.delay(attempt, draw))
+        .min(max)
+}
+
 /// What an approval request carries from the policy that held its operation back.
 struct Held {
     risk: crate::event::Risk,
     basis: String,
     timeout_secs: Option<u64>,
     network: bool,
+    retry: Option<crate::tools::RetryPolicy>,
 }
 
 /// `approval.requested` (version `version`) and its expiry timer.
@@ -362,6 +390,7 @@ fn approval_request(
             target_version: None,
             timeout_secs: held.timeout_secs,
             network: held.network,
+            retry: held.retry,
         }))
         .step(op.step())
         .op(op.clone()),
@@ -392,6 +421,7 @@ fn ask_again(
             basis: a.request.basis.clone(),
             timeout_secs: a.request.timeout_secs,
             network: a.request.network,
+            retry: a.request.retry.clone(),
         },
         a.request.plan_version.saturating_add(1),
         from.saturating_add_signed(ttl),
@@ -477,6 +507,7 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                             expect_version: a.request.target_version.clone(),
                             timeout_secs: tool.timeout_secs,
                             network: tool.network,
+                            retry: tool.retry.clone(),
                         }))
                         .step(op.step())
                         .op(op.clone()),
@@ -586,6 +617,7 @@ fn redispatches(state: &RunState) -> Vec<Draft> {
                 expect_version: approved_version(state, &o.op),
                 timeout_secs: o.timeout_secs,
                 network: o.network,
+                retry: o.retry.clone(),
             }))
             .step(o.op.step())
             .op(o.op.clone())
@@ -794,6 +826,7 @@ pub fn complete_step(
                     basis,
                     timeout_secs: tool_policy.timeout_secs,
                     network: tool_policy.network,
+                    retry: tool_policy.retry.clone(),
                 },
                 1,
                 now.saturating_add(ttl),
@@ -810,6 +843,7 @@ pub fn complete_step(
                 expect_version: None,
                 timeout_secs: tool_policy.timeout_secs,
                 network: tool_policy.network,
+                retry: tool_policy.retry.clone(),
             }))
             .step(step)
             .op(op.clone()),

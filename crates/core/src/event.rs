@@ -19,6 +19,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 pub use crate::settings::{ModelSettings, Price};
+pub use crate::tools::{RetryPolicy, ToolErrorClass};
 
 use crate::ids::{
     AgentName, ApprovalId, Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, RunId,
@@ -554,6 +555,10 @@ pub struct ToolRequested {
     /// sandbox shares the host's network with the command. Absent: no network.
     #[serde(default, skip_serializing_if = "is_false")]
     pub network: bool,
+    /// The agent policy's retry policy for this tool (`policy.<tool>.retry`), repeated on every
+    /// dispatch. Absent: one attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryPolicy>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -595,6 +600,9 @@ pub struct ApprovalRequested {
     /// The policy's network grant for the tool, carried to the dispatch once approved.
     #[serde(default, skip_serializing_if = "is_false")]
     pub network: bool,
+    /// The policy's retry policy for the tool, carried to the dispatch once approved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry: Option<RetryPolicy>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -673,6 +681,39 @@ pub struct UserMessage {
 pub struct ToolStarted {
     /// Which worker took the operation.
     pub runner: String,
+    /// Which attempt of the operation's dispatch this is (1 for the first; more only under a
+    /// retry policy, after a `tool.attempt`).
+    #[serde(default = "first_attempt", skip_serializing_if = "is_first_attempt")]
+    pub attempt: u32,
+}
+
+fn first_attempt() -> u32 {
+    1
+}
+
+fn is_first_attempt(n: &u32) -> bool {
+    *n == 1
+}
+
+/// An attempt of a tool operation that failed with an error its retry policy retries
+/// (`policy.<tool>.retry`); attempt `attempt + 1` follows at `retry_at`. Journaled by the
+/// runner under the operation's id (`Nats-Msg-Id` `tool.attempt:<op>:<dispatch>:<attempt>`)
+/// before the operation's record is given back for the next attempt. Not a result: the model
+/// sees only the operation's one `tool.result`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolAttempt {
+    /// The attempt that failed (1 for the first).
+    pub attempt: u32,
+    /// The dispatch it belongs to (`tool.requested`'s `redispatch`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub dispatch: u32,
+    pub class: ToolErrorClass,
+    /// The error, as the model would have read it.
+    pub error: String,
+    /// The wait the runner drew (backoff with jitter).
+    pub delay_ms: u64,
+    /// When the next attempt is due: no runner starts it earlier.
+    pub retry_at: Timestamp,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -869,6 +910,7 @@ events! {
     Input UserMessage(UserMessage) = "user.message";
     Input ToolStarted(ToolStarted) = "tool.started";
     Input ToolResult(ToolResult) = "tool.result";
+    Input ToolAttempt(ToolAttempt) = "tool.attempt";
     Input QuestionAnswered(QuestionAnswered) = "question.answered";
     Input ApprovalDecided(ApprovalDecided) = "approval.decided";
     Input TimerFired(TimerFired) = "timer.fired";

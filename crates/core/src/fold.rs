@@ -116,6 +116,10 @@ pub struct ToolOp {
     pub timeout_secs: Option<u64>,
     /// The policy's network grant for it (from its request), repeated on every dispatch.
     pub network: bool,
+    /// The policy's retry policy for it (from its request), repeated on every dispatch.
+    pub retry: Option<crate::tools::RetryPolicy>,
+    /// Attempts of its current dispatch that failed and were retried (`tool.attempt`).
+    pub failed_attempts: u32,
 }
 
 /// The step whose `step.started` has no `step.completed` yet.
@@ -505,6 +509,7 @@ impl RunState {
                         existing.status = OpStatus::Requested;
                         existing.dispatches = existing.dispatches.saturating_add(1);
                         existing.since = env.at;
+                        existing.failed_attempts = 0;
                     }
                     Some(_) => {
                         return Err(Self::inconsistent(
@@ -527,6 +532,8 @@ impl RunState {
                                 target_moved: None,
                                 timeout_secs: req.timeout_secs,
                                 network: req.network,
+                                retry: req.retry.clone(),
+                                failed_attempts: 0,
                             },
                         );
                     }
@@ -563,6 +570,8 @@ impl RunState {
                     target_moved: None,
                     timeout_secs: req.timeout_secs,
                     network: req.network,
+                    retry: req.retry.clone(),
+                    failed_attempts: 0,
                 });
                 // A fresh request (after an invalidation) is made for where the target is now.
                 tool.target_moved = None;
@@ -637,6 +646,7 @@ impl RunState {
             Event::UserMessage(_)
             | Event::ToolStarted(_)
             | Event::ToolResult(_)
+            | Event::ToolAttempt(_)
             | Event::QuestionAnswered(_)
             | Event::ApprovalDecided(_)
             | Event::TimerFired(_)
@@ -732,6 +742,22 @@ impl RunState {
             Event::ToolResult(r) => {
                 self.set_result(env, seq, r.content.clone(), r.is_error, r.stopped)
             }
+            // A failed attempt that will be tried again: not a result. The operation waits for
+            // its next attempt as a dispatched one does, from when that attempt is due (so a
+            // long backoff is not taken for a stuck operation).
+            Event::ToolAttempt(a) => match self.open_op(env) {
+                Some(op)
+                    if matches!(op.status, OpStatus::Requested | OpStatus::Started { .. })
+                        && a.dispatch.saturating_add(1) == op.dispatches
+                        && a.attempt > op.failed_attempts =>
+                {
+                    op.status = OpStatus::Requested;
+                    op.failed_attempts = a.attempt;
+                    op.since = a.retry_at;
+                    true
+                }
+                _ => false,
+            },
             Event::OutcomeConfirmed(c) => {
                 self.set_result(env, seq, c.content.clone(), false, false)
             }

@@ -20,6 +20,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::agent::{AgentDefinition, OnInvalidOutput, ToolPolicy, ToolSpec};
@@ -30,6 +32,10 @@ use crate::event::{Digest, OutputValidation, ToolCall};
 pub struct Builtin {
     pub name: &'static str,
     pub description: &'static str,
+    /// Running it twice has the effect of running it once (the tool service's
+    /// `Builtin::idempotent` says the same; a test there checks it): a timed-out attempt may be
+    /// retried.
+    pub idempotent: bool,
     schema: fn() -> Value,
 }
 
@@ -59,6 +65,7 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "read_file",
         description: "Read a text file of the run's workspace.",
+        idempotent: true,
         schema: || {
             json!({"type": "object",
                    "properties": {"path": path_property("The file to read")},
@@ -68,6 +75,7 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "write_file",
         description: "Write (create or replace) a text file in the run's workspace.",
+        idempotent: true,
         schema: || {
             json!({"type": "object",
                    "properties": {"path": path_property("The file to write"),
@@ -78,6 +86,7 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "list_files",
         description: "List a directory of the run's workspace (directories end with `/`).",
+        idempotent: true,
         schema: || {
             json!({"type": "object",
                    "properties": {"path": {"type": "string",
@@ -88,6 +97,7 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "shell",
         description: "Run one allowlisted command (no shell) in the run's workspace.",
+        idempotent: false,
         schema: || {
             json!({"type": "object",
                    "properties": {"command": {"type": "string", "minLength": 1,
@@ -100,6 +110,7 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "ledger_append",
         description: "Append one line to the ledger (a counted side effect).",
+        idempotent: false,
         schema: || {
             json!({"type": "object",
                    "properties": {"text": {"type": "string", "description": "The line to append"}},
@@ -109,6 +120,7 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "ask_user",
         description: "Ask the user a question and wait for the answer.",
+        idempotent: false,
         schema: || {
             json!({"type": "object",
                    "properties": {"question": {"type": "string", "minLength": 1, "description": "The question"},
@@ -120,6 +132,7 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "wait",
         description: "Wait a number of seconds (at most seven days) before continuing.",
+        idempotent: false,
         schema: || {
             json!({"type": "object",
                    "properties": {"seconds": {"type": "number", "minimum": 0,
@@ -130,6 +143,7 @@ pub const BUILTINS: &[Builtin] = &[
     Builtin {
         name: "await_callback",
         description: "Wait for an external callback; its payload is the result.",
+        idempotent: false,
         schema: || {
             json!({"type": "object",
                    "properties": {"timeout_seconds": {"type": "number", "minimum": 0,
@@ -424,6 +438,406 @@ pub fn check_schema(schema: &Value) -> Result<(), String> {
         .map_err(|e| format!("the schema does not compile: {}", clip(&e.to_string())))
 }
 
+// ---------------------------------------------------------------------------------------------
+// Per-tool retry policy
+// ---------------------------------------------------------------------------------------------
+
+/// Why a tool attempt failed, as its runner classifies it: the classes a `retry` policy may
+/// retry. Any other failure (the tool's own error answer, arguments it refuses, a permission it
+/// lacks) has no class: trying the same call again would fail the same way, so the model gets
+/// it at once.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolErrorClass {
+    /// The attempt ran past its time limit (`policy.<tool>.timeout_secs`, else the tool
+    /// service's `tool_timeout`) and was stopped. It may have done part or all of its work, so
+    /// only a tool that is safe to run again is retried after one.
+    Timeout,
+    /// The call never reached the tool (an MCP server that could not be started or connected
+    /// to); or, for a tool declared `idempotent`, the connection died with the call in flight.
+    Transient,
+    /// The tool refused the call for now, without running it, because of a rate limit.
+    RateLimited,
+}
+
+impl ToolErrorClass {
+    pub const ALL: &'static [ToolErrorClass] = &[
+        ToolErrorClass::Timeout,
+        ToolErrorClass::Transient,
+        ToolErrorClass::RateLimited,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolErrorClass::Timeout => "timeout",
+            ToolErrorClass::Transient => "transient",
+            ToolErrorClass::RateLimited => "rate_limited",
+        }
+    }
+}
+
+impl fmt::Display for ToolErrorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Most attempts a tool's `retry` policy may ask for (the first included). Each further
+/// attempt is one more delivery of the operation's request, and the tool consumer delivers a
+/// request at most 20 times (`nats/consumers/KEDGE_RUNS/tool.json`): ten leave room for the
+/// redeliveries broker trouble may need.
+pub const MAX_TOOL_ATTEMPTS: u32 = 10;
+/// Longest wait between two attempts (ten minutes). A cancelled run's operation that waits to
+/// be retried is stopped at its next attempt, so this also bounds how long a cancel can wait
+/// for it.
+pub const MAX_BACKOFF_MS: i64 = 600_000;
+/// Largest growth factor of the wait from one attempt to the next.
+pub const MAX_MULTIPLIER: f64 = 10.0;
+
+fn default_attempts() -> i64 {
+    3
+}
+fn default_initial_backoff_ms() -> i64 {
+    1_000
+}
+fn default_max_backoff_ms() -> i64 {
+    30_000
+}
+fn default_multiplier() -> f64 {
+    2.0
+}
+fn default_jitter() -> f64 {
+    0.5
+}
+fn default_on() -> Vec<ToolErrorClass> {
+    vec![ToolErrorClass::Transient, ToolErrorClass::RateLimited]
+}
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// A tool's retry policy (`policy.<tool>.retry`): how often an operation of the tool is tried,
+/// how long the runner waits between attempts, and which failures are tried again. Frozen with
+/// the agent revision and carried by every `tool.requested` of the tool, so a run keeps the
+/// policy it started with. A tool without one is tried once, as before there were policies.
+///
+/// Every attempt runs under the same operation id (its claim in `kedge_idempotency`, its
+/// `tool.started`, and for a retried one `tool.attempt`); the model sees one result, the last
+/// attempt's. The numbers are signed on the wire so that a negative one is refused naming its
+/// field ([`RetryPolicy::check`]); the accessors return them checked.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included: 1 to 10 (default 3).
+    #[serde(default = "default_attempts")]
+    pub attempts: i64,
+    /// Wait after the first failed attempt, in milliseconds: 1 to 600000 (default 1000).
+    #[serde(default = "default_initial_backoff_ms")]
+    pub initial_backoff_ms: i64,
+    /// Longest wait between two attempts, in milliseconds: `initial_backoff_ms` to 600000
+    /// (default 30000).
+    #[serde(default = "default_max_backoff_ms")]
+    pub max_backoff_ms: i64,
+    /// Growth of the wait per failed attempt: 1 to 10 (default 2).
+    #[serde(default = "default_multiplier")]
+    pub multiplier: f64,
+    /// Share of each wait drawn at random, 0 to 1 (default 0.5): the wait is uniform in
+    /// `[(1 - jitter) * w, w]`, so operations that failed together do not retry together.
+    #[serde(default = "default_jitter")]
+    pub jitter: f64,
+    /// The error classes that are retried (default `transient`, `rate_limited`: failures where
+    /// the call never ran). `timeout` only for a tool that is safe to run again.
+    #[serde(default = "default_on")]
+    pub on: Vec<ToolErrorClass>,
+    /// The tool may run twice for one operation without a second effect: it honours the
+    /// operation id it is given (an MCP server: `_meta."kedge/operation_id"`). Lets `timeout`
+    /// be retried, and a connection lost mid-call count as `transient` instead of an ambiguous
+    /// outcome. Kedge knows its built-ins: only others may declare it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub idempotent: bool,
+}
+
+// JSON numbers are never NaN, and `check` refuses what is not finite: equality is total.
+impl Eq for RetryPolicy {}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            attempts: default_attempts(),
+            initial_backoff_ms: default_initial_backoff_ms(),
+            max_backoff_ms: default_max_backoff_ms(),
+            multiplier: default_multiplier(),
+            jitter: default_jitter(),
+            on: default_on(),
+            idempotent: false,
+        }
+    }
+}
+
+/// Exponential backoff with jitter: the wait after the `n`-th failure is `initial *
+/// multiplier^(n-1)`, at most `max`, of which the share `jitter` is drawn at random.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Backoff {
+    pub initial: std::time::Duration,
+    pub max: std::time::Duration,
+    pub multiplier: f64,
+    pub jitter: f64,
+}
+
+impl Backoff {
+    /// The wait after failure number `failed` (1 for the first), given `draw`, a uniformly
+    /// random `u64` the caller supplies (the core has no randomness: the runner draws it and
+    /// journals the wait it chose). `draw = 0` waits the whole ceiling, `u64::MAX` the least.
+    /// Never more than `max`, never negative, whatever the inputs.
+    pub fn delay(&self, failed: u32, draw: u64) -> std::time::Duration {
+        let max_ms = self.max.as_secs_f64() * 1_000.0;
+        let exponent = i32::try_from(failed.saturating_sub(1).min(1_000)).unwrap_or(1_000);
+        let multiplier = if self.multiplier.is_finite() {
+            self.multiplier.max(1.0)
+        } else {
+            1.0
+        };
+        let ceiling =
+            (self.initial.as_secs_f64() * 1_000.0 * multiplier.powi(exponent)).min(max_ms);
+        let jitter = if self.jitter.is_finite() {
+            self.jitter.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        let share = draw as f64 / u64::MAX as f64;
+        let ms = (ceiling * (1.0 - jitter * share)).clamp(0.0, max_ms);
+        std::time::Duration::from_millis(ms.round() as u64)
+    }
+}
+
+/// What the runner does after an attempt that failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Journal the attempt (`tool.attempt`) and run attempt `next` after `delay`.
+    Retry {
+        next: u32,
+        delay: std::time::Duration,
+    },
+    /// The model gets this attempt's error.
+    GiveUp(GiveUp),
+}
+
+/// Why a failed attempt is the operation's last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GiveUp {
+    /// The failure has no retryable class (the tool's own error answer): the model reads it.
+    NotRetryable,
+    /// The policy does not list the class (or there is no policy).
+    NotListed(ToolErrorClass),
+    /// A timeout of a tool that is not safe to run again: it may have taken effect.
+    NotSafeToRerun,
+    /// Every attempt the policy allows has been made.
+    Exhausted { attempts: u32 },
+}
+
+impl fmt::Display for GiveUp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GiveUp::NotRetryable => f.write_str("not retried: the tool's own error"),
+            GiveUp::NotListed(c) => {
+                write!(f, "not retried: the tool's retry policy does not list {c}")
+            }
+            GiveUp::NotSafeToRerun => f.write_str(
+                "not retried: the tool is not known to be safe to run again after a timeout",
+            ),
+            GiveUp::Exhausted { attempts } => write!(f, "gave up after {attempts} attempts"),
+        }
+    }
+}
+
+/// The dispatch number an operation's record in `kedge_idempotency` is claimed under, for
+/// attempt `attempt` (1 for the first) of dispatch `dispatch` of an operation whose request
+/// carries a retry policy (`retried`). The record's claim orders dispatches: a claim with a
+/// greater number than the record's takes over what the journal has superseded, without a
+/// confirm query. Attempts are ordered the same way inside a dispatch: attempt n+1 is claimed
+/// only after attempt n's failure is journaled (`tool.attempt`), so it supersedes it.
+/// An operation without a policy (one attempt) keeps the plain dispatch number, so records
+/// written before policies existed mean what they meant.
+pub fn claim_dispatch(dispatch: u32, attempt: u32, retried: bool) -> u32 {
+    if !retried {
+        return dispatch;
+    }
+    // Room for MAX_TOOL_ATTEMPTS per dispatch (16 > 10); a later dispatch is always greater
+    // than any attempt of an earlier one.
+    const STRIDE: u32 = 16;
+    dispatch
+        .saturating_mul(STRIDE)
+        .saturating_add(attempt.clamp(1, STRIDE) - 1)
+}
+
+/// Where an operation under a retry policy stands in one dispatch, from its journaled
+/// `tool.attempt`s: the attempt to make next, and when it is due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NextAttempt {
+    /// 1 when no attempt of the dispatch has failed yet.
+    pub number: u32,
+    /// The last failed attempt's `retry_at`: no runner starts the next one earlier.
+    pub due: Option<crate::event::Timestamp>,
+}
+
+/// The next attempt of dispatch `dispatch`, given the operation's `tool.attempt`s (any order,
+/// repeats and other dispatches included).
+pub fn next_attempt<'a>(
+    attempts: impl IntoIterator<Item = &'a crate::event::ToolAttempt>,
+    dispatch: u32,
+) -> NextAttempt {
+    let mut next = NextAttempt {
+        number: 1,
+        due: None,
+    };
+    for a in attempts {
+        if a.dispatch == dispatch && a.attempt >= next.number {
+            next = NextAttempt {
+                number: a.attempt.saturating_add(1),
+                due: Some(a.retry_at),
+            };
+        }
+    }
+    next
+}
+
+impl RetryPolicy {
+    /// Attempts in all (checked: 1..=[`MAX_TOOL_ATTEMPTS`]).
+    pub fn max_attempts(&self) -> u32 {
+        u32::try_from(self.attempts)
+            .unwrap_or(1)
+            .clamp(1, MAX_TOOL_ATTEMPTS)
+    }
+
+    /// The policy's backoff (numbers clamped to their checked ranges).
+    pub fn backoff(&self) -> Backoff {
+        let ms = |v: i64| {
+            std::time::Duration::from_millis(u64::try_from(v.clamp(0, MAX_BACKOFF_MS)).unwrap_or(0))
+        };
+        Backoff {
+            initial: ms(self.initial_backoff_ms),
+            max: ms(self.max_backoff_ms.max(self.initial_backoff_ms)),
+            multiplier: self.multiplier,
+            jitter: self.jitter,
+        }
+    }
+
+    /// Whether running `tool` again for the same operation is safe: Kedge's idempotent
+    /// built-ins, or a tool the policy declares idempotent.
+    pub fn rerun_safe(&self, tool: &str) -> bool {
+        match builtin(tool) {
+            Some(b) => b.idempotent,
+            None => self.idempotent,
+        }
+    }
+
+    /// What follows attempt `attempt` (1 for the first) of an operation of `tool` that failed
+    /// with `class` (`None`: the tool's own error). `draw` is a uniformly random `u64` for the
+    /// jitter. Pure: the runner journals what it decided.
+    pub fn after_failure(
+        &self,
+        tool: &str,
+        attempt: u32,
+        class: Option<ToolErrorClass>,
+        draw: u64,
+    ) -> Verdict {
+        let Some(class) = class else {
+            return Verdict::GiveUp(GiveUp::NotRetryable);
+        };
+        if !self.on.contains(&class) {
+            return Verdict::GiveUp(GiveUp::NotListed(class));
+        }
+        if class == ToolErrorClass::Timeout && !self.rerun_safe(tool) {
+            return Verdict::GiveUp(GiveUp::NotSafeToRerun);
+        }
+        let attempts = self.max_attempts();
+        if attempt >= attempts {
+            return Verdict::GiveUp(GiveUp::Exhausted { attempts });
+        }
+        Verdict::Retry {
+            next: attempt + 1,
+            delay: self.backoff().delay(attempt, draw),
+        }
+    }
+
+    /// The policy's rules, for `tool`: `Err((field under retry, reason))` names the first
+    /// broken one (`attempts`, `initial_backoff_ms`, `max_backoff_ms`, `multiplier`, `jitter`,
+    /// `on`, `idempotent`).
+    pub fn check(&self, tool: &str) -> Result<(), (&'static str, String)> {
+        let max_attempts = i64::from(MAX_TOOL_ATTEMPTS);
+        if !(1..=max_attempts).contains(&self.attempts) {
+            return Err((
+                "attempts",
+                format!("{} is outside 1..={max_attempts}", self.attempts),
+            ));
+        }
+        if !(1..=MAX_BACKOFF_MS).contains(&self.initial_backoff_ms) {
+            return Err((
+                "initial_backoff_ms",
+                format!(
+                    "{} is outside 1..={MAX_BACKOFF_MS}",
+                    self.initial_backoff_ms
+                ),
+            ));
+        }
+        if !(self.initial_backoff_ms..=MAX_BACKOFF_MS).contains(&self.max_backoff_ms) {
+            return Err((
+                "max_backoff_ms",
+                format!(
+                    "{} is outside {}..={MAX_BACKOFF_MS} (at least initial_backoff_ms)",
+                    self.max_backoff_ms, self.initial_backoff_ms
+                ),
+            ));
+        }
+        if !(self.multiplier.is_finite() && (1.0..=MAX_MULTIPLIER).contains(&self.multiplier)) {
+            return Err((
+                "multiplier",
+                format!("{} is outside 1..={MAX_MULTIPLIER}", self.multiplier),
+            ));
+        }
+        if !(self.jitter.is_finite() && (0.0..=1.0).contains(&self.jitter)) {
+            return Err(("jitter", format!("{} is outside 0..=1", self.jitter)));
+        }
+        if self.on.is_empty() {
+            return Err((
+                "on",
+                "lists no error class, so nothing would be retried (leave `retry` out instead)"
+                    .to_owned(),
+            ));
+        }
+        if let Some(b) = builtin(tool) {
+            if self.idempotent && !b.idempotent {
+                return Err((
+                    "idempotent",
+                    format!("`{tool}` is a built-in that Kedge knows is not idempotent"),
+                ));
+            }
+            if crate::fold::handled_by_step(tool) {
+                return Err((
+                    "on",
+                    format!(
+                        "`{tool}` is handled by the step service, not a tool runner: it has no attempts to retry"
+                    ),
+                ));
+            }
+        }
+        if self.on.contains(&ToolErrorClass::Timeout) && !self.rerun_safe(tool) {
+            return Err((
+                "on",
+                format!(
+                    "`timeout` retries a call that may have taken effect: only for a tool that is \
+                     safe to run again (read_file, write_file, list_files, or a tool declared \
+                     `idempotent: true`, which must honour the operation id it is given); \
+                     `{tool}` is not"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -526,5 +940,416 @@ mod tests {
         }))
         .expect("parses");
         assert!(Arc::ptr_eq(&Contract::of(&def), &Contract::of(&def)));
+    }
+
+    // --- retry policy -------------------------------------------------------------------------
+
+    fn policy(on: &[ToolErrorClass], attempts: i64, idempotent: bool) -> RetryPolicy {
+        RetryPolicy {
+            attempts,
+            on: on.to_vec(),
+            idempotent,
+            ..RetryPolicy::default()
+        }
+    }
+
+    /// Every subset of the classes.
+    fn subsets() -> Vec<Vec<ToolErrorClass>> {
+        (0..(1u32 << ToolErrorClass::ALL.len()))
+            .map(|mask| {
+                ToolErrorClass::ALL
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << i) != 0)
+                    .map(|(_, c)| *c)
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn which_failures_are_retried_for_every_class_list_safety_and_attempt() {
+        let classes: Vec<Option<ToolErrorClass>> = std::iter::once(None)
+            .chain(ToolErrorClass::ALL.iter().copied().map(Some))
+            .collect();
+        for on in subsets() {
+            for (tool, declared_idempotent, safe) in [
+                ("read_file", false, true),
+                ("ledger_append", false, false),
+                ("srv__tool", false, false),
+                ("srv__tool", true, true),
+            ] {
+                let p = policy(&on, 3, declared_idempotent);
+                assert_eq!(p.rerun_safe(tool), safe, "{tool}");
+                for class in &classes {
+                    for attempt in 1..=4u32 {
+                        let verdict = p.after_failure(tool, attempt, *class, 0);
+                        let expected = match class {
+                            None => Verdict::GiveUp(GiveUp::NotRetryable),
+                            Some(c) if !on.contains(c) => Verdict::GiveUp(GiveUp::NotListed(*c)),
+                            Some(ToolErrorClass::Timeout) if !safe => {
+                                Verdict::GiveUp(GiveUp::NotSafeToRerun)
+                            }
+                            Some(_) if attempt >= 3 => {
+                                Verdict::GiveUp(GiveUp::Exhausted { attempts: 3 })
+                            }
+                            Some(_) => Verdict::Retry {
+                                next: attempt + 1,
+                                delay: p.backoff().delay(attempt, 0),
+                            },
+                        };
+                        assert_eq!(
+                            verdict, expected,
+                            "{tool} on={on:?} {class:?} attempt {attempt}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_default_policy_retries_only_failures_that_never_ran() {
+        let p: RetryPolicy = serde_json::from_value(json!({})).expect("defaults");
+        assert_eq!(p, RetryPolicy::default());
+        assert_eq!(p.max_attempts(), 3);
+        assert_eq!(
+            p.on,
+            [ToolErrorClass::Transient, ToolErrorClass::RateLimited]
+        );
+        assert!(p.check("srv__tool").is_ok());
+        assert!(matches!(
+            p.after_failure("srv__tool", 1, Some(ToolErrorClass::Timeout), 0),
+            Verdict::GiveUp(GiveUp::NotListed(ToolErrorClass::Timeout))
+        ));
+        // One attempt: never retried, whatever the class.
+        let once = policy(ToolErrorClass::ALL, 1, true);
+        for c in ToolErrorClass::ALL {
+            assert_eq!(
+                once.after_failure("srv__tool", 1, Some(*c), 0),
+                Verdict::GiveUp(GiveUp::Exhausted { attempts: 1 })
+            );
+        }
+    }
+
+    #[test]
+    fn backoff_grows_is_capped_and_its_jitter_stays_in_range() {
+        let ms = std::time::Duration::from_millis;
+        let b = Backoff {
+            initial: ms(100),
+            max: ms(1_000),
+            multiplier: 2.0,
+            jitter: 0.5,
+        };
+        // draw 0: the whole ceiling; u64::MAX: the ceiling less the jitter share.
+        assert_eq!(b.delay(1, 0), ms(100));
+        assert_eq!(b.delay(2, 0), ms(200));
+        assert_eq!(b.delay(3, 0), ms(400));
+        assert_eq!(b.delay(4, 0), ms(800));
+        assert_eq!(b.delay(5, 0), ms(1_000), "capped");
+        assert_eq!(b.delay(u32::MAX, 0), ms(1_000), "no overflow");
+        assert_eq!(b.delay(1, u64::MAX), ms(50));
+        assert_eq!(b.delay(9, u64::MAX), ms(500));
+        assert_eq!(b.delay(0, 0), ms(100), "attempt 0 counts as the first");
+        for failed in 1..=12 {
+            let ceiling = b.delay(failed, 0);
+            for draw in [1, u64::MAX / 3, u64::MAX / 2, u64::MAX - 1] {
+                let d = b.delay(failed, draw);
+                assert!(
+                    d <= ceiling && d >= ceiling / 2,
+                    "{failed} {draw}: {d:?} vs {ceiling:?}"
+                );
+            }
+            assert!(b.delay(failed + 1, 0) >= ceiling, "never shrinks");
+        }
+        // Different draws give different waits (the point of jitter).
+        assert_ne!(b.delay(3, u64::MAX / 4), b.delay(3, u64::MAX / 4 * 3));
+        // No jitter: deterministic. Full jitter: anywhere down to zero.
+        let exact = Backoff { jitter: 0.0, ..b };
+        assert_eq!(exact.delay(2, u64::MAX), ms(200));
+        let full = Backoff { jitter: 1.0, ..b };
+        assert_eq!(full.delay(2, u64::MAX), ms(0));
+        // Nonsense numbers (never stored: `check` refuses them) still give a wait within max.
+        for bad in [f64::NAN, f64::INFINITY, -3.0, 0.0] {
+            let b = Backoff {
+                multiplier: bad,
+                jitter: bad,
+                ..b
+            };
+            assert!(b.delay(7, u64::MAX / 2) <= ms(1_000), "{bad}");
+        }
+    }
+
+    #[test]
+    fn claim_numbers_order_dispatches_then_attempts_and_keep_plain_dispatches() {
+        for d in 0..50 {
+            assert_eq!(
+                claim_dispatch(d, 1, false),
+                d,
+                "no policy: the plain dispatch"
+            );
+        }
+        let mut last = None;
+        for d in 0..6u32 {
+            for a in 1..=MAX_TOOL_ATTEMPTS {
+                let n = claim_dispatch(d, a, true);
+                if let Some(prev) = last {
+                    assert!(n > prev, "({d}, {a}) = {n} after {prev}");
+                }
+                last = Some(n);
+            }
+        }
+        // A later dispatch supersedes every attempt of an earlier one.
+        assert!(claim_dispatch(1, 1, true) > claim_dispatch(0, MAX_TOOL_ATTEMPTS, true));
+        assert_eq!(claim_dispatch(u32::MAX, 5, true), u32::MAX, "saturates");
+    }
+
+    #[test]
+    fn a_policy_breaking_a_rule_names_the_field() {
+        let ok = RetryPolicy::default();
+        let cases: Vec<(RetryPolicy, &str, &str)> = vec![
+            (
+                RetryPolicy {
+                    attempts: 0,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "attempts",
+            ),
+            (
+                RetryPolicy {
+                    attempts: 11,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "attempts",
+            ),
+            (
+                RetryPolicy {
+                    attempts: -1,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "attempts",
+            ),
+            (
+                RetryPolicy {
+                    initial_backoff_ms: -5,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "initial_backoff_ms",
+            ),
+            (
+                RetryPolicy {
+                    initial_backoff_ms: 0,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "initial_backoff_ms",
+            ),
+            (
+                RetryPolicy {
+                    initial_backoff_ms: 700_000,
+                    max_backoff_ms: 700_000,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "initial_backoff_ms",
+            ),
+            (
+                RetryPolicy {
+                    max_backoff_ms: 999_999_999,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "max_backoff_ms",
+            ),
+            (
+                RetryPolicy {
+                    initial_backoff_ms: 5_000,
+                    max_backoff_ms: 1_000,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "max_backoff_ms",
+            ),
+            (
+                RetryPolicy {
+                    multiplier: 0.5,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "multiplier",
+            ),
+            (
+                RetryPolicy {
+                    multiplier: 11.0,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "multiplier",
+            ),
+            (
+                RetryPolicy {
+                    jitter: -0.1,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "jitter",
+            ),
+            (
+                RetryPolicy {
+                    jitter: 1.5,
+                    ..ok.clone()
+                },
+                "srv__t",
+                "jitter",
+            ),
+            (
+                RetryPolicy {
+                    on: vec![],
+                    ..ok.clone()
+                },
+                "srv__t",
+                "on",
+            ),
+            (
+                RetryPolicy {
+                    on: vec![ToolErrorClass::Timeout],
+                    ..ok.clone()
+                },
+                "srv__t",
+                "on",
+            ),
+            (
+                RetryPolicy {
+                    on: vec![ToolErrorClass::Timeout],
+                    ..ok.clone()
+                },
+                "shell",
+                "on",
+            ),
+            (
+                RetryPolicy {
+                    idempotent: true,
+                    ..ok.clone()
+                },
+                "shell",
+                "idempotent",
+            ),
+            (
+                RetryPolicy {
+                    idempotent: true,
+                    ..ok.clone()
+                },
+                "ledger_append",
+                "idempotent",
+            ),
+            (ok.clone(), "ask_user", "on"),
+        ];
+        for (p, tool, field) in cases {
+            let (got, reason) = p.check(tool).expect_err(field);
+            assert_eq!(got, field, "{tool} {p:?}: {reason}");
+            assert!(!reason.is_empty());
+        }
+        for (p, tool) in [
+            (ok.clone(), "srv__t"),
+            (ok.clone(), "shell"),
+            (
+                RetryPolicy {
+                    on: vec![ToolErrorClass::Timeout],
+                    ..ok.clone()
+                },
+                "read_file",
+            ),
+            (
+                RetryPolicy {
+                    on: vec![ToolErrorClass::Timeout],
+                    idempotent: true,
+                    ..ok.clone()
+                },
+                "srv__t",
+            ),
+            (
+                RetryPolicy {
+                    idempotent: true,
+                    ..ok.clone()
+                },
+                "write_file",
+            ),
+            (
+                RetryPolicy {
+                    attempts: 10,
+                    initial_backoff_ms: 1,
+                    max_backoff_ms: MAX_BACKOFF_MS,
+                    multiplier: 10.0,
+                    jitter: 1.0,
+                    ..ok.clone()
+                },
+                "srv__t",
+            ),
+        ] {
+            assert_eq!(p.check(tool), Ok(()), "{tool} {p:?}");
+        }
+        // Unknown fields and classes are refused when parsed.
+        assert!(serde_json::from_value::<RetryPolicy>(json!({"retries": 3})).is_err());
+        assert!(serde_json::from_value::<RetryPolicy>(json!({"on": ["permanent"]})).is_err());
+    }
+
+    #[test]
+    fn builtin_idempotency_matches_the_confirm_semantics() {
+        for b in BUILTINS {
+            let expected = matches!(b.name, "read_file" | "write_file" | "list_files");
+            assert_eq!(b.idempotent, expected, "{}", b.name);
+        }
+    }
+
+    #[test]
+    fn the_next_attempt_follows_the_last_failed_one_of_the_same_dispatch() {
+        use crate::event::{Timestamp, ToolAttempt};
+        let at = |s: i64| Timestamp(time::OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(s));
+        let failed = |attempt, dispatch, t| ToolAttempt {
+            attempt,
+            dispatch,
+            class: ToolErrorClass::Transient,
+            error: "x".into(),
+            delay_ms: 1,
+            retry_at: at(t),
+        };
+        assert_eq!(
+            next_attempt([], 0),
+            NextAttempt {
+                number: 1,
+                due: None
+            }
+        );
+        let journal = [
+            failed(2, 0, 20),
+            failed(1, 0, 10),
+            failed(2, 0, 20),
+            failed(5, 1, 99),
+        ];
+        assert_eq!(
+            next_attempt(&journal, 0),
+            NextAttempt {
+                number: 3,
+                due: Some(at(20))
+            }
+        );
+        assert_eq!(
+            next_attempt(&journal, 1),
+            NextAttempt {
+                number: 6,
+                due: Some(at(99))
+            }
+        );
+        assert_eq!(
+            next_attempt(&journal, 2),
+            NextAttempt {
+                number: 1,
+                due: None
+            }
+        );
     }
 }

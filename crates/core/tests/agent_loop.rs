@@ -602,6 +602,7 @@ fn cancel_waits_for_running_operations_and_names_every_outcome() {
     sim.input(
         Event::ToolStarted(ToolStarted {
             runner: "tool-1".into(),
+            attempt: 1,
         }),
         Some(ops[0].clone()),
     );
@@ -1013,6 +1014,7 @@ fn operations_without_an_outcome_past_the_cutoff_are_stuck_but_questions_never_a
     sim.input(
         Event::ToolStarted(ToolStarted {
             runner: "tool-1".into(),
+            attempt: 1,
         }),
         Some(ops[0].clone()),
     );
@@ -1432,4 +1434,232 @@ fn a_final_answer_is_validated_against_the_output_schema() {
         calls(&[("c1", "read_file", serde_json::json!({"path": "a"}))]),
     );
     assert_eq!(types(&group).last(), Some(&"run.waiting"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-tool retry policy (issue 12, item 3): the policy rides on every dispatch, a failed attempt
+// (`tool.attempt`) is not a result, and the model reads the one result of the last attempt.
+// ---------------------------------------------------------------------------------------------
+
+fn shell_with_retry(approval: bool) -> (Contract, kedge_core::tools::RetryPolicy) {
+    let retry = kedge_core::tools::RetryPolicy {
+        attempts: 3,
+        ..Default::default()
+    };
+    let policy: std::collections::BTreeMap<String, kedge_core::agent::ToolPolicy> = [(
+        "shell".to_owned(),
+        kedge_core::agent::ToolPolicy {
+            approval: if approval {
+                kedge_core::agent::ApprovalRule::Always
+            } else {
+                kedge_core::agent::ApprovalRule::Never
+            },
+            timeout_secs: Some(2),
+            retry: Some(retry.clone()),
+            ..Default::default()
+        },
+    )]
+    .into();
+    let declared = vec![builtin("shell").expect("built-in").spec()];
+    (Contract::new(&declared, &policy), retry)
+}
+
+fn attempt_failed(sim: &mut Sim, op: &OperationId, attempt: u32, retry_at: Timestamp) {
+    sim.input(
+        Event::ToolAttempt(kedge_core::event::ToolAttempt {
+            attempt,
+            dispatch: 0,
+            class: kedge_core::tools::ToolErrorClass::Transient,
+            error: format!("cannot connect ({attempt})"),
+            delay_ms: 1_000,
+            retry_at,
+        }),
+        Some(op.clone()),
+    );
+}
+
+fn started(sim: &mut Sim, op: &OperationId, attempt: u32) {
+    sim.input(
+        Event::ToolStarted(ToolStarted {
+            runner: "tool-1".into(),
+            attempt,
+        }),
+        Some(op.clone()),
+    );
+}
+
+#[test]
+fn failed_attempts_are_not_results_and_the_model_reads_the_last_attempts_result() {
+    let mut sim = Sim::new(Budget::default());
+    let (contract, retry) = shell_with_retry(false);
+    let drafts = complete_under(
+        &mut sim,
+        &contract,
+        calls(&[("call_1", "shell", serde_json::json!({"command": "ls"}))]),
+    );
+    let request = drafts
+        .iter()
+        .find_map(|d| match &d.event {
+            Event::ToolRequested(t) => Some(t.clone()),
+            _ => None,
+        })
+        .expect("dispatched");
+    assert_eq!(
+        request.retry,
+        Some(retry),
+        "the frozen policy rides on the dispatch"
+    );
+    assert_eq!(request.timeout_secs, Some(2), "the per-attempt limit too");
+    let op = sim.ops_of(1)[0].clone();
+
+    started(&mut sim, &op, 1);
+    let far = Timestamp(Timestamp::now().0 + time::Duration::hours(2));
+    attempt_failed(&mut sim, &op, 1, far);
+    let state = sim.state();
+    let o = &state.ops[&op];
+    assert_eq!(
+        o.status,
+        kedge_core::fold::OpStatus::Requested,
+        "waits for attempt 2"
+    );
+    assert_eq!((o.result.as_ref(), o.failed_attempts), (None, 1));
+    assert_eq!(o.since, far, "counted from when the next attempt is due");
+    assert_eq!(state.status, RunStatus::WaitingTool);
+    assert!(
+        matches!(decide(&state), Next::Idle(_)),
+        "a failed attempt wakes no step: the model does not see it"
+    );
+    assert!(
+        state
+            .ops_stuck_since(Timestamp(Timestamp::now().0 + time::Duration::hours(1)))
+            .is_empty(),
+        "a long backoff is not a stuck operation"
+    );
+    assert_eq!(
+        state
+            .ops_stuck_since(Timestamp(far.0 + time::Duration::seconds(1)))
+            .len(),
+        1,
+        "an attempt overdue past the cutoff is"
+    );
+    // A repeat of the same attempt, or an older one, changes nothing.
+    attempt_failed(&mut sim, &op, 1, Timestamp::now());
+    assert_eq!(sim.state().ops[&op].since, far);
+
+    started(&mut sim, &op, 2);
+    attempt_failed(&mut sim, &op, 2, Timestamp::now());
+    started(&mut sim, &op, 3);
+    assert!(matches!(
+        sim.state().ops[&op].status,
+        kedge_core::fold::OpStatus::Started { .. }
+    ));
+    sim.result(&op, "third time lucky");
+    // Late news of an attempt after the result is ignored.
+    attempt_failed(&mut sim, &op, 3, Timestamp::now());
+    let state = sim.state();
+    assert_eq!(state.ops[&op].status, kedge_core::fold::OpStatus::Done);
+    let plan = sim.expect_step();
+    let results: Vec<&str> = plan
+        .context
+        .iter()
+        .filter_map(|m| match m {
+            ChatMessage::Tool { content, .. } => Some(content.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results, ["third time lucky"], "one result for one call");
+}
+
+#[test]
+fn an_approved_or_redispatched_operation_keeps_its_retry_policy() {
+    let mut sim = Sim::new(Budget::default());
+    let (contract, retry) = shell_with_retry(true);
+    let drafts = complete_under(
+        &mut sim,
+        &contract,
+        calls(&[("call_1", "shell", serde_json::json!({"command": "ls"}))]),
+    );
+    let asked = drafts
+        .iter()
+        .find_map(|d| match &d.event {
+            Event::ApprovalRequested(a) => Some(a.clone()),
+            _ => None,
+        })
+        .expect("held for approval");
+    assert_eq!(asked.retry, Some(retry.clone()));
+    approve(&mut sim, 1);
+    let dispatched = commit_next(&mut sim);
+    let request = dispatched
+        .iter()
+        .find_map(|d| match &d.event {
+            Event::ToolRequested(t) => Some(t.clone()),
+            _ => None,
+        })
+        .expect("dispatched once approved");
+    assert_eq!(request.retry, Some(retry.clone()));
+    // Found not to have happened: the next dispatch carries it too, and its attempts count
+    // afresh.
+    let op = sim.ops_of(1)[0].clone();
+    started(&mut sim, &op, 1);
+    attempt_failed(&mut sim, &op, 1, Timestamp::now());
+    sim.input(
+        Event::OutcomeNotFound(kedge_core::event::OutcomeNotFound {}),
+        Some(op.clone()),
+    );
+    let again = commit_next(&mut sim);
+    let request = again
+        .iter()
+        .find_map(|d| match &d.event {
+            Event::ToolRequested(t) => Some(t.clone()),
+            _ => None,
+        })
+        .expect("re-dispatched");
+    assert_eq!((request.redispatch, request.retry), (1, Some(retry)));
+    assert_eq!(sim.state().ops[&op].failed_attempts, 0);
+    // An attempt of the earlier dispatch is not one of this dispatch.
+    attempt_failed(&mut sim, &op, 2, Timestamp::now());
+    assert_eq!(sim.state().ops[&op].failed_attempts, 0);
+}
+
+#[test]
+fn model_call_retries_wait_with_jitter_within_the_cap() {
+    use kedge_core::decide::model_retry_delay;
+    use std::time::Duration;
+    let max = Duration::from_secs(30);
+    // The ceiling of the wait is what the step used before jitter: 400 ms doubling.
+    assert_eq!(
+        model_retry_delay(1, None, max, 0),
+        Duration::from_millis(400)
+    );
+    assert_eq!(
+        model_retry_delay(3, None, max, 0),
+        Duration::from_millis(1_600)
+    );
+    assert_eq!(
+        model_retry_delay(20, None, max, 0),
+        max,
+        "capped by max_retry_delay"
+    );
+    for attempt in 1..=8 {
+        let ceiling = model_retry_delay(attempt, None, max, 0);
+        let waits: std::collections::BTreeSet<Duration> = [1, u64::MAX / 5, u64::MAX / 2, u64::MAX]
+            .iter()
+            .map(|draw| model_retry_delay(attempt, None, max, *draw))
+            .collect();
+        assert!(waits.len() > 1, "attempt {attempt}: no jitter: {waits:?}");
+        assert!(
+            waits.iter().all(|w| *w <= ceiling && *w >= ceiling / 2),
+            "attempt {attempt}: {waits:?} vs {ceiling:?}"
+        );
+    }
+    // The provider's retry-after is honoured as given (within the cap), with no jitter.
+    let after = Some(Duration::from_secs(7));
+    assert_eq!(
+        model_retry_delay(1, after, max, u64::MAX),
+        Duration::from_secs(7)
+    );
+    assert_eq!(
+        model_retry_delay(1, Some(Duration::from_secs(90)), max, 0),
+        max
+    );
 }

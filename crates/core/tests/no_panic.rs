@@ -557,7 +557,19 @@ fn arb_digest() -> impl Strategy<Value = Digest> {
 fn arb_input_event() -> impl Strategy<Value = Event> {
     prop_oneof![
         1 => arb_string().prop_map(|text| Event::UserMessage(UserMessage { text })),
-        1 => arb_string().prop_map(|runner| Event::ToolStarted(ToolStarted { runner })),
+        1 => (arb_string(), 0u32..4).prop_map(|(runner, attempt)| Event::ToolStarted(ToolStarted { runner, attempt })),
+        2 => (0u32..4, 0u32..3, 0usize..3, arb_string(), any::<u64>(), arb_timestamp()).prop_map(
+            |(attempt, dispatch, class, error, delay_ms, retry_at)| {
+                Event::ToolAttempt(kedge_core::event::ToolAttempt {
+                    attempt,
+                    dispatch,
+                    class: kedge_core::tools::ToolErrorClass::ALL[class],
+                    error,
+                    delay_ms,
+                    retry_at,
+                })
+            }
+        ),
         3 => (arb_string(), any::<bool>(), any::<bool>()).prop_map(|(content, is_error, stopped)| {
             Event::ToolResult(ToolResult { content, is_error, stopped })
         }),

@@ -122,6 +122,7 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
                 expect_version: None,
                 timeout_secs: None,
                 network: false,
+                retry: None,
             }))
             .step(StepNo(step))
             .op(OperationId::new(run, StepNo(step), i)),

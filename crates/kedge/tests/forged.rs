@@ -47,6 +47,7 @@ fn request(
             expect_version: None,
             timeout_secs: None,
             network: false,
+            retry: None,
         }))
         .step(op.step())
         .op(op.clone()),

@@ -269,6 +269,7 @@ async fn a_command_reaches_the_network_only_when_its_tool_policy_grants_it() {
         expect_version: None,
         timeout_secs: None,
         network,
+        retry: None,
     };
     let accepted = || match listener.accept() {
         Ok(_) => true,

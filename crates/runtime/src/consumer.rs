@@ -225,7 +225,12 @@ mod tests {
         let (_, c) = config("step", Duration::from_secs(30)).expect("parses");
         let mut expected = vec!["agent.run.*.d.run.created".to_owned()];
         for t in EventType::ALL {
-            if t.kind() == EventKind::Input && *t != EventType::ToolStarted {
+            // Neither the start of a tool attempt nor a failed attempt that will be retried
+            // changes what the run does next.
+            if t.kind() == EventKind::Input
+                && *t != EventType::ToolStarted
+                && *t != EventType::ToolAttempt
+            {
                 expected.push(format!("agent.run.*.i.{}", t.as_str()));
             }
         }

@@ -50,6 +50,7 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::UserMessage
         | EventType::ToolStarted
         | EventType::ToolResult
+        | EventType::ToolAttempt
         | EventType::QuestionAnswered
         | EventType::ApprovalDecided
         | EventType::TimerFired

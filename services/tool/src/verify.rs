@@ -352,6 +352,7 @@ mod tests {
                 expect_version: None,
                 timeout_secs: None,
                 network: false,
+                retry: None,
             }))
             .step(op.step())
             .op(op.clone()),

@@ -100,6 +100,7 @@ pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
             expect_version: None,
             timeout_secs: None,
             network: false,
+            retry: None,
         }))
         .step(StepNo(step))
         .op(OperationId::new(run, StepNo(step), index)),
