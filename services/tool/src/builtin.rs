@@ -22,30 +22,44 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kedge_core::ids::{OperationId, RunId};
+use kedge_core::tools::ToolErrorClass;
 use rustix::fs::{Mode, OFlags, ResolveFlags};
 use serde_json::Value;
 use tokio::io::AsyncWriteExt;
 
 use crate::sandbox::{Ended, Sandbox};
 
-/// What a tool returned: content for the model, and whether it is an error.
+/// What a tool returned: content for the model, and whether it is an error; for an error, its
+/// class when a retry policy could try it again (a timeout, a call that never reached the tool).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Output {
     pub content: String,
     pub is_error: bool,
+    pub class: Option<ToolErrorClass>,
 }
 
 impl Output {
-    fn ok(content: impl Into<String>) -> Self {
+    pub fn ok(content: impl Into<String>) -> Self {
         Self {
             content: content.into(),
             is_error: false,
+            class: None,
         }
     }
+    /// An error the model reads; trying the same call again would not help.
     pub fn error(content: impl Into<String>) -> Self {
         Self {
             content: content.into(),
             is_error: true,
+            class: None,
+        }
+    }
+    /// An error of class `class` (see [`ToolErrorClass`]).
+    pub fn failed(content: impl Into<String>, class: ToolErrorClass) -> Self {
+        Self {
+            content: content.into(),
+            is_error: true,
+            class: Some(class),
         }
     }
 }
@@ -305,10 +319,13 @@ impl Env {
             text.push_str(&String::from_utf8_lossy(&done.stderr));
         }
         match done.ended {
-            Ended::TimedOut => Err(format!(
-                "`{command}` timed out after {} ms and was killed; output so far: {}",
-                self.timeout.as_millis(),
-                truncate(text, self.max_output)
+            Ended::TimedOut => Ok(Output::failed(
+                format!(
+                    "`{command}` timed out after {} ms and was killed; output so far: {}",
+                    self.timeout.as_millis(),
+                    truncate(text, self.max_output)
+                ),
+                ToolErrorClass::Timeout,
             )),
             Ended::OverCap => {
                 let mut cut = self.max_output.min(text.len());
@@ -744,5 +761,14 @@ mod tests {
             .await;
         assert!(r.content.contains("[truncated: 200 bytes"), "{r:?}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_core_knows_which_built_ins_are_idempotent() {
+        // A retry policy's `timeout` rule is checked in the core, against its table.
+        for b in Builtin::ALL {
+            let core = kedge_core::tools::builtin(b.name()).expect("the core lists it");
+            assert_eq!(core.idempotent, b.idempotent(), "{}", b.name());
+        }
     }
 }

@@ -14,6 +14,18 @@
 //!   for a person). A younger `running` record belongs to a live runner: the request is put back
 //!   until the record is old enough.
 //!
+//! Retries (`policy.<tool>.retry`, carried by the request): an attempt that fails with an error
+//! the policy retries (its class: `timeout`, `transient`, `rate_limited`; see
+//! [`kedge_core::tools::RetryPolicy::after_failure`]) is journaled as `tool.attempt` under the
+//! operation's id, the record is given back, and the request is handed back to the broker with
+//! the backoff as its redelivery delay (`Nak(delay)`): nothing here waits, and whichever runner
+//! gets it then makes the next attempt, which the journal numbers (one more than the failed
+//! attempts of the dispatch) and which claims the record under that number
+//! ([`kedge_core::tools::claim_dispatch`]), superseding the failed one without a confirm query.
+//! A delivery before the attempt is due is put back until then. Any other error, the last
+//! attempt's error, a stopped operation and an ambiguous outcome of a tool not declared
+//! idempotent are not retried: the model, or a person, gets them as before.
+//!
 //! A `running` record whose runner is gone (`kedge_runtime::liveness`: the broker has no
 //! connection for it) is abandoned at once, whatever its age. The operations a runner is
 //! running are announced in its heartbeats; when it is found gone, a standby adopts them right
@@ -64,6 +76,7 @@ use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects::{
     TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE, TargetAnswer, TargetQuery,
 };
+use kedge_core::tools::{NextAttempt, ToolErrorClass, Verdict, claim_dispatch};
 use kedge_journal::JournalError;
 use kedge_runtime::idempotency::{Claim, IdempotencyError};
 use kedge_runtime::liveness::Liveness;
@@ -95,8 +108,12 @@ pub enum Handled {
     Moved,
     /// A dispatch given back earlier (its target moved): nothing to do.
     Released,
-    /// A live runner holds it; ask again after `retry_in_ms`.
+    /// A live runner holds it, or its next attempt is not due yet; ask again after
+    /// `retry_in_ms`.
     Busy { retry_in_ms: u64 },
+    /// An attempt failed with an error its retry policy retries (`tool.attempt` is journaled);
+    /// attempt `attempt` is due after `retry_in_ms`.
+    Retrying { attempt: u32, retry_in_ms: u64 },
     /// Nothing done: the request is not what the journal decided (see [`verify`]).
     Refused { reason: String },
 }
@@ -320,7 +337,13 @@ async fn handle(ctx: &Ctx, msg: Message) {
         let _ = msg.ack().await;
         return;
     }
-    let span = tracing::info_span!("tool", run_id = %run_id, op = %op, tool = %req.tool);
+    let span = tracing::info_span!(
+        "tool",
+        run_id = %run_id,
+        op = %op,
+        tool = %req.tool,
+        attempt = tracing::field::Empty
+    );
     // A panic while handling it (a bug) is contained: it counts as a failed delivery (handed
     // back, and a dead letter at the last one); the service and its other operations go on.
     let result = AssertUnwindSafe(execute(ctx, &op, &req).instrument(span))
@@ -341,9 +364,27 @@ async fn handle(ctx: &Ctx, msg: Message) {
             msg.ack().await
         }
         Ok(Handled::Busy { retry_in_ms }) => {
-            tracing::info!(op = %op, retry_in_ms, "held by a live runner; put back");
+            tracing::info!(op = %op, retry_in_ms, "held by a live runner or not due; put back");
             msg.ack_with(AckKind::Nak(Some(Duration::from_millis(retry_in_ms))))
                 .await
+        }
+        Ok(Handled::Retrying { attempt, .. }) if last => {
+            // The failure is journaled; the reconciler finds the operation overdue once its
+            // next attempt has waited `tool_timeout + tool_grace` and asks a runner to go on.
+            tracing::warn!(op = %op, attempt, delivered, "retry due at the request's last delivery; the reconciler will resume it");
+            msg.ack().await
+        }
+        // The wait between attempts is the broker's: the request comes back after the backoff
+        // (a delayed redelivery, holding no task or timer here), to whichever runner is free.
+        Ok(Handled::Retrying {
+            attempt,
+            retry_in_ms,
+        }) => {
+            tracing::info!(op = %op, attempt, retry_in_ms, "next attempt after the backoff");
+            msg.ack_with(AckKind::Nak(Some(Duration::from_millis(
+                retry_in_ms.max(1),
+            ))))
+            .await
         }
         Ok(_) => msg.ack().await,
         Err(e) if last => {
@@ -455,17 +496,54 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     // A panic here (a bug; or the test failpoint) is contained by the handler.
     failpoint::panic_point("tool.execute", op.run().as_str());
     let abandoned_after = rt.config.timeouts.op_abandoned_after();
-    // The cancel check is a read of the journal; it goes out with the claim.
-    let (claim, cancel_requested) = futures::join!(
-        rt.idempotency.claim(
-            op,
-            &req.args_digest,
-            runner,
-            req.redispatch,
-            abandoned_after
-        ),
-        ctx.cancel_requested(op.run())
-    );
+    // Which attempt this is: always the first without a retry policy; under one, the journal's
+    // to say (one more than the failed attempts of this dispatch it records), and not before
+    // the last one's `retry_at` (unless the run is being cancelled: then the attempt is not
+    // run, at once). Each attempt claims the record under its own number, greater than the
+    // last one's (`claim_dispatch`), so it supersedes an attempt whose failure is journaled
+    // without a confirm query, and one attempt of one dispatch runs at a time.
+    let retried = req.retry.is_some();
+    let (claim, cancel_requested, attempt) = if retried {
+        let (next, cancel_requested) = futures::join!(
+            next_attempt(rt, op, req.redispatch),
+            ctx.cancel_requested(op.run())
+        );
+        let next = next?;
+        if !cancel_requested
+            && let Some(due) = next.due
+            && let Some(wait) = until(due)
+        {
+            tracing::info!(
+                attempt = next.number,
+                wait_ms = wait.as_millis(),
+                "next attempt not due yet"
+            );
+            return Ok(Handled::Busy {
+                retry_in_ms: millis(wait),
+            });
+        }
+        let code = claim_dispatch(req.redispatch, next.number, true);
+        let claim = rt
+            .idempotency
+            .claim(op, &req.args_digest, runner, code, abandoned_after)
+            .await;
+        (claim, cancel_requested, next.number)
+    } else {
+        // The cancel check is a read of the journal; it goes out with the claim.
+        let (claim, cancel_requested) = futures::join!(
+            rt.idempotency.claim(
+                op,
+                &req.args_digest,
+                runner,
+                req.redispatch,
+                abandoned_after
+            ),
+            ctx.cancel_requested(op.run())
+        );
+        (claim, cancel_requested, 1)
+    };
+    let code = claim_dispatch(req.redispatch, attempt, retried);
+    tracing::Span::current().record("attempt", attempt);
     let mut claim = claim?;
     // Held by a runner that is gone (the broker has no connection for it): abandoned now,
     // whatever the record's age.
@@ -478,7 +556,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                 op,
                 &req.args_digest,
                 runner,
-                req.redispatch,
+                code,
                 abandoned_after,
                 Some(holder.as_str()),
             )
@@ -488,8 +566,19 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
         Claim::Fresh { revision } => revision,
         Claim::Done { content, is_error } => {
             tracing::info!("operation already done; journaling its stored result");
-            journal_result(rt, op, Output { content, is_error }, false).await?;
+            let out = Output {
+                content,
+                is_error,
+                class: None,
+            };
+            journal_result(rt, op, out, false).await?;
             return Ok(Handled::Stored);
+        }
+        // Under a retry policy a record given back at this number is an attempt whose failure
+        // the journal read above did not show yet (it landed meanwhile): ask again shortly.
+        Claim::Released if retried => {
+            tracing::info!("the previous attempt was given back since the journal was read");
+            return Ok(Handled::Busy { retry_in_ms: 200 });
         }
         Claim::Released => {
             tracing::info!(
@@ -567,7 +656,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
         if found != *expected {
             tracing::warn!(%expected, %found, "the approved target moved; not running");
             rt.idempotency
-                .release(op, revision, &req.args_digest, runner, req.redispatch)
+                .release(op, revision, &req.args_digest, runner, code)
                 .await?;
             journal_moved(rt, op, req.redispatch, expected, found).await?;
             return Ok(Handled::Moved);
@@ -578,6 +667,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
         Timestamp::now(),
         Draft::new(Event::ToolStarted(ToolStarted {
             runner: runner.clone(),
+            attempt,
         }))
         .step(op.step())
         .op(op.clone()),
@@ -602,17 +692,54 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     failpoint::hit("tool.after_effect");
     let (out, stopped) = match ran {
         Ran::Done { out, stopped } => (out, stopped),
+        // A tool its policy declares safe to run again: a lost connection is one more
+        // transient failure, for the policy to retry.
+        Ran::CutOff(detail) if req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool)) => {
+            (Output::failed(detail, ToolErrorClass::Transient), false)
+        }
         Ran::CutOff(detail) => {
             // The record stays `running`: a person decides (`outcome.resolved`), and a retry
-            // re-dispatches under the same id.
+            // re-dispatches under the same id. Never retried automatically.
             journal_ambiguous(rt, op, req.redispatch, detail).await?;
             return Ok(Handled::Ambiguous);
         }
     };
-    let out = match target {
+    let mut out = match target {
         Target::Unknown => Output::error(format!("unknown tool `{}`", req.tool)),
         _ => out,
     };
+    if out.is_error
+        && !stopped
+        && let Some(policy) = &req.retry
+    {
+        match policy.after_failure(&req.tool, attempt, out.class, jitter_draw(op, attempt)) {
+            Verdict::Retry { next, delay } => {
+                let class = out.class.unwrap_or(ToolErrorClass::Transient);
+                tracing::info!(attempt, %class, delay_ms = delay.as_millis(), "attempt failed; retrying");
+                // The failure first, then the record given back: a runner that finds the
+                // record still held at this attempt's number after a crash in between reads
+                // the failure and claims the next number over it.
+                journal_attempt(rt, op, req.redispatch, attempt, class, out.content, delay).await?;
+                rt.idempotency
+                    .release(op, revision, &req.args_digest, runner, code)
+                    .await?;
+                return Ok(Handled::Retrying {
+                    attempt: next,
+                    retry_in_ms: millis(delay),
+                });
+            }
+            Verdict::GiveUp(why) => {
+                if attempt > 1 || out.class.is_some() {
+                    tracing::info!(attempt, %why, "attempt failed; the model gets the error");
+                    out.content = format!(
+                        "{}\n[attempt {attempt} of {}: {why}]",
+                        out.content,
+                        policy.max_attempts()
+                    );
+                }
+            }
+        }
+    }
     rt.idempotency
         .finish(
             op,
@@ -626,6 +753,79 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     failpoint::hit("tool.after_record");
     journal_result(rt, op, out, stopped).await?;
     Ok(Handled::Ran)
+}
+
+/// The next attempt of dispatch `dispatch` of `op`, from the run's journaled `tool.attempt`s
+/// (a read of that one event type, checked against the leader like every journal read).
+async fn next_attempt(
+    rt: &Runtime,
+    op: &OperationId,
+    dispatch: u32,
+) -> Result<NextAttempt, ToolError> {
+    let recorded = rt
+        .journal
+        .read_type(op.run(), kedge_core::event::EventType::ToolAttempt)
+        .await?;
+    let attempts = recorded.iter().filter_map(|r| match &r.envelope.event {
+        Event::ToolAttempt(a) if r.envelope.op.as_ref() == Some(op) => Some(a),
+        _ => None,
+    });
+    Ok(kedge_core::tools::next_attempt(attempts, dispatch))
+}
+
+/// How long until `due`, if it is still ahead.
+fn until(due: Timestamp) -> Option<Duration> {
+    let ms = (due.0 - Timestamp::now().0).whole_milliseconds();
+    (ms > 0).then(|| Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX)))
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A uniformly random `u64` for the jitter of a backoff (the core takes it as an input; what
+/// was drawn is journaled as the wait). A fresh `RandomState` is randomly keyed, and the time
+/// and the operation make each draw distinct.
+fn jitter_draw(op: &OperationId, attempt: u32) -> u64 {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    op.to_string().hash(&mut h);
+    attempt.hash(&mut h);
+    std::time::SystemTime::now().hash(&mut h);
+    h.finish()
+}
+
+/// Journals a failed attempt that will be tried again after `delay` (`tool.attempt`, once per
+/// dispatch and attempt).
+async fn journal_attempt(
+    rt: &Runtime,
+    op: &OperationId,
+    dispatch: u32,
+    attempt: u32,
+    class: ToolErrorClass,
+    error: String,
+    delay: Duration,
+) -> Result<(), ToolError> {
+    let data = kedge_core::event::ToolAttempt {
+        attempt,
+        dispatch,
+        class,
+        error,
+        delay_ms: millis(delay),
+        retry_at: Timestamp::now().saturating_add(delay),
+    };
+    let key = format!("tool.attempt:{op}:{dispatch}:{attempt}");
+    let env = Envelope::new(
+        op.run().clone(),
+        Timestamp::now(),
+        Draft::new(Event::ToolAttempt(data))
+            .step(op.step())
+            .op(op.clone()),
+    );
+    match rt.journal.append_input(&env, &key).await {
+        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Journals that an approved operation was not run because its target moved.

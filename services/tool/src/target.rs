@@ -1,7 +1,8 @@
 //! What a tool name refers to, and how each kind of tool runs, confirms and checks its target.
 
 use kedge_core::ids::{OperationId, RunId};
-use kedge_mcp::{Outcome, Pool};
+use kedge_core::tools::ToolErrorClass;
+use kedge_mcp::{McpError, Outcome, Pool};
 use serde_json::Value;
 use tokio::sync::watch;
 
@@ -103,10 +104,12 @@ impl Target {
                     .call(server, tool, arguments, &op.to_string(), env.timeout, stop)
                     .await
                 {
+                    // The tool's own answer (an error included): for the model.
                     Ok(Outcome::Completed { content, is_error }) => Ran::Done {
                         out: Output {
                             content: env.truncate(content),
                             is_error,
+                            class: None,
                         },
                         stopped: false,
                     },
@@ -118,16 +121,25 @@ impl Target {
                         stopped: true,
                     },
                     Ok(Outcome::TimedOut) => Ran::Done {
-                        out: Output::error(format!(
-                            "timed out after {} ms; the MCP server was sent a cancel \
-                             (it may still finish the work)",
-                            env.timeout.as_millis()
-                        )),
+                        out: Output::failed(
+                            format!(
+                                "timed out after {} ms; the MCP server was sent a cancel \
+                                 (it may still finish the work)",
+                                env.timeout.as_millis()
+                            ),
+                            ToolErrorClass::Timeout,
+                        ),
                         stopped: false,
                     },
-                    // Never sent: nothing happened.
+                    // Never sent: nothing happened. A server that cannot be reached now may be
+                    // reachable in a moment; one that is not configured never will be.
                     Err(e) if !e.may_have_run() => Ran::Done {
-                        out: Output::error(format!("not run: {e}")),
+                        out: match e {
+                            McpError::Connect { .. } => {
+                                Output::failed(format!("not run: {e}"), ToolErrorClass::Transient)
+                            }
+                            _ => Output::error(format!("not run: {e}")),
+                        },
                         stopped: false,
                     },
                     Err(e) => Ran::CutOff(format!(

@@ -1,0 +1,444 @@
+//! Per-tool retry policy through the services (issue 12, item 3): an MCP tool that fails
+//! transiently is tried again within one operation, every attempt journaled under the same
+//! operation id, and the model reads one result; an error without a retryable class goes to the
+//! model at once; the per-attempt time limit stops an attempt and the next one runs; when the
+//! attempts run out the model reads the last error. The tool is `fixtures/flaky-mcp-server.js`
+//! (plain Node), which fails on purpose and records every start and call in files.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::{API_KEY_VAR, Harness, Svc, assert_schema_valid};
+use kedge_core::RunStatus;
+use kedge_core::agent::AgentDefinition;
+use kedge_core::event::{Event, ToolAttempt, ToolStarted};
+use kedge_core::ids::{OperationId, RunId};
+use kedge_core::tools::ToolErrorClass;
+use kedge_journal::Recorded;
+use kedge_mcp::ServerConfig;
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn node() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("node"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| panic!("node is missing: install it (the MCP tests need it too)"))
+}
+
+/// The flaky server over stdio, keeping its state in `state`, with `env` added.
+fn flaky(state: &Path, env: &[(&str, &str)]) -> ServerConfig {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/flaky-mcp-server.js")
+        .canonicalize()
+        .expect("flaky script");
+    let mut vars: BTreeMap<String, String> =
+        BTreeMap::from([("FLAKY_DIR".into(), state.display().to_string())]);
+    for (k, v) in env {
+        vars.insert((*k).into(), (*v).into());
+    }
+    ServerConfig::Stdio {
+        command: node().display().to_string(),
+        args: vec![script.display().to_string()],
+        env: vars,
+        sandbox: None,
+    }
+}
+
+/// A harness whose tool service knows the flaky server as `flaky`. The service's own tool limit
+/// is generous (starting Node counts against it); each test's policy sets the per-attempt one.
+async fn start(model: &str, steps: Value, state: &Path, env: &[(&str, &str)]) -> Harness {
+    let server = flaky(state, env);
+    Harness::start_with(
+        json!({"models": {model: {"steps": steps}}}),
+        &[Svc::Intake, Svc::Step, Svc::Tool],
+        move |c| {
+            c.mcp_servers.insert("flaky".into(), server);
+            c.timeouts.tool_timeout_ms = 10_000;
+            c.timeouts.tool_grace_ms = 2_000;
+            c.timeouts.tool_ack_wait_ms = 15_000;
+        },
+    )
+    .await
+}
+
+/// Stores agent `name` on `model` with the flaky server's tools and `policy`.
+async fn store_agent(h: &Harness, name: &str, model: &str, policy: Value) {
+    let def = json!({
+        "name": name,
+        "system_prompt": "retry test",
+        "model": {"provider": "openai", "name": model, "base_url": format!("{}/v1", h.mock.base_url())},
+        "api_key_env": API_KEY_VAR,
+        "tools": [{"name": "flaky__fetch"}, {"name": "flaky__slow"}, {"name": "flaky__broken"}],
+        "policy": policy,
+        "budget": {"max_steps": 5, "max_tokens": 1000000, "max_attempts_per_step": 3}
+    });
+    let def = AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent");
+    h.rt.agents.put(&def).await.expect("agent stored");
+}
+
+fn call(name: &str, key: &str) -> Value {
+    json!({"name": name, "arguments": {"key": key}})
+}
+
+/// Lines of one of the server's state files.
+fn lines(state: &Path, file: &str) -> Vec<String> {
+    std::fs::read_to_string(state.join(file))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The journal's events about `op`, in order.
+fn about<'a>(events: &'a [Recorded], op: &OperationId) -> Vec<&'a Recorded> {
+    events
+        .iter()
+        .filter(|r| r.envelope.op.as_ref() == Some(op))
+        .collect()
+}
+
+fn starts(events: &[&Recorded]) -> Vec<(u32, kedge_core::event::Timestamp)> {
+    events
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            Event::ToolStarted(ToolStarted { attempt, .. }) => Some((*attempt, r.envelope.at)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn failed_attempts<'a>(
+    events: &[&'a Recorded],
+) -> Vec<(&'a ToolAttempt, kedge_core::event::Timestamp)> {
+    events
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            Event::ToolAttempt(a) => Some((a, r.envelope.at)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The tool results the model read in its `n`-th request (0-based), by call id.
+fn tool_messages(h: &Harness, model: &str, n: usize) -> Vec<(String, String)> {
+    let requests = h.mock.requests(model);
+    let request = requests
+        .get(n)
+        .unwrap_or_else(|| panic!("no request {n} of {model}"));
+    request["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap_or_default().to_owned(),
+                m["content"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn only_op(run: &RunId, events: &[Recorded]) -> OperationId {
+    let ops: Vec<OperationId> = events
+        .iter()
+        .filter(|r| matches!(r.envelope.event, Event::ToolRequested(_)))
+        .filter_map(|r| r.envelope.op.clone())
+        .collect();
+    assert_eq!(
+        ops.len(),
+        1,
+        "one operation dispatched once in {run}: {ops:?}"
+    );
+    ops[0].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_failing_transiently_twice_is_retried_within_one_operation_and_the_model_sees_one_result()
+ {
+    let state = tempfile::tempdir().expect("dir");
+    let steps = json!([
+        {"text": "fetching", "tool_calls": [call("flaky__fetch", "a")]},
+        {"text": "done"}
+    ]);
+    // The first two starts of the server die before the handshake: the call is never sent.
+    let h = start("mr", steps, state.path(), &[("FLAKY_FAIL_LAUNCHES", "2")]).await;
+    store_agent(
+        &h,
+        "retrier",
+        "mr",
+        json!({"flaky__fetch": {"retry": {"attempts": 4, "initial_backoff_ms": 300,
+            "max_backoff_ms": 600, "jitter": 0.5, "on": ["transient"]}}}),
+    )
+    .await;
+    let run = h.submit("retrier", "go", "retry-transient").await;
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+
+    let events = h.events(&run).await;
+    assert_schema_valid(&events);
+    let op = only_op(&run, &events);
+    let mine = about(&events, &op);
+    // Three attempts, each started under the operation's id; the first two failed as transient
+    // and were journaled as such, the third succeeded.
+    let started = starts(&mine);
+    assert_eq!(
+        started.iter().map(|(a, _)| *a).collect::<Vec<_>>(),
+        [1, 2, 3],
+        "{started:?}"
+    );
+    let failed = failed_attempts(&mine);
+    assert_eq!(
+        failed
+            .iter()
+            .map(|(a, _)| (a.attempt, a.class, a.dispatch))
+            .collect::<Vec<_>>(),
+        [
+            (1, ToolErrorClass::Transient, 0),
+            (2, ToolErrorClass::Transient, 0)
+        ]
+    );
+    for (a, at) in &failed {
+        assert!(a.error.contains("not run"), "{}", a.error);
+        // Backoff with jitter: 300 ms then 600 ms ceilings, at least half of each.
+        let ceiling = if a.attempt == 1 { 300 } else { 600 };
+        assert!(
+            (ceiling / 2..=ceiling).contains(&a.delay_ms),
+            "attempt {}: {} ms",
+            a.attempt,
+            a.delay_ms
+        );
+        // The next attempt did not start before it was due.
+        let (_, next_start) = started[a.attempt as usize];
+        assert!(
+            next_start >= a.retry_at,
+            "attempt {} started at {next_start}, due {}",
+            a.attempt + 1,
+            a.retry_at
+        );
+        assert!(a.retry_at >= *at);
+    }
+    let results: Vec<_> = mine
+        .iter()
+        .filter(|r| matches!(r.envelope.event, Event::ToolResult(_)))
+        .collect();
+    assert_eq!(results.len(), 1, "one result for the operation");
+    let result = done.ops[&op].result.clone().expect("a result");
+    assert_eq!(
+        (result.content.as_str(), result.is_error),
+        ("fetched a", false)
+    );
+
+    // The effect happened once, under the operation id; the server was started three times.
+    let calls = lines(state.path(), "calls");
+    assert_eq!(calls, [format!("fetch\t{op}\ta")], "{calls:?}");
+    assert_eq!(lines(state.path(), "launches").len(), 3);
+
+    // The model was called twice and read one result for its one call: the success.
+    assert_eq!(h.mock.requests("mr").len(), 2);
+    let read = tool_messages(&h, "mr", 1);
+    assert_eq!(read.len(), 1, "{read:?}");
+    assert_eq!(read[0].1, "fetched a");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_the_policy_does_not_retry_goes_straight_to_the_model() {
+    let state = tempfile::tempdir().expect("dir");
+    let steps = json!([
+        {"text": "trying", "tool_calls": [call("flaky__broken", "b"), call("flaky__slow", "s")]},
+        {"text": "understood"}
+    ]);
+    let h = start("mn", steps, state.path(), &[("FLAKY_SLOW_CALLS", "9")]).await;
+    // `broken` answers with the tool's own error (no retryable class) under a policy that
+    // retries everything it may; `slow` times out under a policy that retries only transient
+    // failures.
+    store_agent(
+        &h,
+        "straight",
+        "mn",
+        json!({
+            "flaky__broken": {"retry": {"attempts": 5, "initial_backoff_ms": 50,
+                "on": ["timeout", "transient", "rate_limited"], "idempotent": true}},
+            "flaky__slow": {"timeout_secs": 1, "retry": {"attempts": 5, "initial_backoff_ms": 50,
+                "on": ["transient"]}}
+        }),
+    )
+    .await;
+    let run = h.submit("straight", "go", "retry-none").await;
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    let events = h.events(&run).await;
+    assert_schema_valid(&events);
+    assert!(
+        !events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::ToolAttempt(_))),
+        "nothing was retried"
+    );
+    for op in done.ops.keys() {
+        assert_eq!(
+            starts(&about(&events, op)).len(),
+            1,
+            "{op}: one attempt only"
+        );
+    }
+    let calls = lines(state.path(), "calls");
+    assert_eq!(calls.len(), 2, "each tool was called once: {calls:?}");
+    let read = tool_messages(&h, "mn", 1);
+    assert_eq!(read.len(), 2, "{read:?}");
+    let text = |needle: &str| {
+        read.iter()
+            .map(|(_, t)| t.as_str())
+            .find(|t| t.contains(needle))
+            .unwrap_or_else(|| panic!("no result with {needle:?}: {read:?}"))
+            .to_owned()
+    };
+    // The tool's own error, word for word (the adapter marks an error result `ERROR: `).
+    assert_eq!(
+        text("permission denied"),
+        "ERROR: permission denied: this tool refuses everyone"
+    );
+    // The timeout, with why it was not retried.
+    let slow = text("timed out");
+    assert!(
+        slow.contains("does not list timeout"),
+        "the model is told why: {slow}"
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_attempt_time_limit_stops_an_attempt_and_the_next_one_runs() {
+    let state = tempfile::tempdir().expect("dir");
+    let steps = json!([
+        {"text": "slow one", "tool_calls": [call("flaky__slow", "s")]},
+        {"text": "done"}
+    ]);
+    // The first call of `slow` takes 5 s; the policy gives each attempt 1 s. The tool honours
+    // the operation id, so a timed-out attempt may be run again.
+    let h = start("mt", steps, state.path(), &[("FLAKY_SLOW_CALLS", "1")]).await;
+    store_agent(
+        &h,
+        "timely",
+        "mt",
+        json!({"flaky__slow": {"timeout_secs": 1, "retry": {"attempts": 3,
+            "initial_backoff_ms": 100, "max_backoff_ms": 100, "on": ["timeout"], "idempotent": true}}}),
+    )
+    .await;
+    let run = h.submit("timely", "go", "retry-timeout").await;
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    let events = h.events(&run).await;
+    assert_schema_valid(&events);
+    let op = only_op(&run, &events);
+    let mine = about(&events, &op);
+    let started = starts(&mine);
+    let failed = failed_attempts(&mine);
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    let (first, failed_at) = failed[0];
+    assert_eq!((first.attempt, first.class), (1, ToolErrorClass::Timeout));
+    assert!(
+        first.error.contains("timed out after 1000 ms"),
+        "{}",
+        first.error
+    );
+    // The limit fired: the attempt ended about a second after it started, not after the
+    // tool's five.
+    let took = failed_at.0 - started[0].1.0;
+    assert!(
+        took < time::Duration::milliseconds(3_500),
+        "attempt 1 took {took}"
+    );
+    assert_eq!(started.iter().map(|(a, _)| *a).collect::<Vec<_>>(), [1, 2]);
+    let result = done.ops[&op].result.clone().expect("a result");
+    assert_eq!(
+        (result.content.as_str(), result.is_error),
+        ("slow s done on call 2", false)
+    );
+    // Both attempts reached the server under the same operation id.
+    let calls = lines(state.path(), "calls");
+    assert_eq!(
+        calls,
+        [format!("slow\t{op}\ts"), format!("slow\t{op}\ts")],
+        "{calls:?}"
+    );
+    let read = tool_messages(&h, "mt", 1);
+    assert_eq!(
+        read.iter().map(|(_, t)| t.as_str()).collect::<Vec<_>>(),
+        ["slow s done on call 2"]
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_attempts_run_out_the_model_reads_the_last_error() {
+    let state = tempfile::tempdir().expect("dir");
+    let steps = json!([
+        {"text": "fetching", "tool_calls": [call("flaky__fetch", "x")]},
+        {"text": "the server is down"}
+    ]);
+    // The server never comes up.
+    let h = start(
+        "mx",
+        steps,
+        state.path(),
+        &[("FLAKY_FAIL_LAUNCHES", "1000")],
+    )
+    .await;
+    store_agent(
+        &h,
+        "doomed",
+        "mx",
+        json!({"flaky__fetch": {"retry": {"attempts": 3, "initial_backoff_ms": 100,
+            "max_backoff_ms": 200}}}),
+    )
+    .await;
+    let run = h.submit("doomed", "go", "retry-exhausted").await;
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    assert_eq!(done.output.as_deref(), Some("the server is down"));
+    let events = h.events(&run).await;
+    assert_schema_valid(&events);
+    let op = only_op(&run, &events);
+    let mine = about(&events, &op);
+    assert_eq!(
+        starts(&mine).iter().map(|(a, _)| *a).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+    assert_eq!(
+        failed_attempts(&mine)
+            .iter()
+            .map(|(a, _)| a.attempt)
+            .collect::<Vec<_>>(),
+        [1, 2],
+        "the last failure is the result, not an attempt"
+    );
+    let result = done.ops[&op].result.clone().expect("a result");
+    assert!(result.is_error);
+    assert!(
+        result.content.contains("not run") && result.content.contains("gave up after 3 attempts"),
+        "{}",
+        result.content
+    );
+    assert_eq!(
+        lines(state.path(), "launches").len(),
+        3,
+        "one start per attempt"
+    );
+    assert!(lines(state.path(), "calls").is_empty(), "never reached");
+    let read = tool_messages(&h, "mx", 1);
+    assert_eq!(read.len(), 1);
+    assert_eq!(
+        read[0].1,
+        format!("ERROR: {}", result.content),
+        "the model read that error"
+    );
+    h.shutdown().await;
+}
