@@ -532,24 +532,30 @@ fn is_false(b: &bool) -> bool {
 pub struct RetryPolicy {
     /// Attempts in all, the first included: 1 to 10 (default 3).
     #[serde(default = "default_attempts")]
+    #[schemars(range(min = 1, max = 10))]
     pub attempts: i64,
     /// Wait after the first failed attempt, in milliseconds: 1 to 600000 (default 1000).
     #[serde(default = "default_initial_backoff_ms")]
+    #[schemars(range(min = 1, max = 600_000))]
     pub initial_backoff_ms: i64,
     /// Longest wait between two attempts, in milliseconds: `initial_backoff_ms` to 600000
     /// (default 30000).
     #[serde(default = "default_max_backoff_ms")]
+    #[schemars(range(min = 1, max = 600_000))]
     pub max_backoff_ms: i64,
     /// Growth of the wait per failed attempt: 1 to 10 (default 2).
     #[serde(default = "default_multiplier")]
+    #[schemars(range(min = 1, max = 10))]
     pub multiplier: f64,
     /// Share of each wait drawn at random, 0 to 1 (default 0.5): the wait is uniform in
     /// `[(1 - jitter) * w, w]`, so operations that failed together do not retry together.
     #[serde(default = "default_jitter")]
+    #[schemars(range(min = 0, max = 1))]
     pub jitter: f64,
     /// The error classes that are retried (default `transient`, `rate_limited`: failures where
     /// the call never ran). `timeout` only for a tool that is safe to run again.
     #[serde(default = "default_on")]
+    #[schemars(length(min = 1))]
     pub on: Vec<ToolErrorClass>,
     /// The tool may run twice for one operation without a second effect: it honours the
     /// operation id it is given (an MCP server: `_meta."kedge/operation_id"`). Lets `timeout`

@@ -442,3 +442,84 @@ async fn when_the_attempts_run_out_the_model_reads_the_last_error() {
     );
     h.shutdown().await;
 }
+
+/// docs/CONFIG.md's table of `retry` fields, `schemas/agent.schema.json` and the Rust defaults
+/// and limits say the same: the same fields, the same defaults, the same ranges.
+#[test]
+fn the_documented_retry_fields_defaults_and_ranges_match_the_schema_and_the_code() {
+    use kedge_core::tools::{MAX_BACKOFF_MS, MAX_MULTIPLIER, MAX_TOOL_ATTEMPTS, RetryPolicy};
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let doc = std::fs::read_to_string(repo.join("docs/CONFIG.md")).expect("CONFIG.md");
+    let section = doc
+        .split("### Tool retries (`policy.<tool>.retry`)")
+        .nth(1)
+        .expect("a tool retries section");
+    // The first table of the section: | `field` | default | rule | meaning |
+    let rows: BTreeMap<String, (String, String)> = section
+        .lines()
+        .skip_while(|l| !l.starts_with("| field |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            (
+                cells[1].trim_matches('`').to_owned(),
+                (cells[2].trim_matches('`').to_owned(), cells[3].to_owned()),
+            )
+        })
+        .collect();
+    let schema: Value = serde_json::from_str(
+        &std::fs::read_to_string(repo.join("schemas/agent.schema.json")).expect("schema"),
+    )
+    .expect("JSON");
+    let properties = schema["$defs"]["RetryPolicy"]["properties"]
+        .as_object()
+        .expect("RetryPolicy in the agent schema");
+    assert_eq!(
+        rows.keys().collect::<Vec<_>>(),
+        properties.keys().collect::<Vec<_>>(),
+        "documented fields vs the schema's"
+    );
+    let defaults = serde_json::to_value(RetryPolicy {
+        idempotent: false,
+        ..RetryPolicy::default()
+    })
+    .expect("JSON");
+    for (field, (documented, rule)) in &rows {
+        let documented: Value = serde_json::from_str(documented)
+            .unwrap_or_else(|e| panic!("{field}: default {documented:?} is not JSON: {e}"));
+        let code = defaults.get(field).cloned().unwrap_or(Value::Bool(false));
+        assert_eq!(
+            documented
+                .as_f64()
+                .map(Value::from)
+                .unwrap_or(documented.clone()),
+            code.as_f64().map(Value::from).unwrap_or(code.clone()),
+            "{field}: documented default vs RetryPolicy::default()"
+        );
+        if let Some(in_schema) = properties[field].get("default") {
+            assert_eq!(
+                in_schema
+                    .as_f64()
+                    .map(Value::from)
+                    .unwrap_or(in_schema.clone()),
+                code.as_f64().map(Value::from).unwrap_or(code.clone()),
+                "{field}: schema default"
+            );
+        }
+        if let Some(max) = properties[field].get("maximum").and_then(Value::as_f64) {
+            let expected = match field.as_str() {
+                "attempts" => f64::from(MAX_TOOL_ATTEMPTS),
+                "initial_backoff_ms" | "max_backoff_ms" => MAX_BACKOFF_MS as f64,
+                "multiplier" => MAX_MULTIPLIER,
+                "jitter" => 1.0,
+                other => panic!("a maximum for {other} the test does not know"),
+            };
+            assert_eq!(max, expected, "{field}: schema maximum");
+            assert!(
+                rule.contains(&format!("–{expected}")),
+                "{field}: the documented rule {rule:?} names the maximum {expected}"
+            );
+        }
+    }
+}
