@@ -53,9 +53,14 @@ fn flaky(state: &Path, env: &[(&str, &str)]) -> ServerConfig {
 /// A harness whose tool service knows the flaky server as `flaky`. The service's own tool limit
 /// is generous (starting Node counts against it); each test's policy sets the per-attempt one.
 async fn start(model: &str, steps: Value, state: &Path, env: &[(&str, &str)]) -> Harness {
+    start_models(json!({model: {"steps": steps}}), state, env).await
+}
+
+/// [`start`] with several scripted models.
+async fn start_models(models: Value, state: &Path, env: &[(&str, &str)]) -> Harness {
     let server = flaky(state, env);
     Harness::start_with(
-        json!({"models": {model: {"steps": steps}}}),
+        json!({"models": models}),
         &[Svc::Intake, Svc::Step, Svc::Tool],
         move |c| {
             c.mcp_servers.insert("flaky".into(), server);
@@ -74,7 +79,8 @@ async fn store_agent(h: &Harness, name: &str, model: &str, policy: Value) {
         "system_prompt": "retry test",
         "model": {"provider": "openai", "name": model, "base_url": format!("{}/v1", h.mock.base_url())},
         "api_key_env": API_KEY_VAR,
-        "tools": [{"name": "flaky__fetch"}, {"name": "flaky__slow"}, {"name": "flaky__broken"}],
+        "tools": [{"name": "flaky__fetch"}, {"name": "flaky__slow"}, {"name": "flaky__broken"},
+                  {"name": "flaky__crash"}],
         "policy": policy,
         "budget": {"max_steps": 5, "max_tokens": 1000000, "max_attempts_per_step": 3}
     });
@@ -439,6 +445,83 @@ async fn when_the_attempts_run_out_the_model_reads_the_last_error() {
         read[0].1,
         format!("ERROR: {}", result.content),
         "the model read that error"
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_mid_call_is_retried_only_for_a_tool_declared_idempotent() {
+    let state = tempfile::tempdir().expect("dir");
+    // `crash` kills its server mid-call the first time for a key: the call may have taken
+    // effect, and only the tool's own idempotency can make a second one harmless.
+    let steps = |key: &str| json!({"steps": [{"text": "go", "tool_calls": [call("flaky__crash", key)]}, {"text": "after"}]});
+    let h = start_models(
+        json!({"mu": steps("u"), "mi": steps("i")}),
+        state.path(),
+        &[],
+    )
+    .await;
+    let retry = |idempotent: bool| {
+        json!({"flaky__crash": {"retry": {"attempts": 3, "initial_backoff_ms": 50,
+            "on": ["transient"], "idempotent": idempotent}}})
+    };
+    store_agent(&h, "unsure", "mu", retry(false)).await;
+    store_agent(&h, "sure", "mi", retry(true)).await;
+
+    // Not declared idempotent: an ambiguous outcome for a person, never retried.
+    let run = h.submit("unsure", "go", "retry-cut-unsure").await;
+    let state_u = h
+        .wait_for(&run, WAIT, |s| s.status == RunStatus::Unknown)
+        .await;
+    let events = h.events(&run).await;
+    assert_schema_valid(&events);
+    let op = only_op(&run, &events);
+    let mine = about(&events, &op);
+    assert!(
+        mine.iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeAmbiguous(_))),
+        "outcome.ambiguous journaled"
+    );
+    assert!(failed_attempts(&mine).is_empty(), "not retried");
+    assert_eq!(starts(&mine).len(), 1);
+    assert!(state_u.ops[&op].result.is_none());
+    assert_eq!(
+        h.mock.requests("mu").len(),
+        1,
+        "the model is not asked until a person resolves it"
+    );
+
+    // Declared idempotent: the lost connection is a transient failure, tried again under the
+    // same operation id, and the model reads the second attempt's result.
+    let run = h.submit("sure", "go", "retry-cut-sure").await;
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    let events = h.events(&run).await;
+    assert_schema_valid(&events);
+    let op = only_op(&run, &events);
+    let mine = about(&events, &op);
+    let failed = failed_attempts(&mine);
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(
+        (failed[0].0.attempt, failed[0].0.class),
+        (1, ToolErrorClass::Transient)
+    );
+    assert!(
+        !mine
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeAmbiguous(_))),
+        "not ambiguous"
+    );
+    let result = done.ops[&op].result.clone().expect("a result");
+    assert_eq!(result.content, "crash i survived call 2");
+    let calls: Vec<String> = lines(state.path(), "calls")
+        .into_iter()
+        .filter(|l| l.ends_with("\ti"))
+        .collect();
+    assert_eq!(
+        calls,
+        [format!("crash\t{op}\ti"), format!("crash\t{op}\ti")],
+        "both attempts under the same operation id"
     );
     h.shutdown().await;
 }
