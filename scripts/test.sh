@@ -5,7 +5,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-scripts/setup.sh
+# nats-server and bubblewrap, and first Node.js and npm, which the two installers below need.
+scripts/setup.sh --tests
 # The reference MCP servers the MCP client and tool tests talk to (npm + PyPI, pinned, into .tools).
 scripts/mcp-servers.sh
 # Headless Chromium and playwright-core for the bridge's browser test (idempotent, fast when there).
