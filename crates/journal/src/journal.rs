@@ -55,6 +55,11 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Messages asked for per direct-get page in [`Journal::read`].
 const READ_PAGE: usize = 256;
 
+/// A read through a known sequence starts with [`NEAR_BATCH`] messages instead of a probe of
+/// one when it starts at most this many sequences before it (see `Journal::read_filtered`).
+const NEAR_TAIL: u64 = 4096;
+const NEAR_BATCH: usize = 8;
+
 /// How often [`Journal::read`] re-asks a replica that trails the leader before reading the rest
 /// from the leader itself.
 const STALE_RETRIES: u32 = 3;
@@ -404,6 +409,8 @@ pub struct Journal {
     client: Client,
     js: async_nats::jetstream::Context,
     timeout: Duration,
+    /// The one reply subscription of this journal's (and its clones') batched reads.
+    inbox: wire::BatchInbox,
 }
 
 impl Journal {
@@ -411,6 +418,7 @@ impl Journal {
     pub fn new(client: Client) -> Self {
         let js = async_nats::jetstream::new(client.clone());
         Self {
+            inbox: wire::BatchInbox::new(client.clone()),
             client,
             js,
             timeout: DEFAULT_TIMEOUT,
@@ -647,6 +655,28 @@ impl Journal {
         self.read_at_most(run, after, usize::MAX).await
     }
 
+    /// The run's events after `after`, complete through sequence `through`: a message of the
+    /// run the caller knows is acknowledged (the wake it handles, its own last append). Reads
+    /// [`Journal::read_with_set_aside`] would return except what was acknowledged after
+    /// `through` and not yet applied by the replica that answered — which is what a decision
+    /// writer needs (its appends carry the concurrency check), at one round trip instead of
+    /// two: no leader lookup. A replica that trails `through` is asked again, then the leader.
+    pub async fn read_through(
+        &self,
+        run: &RunId,
+        after: u64,
+        through: u64,
+    ) -> Result<ReadPage, JournalError> {
+        self.read_filtered(
+            run,
+            &subjects::run_all(run),
+            after,
+            usize::MAX,
+            Some(through),
+        )
+        .await
+    }
+
     /// The first `max` of the run's events after `after` (all of them if fewer), in order, and
     /// whether more may follow. A page of a long run costs a page, not the rest of the run.
     /// The page also lists the messages set aside up to its last event.
@@ -656,7 +686,7 @@ impl Journal {
         after: u64,
         max: usize,
     ) -> Result<ReadPage, JournalError> {
-        self.read_filtered(run, &subjects::run_all(run), after, max)
+        self.read_filtered(run, &subjects::run_all(run), after, max, None)
             .await
     }
 
@@ -671,7 +701,7 @@ impl Journal {
     ) -> Result<Vec<Recorded>, JournalError> {
         let filter = subjects::event(run, event_type);
         Ok(self
-            .read_filtered(run, &filter, 0, usize::MAX)
+            .read_filtered(run, &filter, 0, usize::MAX, None)
             .await?
             .events)
     }
@@ -698,12 +728,18 @@ impl Journal {
     /// The consistency argument is unchanged: pages may come from a replica that trails the
     /// leader; the read is complete only when it reaches the leader's last sequence, asked in the
     /// same round trip as the probe.
+    ///
+    /// With `through` (see [`Journal::read_through`]) the leader is not asked: the read is
+    /// complete once it reaches that sequence and nothing is pending. Its first request asks
+    /// for a few messages at once when `after` is near `through` (a recent read of a live
+    /// run, where the server's search past the last match covers only the stream's tail).
     async fn read_filtered(
         &self,
         run: &RunId,
         filter: &str,
         after: u64,
         max: usize,
+        through: Option<u64>,
     ) -> Result<ReadPage, JournalError> {
         let op = "read";
         let max = max.max(1);
@@ -718,20 +754,35 @@ impl Journal {
             max,
         };
         let leader_q = serde_json::json!({ "last_by_subj": filter });
+        let first_batch = match through {
+            _ if !wildcard => page_size,
+            Some(through) if after > 0 && through.saturating_sub(after) <= NEAR_TAIL => {
+                NEAR_BATCH.min(page_size)
+            }
+            _ => 1,
+        };
+        let leader = async {
+            match through {
+                Some(through) => Ok(Some(through)),
+                None => wire::leader_get(&self.client, RUNS_STREAM, leader_q.clone(), t)
+                    .await
+                    .map(|m| m.map(|m| m.seq)),
+            }
+        };
         let (leader_last, first) = futures::join!(
-            wire::leader_get(&self.client, RUNS_STREAM, leader_q, t),
+            leader,
             wire::direct_batch(
-                &self.client,
+                &self.inbox,
                 RUNS_STREAM,
                 filter,
                 after.saturating_add(1),
-                if wildcard { 1 } else { page_size },
+                first_batch,
                 t,
                 |m| r.take(m),
             ),
         );
         let map = |e: WireError| JournalError::from_wire(op, e);
-        let leader_last = leader_last.map_err(map)?.map_or(0, |m| m.seq);
+        let mut leader_last = leader_last.map_err(map)?.unwrap_or(0);
         let mut pending = first.map_err(map)?;
         let mut before = after;
         let mut stale = 0;
@@ -770,11 +821,18 @@ impl Journal {
                 }
             };
             before = r.reached;
-            pending = wire::direct_batch(&self.client, RUNS_STREAM, filter, from, batch, t, |m| {
+            pending = wire::direct_batch(&self.inbox, RUNS_STREAM, filter, from, batch, t, |m| {
                 r.take(m)
             })
             .await
             .map_err(map)?;
+        }
+        if through.is_some() {
+            // Known only as a lower bound so far: ask the leader where the run ends.
+            let last = wire::leader_get(&self.client, RUNS_STREAM, leader_q, t)
+                .await
+                .map_err(map)?;
+            leader_last = leader_last.max(last.map_or(0, |m| m.seq));
         }
         tracing::debug!(run_id = %run, reached = r.reached, leader_last, "read: finishing from the leader");
         while r.reached < leader_last && !r.full() {

@@ -8,7 +8,12 @@
 //!
 //! Invariant: nothing in this module panics on anything that came from the network.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
 
 use async_nats::{Client, HeaderMap, Message, Request, RequestErrorKind, StatusCode};
 use bytes::Bytes;
@@ -347,7 +352,7 @@ pub(crate) async fn direct_last(
 /// Ask for no more than match (see `Journal::read_filtered`): when fewer do, the server looks
 /// for the next one to the end of the stream.
 pub(crate) async fn direct_batch(
-    client: &Client,
+    inbox: &BatchInbox,
     stream: &str,
     subject: &str,
     from: u64,
@@ -355,23 +360,20 @@ pub(crate) async fn direct_batch(
     timeout: Duration,
     mut each: impl FnMut(StoredMessage),
 ) -> Result<u64, WireError> {
-    let inbox = client.new_inbox();
-    let mut sub = client
-        .subscribe(inbox.clone())
-        .await
-        .map_err(|e| WireError::Client(e.to_string()))?;
+    let client = &inbox.client;
+    let mut replies = inbox.open().await?;
     let body = serde_json::json!({ "seq": from, "next_by_subj": subject, "batch": batch });
     client
         .publish_with_reply(
             format!("{API_PREFIX}.DIRECT.GET.{stream}"),
-            inbox,
+            replies.subject.clone(),
             body.to_string().into(),
         )
         .await
         .map_err(|e| WireError::Client(e.to_string()))?;
     let mut received = 0usize;
     loop {
-        let msg = match tokio::time::timeout(timeout, sub.next()).await {
+        let msg = match tokio::time::timeout(timeout, replies.next()).await {
             Err(_) => return Err(WireError::TimedOut),
             Ok(None) => return Err(WireError::Client("subscription closed".into())),
             Ok(Some(msg)) => msg,
@@ -398,6 +400,115 @@ pub(crate) async fn direct_batch(
                 }
             }
         }
+    }
+}
+
+/// The reply subscription of a client's batched direct gets: one wildcard subscription
+/// (`<inbox>.*`) for all of them, each read getting its own last token, instead of a subscribe
+/// and an unsubscribe per read (which the server's subject index pays for on every read).
+/// Cheap to clone; made on first use; its subscription ends when the last clone is dropped.
+#[derive(Debug, Clone)]
+pub(crate) struct BatchInbox {
+    client: Client,
+    mux: Arc<tokio::sync::OnceCell<Arc<InboxMux>>>,
+}
+
+#[derive(Debug)]
+struct InboxMux {
+    prefix: String,
+    next: AtomicU64,
+    routes: Mutex<HashMap<u64, mpsc::UnboundedSender<Message>>>,
+    /// Closed when the mux is dropped: ends the dispatching task (and the subscription).
+    _stop: oneshot::Sender<()>,
+}
+
+/// The replies of one batched read; unregistered when dropped.
+pub(crate) struct Replies {
+    subject: String,
+    rx: mpsc::UnboundedReceiver<Message>,
+    token: u64,
+    mux: Arc<InboxMux>,
+}
+
+impl Replies {
+    async fn next(&mut self) -> Option<Message> {
+        self.rx.recv().await
+    }
+}
+
+impl Drop for Replies {
+    fn drop(&mut self) {
+        if let Ok(mut routes) = self.mux.routes.lock() {
+            routes.remove(&self.token);
+        }
+    }
+}
+
+impl BatchInbox {
+    pub(crate) fn new(client: Client) -> Self {
+        Self {
+            client,
+            mux: Arc::default(),
+        }
+    }
+
+    async fn open(&self) -> Result<Replies, WireError> {
+        let mux = self
+            .mux
+            .get_or_try_init(|| InboxMux::start(&self.client))
+            .await?
+            .clone();
+        let token = mux.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        mux.routes
+            .lock()
+            .map_err(|_| WireError::Client("reply routes poisoned".into()))?
+            .insert(token, tx);
+        Ok(Replies {
+            subject: format!("{}.{token}", mux.prefix),
+            rx,
+            token,
+            mux,
+        })
+    }
+}
+
+impl InboxMux {
+    async fn start(client: &Client) -> Result<Arc<InboxMux>, WireError> {
+        let prefix = client.new_inbox();
+        let mut sub = client
+            .subscribe(format!("{prefix}.*"))
+            .await
+            .map_err(|e| WireError::Client(e.to_string()))?;
+        let (stop, mut stopped) = oneshot::channel::<()>();
+        let mux = Arc::new(InboxMux {
+            prefix,
+            next: AtomicU64::new(0),
+            routes: Mutex::new(HashMap::new()),
+            _stop: stop,
+        });
+        let weak = Arc::downgrade(&mux);
+        tokio::spawn(async move {
+            loop {
+                let msg = tokio::select! {
+                    _ = &mut stopped => break,
+                    msg = sub.next() => match msg {
+                        Some(msg) => msg,
+                        None => break,
+                    },
+                };
+                let Some(mux) = weak.upgrade() else { break };
+                // A reply for a read that already gave up (timed out) finds no route: dropped.
+                let token = msg.subject.rsplit('.').next().and_then(|t| t.parse().ok());
+                let route = token
+                    .and_then(|t: u64| mux.routes.lock().ok().and_then(|r| r.get(&t).cloned()));
+                if let Some(route) = route {
+                    let _ = route.send(msg);
+                }
+            }
+            let _ = sub.unsubscribe().await;
+        });
+        Ok(mux)
     }
 }
 

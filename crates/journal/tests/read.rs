@@ -488,3 +488,41 @@ async fn the_last_event_and_an_event_type_are_found_without_reading_the_journal(
             .unwrap()
     );
 }
+
+#[tokio::test]
+async fn a_read_through_a_known_sequence_returns_the_run_up_to_it_and_after() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let other = new_run();
+    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    journal.create_run(&run_created(&other)).await.unwrap();
+    let mut seqs = vec![created.last_seq];
+    for i in 0..20u32 {
+        // Interleaved with another run's inputs, as in a busy stream.
+        seqs.push(
+            journal
+                .append_input(&user_message(&run, &format!("m{i}")), &format!("r-{i}"))
+                .await
+                .unwrap(),
+        );
+        journal
+            .append_input(&user_message(&other, "x"), &format!("o-{i}"))
+            .await
+            .unwrap();
+    }
+    // From the start, from the middle (a near read asks for a few at once), and from the end.
+    for after in [0, seqs[3], seqs[18], seqs[20]] {
+        let page = journal.read_through(&run, after, seqs[20]).await.unwrap();
+        let got: Vec<u64> = page.events.iter().map(|r| r.seq).collect();
+        let want: Vec<u64> = seqs.iter().copied().filter(|s| *s > after).collect();
+        assert_eq!(got, want, "after {after}");
+        assert!(!page.more);
+        assert!(page.events.iter().all(|r| r.envelope.run_id == run));
+    }
+    // A `through` the run never reaches (a caller's mistake) still ends, from the leader.
+    let page = journal
+        .read_through(&run, seqs[10], seqs[20] + 1000)
+        .await
+        .unwrap();
+    assert_eq!(page.events.len(), 10);
+}

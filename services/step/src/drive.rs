@@ -100,6 +100,14 @@ pub struct Driver {
     liveness: Liveness,
 }
 
+/// How one drive writes the run's decisions.
+struct Writing<'a> {
+    writer: &'a DecisionWriter,
+    /// Set when an append was not folded in: the state lacks the journal through this
+    /// sequence until [`Driver::catch_up`].
+    stale_through: Option<u64>,
+}
+
 /// The stream where set-aside journal messages are recorded.
 const REJECTIONS_STREAM: &str = "KEDGE_REJECTIONS";
 
@@ -192,16 +200,21 @@ impl Driver {
 
     /// Drives `run` until it is idle. `msg` is the wake being handled (marked in progress while
     /// the model runs).
+    ///
+    /// `through` is the stream sequence of the newest wake being handled (an event of the run
+    /// the broker has acknowledged): the run is read up to it without asking the stream leader
+    /// where the run ends. `None` (an adopted run) reads with the leader's check.
     pub async fn drive(
         &self,
         run: &RunId,
         msg: Option<Arc<Message>>,
+        through: Option<u64>,
     ) -> Result<Outcome, DriveError> {
         let cfg = &self.rt.config;
         // The lease and the run's state are fetched at once (one round trip instead of two on
         // the way to the next decision). Reading without the lease is harmless: a state made
         // stale by another holder's appends meets the concurrency check and is read again.
-        let (lease, state) = futures::join!(self.acquire(run), self.read_state(run));
+        let (lease, state) = futures::join!(self.acquire(run), self.read_state(run, through));
         let lease = match lease {
             Ok(Some(lease)) => lease,
             other => {
@@ -218,11 +231,15 @@ impl Driver {
         // The right to write the run's decisions comes from the lease; its name is stable for
         // this holding, so a retried append is recognised as ours.
         let writer = lease.writer(&cfg.worker_id);
+        let mut w = Writing {
+            writer: &writer,
+            stale_through: None,
+        };
         let keeper = Keeper::start(&self.rt, lease, msg);
         let mut lost = keeper.lost.clone();
         let span = tracing::info_span!("drive", run_id = %run);
         let result = self
-            .drive_leased(run, &writer, &mut lost, state)
+            .drive_leased(run, &mut w, &mut lost, state)
             .instrument(span)
             .await;
         if let Some(lease) = keeper.finish().await {
@@ -247,8 +264,12 @@ impl Driver {
     /// The run's state from its whole journal; `None` for a run with no `run.created` (a wake by
     /// an input published on a run id that does not exist: nothing to drive, and when the run is
     /// created its own wake drives it, the early input ignored).
-    async fn load(&self, run: &RunId) -> Result<Option<RunState>, DriveError> {
-        let page = self.rt.journal.read_with_set_aside(run, 0).await?;
+    async fn load(
+        &self,
+        run: &RunId,
+        through: Option<u64>,
+    ) -> Result<Option<RunState>, DriveError> {
+        let page = self.read(run, 0, through).await?;
         if !page.set_aside.is_empty() {
             self.record_set_aside(run, &page.set_aside).await;
         }
@@ -267,13 +288,24 @@ impl Driver {
         Ok(Some(state))
     }
 
-    /// Reads what landed after the state's last event and folds it in.
-    async fn refresh(&self, state: &mut RunState) -> Result<(), DriveError> {
-        let page = self
-            .rt
-            .journal
-            .read_with_set_aside(&state.run_id, state.last_seq)
-            .await?;
+    /// The run's events after `after`: complete through `through` when given (no leader
+    /// lookup, see [`kedge_journal::Journal::read_through`]), else everything acknowledged.
+    async fn read(
+        &self,
+        run: &RunId,
+        after: u64,
+        through: Option<u64>,
+    ) -> Result<kedge_journal::ReadPage, DriveError> {
+        Ok(match through {
+            Some(through) => self.rt.journal.read_through(run, after, through).await?,
+            None => self.rt.journal.read_with_set_aside(run, after).await?,
+        })
+    }
+
+    /// Reads what landed after the state's last event (through `through`, see
+    /// [`Driver::read`]) and folds it in.
+    async fn refresh(&self, state: &mut RunState, through: Option<u64>) -> Result<(), DriveError> {
+        let page = self.read(&state.run_id, state.last_seq, through).await?;
         fold_merged(state, page.events.iter(), &page.set_aside)?;
         if !page.set_aside.is_empty() {
             self.record_set_aside(&state.run_id, &page.set_aside).await;
@@ -327,29 +359,38 @@ impl Driver {
     /// Appends decisions one after another, each with the concurrency check against the one
     /// before (a single append costs ~0.05 ms where an atomic batch costs ~2 ms and stalls the
     /// stream; a group cut short by a crash is finished by the next writer, see
-    /// `kedge_core::decide::finish_step`). On success the state is refreshed from the journal.
-    /// A conflict means another writer decided: the state is re-read and the caller decides
-    /// again.
+    /// `kedge_core::decide::finish_step`), and brings the state up to date. A conflict means
+    /// another writer decided: the state is re-read and the caller decides again.
     async fn commit(
         &self,
         state: &mut RunState,
-        writer: &DecisionWriter,
+        w: &mut Writing<'_>,
         drafts: Vec<Draft>,
     ) -> Result<bool, DriveError> {
-        if !self.append(state, writer, drafts).await? {
+        if !self.append(state, w, drafts).await? {
             return Ok(false);
         }
-        self.refresh(state).await?;
+        self.catch_up(state, w).await?;
         Ok(true)
     }
 
-    /// The appends of [`Driver::commit`] without the refresh: `state` stays as it was (behind
-    /// the journal) until the caller refreshes it, which it must before deciding or appending
-    /// again.
+    /// Folds in what the state lacks after appends that could not be folded in as they landed.
+    async fn catch_up(&self, state: &mut RunState, w: &mut Writing<'_>) -> Result<(), DriveError> {
+        if let Some(through) = w.stale_through.take() {
+            self.refresh(state, Some(through)).await?;
+        }
+        Ok(())
+    }
+
+    /// The appends of [`Driver::commit`]. An append that landed right after the state's last
+    /// event (its stream sequence is the next one: nothing at all was stored in between) is
+    /// folded in as it lands, so the common case needs no read back. Otherwise the state stays
+    /// behind the journal until [`Driver::catch_up`], which the caller must call before
+    /// deciding again.
     async fn append(
         &self,
         state: &mut RunState,
-        writer: &DecisionWriter,
+        w: &mut Writing<'_>,
         drafts: Vec<Draft>,
     ) -> Result<bool, DriveError> {
         let mut drafts = drafts;
@@ -361,15 +402,34 @@ impl Driver {
             match self
                 .rt
                 .journal
-                .append_decisions(writer, expected, std::slice::from_ref(&event))
+                .append_decisions(w.writer, expected, std::slice::from_ref(&event))
                 .await
             {
-                Ok(appended) => expected = appended.last_seq,
+                Ok(appended)
+                    if w.stale_through.is_none()
+                        && appended.first_seq == state.last_seq.saturating_add(1) =>
+                {
+                    state.apply(appended.last_seq, &event)?;
+                    expected = appended.last_seq;
+                }
+                // Something was stored between the state's last event and this one (another
+                // run's message, or an input of this run): read back later.
+                Ok(appended) => {
+                    expected = appended.last_seq;
+                    w.stale_through = Some(appended.last_seq);
+                }
                 // This very append landed before (a retry after a lost ack).
-                Err(JournalError::Duplicate { seq }) => expected = seq,
+                Err(JournalError::Duplicate { seq }) => {
+                    expected = seq;
+                    w.stale_through = Some(seq);
+                }
                 Err(JournalError::Conflict { expected, actual }) => {
                     tracing::warn!(run_id = %state.run_id, expected, actual, "decision conflict; re-reading");
-                    *state = self.load(&state.run_id).await?.ok_or(DriveError::NoRun)?;
+                    w.stale_through = None;
+                    *state = self
+                        .load(&state.run_id, None)
+                        .await?
+                        .ok_or(DriveError::NoRun)?;
                     return Ok(false);
                 }
                 Err(e) => return Err(e.into()),
@@ -456,14 +516,18 @@ impl Driver {
 
     /// The run's state: the one cached from this process's last drive, brought up to date, or
     /// the whole journal folded. `None` for a run with no `run.created`.
-    async fn read_state(&self, run: &RunId) -> Result<Option<RunState>, DriveError> {
+    async fn read_state(
+        &self,
+        run: &RunId,
+        through: Option<u64>,
+    ) -> Result<Option<RunState>, DriveError> {
         let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
         match cached {
             Some(mut state) => {
-                self.refresh(&mut state).await?;
+                self.refresh(&mut state, through).await?;
                 Ok(Some(state))
             }
-            None => self.load(run).await,
+            None => self.load(run, through).await,
         }
     }
 
@@ -482,7 +546,7 @@ impl Driver {
     async fn drive_leased(
         &self,
         run: &RunId,
-        writer: &DecisionWriter,
+        w: &mut Writing<'_>,
         lost: &mut watch::Receiver<bool>,
         state: Result<Option<RunState>, DriveError>,
     ) -> Result<(), DriveError> {
@@ -493,7 +557,7 @@ impl Driver {
             tracing::debug!(run_id = %run, "woken for a run that has no run.created; nothing to drive");
             return Ok(());
         };
-        let result = self.drive_state(&mut state, writer, lost).await;
+        let result = self.drive_state(&mut state, w, lost).await;
         if result.is_ok() {
             self.keep(state);
         }
@@ -503,7 +567,7 @@ impl Driver {
     async fn drive_state(
         &self,
         state: &mut RunState,
-        writer: &DecisionWriter,
+        w: &mut Writing<'_>,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<(), DriveError> {
         let run = state.run_id.clone();
@@ -517,10 +581,10 @@ impl Driver {
                     return Ok(());
                 }
                 Next::Commit(drafts) => {
-                    self.commit(state, writer, drafts).await?;
+                    self.commit(state, w, drafts).await?;
                 }
                 Next::Step(plan) => {
-                    self.step(state, writer, *plan, lost).await?;
+                    self.step(state, w, *plan, lost).await?;
                 }
                 Next::Finish(cut) => {
                     tracing::warn!(run_id = %run, step = %cut.step, landed = cut.landed, "finishing a step's decisions cut short");
@@ -531,13 +595,13 @@ impl Driver {
                                 reason: FailureReason::Internal,
                                 message: reason,
                             }));
-                            self.commit(state, writer, vec![fail]).await?;
+                            self.commit(state, w, vec![fail]).await?;
                             continue;
                         }
                     };
                     let rest =
                         kedge_core::decide::finish_step(state, &cut, Timestamp::now(), &contract);
-                    self.commit(state, writer, rest).await?;
+                    self.commit(state, w, rest).await?;
                 }
             }
         }
@@ -546,7 +610,7 @@ impl Driver {
     async fn step(
         &self,
         state: &mut RunState,
-        writer: &DecisionWriter,
+        w: &mut Writing<'_>,
         plan: StepPlan,
         lost: &mut watch::Receiver<bool>,
     ) -> Result<(), DriveError> {
@@ -561,7 +625,7 @@ impl Driver {
                         reason: FailureReason::Internal,
                         message: reason,
                     }));
-                    self.commit(state, writer, vec![fail]).await?;
+                    self.commit(state, w, vec![fail]).await?;
                     return Ok(());
                 }
             };
@@ -586,18 +650,20 @@ impl Driver {
                     Timestamp::now(),
                     &contract,
                 );
-                self.commit(state, writer, drafts).await?;
+                self.commit(state, w, drafts).await?;
                 return Ok(());
             }
-            // Not refreshed: the call needs only the plan and the bundle, and the journal is read
-            // right after it (which folds `step.started` in with whatever came meanwhile).
-            if !self.append(state, writer, plan.start.clone()).await? {
+            // Not caught up if behind: the call needs only the plan and the bundle, and the
+            // journal is read right after it.
+            if !self.append(state, w, plan.start.clone()).await? {
                 return Ok(());
             }
             failpoint::hit("step.after_step_started");
             let result = self.call_model(state, &def, &plan).await;
             if result.is_err() {
-                self.refresh(state).await?;
+                // Read with the leader's check: what ended the call (a cancel) is in it.
+                w.stale_through = None;
+                self.refresh(state, None).await?;
             }
             match result {
                 Ok(response) => {
@@ -608,11 +674,14 @@ impl Driver {
                     // Inputs that arrived during the call (a cancel above all) shape the commit;
                     // they are read while the response is stored. Nothing is committed before
                     // the response is stored: a crash from here on never pays for it twice.
+                    // Read with the leader's check: an input acknowledged before this read (a
+                    // cancel) is in it, so nothing is dispatched after a cancel request.
+                    w.stale_through = None;
                     let (put, read) = futures::join!(
                         self.rt
                             .idempotency
                             .store_response(&plan.request_id, &stored),
-                        self.refresh(state)
+                        self.refresh(state, None)
                     );
                     put?;
                     failpoint::hit("step.after_model_stored");
@@ -632,7 +701,7 @@ impl Driver {
                         Timestamp::now(),
                         &contract,
                     );
-                    self.commit(state, writer, drafts).await?;
+                    self.commit(state, w, drafts).await?;
                     Ok(())
                 }
                 Err(CallError::Cancelled) => {
@@ -643,7 +712,7 @@ impl Driver {
                     }))
                     .step(plan.step)
                     .attempt(plan.attempt);
-                    self.commit(state, writer, vec![attempt]).await?;
+                    self.commit(state, w, vec![attempt]).await?;
                     Ok(())
                 }
                 Err(CallError::Model(e)) => {
@@ -661,7 +730,8 @@ impl Driver {
                             message: e.message.clone(),
                         })));
                     }
-                    if self.commit(state, writer, drafts).await? && e.class == ErrorClass::Retryable
+                    if self.commit(state, w, drafts).await?
+                        && e.class == ErrorClass::Retryable
                     {
                         let delay = retry_delay(
                             &e,

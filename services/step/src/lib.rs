@@ -61,8 +61,14 @@ const FAIL_MAX: Duration = Duration::from_secs(60);
 /// The durable consumer's name (and the dead letters' subject token).
 const CONSUMER: &str = "step";
 
-/// Per-run bookkeeping of this process: whether more wakes arrived during the drive.
-type Active = Arc<Mutex<HashMap<RunId, bool>>>;
+/// Per-run bookkeeping of this process: whether more wakes arrived during the drive, and the
+/// newest stream sequence among them (0: one without a sequence, read with the leader's check).
+type Active = Arc<Mutex<HashMap<RunId, Option<u64>>>>;
+
+/// The stream sequence of a wake (an acknowledged event of its run).
+fn wake_seq(msg: &Message) -> Option<u64> {
+    msg.info().ok().map(|info| info.stream_sequence)
+}
 
 /// Forwards `cancel.requested` inputs as they are published (core NATS sees every journal
 /// message) so that in-flight model calls of cancelled runs are aborted at once. Best effort: a
@@ -158,14 +164,22 @@ impl Drives {
     /// a gone worker.
     async fn start(&self, run_id: RunId, msg: Option<Message>) {
         // Whether a drive of this run is already in progress here (then it absorbs this wake).
+        let seq = msg.as_ref().and_then(wake_seq);
         let absorbed = match self.active.lock() {
             Ok(mut map) => match map.get_mut(&run_id) {
                 Some(dirty) => {
-                    *dirty = true;
+                    // The re-drive must read through the newest absorbed wake (0 when one has
+                    // no sequence: then the leader is asked).
+                    let newest = match (*dirty, seq) {
+                        (Some(0), _) | (_, None) => 0,
+                        (Some(a), Some(b)) => a.max(b),
+                        (None, Some(b)) => b,
+                    };
+                    *dirty = Some(newest);
                     true
                 }
                 None => {
-                    map.insert(run_id.clone(), false);
+                    map.insert(run_id.clone(), None);
                     false
                 }
             },
@@ -184,10 +198,11 @@ impl Drives {
         self.workers
             .spawn(async move {
                 let msg = msg.map(Arc::new);
+                let mut through = seq;
                 let result = loop {
                     // A panic in a drive (a bug) is contained: this run's wake is handed back
                     // (bounded, like any failure), the process and its other drives go on.
-                    let result = AssertUnwindSafe(driver.drive(&run_id, msg.clone()))
+                    let result = AssertUnwindSafe(driver.drive(&run_id, msg.clone(), through))
                         .catch_unwind()
                         .await
                         .unwrap_or_else(|panic| {
@@ -197,8 +212,8 @@ impl Drives {
                         });
                     let again = match active.lock() {
                         Ok(mut map) => match map.get_mut(&run_id) {
-                            Some(dirty) if *dirty && result.is_ok() => {
-                                *dirty = false;
+                            Some(dirty) if dirty.is_some() && result.is_ok() => {
+                                through = dirty.take().filter(|seq| *seq > 0);
                                 true
                             }
                             _ => {
