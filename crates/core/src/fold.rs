@@ -1087,6 +1087,9 @@ impl RunState {
                     (Some(r), _) if r.stopped => OpFate::Stopped,
                     (Some(r), _) if r.is_error => OpFate::Failed,
                     (Some(_), _) => OpFate::Completed,
+                    // Waiting for its next attempt (a retry policy): its attempts failed, and
+                    // no more will run.
+                    (None, OpStatus::Requested) if o.failed_attempts > 0 => OpFate::Failed,
                     (
                         None,
                         OpStatus::Requested | OpStatus::ToRetry | OpStatus::AwaitingApproval,

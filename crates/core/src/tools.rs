@@ -489,9 +489,9 @@ impl fmt::Display for ToolErrorClass {
 /// request at most 20 times (`nats/consumers/KEDGE_RUNS/tool.json`): ten leave room for the
 /// redeliveries broker trouble may need.
 pub const MAX_TOOL_ATTEMPTS: u32 = 10;
-/// Longest wait between two attempts (ten minutes). A cancelled run's operation that waits to
-/// be retried is stopped at its next attempt, so this also bounds how long a cancel can wait
-/// for it.
+/// Longest wait between two attempts (ten minutes). An operation waiting for its next attempt
+/// holds nothing; a run cancelled meanwhile does not wait for it (no attempt is running), and
+/// the attempt, when it comes, is not run.
 pub const MAX_BACKOFF_MS: i64 = 600_000;
 /// Largest growth factor of the wait from one attempt to the next.
 pub const MAX_MULTIPLIER: f64 = 10.0;

@@ -1663,3 +1663,44 @@ fn model_call_retries_wait_with_jitter_within_the_cap() {
         max
     );
 }
+
+#[test]
+fn a_run_cancelled_between_attempts_is_cancelled_at_once_listing_the_operation_failed() {
+    let mut sim = Sim::new(Budget::default());
+    let (contract, _) = shell_with_retry(false);
+    complete_under(
+        &mut sim,
+        &contract,
+        calls(&[("call_1", "shell", serde_json::json!({"command": "ls"}))]),
+    );
+    let op = sim.ops_of(1)[0].clone();
+    started(&mut sim, &op, 1);
+    let far = Timestamp(Timestamp::now().0 + time::Duration::hours(2));
+    attempt_failed(&mut sim, &op, 1, far);
+    sim.input(
+        Event::CancelRequested(CancelRequested {
+            reason: "enough".into(),
+            by: None,
+        }),
+        None,
+    );
+    // run.cancelling, then (nothing running) run.cancelled.
+    let mut cancelled = None;
+    for _ in 0..3 {
+        let drafts = commit_next(&mut sim);
+        if let Some(c) = drafts.iter().find_map(|d| match &d.event {
+            Event::RunCancelled(c) => Some(c.clone()),
+            _ => None,
+        }) {
+            cancelled = Some(c);
+            break;
+        }
+    }
+    let cancelled = cancelled.expect("cancelled without waiting for the next attempt");
+    assert_eq!(cancelled.operations.len(), 1);
+    assert_eq!(
+        (&cancelled.operations[0].op, cancelled.operations[0].fate),
+        (&op, kedge_core::event::OpFate::Failed)
+    );
+    assert_eq!(sim.state().status, RunStatus::Cancelled);
+}

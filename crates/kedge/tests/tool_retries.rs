@@ -526,6 +526,81 @@ async fn a_connection_lost_mid_call_is_retried_only_for_a_tool_declared_idempote
     h.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_run_does_not_wait_for_an_operation_between_attempts() {
+    let state = tempfile::tempdir().expect("dir");
+    let steps = json!([
+        {"text": "fetching", "tool_calls": [call("flaky__fetch", "c")]},
+        {"text": "never"}
+    ]);
+    let h = start(
+        "mc",
+        steps,
+        state.path(),
+        &[("FLAKY_FAIL_LAUNCHES", "1000")],
+    )
+    .await;
+    // Twenty seconds between attempts, no jitter.
+    store_agent(
+        &h,
+        "patient",
+        "mc",
+        json!({"flaky__fetch": {"retry": {"attempts": 5, "initial_backoff_ms": 20_000,
+            "max_backoff_ms": 20_000, "jitter": 0}}}),
+    )
+    .await;
+    let run = h.submit("patient", "go", "retry-cancel").await;
+    h.wait_for(&run, WAIT, |s| {
+        s.ops.values().any(|o| o.failed_attempts == 1)
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    h.input(
+        &run,
+        Event::CancelRequested(kedge_core::event::CancelRequested {
+            reason: "test".into(),
+            by: Some("tester".into()),
+        }),
+        &format!("cancel:{run}"),
+    )
+    .await;
+    let done = h.wait_terminal(&run, Duration::from_secs(10)).await;
+    assert_eq!(done.status, RunStatus::Cancelled);
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "cancelled in {:?}, not after the backoff",
+        asked.elapsed()
+    );
+    let events = h.events(&run).await;
+    let op = only_op(&run, &events);
+    let fates: Vec<_> = events
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            Event::RunCancelled(c) => Some(c.operations.clone()),
+            _ => None,
+        })
+        .flatten()
+        .map(|s| (s.op, s.fate))
+        .collect();
+    assert_eq!(
+        fates,
+        [(op.clone(), kedge_core::event::OpFate::Failed)],
+        "its attempts failed; none is running"
+    );
+    assert_eq!(
+        starts(&about(&events, &op)).len(),
+        1,
+        "no second attempt ran"
+    );
+    assert_eq!(lines(state.path(), "launches").len(), 1);
+    assert_eq!(
+        h.mock.requests("mc").len(),
+        1,
+        "the model is not asked again"
+    );
+    h.shutdown().await;
+}
+
 /// docs/CONFIG.md's table of `retry` fields, `schemas/agent.schema.json` and the Rust defaults
 /// and limits say the same: the same fields, the same defaults, the same ranges.
 #[test]
