@@ -304,6 +304,9 @@
   // Run page.
   // ------------------------------------------------------------------------------------------
 
+  // Tools the step handles itself (their operation is a question, a timer or a callback).
+  const STEP_TOOLS = ["ask_user", "wait", "await_callback"];
+
   const WAIT_WORDS = {
     tool: "Waiting for a tool to finish.",
     user: "Waiting for a person to answer a question.",
@@ -320,6 +323,7 @@
     if (n("approvals")) parts.push(n("approvals") + " approval(s) to decide.");
     for (const t of w.timers || []) parts.push("A timer is due at " + fmtTime(t.fire_at) + " (" + fmtIn(t.fire_at) + ").");
     for (const o of w.operations || []) {
+      if (STEP_TOOLS.includes(o.tool)) continue; // a question, a timer or a callback: said above
       if (o.status === "ambiguous") parts.push("Operation " + o.op + " (" + o.tool + ") has an ambiguous outcome: a person must say what happened.");
       else if (o.status === "started") parts.push("Tool " + o.tool + " is running.");
       else if (o.status === "requested") parts.push("Tool " + o.tool + " is queued for a runner.");
@@ -351,6 +355,7 @@
       steps: new Map(),
       ops: new Map(),
       approvals: new Map(),
+      approvalOps: new Map(),
       opDetail: new Map(),
       queue: [],
       flushing: false,
@@ -358,6 +363,9 @@
       stopped: false,
       timers: [],
       conn: "connecting",
+      connLog: [],
+      caughtUp: 0,
+      opens: 0,
       deltas: 0,
     };
     window.__kedge = t; // for tests and the curious: what the page has seen
@@ -377,6 +385,7 @@
     t.timeline = timeline;
 
     function setConn(c) {
+      if (t.conn !== c) t.connLog.push(c + "@" + Math.round(performance.now()));
       t.conn = c;
       conn.textContent = c;
       conn.className = "badge conn-" + c;
@@ -445,19 +454,35 @@
     }
 
     // --- actions: only what the token's scope allows ---
+    // Operations waiting for a person to say what happened: from the view, and from the
+    // timeline (a run stopped in `unknown` is not "waiting" on anything).
+    function ambiguousOps(v) {
+      const out = new Map();
+      for (const o of (v.waiting && v.waiting.operations) || []) {
+        if (o.status === "ambiguous") out.set(o.op, { op: o.op, tool: o.tool });
+      }
+      if (!v.finished) {
+        for (const [op, d] of t.opDetail) {
+          if (d.ambiguous && !d.settled && !out.has(op)) out.set(op, { op, tool: d.tool || "?" });
+        }
+      }
+      return [...out.values()];
+    }
+
     let actionsKey = "";
     function renderActions(v) {
       const who = session.who || {};
       const w = v.waiting || {};
+      const amb = ambiguousOps(v);
       const key = JSON.stringify([v.status, v.finished, (w.questions || []).map((q) => q.question_id),
-        (w.approvals || []).map((a) => a.approval_id), (w.operations || []).filter((o) => o.status === "ambiguous").map((o) => o.op),
+        (w.approvals || []).map((a) => a.approval_id), amb.map((o) => o.op),
         [...t.approvals.keys()].length, [...t.opDetail.keys()].length]);
       if (key === actionsKey) return; // keep what a person is typing
       actionsKey = key;
       const cards = [];
       if (who.can_write) {
         for (const q of w.questions || []) cards.push(answerCard(q));
-        for (const o of (w.operations || []).filter((x) => x.status === "ambiguous")) cards.push(resolveCard(o));
+        for (const o of amb) cards.push(resolveCard(o));
       }
       if (who.can_approve) {
         for (const a of w.approvals || []) cards.push(approvalCard(a));
@@ -635,6 +660,11 @@
       return o;
     }
 
+    function settle(op) {
+      const d = t.opDetail.get(op);
+      if (d && d.ambiguous) { d.settled = true; actionsKey = ""; }
+    }
+
     function row(ev, title, ...body) {
       return h("div", { class: "ev", "data-seq": ev.seq, "data-type": ev.type },
         h("span", { class: "t" }, title),
@@ -644,6 +674,12 @@
     }
 
     function place(ev, node) {
+      // Decisions on an approval belong with the operation it holds back.
+      const d = ev.data || {};
+      if (!ev.op && d.approval_id && t.approvalOps.has(d.approval_id)) {
+        const op = t.ops.get(t.approvalOps.get(d.approval_id));
+        if (op) { op.el.append(node); return; }
+      }
       if (ev.op) { opCard(ev).el.append(node); return; }
       if (ev.step && ev.type !== "run.waiting") { stepCard(ev.step).body.append(node); return; }
       t.timeline.append(h("li", {}, node));
@@ -662,6 +698,7 @@
           return;
         }
         case "model.attempt": {
+          if (ev.step) { const s = stepCard(ev.step); if (s.live) { s.live.remove(); s.live = null; } }
           const o = d.outcome === "error"
             ? h("span", { class: "attempt-error" }, (d.class || "") + " error" + (d.status ? " (HTTP " + d.status + ")" : "") + ": " + d.message + (d.retry_after_ms ? "; retry after " + d.retry_after_ms + " ms" : ""))
             : h("span", { class: "attempt-error" }, d.outcome === "lease_lost" ? "aborted: the worker lost its lease" : "aborted: cancellation requested");
@@ -691,6 +728,7 @@
           return place(ev, row(ev, "Started", h("span", { class: "muted" }, "runner " + d.runner)));
         }
         case "tool.result": {
+          settle(ev.op);
           const o = opCard(ev);
           const dur = o.started ? (new Date(ev.at) - new Date(o.started)) : null;
           const outcome = d.stopped ? "stopped" : d.is_error ? "error" : "ok";
@@ -707,6 +745,7 @@
           return place(ev, row(ev, "Answered", h("pre", {}, d.answer)));
         case "approval.requested":
           t.approvals.set(d.approval_id, d);
+          if (ev.op) t.approvalOps.set(d.approval_id, ev.op);
           t.opDetail.set(ev.op, Object.assign(t.opDetail.get(ev.op) || {}, { tool: d.tool, arguments: d.arguments }));
           if (ev.op) opCard(ev).head.replaceChildren("Tool ", h("strong", {}, d.tool), " · ", h("span", { class: "mono" }, ev.op));
           actionsKey = "";
@@ -759,6 +798,7 @@
           actionsKey = "";
           return place(ev, row(ev, "Outcome ambiguous", d.detail));
         case "outcome.resolved":
+          settle(ev.op);
           return place(ev, row(ev, "Resolved by " + d.by + ": " + d.resolution, d.content || d.reason || ""));
         case "target.moved":
           return place(ev, row(ev, "Target moved", "expected " + d.expected + ", found " + d.found));
@@ -805,8 +845,10 @@
       if (!d || typeof d.step !== "number") return;
       t.deltas++;
       const s = stepCard(d.step);
+      if (s.live && s.liveAttempt !== d.attempt) { s.live.remove(); s.live = null; }
       if (!s.live) {
-        s.live = h("pre", { class: "live-text", "aria-live": "off" });
+        s.live = h("pre", { class: "live-text", "aria-live": "off", "data-attempt": d.attempt });
+        s.liveAttempt = d.attempt;
         s.body.append(s.live);
       }
       s.live.append(String(d.text || ""));
@@ -834,7 +876,6 @@
       const url = "/v1/runs/" + enc(runId) + "/events" + (t.lastSeq ? "?after=" + t.lastSeq : "");
       const es = new EventSource(url);
       t.es = es;
-      t.opens = (t.opens || 0);
       es.onopen = () => { t.opens++; retryDelay = 500; setConn("live"); scheduleView(); };
       es.onerror = () => {
         if (t.stopped || es !== t.es) return;
@@ -869,7 +910,10 @@
       let after = t.lastSeq;
       for (;;) {
         const page = await api("GET", "/v1/runs/" + enc(runId) + "/history?after=" + after + "&limit=500");
-        for (const ev of page.events || []) onEvent({ lastEventId: String(ev.seq), data: JSON.stringify(ev) });
+        for (const ev of page.events || []) {
+          if (ev.seq > t.lastSeq) t.caughtUp++;
+          onEvent({ lastEventId: String(ev.seq), data: JSON.stringify(ev) });
+        }
         if (page.next_after == null) return;
         after = page.next_after;
       }

@@ -1,0 +1,268 @@
+// Drives headless Chromium through the web console for console_browser.rs.
+//
+// The page is the bridge's own console at "/" (nothing is intercepted): sign in, the runs list,
+// a run's live timeline, answering, approving (and a stale approval refused), cancelling,
+// resolving an ambiguous operation, a read-only token. The test process owns the services and
+// the bridge; when this script needs the bridge restarted it prints "sync restart" and waits for
+// a line on stdin. Progress lines start with "step "; the last line is one JSON object with
+// what the page saw. Screenshots go to config.shots.
+//
+// Usage: node console.mjs <playwright-core dir> <config JSON>
+//   config: {"base", "token", "read_token", "agent", "runs": {"cancel", "amb"}, "shots",
+//            "profile", "timeout_ms"}
+
+import { createRequire } from "node:module";
+import path from "node:path";
+import readline from "node:readline";
+
+const [, , pwDir, configJson] = process.argv;
+const require = createRequire(path.join(pwDir, "package.json"));
+const { chromium } = require("playwright-core");
+const config = JSON.parse(configJson);
+const T = config.timeout_ms ?? 60000;
+
+const stdin = readline.createInterface({ input: process.stdin });
+const replies = [];
+const waiting = [];
+stdin.on("line", (l) => (waiting.length ? waiting.shift()(l) : replies.push(l)));
+function sync(what) {
+  console.log("sync " + what);
+  return new Promise((resolve) => (replies.length ? resolve(replies.shift()) : waiting.push(resolve)));
+}
+const t0 = Date.now();
+const step = (s) => console.log("step " + s + " @" + (Date.now() - t0));
+
+async function api(method, p, body, token = config.token, headers = {}) {
+  const r = await fetch(config.base + p, {
+    method,
+    headers: { Authorization: "Bearer " + token, "Content-Type": "application/json", ...headers },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await r.text();
+  return { status: r.status, body: text ? JSON.parse(text) : null };
+}
+
+async function history(run) {
+  const out = [];
+  let after = 0;
+  for (;;) {
+    const r = await api("GET", `/v1/runs/${run}/history?after=${after}&limit=500`);
+    out.push(...r.body.events);
+    if (r.body.next_after == null) return out;
+    after = r.body.next_after;
+  }
+}
+
+async function signIn(page, token) {
+  await page.goto(config.base + "/");
+  await page.waitForSelector("#signin #token", { timeout: T });
+  await page.fill("#token", token);
+  await page.press("#token", "Enter"); // keyboard: submit with Enter
+  await page.waitForSelector("#signout", { timeout: T });
+}
+
+async function statusOf(page) {
+  return page.getAttribute("#run-status [data-status]", "data-status").catch(() => null);
+}
+
+async function waitStatus(page, statuses, seen) {
+  const deadline = Date.now() + T;
+  for (;;) {
+    const s = await statusOf(page);
+    if (s && seen && seen.at(-1) !== s) seen.push(s);
+    if (statuses.includes(s)) return s;
+    if (Date.now() > deadline) throw new Error(`status ${s}, wanted ${statuses}`);
+    await page.waitForTimeout(50);
+  }
+}
+
+const browser = await chromium.launchPersistentContext(config.profile, {
+  executablePath: "/usr/bin/chromium",
+  headless: true,
+  viewport: { width: 1200, height: 900 },
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+});
+const result = { ok: false, console_errors: [], csp_violations: 0, urls: [] };
+let exitCode = 0;
+try {
+  const page = browser.pages()[0] ?? (await browser.newPage());
+  page.on("console", (m) => { if (m.type() === "error") result.console_errors.push(m.text()); });
+  page.on("request", (r) => result.urls.push(r.url()));
+
+  // --- a read-only token sees runs but no action ---
+  step("read-only sign-in");
+  await signIn(page, config.read_token);
+  result.read_scope = await page.getAttribute("[data-scope]", "data-scope");
+  await page.goto(config.base + "/#/runs/" + config.runs.cancel);
+  await page.waitForSelector("#run-status [data-status]", { timeout: T });
+  await page.waitForSelector("#timeline [data-type='timer.scheduled']", { timeout: T });
+  result.read_only_buttons = await page.locator("#actions button, #actions form").count();
+  result.read_only_timer_due = await page.getAttribute("#timeline [data-due]", "data-due");
+  await page.click("#signout");
+  await page.waitForSelector("#signin", { timeout: T });
+  result.token_after_signout = await page.evaluate(() => sessionStorage.length);
+
+  // --- sign in with a write+approve token; the runs list ---
+  step("sign-in");
+  await signIn(page, config.token);
+  result.storage_has_token = await page.evaluate(
+    (t) => Object.keys(sessionStorage).some((k) => sessionStorage.getItem(k) === t), config.token);
+  result.local_storage_len = await page.evaluate(() => localStorage.length);
+  await page.waitForSelector("#runs", { timeout: T });
+  // Filters: by agent (one run), then a status no run has, then back to everything.
+  const rowsAre = (pred) => page.waitForFunction(pred, null, { timeout: T });
+  await page.waitForSelector(`#runs tr[data-run="${config.runs.cancel}"]`, { timeout: T });
+  await page.fill("#f-agent", "slow");
+  await page.click("#filters button[type=submit]");
+  await rowsAre(() => {
+    const rows = [...document.querySelectorAll("#runs tbody tr[data-run]")];
+    return rows.length > 0 && rows.every((r) => r.querySelector("[data-k=agent]").textContent === "slow");
+  });
+  result.filtered_rows = await page.locator("#runs tbody tr[data-run]").count();
+  await page.fill("#f-agent", "");
+  await page.selectOption("#f-status", "queued");
+  await page.click("#filters button[type=submit]");
+  await rowsAre(() => document.querySelectorAll("#runs tbody tr[data-run]").length === 0);
+  await page.selectOption("#f-status", "");
+  await page.click("#filters button[type=submit]");
+  await page.waitForSelector(`#runs tr[data-run="${config.runs.amb}"]`, { timeout: T });
+
+  const sub = await api("POST", "/v1/runs", { agent: config.agent, input: "plan the trip" }, config.token,
+    { "Idempotency-Key": "console-live-1" });
+  if (sub.status !== 202) throw new Error("submit: " + JSON.stringify(sub));
+  const run = sub.body.run_id;
+  result.run = run;
+  // The new run appears in the list without a reload (live updates).
+  await page.waitForSelector(`#runs tr[data-run="${run}"]`, { timeout: T });
+  result.list_status = await page.getAttribute(`#runs tr[data-run="${run}"] [data-k=status]`, "data-status");
+  await page.focus(`#runs a[href="#/runs/${run}"]`);
+  await page.keyboard.press("Enter"); // keyboard: follow the link
+
+  // --- the run page; answer the question ---
+  step("answer");
+  await page.waitForSelector("#run-status [data-status]", { timeout: T });
+  const answer = page.locator("#actions form[id^=answer-]");
+  await answer.waitFor({ timeout: T });
+  result.question_text = await answer.locator(".prompt").textContent();
+  await answer.locator("textarea").fill("blue");
+  await answer.locator("button[type=submit]").click();
+  await page.waitForSelector("#timeline [data-type='question.answered']", { timeout: T });
+
+  // --- the next step streams into the timeline; the bridge restarts underneath ---
+  step("live");
+  await page.waitForSelector(".live-text", { timeout: T });
+  result.saw_live_text = true;
+  step("restart");
+  await sync("restart");
+  await page.waitForFunction(() => window.__kedge && window.__kedge.opens >= 2, null, { timeout: T });
+  result.reconnected = true;
+
+  // --- approve the first operation, showing exactly what the digest covers ---
+  step("approve");
+  const review = page.locator("#actions button[id^=review-]:not([disabled])");
+  await review.waitFor({ timeout: T });
+  const firstApproval = (await review.getAttribute("id")).slice("review-".length);
+  await review.click();
+  await page.waitForSelector("#approval-dialog[open]", { timeout: T });
+  result.dialog_args = JSON.parse(await page.textContent("#approval-args"));
+  result.dialog_digest = await page.textContent("#approval-digest");
+  result.dialog_target = await page.textContent("#approval-target");
+  result.dialog_focused = await page.evaluate(() => document.activeElement && document.activeElement.id);
+  await page.screenshot({ path: path.join(config.shots, "approval-dialog.png") });
+  await page.keyboard.press("Enter"); // the focused Approve button
+  await page.waitForSelector("#approval-dialog", { state: "detached", timeout: T });
+  await page.waitForSelector("#timeline [data-type='approval.decided']", { timeout: T });
+  const events1 = await history(run);
+  const req1 = events1.find((e) => e.type === "approval.requested" && e.data.approval_id === firstApproval);
+  const dec1 = events1.find((e) => e.type === "approval.decided" && e.data.approval_id === firstApproval);
+  result.first_decision = dec1 && { verdict: dec1.data.verdict, digest: dec1.data.args_digest, shown: req1.data.args_digest };
+
+  // --- the second approval goes stale under the open dialog: 409 shown ---
+  step("stale approval");
+  const review2 = page.locator(`#actions button[id^=review-]:not([id="review-${firstApproval}"]):not([disabled])`);
+  await review2.waitFor({ timeout: T });
+  const second = (await review2.getAttribute("id")).slice("review-".length);
+  await review2.click();
+  await page.waitForSelector("#approval-dialog[open]", { timeout: T });
+  const req2 = (await history(run)).find((e) => e.type === "approval.requested" && e.data.approval_id === second);
+  const other = await api("POST", `/v1/runs/${run}/approvals/${second}`,
+    { verdict: "deny", args_digest: req2.data.args_digest, comment: "decided elsewhere" });
+  result.other_decision = other.status;
+  await page.click("#approve");
+  await page.waitForFunction(() => (document.getElementById("approval-error") || {}).textContent, null, { timeout: T });
+  result.stale_error = await page.textContent("#approval-error");
+  await page.screenshot({ path: path.join(config.shots, "approval-stale-409.png") });
+  await page.keyboard.press("Escape");
+  await page.waitForSelector("#approval-dialog", { state: "detached", timeout: T });
+
+  // --- the run ends; the stream closes; the timeline equals /history ---
+  step("finish");
+  await waitStatus(page, ["succeeded"]);
+  await page.waitForFunction(() => window.__kedge.conn === "ended", null, { timeout: T });
+  await page.waitForFunction(() => window.__kedge.queue.length === 0, null, { timeout: T });
+  result.page_seqs = await page.evaluate(() => window.__kedge.seqs);
+  result.dom_seqs = await page.evaluate(() => [...document.querySelectorAll("#timeline [data-seq]")].map((e) => Number(e.dataset.seq)));
+  result.deltas = await page.evaluate(() => window.__kedge.deltas);
+  result.opens = await page.evaluate(() => window.__kedge.opens);
+  result.conn_log = await page.evaluate(() => window.__kedge.connLog);
+  result.caught_up = await page.evaluate(() => window.__kedge.caughtUp);
+  result.reused_marks = await page.locator("#timeline .reused").count();
+  result.result_text = await page.textContent("#result pre:last-of-type");
+  result.usage_text = await page.textContent("#usage");
+  result.durations = await page.locator("#timeline [data-type='tool.result'] .t").allTextContents();
+  await page.screenshot({ path: path.join(config.shots, "run-page.png"), fullPage: true });
+  // A phone-width screen: nothing wider than the viewport.
+  await page.setViewportSize({ width: 390, height: 844 });
+  await page.waitForTimeout(100);
+  result.phone_overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  if (result.phone_overflow > 0) {
+    result.phone_wide = await page.evaluate(() => [...document.querySelectorAll("body *")]
+      .filter((e) => e.getBoundingClientRect().right > window.innerWidth + 1)
+      .slice(0, 5).map((e) => e.tagName + "." + e.className + " " + (e.textContent || "").slice(0, 60)));
+  }
+  await page.screenshot({ path: path.join(config.shots, "run-page-phone.png") });
+  await page.setViewportSize({ width: 1200, height: 900 });
+
+  // --- cancel a second run (waiting on a timer) ---
+  step("cancel");
+  await page.goto(config.base + "/#/runs/" + config.runs.cancel);
+  await page.waitForSelector("#actions form#cancel", { timeout: T });
+  result.cancel_timer_words = await page.textContent("#wait-words");
+  await page.fill("#cancel-reason", "not needed any more");
+  await page.click("#actions form#cancel button[type=submit]");
+  const seen = [];
+  await waitStatus(page, ["cancelled"], seen);
+  result.cancel_statuses = seen;
+  result.cancel_buttons_after = await page.locator("#actions form#cancel").count();
+
+  // --- resolve an ambiguous operation ---
+  step("resolve");
+  await page.goto(config.base + "/#/runs/" + config.runs.amb);
+  const resolve = page.locator("#actions form[id^=resolve-]");
+  await resolve.waitFor({ timeout: T });
+  result.amb_words = await page.textContent("#status-words");
+  await resolve.locator("input[value=completed]").check();
+  await resolve.locator("textarea").fill("it did run");
+  await resolve.locator("button[type=submit]").click();
+  await page.waitForSelector("#timeline [data-type='outcome.resolved']", { timeout: T });
+  await waitStatus(page, ["succeeded"]);
+  await page.screenshot({ path: path.join(config.shots, "resolved-run.png"), fullPage: true });
+
+  // No token in any URL the browser asked for.
+  result.token_in_url = result.urls.some((u) => u.includes(config.token) || u.includes(config.read_token));
+  result.ok = true;
+} catch (e) {
+  console.error(String(e && e.stack ? e.stack : e));
+  try {
+    const page = browser.pages()[0];
+    if (page) await page.screenshot({ path: path.join(config.shots, "failure.png"), fullPage: true });
+  } catch (_) { /* ignore */ }
+  exitCode = 1;
+} finally {
+  delete result.urls;
+  console.log(JSON.stringify(result));
+  await browser.close();
+  stdin.close();
+}
+process.exit(exitCode);
