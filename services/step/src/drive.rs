@@ -845,8 +845,21 @@ enum CallError {
 }
 
 /// The wait before the next attempt: the provider's `retry-after` if given, else exponential
-/// backoff from 200 ms; never more than `max`.
+/// backoff with jitter ([`kedge_core::decide::model_retry_delay`]: many runs failing at once on
+/// one provider do not retry in step); never more than `max`.
 fn retry_delay(e: &ModelError, attempt: u32, max: Duration) -> Duration {
-    let backoff = Duration::from_millis(200u64.saturating_mul(1 << attempt.min(8)));
-    e.retry_after.unwrap_or(backoff).min(max)
+    kedge_core::decide::model_retry_delay(attempt, e.retry_after, max, jitter_draw())
+}
+
+/// A uniformly random `u64` for the jitter (the core takes it as an input): a fresh
+/// `RandomState` is randomly keyed.
+fn jitter_draw() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
 }
