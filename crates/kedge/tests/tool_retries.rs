@@ -601,6 +601,76 @@ async fn a_cancelled_run_does_not_wait_for_an_operation_between_attempts() {
     h.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wait_between_attempts_is_held_by_the_broker_and_survives_its_runner() {
+    let state = tempfile::tempdir().expect("dir");
+    let steps = json!([
+        {"text": "fetching", "tool_calls": [call("flaky__fetch", "k")]},
+        {"text": "done"}
+    ]);
+    // No tool service in this process: runners are `kedge serve tool` processes.
+    let server = flaky(state.path(), &[("FLAKY_FAIL_LAUNCHES", "1")]);
+    let mut h = Harness::start_with(
+        json!({"models": {"mk": {"steps": steps}}}),
+        &[Svc::Intake, Svc::Step],
+        |c| {
+            c.timeouts.tool_timeout_ms = 10_000;
+            c.timeouts.tool_grace_ms = 2_000;
+            c.timeouts.tool_ack_wait_ms = 15_000;
+        },
+    )
+    .await;
+    store_agent(
+        &h,
+        "durable",
+        "mk",
+        json!({"flaky__fetch": {"retry": {"attempts": 3, "initial_backoff_ms": 1_500,
+            "max_backoff_ms": 1_500, "jitter": 0}}}),
+    )
+    .await;
+    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
+    let first = h.spawn_process_with_env(
+        "tool",
+        "w-first",
+        "",
+        &[("KEDGE_MCP_SERVERS", servers.clone())],
+    );
+    let run = h.submit("durable", "go", "retry-durable").await;
+    h.wait_for(&run, WAIT, |s| {
+        s.ops.values().any(|o| o.failed_attempts == 1)
+    })
+    .await;
+    // The runner that failed the first attempt is gone before the second is due.
+    h.kill9(first);
+    h.spawn_process_with_env("tool", "w-second", "", &[("KEDGE_MCP_SERVERS", servers)]);
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    let events = h.events(&run).await;
+    let op = only_op(&run, &events);
+    let mine = about(&events, &op);
+    let runners: Vec<(u32, String)> = mine
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            Event::ToolStarted(t) => Some((t.attempt, t.runner.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        runners,
+        [(1, "w-first".to_owned()), (2, "w-second".to_owned())],
+        "the next attempt ran on the runner that was there when it was due"
+    );
+    let (failed, _) = failed_attempts(&mine)[0];
+    let second = starts(&mine)[1].1;
+    assert!(second >= failed.retry_at, "not before it was due");
+    assert_eq!(
+        done.ops[&op].result.clone().expect("a result").content,
+        "fetched k"
+    );
+    assert_eq!(lines(state.path(), "calls"), [format!("fetch\t{op}\tk")]);
+    h.shutdown().await;
+}
+
 /// docs/CONFIG.md's table of `retry` fields, `schemas/agent.schema.json` and the Rust defaults
 /// and limits say the same: the same fields, the same defaults, the same ranges.
 #[test]
