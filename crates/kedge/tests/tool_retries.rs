@@ -2,8 +2,11 @@
 //! transiently is tried again within one operation, every attempt journaled under the same
 //! operation id, and the model reads one result; an error without a retryable class goes to the
 //! model at once; the per-attempt time limit stops an attempt and the next one runs; when the
-//! attempts run out the model reads the last error. The tool is `fixtures/flaky-mcp-server.js`
-//! (plain Node), which fails on purpose and records every start and call in files.
+//! attempts run out the model reads the last error; a connection lost mid-call is retried only
+//! for a tool declared idempotent (otherwise it is an ambiguous outcome for a person); a cancelled
+//! run does not wait out a backoff; the wait survives the runner that started it (kill -9). The
+//! tool is `fixtures/flaky-mcp-server.js` (plain Node), which fails on purpose and records every
+//! start and call in files.
 
 mod common;
 
