@@ -467,3 +467,103 @@ async fn the_console_is_served_with_a_strict_policy_and_sse_tickets_are_bound_an
     bridge.stop().await;
     h.shutdown().await;
 }
+
+/// About 2,000 events: 19 steps of 35 tool calls each, then an answer.
+fn big_script() -> Value {
+    let mut steps: Vec<Value> = (0..19)
+        .map(|i| {
+            let calls: Vec<Value> = (0..35)
+                .map(|j| json!({"name": "write_file", "arguments": {"path": format!("f{i}_{j}.txt"), "content": "x"}}))
+                .collect();
+            json!({"text": format!("batch {i}"), "delay_ms": 200, "tool_calls": calls})
+        })
+        .collect();
+    steps.push(json!({"text": "all written"}));
+    json!({"models": {"big": {"steps": steps}}})
+}
+
+/// A run of about 2,000 events stays usable: rendered in bounded batches while it executes and
+/// when it is replayed at once (reloaded after it ended), every event once, with no long block
+/// of the page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_of_two_thousand_events_renders_incrementally_and_the_page_stays_responsive() {
+    install_browser();
+    let h = Harness::start(big_script(), &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    h.agent("big", "big").await;
+    let config = bridge_config(&h.config, "127.0.0.1:0");
+    let bridge = TestBridge::start(config, "127.0.0.1:0").await;
+    let base = bridge.url();
+    let api = Api::new(&base, Some(ACME));
+    let (s, b) = api.submit("big", "write them all", "console-big-1").await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    let run: RunId = b["run_id"].as_str().expect("run").parse().expect("id");
+
+    let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots");
+    std::fs::create_dir_all(&shots).expect("screenshot dir");
+    let profile = tempfile::tempdir().expect("profile dir");
+    let cfg = json!({
+        "base": base, "token": ACME, "run": run, "shots": shots,
+        "profile": profile.path(), "timeout_ms": 120_000,
+    });
+    let out = tokio::time::timeout(
+        Duration::from_secs(300),
+        tokio::process::Command::new("node")
+            .arg(repo().join("crates/kedge/tests/browser/console_big.mjs"))
+            .arg(repo().join(".tools/browser"))
+            .arg(cfg.to_string())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the driver finished")
+    .expect("node ran");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let seen: Value = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or(Value::Null);
+    assert!(out.status.success(), "driver: {}; {stdout}", out.status);
+    assert_eq!(seen["ok"], true);
+
+    let done = h.wait_terminal(&run, Duration::from_secs(5)).await;
+    assert_eq!(done.status, RunStatus::Succeeded);
+    let history = api.history_ids(run.as_str()).await;
+    assert!(history.len() >= 2_000, "{} events", history.len());
+    for phase in ["live", "replay"] {
+        let p = &seen[phase];
+        let long: Vec<u64> = seq_list(&p["long_tasks"]);
+        eprintln!(
+            "console, {} events {phase}: all shown in {} ms, slowest answer to a script {} ms, long tasks (ms) {:?}",
+            history.len(),
+            p["ms"],
+            p["slowest_answer_ms"],
+            long
+        );
+        assert_eq!(
+            seq_list(&p["seqs"]),
+            history,
+            "{phase}: every event once, in order"
+        );
+        assert_eq!(
+            p["rendered"].as_u64(),
+            Some(history.len() as u64),
+            "{phase}"
+        );
+        // Generous bounds (a debug build on two shared cores): no single task blocks the page
+        // for long, and the page answers while it renders.
+        assert!(
+            long.iter().all(|d| *d < 1_000),
+            "{phase}: a task blocked the page: {long:?}"
+        );
+        assert!(
+            p["slowest_answer_ms"].as_u64().unwrap_or(u64::MAX) < 2_000,
+            "{phase}: {p}"
+        );
+    }
+    assert!(seen["replay"]["type_ms"].as_u64().unwrap_or(u64::MAX) < 2_000);
+    bridge.stop().await;
+    h.shutdown().await;
+}

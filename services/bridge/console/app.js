@@ -819,7 +819,7 @@
     function flush() {
       const started = performance.now();
       let n = 0;
-      while (t.queue.length && (n < 50 || performance.now() - started < 12)) {
+      while (t.queue.length && (n < 10 || performance.now() - started < 8)) {
         const ev = t.queue.shift();
         try { render(ev); } catch (e) { t.timeline.append(h("li", { class: "error" }, "could not render event " + ev.seq + ": " + e.message)); }
         n++;
