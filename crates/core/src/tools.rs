@@ -559,8 +559,9 @@ pub struct RetryPolicy {
     pub on: Vec<ToolErrorClass>,
     /// The tool may run twice for one operation without a second effect: it honours the
     /// operation id it is given (an MCP server: `_meta."kedge/operation_id"`). Lets `timeout`
-    /// be retried, and a connection lost mid-call count as `transient` instead of an ambiguous
-    /// outcome. Kedge knows its built-ins: only others may declare it.
+    /// be retried, a connection lost mid-call count as `transient` instead of an ambiguous
+    /// outcome, and an attempt whose runner died be run again rather than asked about. Kedge
+    /// knows its built-ins: only others may declare it.
     #[serde(default, skip_serializing_if = "is_false")]
     pub idempotent: bool,
 }

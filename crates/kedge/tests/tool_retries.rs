@@ -3,7 +3,8 @@
 //! operation id, and the model reads one result; an error without a retryable class goes to the
 //! model at once; the per-attempt time limit stops an attempt and the next one runs; when the
 //! attempts run out the model reads the last error; a connection lost mid-call is retried only
-//! for a tool declared idempotent (otherwise it is an ambiguous outcome for a person); a cancelled
+//! for a tool declared idempotent (otherwise it is an ambiguous outcome for a person), and so is
+//! an attempt whose runner was killed mid-call; a cancelled
 //! run does not wait out a backoff; the wait survives the runner that started it (kill -9). The
 //! tool is `fixtures/flaky-mcp-server.js` (plain Node), which fails on purpose and records every
 //! start and call in files.
@@ -671,6 +672,103 @@ async fn the_wait_between_attempts_is_held_by_the_broker_and_survives_its_runner
         "fetched k"
     );
     assert_eq!(lines(state.path(), "calls"), [format!("fetch\t{op}\tk")]);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_cut_off_with_its_runner_is_run_again_for_an_idempotent_tool_only() {
+    let state = tempfile::tempdir().expect("dir");
+    let steps = |key: &str| json!({"steps": [{"text": "go", "tool_calls": [call("flaky__slow", key)]}, {"text": "after"}]});
+    // The first call of `slow` for a key takes 5 s: the runner is killed during it.
+    let server = flaky(state.path(), &[("FLAKY_SLOW_CALLS", "1")]);
+    let mut h = Harness::start_with(
+        json!({"models": {"ms": steps("sure"), "mu": steps("unsure")}}),
+        &[Svc::Intake, Svc::Step],
+        |c| {
+            c.timeouts.tool_timeout_ms = 10_000;
+            c.timeouts.tool_grace_ms = 2_000;
+            c.timeouts.tool_ack_wait_ms = 15_000;
+        },
+    )
+    .await;
+    let retry = |idempotent: bool| {
+        json!({"flaky__slow": {"retry": {"attempts": 2, "initial_backoff_ms": 100,
+            "on": ["transient"], "idempotent": idempotent}}})
+    };
+    store_agent(&h, "sure", "ms", retry(true)).await;
+    store_agent(&h, "unsure", "mu", retry(false)).await;
+    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
+    let mut outcomes = Vec::new();
+    let mut standby = None;
+    for (agent, key) in [("sure", "sure"), ("unsure", "unsure")] {
+        // One runner at a time: the previous case's standby goes first.
+        if let Some(previous) = standby.take() {
+            h.kill9(previous);
+        }
+        let doomed = h.spawn_process_with_env(
+            "tool",
+            &format!("w-doomed-{agent}"),
+            "",
+            &[("KEDGE_MCP_SERVERS", servers.clone())],
+        );
+        let run = h.submit(agent, "go", &format!("retry-cut-{agent}")).await;
+        h.wait_for(&run, WAIT, |s| {
+            s.ops
+                .values()
+                .any(|o| matches!(o.status, kedge_core::fold::OpStatus::Started { .. }))
+        })
+        .await;
+        let calls = |state: &Path| {
+            lines(state, "calls")
+                .into_iter()
+                .filter(|l| l.ends_with(&format!("\t{key}")))
+                .count()
+        };
+        // The call reached the server; then its runner dies.
+        for _ in 0..100 {
+            if calls(state.path()) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // A standby that hears the doomed runner's heartbeats takes its operation over as soon
+        // as it is gone (rather than when the request is redelivered, after the ack wait).
+        standby = Some(h.spawn_process_with_env(
+            "tool",
+            &format!("w-standby-{agent}"),
+            "",
+            &[("KEDGE_MCP_SERVERS", servers.clone())],
+        ));
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        h.kill9(doomed);
+        let settled = h
+            .wait_for(&run, WAIT, |s| {
+                s.status.is_terminal() || s.status == RunStatus::Unknown
+            })
+            .await;
+        outcomes.push((agent, run, settled, calls(state.path())));
+    }
+    let (_, run, sure, calls) = &outcomes[0];
+    assert_eq!(sure.status, RunStatus::Succeeded, "{:?}", sure.failure);
+    let op = only_op(run, &h.events(run).await);
+    assert_eq!(
+        sure.ops[&op].result.clone().expect("a result").content,
+        "slow sure done on call 2"
+    );
+    assert_eq!(
+        *calls, 2,
+        "run again under the same id: the tool dedups by it"
+    );
+    let (_, run, unsure, calls) = &outcomes[1];
+    assert_eq!(unsure.status, RunStatus::Unknown, "a person decides");
+    let events = h.events(run).await;
+    assert!(
+        events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeAmbiguous(_))),
+        "outcome.ambiguous"
+    );
+    assert_eq!(*calls, 1, "not run again");
     h.shutdown().await;
 }
 

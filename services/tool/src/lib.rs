@@ -614,7 +614,15 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             revision, previous, ..
         } => {
             tracing::warn!(previous_runner = %previous, "operation left running by a runner that is gone");
-            match target.confirm(env, op).await {
+            // A tool its retry policy declares idempotent honours the operation id: running it
+            // again is the answer, with no need to ask whether it happened.
+            let rerun_safe = req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
+            let confirm = if rerun_safe {
+                None
+            } else {
+                target.confirm(env, op).await
+            };
+            match confirm {
                 None | Some(Confirm::NotFound) => revision,
                 Some(Confirm::Confirmed(out)) => {
                     rt.idempotency
