@@ -456,8 +456,8 @@ fn health_checks_start_order_restarts_and_pinned_images_hold_together() {
     }
     let user = dockerfile
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("USER "))
-        .last()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("USER "))
         .expect("the Dockerfile sets a USER");
     assert!(
         !user.starts_with("root") && !user.starts_with('0'),

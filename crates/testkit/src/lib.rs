@@ -109,6 +109,9 @@ pub struct ServerOptions {
     /// `extra_config` defines accounts (no anonymous connections): the readiness probe and
     /// [`NatsServer::client`] connect as this user.
     pub probe_user: Option<(String, String)>,
+    /// The nkey seed (`SU…`) of such a user, for accounts whose users authenticate by nkey (as
+    /// `kedge nats-config` writes them); used when `probe_user` is not set.
+    pub probe_nkey_seed: Option<String>,
 }
 
 /// A single JetStream-enabled `nats-server` process on a loopback port, with a temporary store.
@@ -199,7 +202,7 @@ impl NatsServer {
     /// If the connection fails.
     pub async fn client(&self) -> async_nats::Client {
         let url = self.url();
-        connect_options(self.node.opts.probe_user.as_ref())
+        connect_options(&self.node.opts)
             .connect(url.as_str())
             .await
             .unwrap_or_else(|e| panic!("connect to test nats-server at {url}: {e}"))
@@ -250,6 +253,15 @@ impl NatsCluster {
     /// # Panics
     /// If the cluster is not ready within 30 s (the panic shows the nodes' log tails).
     pub async fn start() -> NatsCluster {
+        Self::start_with(ServerOptions::default()).await
+    }
+
+    /// Like [`NatsCluster::start`], with options applied to every node (for example the secured
+    /// accounts in `extra_config`, and the `probe_user` that may ask for JetStream account info).
+    ///
+    /// # Panics
+    /// As [`NatsCluster::start`].
+    pub async fn start_with(opts: ServerOptions) -> NatsCluster {
         let tmp = tempfile::Builder::new()
             .prefix("kedge-nats-cluster-")
             .tempdir()
@@ -264,7 +276,7 @@ impl NatsCluster {
                     dir,
                     0,
                     Some(ClusterPorts::default()),
-                    ServerOptions::default(),
+                    opts.clone(),
                 )
             })
             .collect();
@@ -343,6 +355,27 @@ impl NatsCluster {
         async_nats::connect(urls.clone())
             .await
             .unwrap_or_else(|e| panic!("connect to test nats-server cluster at {urls:?}: {e}"))
+    }
+
+    /// A client connected with all three URLs, as the options' probe user (`probe_user` or
+    /// `probe_nkey_seed`) if there is one: the client to use on a cluster started with accounts.
+    ///
+    /// # Panics
+    /// If the connection fails.
+    pub async fn probe_client(&self) -> async_nats::Client {
+        let urls = self.urls();
+        connect_options(&self.node(0).opts)
+            .connect(urls.clone())
+            .await
+            .unwrap_or_else(|e| panic!("connect to test nats-server cluster at {urls:?}: {e}"))
+    }
+
+    /// A node's log file (kept across restarts).
+    ///
+    /// # Panics
+    /// If `node >= 3`.
+    pub fn log_path(&self, node: usize) -> &Path {
+        &self.node(node).log_path
     }
 
     /// SIGKILLs one node and waits for it to exit; its store is kept. No-op when not running.
@@ -650,7 +683,7 @@ async fn wait_ready(mut nodes: Vec<&mut Node>, timeout: Duration) -> Result<(), 
         }
         for (node, ready) in nodes.iter().zip(ready.iter_mut()) {
             if !*ready {
-                *ready = probe(&node.url(), node.opts.probe_user.as_ref()).await;
+                *ready = probe(&node.url(), &node.opts).await;
             }
         }
         if ready.iter().all(|r| *r) {
@@ -681,17 +714,20 @@ async fn wait_ready(mut nodes: Vec<&mut Node>, timeout: Duration) -> Result<(), 
 
 /// One readiness probe: connect and ask JetStream for the account info (this needs JetStream up
 /// and, in a cluster, a meta leader).
-/// Connect options with the probe user's credentials, if any.
-fn connect_options(user: Option<&(String, String)>) -> async_nats::ConnectOptions {
-    match user {
-        Some((u, p)) => async_nats::ConnectOptions::with_user_and_password(u.clone(), p.clone()),
-        None => async_nats::ConnectOptions::new(),
+/// Connect options with the probe user's credentials (password, else nkey), if any.
+fn connect_options(opts: &ServerOptions) -> async_nats::ConnectOptions {
+    match (&opts.probe_user, &opts.probe_nkey_seed) {
+        (Some((u, p)), _) => {
+            async_nats::ConnectOptions::with_user_and_password(u.clone(), p.clone())
+        }
+        (None, Some(seed)) => async_nats::ConnectOptions::with_nkey(seed.clone()),
+        (None, None) => async_nats::ConnectOptions::new(),
     }
 }
 
-async fn probe(url: &str, user: Option<&(String, String)>) -> bool {
+async fn probe(url: &str, opts: &ServerOptions) -> bool {
     let attempt = async {
-        let client = connect_options(user)
+        let client = connect_options(opts)
             .connection_timeout(PROBE_TIMEOUT)
             .connect(url)
             .await
