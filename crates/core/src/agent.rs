@@ -48,10 +48,28 @@ pub struct AgentDefinition {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_schema: Option<serde_json::Value>,
     /// What an answer that does not match `output_schema` means: `fail` (default) fails the run
-    /// naming the errors, `accept` succeeds with `invalid {errors}`.
+    /// naming the errors, `accept` succeeds with `invalid {errors}`, `retry` sends the answer
+    /// back to the model with the errors (`output_retries` times at most, then as `fail`).
     #[serde(default, skip_serializing_if = "OnInvalidOutput::is_fail")]
     pub on_invalid_output: OnInvalidOutput,
+    /// With `on_invalid_output: retry`: how many times per turn an invalid answer is sent back
+    /// for a corrected one before the run fails (default 2, 1 to 5). Each retry is one more
+    /// step (the budget counts it). Only with `retry`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 5))]
+    pub output_retries: Option<u32>,
 }
+
+/// Retries of an invalid answer when `output_retries` is not given.
+pub const DEFAULT_OUTPUT_RETRIES: u32 = 2;
+/// Most `output_retries`.
+pub const MAX_OUTPUT_RETRIES: u32 = 5;
+
+/// The tool an Anthropic agent with an `output_schema` is offered to give its final answer
+/// through (Anthropic has no `response_format`): its input schema is the output schema, and a
+/// call to it is the answer, never dispatched. No declared tool of such an agent may have this
+/// name.
+pub const OUTPUT_TOOL: &str = "output";
 
 /// What an answer that does not match the agent's `output_schema` means for the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, Serialize, Deserialize, JsonSchema)]
@@ -62,6 +80,10 @@ pub enum OnInvalidOutput {
     Fail,
     /// The run succeeds; its result's validation is `invalid {errors}`.
     Accept,
+    /// The answer goes back to the model with the errors (journaled as `output.rejected`) and
+    /// the run continues, up to `output_retries` times per turn; then the run fails as with
+    /// `fail`.
+    Retry,
 }
 
 impl OnInvalidOutput {
@@ -71,6 +93,15 @@ impl OnInvalidOutput {
 }
 
 impl AgentDefinition {
+    /// How many times per turn an invalid answer is sent back for a corrected one: `0` unless
+    /// `on_invalid_output` is `retry`.
+    pub fn output_retries(&self) -> u32 {
+        match self.on_invalid_output {
+            OnInvalidOutput::Retry => self.output_retries.unwrap_or(DEFAULT_OUTPUT_RETRIES),
+            OnInvalidOutput::Fail | OnInvalidOutput::Accept => 0,
+        }
+    }
+
     /// Whether `tenant` may start runs of this agent.
     pub fn allows_tenant(&self, tenant: &TenantId) -> bool {
         self.tenants
@@ -368,6 +399,35 @@ impl AgentDefinition {
         {
             return err("output_schema".into(), &reason);
         }
+        if let Some(n) = self.output_retries {
+            if self.on_invalid_output != OnInvalidOutput::Retry {
+                return err(
+                    "output_retries".into(),
+                    "only with \"on_invalid_output\": \"retry\"",
+                );
+            }
+            in_range(
+                "output_retries",
+                u64::from(n),
+                1,
+                u64::from(MAX_OUTPUT_RETRIES),
+            )?;
+        }
+        if self.on_invalid_output == OnInvalidOutput::Retry && self.output_schema.is_none() {
+            return err(
+                "on_invalid_output".into(),
+                "retry needs an output_schema to check the answer against",
+            );
+        }
+        if self.output_schema.is_some()
+            && self.model.provider == crate::event::Provider::Anthropic
+            && let Some(i) = self.tools.iter().position(|t| t.name == OUTPUT_TOOL)
+        {
+            return err(
+                format!("tools[{i}].name"),
+                "`output` is the tool an Anthropic agent with an output_schema answers through",
+            );
+        }
         for (name, p) in &self.policy {
             if !seen.contains(name.as_str()) {
                 return err(format!("policy.{name}"), "names no tool of this agent");
@@ -530,6 +590,84 @@ mod tests {
             e.reason.contains("on_invalid_output") || e.reason.contains("retry_forever"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn retrying_an_invalid_output_is_bounded_and_checked_naming_the_field() {
+        let mut v = def();
+        v["output_schema"] = serde_json::json!({"type": "object", "required": ["answer"]});
+        v["on_invalid_output"] = serde_json::json!("retry");
+        let d = AgentDefinition::parse(v.to_string().as_bytes()).expect("valid");
+        assert_eq!(d.on_invalid_output, OnInvalidOutput::Retry);
+        assert_eq!(d.output_retries(), DEFAULT_OUTPUT_RETRIES);
+        v["output_retries"] = serde_json::json!(5);
+        let d = AgentDefinition::parse(v.to_string().as_bytes()).expect("valid");
+        assert_eq!(d.output_retries(), 5);
+        let stored = serde_json::to_vec(&d).expect("json");
+        assert_eq!(AgentDefinition::parse(&stored).expect("valid"), d);
+        assert_eq!(
+            crate::tools::Contract::of(&d).output_retries(),
+            5,
+            "the contract carries it"
+        );
+        for (patch, field) in [
+            (serde_json::json!({"output_retries": 0}), "output_retries"),
+            (serde_json::json!({"output_retries": 6}), "output_retries"),
+            (
+                serde_json::json!({"on_invalid_output": "fail", "output_retries": 2}),
+                "output_retries",
+            ),
+            (
+                serde_json::json!({"on_invalid_output": "accept", "output_retries": 1}),
+                "output_retries",
+            ),
+            (
+                serde_json::json!({"output_schema": null, "output_retries": null}),
+                "on_invalid_output",
+            ),
+        ] {
+            let mut v = v.clone();
+            for (k, x) in patch.as_object().expect("object") {
+                v[k] = x.clone();
+            }
+            if v["output_schema"].is_null() {
+                v.as_object_mut().expect("object").remove("output_schema");
+            }
+            if v["output_retries"].is_null() {
+                v.as_object_mut().expect("object").remove("output_retries");
+            }
+            let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err(field);
+            assert_eq!(e.field, field, "{patch}: {e}");
+        }
+        let e = AgentDefinition::parse(
+            serde_json::json!({"name": "x", "system_prompt": "", "model": {"provider": "openai", "name": "m"},
+                "output_schema": {"type": "object"}, "output_retries": -1})
+            .to_string()
+            .as_bytes(),
+        )
+        .expect_err("negative");
+        assert!(
+            e.reason.contains("output_retries") || e.reason.contains("-1"),
+            "{e}"
+        );
+        // Fail and accept retry nothing.
+        let d = AgentDefinition::parse(def().to_string().as_bytes()).expect("valid");
+        assert_eq!(d.output_retries(), 0);
+    }
+
+    #[test]
+    fn an_anthropic_agent_with_an_output_schema_keeps_the_output_tool_name_free() {
+        let mut v = def();
+        v["tools"] = serde_json::json!(["read_file", {"name": "output"}]);
+        v["policy"] = serde_json::json!({});
+        // Without a schema, or on OpenAI, `output` is a name like any other.
+        AgentDefinition::parse(v.to_string().as_bytes()).expect("no schema");
+        v["output_schema"] = serde_json::json!({"type": "object"});
+        AgentDefinition::parse(v.to_string().as_bytes()).expect("openai");
+        v["model"] = serde_json::json!({"provider": "anthropic", "name": "claude"});
+        let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("taken");
+        assert_eq!(e.field, "tools[1].name");
+        assert!(e.reason.contains("output"), "{e}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::event::{
     RunCancelled, RunCancelling, RunFailed, RunResumed, RunRevived, RunStarted, RunSucceeded,
     RunUnknown, RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
 };
-use crate::event::{OutputValidation, TimerPurpose, TimerScheduled, Timestamp};
+use crate::event::{OutputRejected, OutputValidation, TimerPurpose, TimerScheduled, Timestamp};
 use crate::fold::ApprovalStatus;
 use crate::fold::{ASK_USER_TOOL, AWAIT_CALLBACK_TOOL, ChatMessage, OpStatus, RunState, WAIT_TOOL};
 use crate::ids::ApprovalId;
@@ -749,7 +749,8 @@ fn plan(
 /// The decisions that complete a step with the model's response: `step.completed`, one
 /// `tool.requested` per tool call (operation id `(run, step, index)`), `question.asked` for
 /// `ask_user` calls, `timer.scheduled` for `wait` calls (due `now` + the seconds asked), and then
-/// `run.waiting` or `run.succeeded`. One group, committed atomically. `now` is the commit's
+/// `run.waiting`, or for a final answer what [`final_answer`] makes of it (`run.succeeded`,
+/// `output.rejected`, `run.failed`). One group, committed atomically. `now` is the commit's
 /// clock reading; it is recorded (as the timer's `fire_at`), so replay does not depend on it.
 // Each argument is a distinct recorded fact of the commit (which attempt, what the model said,
 // whether it was reused, the clock reading, the frozen policy); bundling them would only rename them.
@@ -948,23 +949,54 @@ pub fn complete_step(
         };
         drafts.push(Draft::new(Event::RunWaiting(RunWaiting { on })).step(step));
     } else {
-        // The final answer, checked against the output schema of the run's revision.
-        let validation = contract.check_output(&output);
-        let event = match validation {
-            OutputValidation::Invalid { errors }
-                if contract.on_invalid_output() == OnInvalidOutput::Fail =>
-            {
-                Event::RunFailed(RunFailed {
-                    reason: FailureReason::InvalidOutput,
-                    message: format!(
-                        "the answer does not match output_schema: {}",
-                        errors.join("; ")
-                    ),
-                })
-            }
-            validation => Event::RunSucceeded(RunSucceeded { output, validation }),
-        };
-        drafts.push(Draft::new(event).step(step));
+        drafts.push(Draft::new(final_answer(state, contract, output)).step(step));
     }
     drafts
+}
+
+/// What the final answer `output` (a step that calls no tools) means for the run, by its check
+/// against the output schema of the run's revision and the agent's `on_invalid_output`:
+/// `run.succeeded` (valid, not checked, or invalid under `accept`), `output.rejected` (invalid
+/// under `retry` with retries left in this turn: the run goes on), or `run.failed` with reason
+/// `invalid_output` (invalid under `fail`, or under `retry` once the retries are used up).
+pub fn final_answer(state: &RunState, contract: &Contract, output: String) -> Event {
+    let errors = match contract.check_output(&output) {
+        OutputValidation::Invalid { errors } => errors,
+        validation @ (OutputValidation::Valid | OutputValidation::NotChecked) => {
+            return Event::RunSucceeded(RunSucceeded { output, validation });
+        }
+    };
+    let failed = |message: String| {
+        Event::RunFailed(RunFailed {
+            reason: FailureReason::InvalidOutput,
+            message,
+        })
+    };
+    match contract.on_invalid_output() {
+        OnInvalidOutput::Accept => Event::RunSucceeded(RunSucceeded {
+            output,
+            validation: OutputValidation::Invalid { errors },
+        }),
+        OnInvalidOutput::Fail => failed(format!(
+            "the answer does not match output_schema: {}",
+            errors.join("; ")
+        )),
+        OnInvalidOutput::Retry => {
+            let max = contract.output_retries();
+            let used = state.output_rejections;
+            if used < max {
+                Event::OutputRejected(OutputRejected {
+                    errors,
+                    retry: used.saturating_add(1),
+                    max_retries: max,
+                })
+            } else {
+                failed(format!(
+                    "the answer does not match output_schema after {used} {}: {}",
+                    if used == 1 { "retry" } else { "retries" },
+                    errors.join("; ")
+                ))
+            }
+        }
+    }
 }

@@ -425,7 +425,8 @@ pub enum FailureReason {
     Operator,
     Internal,
     /// The final answer did not match the agent's `output_schema` (with `on_invalid_output:
-    /// fail`); the message names the errors by JSON path.
+    /// fail`, or `retry` once its retries are used up); the message names the errors by JSON
+    /// path.
     InvalidOutput,
 }
 
@@ -659,6 +660,21 @@ pub struct RunSucceeded {
     pub output: String,
     #[serde(default)]
     pub validation: OutputValidation,
+}
+
+/// The final answer did not match the agent's `output_schema` and `on_invalid_output: retry`
+/// has retries left: the run does not end. The next step's context carries the rejected answer
+/// and a message listing `errors` that asks for a corrected answer
+/// ([`crate::fold::output_feedback`]). Journaled under the step whose answer it rejects; it
+/// ends that step's decision group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct OutputRejected {
+    /// Where and how the answer failed the schema (at most five, each naming a JSON Pointer).
+    pub errors: Vec<String>,
+    /// Which retry this rejection starts (1 for the first) in the run's current turn.
+    pub retry: u32,
+    /// The agent's `output_retries`: retries allowed per turn before the run fails.
+    pub max_retries: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -899,6 +915,7 @@ events! {
     Decision ApprovalExpired(ApprovalExpired) = "approval.expired";
     Decision TimerScheduled(TimerScheduled) = "timer.scheduled";
     Decision CallbackExpected(CallbackExpected) = "callback.expected";
+    Decision OutputRejected(OutputRejected) = "output.rejected";
     Decision RunWaiting(RunWaiting) = "run.waiting";
     Decision RunCancelling(RunCancelling) = "run.cancelling";
     Decision RunUnknown(RunUnknown) = "run.unknown";

@@ -227,6 +227,8 @@ pub struct RunState {
     pub usage: Usage,
     pub output: Option<String>,
     pub failure: Option<RunFailed>,
+    /// Final answers of the current turn sent back for a retry (`output.rejected`).
+    pub output_rejections: u32,
     pub ignored_inputs: u32,
     /// Messages on the run's subjects that were not events of the run, set aside (see
     /// [`RunState::set_aside`]); only the folds of the decision writer count them.
@@ -276,6 +278,36 @@ pub enum FoldError {
         event: EventType,
         why: String,
     },
+}
+
+/// The message the model reads after its final answer was rejected (`output.rejected`): the
+/// errors and what to do, in the run's wire format's terms (an Anthropic model answers through
+/// the [`crate::agent::OUTPUT_TOOL`] tool). A pure function of the event and the frozen bundle,
+/// so every fold and replay builds the same context.
+pub fn output_feedback(
+    provider: crate::event::Provider,
+    r: &crate::event::OutputRejected,
+) -> String {
+    let mut text = format!(
+        "Your answer does not match the required JSON Schema (retry {} of {}):\n",
+        r.retry, r.max_retries
+    );
+    for e in &r.errors {
+        text.push_str("- ");
+        text.push_str(e);
+        text.push('\n');
+    }
+    text.push_str(match provider {
+        crate::event::Provider::Openai => {
+            "Answer again with the corrected JSON only: it must match the schema, with nothing \
+             before or after it."
+        }
+        crate::event::Provider::Anthropic => {
+            "Answer again by calling the `output` tool with the corrected answer: it must match \
+             the schema."
+        }
+    });
+    text
 }
 
 /// The text a model sees for a callback payload: a JSON string as is, anything else as JSON.
@@ -346,6 +378,7 @@ impl RunState {
             usage: Usage::default(),
             output: None,
             failure: None,
+            output_rejections: 0,
             ignored_inputs: 0,
             set_aside: 0,
             completing: None,
@@ -639,6 +672,25 @@ impl RunState {
                 self.turn = r.turn;
                 self.output = None;
                 self.failure = None;
+                self.output_rejections = 0;
+            }
+            Event::OutputRejected(r) => {
+                // It ends the group of the step whose answer it rejects.
+                match &self.completing {
+                    Some(c) if Some(c.step) == env.step => {}
+                    _ => {
+                        return Err(Self::inconsistent(
+                            seq,
+                            env,
+                            "output.rejected for a step whose answer was not just completed",
+                        ));
+                    }
+                }
+                self.output_rejections = self.output_rejections.saturating_add(1);
+                // The rejected answer is the transcript's last turn; the model reads why next.
+                self.transcript.push(ChatMessage::User {
+                    text: output_feedback(self.bundle.model.provider, r),
+                });
             }
             Event::RunSucceeded(s) => self.output = Some(s.output.clone()),
             Event::RunFailed(f) => self.failure = Some(f.clone()),
@@ -683,6 +735,7 @@ impl RunState {
                 });
             }
             Event::RunWaiting(_)
+            | Event::OutputRejected(_)
             | Event::RunSucceeded(_)
             | Event::RunFailed(_)
             | Event::RunCancelling(_)
@@ -939,6 +992,7 @@ impl RunState {
             | Event::ApprovalExpired(_)
             | Event::TimerScheduled(_)
             | Event::CallbackExpected(_)
+            | Event::OutputRejected(_)
             | Event::RunWaiting(_)
             | Event::RunCancelling(_)
             | Event::RunUnknown(_)

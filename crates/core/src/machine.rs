@@ -203,6 +203,12 @@ pub const TRANSITIONS: &[Transition] = &[
         from: &[R],
         to: Target::Stay,
     },
+    // An invalid final answer sent back for a retry: the run goes on with its next step.
+    Transition {
+        event: EventType::OutputRejected,
+        from: &[R],
+        to: Target::Stay,
+    },
     Transition {
         event: EventType::RunWaiting,
         from: WAITING_OR_RUNNING,

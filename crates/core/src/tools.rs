@@ -246,6 +246,8 @@ pub struct Contract {
     /// The revision's `output_schema`, compiled, if it declares one.
     output: Option<Offered>,
     on_invalid_output: OnInvalidOutput,
+    /// With [`OnInvalidOutput::Retry`]: retries per turn before the run fails.
+    output_retries: u32,
 }
 
 impl fmt::Debug for Contract {
@@ -258,6 +260,7 @@ impl fmt::Debug for Contract {
             .field("policy", &self.policy)
             .field("output_schema", &self.output.is_some())
             .field("on_invalid_output", &self.on_invalid_output)
+            .field("output_retries", &self.output_retries)
             .finish()
     }
 }
@@ -279,6 +282,7 @@ impl Contract {
             &def.policy,
             &def.output_schema,
             def.on_invalid_output,
+            def.output_retries(),
         ));
         if let Ok(cache) = cache().lock()
             && let Some(c) = cache.get(&key)
@@ -287,7 +291,8 @@ impl Contract {
         }
         let contract = Arc::new(
             Contract::new(&def.tools, &def.policy)
-                .with_output(def.output_schema.as_ref(), def.on_invalid_output),
+                .with_output(def.output_schema.as_ref(), def.on_invalid_output)
+                .with_output_retries(def.output_retries()),
         );
         if let Ok(mut cache) = cache().lock() {
             if cache.len() >= CACHED_CONTRACTS {
@@ -312,6 +317,7 @@ impl Contract {
             policy: policy.clone(),
             output: None,
             on_invalid_output: OnInvalidOutput::default(),
+            output_retries: 0,
         }
     }
 
@@ -324,9 +330,21 @@ impl Contract {
         self
     }
 
+    /// This contract with `n` retries of an invalid answer per turn (under
+    /// [`OnInvalidOutput::Retry`]; the agent's `output_retries`).
+    pub fn with_output_retries(mut self, n: u32) -> Contract {
+        self.output_retries = n;
+        self
+    }
+
     /// What an answer that does not match the output schema means for the run.
     pub fn on_invalid_output(&self) -> OnInvalidOutput {
         self.on_invalid_output
+    }
+
+    /// Retries of an invalid answer per turn under [`OnInvalidOutput::Retry`].
+    pub fn output_retries(&self) -> u32 {
+        self.output_retries
     }
 
     /// Whether the final answer `text` matches the revision's `output_schema`: it must parse as

@@ -1704,3 +1704,276 @@ fn a_run_cancelled_between_attempts_is_cancelled_at_once_listing_the_operation_f
     );
     assert_eq!(sim.state().status, RunStatus::Cancelled);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Structured output, `on_invalid_output: retry` (issue 12, item 1): an invalid final answer is
+// sent back with its errors (`output.rejected`), a bounded number of times per turn.
+// ---------------------------------------------------------------------------------------------
+
+const GOOD: &str = r#"{"answer": "42", "sources": ["a"]}"#;
+const BAD: &str = r#"{"answer": 42, "sources": ["a", 7]}"#;
+
+fn retrying(max: u32) -> Contract {
+    structured(kedge_core::agent::OnInvalidOutput::Retry).with_output_retries(max)
+}
+
+fn rejected(group: &[Draft]) -> &kedge_core::event::OutputRejected {
+    match &group.last().expect("a group").event {
+        Event::OutputRejected(r) => r,
+        other => panic!("output.rejected expected, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_invalid_answer_is_sent_back_with_its_errors_and_a_valid_one_then_succeeds() {
+    use kedge_core::event::OutputValidation;
+    let contract = retrying(2);
+    let mut sim = Sim::new(Budget::default());
+    let group = complete_under(&mut sim, &contract, text(BAD));
+    assert_eq!(types(&group), ["step.completed", "output.rejected"]);
+    let r = rejected(&group);
+    assert_eq!((r.retry, r.max_retries), (1, 2));
+    assert_eq!(r.errors.len(), 2, "{:?}", r.errors);
+    assert!(r.errors[0].starts_with("at /answer:"), "{:?}", r.errors);
+    assert!(r.errors[1].starts_with("at /sources/1:"), "{:?}", r.errors);
+    assert_eq!(
+        group[1].step,
+        Some(StepNo(1)),
+        "journaled under the step it rejects"
+    );
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::Running, "the run does not end");
+    assert_eq!(state.output_rejections, 1);
+    assert!(state.completing.is_none(), "output.rejected ends the group");
+
+    // The next step's context: the rejected answer, then the errors and what to do.
+    let plan = sim.expect_step();
+    assert_eq!(plan.step, StepNo(2));
+    assert_well_formed(&plan.context);
+    let n = plan.context.len();
+    assert!(
+        matches!(&plan.context[n - 2], ChatMessage::Assistant { message } if message.text == BAD),
+        "{:?}",
+        plan.context
+    );
+    let ChatMessage::User { text: feedback } = &plan.context[n - 1] else {
+        panic!("a feedback message expected: {:?}", plan.context)
+    };
+    assert!(feedback.contains("retry 1 of 2"), "{feedback}");
+    assert!(feedback.contains("at /answer:"), "{feedback}");
+    assert!(feedback.contains("at /sources/1:"), "{feedback}");
+    assert!(feedback.contains("corrected JSON"), "{feedback}");
+    assert_eq!(
+        feedback,
+        &kedge_core::fold::output_feedback(Provider::Openai, r),
+        "the fold builds it from the event alone"
+    );
+
+    // The corrected answer: succeeded, valid.
+    let group = complete_under(&mut sim, &contract, text(GOOD));
+    assert!(
+        matches!(&group.last().expect("event").event,
+            Event::RunSucceeded(s) if s.validation == OutputValidation::Valid && s.output == GOOD),
+        "{group:?}"
+    );
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::Succeeded);
+    assert_eq!(state.step, StepNo(2));
+    assert_eq!(decide(&state), Next::Idle(Idle::Terminal));
+    record_fixture("output-rejected-then-valid", &sim);
+}
+
+#[test]
+fn retries_run_out_and_the_run_fails_as_fail_would() {
+    for max in [1u32, 2, 5] {
+        let contract = retrying(max);
+        let mut sim = Sim::new(Budget::default());
+        for n in 1..=max {
+            let group = complete_under(&mut sim, &contract, text(BAD));
+            let r = rejected(&group);
+            assert_eq!((r.retry, r.max_retries), (n, max));
+            assert_eq!(sim.state().output_rejections, n);
+        }
+        // One more invalid answer than retries: failed, `invalid_output`, errors named.
+        let group = complete_under(&mut sim, &contract, text("not JSON, sorry"));
+        let Event::RunFailed(f) = &group.last().expect("event").event else {
+            panic!("run.failed expected: {group:?}")
+        };
+        assert_eq!(f.reason, FailureReason::InvalidOutput);
+        assert!(f.message.contains("not JSON"), "{}", f.message);
+        assert!(
+            f.message.contains(&format!(
+                "after {max} retr{}",
+                if max == 1 { "y" } else { "ies" }
+            )),
+            "{}",
+            f.message
+        );
+        let state = sim.state();
+        assert_eq!(state.status, RunStatus::Failed);
+        assert_eq!(state.step.get(), max + 1, "each retry is one step");
+        assert_eq!(decide(&state), Next::Idle(Idle::Terminal));
+        // The rejected answers and their feedback stay in the transcript, in order.
+        let feedbacks = state
+            .transcript
+            .iter()
+            .filter(|m| matches!(m, ChatMessage::User { text } if text.contains("JSON Schema")))
+            .count();
+        assert_eq!(feedbacks as u32, max);
+    }
+}
+
+#[test]
+fn no_retries_under_fail_or_accept_and_tool_steps_are_never_rejected() {
+    use kedge_core::agent::OnInvalidOutput;
+    // `output_retries` on a contract that does not retry changes nothing.
+    for (on_invalid, last) in [
+        (OnInvalidOutput::Fail, "run.failed"),
+        (OnInvalidOutput::Accept, "run.succeeded"),
+    ] {
+        let contract = structured(on_invalid).with_output_retries(3);
+        let mut sim = Sim::new(Budget::default());
+        let group = complete_under(&mut sim, &contract, text(BAD));
+        assert_eq!(types(&group).last(), Some(&last), "{on_invalid:?}");
+    }
+    // Retry with zero retries (a contract built without them) fails at once.
+    let contract = structured(OnInvalidOutput::Retry);
+    let mut sim = Sim::new(Budget::default());
+    let group = complete_under(&mut sim, &contract, text(BAD));
+    assert_eq!(types(&group).last(), Some(&"run.failed"));
+    // A valid first answer is never rejected; a step calling tools is not a final answer.
+    let contract = retrying(2);
+    let mut sim = Sim::new(Budget::default());
+    let group = complete_under(
+        &mut sim,
+        &contract,
+        calls(&[("c1", "read_file", serde_json::json!({"path": "a"}))]),
+    );
+    assert_eq!(types(&group).last(), Some(&"run.waiting"));
+    let op = sim.ops_of(1).remove(0);
+    sim.result(&op, "contents");
+    let group = complete_under(&mut sim, &contract, text(GOOD));
+    assert_eq!(types(&group).last(), Some(&"run.succeeded"));
+    assert_eq!(sim.state().output_rejections, 0);
+}
+
+#[test]
+fn the_retry_count_is_per_turn_and_a_revived_run_starts_again() {
+    let contract = retrying(1);
+    let mut sim = Sim::new(Budget::default());
+    rejected(&complete_under(&mut sim, &contract, text(BAD)));
+    let group = complete_under(&mut sim, &contract, text(GOOD));
+    assert_eq!(types(&group).last(), Some(&"run.succeeded"));
+    sim.input(
+        Event::UserMessage(UserMessage {
+            text: "and another?".into(),
+        }),
+        None,
+    );
+    // Turn 2: the one retry is available again.
+    let plan = sim.expect_step();
+    assert!(matches!(plan.start[0].event, Event::RunRevived(_)));
+    sim.commit(plan.start.clone());
+    assert_eq!(sim.state().output_rejections, 0);
+    let group = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        text(BAD),
+        false,
+        Timestamp::now(),
+        &contract,
+    );
+    sim.commit(group.clone());
+    assert_eq!(rejected(&group).retry, 1);
+    let group = complete_under(&mut sim, &contract, text(BAD));
+    assert_eq!(types(&group).last(), Some(&"run.failed"));
+}
+
+#[test]
+fn a_rejection_cut_short_is_finished_the_same_way_and_replays_deterministically() {
+    let contract = retrying(2);
+    // The first answer's group is recomputed identically by the next writer (final_group
+    // checks it) ...
+    let (group, mut sim) = final_group(&contract, BAD);
+    assert_eq!(types(&group), ["step.completed", "output.rejected"]);
+    // ... and so is the second, with the count from the journal.
+    let plan = sim.expect_step();
+    sim.commit(plan.start.clone());
+    let now = Timestamp::now();
+    let group = complete_step(
+        &sim.state(),
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        text(BAD),
+        false,
+        now,
+        &contract,
+    );
+    assert_eq!(rejected(&group).retry, 2);
+    let mut cut = Sim {
+        run: sim.run.clone(),
+        events: sim.events.clone(),
+        seq: sim.seq,
+    };
+    cut.commit(group[..1].to_vec());
+    let Next::Finish(c) = decide(&cut.state()) else {
+        panic!("finish expected")
+    };
+    assert_eq!(
+        kedge_core::decide::finish_step(&cut.state(), &c, now, &contract),
+        group[1..].to_vec()
+    );
+    sim.commit(group);
+    // Replay: the journal read back from its bytes folds to the same state, twice.
+    let bytes: Vec<(u64, Vec<u8>)> = sim
+        .events
+        .iter()
+        .map(|(s, e)| (*s, e.to_json_bytes()))
+        .collect();
+    let read: Vec<(u64, Envelope)> = bytes
+        .iter()
+        .map(|(s, b)| (*s, Envelope::from_json_bytes(b).expect("envelope")))
+        .collect();
+    let replayed = fold(read.iter().map(|(s, e)| (*s, e))).expect("folds");
+    assert_eq!(replayed, sim.state());
+    assert_eq!(replayed.output_rejections, 2);
+    assert_eq!(decide(&replayed), decide(&sim.state()));
+}
+
+#[test]
+fn an_output_rejected_that_follows_no_completed_answer_does_not_fold() {
+    let mut sim = Sim::new(Budget::default());
+    let plan = sim.expect_step();
+    sim.commit(plan.start.clone());
+    sim.push(
+        Draft::new(Event::OutputRejected(kedge_core::event::OutputRejected {
+            errors: vec!["at (root): nope".into()],
+            retry: 1,
+            max_retries: 2,
+        }))
+        .step(StepNo(1)),
+    );
+    let err = fold(sim.events.iter().map(|(s, e)| (*s, e))).expect_err("refused");
+    assert!(
+        matches!(err, kedge_core::FoldError::Inconsistent { .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_anthropic_run_is_asked_to_answer_through_the_output_tool() {
+    let r = kedge_core::event::OutputRejected {
+        errors: vec!["at /answer: 42 is not of type \"string\"".into()],
+        retry: 2,
+        max_retries: 3,
+    };
+    let text = kedge_core::fold::output_feedback(Provider::Anthropic, &r);
+    assert!(text.contains("`output` tool"), "{text}");
+    assert!(text.contains("retry 2 of 3"), "{text}");
+    assert!(text.contains("at /answer:"), "{text}");
+    let text = kedge_core::fold::output_feedback(Provider::Openai, &r);
+    assert!(!text.contains("`output` tool"), "{text}");
+}

@@ -82,6 +82,12 @@ pub fn line(r: &Recorded) -> String {
         Event::QuestionAnswered(a) => format!("{} “{}”", a.question_id, a.answer),
         Event::RunWaiting(w) => format!("on {:?}", w.on).to_lowercase(),
         Event::RunSucceeded(s) => format!("“{}”", clip(&s.output, 90)),
+        Event::OutputRejected(r) => format!(
+            "answer sent back, retry {} of {}: {}",
+            r.retry,
+            r.max_retries,
+            clip(&r.errors.join("; "), 80)
+        ),
         Event::RunFailed(f) => format!("{:?}: {}", f.reason, f.message),
         Event::UserMessage(m) => format!("“{}”", clip(&m.text, 80)),
         Event::CancelRequested(c) => c.reason.clone(),
@@ -149,6 +155,31 @@ mod tests {
         assert!(
             invalid.contains("invalid") && invalid.contains("/answer"),
             "{invalid}"
+        );
+    }
+
+    #[test]
+    fn a_rejected_answer_shows_its_retry_and_errors() {
+        use kedge_core::event::{Draft, Envelope, OutputRejected, Timestamp};
+        let envelope = Envelope::new(
+            "run_t1".parse().expect("run id"),
+            Timestamp::now(),
+            Draft::new(Event::OutputRejected(OutputRejected {
+                errors: vec!["at /answer: 42 is not of type \"string\"".into()],
+                retry: 1,
+                max_retries: 2,
+            }))
+            .step(kedge_core::ids::StepNo(1)),
+        );
+        let l = line(&Recorded {
+            seq: 7,
+            envelope,
+            msg_id: None,
+        });
+        assert!(l.contains("output.rejected"), "{l}");
+        assert!(
+            l.contains("retry 1 of 2") && l.contains("at /answer"),
+            "{l}"
         );
     }
 }

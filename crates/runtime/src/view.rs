@@ -39,6 +39,7 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::ApprovalExpired
         | EventType::TimerScheduled
         | EventType::CallbackExpected
+        | EventType::OutputRejected
         | EventType::RunWaiting
         | EventType::RunCancelling
         | EventType::RunUnknown
