@@ -1067,6 +1067,20 @@ impl Journal {
         Ok((runs, through))
     }
 
+    /// Removes every message of the run's journal (`agent.run.<id>.>`) from the stream: for
+    /// retention of finished runs only (`kedge_runtime::retention` checks that first). Returns
+    /// how many messages were removed (0 when the run has none: purging twice is harmless).
+    /// Needs the `$JS.API.STREAM.PURGE` permission, which no service user has.
+    pub async fn purge_run(&self, run: &RunId) -> Result<u64, JournalError> {
+        purge(
+            &self.client,
+            RUNS_STREAM,
+            &subjects::run_all(run),
+            self.timeout,
+        )
+        .await
+    }
+
     /// Sequence of the run's last event of any kind; `None` for a run with no events.
     /// By direct get, so in a cluster it may trail the leader by the replication apply delay
     /// (a decision append's own check is authoritative).
@@ -1171,6 +1185,28 @@ fn ordered_error(e: async_nats::jetstream::consumer::pull::OrderedError) -> Jour
         | OrderedErrorKind::RequestLimitExceeded
         | OrderedErrorKind::Other => JournalError::Rejected { op, reason },
     }
+}
+
+/// Removes the messages of `stream` on subjects matching `filter` (a stream purge with a subject
+/// filter); how many were removed. What retention uses for the run-scoped subjects of other
+/// streams and buckets (`$KV.<bucket>.<key>`, timers, rejections).
+pub async fn purge(
+    client: &Client,
+    stream: &str,
+    filter: &str,
+    timeout: Duration,
+) -> Result<u64, JournalError> {
+    if filter.is_empty()
+        || filter.split('.').any(str::is_empty)
+        || filter.contains(char::is_whitespace)
+    {
+        return Err(JournalError::BadRequest(format!(
+            "`{filter}` is not a subject filter"
+        )));
+    }
+    wire::purge(client, stream, filter, timeout)
+        .await
+        .map_err(|e| JournalError::from_wire("purge", e))
 }
 
 #[cfg(test)]

@@ -513,6 +513,45 @@ impl InboxMux {
 }
 
 #[derive(Deserialize)]
+struct RawPurge {
+    #[serde(default)]
+    error: Option<ApiError>,
+    #[serde(default)]
+    success: bool,
+    #[serde(default)]
+    purged: u64,
+}
+
+/// A stream purge of the messages on subjects matching `filter` (`STREAM.PURGE`); how many
+/// were removed.
+pub(crate) async fn purge(
+    client: &Client,
+    stream: &str,
+    filter: &str,
+    timeout: Duration,
+) -> Result<u64, WireError> {
+    let body = serde_json::json!({ "filter": filter }).to_string();
+    let msg = request(
+        client,
+        format!("{API_PREFIX}.STREAM.PURGE.{stream}"),
+        None,
+        body.into(),
+        timeout,
+    )
+    .await?;
+    if let Some(err) = status_error(&msg) {
+        return Err(err);
+    }
+    let raw: RawPurge = serde_json::from_slice(&msg.payload)
+        .map_err(|e| WireError::Malformed(format!("purge answer: {e}")))?;
+    match raw.error {
+        Some(e) => Err(WireError::Api(e)),
+        None if raw.success => Ok(raw.purged),
+        None => Err(WireError::Malformed("purge answer without success".into())),
+    }
+}
+
+#[derive(Deserialize)]
 struct RawMsgGet {
     #[serde(default)]
     error: Option<ApiError>,

@@ -193,6 +193,32 @@ pub enum DeadCmd {
 pub enum RunsCmd {
     /// Recompute kedge_runs from the journal (every run; removes entries of runs not in it).
     Rebuild,
+    /// Remove finished runs' data: journal, idempotency records, lease, timers, set-aside
+    /// records and projection entry (never a run that is not finished; resumable). Needs the
+    /// operator's credentials. See docs/RUNBOOK.md "Retention".
+    Purge(PurgeArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["run", "finished_before"])))]
+pub struct PurgeArgs {
+    /// Only these runs (repeatable).
+    #[arg(long = "run")]
+    run: Vec<RunId>,
+    /// Only runs whose last event is older than this instant (RFC 3339, e.g.
+    /// 2026-11-01T00:00:00Z); without --run, every such run in the journal.
+    #[arg(long)]
+    finished_before: Option<String>,
+    /// Archive each run's journal first, as JSON Lines in the object store kedge_blobs
+    /// (archive/runs/<run_id>.jsonl).
+    #[arg(long)]
+    archive: bool,
+    /// Check and count; remove nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print the outcome as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -291,6 +317,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
+        Command::Runs(RunsCmd::Purge(args)) => purge(&Runtime::connect(config).await?, args).await,
         Command::NatsConfig(args) => {
             crate::nats_config::run(&args)?;
             Ok(ExitCode::SUCCESS)
@@ -889,6 +916,85 @@ fn mcp_tool_specs(server: &str, tools: Vec<kedge_mcp::ToolInfo>) -> Vec<serde_js
             }))
         })
         .collect()
+}
+
+/// `kedge runs purge`.
+async fn purge(rt: &Runtime, args: PurgeArgs) -> anyhow::Result<ExitCode> {
+    use kedge_runtime::retention::{self, PurgeOptions, Purged};
+    let finished_before = match &args.finished_before {
+        // The journal's own timestamp format (RFC 3339).
+        Some(at) => Some(
+            serde_json::from_value::<kedge_core::event::Timestamp>(serde_json::json!(at)).map_err(
+                |e| anyhow::anyhow!("--finished-before {at:?}: not an RFC 3339 instant ({e})"),
+            )?,
+        ),
+        None => None,
+    };
+    let opts = PurgeOptions {
+        finished_before,
+        archive: args.archive,
+        dry_run: args.dry_run,
+    };
+    if args.run.is_empty() {
+        let report = retention::purge_finished(rt, opts).await?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            println!(
+                "{}{} of {} runs purged ({} journal messages); left alone: {} not finished, {} too recent; {} failed",
+                if args.dry_run { "dry run: " } else { "" },
+                report.purged,
+                report.runs,
+                report.events,
+                report.not_finished,
+                report.too_recent,
+                report.failed
+            );
+        }
+        return Ok(if report.failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
+    let mut refused = false;
+    for run in &args.run {
+        let outcome = retention::purge_run(rt, run, opts).await?;
+        refused |= !matches!(outcome, Purged::Purged { .. } | Purged::NotFound);
+        if args.json {
+            println!("{}", serde_json::json!({"run_id": run, "result": outcome}));
+        } else {
+            println!("{run}: {}", describe_purge(&outcome));
+        }
+    }
+    Ok(if refused {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn describe_purge(p: &kedge_runtime::retention::Purged) -> String {
+    use kedge_runtime::retention::Purged;
+    match p {
+        Purged::Purged {
+            events,
+            records,
+            archive,
+            dry_run,
+        } => format!(
+            "{}{events} journal messages and {records} other records{}",
+            if *dry_run { "would purge " } else { "purged " },
+            archive
+                .as_ref()
+                .map_or(String::new(), |a| format!(", archived to {a}"))
+        ),
+        Purged::NotFinished { status } => format!("left alone: not finished ({status})"),
+        Purged::TooRecent { ended_at } => {
+            format!("left alone: ended at {ended_at}, after the cutoff")
+        }
+        Purged::NotFound => "no such run (already purged?)".into(),
+    }
 }
 
 #[cfg(test)]

@@ -33,6 +33,7 @@ pub mod failpoint;
 pub mod idempotency;
 pub mod inputs;
 pub mod liveness;
+pub mod retention;
 pub mod secure;
 pub mod tasks;
 pub mod view;

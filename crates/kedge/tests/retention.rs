@@ -1,0 +1,189 @@
+//! Retention (issue 13, item 3): `kedge runs purge` removes a finished run's journal, idempotency
+//! records, lease and projection entry, archives its journal first when asked, never touches a
+//! run that is not finished, and is idempotent; only the admin's credentials may purge.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Harness, Svc};
+use futures::StreamExt;
+use kedge_core::RunStatus;
+use kedge_core::event::Timestamp;
+use kedge_runtime::retention::{self, PurgeOptions, Purged};
+use kedge_runtime::secure::Kind;
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// Keys of a KV bucket (empty when it has none).
+async fn keys(rt: &kedge_runtime::Runtime, bucket: &str) -> Vec<String> {
+    let kv = rt.js.get_key_value(bucket).await.expect("bucket");
+    match kv.keys().await {
+        Ok(keys) => keys.filter_map(|k| async move { k.ok() }).collect().await,
+        Err(_) => Vec::new(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_is_left_alone() {
+    let script = json!({"models": {
+        "act": {"steps": [
+            {"text": "acting", "tool_calls": [{"name": "ledger_append", "arguments": {"text": "once"}}]},
+            {"text": "done"}
+        ]},
+        "ask": {"steps": [
+            {"text": "asking", "tool_calls": [{"name": "ask_user", "arguments": {"question": "which?"}}]},
+            {"text": "never"}
+        ]}
+    }});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    h.agent("act", "act").await;
+    h.agent("ask", "ask").await;
+    let done = h.submit("act", "go", "ret-done").await;
+    let waiting = h.submit("ask", "go", "ret-wait").await;
+    assert_eq!(
+        h.wait_terminal(&done, WAIT).await.status,
+        RunStatus::Succeeded
+    );
+    h.wait_for(&waiting, WAIT, |s| s.status == RunStatus::WaitingUser)
+        .await;
+    let admin = h.runtime_as(Kind::Admin).await;
+    // The projection has both runs.
+    kedge_bridge::rebuild(&admin).await.expect("rebuild");
+    let runs_keys = keys(&admin, "kedge_runs").await;
+    assert!(runs_keys.iter().any(|k| k.ends_with(done.as_str())));
+    let idem = keys(&admin, "kedge_idempotency").await;
+    let run_hex = done.as_str().trim_start_matches("run_");
+    let mine = |keys: &[String]| keys.iter().filter(|k| k.contains(run_hex)).count();
+    assert!(
+        mine(&idem) >= 2,
+        "a model response and an operation record: {idem:?}"
+    );
+    let events = h.events(&done).await;
+
+    // A cutoff before the run ended leaves it alone.
+    let early = PurgeOptions {
+        finished_before: Some(events[0].envelope.at),
+        ..PurgeOptions::default()
+    };
+    assert!(matches!(
+        retention::purge_run(&admin, &done, early)
+            .await
+            .expect("purge"),
+        Purged::TooRecent { .. }
+    ));
+    // A dry run counts and removes nothing.
+    let dry = PurgeOptions {
+        dry_run: true,
+        ..PurgeOptions::default()
+    };
+    assert!(matches!(
+        retention::purge_run(&admin, &done, dry)
+            .await
+            .expect("purge"),
+        Purged::Purged { dry_run: true, .. }
+    ));
+    assert_eq!(h.events(&done).await.len(), events.len());
+
+    // Operators (and services) may not purge: the broker refuses the request (probed on an
+    // unnamed connection, as the secured suites probe the boundary).
+    if common::secured() {
+        let operator = async_nats::ConnectOptions::with_user_and_password(
+            Kind::Operator.user(),
+            common::kind_password(Kind::Operator),
+        )
+        .request_timeout(Some(Duration::from_secs(2)))
+        .connect(h.nats.url())
+        .await
+        .expect("operator connects");
+        let filter = format!("agent.run.{done}.>");
+        assert!(
+            kedge_journal::purge(&operator, "KEDGE_RUNS", &filter, Duration::from_secs(2))
+                .await
+                .is_err(),
+            "the operator's credentials cannot purge"
+        );
+        assert_eq!(h.events(&done).await.len(), events.len());
+    }
+    let opts = PurgeOptions {
+        finished_before: Some(Timestamp::now()),
+        archive: true,
+        dry_run: false,
+    };
+
+    // The whole journal: the finished run goes, the waiting one stays.
+    let report = retention::purge_finished(&admin, opts)
+        .await
+        .expect("purge");
+    assert_eq!(
+        (report.purged, report.not_finished, report.failed),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    assert!(h.events(&done).await.is_empty(), "the journal is gone");
+    assert_eq!(mine(&keys(&admin, "kedge_idempotency").await), 0);
+    assert!(
+        !keys(&admin, "kedge_runs")
+            .await
+            .iter()
+            .any(|k| k.ends_with(done.as_str()))
+    );
+    assert!(
+        !keys(&admin, "kedge_leases")
+            .await
+            .iter()
+            .any(|k| k == done.as_str())
+    );
+    // The archive holds every event, in order.
+    let store = admin
+        .js
+        .get_object_store("kedge_blobs")
+        .await
+        .expect("store");
+    let mut object = store
+        .get(retention::archive_name(&done).as_str())
+        .await
+        .expect("archive");
+    let mut body = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut object, &mut body)
+        .await
+        .expect("read archive");
+    let lines: Vec<serde_json::Value> = body
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), events.len());
+    for (line, r) in lines.iter().zip(&events) {
+        assert_eq!(line["seq"], json!(r.seq));
+        assert_eq!(
+            line["envelope"]["type"],
+            json!(r.envelope.event_type().as_str())
+        );
+    }
+    // The waiting run is untouched and still answers.
+    assert_eq!(
+        h.state(&waiting).await.status,
+        RunStatus::WaitingUser,
+        "not finished: left alone"
+    );
+    assert!(matches!(
+        retention::purge_run(&admin, &waiting, opts)
+            .await
+            .expect("purge"),
+        Purged::NotFinished { .. }
+    ));
+    // Idempotent: a second pass finds nothing more to do.
+    assert_eq!(
+        retention::purge_run(&admin, &done, opts)
+            .await
+            .expect("purge"),
+        Purged::NotFound
+    );
+    let again = retention::purge_finished(&admin, opts)
+        .await
+        .expect("purge");
+    assert_eq!((again.purged, again.failed), (0, 0), "{again:?}");
+    h.shutdown().await;
+}
