@@ -19,6 +19,10 @@
 //! gateway report them, every process is still running, and no connection hit a permission
 //! violation on any node. Shorter timeouts than the defaults (as every crash test uses) keep the
 //! recoveries that wait for a redelivery within seconds; bounds below are generous, never goals.
+//!
+//! It prints what it saw (runs, model calls beyond one per step, restarts by the restart policy);
+//! the processes' logs are kept under the printed directory when it fails, or with
+//! `KEDGE_TEST_KEEP=1`.
 
 #[path = "support/compose.rs"]
 mod compose;
@@ -148,7 +152,8 @@ impl Drop for Deployment {
         for p in &mut self.procs {
             p.kill9();
         }
-        if std::thread::panicking()
+        // KEDGE_TEST_KEEP=1 keeps it after a pass too (to read the processes' logs).
+        if (std::thread::panicking() || std::env::var_os("KEDGE_TEST_KEEP").is_some())
             && let Some(dir) = self.dir.take()
         {
             eprintln!(
