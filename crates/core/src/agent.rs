@@ -419,6 +419,16 @@ impl AgentDefinition {
                 "retry needs an output_schema to check the answer against",
             );
         }
+        if let Some(schema) = &self.output_schema
+            && self.model.provider == crate::event::Provider::Anthropic
+            && schema.get("type").and_then(|t| t.as_str()) != Some("object")
+        {
+            return err(
+                "output_schema".into(),
+                "an Anthropic agent's output_schema must have \"type\": \"object\" (it is the \
+                 input schema of the `output` tool the answer is given through)",
+            );
+        }
         if self.output_schema.is_some()
             && self.model.provider == crate::event::Provider::Anthropic
             && let Some(i) = self.tools.iter().position(|t| t.name == OUTPUT_TOOL)
@@ -668,6 +678,12 @@ mod tests {
         let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("taken");
         assert_eq!(e.field, "tools[1].name");
         assert!(e.reason.contains("output"), "{e}");
+        // The schema is the tool's input schema: Anthropic takes objects only.
+        v["tools"] = serde_json::json!(["read_file"]);
+        AgentDefinition::parse(v.to_string().as_bytes()).expect("an object schema");
+        v["output_schema"] = serde_json::json!({"type": "array"});
+        let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("not an object");
+        assert_eq!(e.field, "output_schema");
     }
 
     #[test]

@@ -818,11 +818,65 @@ fn check_tools(tools: &Value) -> Result<(), ApiError> {
                 )));
             }
         }
-        if !obj.get("input_schema").is_some_and(Value::is_object) {
+        for key in obj.keys() {
+            if !matches!(
+                key.as_str(),
+                "type" | "name" | "description" | "input_schema" | "cache_control"
+            ) {
+                return Err(ApiError::invalid(format!(
+                    "tools.{i}.custom.{key}: Extra inputs are not permitted"
+                )));
+            }
+        }
+        if obj
+            .get("description")
+            .is_some_and(|d| !d.is_string() && !d.is_null())
+        {
             return Err(ApiError::invalid(format!(
-                "tools.{i}.custom.input_schema: Field required"
+                "tools.{i}.custom.description: Input should be a valid string"
             )));
         }
+        let schema = match obj.get("input_schema") {
+            None | Some(Value::Null) => {
+                return Err(ApiError::invalid(format!(
+                    "tools.{i}.custom.input_schema: Field required"
+                )));
+            }
+            Some(Value::Object(schema)) => schema,
+            Some(_) => {
+                return Err(ApiError::invalid(format!(
+                    "tools.{i}.custom.input_schema: Input should be a valid dictionary"
+                )));
+            }
+        };
+        match schema.get("type") {
+            None | Some(Value::Null) => {
+                return Err(ApiError::invalid(format!(
+                    "tools.{i}.custom.input_schema.type: Field required"
+                )));
+            }
+            Some(Value::String(t)) if t == "object" => {}
+            Some(_) => {
+                return Err(ApiError::invalid(format!(
+                    "tools.{i}.custom.input_schema.type: Input should be 'object'"
+                )));
+            }
+        }
+        if jsonschema::meta::validate(&Value::Object(schema.clone())).is_err() {
+            return Err(ApiError::invalid(format!(
+                "tools.{i}.custom.input_schema: JSON schema is invalid. It must match JSON Schema \
+                 draft 2020-12 (https://json-schema.org/draft/2020-12). Learn more about tool use \
+                 at https://docs.claude.com/en/docs/tool-use."
+            )));
+        }
+    }
+    let mut names: Vec<&str> = tools
+        .iter()
+        .filter_map(|t| t.get("name").and_then(Value::as_str))
+        .collect();
+    names.sort_unstable();
+    if names.windows(2).any(|w| w[0] == w[1]) {
+        return Err(ApiError::invalid("tools: Tool names must be unique."));
     }
     Ok(())
 }
@@ -1423,6 +1477,59 @@ mod tests {
             m.starts_with("tools.0.custom.name: String should match pattern"),
             "{m}"
         );
+    }
+
+    #[test]
+    fn a_tools_shape_is_checked_as_the_real_api_checks_it() {
+        let with = |tools: Value| {
+            json!({"model": "m", "max_tokens": 5, "tools": tools,
+                   "messages": [{"role": "user", "content": "go"}]})
+        };
+        // Kedge's `output` tool: an object schema, a description, the cache marker.
+        validate(&with(json!([
+            {"name": "read_file", "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}},
+            {"name": "output", "description": "Give your final answer.", "cache_control": {"type": "ephemeral"},
+             "input_schema": {"type": "object", "required": ["answer"], "properties": {"answer": {"type": "string"}}}}
+        ])))
+        .expect("accepted");
+        for (tools, expected) in [
+            (
+                json!([{"name": "a"}]),
+                "tools.0.custom.input_schema: Field required",
+            ),
+            (
+                json!([{"name": "a", "input_schema": []}]),
+                "tools.0.custom.input_schema: Input should be a valid dictionary",
+            ),
+            (
+                json!([{"name": "a", "input_schema": {"properties": {}}}]),
+                "tools.0.custom.input_schema.type: Field required",
+            ),
+            (
+                json!([{"name": "a", "input_schema": {"type": "array"}}]),
+                "tools.0.custom.input_schema.type: Input should be 'object'",
+            ),
+            (
+                json!([{"name": "a", "input_schema": {"type": "object", "required": "answer"}}]),
+                "tools.0.custom.input_schema: JSON schema is invalid",
+            ),
+            (
+                json!([{"name": "a", "input_schema": {"type": "object"}, "strict": true}]),
+                "tools.0.custom.strict: Extra inputs are not permitted",
+            ),
+            (
+                json!([{"name": "a", "input_schema": {"type": "object"}, "description": 7}]),
+                "tools.0.custom.description: Input should be a valid string",
+            ),
+            (
+                json!([{"name": "output", "input_schema": {"type": "object"}},
+                       {"name": "output", "input_schema": {"type": "object"}}]),
+                "tools: Tool names must be unique.",
+            ),
+        ] {
+            let m = rejected(&with(tools.clone()));
+            assert!(m.starts_with(expected), "{tools}: {m}");
+        }
     }
 
     #[test]

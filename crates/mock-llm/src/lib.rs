@@ -61,7 +61,10 @@
 //!   previous message ("unexpected \`tool_use_id\` found in \`tool_result\` blocks"); ids not
 //!   matching `^[a-zA-Z0-9_-]+$`; empty or whitespace-only text blocks; empty messages (except a
 //!   final assistant prefill, which must not end in whitespace); a `"system"` role message;
-//!   missing `model` / `max_tokens` / `messages`; invalid tool names. Consecutive same-role
+//!   missing `model` / `max_tokens` / `messages`; invalid or duplicate tool names ("tools: Tool
+//!   names must be unique."); a custom tool with fields other than `name`, `description` (a
+//!   string), `input_schema`, `cache_control`, `type`, or whose `input_schema` is missing, not
+//!   an object, without `"type": "object"`, or not a valid JSON Schema (draft 2020-12). Consecutive same-role
 //!   messages are **merged** before the tool checks, as the current API does, not rejected.
 //!   Settings: an unknown parameter ("seed: Extra inputs are not permitted"); `temperature`
 //!   or `top_p` outside 0–1; `stop_sequences` not a list of strings; `tool_choice` other than

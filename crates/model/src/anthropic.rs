@@ -24,6 +24,14 @@
 //! step wrote. Thinking blocks of an assistant turn come first in its content, exactly as
 //! received (thinking text and signature, or redacted data).
 //!
+//! Structured output (an agent's `output_schema`; Anthropic has no `response_format`): the
+//! schema is offered as the input schema of one more tool, `output`, after the agent's own, and
+//! the system prompt ends with [`OUTPUT_INSTRUCTION`]. The call is forced (`tool_choice: {type:
+//! tool, name: output}`) only when it is the only tool and thinking is off (the API refuses a
+//! forcing choice with thinking); otherwise it is offered. A call to it is the answer
+//! ([`answer_from_output_tool`]): its input becomes the turn's text and the call is removed, so
+//! it is never dispatched and never needs a `tool_result`.
+//!
 //! Response: `message_start`, per block `content_block_start` / `content_block_delta`
 //! (`text_delta`, `input_json_delta`, `thinking_delta`, `signature_delta`) / `content_block_stop`, `message_delta` (stop reason,
 //! output tokens), `message_stop`; `ping` ignored; `error` → [`ModelError`]. Input tokens count
@@ -32,6 +40,7 @@
 
 use std::collections::BTreeMap;
 
+use kedge_core::agent::OUTPUT_TOOL;
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::{AssistantMessage, FinishReason, ThinkingBlock, ToolCall, Usage};
 use kedge_core::fold::ChatMessage;
@@ -151,33 +160,48 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
         "messages": messages,
         "stream": true,
     });
-    if !call.system.trim().is_empty() {
+    let output_tool = output_tool(call);
+    let system = match output_tool {
+        Some(_) if call.system.trim().is_empty() => OUTPUT_INSTRUCTION.to_owned(),
+        Some(_) => format!("{}\n\n{OUTPUT_INSTRUCTION}", call.system),
+        None => call.system.to_owned(),
+    };
+    if !system.trim().is_empty() {
         body["system"] = if cache {
-            json!([{"type": "text", "text": call.system, "cache_control": ephemeral()}])
+            json!([{"type": "text", "text": system, "cache_control": ephemeral()}])
         } else {
-            call.system.into()
+            system.into()
         };
     }
     let s = &call.spec.settings;
-    if !call.tools.is_empty() {
-        let mut tools: Vec<Value> = call
-            .tools
-            .iter()
-            .map(|t| {
-                let mut tool = json!({"name": t.name, "input_schema": t.parameters});
-                if !t.description.is_empty() {
-                    tool["description"] = t.description.clone().into();
-                }
-                tool
-            })
-            .collect();
+    let mut tools: Vec<Value> = call
+        .tools
+        .iter()
+        .map(|t| {
+            let mut tool = json!({"name": t.name, "input_schema": t.parameters});
+            if !t.description.is_empty() {
+                tool["description"] = t.description.clone().into();
+            }
+            tool
+        })
+        .collect();
+    tools.extend(output_tool.clone());
+    if !tools.is_empty() {
         if cache && let Some(last) = tools.last_mut() {
             // Caches every tool definition (they precede the system prompt in the prefix).
             last["cache_control"] = ephemeral();
         }
         body["tools"] = tools.into();
         let serial = s.parallel_tool_calls == Some(false);
-        let choice = crate::effective_tool_choice(call);
+        let choice = if call.tools.is_empty() {
+            // Only the `output` tool: the answer is forced through it, except with extended
+            // thinking, which the API refuses with a forcing tool choice (the model is told
+            // to use it instead, and a plain-text answer is validated all the same).
+            (s.thinking.is_none()).then(|| ToolChoice::Tool(OUTPUT_TOOL.to_owned()))
+        } else {
+            // The agent's own tools come first: the `output` tool is offered, never forced.
+            crate::effective_tool_choice(call)
+        };
         let mut tool_choice = match choice {
             None if serial => Some(json!({"type": "auto"})),
             None => None,
@@ -206,6 +230,53 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
         body["thinking"] = json!({"type": "enabled", "budget_tokens": thinking.budget_tokens});
     }
     body
+}
+
+/// What the system prompt of an agent with an `output_schema` ends with.
+pub const OUTPUT_INSTRUCTION: &str = "Give your final answer by calling the `output` tool: its \
+     input is your answer, and it must match the tool's input schema. Do not write the answer \
+     as text.";
+
+/// The `output` tool of a call whose agent declares an `output_schema` (Anthropic has no
+/// `response_format`): the schema as its input schema. `None` without a schema, or for one the
+/// API would refuse as an input schema (not `"type": "object"`; `kedge agents put` refuses
+/// those for Anthropic agents): the answer is then validated as text only.
+fn output_tool(call: &ModelCall<'_>) -> Option<Value> {
+    let schema = call.output_schema?;
+    if schema.get("type").and_then(Value::as_str) != Some("object") {
+        return None;
+    }
+    Some(json!({
+        "name": OUTPUT_TOOL,
+        "description": "Give your final answer: call this tool once, with your whole answer \
+                        as its input, when you have finished.",
+        "input_schema": schema,
+    }))
+}
+
+/// The response with a call of the `output` tool made its answer: the call's input, as JSON,
+/// becomes the turn's text (what Kedge validates and the run's output), and the call is removed
+/// so that nothing dispatches it and no later request has to answer it. A turn that made
+/// only that call ends as a final answer (`stop`); one that also called other tools goes on
+/// with them. Input that was not valid JSON stays as the raw text it was (and fails validation
+/// as such). Without an `output` call the response is unchanged.
+pub fn answer_from_output_tool(mut response: ModelResponse) -> ModelResponse {
+    let (outputs, calls): (Vec<ToolCall>, Vec<ToolCall>) = response
+        .message
+        .tool_calls
+        .into_iter()
+        .partition(|c| c.name == OUTPUT_TOOL);
+    response.message.tool_calls = calls;
+    if let Some(answer) = outputs.into_iter().next() {
+        response.message.text = match answer.arguments {
+            Value::String(raw) => raw,
+            other => other.to_string(),
+        };
+        if response.message.tool_calls.is_empty() {
+            response.finish = FinishReason::Stop;
+        }
+    }
+    response
 }
 
 fn ephemeral() -> Value {
@@ -780,6 +851,128 @@ mod tests {
                 ],
             })
         );
+    }
+
+    fn claude(settings: kedge_core::settings::ModelSettings) -> ModelSpec {
+        ModelSpec {
+            provider: Provider::Anthropic,
+            name: "claude-test".into(),
+            base_url: None,
+            settings,
+            price: None,
+        }
+    }
+
+    #[test]
+    fn an_output_schema_is_offered_as_the_output_tool_and_forced_only_when_alone() {
+        let schema = json!({"type": "object", "required": ["answer"],
+                            "properties": {"answer": {"type": "string"}}});
+        let context = vec![ChatMessage::User {
+            text: "Question?".into(),
+        }];
+        let spec = claude(Default::default());
+        let mut call = call_with(&spec, &context);
+        call.output_schema = Some(&schema);
+        // Alone: offered last, forced, and the system prompt says to use it.
+        call.tools = &[];
+        let body = request_body(&call);
+        assert_eq!(
+            body["tools"],
+            json!([{"name": "output", "input_schema": schema,
+                    "description": output_tool(&call).expect("offered")["description"]}])
+        );
+        assert_eq!(
+            body["tool_choice"],
+            json!({"type": "tool", "name": "output"})
+        );
+        let system = body["system"].as_str().expect("system");
+        assert!(system.starts_with("Be brief."), "{system}");
+        assert!(system.ends_with(OUTPUT_INSTRUCTION), "{system}");
+        // With the agent's own tools: offered after them, never forced.
+        let call_tools = call_with(&spec, &context).tools;
+        call.tools = call_tools;
+        let body = request_body(&call);
+        let names: Vec<&str> = body["tools"]
+            .as_array()
+            .expect("tools")
+            .iter()
+            .filter_map(|t| t["name"].as_str())
+            .collect();
+        assert_eq!(names, ["read_dir", "now", "output"]);
+        assert!(body.get("tool_choice").is_none(), "{body}");
+        // With extended thinking (which refuses a forcing choice): offered, not forced.
+        let thinking = claude(kedge_core::settings::ModelSettings {
+            thinking: Some(kedge_core::settings::Thinking {
+                budget_tokens: 1024,
+            }),
+            cache: true,
+            ..Default::default()
+        });
+        let mut call = call_with(&thinking, &context);
+        call.tools = &[];
+        call.output_schema = Some(&schema);
+        call.system = "";
+        let body = request_body(&call);
+        assert_eq!(body["tools"][0]["name"], "output");
+        assert_eq!(body["tools"][0]["cache_control"], ephemeral());
+        assert!(body.get("tool_choice").is_none(), "{body}");
+        assert_eq!(body["system"][0]["text"], OUTPUT_INSTRUCTION);
+        // No schema, or one that is not an object: no tool, the prompt as it was.
+        call.output_schema = None;
+        assert!(request_body(&call).get("tools").is_none());
+        let array = json!({"type": "array"});
+        call.output_schema = Some(&array);
+        let body = request_body(&call);
+        assert!(
+            body.get("tools").is_none() && body.get("system").is_none(),
+            "{body}"
+        );
+    }
+
+    #[test]
+    fn a_call_of_the_output_tool_is_the_answer_and_is_never_a_tool_call() {
+        let call = |id: &str, name: &str, arguments: Value| ToolCall {
+            call_id: id.into(),
+            name: name.into(),
+            arguments,
+        };
+        let response = |calls: Vec<ToolCall>| ModelResponse {
+            message: AssistantMessage {
+                text: "Here it is.".into(),
+                tool_calls: calls,
+                thinking: vec![ThinkingBlock::RedactedThinking { data: "x".into() }],
+            },
+            usage: Usage::default(),
+            finish: FinishReason::ToolCalls,
+        };
+        // Alone: the input is the answer, the turn a final one; thinking kept.
+        let r = answer_from_output_tool(response(vec![call(
+            "toolu_1",
+            "output",
+            json!({"answer": "42"}),
+        )]));
+        assert_eq!(r.message.text, r#"{"answer":"42"}"#);
+        assert!(r.message.tool_calls.is_empty());
+        assert_eq!(r.finish, FinishReason::Stop);
+        assert_eq!(r.message.thinking.len(), 1);
+        // With other calls: those go on, the output call is not dispatched.
+        let r = answer_from_output_tool(response(vec![
+            call("toolu_1", "read_file", json!({"path": "a"})),
+            call("toolu_2", "output", json!({"answer": "early"})),
+        ]));
+        assert_eq!(r.message.tool_calls.len(), 1);
+        assert_eq!(r.message.tool_calls[0].name, "read_file");
+        assert_eq!(r.finish, FinishReason::ToolCalls);
+        // Input that was not JSON stays raw (validation then says so).
+        let r = answer_from_output_tool(response(vec![call(
+            "toolu_1",
+            "output",
+            Value::String("{oops".into()),
+        )]));
+        assert_eq!(r.message.text, "{oops");
+        // No output call: unchanged.
+        let plain = response(vec![call("toolu_1", "now", json!({}))]);
+        assert_eq!(answer_from_output_tool(plain.clone()), plain);
     }
 
     #[test]

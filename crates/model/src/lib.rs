@@ -62,8 +62,9 @@ pub struct ModelCall<'a> {
     /// Sent as `X-Kedge-Request-Id`.
     pub request_id: &'a ModelRequestId,
     pub max_output_tokens: u32,
-    /// The agent's `output_schema`: the final answer is requested as JSON matching it where
-    /// the provider has a structured-output form (OpenAI `response_format`).
+    /// The agent's `output_schema`: the final answer is requested as JSON matching it in the
+    /// provider's structured-output form (OpenAI `response_format`; Anthropic an `output` tool
+    /// whose input is the answer, see [`anthropic::answer_from_output_tool`]).
     pub output_schema: Option<&'a serde_json::Value>,
     /// Limit on the whole call, from sending the request to the last byte of the stream.
     /// Waiting for the first byte and the gaps between chunks are also bounded by
@@ -391,7 +392,14 @@ impl ModelClient {
         {
             decoder.on_event(&event, &mut *on_delta)?;
         }
-        decoder.finish()
+        let response = decoder.finish()?;
+        Ok(match call.spec.provider {
+            // The answer given through the `output` tool is the answer.
+            Provider::Anthropic if call.output_schema.is_some() => {
+                anthropic::answer_from_output_tool(response)
+            }
+            Provider::Anthropic | Provider::Openai => response,
+        })
     }
 
     /// How long the next read may wait: the idle timeout, but never past the deadline.
