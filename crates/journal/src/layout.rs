@@ -141,6 +141,11 @@ pub enum LayoutError {
         expected: String,
         found: String,
     },
+    #[error(
+        "stream {stream} is missing: this server has no Kedge deployment (or not all of it); \
+         run `kedge layout` (as admin) to create it"
+    )]
+    Missing { stream: String },
     #[error("JetStream is not available on this server/account: {0}")]
     NoJetStream(String),
     #[error("broker unavailable while checking the layout ({op}): {reason}")]
@@ -410,6 +415,24 @@ pub async fn ensure_layout(
     client: &Client,
     opts: &LayoutOptions,
 ) -> Result<LayoutReport, LayoutError> {
+    check_layout(client, opts, true).await
+}
+
+/// [`ensure_layout`] without creating anything: what a command that only reads or sends to an
+/// existing deployment runs, so that pointing it at the wrong server changes nothing there. A
+/// missing stream is [`LayoutError::Missing`].
+pub async fn verify_layout(
+    client: &Client,
+    opts: &LayoutOptions,
+) -> Result<LayoutReport, LayoutError> {
+    check_layout(client, opts, false).await
+}
+
+async fn check_layout(
+    client: &Client,
+    opts: &LayoutOptions,
+    create: bool,
+) -> Result<LayoutReport, LayoutError> {
     // `server_info` is filled in by the server's INFO on connect.
     client.flush().await.map_err(|e| LayoutError::Unavailable {
         op: "connect".into(),
@@ -450,6 +473,11 @@ pub async fn ensure_layout(
             first_mismatch(name, diff_config(&desired, &found, never_trimmed))?;
             report.verified.push((*name).to_owned());
             continue;
+        }
+        if !create {
+            return Err(LayoutError::Missing {
+                stream: (*name).to_owned(),
+            });
         }
         let body = Bytes::from(desired.to_string());
         match wire::api(

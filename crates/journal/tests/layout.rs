@@ -2,7 +2,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use kedge_journal::{LAYOUT, LayoutError, LayoutOptions, ensure_layout};
+use kedge_journal::{LAYOUT, LayoutError, LayoutOptions, ensure_layout, verify_layout};
 use kedge_testkit::NatsServer;
 
 #[tokio::test]
@@ -32,6 +32,33 @@ async fn ensure_layout_twice_is_idempotent() {
         .put("sha256-x", &mut &b"big payload"[..])
         .await
         .unwrap();
+}
+
+#[tokio::test]
+async fn verify_layout_creates_nothing_and_names_what_is_missing() {
+    let server = NatsServer::start().await;
+    let client = server.client().await;
+    // A server without Kedge: refused, and left without a single stream.
+    let err = verify_layout(&client, &LayoutOptions::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, LayoutError::Missing { .. }), "{err:?}");
+    assert!(err.to_string().contains("kedge layout"), "{err}");
+    let names = client
+        .request("$JS.API.STREAM.NAMES", "".into())
+        .await
+        .unwrap();
+    let names: serde_json::Value = serde_json::from_slice(&names.payload).unwrap();
+    assert_eq!(names["total"], 0, "{names}");
+    // Once created, verified without change.
+    ensure_layout(&client, &LayoutOptions::default())
+        .await
+        .unwrap();
+    let report = verify_layout(&client, &LayoutOptions::default())
+        .await
+        .unwrap();
+    assert!(report.created.is_empty());
+    assert_eq!(report.verified.len(), LAYOUT.len());
 }
 
 async fn stream_config(client: &async_nats::Client, stream: &str) -> serde_json::Value {

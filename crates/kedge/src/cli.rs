@@ -303,9 +303,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
     match cli.command {
         Command::Demo(args) => crate::demo::run(args, config).await,
-        Command::Dead(cmd) => dead(&Runtime::connect(config).await?, cmd).await,
+        Command::Dead(cmd) => dead(&Runtime::connect_existing(config).await?, cmd).await,
         Command::Runs(RunsCmd::Rebuild) => {
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             let report = kedge_bridge::rebuild(&rt).await?;
             println!(
                 "kedge_runs rebuilt: {} runs in the journal, {} written, {} unchanged, {} failed to fold, {} stale entries removed",
@@ -317,7 +317,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
-        Command::Runs(RunsCmd::Purge(args)) => purge(&Runtime::connect(config).await?, args).await,
+        Command::Runs(RunsCmd::Purge(args)) => {
+            purge(&Runtime::connect_existing(config).await?, args).await
+        }
         Command::NatsConfig(args) => {
             crate::nats_config::run(&args)?;
             Ok(ExitCode::SUCCESS)
@@ -356,6 +358,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Serve { services } => {
+            // Bound before anything else: a port that is taken stops the process at once.
+            if let Some(addr) = &config.metrics_addr {
+                kedge_runtime::metrics::start(addr).await?;
+            }
             let rt = Runtime::connect(config).await?;
             serve(rt, &services, shutdown_signal()).await?;
             Ok(ExitCode::SUCCESS)
@@ -370,7 +376,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Agents(cmd) => agents(Runtime::connect(config).await?, cmd).await,
         Command::Submit(args) => {
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             let run = submit(&rt, &args).await?;
             println!("{run}");
             if args.watch {
@@ -379,18 +385,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Watch { run, after, follow } => {
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             watch(&rt, &run, after, follow).await
         }
         Command::Journal { run } => {
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             for r in rt.journal.read(&run, 0).await? {
                 println!("{}", serde_json::json!({"seq": r.seq, "event": r.envelope}));
             }
             Ok(ExitCode::SUCCESS)
         }
         Command::Status { run } => {
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             let page = rt.journal.read_with_set_aside(&run, 0).await?;
             if page.events.is_empty() {
                 bail!("no run {run}");
@@ -414,7 +420,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Message { run, text } => {
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             let key = InputId::message(&run, None);
             send_input(&rt, &run, Event::UserMessage(UserMessage { text }), &key).await
         }
@@ -423,7 +429,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             question,
             text,
         } => {
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             let key = InputId::answer(&question);
             let event = Event::QuestionAnswered(QuestionAnswered {
                 question_id: question,
@@ -446,7 +452,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                      decide as an approver user through the tenant gateway"
                 );
             }
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             let body = kedge_approval::DecisionRequest {
                 approval_id: approval,
                 verdict: if deny {
@@ -494,7 +500,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 (false, None, Some(reason)) => Resolution::Failed { reason },
                 _ => bail!("give exactly one of --retry, --completed TEXT, --failed REASON"),
             };
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             let mut draft = Draft::new(Event::OutcomeResolved(OutcomeResolved { resolution, by }));
             draft.op = Some(op.clone());
             let env = Envelope::new(run.clone(), Timestamp::now(), draft);
@@ -506,7 +512,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Cancel { run, reason } => {
-            let rt = Runtime::connect(config).await?;
+            let rt = Runtime::connect_existing(config).await?;
             let event = Event::CancelRequested(CancelRequested {
                 reason,
                 by: Some("cli".into()),
@@ -864,6 +870,16 @@ pub async fn watch(
     after: u64,
     follow: bool,
 ) -> anyhow::Result<ExitCode> {
+    // A mistyped id would otherwise wait forever for a run that never comes (--follow waits
+    // for one that is about to be created).
+    if !follow
+        && !rt
+            .journal
+            .has_event(run, kedge_core::EventType::RunCreated)
+            .await?
+    {
+        bail!("no run {run} (use --follow to wait for a run that is about to be created)");
+    }
     // Folds from the start (the state needs run.created) and prints what comes after `after`.
     let mut tail = std::pin::pin!(rt.journal.tail(run, 0));
     let mut state: Option<kedge_core::RunState> = None;

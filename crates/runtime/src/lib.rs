@@ -114,19 +114,35 @@ impl Runtime {
         Self::from_client(config, client).await
     }
 
+    /// [`Runtime::connect`] for a command that reads or sends to an existing deployment: the
+    /// layout is verified, never created (a server without it is refused, unchanged).
+    pub async fn connect_existing(config: Config) -> Result<Runtime, RuntimeError> {
+        let client = connect_client(&config).await?;
+        Self::open(config, client, false).await
+    }
+
     /// Like [`Runtime::connect`] over an existing client.
     pub async fn from_client(
         config: Config,
         client: async_nats::Client,
     ) -> Result<Runtime, RuntimeError> {
+        Self::open(config, client, true).await
+    }
+
+    async fn open(
+        config: Config,
+        client: async_nats::Client,
+        create: bool,
+    ) -> Result<Runtime, RuntimeError> {
         config.check()?;
-        let report = kedge_journal::ensure_layout(
-            &client,
-            &LayoutOptions {
-                replicas: config.replicas,
-            },
-        )
-        .await?;
+        let opts = LayoutOptions {
+            replicas: config.replicas,
+        };
+        let report = if create {
+            kedge_journal::ensure_layout(&client, &opts).await?
+        } else {
+            kedge_journal::verify_layout(&client, &opts).await?
+        };
         tracing::debug!(?report, "broker layout verified");
         let js = jetstream::new(client.clone());
         let kv = |bucket: &'static str| {
