@@ -197,7 +197,11 @@ fn valid_agent() -> Value {
         },
         "budget": {"max_steps": 10, "max_tokens": 1000, "max_attempts_per_step": 3, "deadline_secs": 600},
         "max_output_tokens": 1024,
-        "tenants": ["acme"]
+        "tenants": ["acme"],
+        "output_schema": {"type": "object", "required": ["answer"],
+                          "properties": {"answer": {"type": "string"}}},
+        "on_invalid_output": "retry",
+        "output_retries": 2
     })
 }
 
@@ -212,6 +216,7 @@ fn fixture_journals() -> &'static [Vec<(u64, Value)>] {
         [
             include_str!("fixtures/three-steps-parallel-tools.jsonl"),
             include_str!("fixtures/cancel-with-running-tool.jsonl"),
+            include_str!("fixtures/output-rejected-then-valid.jsonl"),
         ]
         .iter()
         .map(|text| {
