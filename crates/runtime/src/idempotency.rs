@@ -7,7 +7,9 @@
 //!   done. Same id + same digest returns the stored result; same id + different digest is a
 //!   conflict (DESIGN principle 5). Claims and completions are compare-and-set on the KV revision.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::kv::{Operation, Store};
 use kedge_core::decide::ModelResponse;
@@ -87,7 +89,21 @@ pub enum IdempotencyError {
 #[derive(Clone)]
 pub struct IdempotencyStore {
     kv: Store,
+    /// The model responses this process stored or failed to store lately, by request id: a
+    /// response the bucket could not take (its leader moving during a broker failover) is still
+    /// reused by this process's next attempt instead of paying for the call again.
+    recent: Arc<Mutex<HashMap<ModelRequestId, StoredResponse>>>,
 }
+
+/// Model responses kept in memory per process (beyond it the map starts over: the bucket has
+/// them).
+const RECENT_RESPONSES: usize = 1024;
+
+/// How long [`IdempotencyStore::store_response`] keeps trying a bucket that does not answer
+/// (a broker failover elects a new leader within seconds), and its first and longest wait.
+const STORE_PATIENCE: Duration = Duration::from_secs(30);
+const STORE_BACKOFF: Duration = Duration::from_millis(50);
+const STORE_BACKOFF_MAX: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for IdempotencyStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -101,7 +117,19 @@ fn unavailable(e: impl ToString) -> IdempotencyError {
 
 impl IdempotencyStore {
     pub fn new(kv: Store) -> Self {
-        Self { kv }
+        Self {
+            kv,
+            recent: Arc::default(),
+        }
+    }
+
+    fn remember(&self, request: &ModelRequestId, stored: &StoredResponse) {
+        if let Ok(mut recent) = self.recent.lock() {
+            if recent.len() >= RECENT_RESPONSES {
+                recent.clear();
+            }
+            recent.insert(request.clone(), stored.clone());
+        }
     }
 
     fn model_key(request: &ModelRequestId) -> String {
@@ -113,24 +141,45 @@ impl IdempotencyStore {
     }
 
     /// Stores a model response under its request id (last write wins: the same request id
-    /// always answers the same context).
+    /// always answers the same context). A bucket that does not take it is tried again for up
+    /// to 30 s (a failover moves its leader within seconds): the call is paid for, and a
+    /// response lost here is a second bill. Whatever happens, this process remembers it
+    /// ([`IdempotencyStore::stored_response`] answers from memory first).
     pub async fn store_response(
         &self,
         request: &ModelRequestId,
         stored: &StoredResponse,
     ) -> Result<(), IdempotencyError> {
-        let bytes = serde_json::to_vec(stored).map_err(unavailable)?;
-        self.kv
-            .put(Self::model_key(request), bytes.into())
-            .await
-            .map_err(unavailable)?;
-        Ok(())
+        self.remember(request, stored);
+        let bytes: bytes::Bytes = serde_json::to_vec(stored).map_err(unavailable)?.into();
+        let started = Instant::now();
+        let mut wait = STORE_BACKOFF;
+        loop {
+            match self.kv.put(Self::model_key(request), bytes.clone()).await {
+                Ok(_) => return Ok(()),
+                Err(e) if started.elapsed() + wait < STORE_PATIENCE => {
+                    tracing::warn!(request_id = %request, error = %e, "model response not stored yet; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(STORE_BACKOFF_MAX);
+                }
+                Err(e) => return Err(unavailable(e)),
+            }
+        }
     }
 
+    /// The stored response of a request: this process's memory first, then the bucket.
     pub async fn stored_response(
         &self,
         request: &ModelRequestId,
     ) -> Result<Option<StoredResponse>, IdempotencyError> {
+        if let Some(stored) = self
+            .recent
+            .lock()
+            .ok()
+            .and_then(|recent| recent.get(request).cloned())
+        {
+            return Ok(Some(stored));
+        }
         let key = Self::model_key(request);
         match self.kv.entry(key.clone()).await.map_err(unavailable)? {
             Some(e) if e.operation == Operation::Put => serde_json::from_slice(&e.value)
