@@ -84,6 +84,10 @@ pub struct Config {
     pub approvers: std::collections::BTreeMap<String, String>,
     /// Which API keys and endpoints agent definitions may use.
     pub models: ModelPolicy,
+    /// Where `kedge serve` serves Prometheus metrics at `/metrics` (`KEDGE_METRICS_ADDR`,
+    /// `host:port`); none (the default): no endpoint and nothing recorded. One address per
+    /// process: two processes on one host need two ports. See [`crate::metrics`].
+    pub metrics_addr: Option<String>,
 }
 
 /// What an agent definition may name for its model: the operator's choice, not the author's.
@@ -220,6 +224,7 @@ impl Default for Config {
             api_keys: Default::default(),
             approvers: Default::default(),
             models: ModelPolicy::default(),
+            metrics_addr: None,
         }
     }
 }
@@ -274,6 +279,7 @@ impl std::fmt::Debug for Config {
             api_keys,
             approvers,
             models,
+            metrics_addr,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
         let api_keys: Vec<&String> = api_keys.keys().collect();
@@ -296,6 +302,7 @@ impl std::fmt::Debug for Config {
             .field("api_keys (names)", &api_keys)
             .field("approvers (names)", &approvers)
             .field("models", models)
+            .field("metrics_addr", metrics_addr)
             .finish()
     }
 }
@@ -1107,6 +1114,9 @@ impl Config {
                 reason: format!("not a JSON object of server configurations: {e}"),
             })?;
         }
+        if let Some(v) = get("KEDGE_METRICS_ADDR") {
+            self.metrics_addr = non_empty(Some(v)).map(|v| v.trim().to_owned());
+        }
         if let Some(v) = get("KEDGE_BRIDGE_LISTEN") {
             self.bridge.listen = v.trim().to_owned();
         }
@@ -1195,6 +1205,18 @@ impl Config {
             });
         }
         self.bridge.check()?;
+        if let Some(addr) = &self.metrics_addr {
+            let port = addr
+                .rsplit_once(':')
+                .filter(|(host, _)| !host.is_empty())
+                .and_then(|(_, port)| port.parse::<u16>().ok());
+            if port.is_none() {
+                return Err(ConfigError::Invalid {
+                    field: "metrics_addr",
+                    reason: format!("`{addr}` is not host:port (e.g. 0.0.0.0:9464)"),
+                });
+            }
+        }
         if let Some(bad) = self.models.base_urls.iter().find(|u| {
             *u != "loopback" && !(u.starts_with("https://") && u.len() > "https://".len())
         }) {
@@ -1288,6 +1310,29 @@ mod tests {
         assert!(c.check_model("OPENAI_API_KEY", None).is_err());
         c.models.base_urls.push("http://llm.internal/".into());
         assert!(c.check().is_err(), "plain http beyond this host");
+    }
+
+    #[test]
+    fn the_metrics_endpoint_is_off_unless_an_address_is_given() {
+        let mut c = Config::default();
+        assert_eq!(c.metrics_addr, None);
+        c.apply_env(|k| (k == "KEDGE_METRICS_ADDR").then(|| " 0.0.0.0:9464 ".into()))
+            .expect("applies");
+        assert_eq!(c.metrics_addr.as_deref(), Some("0.0.0.0:9464"));
+        c.check().expect("valid");
+        let dumped = serde_json::to_value(&c).expect("json");
+        assert_eq!(dumped["metrics_addr"], "0.0.0.0:9464");
+        c.apply_env(|k| (k == "KEDGE_METRICS_ADDR").then(String::new))
+            .expect("applies");
+        assert_eq!(c.metrics_addr, None, "an empty variable turns it off");
+        for bad in ["9464", ":9464", "localhost:port", "127.0.0.1:70000"] {
+            c.metrics_addr = Some(bad.into());
+            let err = c.check().expect_err(bad).to_string();
+            assert!(err.contains("metrics_addr"), "{err}");
+        }
+        let from_file: Config =
+            serde_json::from_str(r#"{"metrics_addr": "[::1]:9464"}"#).expect("parses");
+        from_file.check().expect("valid");
     }
 
     #[test]

@@ -77,10 +77,12 @@ pub async fn durable(
         .get_stream(stream)
         .await
         .map_err(|e| RuntimeError::broker(format!("stream {stream}"), e))?;
-    stream_handle
+    let consumer = stream_handle
         .create_consumer(config)
         .await
-        .map_err(|e| RuntimeError::broker(format!("consumer {stream}/{name}"), e))
+        .map_err(|e| RuntimeError::broker(format!("consumer {stream}/{name}"), e))?;
+    crate::metrics::watch_consumer(name, &consumer);
+    Ok(consumer)
 }
 
 /// The next message a consumer delivers; hiccups (missed heartbeats, a reconnect) are logged
@@ -92,7 +94,10 @@ pub async fn next_message(
     use futures::StreamExt as _;
     loop {
         match messages.next().await {
-            Some(Ok(msg)) => return Some(msg),
+            Some(Ok(msg)) => {
+                crate::metrics::delivered(consumer, deliveries(&msg));
+                return Some(msg);
+            }
             Some(Err(e)) => tracing::warn!(consumer, error = %e, "consumer hiccup"),
             None => return None,
         }
@@ -143,6 +148,7 @@ pub async fn dead_letter(
         .map(|i| (i.stream.to_owned(), i.stream_sequence))
         .unwrap_or_default();
     let delivered = deliveries(msg);
+    crate::metrics::dead_letter(consumer);
     tracing::error!(
         consumer,
         stream = %stream,

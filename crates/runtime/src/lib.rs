@@ -18,6 +18,8 @@
 //! - [`view`]: what clients see of a run (public events, event JSON, the run view), shared by the
 //!   HTTP bridge and the tenant gateway.
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
+//! - [`metrics`]: the Prometheus metrics every service counts (names, labels, the recorder and
+//!   the `/metrics` endpoint of `kedge serve`).
 //! - [`secure`]: the secured broker configuration (accounts, least-privilege users), rendered.
 //!
 //! Invariant: a service never starts against a broker that failed the layout check
@@ -33,6 +35,7 @@ pub mod failpoint;
 pub mod idempotency;
 pub mod inputs;
 pub mod liveness;
+pub mod metrics;
 pub mod retention;
 pub mod secure;
 pub mod tasks;
