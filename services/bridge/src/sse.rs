@@ -349,6 +349,7 @@ impl Connection {
     }
 
     async fn pump(self, tx: mpsc::Sender<Bytes>) {
+        let _counted = kedge_runtime::metrics::SseConnection::open();
         let Connection {
             hub,
             journal,

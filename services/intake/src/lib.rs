@@ -190,6 +190,7 @@ async fn handle(rt: &Runtime, msg: &Message) {
                     .await;
                 return;
             }
+            kedge_runtime::metrics::task_rejected();
             Answer::Rejected { error: rejection }
         }
         Err(Refusal::Retry(reason)) if consumer::is_last_delivery(CONSUMER, msg) => {
@@ -205,6 +206,7 @@ async fn handle(rt: &Runtime, msg: &Message) {
             if let Err(e) = record_rejection(rt, msg, &rejection).await {
                 tracing::error!(error = %e, "could not record the rejection");
             }
+            kedge_runtime::metrics::task_rejected();
             Answer::Rejected { error: rejection }
         }
         Err(Refusal::Retry(reason)) => {
@@ -305,7 +307,11 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         Draft::new(Event::RunCreated(Box::new(created))),
     );
     match rt.journal.create_run(&env).await {
-        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(run_id),
+        Ok(_) => {
+            kedge_runtime::metrics::run_created();
+            Ok(run_id)
+        }
+        Err(JournalError::Duplicate { .. }) => Ok(run_id),
         Err(JournalError::Conflict { .. }) => {
             // The run exists. The same task again (same tenant and key) is the same run.
             // Its run.created (inputs may precede it: anyone may publish on a run id).

@@ -312,7 +312,10 @@ async fn check(
                 .any(|r| r.msg_id.as_deref() == Some(key.as_str()))
             {
                 match rt.journal.append_input(&nudge, key.as_str()).await {
-                    Ok(_) | Err(JournalError::Duplicate { .. }) => {}
+                    Ok(_) => kedge_runtime::metrics::reconciler_nudge(
+                        kedge_runtime::metrics::Nudge::Resolve,
+                    ),
+                    Err(JournalError::Duplicate { .. }) => {}
                     Err(e) => return Err(e.into()),
                 }
             }
@@ -360,6 +363,7 @@ async fn check(
     match rt.journal.append_input(&nudge, key.as_str()).await {
         Ok(_) => {
             tracing::info!(run_id = %run, status = %state.status, "nudged a stalled run");
+            kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Stalled);
             Ok(Verdict::Nudged)
         }
         // Another replica nudged this same state.

@@ -14,12 +14,13 @@ use kedge_core::ids::RunId;
 use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_core::tools::Contract;
 use kedge_journal::{DecisionWriter, ErrorKind, JournalError, Lease, LeaseError, Released};
-use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
+use kedge_model::{Delta, ModelCall, ModelClient, ModelError, ModelErrorKind};
 use kedge_runtime::Runtime;
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::failpoint;
 use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
 use kedge_runtime::liveness::Liveness;
+use kedge_runtime::metrics::{self, ModelOutcome, Takeover};
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
@@ -98,6 +99,9 @@ pub struct Driver {
     /// The failure detector: a lease held by a process that is gone is taken over at once, and
     /// the runs this process holds are announced in its heartbeats.
     liveness: Liveness,
+    /// Runs adopted from a worker found gone, and when that worker was last heard: the
+    /// takeover's latency ([`metrics::TAKEOVER_SECONDS`]) once the lease is taken.
+    adopted: Arc<std::sync::Mutex<std::collections::HashMap<RunId, std::time::Instant>>>,
 }
 
 /// How one drive writes the run's decisions.
@@ -195,6 +199,18 @@ impl Driver {
             liveness,
             cache: Arc::default(),
             released: Arc::default(),
+            adopted: Arc::default(),
+        }
+    }
+
+    /// Notes that `run` is adopted from a worker whose last heartbeat was heard at `last_heard`
+    /// (for the takeover latency metric; forgotten once the lease is taken, or in bulk).
+    pub fn adopting(&self, run: &RunId, last_heard: std::time::Instant) {
+        if let Ok(mut adopted) = self.adopted.lock() {
+            if adopted.len() >= CACHE_RUNS {
+                adopted.clear();
+            }
+            adopted.insert(run.clone(), last_heard);
         }
     }
 
@@ -409,17 +425,20 @@ impl Driver {
                     if w.stale_through.is_none()
                         && appended.first_seq == state.last_seq.saturating_add(1) =>
                 {
+                    metrics::decision(&event.event);
                     state.apply(appended.last_seq, &event)?;
                     expected = appended.last_seq;
                 }
                 // Something was stored between the state's last event and this one (another
                 // run's message, or an input of this run): read back later.
                 Ok(appended) => {
+                    metrics::decision(&event.event);
                     expected = appended.last_seq;
                     w.stale_through = Some(appended.last_seq);
                 }
                 // This very append landed before (a retry after a lost ack).
                 Err(JournalError::Duplicate { seq }) => {
+                    metrics::decision(&event.event);
                     expected = seq;
                     w.stale_through = Some(seq);
                 }
@@ -503,6 +522,8 @@ impl Driver {
                 {
                     Ok(lease) => {
                         tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
+                        let heard = self.adopted.lock().ok().and_then(|mut a| a.remove(run));
+                        metrics::takeover(Takeover::Run, heard.map(|at| at.elapsed()));
                         Ok(Some(lease))
                     }
                     Err(LeaseError::Lost { .. } | LeaseError::Held { .. }) => Ok(None),
@@ -659,7 +680,9 @@ impl Driver {
                 return Ok(());
             }
             failpoint::hit("step.after_step_started");
+            let called = std::time::Instant::now();
             let result = self.call_model(state, &def, &plan).await;
+            count_call(state, &result, called.elapsed());
             if result.is_err() {
                 // Read with the leader's check: what ended the call (a cancel) is in it.
                 w.stale_through = None;
@@ -862,4 +885,40 @@ fn jitter_draw() -> u64 {
             .map_or(0, |d| d.as_nanos()),
     );
     h.finish()
+}
+
+/// Counts a model call attempt: its outcome and duration, an error's class and kind, an
+/// answer's tokens and cost at the run's frozen price.
+fn count_call(
+    state: &RunState,
+    result: &Result<kedge_core::decide::ModelResponse, CallError>,
+    took: Duration,
+) {
+    match result {
+        Ok(response) => {
+            metrics::model_call(ModelOutcome::Ok, took);
+            let usage = &response.usage;
+            let price = state.bundle.model.price.as_ref();
+            let cost = price.map(|p| (p.cost(usage), p.currency.as_str()));
+            metrics::model_usage(usage.input_tokens, usage.output_tokens, cost);
+        }
+        Err(CallError::Cancelled) => metrics::model_call(ModelOutcome::Cancelled, took),
+        Err(CallError::Model(e)) => {
+            metrics::model_call(ModelOutcome::Error, took);
+            metrics::model_error(e.class, error_kind(e.kind));
+        }
+    }
+}
+
+/// The `kind` label of a model error.
+fn error_kind(kind: ModelErrorKind) -> &'static str {
+    match kind {
+        ModelErrorKind::Status => "status",
+        ModelErrorKind::Request => "request",
+        ModelErrorKind::Connect => "connect",
+        ModelErrorKind::Timeout => "timeout",
+        ModelErrorKind::StreamEnded => "stream_ended",
+        ModelErrorKind::Provider => "provider",
+        ModelErrorKind::Protocol => "protocol",
+    }
 }

@@ -120,7 +120,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                     // A process that held runs is gone: drive them now (the lease is taken
                     // over from it), not when their wakes are redelivered.
                     Ok(death) => {
+                        let last_heard = std::time::Instant::now()
+                            .checked_sub(death.silent_for)
+                            .unwrap_or_else(std::time::Instant::now);
                         for run in death.held.runs {
+                            drives.driver.adopting(&run, last_heard);
                             tracing::info!(run_id = %run, worker = %death.worker, "adopting a run of a gone worker");
                             drives.start(run, None).await;
                         }

@@ -246,6 +246,9 @@ async fn on_scheduled(rt: &Runtime, msg: &Message) -> Verdict {
                     duplicate = stored.duplicate,
                     "timer scheduled"
                 );
+                if !stored.duplicate {
+                    kedge_runtime::metrics::timer_scheduled();
+                }
                 Verdict::Ack
             }
             Err(e @ ScheduleError::Unavailable(_)) => {
@@ -302,6 +305,7 @@ async fn fire(rt: &Runtime, due: &Due, last: bool) -> Verdict {
         Ok(seq) => {
             let late = (now.0 - due.fire_at.0).whole_milliseconds();
             tracing::info!(seq, late_ms = late as i64, "timer fired");
+            kedge_runtime::metrics::timer_fired();
             Verdict::Ack
         }
         Err(JournalError::Duplicate { seq }) => {

@@ -80,6 +80,7 @@ use kedge_core::tools::{NextAttempt, ToolErrorClass, Verdict, claim_dispatch};
 use kedge_journal::JournalError;
 use kedge_runtime::idempotency::{Claim, IdempotencyError};
 use kedge_runtime::liveness::Liveness;
+use kedge_runtime::metrics::{self, ConfirmResult, Takeover, ToolOutcome};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tokio::sync::watch;
 use tracing::Instrument;
@@ -177,6 +178,9 @@ struct Ctx {
     /// The failure detector: operations running here are announced in this process's
     /// heartbeats, and an operation held by a runner that is gone is taken over at once.
     liveness: Liveness,
+    /// Operations adopted from a runner found gone, and when it was last heard: the takeover's
+    /// latency ([`metrics::TAKEOVER_SECONDS`]) once the record is taken over.
+    adopted: Mutex<HashMap<OperationId, std::time::Instant>>,
 }
 
 impl Ctx {
@@ -239,6 +243,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         mcp: sandbox::mcp_pool(&rt.config),
         running,
         liveness,
+        adopted: Mutex::default(),
         rt: rt.clone(),
     });
     let workers = consumer::Workers::new(rt.config.tool_concurrency);
@@ -261,6 +266,17 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 // A runner that held operations is gone: take them over now (confirm query
                 // first, through the claim), not when their requests are redelivered.
                 if let Ok(death) = death {
+                    let last_heard = std::time::Instant::now()
+                        .checked_sub(death.silent_for)
+                        .unwrap_or_else(std::time::Instant::now);
+                    if let Ok(mut adopted) = ctx.adopted.lock() {
+                        if adopted.len() >= 10_000 {
+                            adopted.clear();
+                        }
+                        for op in &death.held.ops {
+                            adopted.insert(op.clone(), last_heard);
+                        }
+                    }
                     for op in death.held.ops {
                         let ctx = ctx.clone();
                         let worker = death.worker.clone();
@@ -572,6 +588,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                 class: None,
             };
             journal_result(rt, op, out, false).await?;
+            metrics::tool_operation(ToolOutcome::Stored);
             return Ok(Handled::Stored);
         }
         // Under a retry policy a record given back at this number is an attempt whose failure
@@ -593,6 +610,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                 req.args_digest
             ));
             journal_result(rt, op, out, false).await?;
+            metrics::tool_operation(ToolOutcome::Conflict);
             return Ok(Handled::Conflict);
         }
         Claim::Held { runner, retry_in } => {
@@ -614,6 +632,8 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             revision, previous, ..
         } => {
             tracing::warn!(previous_runner = %previous, "operation left running by a runner that is gone");
+            let heard = ctx.adopted.lock().ok().and_then(|mut a| a.remove(op));
+            metrics::takeover(Takeover::Operation, heard.map(|at| at.elapsed()));
             // A tool its retry policy declares idempotent honours the operation id: running it
             // again is the answer, with no need to ask whether it happened.
             let rerun_safe = req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
@@ -622,6 +642,12 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             } else {
                 target.confirm(env, op).await
             };
+            match &confirm {
+                Some(Confirm::Confirmed(_)) => metrics::confirm_query(ConfirmResult::Confirmed),
+                Some(Confirm::NotFound) => metrics::confirm_query(ConfirmResult::NotFound),
+                Some(Confirm::Ambiguous(_)) => metrics::confirm_query(ConfirmResult::Ambiguous),
+                None => {}
+            }
             match confirm {
                 None | Some(Confirm::NotFound) => revision,
                 Some(Confirm::Confirmed(out)) => {
@@ -636,12 +662,14 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                         )
                         .await?;
                     journal_confirmed(rt, op, out).await?;
+                    metrics::tool_operation(ToolOutcome::Confirmed);
                     return Ok(Handled::Confirmed);
                 }
                 Some(Confirm::Ambiguous(detail)) => {
                     // Never retried automatically: the run waits in `unknown` for a person
                     // (`outcome.resolved`).
                     journal_ambiguous(rt, op, req.redispatch, detail).await?;
+                    metrics::tool_operation(ToolOutcome::Ambiguous);
                     return Ok(Handled::Ambiguous);
                 }
             }
@@ -653,6 +681,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             .finish(op, revision, &req.args_digest, runner, &out.content, true)
             .await?;
         journal_result(rt, op, out, true).await?;
+        metrics::tool_operation(ToolOutcome::Cancelled);
         return Ok(Handled::Cancelled);
     }
     if let Some(expected) = &req.expect_version {
@@ -667,6 +696,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                 .release(op, revision, &req.args_digest, runner, code)
                 .await?;
             journal_moved(rt, op, req.redispatch, expected, found).await?;
+            metrics::tool_operation(ToolOutcome::Moved);
             return Ok(Handled::Moved);
         }
     }
@@ -685,10 +715,14 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     // before it; `tool.result` is appended only after both, so the journal keeps the order.
     let key = InputId::tool_started(op, revision);
     let limited = env.for_request(req);
-    let (started, ran) = futures::join!(
-        rt.journal.append_input(&started, key.as_str()),
-        target.run(&limited, &ctx.mcp, op, &req.arguments, stop)
-    );
+    let (started, ran) = futures::join!(rt.journal.append_input(&started, key.as_str()), async {
+        let began = std::time::Instant::now();
+        let ran = target
+            .run(&limited, &ctx.mcp, op, &req.arguments, stop)
+            .await;
+        metrics::tool_call(began.elapsed());
+        ran
+    });
     ctx.running.unregister(op);
     if let Err(e) = started
         && !matches!(e, JournalError::Duplicate { .. })
@@ -709,6 +743,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             // The record stays `running`: a person decides (`outcome.resolved`), and a retry
             // re-dispatches under the same id. Never retried automatically.
             journal_ambiguous(rt, op, req.redispatch, detail).await?;
+            metrics::tool_operation(ToolOutcome::Ambiguous);
             return Ok(Handled::Ambiguous);
         }
     };
@@ -724,6 +759,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             Verdict::Retry { next, delay } => {
                 let class = out.class.unwrap_or(ToolErrorClass::Transient);
                 tracing::info!(attempt, %class, delay_ms = delay.as_millis(), "attempt failed; retrying");
+                metrics::tool_retried(class);
                 // The failure first, then the record given back: a runner that finds the
                 // record still held at this attempt's number after a crash in between reads
                 // the failure and claims the next number over it.
@@ -759,7 +795,13 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
         )
         .await?;
     failpoint::hit("tool.after_record");
+    let outcome = match (stopped, out.is_error) {
+        (true, _) => ToolOutcome::Stopped,
+        (false, true) => ToolOutcome::Failed,
+        (false, false) => ToolOutcome::Succeeded,
+    };
     journal_result(rt, op, out, stopped).await?;
+    metrics::tool_operation(outcome);
     Ok(Handled::Ran)
 }
 
