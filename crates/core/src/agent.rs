@@ -42,8 +42,9 @@ pub struct AgentDefinition {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenants: Option<Vec<TenantId>>,
     /// JSON Schema the final answer (the model's text when it calls no tools) must match, as
-    /// JSON. Requested in the provider's structured-output form where it has one (OpenAI
-    /// `response_format`) and validated by Kedge in any case: `result.validation` is `valid` or
+    /// JSON. Requested in the provider's structured-output form (OpenAI `response_format`;
+    /// Anthropic an `output` tool whose input is the answer, so for Anthropic it must have
+    /// `"type": "object"`) and validated by Kedge in any case: `result.validation` is `valid` or
     /// `invalid {errors}`. Absent: the answer is free text, `not_checked`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_schema: Option<serde_json::Value>,

@@ -441,9 +441,20 @@ pub(crate) struct Decoder {
     output: u64,
     stop_reason: Option<String>,
     done: bool,
+    /// The call offered the `output` tool: its input is the answer, streamed as text deltas.
+    output_tool: bool,
 }
 
 impl Decoder {
+    /// A decoder for a call that offered the `output` tool (an `output_schema`): the answer
+    /// given through it streams as [`Delta::Text`], as a text answer would.
+    pub fn with_output_tool() -> Decoder {
+        Decoder {
+            output_tool: true,
+            ..Decoder::default()
+        }
+    }
+
     pub fn is_done(&self) -> bool {
         self.done
     }
@@ -515,9 +526,12 @@ impl Decoder {
                         }
                     }
                     (
-                        Some(Block::ToolUse { json, .. }),
+                        Some(Block::ToolUse { json, name, .. }),
                         BlockDelta::InputJsonDelta { partial_json },
                     ) => {
+                        if self.output_tool && name == OUTPUT_TOOL && !partial_json.is_empty() {
+                            on_delta(Delta::Text(partial_json.clone()));
+                        }
                         json.push_str(&partial_json);
                     }
                     (
@@ -927,6 +941,43 @@ mod tests {
             body.get("tools").is_none() && body.get("system").is_none(),
             "{body}"
         );
+    }
+
+    #[test]
+    fn an_answer_through_the_output_tool_streams_as_text() {
+        let stream = concat!(
+            "data: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":3,\"output_tokens\":1}}}\n\n",
+            "data: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"tool_use\",\"id\":\"toolu_1\",\"name\":\"output\",\"input\":{}}}\n\n",
+            "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"answer\\\": \"}}\n\n",
+            "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"\\\"42\\\"}\"}}\n\n",
+            "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"tool_use\"},\"usage\":{\"output_tokens\":5}}\n\n",
+            "data: {\"type\":\"message_stop\"}\n\n",
+        );
+        for output_tool in [true, false] {
+            let mut parser = SseParser::new();
+            let mut decoder = if output_tool {
+                Decoder::with_output_tool()
+            } else {
+                Decoder::default()
+            };
+            let mut text = String::new();
+            let mut sink = |d: Delta| {
+                if let Delta::Text(t) = d {
+                    text.push_str(&t);
+                }
+            };
+            for ev in parser.push(stream.as_bytes()).expect("lines") {
+                decoder.on_event(&ev, &mut sink).expect("decodes");
+            }
+            let r = answer_from_output_tool(decoder.finish().expect("complete"));
+            assert_eq!(r.message.text, r#"{"answer":"42"}"#);
+            assert_eq!(r.finish, FinishReason::Stop);
+            if output_tool {
+                assert_eq!(text, r#"{"answer": "42"}"#, "streamed as it came");
+            } else {
+                assert!(text.is_empty(), "a tool's input is not text: {text}");
+            }
+        }
     }
 
     #[test]

@@ -192,9 +192,12 @@ enum Decoder {
 }
 
 impl Decoder {
-    fn new(provider: Provider) -> Self {
-        match provider {
+    fn new(call: &ModelCall<'_>) -> Self {
+        match call.spec.provider {
             Provider::Openai => Decoder::OpenAi(openai::Decoder::default()),
+            Provider::Anthropic if call.output_schema.is_some() => {
+                Decoder::Anthropic(anthropic::Decoder::with_output_tool())
+            }
             Provider::Anthropic => Decoder::Anthropic(anthropic::Decoder::default()),
         }
     }
@@ -363,7 +366,7 @@ impl ModelClient {
 
         let mut stream = response.bytes_stream();
         let mut parser = sse::SseParser::new();
-        let mut decoder = Decoder::new(call.spec.provider);
+        let mut decoder = Decoder::new(call);
         while !decoder.is_done() {
             let chunk =
                 match tokio::time::timeout_at(self.wait_until(deadline), stream.next()).await {
