@@ -4,14 +4,18 @@
 //!
 //! One scenario, in order: a read-only token sees a run and no action; a write+approve token
 //! signs in; a run submitted meanwhile appears in the list without a reload, and the filters
-//! work; the run page shows the timeline live with token deltas streaming into the step while
-//! the bridge is restarted underneath (the page reconnects by itself); the person answers the
-//! run's question, approves its first operation in a dialog showing exactly the arguments and
-//! target the digest covers (and the digest the console sends is the one shown), and sees a
-//! second approval, decided elsewhere while the dialog was open, refused with 409; the run ends
-//! and the page's timeline equals `/history`, each event once, in order. Then a second run is
-//! cancelled from the console and a third run's ambiguous operation is resolved. Screenshots of
-//! the run page and the approval dialog are written to a folder the test prints.
+//! work; the person answers the run's question; the next step streams its tokens into the
+//! timeline while the bridge is restarted underneath (the page reconnects by itself); the person
+//! approves the first operation in a dialog showing exactly the arguments and target the digest
+//! covers (and the digest the console sends is the one shown), and sees a second approval,
+//! decided elsewhere while the dialog was open, refused with 409; the run ends, a message revives
+//! it into a second turn (the page opens a new stream), and the page's timeline equals
+//! `/history`, each event once, in order. Then a second run (waiting on a timer) is cancelled; a
+//! third, cancelled while its command runs, goes `cancelling` until the command's fate is known;
+//! a fourth run's ambiguous operation is resolved; a fifth, cancelled while its operation's fate
+//! is unknown, stays there (the request shown) until the person resolves the operation, then is
+//! cancelled. Screenshots of the run page and the approval dialog are written to a folder the
+//! test prints.
 //!
 //! Also here, without a browser: the console's assets and headers, and the SSE ticket that
 //! replaces `?access_token=` (bound to its run and tenant, expiring).
@@ -68,6 +72,10 @@ fn script() -> Value {
             {"text": "waiting", "tool_calls": [{"name": "wait", "arguments": {"seconds": 600}}]},
             {"text": "woke"}
         ]},
+        "sleepy": {"steps": [
+            {"text": "sleeping", "tool_calls": [{"name": "shell", "arguments": {"command": "sleep", "args": ["6"]}}]},
+            {"text": "woke"}
+        ]},
         "amb": {"steps": [
             {"text": "running", "tool_calls": [{"name": "shell", "arguments": {"command": "echo", "args": ["once"]}}]},
             {"text": "done"}
@@ -79,7 +87,12 @@ fn script() -> Value {
 async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_restart() {
     install_browser();
     let t0 = Instant::now();
-    let mut h = Harness::start(script(), &[Svc::Intake, Svc::Step]).await;
+    // Tools may run 8 s (the command cancelled mid-run must still be running when it is).
+    let mut h = Harness::start_with(script(), &[Svc::Intake, Svc::Step], |c| {
+        c.timeouts.tool_timeout_ms = 8_000;
+        c.timeouts.tool_ack_wait_ms = 10_000;
+    })
+    .await;
     h.agent_with_policy(
         "live",
         "live",
@@ -87,14 +100,24 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
     )
     .await;
     h.agent("slow", "slow").await;
+    h.agent("sleepy", "sleepy").await;
     h.agent("amb", "amb").await;
 
-    // The ambiguous run first, while the only tool runner is one that dies after the effect.
+    // The ambiguous runs first, while the only tool runner is one that dies after the effect:
+    // one to resolve, one to cancel (it stays `cancelling` until its operation is resolved).
     let doomed = h.spawn_process("tool", "w-doomed", "tool.after_effect");
     let amb = h.submit("amb", "go", "console-amb-1").await;
     assert!(h.wait_exit(doomed, WAIT).await, "the doomed runner died");
+    let doomed = h.spawn_process("tool", "w-doomed-2", "tool.after_effect");
+    let amb2 = h.submit("amb", "go again", "console-amb-2").await;
+    assert!(
+        h.wait_exit(doomed, WAIT).await,
+        "the second doomed runner died"
+    );
     h.spawn_service(Svc::Tool, "w-fresh");
     h.wait_for(&amb, WAIT, |s| s.status == RunStatus::Unknown)
+        .await;
+    h.wait_for(&amb2, WAIT, |s| s.status == RunStatus::Unknown)
         .await;
 
     let projector = spawn_projector(&h.config);
@@ -114,7 +137,7 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
     let profile = tempfile::tempdir().expect("profile dir");
     let cfg = json!({
         "base": base, "token": ACME, "read_token": ACME_READ, "agent": "live",
-        "runs": {"cancel": slow, "amb": amb},
+        "runs": {"cancel": slow, "amb": amb, "amb_cancel": amb2},
         "shots": shots, "profile": profile.path(), "timeout_ms": 60_000,
     });
     let mut node = tokio::process::Command::new("node")
@@ -206,9 +229,14 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
     dom.sort_unstable();
     assert_eq!(dom, history, "the timeline's rendered events vs /history");
     assert!(
-        seen["result_text"]
+        seen["revived_turn"]
             .as_str()
-            .is_some_and(|t| t.contains("trip planned")),
+            .is_some_and(|t| t.starts_with("turn 2")),
+        "the message revived the run into turn 2: {seen:#}"
+    );
+    assert_eq!(done.turn, 2);
+    assert!(
+        seen["result_text"].as_str().is_some_and(|t| !t.is_empty()),
         "{seen:#}"
     );
     assert!(
@@ -238,6 +266,44 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
             .is_some_and(|w| w.contains("timer is due")),
         "{seen:#}"
     );
+    // Cancelled while a command ran: `cancelling`, the command stopped (its result may land
+    // before or after `run.cancelling`), then `cancelled`.
+    let mut evs: Vec<&str> = seen["sleepy_events"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    assert_eq!(evs.first(), Some(&"cancel.requested"), "{seen:#}");
+    assert_eq!(evs.last(), Some(&"run.cancelled"), "{seen:#}");
+    evs.sort_unstable();
+    assert_eq!(
+        evs,
+        [
+            "cancel.requested",
+            "run.cancelled",
+            "run.cancelling",
+            "tool.result"
+        ],
+        "{seen:#}"
+    );
+    let sleepy: RunId = seen["sleepy"].as_str().expect("run").parse().expect("id");
+    let sleepy = h.wait_terminal(&sleepy, Duration::from_secs(5)).await;
+    assert_eq!(sleepy.status, RunStatus::Cancelled);
+    // Cancelled while an operation's fate was unknown: it stays there (the cancel request
+    // shown) until a person resolves the operation; then it is cancelled.
+    assert_eq!(
+        seen["amb_cancel_statuses"],
+        json!(["unknown", "cancelled"]),
+        "{seen:#}"
+    );
+    assert_eq!(seen["amb_cancel_still"], "unknown");
+    assert!(
+        seen["amb_cancel_words"]
+            .as_str()
+            .is_some_and(|w| w.contains("Cancellation requested")),
+        "{seen:#}"
+    );
+    let cancelled = h.wait_terminal(&amb2, Duration::from_secs(5)).await;
+    assert_eq!(cancelled.status, RunStatus::Cancelled);
     let resolved = h.wait_terminal(&amb, Duration::from_secs(5)).await;
     assert_eq!(resolved.status, RunStatus::Succeeded);
     let op = resolved.ops.values().next().expect("the op");

@@ -14,6 +14,8 @@
   const PAGE_SIZE = 20;
   const LIST_POLL_MS = 2000;
   const TICKET_RENEW_MS = 40000;
+  // Past this many timeline items, off-screen items are skipped by layout (content-visibility).
+  const LONG_TIMELINE = 200;
   const STATUSES = [
     "queued", "running", "waiting_tool", "waiting_user", "waiting_approval",
     "waiting_external", "cancelling", "succeeded", "failed", "cancelled", "unknown",
@@ -27,7 +29,7 @@
     "run.cancelling", "run.unknown", "run.resumed", "run.revived", "run.succeeded",
     "run.failed", "run.cancelled", "user.message", "cancel.requested", "outcome.confirmed",
     "outcome.not_found", "outcome.ambiguous", "outcome.resolved", "target.moved",
-    "tool.attempt",
+    "tool.attempt", "output.rejected",
   ];
 
   // ------------------------------------------------------------------------------------------
@@ -44,7 +46,7 @@
       else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
       else e.setAttribute(k, v === true ? "" : String(v));
     }
-    for (const c of children.flat()) {
+    for (const c of children.flat(Infinity)) {
       if (c === undefined || c === null || c === false) continue;
       e.append(c instanceof Node ? c : String(c));
     }
@@ -346,6 +348,20 @@
     }
   }
 
+  function statusSentence(view) {
+    const s = statusWords(view);
+    if (view.cancel_requested && !["cancelling", "cancelled"].includes(view.status) && !view.finished) {
+      return s + " Cancellation requested: the run is cancelled once every operation's fate is known.";
+    }
+    return s;
+  }
+
+  // Lifecycle events that change the run's status: shown at once, before the next run view.
+  const STATUS_OF_EVENT = {
+    "run.cancelling": "cancelling", "run.cancelled": "cancelled", "run.succeeded": "succeeded",
+    "run.failed": "failed", "run.unknown": "unknown", "run.started": "running", "run.resumed": "running",
+  };
+
   function runPage(runId) {
     const t = {
       runId,
@@ -420,7 +436,7 @@
     function renderStatus(v) {
       const u = v.usage || {};
       const facts = h("dl", { class: "facts" },
-        h("dt", {}, "Status"), h("dd", {}, badge(v.status), " ", h("span", { id: "status-words" }, statusWords(v))),
+        h("dt", {}, "Status"), h("dd", {}, badge(v.status), " ", h("span", { id: "status-words" }, statusSentence(v))),
         h("dt", {}, "Agent"), h("dd", {}, v.agent + " (revision " + v.agent_revision + ")"),
         h("dt", {}, "Turn / step"), h("dd", {}, "turn " + v.turn + (v.current_step ? ", step " + v.current_step.number : "")),
         h("dt", {}, "Created / updated"), h("dd", {}, fmtTime(v.created_at) + " / " + fmtTime(v.updated_at)),
@@ -443,6 +459,13 @@
       }
       if (v.failure) parts.push(h("p", { class: "error", id: "failure" }, "Failure (" + v.failure.reason + "): " + v.failure.message));
       statusBox.replaceChildren(...parts);
+    }
+
+    // The status badge from a newer lifecycle event (the run view catches up right after).
+    function showStatus(st) {
+      const b = statusBox.querySelector("[data-status]");
+      if (!b || b.dataset.status === st) return;
+      b.replaceWith(badge(st));
     }
 
     function budgetWords(b) {
@@ -491,9 +514,23 @@
       }
       if (who.can_write) {
         if (v.status !== "cancelled") cards.push(messageCard(v));
-        if (!v.finished && v.status !== "cancelled" && !["succeeded", "failed"].includes(v.status)) cards.push(cancelCard(v));
+        if (!v.finished && !v.cancel_requested && !["cancelling", "cancelled", "succeeded", "failed"].includes(v.status)) cards.push(cancelCard(v));
       }
+      // What a person was typing, and where the focus was, survive the re-render.
+      const typed = new Map();
+      for (const el of actions.querySelectorAll("textarea[id], input[id]:not([type=radio])")) {
+        if (el.value) typed.set(el.id, el.value);
+      }
+      const focused = actions.contains(document.activeElement) ? document.activeElement.id : null;
       actions.replaceChildren(...(cards.length ? [h("h2", {}, "Actions"), ...cards] : []));
+      for (const [id, value] of typed) {
+        const el = document.getElementById(id);
+        if (el && actions.contains(el)) el.value = value;
+      }
+      if (focused) {
+        const el = document.getElementById(focused);
+        if (el && actions.contains(el)) el.focus();
+      }
     }
 
     function formCard(id, title, fields, button, send) {
@@ -739,6 +776,9 @@
         case "tool.attempt":
           return place(ev, row(ev, "Attempt " + d.attempt + " failed (" + d.class + "); retry " + fmtIn(d.retry_at),
             h("pre", { class: "result" }, d.error)));
+        case "output.rejected":
+          return place(ev, row(ev, "Answer rejected by the output schema (retry " + d.retry + " of " + d.max_retries + ")",
+            (d.errors || []).map((x) => h("div", { class: "attempt-error" }, x))));
         case "question.asked":
           return place(ev, row(ev, "Question asked", h("pre", {}, d.prompt)));
         case "question.answered":
@@ -821,9 +861,12 @@
       let n = 0;
       while (t.queue.length && (n < 10 || performance.now() - started < 8)) {
         const ev = t.queue.shift();
+        const st = STATUS_OF_EVENT[ev.type];
+        if (st && t.view && ev.seq > t.view.last_seq) showStatus(st);
         try { render(ev); } catch (e) { t.timeline.append(h("li", { class: "error" }, "could not render event " + ev.seq + ": " + e.message)); }
         n++;
       }
+      if (t.timeline.childElementCount > LONG_TIMELINE) t.timeline.classList.add("long");
       if (t.queue.length && !t.stopped) requestAnimationFrame(flush);
       else t.flushing = false;
       scheduleView();

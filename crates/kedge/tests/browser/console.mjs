@@ -200,7 +200,22 @@ try {
   step("finish");
   await waitStatus(page, ["succeeded"]);
   await page.waitForFunction(() => window.__kedge.conn === "ended", null, { timeout: T });
+  // A message revives the finished run into a new turn; the page opens a new stream for it.
+  step("revive");
+  await page.waitForSelector("#message-text", { timeout: T });
+  await page.fill("#message-text", "and book the hotel");
+  await page.click("#actions form#message button[type=submit]");
+  await page.waitForSelector("#timeline [data-type='run.revived']", { timeout: T });
+  await page.waitForFunction(() => {
+    const types = [...document.querySelectorAll("#timeline [data-seq]")]
+      .map((e) => [Number(e.dataset.seq), e.dataset.type]).sort((a, b) => a[0] - b[0]).map((x) => x[1]);
+    return types.lastIndexOf("run.succeeded") > types.indexOf("run.revived");
+  }, null, { timeout: T });
+  await waitStatus(page, ["succeeded"]);
+  await page.waitForFunction(() => window.__kedge.conn === "ended", null, { timeout: T });
   await page.waitForFunction(() => window.__kedge.queue.length === 0, null, { timeout: T });
+  await page.waitForFunction(() => /turn 2/.test(document.querySelector("#run-status dl.facts dd:nth-of-type(3)").textContent), null, { timeout: T });
+  result.revived_turn = await page.textContent("#run-status dl.facts dd:nth-of-type(3)");
   result.page_seqs = await page.evaluate(() => window.__kedge.seqs);
   result.dom_seqs = await page.evaluate(() => [...document.querySelectorAll("#timeline [data-seq]")].map((e) => Number(e.dataset.seq)));
   result.deltas = await page.evaluate(() => window.__kedge.deltas);
@@ -234,7 +249,32 @@ try {
   const seen = [];
   await waitStatus(page, ["cancelled"], seen);
   result.cancel_statuses = seen;
+  await page.waitForSelector("#actions form#cancel", { state: "detached", timeout: T });
   result.cancel_buttons_after = await page.locator("#actions form#cancel").count();
+
+  // --- cancel a run while its command runs: cancelling until the command's fate is known ---
+  step("cancel while running");
+  const sleepySub = await api("POST", "/v1/runs", { agent: "sleepy", input: "sleep" }, config.token,
+    { "Idempotency-Key": "console-sleepy-1" });
+  if (sleepySub.status !== 202) throw new Error("submit: " + JSON.stringify(sleepySub));
+  result.sleepy = sleepySub.body.run_id;
+  await page.goto(config.base + "/#/runs/" + result.sleepy);
+  await page.waitForSelector("#timeline [data-type='tool.started']", { timeout: T });
+  await page.waitForSelector("#actions form#cancel", { timeout: T });
+  const seen3 = [];
+  await waitStatus(page, ["waiting_tool"], seen3);
+  await page.click("#actions form#cancel button[type=submit]");
+  await waitStatus(page, ["cancelled"], seen3);
+  result.sleepy_statuses = seen3;
+  await page.waitForSelector("#timeline [data-type='run.cancelled']", { timeout: T });
+  // The events from the cancel request on, in journal order.
+  result.sleepy_events = await page.evaluate(() => {
+    const evs = [...document.querySelectorAll("#timeline [data-seq]")]
+      .map((e) => [Number(e.dataset.seq), e.dataset.type])
+      .sort((a, b) => a[0] - b[0]).map((x) => x[1]);
+    return evs.slice(evs.indexOf("cancel.requested"));
+  });
+  await page.screenshot({ path: path.join(config.shots, "cancelled-while-running.png"), fullPage: true });
 
   // --- resolve an ambiguous operation ---
   step("resolve");
@@ -248,6 +288,28 @@ try {
   await page.waitForSelector("#timeline [data-type='outcome.resolved']", { timeout: T });
   await waitStatus(page, ["succeeded"]);
   await page.screenshot({ path: path.join(config.shots, "resolved-run.png"), fullPage: true });
+
+  // --- cancel a run whose operation's fate is unknown: cancelling until resolved ---
+  step("cancel while ambiguous");
+  await page.goto(config.base + "/#/runs/" + config.runs.amb_cancel);
+  await page.waitForSelector("#actions form#cancel", { timeout: T });
+  const seen2 = [];
+  await waitStatus(page, ["unknown"], seen2);
+  await page.click("#actions form#cancel button[type=submit]");
+  await page.waitForSelector("#timeline [data-type='cancel.requested']", { timeout: T });
+  await page.waitForFunction(() => (document.getElementById("status-words") || {}).textContent.includes("Cancellation requested"), null, { timeout: T });
+  await page.waitForTimeout(1000);
+  result.amb_cancel_still = await statusOf(page);
+  result.amb_cancel_words = await page.textContent("#status-words");
+  result.amb_cancel_form = await page.locator("#actions form#cancel").count();
+  await page.screenshot({ path: path.join(config.shots, "cancel-requested-ambiguous.png"), fullPage: true });
+  const resolve2 = page.locator("#actions form[id^=resolve-]");
+  await resolve2.waitFor({ timeout: T });
+  await resolve2.locator("input[value=failed]").check();
+  await resolve2.locator("textarea").fill("killed before it wrote");
+  await resolve2.locator("button[type=submit]").click();
+  await waitStatus(page, ["cancelled"], seen2);
+  result.amb_cancel_statuses = seen2;
 
   // No token in any URL the browser asked for.
   result.token_in_url = result.urls.some((u) => u.includes(config.token) || u.includes(config.read_token));
