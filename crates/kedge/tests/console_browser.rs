@@ -2,7 +2,8 @@
 //! playwright-core, `crates/kedge/tests/browser/console.mjs`; `scripts/browser-test.sh
 //! --install-only` installs both) uses it as a person would.
 //!
-//! One scenario, in order: a read-only token sees a run and no action; a write+approve token
+//! One scenario, in order: a read-only token sees a run and no action (and, told it may write,
+//! is refused with a 403 the page shows); a write+approve token
 //! signs in; a run submitted meanwhile appears in the list without a reload, and the filters
 //! work; the person answers the run's question; the next step streams its tokens into the
 //! timeline while the bridge is restarted underneath (the page reconnects by itself); the person
@@ -184,6 +185,12 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
     assert_eq!(seen["read_only_buttons"], 0, "{seen:#}");
     assert!(seen["read_only_timer_due"].as_str().is_some(), "{seen:#}");
     assert_eq!(seen["token_after_signout"], 0);
+    assert!(
+        seen["forbidden_error"]
+            .as_str()
+            .is_some_and(|e| e.starts_with("403 Forbidden")),
+        "a refusal is shown: {seen:#}"
+    );
     assert_eq!(seen["storage_has_token"], true);
     assert_eq!(
         seen["local_storage_len"], 0,

@@ -103,6 +103,23 @@ try {
   await page.waitForSelector("#signin", { timeout: T });
   result.token_after_signout = await page.evaluate(() => sessionStorage.length);
 
+  // A refusal is shown: the page is told (falsely) that the read-only token may write, so it
+  // offers a cancel; the bridge answers 403, and the page says so.
+  step("403 shown");
+  await page.route("**/v1/whoami", (route) => route.fulfill({
+    status: 200, contentType: "application/json",
+    body: JSON.stringify({ tenant: "acme", scope: "write", caller: "x", can_write: true, can_approve: false }),
+  }));
+  await signIn(page, config.read_token);
+  await page.goto(config.base + "/#/runs/" + config.runs.cancel);
+  await page.waitForSelector("#actions form#cancel", { timeout: T });
+  await page.click("#actions form#cancel button[type=submit]");
+  await page.waitForFunction(() => (document.querySelector("#actions form#cancel .error") || {}).textContent, null, { timeout: T });
+  result.forbidden_error = await page.textContent("#actions form#cancel .error");
+  await page.unroute("**/v1/whoami");
+  await page.click("#signout");
+  await page.waitForSelector("#signin", { timeout: T });
+
   // --- sign in with a write+approve token; the runs list ---
   step("sign-in");
   await signIn(page, config.token);
