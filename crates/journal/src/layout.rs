@@ -516,7 +516,8 @@ async fn check_layout(
         api_level = report.api_level,
         created = ?report.created,
         verified = ?report.verified,
-        "broker layout ensured"
+        "broker layout {}",
+        if create { "ensured" } else { "verified" }
     );
     Ok(report)
 }

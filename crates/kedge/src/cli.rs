@@ -193,10 +193,42 @@ pub enum DeadCmd {
 pub enum RunsCmd {
     /// Recompute kedge_runs from the journal (every run; removes entries of runs not in it).
     Rebuild,
+    /// List a tenant's runs from kedge_runs, newest first (a cache of the journal: a run a
+    /// moment old may be missing; `kedge runs rebuild` recomputes it).
+    List(ListArgs),
     /// Remove finished runs' data: journal, idempotency records, lease, timers, set-aside
     /// records and projection entry (never a run that is not finished; resumable). Needs the
     /// operator's credentials. See docs/RUNBOOK.md "Retention".
     Purge(PurgeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// The tenant whose runs to list.
+    #[arg(long, default_value = kedge_core::subjects::DEFAULT_TENANT)]
+    tenant: kedge_core::ids::TenantId,
+    /// Only runs in this status (snake_case, e.g. waiting_user; repeatable).
+    #[arg(long, value_parser = parse_status)]
+    status: Vec<kedge_core::RunStatus>,
+    /// Only runs of this agent.
+    #[arg(long)]
+    agent: Option<AgentName>,
+    /// At most this many (the newest).
+    #[arg(long, default_value_t = 50)]
+    limit: usize,
+    /// One JSON summary per line.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_status(s: &str) -> Result<kedge_core::RunStatus, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_owned())).map_err(|_| {
+        let all: Vec<String> = kedge_core::RunStatus::ALL
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        format!("unknown status {s:?}; one of {}", all.join(", "))
+    })
 }
 
 #[derive(Debug, Args)]
@@ -316,6 +348,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::FAILURE
             })
+        }
+        Command::Runs(RunsCmd::List(args)) => {
+            list_runs(&Runtime::connect_existing(config).await?, args).await
         }
         Command::Runs(RunsCmd::Purge(args)) => {
             purge(&Runtime::connect_existing(config).await?, args).await
@@ -932,6 +967,34 @@ fn mcp_tool_specs(server: &str, tools: Vec<kedge_mcp::ToolInfo>) -> Vec<serde_js
             }))
         })
         .collect()
+}
+
+/// `kedge runs list`.
+async fn list_runs(rt: &Runtime, args: ListArgs) -> anyhow::Result<ExitCode> {
+    let projection = kedge_bridge::projection::Projection::open(rt).await?;
+    let mut runs = projection.list(&args.tenant).await?;
+    runs.retain(|r| {
+        (args.status.is_empty() || args.status.contains(&r.status))
+            && args.agent.as_ref().is_none_or(|a| *a == r.agent)
+    });
+    runs.sort_by_key(|r| std::cmp::Reverse(r.created_at));
+    runs.truncate(args.limit);
+    for r in &runs {
+        if args.json {
+            println!("{}", serde_json::to_string(r)?);
+        } else {
+            println!(
+                "{}  {:<16} {:<20} created {}  tokens {}/{}",
+                r.run_id,
+                r.status.to_string(),
+                r.agent.to_string(),
+                r.created_at,
+                r.usage.input_tokens,
+                r.usage.output_tokens
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `kedge runs purge`.

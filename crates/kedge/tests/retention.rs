@@ -62,6 +62,56 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
     );
     let events = h.events(&done).await;
 
+    // The CLI lists them from the projection (as the operator), filtered by status.
+    let cli = |kind: Kind, args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kedge"))
+            .args(args)
+            .env("KEDGE_NATS_URL", h.nats.url())
+            .env_remove("KEDGE_CONFIG")
+            .envs(common::kind_env(&h.config, kind))
+            .output()
+            .expect("kedge runs");
+        assert!(out.status.success(), "kedge {args:?}: {out:?}");
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    let tenant = h.state(&done).await.bundle.tenant.to_string();
+    let listed = cli(
+        Kind::Operator,
+        &["runs", "list", "--tenant", &tenant, "--json"],
+    );
+    let ids: Vec<String> = listed
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json")["run_id"].to_string())
+        .collect();
+    assert_eq!(ids.len(), 2, "{listed}");
+    assert_eq!(ids[0], json!(waiting).to_string(), "newest first: {listed}");
+    let waiting_only = cli(
+        Kind::Operator,
+        &[
+            "runs",
+            "list",
+            "--tenant",
+            &tenant,
+            "--status",
+            "waiting_user",
+            "--json",
+        ],
+    );
+    assert_eq!(waiting_only.lines().count(), 1, "{waiting_only}");
+    // A dry run of the purge command, as the admin.
+    let dry = cli(
+        Kind::Admin,
+        &[
+            "runs",
+            "purge",
+            "--run",
+            done.as_str(),
+            "--dry-run",
+            "--json",
+        ],
+    );
+    assert!(dry.contains("\"dry_run\":true"), "{dry}");
+
     // A cutoff before the run ended leaves it alone.
     let early = PurgeOptions {
         finished_before: Some(events[0].envelope.at),
