@@ -65,7 +65,8 @@ fn script() -> Value {
             {"text": "asking", "tool_calls": [{"name": "ask_user", "arguments": {"question": "Which colour? <script>alert(1)</script>"}}]},
             {"text": format!("Looking around: {long}"), "delay_ms": 300, "chunk_delay_ms": 150,
              "tool_calls": [{"name": "write_file", "arguments": {"path": "notes.txt", "content": "<b>not markup</b>"}}]},
-            {"text": "paying", "tool_calls": [{"name": "ledger_append", "arguments": {"text": "pay 100 to <img src=x>"}}]},
+            {"text": "paying", "fault": {"status": 503, "times": 1},
+             "tool_calls": [{"name": "ledger_append", "arguments": {"text": "pay 100 to <img src=x>"}}]},
             {"text": "paying again", "tool_calls": [{"name": "ledger_append", "arguments": {"text": "pay 200"}}]},
             {"text": "trip planned"}
         ]},
@@ -244,6 +245,19 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
     assert_eq!(done.turn, 2);
     assert!(
         seen["result_text"].as_str().is_some_and(|t| !t.is_empty()),
+        "{seen:#}"
+    );
+    assert!(
+        seen["usage_text"]
+            .as_str()
+            .is_some_and(|t| t.ends_with(" tokens")),
+        "{seen:#}"
+    );
+    // The model's failed attempt is shown with its error.
+    assert!(
+        seen["attempt_errors"].as_array().is_some_and(|a| a
+            .iter()
+            .any(|e| e.as_str().is_some_and(|e| e.contains("503")))),
         "{seen:#}"
     );
     assert!(

@@ -242,6 +242,7 @@ try {
   result.reused_marks = await page.locator("#timeline .reused").count();
   result.result_text = await page.textContent("#result pre:last-of-type");
   result.usage_text = await page.textContent("#usage");
+  result.attempt_errors = await page.locator("#timeline [data-type='model.attempt'] .attempt-error").allTextContents();
   result.durations = await page.locator("#timeline [data-type='tool.result'] .t").allTextContents();
   await page.screenshot({ path: path.join(config.shots, "run-page.png"), fullPage: true });
   // A phone-width screen: nothing wider than the viewport.
