@@ -94,6 +94,9 @@ pub enum Command {
         #[arg(long)]
         follow: bool,
     },
+    /// Print a shell completion script (`kedge completion bash > /etc/bash_completion.d/kedge`;
+    /// zsh: into a directory of `$fpath` as `_kedge`; fish: `~/.config/fish/completions/kedge.fish`).
+    Completion { shell: clap_complete::Shell },
     /// Print a run's journal as JSON lines (`{"seq": …, "event": <envelope>}`).
     Journal { run: RunId },
     /// Print a run's folded state.
@@ -193,6 +196,14 @@ pub enum DeadCmd {
 pub enum RunsCmd {
     /// Recompute kedge_runs from the journal (every run; removes entries of runs not in it).
     Rebuild,
+    /// One run: status, what it waits on with the commands that answer it (ready to paste,
+    /// the approval's digest included), usage and cost, the result and its validation.
+    Show {
+        run: RunId,
+        /// `text` (default) or `json` (the run view of GET /v1/runs/{id}).
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// List a tenant's runs from kedge_runs, newest first (a cache of the journal: a run a
     /// moment old may be missing; `kedge runs rebuild` recomputes it).
     List(ListArgs),
@@ -200,6 +211,13 @@ pub enum RunsCmd {
     /// records and projection entry (never a run that is not finished; resumable). Needs the
     /// operator's credentials. See docs/RUNBOOK.md "Retention".
     Purge(PurgeArgs),
+}
+
+/// How a read command prints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Args)]
@@ -348,6 +366,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 ExitCode::FAILURE
             })
+        }
+        Command::Completion { shell } => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "kedge", &mut std::io::stdout());
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Runs(RunsCmd::Show { run, output }) => {
+            show_run(&Runtime::connect_existing(config).await?, &run, output).await
         }
         Command::Runs(RunsCmd::List(args)) => {
             list_runs(&Runtime::connect_existing(config).await?, args).await
@@ -967,6 +993,101 @@ fn mcp_tool_specs(server: &str, tools: Vec<kedge_mcp::ToolInfo>) -> Vec<serde_js
             }))
         })
         .collect()
+}
+
+/// `kedge runs show`.
+async fn show_run(rt: &Runtime, run: &RunId, output: Output) -> anyhow::Result<ExitCode> {
+    let events = rt.journal.read(run, 0).await?;
+    if events.is_empty() {
+        bail!("no run {run}");
+    }
+    let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
+    let view = kedge_runtime::view::run_view(&state, &events);
+    if output == Output::Json {
+        println!("{}", serde_json::to_string_pretty(&view)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{}", timeline::status_line(&state));
+    println!(
+        "agent {} (revision {}), turn {}, created {}, updated {}",
+        view.agent, view.agent_revision, view.turn, view.created_at, view.updated_at
+    );
+    let u = &view.usage;
+    match (u.cost, &u.currency) {
+        (Some(cost), currency) => println!(
+            "usage: {} input + {} output tokens, cost {cost:.6} {}",
+            u.input_tokens,
+            u.output_tokens,
+            currency.as_deref().unwrap_or("")
+        ),
+        (None, _) => println!(
+            "usage: {} input + {} output tokens",
+            u.input_tokens, u.output_tokens
+        ),
+    }
+    for line in answer_lines(run, &view, &events) {
+        println!("{line}");
+    }
+    if let Some(result) = &view.result {
+        println!("result: {}", result.output);
+        if let Some(v) = kedge_runtime::view::result_validation(&events) {
+            println!("{}", timeline::validation_line(&v));
+        }
+    }
+    if let Some(f) = &view.failure {
+        println!("failed ({:?}): {}", f.reason, f.message);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What a run waits on, each with the command that answers it, ready to paste (an approval's
+/// digest is the one its request carries: the approver approves exactly those arguments).
+fn answer_lines(
+    run: &RunId,
+    view: &kedge_runtime::view::RunView,
+    events: &[kedge_journal::Recorded],
+) -> Vec<String> {
+    let Some(w) = &view.waiting else {
+        return Vec::new();
+    };
+    let mut lines = vec![format!("waiting on: {:?}", w.on)];
+    for q in &w.questions {
+        lines.push(format!("  question: {}", q.prompt));
+        lines.push(format!(
+            "    kedge answer {run} {} '<your answer>'",
+            q.question_id
+        ));
+    }
+    for a in &w.approvals {
+        let request = events.iter().rev().find_map(|r| match &r.envelope.event {
+            Event::ApprovalRequested(req) if req.approval_id == a.approval_id => Some(req),
+            _ => None,
+        });
+        match request {
+            Some(req) => {
+                lines.push(format!(
+                    "  approval of {} (risk {:?}, expires {}): {}",
+                    req.tool, req.risk, req.expires_at, req.arguments
+                ));
+                lines.push(format!(
+                    "    kedge approve {run} {} --digest {} [--deny]",
+                    a.approval_id, req.args_digest
+                ));
+            }
+            None => lines.push(format!("  approval {} of {}", a.approval_id, a.tool)),
+        }
+    }
+    for op in w.operations.iter().filter(|o| o.status == "ambiguous") {
+        lines.push(format!("  ambiguous operation {} ({})", op.op, op.tool));
+        lines.push(format!(
+            "    kedge resolve {run} {} --completed '<its result>' | --retry | --failed '<reason>'",
+            op.op
+        ));
+    }
+    for t in &w.timers {
+        lines.push(format!("  timer {} fires at {}", t.timer_id, t.fire_at));
+    }
+    lines
 }
 
 /// `kedge runs list`.

@@ -69,3 +69,24 @@ async fn read_only_commands_create_nothing_and_watch_refuses_an_unknown_run() {
     assert!(!out.status.success());
     assert!(stderr.contains(&format!("no run {run}")), "{stderr}");
 }
+
+#[test]
+fn completion_scripts_are_printed_for_each_shell() {
+    for (shell, marker) in [
+        ("bash", "complete"),
+        ("zsh", "#compdef kedge"),
+        ("fish", "complete -c kedge"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kedge"))
+            .args(["completion", shell])
+            .output()
+            .expect("kedge runs");
+        let script = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{shell}: {out:?}");
+        assert!(script.contains(marker), "{shell}: {script:.200}");
+        assert!(
+            script.contains("purge"),
+            "{shell}: subcommands are completed"
+        );
+    }
+}

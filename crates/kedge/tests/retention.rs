@@ -235,5 +235,33 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
         .await
         .expect("purge");
     assert_eq!((again.purged, again.failed), (0, 0), "{again:?}");
+
+    // `kedge runs show` says what the waiting run waits on with the command that answers it;
+    // pasted as printed (the placeholder filled in), it moves the run on.
+    let shown = cli(Kind::Operator, &["runs", "show", waiting.as_str()]);
+    assert!(shown.contains("which?"), "the question: {shown}");
+    let answer = shown
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("kedge answer "))
+        .expect("a ready-to-paste answer line");
+    let mut words: Vec<&str> = answer.split_whitespace().collect();
+    assert_eq!(words.first(), Some(&waiting.as_str()), "{answer}");
+    assert_eq!(words.last(), Some(&"answer>'"), "{answer}");
+    words.truncate(2);
+    let mut args = vec!["answer"];
+    args.extend(words);
+    args.push("the blue one");
+    cli(Kind::Operator, &args);
+    assert_eq!(
+        h.wait_terminal(&waiting, WAIT).await.status,
+        RunStatus::Succeeded,
+        "answered through the printed command"
+    );
+    let json = cli(
+        Kind::Operator,
+        &["runs", "show", waiting.as_str(), "-o", "json"],
+    );
+    let view: serde_json::Value = serde_json::from_str(&json).expect("the run view");
+    assert_eq!(view["status"], "succeeded");
     h.shutdown().await;
 }
