@@ -9,4 +9,8 @@ cd "$ROOT"
 
 scripts/setup.sh
 export KEDGE_NATS_SERVER="$ROOT/.tools/bin/nats-server"
+# The first build takes minutes on a small machine: cargo's own progress is shown (not --quiet),
+# then the demo runs the binary it built.
+echo "demo: building kedge (the first build takes a few minutes; later ones are instant)" >&2
+cargo build -p kedge
 exec cargo run --quiet -p kedge -- demo "$@"
