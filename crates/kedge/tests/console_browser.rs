@@ -332,6 +332,29 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
         op.result.as_ref().map(|r| r.content.as_str()),
         Some("it did run")
     );
+    // Paging: ten newest first, then the older ones, no run on both pages, and back.
+    let strs = |v: &Value| -> Vec<String> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let page1 = strs(&seen["paging"]["page1"]);
+    let page2 = strs(&seen["paging"]["page2"]);
+    assert_eq!(page1.len(), 10, "{seen:#}");
+    assert!(!page2.is_empty(), "{seen:#}");
+    assert!(page2.iter().all(|r| !page1.contains(r)), "{seen:#}");
+    assert_eq!(seen["paging"]["back"], seen["paging"]["page1"]);
+    assert_eq!(seen["newer_enabled"], true);
+    let created = strs(&seen["page1_created"]);
+    assert!(
+        created.windows(2).all(|w| w[0] >= w[1]),
+        "newest first: {created:?}"
+    );
     for f in [
         "run-page.png",
         "approval-dialog.png",

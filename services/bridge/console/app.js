@@ -11,7 +11,7 @@
 
 (() => {
   const TOKEN_KEY = "kedge.console.token";
-  const PAGE_SIZE = 20;
+  const PAGE_SIZES = [10, 20, 50, 100];
   const LIST_POLL_MS = 2000;
   const TICKET_RENEW_MS = 40000;
   // Past this many timeline items, off-screen items are skipped by layout (content-visibility).
@@ -207,7 +207,7 @@
   // Runs page.
   // ------------------------------------------------------------------------------------------
 
-  const listState = { status: "", agent: "", cursors: [null] };
+  const listState = { status: "", agent: "", size: 20, cursors: [null] };
 
   function runsPage() {
     const err = h("div", { class: "error", role: "alert" });
@@ -216,9 +216,13 @@
       STATUSES.map((s) => h("option", { value: s }, s)));
     status.value = listState.status;
     const agent = h("input", { id: "f-agent", name: "agent", placeholder: "any agent", value: listState.agent });
+    const size = h("select", { id: "f-size", name: "size" },
+      PAGE_SIZES.map((n) => h("option", { value: n }, String(n))));
+    size.value = String(listState.size);
     const filters = h("form", { class: "row card", id: "filters", role: "search" },
       h("label", { for: "f-status" }, "Status", status),
       h("label", { for: "f-agent" }, "Agent", agent),
+      h("label", { for: "f-size" }, "Per page", size),
       h("button", { type: "submit" }, "Filter"));
     const tbody = h("tbody");
     const table = h("table", { class: "runs", id: "runs" },
@@ -235,7 +239,7 @@
     let next = null;
 
     async function load() {
-      const q = new URLSearchParams({ limit: String(PAGE_SIZE) });
+      const q = new URLSearchParams({ limit: String(listState.size) });
       if (listState.status) q.set("status", listState.status);
       if (listState.agent) q.set("agent", listState.agent);
       const cursor = listState.cursors[listState.cursors.length - 1];
@@ -264,6 +268,7 @@
       ev.preventDefault();
       listState.status = status.value;
       listState.agent = agent.value.trim();
+      listState.size = Number(size.value) || 20;
       listState.cursors = [null];
       load();
     });

@@ -329,6 +329,37 @@ try {
   await waitStatus(page, ["cancelled"], seen2);
   result.amb_cancel_statuses = seen2;
 
+  // --- paging: more runs than a page, newest first, no run on two pages ---
+  step("paging");
+  for (let i = 0; i < 8; i++) {
+    const r = await api("POST", "/v1/runs", { agent: "slow", input: "filler " + i }, config.token,
+      { "Idempotency-Key": "console-filler-" + i });
+    if (r.status !== 202) throw new Error("submit: " + JSON.stringify(r));
+  }
+  await page.goto(config.base + "/#/");
+  await page.waitForSelector("#runs", { timeout: T });
+  await page.selectOption("#f-size", "10");
+  await page.click("#filters button[type=submit]");
+  const ids = () => page.evaluate(() => [...document.querySelectorAll("#runs tbody tr[data-run]")].map((r) => r.dataset.run));
+  // Wait until the projection has every run (13 or more: a full first page and an older one).
+  await page.waitForFunction(() => document.querySelectorAll("#runs tbody tr[data-run]").length === 10
+    && !document.getElementById("page-older").disabled, null, { timeout: T });
+  const page1 = await ids();
+  result.page1_created = await page.locator("#runs tbody [data-k=created]").allTextContents();
+  await page.click("#page-older");
+  await page.waitForFunction((first) => {
+    const rows = [...document.querySelectorAll("#runs tbody tr[data-run]")];
+    return rows.length > 0 && rows[0].dataset.run !== first;
+  }, page1[0], { timeout: T });
+  const page2 = await ids();
+  result.newer_enabled = !(await page.locator("#page-newer").isDisabled());
+  await page.click("#page-newer");
+  await page.waitForFunction((first) => {
+    const rows = [...document.querySelectorAll("#runs tbody tr[data-run]")];
+    return rows.length > 0 && rows[0].dataset.run === first;
+  }, page1[0], { timeout: T });
+  result.paging = { page1, page2, back: await ids() };
+
   // No token in any URL the browser asked for.
   result.token_in_url = result.urls.some((u) => u.includes(config.token) || u.includes(config.read_token));
   result.ok = true;
