@@ -5,7 +5,9 @@
 #   scripts/setup.sh            what `kedge` needs to run (scripts/demo.sh)
 #   scripts/setup.sh --tests    and, first, Node.js and npm (Debian packages), which the test
 #                               suite's installers (scripts/mcp-servers.sh, scripts/browser-test.sh)
-#                               need before they can install anything
+#                               need before they can install anything; and nats-py (PyPI, pinned,
+#                               into .tools/nats-py), the NATS client that crates/kedge/tests/runbook.rs
+#                               performs docs/RUNBOOK.md's inspections with (scripts/runbook_check.py)
 #
 # Order of preference:
 #   1. .tools/bin/nats-server already there and new enough: nothing to do (fast path).
@@ -87,8 +89,24 @@ ensure_node() {
     echo "setup: ERROR: the tests need node and npm on PATH (install Node.js >= 18 with npm)" >&2
     return 1
 }
+
+# nats-py, for the test suite only (the runbook test; the `nats` CLI has no registry package).
+# Fast path: the pinned version is already in .tools/nats-py. A failure is only a warning: the
+# runbook test then says why it skips.
+NATS_PY_VERSION="2.16.0"
+ensure_nats_py() {
+    local dir="$TOOLS/nats-py"
+    [ -d "$dir/nats_py-$NATS_PY_VERSION.dist-info" ] && [ -f "$dir/nats/__init__.py" ] && return 0
+    echo "setup: installing nats-py==$NATS_PY_VERSION from PyPI into $dir" >&2
+    rm -rf "$dir"
+    if ! PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check \
+        --no-deps --target "$dir" "nats-py==$NATS_PY_VERSION" >&2; then
+        echo "setup: WARNING: nats-py could not be installed; the runbook test will skip" >&2
+    fi
+}
 if [ "$FOR_TESTS" -eq 1 ]; then
     ensure_node
+    ensure_nats_py
 fi
 
 # 1. Already installed.

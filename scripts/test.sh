@@ -5,7 +5,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-# nats-server and bubblewrap, and first Node.js and npm, which the two installers below need.
+# nats-server and bubblewrap, and first Node.js and npm, which the two installers below need;
+# also nats-py (into .tools/nats-py), the NATS client the runbook test checks docs/RUNBOOK.md with.
 scripts/setup.sh --tests
 # The reference MCP servers the MCP client and tool tests talk to (npm + PyPI, pinned, into .tools).
 scripts/mcp-servers.sh
