@@ -608,36 +608,7 @@ async fn a_run_of_two_thousand_events_renders_incrementally_and_the_page_stays_r
     assert_eq!(s, StatusCode::ACCEPTED, "{b}");
     let run: RunId = b["run_id"].as_str().expect("run").parse().expect("id");
 
-    let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots");
-    std::fs::create_dir_all(&shots).expect("screenshot dir");
-    let profile = tempfile::tempdir().expect("profile dir");
-    let cfg = json!({
-        "base": base, "token": ACME, "run": run, "shots": shots,
-        "profile": profile.path(), "timeout_ms": 120_000,
-    });
-    let out = tokio::time::timeout(
-        Duration::from_secs(300),
-        tokio::process::Command::new("node")
-            .arg(repo().join("crates/kedge/tests/browser/console_big.mjs"))
-            .arg(repo().join(".tools/browser"))
-            .arg(cfg.to_string())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the driver finished")
-    .expect("node ran");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let seen: Value = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .and_then(|l| serde_json::from_str(l).ok())
-        .unwrap_or(Value::Null);
-    assert!(out.status.success(), "driver: {}; {stdout}", out.status);
-    assert_eq!(seen["ok"], true);
-
+    let seen = watch_run(&base, &run, "long-run.png").await;
     let done = h.wait_terminal(&run, Duration::from_secs(5)).await;
     assert_eq!(done.status, RunStatus::Succeeded);
     let history = api.history_ids(run.as_str()).await;
@@ -674,6 +645,78 @@ async fn a_run_of_two_thousand_events_renders_incrementally_and_the_page_stays_r
         );
     }
     assert!(seen["replay"]["type_ms"].as_u64().unwrap_or(u64::MAX) < 2_000);
+    bridge.stop().await;
+    h.shutdown().await;
+}
+
+/// Runs `console_big.mjs` on `run`: the run page live until the run ended, then reloaded.
+async fn watch_run(base: &str, run: &RunId, shot: &str) -> Value {
+    let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots");
+    std::fs::create_dir_all(&shots).expect("screenshot dir");
+    let profile = tempfile::tempdir().expect("profile dir");
+    let cfg = json!({
+        "base": base, "token": ACME, "run": run, "shots": shots, "shot": shot,
+        "profile": profile.path(), "timeout_ms": 120_000,
+    });
+    let out = tokio::time::timeout(
+        Duration::from_secs(300),
+        tokio::process::Command::new("node")
+            .arg(repo().join("crates/kedge/tests/browser/console_big.mjs"))
+            .arg(repo().join(".tools/browser"))
+            .arg(cfg.to_string())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the driver finished")
+    .expect("node ran");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let seen: Value = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or(Value::Null);
+    assert!(out.status.success(), "driver: {}; {stdout}", out.status);
+    assert_eq!(seen["ok"], true);
+    seen
+}
+
+/// A step worker dies right after the model's answer was stored; the next one reuses it (no
+/// second bill), and the timeline marks that step's answer as reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_model_response_is_marked_in_the_timeline() {
+    install_browser();
+    let script = json!({"models": {"r": {"steps": [{"text": "the answer", "delay_ms": 200}]}}});
+    let mut h = Harness::start(script, &[Svc::Intake]).await;
+    h.agent("r", "r").await;
+    let crashing = h.spawn_process("step", "w-step-1", "step.after_model_stored");
+    let config = bridge_config(&h.config, "127.0.0.1:0");
+    let bridge = TestBridge::start(config, "127.0.0.1:0").await;
+    let base = bridge.url();
+    let api = Api::new(&base, Some(ACME));
+    let (s, b) = api.submit("r", "answer once", "console-reused-1").await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    let run: RunId = b["run_id"].as_str().expect("run").parse().expect("id");
+    assert!(
+        h.wait_exit(crashing, WAIT).await,
+        "the step worker did not reach its failpoint"
+    );
+    h.spawn_service(Svc::Step, "w-step-2");
+    let seen = watch_run(&base, &run, "reused-response.png").await;
+    let done = h.wait_terminal(&run, Duration::from_secs(5)).await;
+    assert_eq!(done.status, RunStatus::Succeeded);
+    assert_eq!(h.mock.total_calls(), 1, "the model was called once");
+    assert_eq!(
+        seq_list(&seen["replay"]["seqs"]),
+        api.history_ids(run.as_str()).await
+    );
+    assert_eq!(
+        seen["reused"].as_array().map(Vec::len),
+        Some(1),
+        "the reused answer is marked: {seen}"
+    );
     bridge.stop().await;
     h.shutdown().await;
 }

@@ -1,10 +1,10 @@
-// Drives headless Chromium for console_browser.rs's long-run test: the console's run page on a
-// run of about 2,000 events, first live while it executes, then reloaded (the whole run replayed
-// at once). It records long tasks (PerformanceObserver 'longtask'), how long the page takes to
+// Drives headless Chromium for console_browser.rs's long-run and reused-response tests: the
+// console's run page on one run (about 2,000 events for the first), first live while it
+// executes, then reloaded (the whole run replayed at once). It records long tasks (PerformanceObserver 'longtask'), how long the page takes to
 // answer a script while it renders, and what the timeline shows. One JSON line at the end.
 //
 // Usage: node console_big.mjs <playwright-core dir> <config JSON>
-//   config: {"base", "token", "run", "shots", "profile", "timeout_ms"}
+//   config: {"base", "token", "run", "shots", "shot", "profile", "timeout_ms"}
 
 import { createRequire } from "node:module";
 import path from "node:path";
@@ -65,12 +65,13 @@ try {
   result.replay.long_tasks = await page.evaluate(() => window.__long.slice());
   result.replay.rendered = await page.locator("#timeline [data-seq]").count();
   result.replay.seqs = await page.evaluate(() => window.__kedge.seqs);
+  result.reused = await page.locator("#timeline .reused").allTextContents();
   // Still usable: the keyboard reaches the message box and the page answers at once.
   const t = Date.now();
   await page.focus("#message-text");
   await page.keyboard.type("still here");
   result.replay.type_ms = Date.now() - t;
-  await page.screenshot({ path: path.join(config.shots, "long-run.png") });
+  await page.screenshot({ path: path.join(config.shots, config.shot || "long-run.png") });
   result.ok = true;
 } catch (e) {
   console.error(String(e && e.stack ? e.stack : e));
