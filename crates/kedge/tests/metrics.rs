@@ -3,8 +3,9 @@
 //! slow model step; the scrape taken while the model is still answering shows the first step,
 //! its tool operation and its tokens counted, the one after the run shows the run succeeded;
 //! every scrape is checked line by line against the text exposition format, and the consumers the
-//! process runs report their lag. An address that cannot be bound stops `kedge serve` at once,
-//! naming it.
+//! process runs report their lag. A standby that takes a run over counts the takeover, its
+//! latency and the reused model answer; a bridge counts its open event streams. An address that
+//! cannot be bound stops `kedge serve` at once, naming it.
 
 mod common;
 
@@ -12,7 +13,7 @@ use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Harness;
+use common::{Harness, Svc};
 use kedge_core::RunStatus;
 use kedge_core::event::Event;
 use serde_json::json;
@@ -617,5 +618,79 @@ async fn a_standby_counts_the_takeover_its_latency_and_the_model_call_it_did_not
         get(&s, "kedge_model_calls_total", &[("outcome", "ok")]),
         0.0
     );
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bridge_counts_its_open_event_streams() {
+    const TOKEN: &str = "metrics-test-token-0123456789";
+    let script = json!({"models": {"slow": {"steps": [{"text": "done", "delay_ms": 4000}]}}});
+    let mut h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("slow", "slow").await;
+    let (listen, metrics) = (free_addr(), free_addr());
+    // Frequent SSE heartbeats: a closed stream is noticed at the next write.
+    let file = h.dir.path().join("bridge.json");
+    std::fs::write(&file, r#"{"bridge": {"heartbeat_ms": 200}}"#).expect("config file");
+    h.spawn_process_with_env(
+        "bridge",
+        "w-bridge",
+        "",
+        &[
+            ("KEDGE_BRIDGE_LISTEN", listen.clone()),
+            ("KEDGE_BRIDGE_TOKENS", format!("{TOKEN}=acme")),
+            ("KEDGE_METRICS_ADDR", metrics.clone()),
+            ("KEDGE_CONFIG", file.display().to_string()),
+        ],
+    );
+    let http = reqwest::Client::new();
+    let base = format!("http://{listen}");
+    let deadline = Instant::now() + WAIT;
+    while http.get(format!("{base}/readyz")).send().await.is_err() {
+        assert!(Instant::now() < deadline, "bridge never came up");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let idle = scrape_until(&http, &metrics, "the bridge", |s| {
+        present(s, "kedge_build_info", &[])
+    })
+    .await;
+    assert_eq!(get(&idle, "kedge_sse_connections", &[]), 0.0);
+    let created: serde_json::Value = http
+        .post(format!("{base}/v1/runs"))
+        .bearer_auth(TOKEN)
+        .header("Idempotency-Key", "sse-metrics")
+        .json(&json!({"agent": "slow", "input": "go"}))
+        .send()
+        .await
+        .expect("submit")
+        .json()
+        .await
+        .expect("json");
+    let run = created["run_id"].as_str().expect("a run id").to_owned();
+    // Two event streams open while the model is still answering.
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let resp = http
+            .get(format!("{base}/v1/runs/{run}/events"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("events");
+        assert_eq!(resp.status(), 200);
+        streams.push(resp);
+    }
+    scrape_until(&http, &metrics, "two open streams", |s| {
+        get(s, "kedge_sse_connections", &[]) == 2.0
+    })
+    .await;
+    drop(streams.pop());
+    scrape_until(&http, &metrics, "one stream closed", |s| {
+        get(s, "kedge_sse_connections", &[]) == 1.0
+    })
+    .await;
+    drop(streams);
+    scrape_until(&http, &metrics, "every stream closed", |s| {
+        get(s, "kedge_sse_connections", &[]) == 0.0
+    })
+    .await;
     h.shutdown().await;
 }
