@@ -298,6 +298,18 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
     ]}}});
     let mut h = Harness::start(script, &[]).await;
     h.agent("metered", "m").await;
+    // Priced so that a step's cost in millionths is a whole number: 3 per input token, 15 per
+    // output token.
+    let name = "metered".parse().expect("agent name");
+    let (_, def) = h.rt.agents.latest(&name).await.expect("stored");
+    let mut def = (*def).clone();
+    def.model.price = Some(
+        serde_json::from_value(
+            json!({"input_per_mtok": 3, "output_per_mtok": 15, "currency": "EUR"}),
+        )
+        .expect("price"),
+    );
+    h.rt.agents.put(&def).await.expect("priced agent stored");
     let addr = free_addr();
     h.spawn_process_with_env(
         "all",
@@ -472,6 +484,14 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
             &[("direction", "output")]
         ),
         output as f64
+    );
+    assert_eq!(
+        get(
+            &after,
+            "kedge_model_cost_micros_total",
+            &[("currency", "EUR")]
+        ),
+        (input * 3 + output * 15) as f64
     );
     // No series names a run or an operation.
     let run_text = run.to_string();
