@@ -101,6 +101,18 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
         json!({"ledger_append": {"approval": "always", "risk": "high", "approval_ttl_secs": 3600}}),
     )
     .await;
+    // The live agent's model has a price, so the run page shows what the run cost.
+    let (_, def) =
+        h.rt.agents
+            .latest(&"live".parse().expect("name"))
+            .await
+            .expect("the live agent");
+    let mut def = (*def).clone();
+    def.model.price = Some(
+        serde_json::from_value(json!({"input_per_mtok": 3.0, "output_per_mtok": 15.0}))
+            .expect("price"),
+    );
+    h.rt.agents.put(&def).await.expect("priced agent stored");
     h.agent("slow", "slow").await;
     h.agent("sleepy", "sleepy").await;
     h.agent("amb", "amb").await;
@@ -250,8 +262,8 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
     assert!(
         seen["usage_text"]
             .as_str()
-            .is_some_and(|t| t.ends_with(" tokens")),
-        "{seen:#}"
+            .is_some_and(|t| t.contains(" tokens; cost 0.0") && t.ends_with(" USD")),
+        "usage and cost: {seen:#}"
     );
     // The model's failed attempt is shown with its error.
     assert!(
