@@ -148,6 +148,7 @@ async fn a_person_runs_the_human_side_of_runs_in_the_console_across_a_bridge_res
 
     let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots");
     std::fs::create_dir_all(&shots).expect("screenshot dir");
+    let _ = std::fs::remove_file(shots.join("failure.png"));
     let profile = tempfile::tempdir().expect("profile dir");
     let cfg = json!({
         "base": base, "token": ACME, "read_token": ACME_READ, "agent": "live",

@@ -352,6 +352,7 @@ try {
     return rows.length > 0 && rows[0].dataset.run !== first;
   }, page1[0], { timeout: T });
   const page2 = await ids();
+  await page.screenshot({ path: path.join(config.shots, "runs-list.png"), fullPage: true });
   result.newer_enabled = !(await page.locator("#page-newer").isDisabled());
   await page.click("#page-newer");
   await page.waitForFunction((first) => {
