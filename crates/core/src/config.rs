@@ -42,6 +42,11 @@ pub struct Timeouts {
     /// only when the broker answers a ping to it with "no responders" (its connection is
     /// closed). A suspect that answers, or does not answer in time, is alive.
     pub suspect_after_ms: u64,
+    /// On SIGTERM, how long `kedge serve` lets work in flight finish before it exits anyway
+    /// (below Kubernetes' 30 s grace period). What is unfinished then goes back at once: the
+    /// process's connection closes, so the others find it gone and adopt its runs and
+    /// operations (docs/ARCHITECTURE.md "Takeover").
+    pub drain_ms: u64,
 }
 
 impl Default for Timeouts {
@@ -58,6 +63,7 @@ impl Default for Timeouts {
             max_retry_delay_ms: 30_000,
             heartbeat_ms: 100,
             suspect_after_ms: 350,
+            drain_ms: 20_000,
         }
     }
 }
@@ -105,6 +111,9 @@ impl Timeouts {
     }
     pub fn suspect_after(&self) -> Duration {
         Duration::from_millis(self.suspect_after_ms)
+    }
+    pub fn drain(&self) -> Duration {
+        Duration::from_millis(self.drain_ms)
     }
 
     /// Checks every relation; the first broken one is returned.

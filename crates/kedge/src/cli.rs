@@ -693,8 +693,10 @@ pub async fn serve(
     let wanted = |s: Service| all || services.contains(&s);
     let (tx, stopping) = tokio::sync::watch::channel(false);
     let mut tasks = tokio::task::JoinSet::new();
+    kedge_runtime::health::watch_connection(&rt.client);
     let mut start = |name: &'static str, run: fn(Runtime, Stop) -> ServiceFuture| {
         let rt = rt.clone();
+        kedge_runtime::health::expect_service(name, durables_of(name));
         tasks.spawn(supervise(
             name,
             stopping.clone(),
@@ -747,10 +749,28 @@ pub async fn serve(
     let signal = tx.clone();
     tokio::spawn(async move {
         shutdown.await;
+        kedge_runtime::health::draining();
         let _ = signal.send(true);
     });
+    let drain = rt.config.timeouts.drain();
+    let mut stopped = tx.subscribe();
+    // Shutting down: what is still in flight after the drain time is left; the process exits,
+    // its connection closes, and the other workers adopt its work.
+    let drained = async move {
+        let _ = stopped.wait_for(|s| *s).await;
+        tokio::time::sleep(drain).await;
+    };
+    tokio::pin!(drained);
     let mut failed = None;
-    while let Some(done) = tasks.join_next().await {
+    loop {
+        let done = tokio::select! {
+            done = tasks.join_next() => done,
+            () = &mut drained => {
+                tracing::warn!(left = tasks.len(), drain_ms = drain.as_millis() as u64, "drain time is up; exiting with work in flight (it is adopted by the other workers)");
+                break;
+            }
+        };
+        let Some(done) = done else { break };
         let outcome = done.map_err(|e| e.to_string()).and_then(|r| r);
         if let Err(e) = outcome {
             // A service that cannot start: stop the others and report it.
@@ -761,6 +781,18 @@ pub async fn serve(
     match failed {
         Some(e) => Err(anyhow::anyhow!(e)),
         None => Ok(()),
+    }
+}
+
+/// The durable consumers a service binds (what readiness waits for).
+fn durables_of(service: &str) -> &'static [&'static str] {
+    match service {
+        "intake" => &["intake"],
+        "step" => &["step"],
+        "tool" => &["tool"],
+        "timer" => &["timer", "timer-fired"],
+        "projector" => &["projector"],
+        _ => &[],
     }
 }
 
@@ -808,10 +840,12 @@ pub async fn supervise(
             })
         };
         let started = std::time::Instant::now();
+        kedge_runtime::health::service_up(name);
         let outcome = tokio::spawn(run(stop)).await;
         if *stopping.borrow() {
             return Ok(());
         }
+        kedge_runtime::health::service_down(name, "restarting after a failure");
         match outcome {
             Ok(Err(e)) if first => {
                 tracing::error!(service = name, error = %e, "service cannot start");

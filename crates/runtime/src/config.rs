@@ -1155,6 +1155,7 @@ impl Config {
             ("KEDGE_MAX_RETRY_DELAY_MS", &mut t.max_retry_delay_ms),
             ("KEDGE_HEARTBEAT_MS", &mut t.heartbeat_ms),
             ("KEDGE_SUSPECT_AFTER_MS", &mut t.suspect_after_ms),
+            ("KEDGE_DRAIN_MS", &mut t.drain_ms),
         ] {
             if let Some(v) = get(var) {
                 *field = num(var, &v)?;

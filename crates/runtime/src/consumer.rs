@@ -82,6 +82,7 @@ pub async fn durable(
         .await
         .map_err(|e| RuntimeError::broker(format!("consumer {stream}/{name}"), e))?;
     crate::metrics::watch_consumer(name, &consumer);
+    crate::health::consumer_bound(name);
     Ok(consumer)
 }
 

@@ -32,6 +32,7 @@ pub mod config;
 pub mod connect;
 pub mod consumer;
 pub mod failpoint;
+pub mod health;
 pub mod idempotency;
 pub mod inputs;
 pub mod liveness;

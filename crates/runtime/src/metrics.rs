@@ -187,10 +187,12 @@ pub async fn start(addr: &str) -> Result<std::net::SocketAddr, MetricsError> {
             upkeep.run_upkeep();
         }
     });
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || scrape(handle.clone())),
-    );
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(move || scrape(handle.clone())),
+        )
+        .merge(crate::health::router());
     tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).into_future().await {
             tracing::error!(error = %e, "the metrics endpoint stopped");

@@ -1,0 +1,103 @@
+//! Liveness, readiness and a bounded drain of `kedge serve` (issue 14, item 4): `/readyz` says
+//! ready only when the process is connected with its consumers bound, and says why not while the
+//! broker is away; `/healthz` answers throughout; SIGTERM ends the process within its drain time.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kedge_testkit::{NatsServer, free_port};
+
+struct Serve {
+    child: Child,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn get(url: &str) -> Option<(u16, String)> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .ok()?;
+    let r = client.get(url).send().await.ok()?;
+    let code = r.status().as_u16();
+    Some((code, r.text().await.unwrap_or_default()))
+}
+
+/// Polls `url` until `pred` holds (30 s at most).
+async fn until(url: &str, what: &str, pred: impl Fn(u16, &str) -> bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some((code, body)) = get(url).await
+            && pred(code, &body)
+        {
+            return body;
+        }
+        assert!(Instant::now() < deadline, "{url}: never {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_the_broker_and_sigterm_ends_within_the_drain_time() {
+    let mut nats = NatsServer::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let child = Command::new(env!("CARGO_BIN_EXE_kedge"))
+        .args(["serve", "all"])
+        .env("KEDGE_NATS_URL", nats.url())
+        .env("KEDGE_METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .env("KEDGE_WORKSPACE_ROOT", dir.path())
+        .env("KEDGE_WORKER_ID", "w-health")
+        .env("KEDGE_DRAIN_MS", "2000")
+        .env_remove("KEDGE_CONFIG")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kedge serve");
+    let mut serve = Serve { child };
+
+    let ready = until(&format!("{base}/readyz"), "ready", |c, _| c == 200).await;
+    let ready: serde_json::Value = serde_json::from_str(&ready).expect("json");
+    assert_eq!(ready["ready"], true, "{ready}");
+    assert_eq!(
+        get(&format!("{base}/healthz")).await.map(|(c, _)| c),
+        Some(200)
+    );
+
+    // The broker goes away: not ready, saying why; still alive.
+    nats.kill9();
+    let why = until(&format!("{base}/readyz"), "unready", |c, _| c == 503).await;
+    assert!(why.contains("NATS connection"), "{why}");
+    assert_eq!(
+        get(&format!("{base}/healthz")).await.map(|(c, _)| c),
+        Some(200)
+    );
+    // Back: ready again.
+    nats.restart().await;
+    until(&format!("{base}/readyz"), "ready again", |c, _| c == 200).await;
+
+    // SIGTERM: the process stops taking work and exits within its drain time.
+    let pid = serve.child.id().to_string();
+    let sent = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(sent.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if serve.child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kedge serve did not exit after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
