@@ -194,6 +194,8 @@ fn process_env(
         ("KEDGE_NATS_URL", urls.to_owned()),
         ("KEDGE_WORKSPACE_ROOT", workspaces.display().to_string()),
         ("KEDGE_BRIDGE_LISTEN", bridge_listen.to_owned()),
+        // Each container has its own 9464; processes on one host each take a free port.
+        ("KEDGE_METRICS_ADDR", "127.0.0.1:0".to_owned()),
         (API_KEY_VAR, "test-key".to_owned()),
         ("KEDGE_MODEL_KEYS", API_KEY_VAR.to_owned()),
         ("KEDGE_LEDGER_TOOL", "1".to_owned()),
