@@ -43,9 +43,10 @@ pub enum ModelErrorKind {
     Protocol,
 }
 
-impl fmt::Display for ModelErrorKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl ModelErrorKind {
+    /// The kind's name (its `Display`, and a bounded metrics label).
+    pub fn as_str(self) -> &'static str {
+        match self {
             ModelErrorKind::Status => "status",
             ModelErrorKind::Request => "request",
             ModelErrorKind::Connect => "connect",
@@ -53,7 +54,13 @@ impl fmt::Display for ModelErrorKind {
             ModelErrorKind::StreamEnded => "stream_ended",
             ModelErrorKind::Provider => "provider",
             ModelErrorKind::Protocol => "protocol",
-        })
+        }
+    }
+}
+
+impl fmt::Display for ModelErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

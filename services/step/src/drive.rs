@@ -14,7 +14,7 @@ use kedge_core::ids::RunId;
 use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_core::tools::Contract;
 use kedge_journal::{DecisionWriter, ErrorKind, JournalError, Lease, LeaseError, Released};
-use kedge_model::{Delta, ModelCall, ModelClient, ModelError, ModelErrorKind};
+use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
 use kedge_runtime::Runtime;
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::failpoint;
@@ -905,20 +905,7 @@ fn count_call(
         Err(CallError::Cancelled) => metrics::model_call(ModelOutcome::Cancelled, took),
         Err(CallError::Model(e)) => {
             metrics::model_call(ModelOutcome::Error, took);
-            metrics::model_error(e.class, error_kind(e.kind));
+            metrics::model_error(e.class, e.kind.as_str());
         }
-    }
-}
-
-/// The `kind` label of a model error.
-fn error_kind(kind: ModelErrorKind) -> &'static str {
-    match kind {
-        ModelErrorKind::Status => "status",
-        ModelErrorKind::Request => "request",
-        ModelErrorKind::Connect => "connect",
-        ModelErrorKind::Timeout => "timeout",
-        ModelErrorKind::StreamEnded => "stream_ended",
-        ModelErrorKind::Provider => "provider",
-        ModelErrorKind::Protocol => "protocol",
     }
 }
