@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The browser test of the bridge (crates/kedge/tests/bridge_browser.rs) drives Debian's headless
+# The browser tests of the bridge (crates/kedge/tests/bridge_browser.rs, and the console's,
+# console_browser.rs) drive Debian's headless
 # Chromium with playwright-core. This script installs both, idempotently (fast when present):
 #   - chromium from Debian (apt-get update + install, only when /usr/bin/chromium is missing);
 #   - playwright-core from npm into .tools/browser (only when missing or another version).
@@ -46,4 +47,4 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 export KEDGE_NATS_SERVER="${KEDGE_NATS_SERVER:-$ROOT/.tools/bin/nats-server}"
 cd "$ROOT"
-exec cargo test -p kedge --test bridge_browser -- --nocapture
+exec cargo test -p kedge --test bridge_browser --test console_browser -- --nocapture
