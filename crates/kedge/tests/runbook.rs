@@ -211,7 +211,26 @@ async fn deployment() -> (Harness, Runs) {
     )
     .await;
 
-    // One run purged into the archive, as `kedge runs purge --archive` does (as the admin).
+    // One run purged into the archive, as `kedge runs purge --archive` does (as the admin),
+    // once the projector has handled every decision (one still in flight could write the
+    // purged run's summary again).
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut projector: async_nats::jetstream::consumer::PullConsumer =
+            h.rt.js
+                .get_consumer_from_stream("projector", "KEDGE_RUNS")
+                .await
+                .expect("projector consumer");
+        let info = projector.info().await.expect("consumer info");
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the projector is behind: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let admin = h.runtime_as(Kind::Admin).await;
     let purged = retention::purge_run(
         &admin,
