@@ -42,7 +42,5 @@ pub use journal::{
     Appended, DecisionMsgId, DecisionWriter, Journal, LastEvent, ReadPage, Recorded, SetAside,
     decision_msg_id, parse_decision_msg_id, purge,
 };
-pub use layout::{
-    LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout, verify_layout,
-};
+pub use layout::{LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout, verify_layout};
 pub use lease::{Lease, LeaseError, LeaseHolder, Leases, Released};
