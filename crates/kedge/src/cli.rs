@@ -84,7 +84,9 @@ pub enum Command {
     Agents(AgentsCmd),
     /// Submit a task and print the run id.
     Submit(SubmitArgs),
-    /// Print a run's events as a timeline, live, until the run ends (or --follow stops).
+    /// Print a run's events as a timeline, live, until the run ends (or --follow stops): each
+    /// line with the time since the run was created, the model's text streaming into the step
+    /// that is thinking, and, on a terminal, a question answered right there.
     Watch {
         run: RunId,
         /// Start after this journal sequence.
@@ -975,17 +977,75 @@ pub async fn watch(
     {
         bail!("no run {run} (use --follow to wait for a run that is about to be created)");
     }
+    // Token deltas (core NATS, never journaled) stream into the step that is thinking.
+    let mut deltas = rt
+        .client
+        .subscribe(kedge_core::subjects::delta(run))
+        .await
+        .context("subscribe to the run's token deltas")?;
+    // On a terminal, a question is answered right here (as `kedge demo` does).
+    let interactive = std::io::IsTerminal::is_terminal(&std::io::stdin());
+    let (answers_tx, mut answers) = tokio::sync::mpsc::unbounded_channel::<(QuestionId, String)>();
     // Folds from the start (the state needs run.created) and prints what comes after `after`.
     let mut tail = std::pin::pin!(rt.journal.tail(run, 0));
     let mut state: Option<kedge_core::RunState> = None;
-    while let Some(next) = tail.next().await {
+    let mut streaming = false;
+    loop {
+        let next = tokio::select! {
+            next = tail.next() => next,
+            Some(d) = deltas.next() => {
+                if let Some(text) = serde_json::from_slice::<serde_json::Value>(&d.payload)
+                    .ok()
+                    .and_then(|v| v.get("text").and_then(|t| t.as_str()).map(str::to_owned))
+                {
+                    if !streaming {
+                        print!("           … ");
+                        streaming = true;
+                    }
+                    print!("{}", text.replace('\n', " "));
+                    let _ = std::io::Write::flush(&mut std::io::stdout());
+                }
+                continue;
+            }
+            Some((question, text)) = answers.recv() => {
+                let key = InputId::answer(&question);
+                let event = Event::QuestionAnswered(QuestionAnswered { question_id: question, answer: text });
+                send_input(rt, run, event, &key).await?;
+                continue;
+            }
+        };
+        let Some(next) = next else { break };
         let r = next?;
-        if r.seq > after {
-            println!("{}", timeline::line(&r));
+        if streaming {
+            println!();
+            streaming = false;
         }
         match &mut state {
             None => state = Some(kedge_core::RunState::created(r.seq, &r.envelope)?),
             Some(s) => s.apply(r.seq, &r.envelope)?,
+        }
+        if r.seq > after {
+            // Time since the run was created, then the event.
+            let elapsed = state
+                .as_ref()
+                .map_or(0.0, |s| (r.envelope.at.0 - s.created_at.0).as_seconds_f64());
+            println!("{elapsed:>9.1}s {}", timeline::line(&r));
+            if let Event::QuestionAsked(q) = &r.envelope.event
+                && interactive
+                && state.as_ref().is_some_and(|s| !s.status.is_terminal())
+            {
+                let tx = answers_tx.clone();
+                let question = q.question_id.clone();
+                println!("           answer (a line; empty to leave it): ");
+                // A plain thread: the process may end (the run finished, answered elsewhere)
+                // while it still waits for a line, and a runtime's blocking task would hold it.
+                std::thread::spawn(move || {
+                    let mut line = String::new();
+                    if std::io::stdin().read_line(&mut line).is_ok() && !line.trim().is_empty() {
+                        let _ = tx.send((question, line.trim().to_owned()));
+                    }
+                });
+            }
         }
         if let Some(s) = &state
             && s.status.is_terminal()
