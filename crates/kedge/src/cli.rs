@@ -102,7 +102,12 @@ pub enum Command {
     /// Print a run's journal as JSON lines (`{"seq": …, "event": <envelope>}`).
     Journal { run: RunId },
     /// Print a run's folded state.
-    Status { run: RunId },
+    Status {
+        run: RunId,
+        /// `text` (default) or `json` (the run view of GET /v1/runs/{id}).
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// Send a new user message to a run (revives a succeeded or failed run).
     Message { run: RunId, text: String },
     /// Answer a question a run asked.
@@ -458,7 +463,21 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Status { run } => {
+        Command::Status {
+            run,
+            output: Output::Json,
+        } => {
+            show_run(
+                &Runtime::connect_existing(config).await?,
+                &run,
+                Output::Json,
+            )
+            .await
+        }
+        Command::Status {
+            run,
+            output: Output::Text,
+        } => {
             let rt = Runtime::connect_existing(config).await?;
             let page = rt.journal.read_with_set_aside(&run, 0).await?;
             if page.events.is_empty() {

@@ -65,5 +65,19 @@ async fn watch_shows_elapsed_time_and_the_streamed_text() {
         .and_then(|t| t.parse().ok())
         .unwrap_or_else(|| panic!("no elapsed time on {succeeded:?}"));
     assert!(secs >= 1.4, "{succeeded}");
+    // `kedge status -o json` is the run view.
+    let status = Command::new(env!("CARGO_BIN_EXE_kedge"))
+        .args(["status", run.as_str(), "-o", "json"])
+        .env("KEDGE_NATS_URL", h.nats.url())
+        .env_remove("KEDGE_CONFIG")
+        .envs(common::kind_env(&h.config, Kind::Operator))
+        .output()
+        .expect("kedge status");
+    let view: serde_json::Value = serde_json::from_slice(&status.stdout).expect("json");
+    assert_eq!(view["status"], "succeeded", "{view}");
+    assert_eq!(
+        view["result"]["output"], "a streamed answer arrives",
+        "{view}"
+    );
     h.shutdown().await;
 }
