@@ -496,6 +496,10 @@ pub struct RunCreated {
     pub runtime_version: String,
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub metadata: serde_json::Map<String, serde_json::Value>,
+    /// The W3C `traceparent` the task came with (the bridge's HTTP header or the task's NATS
+    /// header), so every service's spans for this run join the submitter's trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]

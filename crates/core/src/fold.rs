@@ -1190,6 +1190,7 @@ mod tests {
             input: "hello".into(),
             runtime_version: "test".into(),
             metadata: Default::default(),
+            traceparent: None,
         })))
     }
 

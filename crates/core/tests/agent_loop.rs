@@ -72,6 +72,7 @@ impl Sim {
             input: "research kedging".into(),
             runtime_version: "test".into(),
             metadata: Default::default(),
+            traceparent: None,
         };
         let mut sim = Sim {
             run,

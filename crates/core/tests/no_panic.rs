@@ -484,6 +484,7 @@ fn created(budget: Budget) -> Envelope {
             input: "research kedging".into(),
             runtime_version: "test".into(),
             metadata: Default::default(),
+            traceparent: None,
         }))),
     )
 }

@@ -457,6 +457,7 @@ fn created(run: &RunId) -> Envelope {
             input: "look this up".into(),
             runtime_version: "bench".into(),
             metadata: Default::default(),
+            traceparent: None,
         }))),
     )
 }

@@ -196,6 +196,7 @@ fn created(i: usize) -> RunCreated {
         input: "wait for an hour".into(),
         runtime_version: "bench".into(),
         metadata: Default::default(),
+        traceparent: None,
     }
 }
 

@@ -88,6 +88,10 @@ pub struct Config {
     /// `host:port`); none (the default): no endpoint and nothing recorded. One address per
     /// process: two processes on one host need two ports. See [`crate::metrics`].
     pub metrics_addr: Option<String>,
+    /// The OTLP/HTTP collector `kedge` exports its trace spans to (`KEDGE_OTLP_ENDPOINT`; the
+    /// base URL, e.g. `http://otel-collector:4318`: spans go to `<endpoint>/v1/traces`, JSON
+    /// encoded); none (the default): no export. See [`crate::trace`].
+    pub otlp_endpoint: Option<String>,
 }
 
 /// What an agent definition may name for its model: the operator's choice, not the author's.
@@ -225,6 +229,7 @@ impl Default for Config {
             approvers: Default::default(),
             models: ModelPolicy::default(),
             metrics_addr: None,
+            otlp_endpoint: None,
         }
     }
 }
@@ -280,6 +285,7 @@ impl std::fmt::Debug for Config {
             approvers,
             models,
             metrics_addr,
+            otlp_endpoint,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
         let api_keys: Vec<&String> = api_keys.keys().collect();
@@ -303,6 +309,7 @@ impl std::fmt::Debug for Config {
             .field("approvers (names)", &approvers)
             .field("models", models)
             .field("metrics_addr", metrics_addr)
+            .field("otlp_endpoint", &otlp_endpoint.as_deref().map(redact_url))
             .finish()
     }
 }
@@ -1117,6 +1124,9 @@ impl Config {
         if let Some(v) = get("KEDGE_METRICS_ADDR") {
             self.metrics_addr = non_empty(Some(v)).map(|v| v.trim().to_owned());
         }
+        if let Some(v) = get("KEDGE_OTLP_ENDPOINT") {
+            self.otlp_endpoint = non_empty(Some(v)).map(|v| v.trim().to_owned());
+        }
         if let Some(v) = get("KEDGE_BRIDGE_LISTEN") {
             self.bridge.listen = v.trim().to_owned();
         }
@@ -1215,6 +1225,20 @@ impl Config {
                 return Err(ConfigError::Invalid {
                     field: "metrics_addr",
                     reason: format!("`{addr}` is not host:port (e.g. 0.0.0.0:9464)"),
+                });
+            }
+        }
+        if let Some(url) = &self.otlp_endpoint {
+            let rest = url
+                .strip_prefix("http://")
+                .or_else(|| url.strip_prefix("https://"));
+            if rest.is_none_or(|r| r.is_empty() || r.starts_with('/')) {
+                return Err(ConfigError::Invalid {
+                    field: "otlp_endpoint",
+                    reason: format!(
+                        "`{}` is not an http(s) URL (e.g. http://127.0.0.1:4318)",
+                        redact_url(url)
+                    ),
                 });
             }
         }
@@ -1333,6 +1357,32 @@ mod tests {
         }
         let from_file: Config =
             serde_json::from_str(r#"{"metrics_addr": "[::1]:9464"}"#).expect("parses");
+        from_file.check().expect("valid");
+    }
+
+    #[test]
+    fn trace_export_is_off_unless_an_endpoint_is_given() {
+        let mut c = Config::default();
+        assert_eq!(c.otlp_endpoint, None);
+        c.apply_env(|k| (k == "KEDGE_OTLP_ENDPOINT").then(|| " http://127.0.0.1:4318 ".into()))
+            .expect("applies");
+        assert_eq!(c.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4318"));
+        c.check().expect("valid");
+        assert_eq!(
+            serde_json::to_value(&c).expect("json")["otlp_endpoint"],
+            "http://127.0.0.1:4318"
+        );
+        c.apply_env(|k| (k == "KEDGE_OTLP_ENDPOINT").then(String::new))
+            .expect("applies");
+        assert_eq!(c.otlp_endpoint, None, "an empty variable turns it off");
+        for bad in ["127.0.0.1:4318", "http://", "grpc://collector:4317"] {
+            c.otlp_endpoint = Some(bad.into());
+            let err = c.check().expect_err(bad).to_string();
+            assert!(err.contains("otlp_endpoint"), "{err}");
+        }
+        let from_file: Config =
+            serde_json::from_str(r#"{"otlp_endpoint": "https://otel.example:4318"}"#)
+                .expect("parses");
         from_file.check().expect("valid");
     }
 

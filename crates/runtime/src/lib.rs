@@ -21,6 +21,7 @@
 //! - [`metrics`]: the Prometheus metrics every service counts (names, labels, the recorder and
 //!   the `/metrics` endpoint of `kedge serve`).
 //! - [`secure`]: the secured broker configuration (accounts, least-privilege users), rendered.
+//! - [`trace`]: the W3C `traceparent` a run carries, and joining a span to it.
 //!
 //! Invariant: a service never starts against a broker that failed the layout check
 //! ([`Runtime::connect`] refuses), so no code below has to wonder whether a flag is set.
@@ -40,6 +41,7 @@ pub mod metrics;
 pub mod retention;
 pub mod secure;
 pub mod tasks;
+pub mod trace;
 pub mod view;
 
 use std::sync::Arc;

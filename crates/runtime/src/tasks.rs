@@ -101,6 +101,19 @@ pub async fn submit_raw(
     submission: &Submission<'_>,
     wait: Duration,
 ) -> Result<Answer, SubmitError> {
+    submit_traced(client, subject, body, submission, None, wait).await
+}
+
+/// [`submit_raw`] with the W3C `traceparent` the run joins (the `traceparent` header; see
+/// [`crate::trace`]).
+pub async fn submit_traced(
+    client: &async_nats::Client,
+    subject: &str,
+    body: bytes::Bytes,
+    submission: &Submission<'_>,
+    traceparent: Option<&str>,
+    wait: Duration,
+) -> Result<Answer, SubmitError> {
     use futures::StreamExt as _;
     let js = async_nats::jetstream::new(client.clone());
     let inbox = client.new_inbox();
@@ -113,6 +126,9 @@ pub async fn submit_raw(
     headers.insert("Nats-Msg-Id", submission.key);
     if let Some(caller) = submission.caller {
         headers.insert(CALLER_HEADER, caller);
+    }
+    if let Some(traceparent) = traceparent {
+        headers.insert(crate::trace::TRACEPARENT_HEADER, traceparent);
     }
     let ack = js
         .publish_with_headers(subject.to_owned(), headers, body.clone())

@@ -23,6 +23,7 @@ use kedge_journal::Recorded;
 use kedge_runtime::inputs;
 use kedge_runtime::tasks::{Answer, Submission, SubmitError};
 use serde_json::{Map, Value, json};
+use tracing::Instrument;
 
 use crate::Bridge;
 use crate::auth::Caller;
@@ -243,13 +244,25 @@ pub(crate) async fn submit(
         caller: Some(&caller.name),
     };
     let wait = Duration::from_millis(bridge.config.intake_wait_ms);
-    let answer = kedge_runtime::tasks::submit_raw(
+    // The client's W3C trace context: this submit joins it, and the task carries it on (as this
+    // span's context when spans are exported, else as it came) to intake and the run.
+    let incoming = kedge_runtime::trace::accept(
+        headers
+            .get(kedge_runtime::trace::TRACEPARENT_HEADER)
+            .and_then(|v| v.to_str().ok()),
+    );
+    let span = tracing::info_span!("submit", agent = %task.agent, tenant = %caller.tenant);
+    kedge_runtime::trace::set_parent(&span, incoming.as_deref());
+    let traceparent = kedge_runtime::trace::of_span(&span).or(incoming);
+    let answer = kedge_runtime::tasks::submit_traced(
         &bridge.rt.client,
         &kedge_core::subjects::task_for(&task.agent, &caller.tenant),
         raw,
         &submission,
+        traceparent.as_deref(),
         wait,
     )
+    .instrument(span)
     .await;
     match answer {
         Ok(Answer::Accepted { run_id }) => {

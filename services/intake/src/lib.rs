@@ -49,7 +49,8 @@ use kedge_core::subjects::{self, TaskSubject};
 use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::{ErrorKind, JournalError};
 use kedge_runtime::agents::AgentError;
-use kedge_runtime::{Runtime, RuntimeError, consumer};
+use kedge_runtime::{Runtime, RuntimeError, consumer, trace};
+use tracing::Instrument;
 
 pub use kedge_runtime::tasks::{
     Answer, CALLER_HEADER, DEFAULT_TENANT, REPLY_HEADER, Submission, SubmitError, derive_run_id,
@@ -174,9 +175,14 @@ async fn handle(rt: &Runtime, msg: &Message) {
         })
         .map(str::to_owned);
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
-    let answer = match accept(rt, msg, seq).await {
+    // Joins the submitter's trace (the task's `traceparent` header), as run.created will.
+    let span =
+        tracing::info_span!("intake", subject = %msg.subject, run_id = tracing::field::Empty);
+    trace::set_parent(&span, header(headers, trace::TRACEPARENT_HEADER));
+    let answer = match accept(rt, msg, seq).instrument(span.clone()).await {
         Ok(run_id) => {
-            tracing::info!(run_id = %run_id, "task accepted");
+            span.record("run_id", tracing::field::display(&run_id));
+            tracing::info!(parent: &span, run_id = %run_id, "task accepted");
             Answer::Accepted { run_id }
         }
         Err(Refusal::Reject(rejection)) => {
@@ -300,6 +306,7 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         input: task.input.clone(),
         runtime_version: env!("CARGO_PKG_VERSION").to_owned(),
         metadata: task.metadata.clone(),
+        traceparent: trace::accept(header(headers, trace::TRACEPARENT_HEADER)),
     };
     let env = Envelope::new(
         run_id.clone(),

@@ -254,6 +254,10 @@ impl Driver {
         let keeper = Keeper::start(&self.rt, lease, msg);
         let mut lost = keeper.lost.clone();
         let span = tracing::info_span!("drive", run_id = %run);
+        // The run's trace (from its run.created), when it was read with the lease.
+        if let Ok(Some(state)) = &state {
+            kedge_runtime::trace::set_parent(&span, state.bundle.traceparent.as_deref());
+        }
         let result = self
             .drive_leased(run, &mut w, &mut lost, state)
             .instrument(span)
@@ -638,6 +642,7 @@ impl Driver {
         let run = state.run_id.clone();
         let span =
             tracing::info_span!("step", run_id = %run, step = %plan.step, attempt = %plan.attempt);
+        kedge_runtime::trace::set_parent(&span, state.bundle.traceparent.as_deref());
         async {
             let def = match self.definition(state).await {
                 Ok(def) => def,

@@ -55,6 +55,7 @@ pub fn run_created(run: &RunId) -> Envelope {
                 input: "hello".into(),
                 runtime_version: "test".into(),
                 metadata: Default::default(),
+                traceparent: None,
             }
             .into(),
         )),
