@@ -1,7 +1,9 @@
-//! One trace from submit to result (issue 14, item 3): a `kedge serve all` process with
-//! `KEDGE_OTLP_ENDPOINT` exports its spans over OTLP/HTTP (JSON) to a collector stand-in in this
-//! test, and a task submitted with a W3C `traceparent` header yields the intake, step and tool
-//! spans of its run, all in the submitter's trace (each parented within it, none a root).
+//! One trace from submit to result (issue 14, item 3): `kedge serve all` (and `kedge serve
+//! bridge`) processes with `KEDGE_OTLP_ENDPOINT` export their spans over OTLP/HTTP (JSON) to a
+//! collector stand-in in this test. A task submitted with a W3C `traceparent`, over NATS or to the
+//! bridge, yields the intake, drive, step and tool spans of its run (and the bridge's submit span)
+//! all in the submitter's trace, none of them a root; intake under the submitter's span, or under
+//! the bridge's.
 
 mod common;
 
@@ -24,6 +26,7 @@ const PARENT_SPAN: &str = "00f067aa0ba902b7";
 struct Span {
     name: String,
     trace_id: String,
+    span_id: String,
     parent: String,
     run_id: Option<String>,
 }
@@ -104,6 +107,7 @@ fn spans_of(request: &Value) -> Vec<Span> {
                 out.push(Span {
                     name: s["name"].as_str().unwrap_or_default().to_owned(),
                     trace_id: s["traceId"].as_str().unwrap_or_default().to_lowercase(),
+                    span_id: s["spanId"].as_str().unwrap_or_default().to_lowercase(),
                     parent: s["parentSpanId"]
                         .as_str()
                         .unwrap_or_default()
@@ -116,8 +120,21 @@ fn spans_of(request: &Value) -> Vec<Span> {
     out
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_trace_shows_intake_each_step_and_each_tool_of_a_run() {
+/// How the task reaches intake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// Published over NATS with the `traceparent` header.
+    Nats,
+    /// `POST /v1/runs` on a bridge process (also exporting) with the `traceparent` header.
+    Bridge,
+}
+
+const BRIDGE_TOKEN: &str = "traces-write-token-0123456789";
+
+/// Runs one task (a tool call, then an answer) with a `traceparent` through `via`, and returns
+/// every span the collector got in the submitted trace, once the run's intake, drive, two step
+/// and tool spans (and the bridge's submit span, through the bridge) are there.
+async fn traced_run(via: Via, key: &str) -> Vec<Span> {
     // Step 1 calls a tool, step 2 answers: two step spans and one tool span.
     let script = json!({"models": {"m": {"steps": [
         {"text": "recording", "tool_calls": [{"name": "ledger_append", "arguments": {"text": "one"}}]},
@@ -126,88 +143,165 @@ async fn one_trace_shows_intake_each_step_and_each_tool_of_a_run() {
     let mut h = Harness::start(script, &[]).await;
     h.agent("traced", "m").await;
     let (endpoint, spans) = collector().await;
-    h.spawn_process_with_env(
-        "all",
-        "w-traces",
-        "",
-        &[
-            ("KEDGE_OTLP_ENDPOINT", endpoint),
-            // The SDK's batch delay (5 s by default): spans reach the stand-in promptly.
-            ("OTEL_BSP_SCHEDULE_DELAY", "100".into()),
-        ],
-    );
-
-    // A task published over NATS with the client's trace context in its `traceparent` header.
-    let task = TaskSubmission {
-        agent: "traced".parse().expect("agent name"),
-        input: "go".into(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-    };
-    let submission = kedge_runtime::tasks::Submission {
-        task: &task,
-        key: "task-traced",
-        tenant: "acme",
-        caller: Some("test"),
-    };
+    let export = [
+        ("KEDGE_OTLP_ENDPOINT", endpoint),
+        // The SDK's batch delay (5 s by default): spans reach the stand-in promptly.
+        ("OTEL_BSP_SCHEDULE_DELAY", "100".into()),
+    ];
+    h.spawn_process_with_env("all", "w-traces", "", &export);
     let traceparent = format!("00-{TRACE_ID}-{PARENT_SPAN}-01");
-    let answer = kedge_runtime::tasks::submit_traced(
-        &h.rt.client,
-        &kedge_core::subjects::task_for(&task.agent, &"acme".parse().expect("tenant")),
-        serde_json::to_vec(&task).expect("json").into(),
-        &submission,
-        Some(&traceparent),
-        Duration::from_secs(30),
-    )
-    .await
-    .expect("intake answered");
-    let run = match answer {
-        kedge_intake::Answer::Accepted { run_id } => run_id,
-        kedge_intake::Answer::Rejected { error } => panic!("rejected: {error}"),
+    let run = match via {
+        Via::Nats => {
+            // A task published over NATS with the client's trace context in its header.
+            let task = TaskSubmission {
+                agent: "traced".parse().expect("agent name"),
+                input: "go".into(),
+                run_id: None,
+                budget: None,
+                metadata: Default::default(),
+            };
+            let submission = kedge_runtime::tasks::Submission {
+                task: &task,
+                key,
+                tenant: "acme",
+                caller: Some("test"),
+            };
+            let answer = kedge_runtime::tasks::submit_traced(
+                &h.rt.client,
+                &kedge_core::subjects::task_for(&task.agent, &"acme".parse().expect("tenant")),
+                serde_json::to_vec(&task).expect("json").into(),
+                &submission,
+                Some(&traceparent),
+                Duration::from_secs(30),
+            )
+            .await
+            .expect("intake answered");
+            match answer {
+                kedge_intake::Answer::Accepted { run_id } => run_id,
+                kedge_intake::Answer::Rejected { error } => panic!("rejected: {error}"),
+            }
+        }
+        Via::Bridge => {
+            let listen = format!("127.0.0.1:{}", kedge_testkit::free_port());
+            let mut env = export.to_vec();
+            env.push(("KEDGE_BRIDGE_LISTEN", listen.clone()));
+            env.push(("KEDGE_BRIDGE_TOKENS", format!("{BRIDGE_TOKEN}=acme")));
+            h.spawn_process_with_env("bridge", "w-traces-bridge", "", &env);
+            let http = reqwest::Client::new();
+            let base = format!("http://{listen}");
+            let t0 = Instant::now();
+            while http.get(format!("{base}/readyz")).send().await.is_err() {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(20),
+                    "bridge never came up"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let r = http
+                .post(format!("{base}/v1/runs"))
+                .bearer_auth(BRIDGE_TOKEN)
+                .header("traceparent", &traceparent)
+                .header("idempotency-key", key)
+                .header("content-type", "application/json")
+                .body(json!({"agent": "traced", "input": "go"}).to_string())
+                .send()
+                .await
+                .expect("POST /v1/runs");
+            assert_eq!(r.status().as_u16(), 202);
+            let body: Value = r.json().await.expect("json");
+            body["run_id"]
+                .as_str()
+                .expect("run_id")
+                .parse()
+                .expect("run id")
+        }
     };
     let state = h.wait_terminal(&run, Duration::from_secs(30)).await;
     assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
-    // The journal carries the context: run.created records it.
-    assert_eq!(
-        state.bundle.traceparent.as_deref(),
-        Some(traceparent.as_str())
+    // The journal carries the context: run.created records it (the bridge's own span's context,
+    // in the same trace, when it came through the bridge).
+    let recorded = state
+        .bundle
+        .traceparent
+        .clone()
+        .expect("run.created has a traceparent");
+    assert!(
+        recorded.starts_with(&format!("00-{TRACE_ID}-")),
+        "{recorded}"
     );
 
     // The run's spans arrive at the collector: intake's, two steps' and the tool's.
     let run_id = run.to_string();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let of_run = loop {
-        let of_run: Vec<Span> = spans
+    let in_trace = loop {
+        let in_trace: Vec<Span> = spans
             .lock()
             .expect("spans")
             .iter()
-            .filter(|s| s.run_id.as_deref() == Some(run_id.as_str()))
+            .filter(|s| s.trace_id == TRACE_ID)
             .cloned()
             .collect();
-        let count = |name: &str| of_run.iter().filter(|s| s.name == name).count();
-        if count("intake") >= 1 && count("step") >= 2 && count("tool") >= 1 {
-            break of_run;
+        let count = |name: &str| {
+            in_trace
+                .iter()
+                .filter(|s| s.name == name && s.run_id.as_deref() == Some(run_id.as_str()))
+                .count()
+        };
+        let submitted = via == Via::Nats || in_trace.iter().any(|s| s.name == "submit");
+        if submitted
+            && count("intake") >= 1
+            && count("drive") >= 1
+            && count("step") >= 2
+            && count("tool") >= 1
+        {
+            break in_trace;
         }
+        let all = spans.lock().expect("spans").clone();
         assert!(
             Instant::now() < deadline,
-            "the collector never got the run's intake, step and tool spans: {of_run:#?}"
+            "the collector never got the run's submit, intake, step and tool spans in the \
+             submitted trace; it got: {all:#?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    h.shutdown().await;
-
-    // Every one of them is in the submitter's trace, and none is a root of its own.
-    for s in &of_run {
+    // None of the run's spans is a trace of its own.
+    let run_spans = spans
+        .lock()
+        .expect("spans")
+        .iter()
+        .filter(|s| s.run_id.as_deref() == Some(run_id.as_str()))
+        .cloned()
+        .collect::<Vec<_>>();
+    for s in &run_spans {
         assert_eq!(s.trace_id, TRACE_ID, "{s:?} is not in the submitted trace");
         assert!(!s.parent.is_empty(), "{s:?} is a root");
     }
-    // intake's span is a child of the submitter's span itself.
-    let intake = of_run.iter().find(|s| s.name == "intake").expect("intake");
+    h.shutdown().await;
+    in_trace
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_over_nats_puts_intake_each_step_and_each_tool_in_its_trace() {
+    let spans = traced_run(Via::Nats, "task-traced-nats").await;
+    // Intake's span is a child of the submitter's span itself.
+    let intake = spans.iter().find(|s| s.name == "intake").expect("intake");
     assert_eq!(intake.parent, PARENT_SPAN);
-    let names: BTreeSet<&str> = of_run.iter().map(|s| s.name.as_str()).collect();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_submitted_to_the_bridge_is_one_trace_across_the_processes() {
+    let spans = traced_run(Via::Bridge, "task-traced-bridge").await;
+    // client span → the bridge's submit (another process) → intake → the run's steps and tools.
+    let submit = spans.iter().find(|s| s.name == "submit").expect("submit");
+    assert_eq!(submit.parent, PARENT_SPAN);
+    let intake = spans.iter().find(|s| s.name == "intake").expect("intake");
+    assert_eq!(
+        intake.parent, submit.span_id,
+        "intake is not under the bridge's submit"
+    );
+    let names: BTreeSet<&str> = spans.iter().map(|s| s.name.as_str()).collect();
     assert!(
-        ["intake", "drive", "step", "tool"]
+        ["submit", "intake", "drive", "step", "tool"]
             .iter()
             .all(|n| names.contains(n)),
         "{names:?}"
