@@ -353,10 +353,23 @@ fn flags(cli: &Cli) -> kedge_runtime::config::Flags {
 }
 
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let config = config(&cli)?;
+    let mut config = config(&cli)?;
     if cli.dump_config {
         println!("{}", serde_json::to_string_pretty(&config)?);
         return Ok(ExitCode::SUCCESS);
+    }
+    // A person at a command waits for a broker that is coming up only as long as they would:
+    // processes that set up or serve keep the configured wait (compose starts them together).
+    if !matches!(
+        cli.command,
+        Command::Serve { .. }
+            | Command::Layout
+            | Command::Demo(_)
+            | Command::Agents(_)
+            | Command::MockLlm { .. }
+            | Command::NatsConfig(_)
+    ) {
+        config.nats.connect_wait_ms = config.nats.connect_wait_ms.min(CLI_CONNECT_WAIT_MS);
     }
     match cli.command {
         Command::Demo(args) => crate::demo::run(args, config).await,
@@ -1107,6 +1120,9 @@ fn mcp_tool_specs(server: &str, tools: Vec<kedge_mcp::ToolInfo>) -> Vec<serde_js
         })
         .collect()
 }
+
+/// How long a command that reads or sends to a deployment keeps trying an unreachable broker.
+const CLI_CONNECT_WAIT_MS: u64 = 1_000;
 
 /// `kedge runs show`.
 async fn show_run(rt: &Runtime, run: &RunId, output: Output) -> anyhow::Result<ExitCode> {

@@ -70,6 +70,34 @@ async fn read_only_commands_create_nothing_and_watch_refuses_an_unknown_run() {
     assert!(stderr.contains(&format!("no run {run}")), "{stderr}");
 }
 
+/// A command against a broker that does not answer fails at once instead of waiting as long as
+/// a service would (configured here to 60 s: the helper's 30 s guard fails the test if it waits).
+#[test]
+fn a_command_fails_fast_when_nats_is_unreachable() {
+    let port = kedge_testkit::free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kedge"))
+        .args(["status", &RunId::generate().to_string()])
+        .env("KEDGE_NATS_URL", format!("nats://127.0.0.1:{port}"))
+        .env("KEDGE_NATS_CONNECT_WAIT_MS", "60000")
+        .env_remove("KEDGE_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kedge runs");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("kedge status kept waiting for an unreachable broker");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("output");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cannot connect to NATS"), "{stderr}");
+}
+
 #[test]
 fn completion_scripts_are_printed_for_each_shell() {
     for (shell, marker) in [
