@@ -224,7 +224,10 @@ pub enum RunsCmd {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Output {
     Text,
+    /// One JSON document.
     Json,
+    /// One JSON document per line (what `json` means for a single item).
+    Jsonl,
 }
 
 #[derive(Debug, Args)]
@@ -241,8 +244,11 @@ pub struct ListArgs {
     /// At most this many (the newest).
     #[arg(long, default_value_t = 50)]
     limit: usize,
-    /// One JSON summary per line.
-    #[arg(long)]
+    /// `text` (a table, default), `json` (one array) or `jsonl` (one summary per line).
+    #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+    output: Output,
+    /// The same as `-o jsonl`.
+    #[arg(long, conflicts_with = "output")]
     json: bool,
 }
 
@@ -478,7 +484,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Status {
             run,
-            output: Output::Json,
+            output: Output::Json | Output::Jsonl,
         } => {
             show_run(
                 &Runtime::connect_existing(config).await?,
@@ -1132,7 +1138,7 @@ async fn show_run(rt: &Runtime, run: &RunId, output: Output) -> anyhow::Result<E
     }
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
     let view = kedge_runtime::view::run_view(&state, &events);
-    if output == Output::Json {
+    if output != Output::Text {
         println!("{}", serde_json::to_string_pretty(&view)?);
         return Ok(ExitCode::SUCCESS);
     }
@@ -1229,8 +1235,17 @@ async fn list_runs(rt: &Runtime, args: ListArgs) -> anyhow::Result<ExitCode> {
     });
     runs.sort_by_key(|r| std::cmp::Reverse(r.created_at));
     runs.truncate(args.limit);
+    let output = if args.json {
+        Output::Jsonl
+    } else {
+        args.output
+    };
+    if output == Output::Json {
+        println!("{}", serde_json::to_string_pretty(&runs)?);
+        return Ok(ExitCode::SUCCESS);
+    }
     for r in &runs {
-        if args.json {
+        if output == Output::Jsonl {
             println!("{}", serde_json::to_string(r)?);
         } else {
             println!(

@@ -98,6 +98,12 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
         ],
     );
     assert_eq!(waiting_only.lines().count(), 1, "{waiting_only}");
+    let array = cli(
+        Kind::Operator,
+        &["runs", "list", "--tenant", &tenant, "-o", "json"],
+    );
+    let array: serde_json::Value = serde_json::from_str(&array).expect("a JSON array");
+    assert_eq!(array.as_array().map(Vec::len), Some(2), "{array}");
     // A dry run of the purge command, as the admin.
     let dry = cli(
         Kind::Admin,
