@@ -95,6 +95,10 @@ pub enum Command {
         /// Keep following after the run ends.
         #[arg(long)]
         follow: bool,
+        /// `text` (the timeline, default) or `jsonl` (`{"seq", "event"}` per event, as
+        /// `kedge journal` prints them; `json` means the same here).
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
     },
     /// Print a shell completion script (`kedge completion bash > /etc/bash_completion.d/kedge`;
     /// zsh: into a directory of `$fpath` as `_kedge`; fish: `~/.config/fish/completions/kedge.fish`).
@@ -467,13 +471,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let run = submit(&rt, &args).await?;
             println!("{run}");
             if args.watch {
-                return watch(&rt, &run, 0, false).await;
+                return watch(&rt, &run, 0, false, Output::Text).await;
             }
             Ok(ExitCode::SUCCESS)
         }
-        Command::Watch { run, after, follow } => {
+        Command::Watch {
+            run,
+            after,
+            follow,
+            output,
+        } => {
             let rt = Runtime::connect_existing(config).await?;
-            watch(&rt, &run, after, follow).await
+            watch(&rt, &run, after, follow, output).await
         }
         Command::Journal { run } => {
             let rt = Runtime::connect_existing(config).await?;
@@ -1004,7 +1013,9 @@ pub async fn watch(
     run: &RunId,
     after: u64,
     follow: bool,
+    output: Output,
 ) -> anyhow::Result<ExitCode> {
+    let text = output == Output::Text;
     // A mistyped id would otherwise wait forever for a run that never comes (--follow waits
     // for one that is about to be created).
     if !follow
@@ -1022,7 +1033,7 @@ pub async fn watch(
         .await
         .context("subscribe to the run's token deltas")?;
     // On a terminal, a question is answered right here (as `kedge demo` does).
-    let interactive = std::io::IsTerminal::is_terminal(&std::io::stdin());
+    let interactive = text && std::io::IsTerminal::is_terminal(&std::io::stdin());
     let (answers_tx, mut answers) = tokio::sync::mpsc::unbounded_channel::<(QuestionId, String)>();
     // Folds from the start (the state needs run.created) and prints what comes after `after`.
     let mut tail = std::pin::pin!(rt.journal.tail(run, 0));
@@ -1031,7 +1042,7 @@ pub async fn watch(
     loop {
         let next = tokio::select! {
             next = tail.next() => next,
-            Some(d) = deltas.next() => {
+            Some(d) = deltas.next(), if text => {
                 if let Some(text) = serde_json::from_slice::<serde_json::Value>(&d.payload)
                     .ok()
                     .and_then(|v| v.get("text").and_then(|t| t.as_str()).map(str::to_owned))
@@ -1062,7 +1073,9 @@ pub async fn watch(
             None => state = Some(kedge_core::RunState::created(r.seq, &r.envelope)?),
             Some(s) => s.apply(r.seq, &r.envelope)?,
         }
-        if r.seq > after {
+        if r.seq > after && !text {
+            println!("{}", serde_json::json!({"seq": r.seq, "event": r.envelope}));
+        } else if r.seq > after {
             // Time since the run was created, then the event.
             let elapsed = state
                 .as_ref()
@@ -1089,7 +1102,9 @@ pub async fn watch(
             && s.status.is_terminal()
             && !follow
         {
-            println!("{}", timeline::status_line(s));
+            if text {
+                println!("{}", timeline::status_line(s));
+            }
             return Ok(if s.status == kedge_core::RunStatus::Succeeded {
                 ExitCode::SUCCESS
             } else {

@@ -65,6 +65,23 @@ async fn watch_shows_elapsed_time_and_the_streamed_text() {
         .and_then(|t| t.parse().ok())
         .unwrap_or_else(|| panic!("no elapsed time on {succeeded:?}"));
     assert!(secs >= 1.4, "{succeeded}");
+    // `kedge watch -o jsonl` on the ended run: its events as JSON lines, ending in run.succeeded.
+    let jsonl = Command::new(env!("CARGO_BIN_EXE_kedge"))
+        .args(["watch", run.as_str(), "-o", "jsonl"])
+        .env("KEDGE_NATS_URL", h.nats.url())
+        .env_remove("KEDGE_CONFIG")
+        .envs(common::kind_env(&h.config, Kind::Operator))
+        .output()
+        .expect("kedge watch -o jsonl");
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&jsonl.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(lines.len(), h.events(&run).await.len());
+    assert_eq!(
+        lines.last().map(|l| l["event"]["type"].clone()),
+        Some(json!("run.succeeded"))
+    );
     // `kedge status -o json` is the run view.
     let status = Command::new(env!("CARGO_BIN_EXE_kedge"))
         .args(["status", run.as_str(), "-o", "json"])
