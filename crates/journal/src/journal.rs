@@ -1067,18 +1067,22 @@ impl Journal {
         Ok((runs, through))
     }
 
-    /// Removes every message of the run's journal (`agent.run.<id>.>`) from the stream: for
-    /// retention of finished runs only (`kedge_runtime::retention` checks that first). Returns
-    /// how many messages were removed (0 when the run has none: purging twice is harmless).
-    /// Needs the `$JS.API.STREAM.PURGE` permission, which no service user has.
-    pub async fn purge_run(&self, run: &RunId) -> Result<u64, JournalError> {
-        purge(
+    /// Removes the run's journal (`agent.run.<id>.>`) from the stream, up to and including
+    /// sequence `through`: for retention of finished runs only (`kedge_runtime::retention`
+    /// checks that first, on the journal it read through `through`). A message that landed
+    /// after that read (an input reviving the run) is not removed. Returns how many messages
+    /// were removed (0 when there are none: purging twice is harmless). Needs the
+    /// `$JS.API.STREAM.PURGE` permission, which no service user has.
+    pub async fn purge_run(&self, run: &RunId, through: u64) -> Result<u64, JournalError> {
+        wire::purge(
             &self.client,
             RUNS_STREAM,
             &subjects::run_all(run),
+            Some(through.saturating_add(1)),
             self.timeout,
         )
         .await
+        .map_err(|e| JournalError::from_wire("purge", e))
     }
 
     /// Sequence of the run's last event of any kind; `None` for a run with no events.
@@ -1204,7 +1208,7 @@ pub async fn purge(
             "`{filter}` is not a subject filter"
         )));
     }
-    wire::purge(client, stream, filter, timeout)
+    wire::purge(client, stream, filter, None, timeout)
         .await
         .map_err(|e| JournalError::from_wire("purge", e))
 }

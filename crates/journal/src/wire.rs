@@ -522,15 +522,20 @@ struct RawPurge {
     purged: u64,
 }
 
-/// A stream purge of the messages on subjects matching `filter` (`STREAM.PURGE`); how many
-/// were removed.
+/// A stream purge of the messages on subjects matching `filter` (`STREAM.PURGE`), only those
+/// before sequence `before` when given; how many were removed.
 pub(crate) async fn purge(
     client: &Client,
     stream: &str,
     filter: &str,
+    before: Option<u64>,
     timeout: Duration,
 ) -> Result<u64, WireError> {
-    let body = serde_json::json!({ "filter": filter }).to_string();
+    let body = match before {
+        Some(seq) => serde_json::json!({ "filter": filter, "seq": seq }),
+        None => serde_json::json!({ "filter": filter }),
+    }
+    .to_string();
     let msg = request(
         client,
         format!("{API_PREFIX}.STREAM.PURGE.{stream}"),

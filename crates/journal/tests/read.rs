@@ -526,3 +526,33 @@ async fn a_read_through_a_known_sequence_returns_the_run_up_to_it_and_after() {
         .unwrap();
     assert_eq!(page.events.len(), 10);
 }
+
+#[tokio::test]
+async fn a_purge_through_a_sequence_leaves_what_landed_after_it() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    let first = journal
+        .append_input(&user_message(&run, "seen"), "p-1")
+        .await
+        .unwrap();
+    // Landed after the purger's read, which went through `first`.
+    let later = journal
+        .append_input(&user_message(&run, "came later"), "p-2")
+        .await
+        .unwrap();
+    assert_eq!(journal.purge_run(&run, first).await.unwrap(), 2);
+    let left: Vec<u64> = journal
+        .read(&run, 0)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.seq)
+        .collect();
+    assert_eq!(left, vec![later]);
+    assert!(created.last_seq < first);
+    // Through the end: nothing left; again: nothing to do.
+    assert_eq!(journal.purge_run(&run, later).await.unwrap(), 1);
+    assert!(journal.read(&run, 0).await.unwrap().is_empty());
+    assert_eq!(journal.purge_run(&run, later).await.unwrap(), 0);
+}

@@ -78,6 +78,10 @@ pub enum RetentionError {
     Fold { run: RunId, reason: String },
     #[error("archive of run {run}: {reason}")]
     Archive { run: RunId, reason: String },
+    /// An event landed on the run while it was purged (a message reviving it): what was read
+    /// is gone, what came after was left in the journal.
+    #[error("run {run} got an event while it was purged; the events after the check were left")]
+    Revived { run: RunId },
 }
 
 /// The object name of a run's archived journal in `kedge_blobs`.
@@ -158,7 +162,18 @@ pub async fn purge_run(
     for (stream, filter) in &filters {
         records += kedge_journal::purge(&rt.client, stream, filter, timeout).await?;
     }
-    let events = rt.journal.purge_run(run).await?;
+    // Only what was read and found finished: an input that lands meanwhile (reviving the run)
+    // stays, and the run is reported as not purged whole.
+    let through = page
+        .events
+        .last()
+        .map_or(0, |r| r.seq)
+        .max(page.set_aside.last().map_or(0, |a| a.seq));
+    let events = rt.journal.purge_run(run, through).await?;
+    if rt.journal.last_seq(run).await?.is_some() {
+        tracing::warn!(run_id = %run, through, "an event landed on the run while it was purged; it was left in the journal");
+        return Err(RetentionError::Revived { run: run.clone() });
+    }
     tracing::info!(run_id = %run, events, records, archived = archive.is_some(), "run purged");
     Ok(Purged::Purged {
         events,
