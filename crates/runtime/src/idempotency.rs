@@ -132,11 +132,13 @@ impl IdempotencyStore {
         }
     }
 
-    fn model_key(request: &ModelRequestId) -> String {
+    /// The bucket key of a request's stored model response.
+    pub fn model_key(request: &ModelRequestId) -> String {
         format!("model.{request}")
     }
 
-    fn op_key(op: &OperationId) -> String {
+    /// The bucket key of an operation's record.
+    pub fn op_key(op: &OperationId) -> String {
         format!("op.{op}")
     }
 

@@ -44,6 +44,12 @@ pub mod tasks;
 pub mod trace;
 pub mod view;
 
+/// A uniformly random `u64` for the jitter of a backoff (the core takes it as an input, so its
+/// decisions stay pure): the step's model-call retries and the tool's attempt retries draw here.
+pub fn jitter_draw() -> u64 {
+    uuid::Uuid::new_v4().as_u64_pair().0
+}
+
 use std::sync::Arc;
 
 use async_nats::jetstream;

@@ -28,6 +28,7 @@ use kedge_journal::JournalError;
 use serde::Serialize;
 
 use crate::Runtime;
+use crate::idempotency::IdempotencyStore;
 
 /// The streams behind the buckets a run has keys in.
 const IDEMPOTENCY_STREAM: &str = "KV_kedge_idempotency";
@@ -126,14 +127,18 @@ pub async fn purge_run(
         if let Event::StepStarted(s) = &r.envelope.event {
             filters.push((
                 IDEMPOTENCY_STREAM,
-                format!("{}model.{}", kv(IDEMPOTENCY_BUCKET), s.request_id),
+                format!(
+                    "{}{}",
+                    kv(IDEMPOTENCY_BUCKET),
+                    IdempotencyStore::model_key(&s.request_id)
+                ),
             ));
         }
     }
     for op in state.ops.keys() {
         filters.push((
             IDEMPOTENCY_STREAM,
-            format!("{}op.{op}", kv(IDEMPOTENCY_BUCKET)),
+            format!("{}{}", kv(IDEMPOTENCY_BUCKET), IdempotencyStore::op_key(op)),
         ));
     }
     filters.push((LEASES_STREAM, format!("{}{run}", kv(LEASES_BUCKET))));

@@ -876,20 +876,7 @@ enum CallError {
 /// backoff with jitter ([`kedge_core::decide::model_retry_delay`]: many runs failing at once on
 /// one provider do not retry in step); never more than `max`.
 fn retry_delay(e: &ModelError, attempt: u32, max: Duration) -> Duration {
-    kedge_core::decide::model_retry_delay(attempt, e.retry_after, max, jitter_draw())
-}
-
-/// A uniformly random `u64` for the jitter (the core takes it as an input): a fresh
-/// `RandomState` is randomly keyed.
-fn jitter_draw() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
+    kedge_core::decide::model_retry_delay(attempt, e.retry_after, max, kedge_runtime::jitter_draw())
 }
 
 /// Counts a model call attempt: its outcome and duration, an error's class and kind, an

@@ -758,7 +758,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
         && !stopped
         && let Some(policy) = &req.retry
     {
-        match policy.after_failure(&req.tool, attempt, out.class, jitter_draw(op, attempt)) {
+        match policy.after_failure(&req.tool, attempt, out.class, kedge_runtime::jitter_draw()) {
             Verdict::Retry { next, delay } => {
                 let class = out.class.unwrap_or(ToolErrorClass::Transient);
                 tracing::info!(attempt, %class, delay_ms = delay.as_millis(), "attempt failed; retrying");
@@ -834,18 +834,6 @@ fn until(due: Timestamp) -> Option<Duration> {
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// A uniformly random `u64` for the jitter of a backoff (the core takes it as an input; what
-/// was drawn is journaled as the wait). A fresh `RandomState` is randomly keyed, and the time
-/// and the operation make each draw distinct.
-fn jitter_draw(op: &OperationId, attempt: u32) -> u64 {
-    use std::hash::{BuildHasher, Hash, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    op.to_string().hash(&mut h);
-    attempt.hash(&mut h);
-    std::time::SystemTime::now().hash(&mut h);
-    h.finish()
 }
 
 /// Journals a failed attempt that will be tried again after `delay` (`tool.attempt`, once per
