@@ -540,12 +540,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             text,
         } => {
             let rt = Runtime::connect_existing(config).await?;
-            let key = InputId::answer(&question);
-            let event = Event::QuestionAnswered(QuestionAnswered {
-                question_id: question,
-                answer: text,
-            });
-            send_input(&rt, &run, event, &key).await
+            send_answer(&rt, &run, question, text).await
         }
         Command::Approve {
             run,
@@ -705,6 +700,21 @@ async fn dead(rt: &Runtime, cmd: DeadCmd) -> anyhow::Result<ExitCode> {
 
 fn uuid_like() -> String {
     RunId::generate().body().to_owned()
+}
+
+/// Answers a run's question (`kedge answer`, and `kedge watch` on a terminal).
+async fn send_answer(
+    rt: &Runtime,
+    run: &RunId,
+    question: QuestionId,
+    answer: String,
+) -> anyhow::Result<ExitCode> {
+    let key = InputId::answer(&question);
+    let event = Event::QuestionAnswered(QuestionAnswered {
+        question_id: question,
+        answer,
+    });
+    send_input(rt, run, event, &key).await
 }
 
 async fn send_input(
@@ -1057,9 +1067,7 @@ pub async fn watch(
                 continue;
             }
             Some((question, text)) = answers.recv() => {
-                let key = InputId::answer(&question);
-                let event = Event::QuestionAnswered(QuestionAnswered { question_id: question, answer: text });
-                send_input(rt, run, event, &key).await?;
+                send_answer(rt, run, question, text).await?;
                 continue;
             }
         };
