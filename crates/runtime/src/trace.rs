@@ -94,10 +94,23 @@ fn hex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-/// `value` (a header, say) if it is a valid `traceparent`, trimmed; `None` if absent or malformed.
+/// `value` (a header, say) if it is a valid `traceparent`, rewritten in its 55-character
+/// version-00 form (so what a caller sends is never stored as given: a later version's extra
+/// fields, of any length, are dropped); `None` if absent or malformed.
 pub fn accept(value: Option<&str>) -> Option<String> {
-    let value = value?.trim();
-    TraceParent::parse(value).map(|_| value.to_owned())
+    TraceParent::parse(value?).map(|t| t.to_header())
+}
+
+impl TraceParent {
+    /// The version-00 header: `00-<trace id>-<span id>-<flags>`.
+    pub fn to_header(&self) -> String {
+        let span: String = self.span_id.iter().map(|b| format!("{b:02x}")).collect();
+        format!(
+            "00-{}-{span}-{}",
+            self.trace_id_hex(),
+            if self.sampled { "01" } else { "00" }
+        )
+    }
 }
 
 static EXPORTING: AtomicBool = AtomicBool::new(false);
@@ -179,6 +192,15 @@ mod tests {
             ))
             .as_deref(),
             Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00")
+        );
+        // A later version's extra fields, however long, are not stored: the value is rewritten.
+        let long = format!(
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-{}",
+            "x".repeat(10_000)
+        );
+        assert_eq!(
+            accept(Some(&long)).as_deref(),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
         );
     }
 }
