@@ -51,6 +51,8 @@ const MAX_PEERS: usize = 4096;
 /// `step_concurrency` / `tool_concurrency` in use; beyond it, a gone worker's extra holdings are
 /// recovered by redelivery instead).
 const MAX_HELD: usize = 10_000;
+/// Ids one "added" heartbeat may contribute (a process sends one per run or operation it takes).
+const MAX_ADDED: usize = 16;
 
 /// What a heartbeat says its process holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,12 +78,15 @@ impl Beat {
     /// At most [`MAX_HELD`] runs and operations are kept.
     fn onto(self, known: &mut Beat) {
         if self.added {
-            for run in self.runs {
+            // A process announces what it just took one id at a time; a heartbeat on this
+            // subject claiming more (anyone may publish one) is cut to a few, so each costs at
+            // most a few linear scans of what is known, never a quadratic one.
+            for run in self.runs.into_iter().take(MAX_ADDED) {
                 if known.runs.len() < MAX_HELD && !known.runs.contains(&run) {
                     known.runs.push(run);
                 }
             }
-            for op in self.ops {
+            for op in self.ops.into_iter().take(MAX_ADDED) {
                 if known.ops.len() < MAX_HELD && !known.ops.contains(&op) {
                     known.ops.push(op);
                 }
@@ -506,6 +511,18 @@ async fn probe_suspects(inner: Weak<Inner>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_added_beat_contributes_a_few_ids_however_many_it_claims() {
+        let mut known = Beat::default();
+        Beat {
+            runs: (0..50_000).map(|_| RunId::generate()).collect(),
+            added: true,
+            ..Beat::default()
+        }
+        .onto(&mut known);
+        assert_eq!(known.runs.len(), MAX_ADDED);
+    }
 
     #[test]
     fn an_added_beat_adds_and_a_full_one_replaces() {
