@@ -77,3 +77,53 @@ async fn held_taken_over_once_and_released() {
     ));
     h.shutdown().await;
 }
+
+/// Under a retry policy, a later attempt's number does not supersede an earlier attempt that
+/// still runs (a `tool.attempt` in the journal is not proof the attempt ended): it is held, or
+/// taken over with a confirm query once its runner is gone; a later dispatch still supersedes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_attempt_never_supersedes_a_running_one() {
+    use kedge_core::tools::claim_dispatch;
+    let h = Harness::start(json!({"models": {}}), &[]).await;
+    let ids = &h.rt.idempotency;
+    let run = RunId::generate();
+    let op = OperationId::new(&run, StepNo(1), 0);
+    let d = Digest::of_bytes(b"args");
+    let base = claim_dispatch(0, 1, true);
+    assert!(matches!(
+        ids.claim_attempt(&op, &d, "a", base, base, LONG)
+            .await
+            .expect("claim"),
+        Claim::Fresh { .. }
+    ));
+    // Attempt 2 while attempt 1 runs on a live runner: held.
+    let second = claim_dispatch(0, 2, true);
+    assert!(matches!(
+        ids.claim_attempt(&op, &d, "b", second, base, LONG)
+            .await
+            .expect("claim"),
+        Claim::Held { .. }
+    ));
+    // Its runner gone: taken over, but asked about first (not a superseded dispatch).
+    assert!(matches!(
+        ids.claim_from(&op, &d, "b", second, base, LONG, Some("a"))
+            .await
+            .expect("claim"),
+        Claim::TakenOver {
+            redispatched: false,
+            ..
+        }
+    ));
+    // A later dispatch supersedes a running attempt of an earlier one.
+    let next_dispatch = claim_dispatch(1, 1, true);
+    assert!(matches!(
+        ids.claim_attempt(&op, &d, "c", next_dispatch, next_dispatch, LONG)
+            .await
+            .expect("claim"),
+        Claim::TakenOver {
+            redispatched: true,
+            ..
+        }
+    ));
+    h.shutdown().await;
+}

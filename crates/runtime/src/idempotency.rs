@@ -228,20 +228,62 @@ impl IdempotencyStore {
         dispatch: u32,
         abandoned_after: Duration,
     ) -> Result<Claim, IdempotencyError> {
-        self.claim_from(op, args_digest, runner, dispatch, abandoned_after, None)
-            .await
+        self.claim_from(
+            op,
+            args_digest,
+            runner,
+            dispatch,
+            dispatch,
+            abandoned_after,
+            None,
+        )
+        .await
+    }
+
+    /// [`IdempotencyStore::claim`] for one attempt of a dispatch under a retry policy: claimed
+    /// under `code` (the attempt's number, `kedge_core::tools::claim_dispatch`), where the
+    /// dispatch's own numbers start at `dispatch_from`. An attempt supersedes an earlier
+    /// attempt's record only once that one was given back (its failure journaled and its record
+    /// released) or its runner is gone, never while it still runs: a `tool.attempt` in the
+    /// journal (anyone with the tool user's rights can publish one) does not start a second
+    /// attempt beside a live one. A later *dispatch* supersedes as before.
+    pub async fn claim_attempt(
+        &self,
+        op: &OperationId,
+        args_digest: &Digest,
+        runner: &str,
+        code: u32,
+        dispatch_from: u32,
+        abandoned_after: Duration,
+    ) -> Result<Claim, IdempotencyError> {
+        self.claim_from(
+            op,
+            args_digest,
+            runner,
+            code,
+            dispatch_from,
+            abandoned_after,
+            None,
+        )
+        .await
     }
 
     /// [`IdempotencyStore::claim`], where the caller knows that runner `gone` is gone (the
     /// broker has no connection for it: `crate::liveness`): a `running` record of `gone` is
     /// abandoned whatever its age. Taking it over is the same compare-and-set, so of several
     /// takers one wins; whether the operation happened is for the confirm query to say.
+    ///
+    /// A `running` record is superseded without being abandoned only when its number is below
+    /// `supersedes_below` (an earlier dispatch; [`IdempotencyStore::claim`] passes `dispatch`),
+    /// and only then without a confirm query (`redispatched`).
+    #[allow(clippy::too_many_arguments)]
     pub async fn claim_from(
         &self,
         op: &OperationId,
         args_digest: &Digest,
         runner: &str,
         dispatch: u32,
+        supersedes_below: u32,
         abandoned_after: Duration,
         gone: Option<&str>,
     ) -> Result<Claim, IdempotencyError> {
@@ -287,6 +329,9 @@ impl IdempotencyStore {
                     let age = Duration::try_from(time::OffsetDateTime::now_utc() - since)
                         .unwrap_or_default();
                     let holder_gone = gone.is_some_and(|g| g == rec.runner);
+                    // Only an earlier dispatch is superseded while it runs (an earlier attempt
+                    // of this one still running is held, or abandoned like any other).
+                    let redispatched = rec.dispatch < supersedes_below;
                     if !redispatched && !holder_gone && age < abandoned_after {
                         return Ok(Claim::Held {
                             runner: rec.runner,

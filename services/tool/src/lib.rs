@@ -541,10 +541,16 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                 retry_in_ms: millis(wait),
             });
         }
-        let code = claim_dispatch(req.redispatch, next.number, true);
         let claim = rt
             .idempotency
-            .claim(op, &req.args_digest, runner, code, abandoned_after)
+            .claim_attempt(
+                op,
+                &req.args_digest,
+                runner,
+                claim_dispatch(req.redispatch, next.number, true),
+                claim_dispatch(req.redispatch, 1, true),
+                abandoned_after,
+            )
             .await;
         (claim, cancel_requested, next.number)
     } else {
@@ -576,6 +582,7 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                 &req.args_digest,
                 runner,
                 code,
+                claim_dispatch(req.redispatch, 1, retried),
                 abandoned_after,
                 Some(holder.as_str()),
             )
