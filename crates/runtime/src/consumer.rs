@@ -190,12 +190,70 @@ pub async fn dead_letter(
     }
 }
 
+/// How long [`hand_back`] waits for one more message before it deems the consumer's buffer
+/// empty.
+const HAND_BACK_QUIET: Duration = Duration::from_millis(50);
+/// The most time [`hand_back`] spends.
+const HAND_BACK_FOR: Duration = Duration::from_secs(2);
+
+/// On a graceful stop, hands back at once what the consumer's stream pulled and nothing
+/// started: the client pulls in batches (200 messages per request), so a stopping process may
+/// hold wakes or operation requests no handler took. Each is NAKed without delay, so another
+/// process gets it now instead of after the ack wait (30 s for the step, 90 s for the tool).
+///
+/// The buffered messages are taken first and the stream (with its subscription, so its open
+/// pull request finds no interest) is dropped before any NAK: a handed-back message cannot be
+/// delivered to this process again and bounce here, burning the consumer's `max_deliver`.
+/// Bounded by [`HAND_BACK_FOR`]. Returns how many messages were handed back.
+pub async fn hand_back(mut messages: pull::Stream, consumer: &str) -> usize {
+    use futures::StreamExt as _;
+    let until = tokio::time::Instant::now() + HAND_BACK_FOR;
+    let mut pulled = Vec::new();
+    loop {
+        let quiet =
+            HAND_BACK_QUIET.min(until.saturating_duration_since(tokio::time::Instant::now()));
+        match tokio::time::timeout(quiet, messages.next()).await {
+            Ok(Some(Ok(msg))) => pulled.push(msg),
+            Ok(Some(Err(_))) => {}
+            Ok(None) | Err(_) => break,
+        }
+    }
+    drop(messages);
+    let mut handed = 0;
+    for msg in pulled {
+        match msg
+            .ack_with(async_nats::jetstream::AckKind::Nak(None))
+            .await
+        {
+            Ok(()) => handed += 1,
+            Err(e) => {
+                let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+                tracing::debug!(consumer, seq, error = %e, "could not hand a message back; it is redelivered after the ack wait");
+            }
+        }
+    }
+    if handed > 0 {
+        tracing::info!(
+            consumer,
+            handed,
+            "handed back the messages pulled and not started"
+        );
+    }
+    handed
+}
+
 /// Runs handlers with at most `n` at once; [`Workers::drain`] waits for those in flight (a
 /// service's graceful stop).
 #[derive(Debug, Clone)]
 pub struct Workers {
     permits: std::sync::Arc<tokio::sync::Semaphore>,
     n: u32,
+}
+
+/// A reserved handler slot of [`Workers`] (freed when the handler it is given to ends).
+#[derive(Debug)]
+pub struct Slot {
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl Workers {
@@ -209,11 +267,37 @@ impl Workers {
 
     /// Waits for a free slot and runs `task` on it.
     pub async fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
-        let permit = self.permits.clone().acquire_owned().await;
+        let slot = self.slot().await;
+        self.run(slot, task);
+    }
+
+    /// Waits for a free slot. Cancel-safe.
+    pub async fn slot(&self) -> Slot {
+        Slot {
+            _permit: self.permits.clone().acquire_owned().await.ok(),
+        }
+    }
+
+    /// Runs `task` on `slot`, which it frees when it ends.
+    pub fn run(&self, slot: Slot, task: impl std::future::Future<Output = ()> + Send + 'static) {
         tokio::spawn(async move {
             task.await;
-            drop(permit);
+            drop(slot);
         });
+    }
+
+    /// The consumer's next message together with a free slot to handle it. The slot is taken
+    /// first, so no message is ever held waiting for one: on a graceful stop, what was pulled
+    /// and not started is all in the stream, for [`hand_back`]. Cancel-safe (for `select!`).
+    /// `None` once the stream has ended.
+    pub async fn next(
+        &self,
+        messages: &mut pull::Stream,
+        consumer: &str,
+    ) -> Option<(Slot, async_nats::jetstream::Message)> {
+        let slot = self.slot().await;
+        let msg = next_message(messages, consumer).await?;
+        Some((slot, msg))
     }
 
     /// Waits until every running handler has finished.

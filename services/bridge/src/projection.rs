@@ -312,29 +312,28 @@ pub async fn run_projector(
     tracing::info!(worker = %rt.config.worker_id, "projector started");
     tokio::pin!(shutdown);
     loop {
-        let msg = tokio::select! {
+        let (slot, msg) = tokio::select! {
             _ = &mut shutdown => break,
-            next = consumer::next_message(&mut messages, PROJECTOR) => match next {
-                Some(msg) => msg,
+            next = workers.next(&mut messages, PROJECTOR) => match next {
+                Some(next) => next,
                 None => break,
             },
         };
         let projection = projection.clone();
-        workers
-            .spawn(async move {
-                use futures::FutureExt as _;
-                let handled = std::panic::AssertUnwindSafe(handle(&projection, &msg))
-                    .catch_unwind()
-                    .await;
-                let verdict = handled.unwrap_or_else(|panic| {
-                    let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
-                    tracing::error!(subject = %msg.subject, panic = %reason, "projecting panicked");
-                    Verdict::Retry(format!("panicked: {reason}"))
-                });
-                settle(&projection.js, &msg, verdict, cap).await;
-            })
-            .await;
+        workers.run(slot, async move {
+            use futures::FutureExt as _;
+            let handled = std::panic::AssertUnwindSafe(handle(&projection, &msg))
+                .catch_unwind()
+                .await;
+            let verdict = handled.unwrap_or_else(|panic| {
+                let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
+                tracing::error!(subject = %msg.subject, panic = %reason, "projecting panicked");
+                Verdict::Retry(format!("panicked: {reason}"))
+            });
+            settle(&projection.js, &msg, verdict, cap).await;
+        });
     }
+    consumer::hand_back(messages, PROJECTOR).await;
     workers.drain().await;
     tracing::info!("projector stopped");
     Ok(())

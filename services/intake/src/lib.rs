@@ -76,16 +76,15 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     tracing::info!(worker = %rt.config.worker_id, "intake service started");
     tokio::pin!(shutdown);
     loop {
-        let msg = tokio::select! {
+        let (slot, msg) = tokio::select! {
             _ = &mut shutdown => break,
-            next = consumer::next_message(&mut messages, "intake") => match next {
-                Some(msg) => msg,
+            next = workers.next(&mut messages, CONSUMER) => match next {
+                Some(next) => next,
                 None => break,
             },
         };
         let rt = rt.clone();
-        workers
-            .spawn(async move {
+        workers.run(slot, async move {
                 // A panic while handling one task (a bug) is contained: the task is handed back
                 // (bounded by the consumer's max_deliver; the last delivery is answered).
                 let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
@@ -101,9 +100,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                         tracing::warn!(seq, error = %e, "could not hand the task back; it is redelivered after the ack wait");
                     }
                 }
-            })
-            .await;
+            });
     }
+    consumer::hand_back(messages, CONSUMER).await;
     workers.drain().await;
     tracing::info!("intake service stopped");
     Ok(())

@@ -126,7 +126,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                         for run in death.held.runs {
                             drives.driver.adopting(&run, last_heard);
                             tracing::info!(run_id = %run, worker = %death.worker, "adopting a run of a gone worker");
-                            drives.start(run, None).await;
+                            drives.start(run, None, None).await;
                         }
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
@@ -136,19 +136,21 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 }
                 continue;
             }
-            next = consumer::next_message(&mut messages, CONSUMER) => match next {
-                Some(msg) => msg,
+            next = drives.workers.next(&mut messages, CONSUMER) => match next {
+                Some(next) => next,
                 None => break,
             },
         };
+        let (slot, msg) = msg;
         let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) else {
             tracing::warn!(subject = %msg.subject, "not a journal event subject; terminating it");
             let _ = msg.ack_with(AckKind::Term).await;
             continue;
         };
-        drives.start(parsed.run_id, Some(msg)).await;
+        drives.start(parsed.run_id, Some(msg), Some(slot)).await;
     }
-    // Drain: wait for every in-flight drive to finish.
+    // Drain: hand back the wakes pulled and not started, then wait for every in-flight drive.
+    consumer::hand_back(messages, CONSUMER).await;
     drives.workers.drain().await;
     tracing::info!("step service stopped");
     Ok(())
@@ -165,8 +167,8 @@ struct Drives {
 
 impl Drives {
     /// Drives `run_id`, woken by `msg` (settled after the drive) or, without one, adopted from
-    /// a gone worker.
-    async fn start(&self, run_id: RunId, msg: Option<Message>) {
+    /// a gone worker; on `slot` when one is reserved already, else on the next free one.
+    async fn start(&self, run_id: RunId, msg: Option<Message>, slot: Option<consumer::Slot>) {
         // Whether a drive of this run is already in progress here (then it absorbs this wake).
         let seq = msg.as_ref().and_then(wake_seq);
         let absorbed = match self.active.lock() {
@@ -199,8 +201,11 @@ impl Drives {
         let driver = self.driver.clone();
         let active = self.active.clone();
         let js = self.js.clone();
-        self.workers
-            .spawn(async move {
+        let slot = match slot {
+            Some(slot) => slot,
+            None => self.workers.slot().await,
+        };
+        self.workers.run(slot, async move {
                 let msg = msg.map(Arc::new);
                 let mut through = seq;
                 let result = loop {
@@ -239,8 +244,7 @@ impl Drives {
                         }
                     }
                 }
-            })
-            .await;
+            });
     }
 }
 

@@ -122,6 +122,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     tracing::info!(worker = %rt.config.worker_id, "timer service started");
     tokio::pin!(shutdown);
     let ended = loop {
+        // A slot first, so no message is held waiting for one (see `Workers::next`).
+        let slot = tokio::select! {
+            _ = &mut shutdown => break None,
+            slot = workers.slot() => slot,
+        };
         let (msg, kind) = tokio::select! {
             _ = &mut shutdown => break None,
             next = consumer::next_message(&mut scheduled, SCHEDULED_CONSUMER) => match next {
@@ -134,8 +139,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             },
         };
         let rt = rt.clone();
-        workers
-            .spawn(async move {
+        workers.run(slot, async move {
                 // A panic while handling one message (a bug) is contained: it counts as a
                 // failed delivery (handed back, and dead-lettered at the last one).
                 let handled = AssertUnwindSafe(async {
@@ -152,9 +156,10 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                     Verdict::Retry(format!("panicked: {reason}"))
                 });
                 settle(&rt, kind.consumer(), &msg, verdict).await;
-            })
-            .await;
+            });
     };
+    consumer::hand_back(scheduled, SCHEDULED_CONSUMER).await;
+    consumer::hand_back(fired, FIRED_CONSUMER).await;
     workers.drain().await;
     match ended {
         None => {
