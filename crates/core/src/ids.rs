@@ -606,9 +606,10 @@ impl InputId {
     pub fn tool_result(op: &OperationId) -> InputId {
         InputId(format!("tool.result:{op}"))
     }
-    /// A person's resolution of an ambiguous operation (`nonce` makes each one distinct).
-    pub fn outcome_resolved(op: &OperationId, nonce: &str) -> InputId {
-        InputId(format!("outcome.resolved:{op}:{nonce}"))
+    /// A person's resolution of the ambiguity of an operation's `dispatch` (its count of
+    /// dispatches when found ambiguous): one per ambiguity, a repeat is a duplicate.
+    pub fn outcome_resolved(op: &OperationId, dispatch: u32) -> InputId {
+        InputId(format!("outcome.resolved:{op}:{dispatch}"))
     }
     /// `tool.started` of one claim of an operation (`revision`: the claim's record revision).
     pub fn tool_started(op: &OperationId, revision: u64) -> InputId {

@@ -598,7 +598,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             failed,
             by,
         } => {
-            use kedge_core::event::{OutcomeResolved, Resolution};
+            use kedge_core::event::Resolution;
             let resolution = match (retry, completed, failed) {
                 (true, None, None) => Resolution::Retry,
                 (false, Some(content), None) => Resolution::Completed { content },
@@ -606,14 +606,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 _ => bail!("give exactly one of --retry, --completed TEXT, --failed REASON"),
             };
             let rt = Runtime::connect_existing(config).await?;
-            let mut draft = Draft::new(Event::OutcomeResolved(OutcomeResolved { resolution, by }));
-            draft.op = Some(op.clone());
-            let env = Envelope::new(run.clone(), Timestamp::now(), draft);
-            let seq = rt
-                .journal
-                .append_input(&env, InputId::outcome_resolved(&op, &uuid_like()).as_str())
-                .await?;
-            println!("journaled at {seq}");
+            let events = rt.journal.read(&run, 0).await?;
+            let done = kedge_runtime::inputs::resolve(&rt, &run, &events, &op, resolution, by)
+                .await
+                .map_err(|r| anyhow::anyhow!("refused ({}): {r}", r.status()))?;
+            if done.duplicate {
+                println!(
+                    "already resolved (journaled at {}); the first verdict stands",
+                    done.seq
+                );
+            } else {
+                println!("journaled at {}", done.seq);
+            }
             Ok(ExitCode::SUCCESS)
         }
         Command::Cancel { run, reason } => {

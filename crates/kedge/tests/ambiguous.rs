@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{Harness, Svc};
 use kedge_core::RunStatus;
-use kedge_core::event::{Event, OutcomeResolved, Resolution};
+use kedge_core::event::{Event, Resolution};
 use kedge_core::fold::OpStatus;
 use serde_json::json;
 
@@ -42,20 +42,32 @@ async fn an_ambiguous_outcome_waits_for_a_person_then_continues() {
         let still = h.state(&run).await;
         assert_eq!(still.status, RunStatus::Unknown);
         assert_eq!(h.mock.total_calls(), 1);
-        let mut draft = kedge_core::event::Draft::new(Event::OutcomeResolved(OutcomeResolved {
-            resolution: resolution.clone(),
-            by: "operator".into(),
-        }));
-        draft.op = Some(op.clone());
-        let env = kedge_core::event::Envelope::new(
-            run.clone(),
-            kedge_core::event::Timestamp::now(),
-            draft,
-        );
-        h.rt.journal
-            .append_input(&env, "resolve-1")
-            .await
-            .expect("resolution journaled");
+        // The operator's verdict, as `kedge resolve` and the bridge send it; sent twice (a
+        // retried request), it lands once.
+        let events = h.events(&run).await;
+        let first = kedge_runtime::inputs::resolve(
+            &h.rt,
+            &run,
+            &events,
+            op,
+            resolution.clone(),
+            "operator".into(),
+        )
+        .await
+        .expect("resolution journaled");
+        assert!(!first.duplicate);
+        let again = kedge_runtime::inputs::resolve(
+            &h.rt,
+            &run,
+            &events,
+            op,
+            resolution.clone(),
+            "operator".into(),
+        )
+        .await
+        .expect("a repeat is no error");
+        assert!(again.duplicate, "one verdict per ambiguity");
+        assert_eq!(again.seq, first.seq);
         let done = h.wait_terminal(&run, WAIT).await;
         assert_eq!(done.status, RunStatus::Succeeded, "{resolution:?}");
         let result = done.ops[op].result.clone().expect("a result");

@@ -9,9 +9,11 @@
 
 use kedge_core::RunStatus;
 use kedge_core::event::{
-    CancelRequested, Draft, Envelope, Event, QuestionAnswered, Timestamp, UserMessage,
+    CancelRequested, Draft, Envelope, Event, OutcomeResolved, QuestionAnswered, Resolution,
+    Timestamp, UserMessage,
 };
-use kedge_core::ids::{CallbackKey, QuestionId, RunId, TenantId};
+use kedge_core::fold::OpStatus;
+use kedge_core::ids::{CallbackKey, OperationId, QuestionId, RunId, TenantId};
 
 pub use kedge_core::ids::InputId;
 use kedge_core::{RunState, fold};
@@ -197,7 +199,16 @@ async fn append(
     event: Event,
     id: &InputId,
 ) -> Result<Appended, Refusal> {
-    let env = Envelope::new(run.clone(), Timestamp::now(), Draft::new(event));
+    append_draft(rt, run, Draft::new(event), id).await
+}
+
+async fn append_draft(
+    rt: &Runtime,
+    run: &RunId,
+    draft: Draft,
+    id: &InputId,
+) -> Result<Appended, Refusal> {
+    let env = Envelope::new(run.clone(), Timestamp::now(), draft);
     match rt.journal.append_input(&env, id.as_str()).await {
         Ok(seq) => Ok(Appended {
             seq,
@@ -332,6 +343,47 @@ pub async fn cancel(
         &InputId::cancel(run),
     )
     .await
+}
+
+/// A person's verdict (`by`) on operation `op`, whose outcome is ambiguous: its runner died
+/// mid-effect and the tool could not say whether it happened. Refused unless the operation is
+/// the run's and ambiguous now. One verdict per ambiguity: its input id names the operation's
+/// dispatch, so the same verdict sent twice (a retried request, a double click) is a duplicate,
+/// and a second, different verdict on the same ambiguity is one too (the first stands; the
+/// fold ignores a verdict on an operation that is no longer ambiguous).
+pub async fn resolve(
+    rt: &Runtime,
+    run: &RunId,
+    events: &[Recorded],
+    op: &OperationId,
+    resolution: Resolution,
+    by: String,
+) -> Result<Appended, Refusal> {
+    match &resolution {
+        Resolution::Retry => {}
+        Resolution::Completed { content } => check_text("content", content)?,
+        Resolution::Failed { reason } => check_text("reason", reason)?,
+    }
+    check_text("by", &by)?;
+    let state = state_of(run, events)?;
+    let not_found = || Refusal::not_found(Some("op"), format!("run {run} has no operation {op}"));
+    if op.run() != run {
+        return Err(not_found());
+    }
+    let tool = state.ops.get(op).ok_or_else(not_found)?;
+    if tool.result.is_some() || !matches!(tool.status, OpStatus::Ambiguous { .. }) {
+        return Err(Refusal::conflict(
+            "operation-not-ambiguous",
+            Some("op"),
+            format!(
+                "operation {op} has no ambiguous outcome to resolve (it has a result, or its fate is still being found out)"
+            ),
+        ));
+    }
+    let dispatch = tool.dispatches;
+    let draft =
+        Draft::new(Event::OutcomeResolved(OutcomeResolved { resolution, by })).op(op.clone());
+    append_draft(rt, run, draft, &InputId::outcome_resolved(op, dispatch)).await
 }
 
 /// An approval decision by `approver` (authenticated by the caller), for a run of the caller's

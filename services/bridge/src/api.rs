@@ -670,8 +670,7 @@ pub(crate) async fn resolve(
     Path((id, op)): Path<(String, String)>,
     raw: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Response> {
-    use kedge_core::event::{Draft, Envelope, Event, OutcomeResolved, Resolution, Timestamp};
-    use kedge_core::fold::OpStatus;
+    use kedge_core::event::Resolution;
     caller.require_write()?;
     let run = run_id(&id)?;
     let op: kedge_core::ids::OperationId = op
@@ -695,37 +694,18 @@ pub(crate) async fn resolve(
         }
     };
     let events = owned_run(&bridge, &caller, &run).await?;
-    let state = fold(&run, &events)?;
-    let not_found =
-        || Problem::not_found(format!("run {run} has no operation {op}")).with_field("op");
-    if op.run() != &run {
-        return Err(not_found());
-    }
-    let tool = state.ops.get(&op).ok_or_else(not_found)?;
-    if tool.result.is_some() || !matches!(tool.status, OpStatus::Ambiguous { .. }) {
-        return Err(Problem::conflict(
-            "operation-not-ambiguous",
-            format!("operation {op} has no ambiguous outcome to resolve (it has a result, or its fate is still being found out)"),
-        )
-        .with_field("op"));
-    }
-    let mut draft = Draft::new(Event::OutcomeResolved(OutcomeResolved {
+    let appended = inputs::resolve(
+        &bridge.rt,
+        &run,
+        &events,
+        &op,
         resolution,
-        by: caller.name.clone(),
-    }));
-    draft.op = Some(op.clone());
-    let env = Envelope::new(run.clone(), Timestamp::now(), draft);
-    let nonce = uuid::Uuid::now_v7().simple().to_string();
-    let seq = bridge
-        .rt
-        .journal
-        .append_input(
-            &env,
-            kedge_core::ids::InputId::outcome_resolved(&op, &nonce).as_str(),
-        )
-        .await?;
+        caller.name.clone(),
+    )
+    .await
+    .map_err(refused)?;
     Ok(accepted(
-        json!({ "run_id": run, "op": op, "seq": seq, "links": Links::for_run(&run) }),
+        json!({ "run_id": run, "op": op, "seq": appended.seq, "duplicate": appended.duplicate, "links": Links::for_run(&run) }),
     ))
 }
 
