@@ -411,7 +411,14 @@ pub struct Journal {
     timeout: Duration,
     /// The one reply subscription of this journal's (and its clones') batched reads.
     inbox: wire::BatchInbox,
+    /// The W3C `traceparent` of the span an append is made in, put on the appended messages as
+    /// the `traceparent` header, so the service that handles one (the tool runner a
+    /// `tool.requested`) continues the trace under it ([`Journal::with_trace_context`]).
+    trace_context: Option<fn() -> Option<String>>,
 }
+
+/// The header that carries a message's W3C trace context.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
 
 impl Journal {
     /// A journal over `KEDGE_RUNS` (which [`crate::ensure_layout`] creates or verifies).
@@ -422,6 +429,20 @@ impl Journal {
             client,
             js,
             timeout: DEFAULT_TIMEOUT,
+            trace_context: None,
+        }
+    }
+
+    /// Puts `current()` (the trace context of the span an append is made in, `None` when spans
+    /// are not exported) on every appended message as its [`TRACEPARENT_HEADER`].
+    pub fn with_trace_context(mut self, current: fn() -> Option<String>) -> Self {
+        self.trace_context = Some(current);
+        self
+    }
+
+    fn trace_header(&self, headers: &mut HeaderMap) {
+        if let Some(traceparent) = self.trace_context.and_then(|current| current()) {
+            headers.insert(TRACEPARENT_HEADER, traceparent.as_str());
         }
     }
 
@@ -504,6 +525,7 @@ impl Journal {
                 wire::MSG_ID,
                 decision_msg_id(run, expected_last, index, writer).as_str(),
             );
+            self.trace_header(&mut headers);
             if index == 0 {
                 headers.insert(
                     wire::EXPECTED_LAST_SUBJECT_SEQ,
@@ -611,6 +633,7 @@ impl Journal {
             check_token("msg_id", msg_id)?;
             let mut headers = HeaderMap::new();
             headers.insert(wire::MSG_ID, msg_id);
+            self.trace_header(&mut headers);
             let ack = wire::publish(
                 &self.client,
                 envelope.subject(),

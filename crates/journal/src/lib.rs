@@ -40,7 +40,7 @@ mod wire;
 pub use error::{ErrorKind, JournalError};
 pub use journal::{
     Appended, DecisionMsgId, DecisionWriter, Journal, LastEvent, ReadPage, Recorded, SetAside,
-    decision_msg_id, parse_decision_msg_id, purge,
+    TRACEPARENT_HEADER, decision_msg_id, parse_decision_msg_id, purge,
 };
 pub use layout::{LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout, verify_layout};
 pub use lease::{Lease, LeaseError, LeaseHolder, Leases, Released};

@@ -286,6 +286,18 @@ async fn a_task_over_nats_puts_intake_each_step_and_each_tool_in_its_trace() {
     // Intake's span is a child of the submitter's span itself.
     let intake = spans.iter().find(|s| s.name == "intake").expect("intake");
     assert_eq!(intake.parent, PARENT_SPAN);
+    // The tool's span is under the step that requested it (the `traceparent` header of its
+    // tool.requested), not only in the run's trace.
+    let tool = spans.iter().find(|s| s.name == "tool").expect("tool");
+    let mut at = tool;
+    let mut chain = vec![at.name.clone()];
+    while at.name != "step" {
+        at = spans
+            .iter()
+            .find(|s| s.span_id == at.parent)
+            .unwrap_or_else(|| panic!("the tool span's ancestry {chain:?} reaches no step"));
+        chain.push(at.name.clone());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

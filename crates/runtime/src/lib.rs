@@ -170,7 +170,7 @@ impl Runtime {
             idempotency::IdempotencyStore::new(kv(subjects::IDEMPOTENCY_BUCKET).await?);
         let leases = Leases::new(client.clone());
         Ok(Runtime {
-            journal: Journal::new(client.clone()),
+            journal: Journal::new(client.clone()).with_trace_context(trace::current),
             leases,
             agents,
             idempotency,

@@ -24,7 +24,7 @@ use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, Tra
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// The NATS header (and HTTP header) that carries the W3C trace context.
-pub const TRACEPARENT_HEADER: &str = "traceparent";
+pub use kedge_journal::TRACEPARENT_HEADER;
 
 /// A parsed W3C `traceparent` (version 00): `00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +145,16 @@ pub fn set_parent(span: &tracing::Span, traceparent: Option<&str>) {
     if let Some(parent) = traceparent.and_then(TraceParent::parse) {
         // Only fails when no OpenTelemetry layer is installed: then there is nothing to join.
         let _ = span.set_parent(parent.context());
+    }
+}
+
+/// The `traceparent` of the current span, when spans are exported: what the journal puts on the
+/// messages it appends ([`kedge_journal::Journal::with_trace_context`]).
+pub fn current() -> Option<String> {
+    if exporting() {
+        of_span(&tracing::Span::current())
+    } else {
+        None
     }
 }
 

@@ -360,9 +360,20 @@ async fn handle(ctx: &Ctx, msg: Message) {
         tool = %req.tool,
         attempt = tracing::field::Empty
     );
-    // The run's trace (its run.created), so the tool's work shows in the same trace as its step.
-    let traceparent = kedge_runtime::trace::of_run(&ctx.rt.journal, &run_id).await;
-    kedge_runtime::trace::set_parent(&span, traceparent.as_deref());
+    // The step span that requested it (the `traceparent` header the journal put on this
+    // tool.requested), so the tool's work nests under its step. A request without one (from an
+    // older build) joins the run's trace (its run.created).
+    let requested_by = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(kedge_runtime::trace::TRACEPARENT_HEADER))
+        .map(|v| v.as_str());
+    if requested_by.is_some() {
+        kedge_runtime::trace::set_parent(&span, requested_by);
+    } else {
+        let traceparent = kedge_runtime::trace::of_run(&ctx.rt.journal, &run_id).await;
+        kedge_runtime::trace::set_parent(&span, traceparent.as_deref());
+    }
     // A panic while handling it (a bug) is contained: it counts as a failed delivery (handed
     // back, and a dead letter at the last one); the service and its other operations go on.
     let result = AssertUnwindSafe(execute(ctx, &op, &req).instrument(span))
