@@ -3,10 +3,11 @@
 //! A client's `traceparent` (the bridge's HTTP header, or the `traceparent` NATS header of a task
 //! published directly) is recorded by intake in `run.created`
 //! ([`kedge_core::event::RunCreated::traceparent`]). The journal is how it travels: the step
-//! service reads it from the run it folds and the tool service from the run of the operation it
-//! runs, and each makes its spans (intake's `intake`, step's `drive` and `step`, tool's `tool`)
-//! children of that context with [`set_parent`]. A run that came without one gets no parent: its
-//! spans are roots, as before.
+//! service reads it from the run it folds and makes its `drive` and `step` spans children of that
+//! context with [`set_parent`]. Each message the journal appends carries the context of the span
+//! it was appended in ([`current`], the `traceparent` header): the tool service makes its `tool`
+//! span a child of the step that requested the operation (or, for a request without the header,
+//! of the run's context). A run that came without one gets no parent: its spans are roots.
 //!
 //! The spans leave the process only when `kedge` installs the OpenTelemetry layer
 //! (`otlp_endpoint`); without it [`set_parent`] is a no-op and nothing here costs more than a
