@@ -24,6 +24,7 @@ pub mod event;
 pub mod fold;
 pub mod ids;
 pub mod machine;
+pub mod replay;
 pub mod schema;
 pub mod settings;
 pub mod subjects;

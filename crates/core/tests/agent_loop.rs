@@ -280,16 +280,81 @@ fn record_fixture(name: &str, sim: &Sim) {
 }
 
 fn summary(state: &RunState) -> serde_json::Value {
-    serde_json::json!({
-        "status": state.status,
-        "turn": state.turn,
-        "step": state.step,
-        "ops": state.ops.len(),
-        "usage": state.usage,
-        "output": state.output,
-        "transcript_len": state.transcript.len(),
-        "last_decision_seq": state.last_decision_seq,
-    })
+    kedge_core::replay::summary(state)
+}
+
+/// A replay fixture's journal: `(seq, envelope)` in order, each checked against the schema.
+fn load_fixture(path: &std::path::Path) -> Vec<(u64, Envelope)> {
+    let text = std::fs::read_to_string(path).expect("read");
+    let mut events = Vec::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("json line");
+        let seq = v["seq"].as_u64().expect("seq");
+        let bytes = serde_json::to_vec(&v["event"]).expect("json");
+        let env = Envelope::from_json_bytes(&bytes).expect("envelope with a valid digest");
+        assert_valid(&env);
+        events.push((seq, env));
+    }
+    events
+}
+
+#[test]
+fn a_decision_this_build_would_not_make_is_found() {
+    use kedge_core::replay::{Divergence, check};
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/three-steps-parallel-tools.jsonl");
+    let events = load_fixture(&path);
+    let contract = Contract::default();
+    assert!(check(&events, &contract).is_ok());
+    let differs_at = |journal: &[(u64, Envelope)]| match check(journal, &contract) {
+        Err(Divergence::Differs { seq, .. }) => seq,
+        other => panic!("not found: {other:?}"),
+    };
+    // An operation dispatched with other arguments than the model's call.
+    let mut altered = events.clone();
+    let i = altered
+        .iter()
+        .position(|(_, e)| matches!(e.event, Event::ToolRequested(_)))
+        .expect("a tool.requested");
+    if let Event::ToolRequested(t) = &mut altered[i].1.event {
+        t.arguments = serde_json::json!({"path": "elsewhere"});
+    }
+    assert_eq!(differs_at(&altered), altered[i].0);
+    // A group without its run.waiting: the next decision is not the one the code makes there.
+    let mut dropped = events.clone();
+    let i = dropped
+        .iter()
+        .position(|(_, e)| matches!(e.event, Event::RunWaiting(_)))
+        .expect("a run.waiting");
+    dropped.remove(i);
+    let next_decision = dropped[i..]
+        .iter()
+        .find(|(_, e)| e.kind() == kedge_core::event::EventKind::Decision)
+        .expect("a later decision")
+        .0;
+    assert_eq!(differs_at(&dropped), next_decision);
+    // A decision after the run ended, where the code decides nothing.
+    let mut extra = events.clone();
+    let (last_seq, last) = extra.last().cloned().expect("events");
+    extra.push((last_seq + 1, last));
+    assert!(matches!(
+        check(&extra, &contract),
+        Err(Divergence::Unexpected { seq, .. }) if seq == last_seq + 1
+    ));
+}
+
+/// The tool contract a fixture's run was decided under: the agent definition recorded beside
+/// it (`<name>.agent.json`), else the default contract (the simulator's runs without one).
+fn fixture_contract(journal: &std::path::Path) -> std::sync::Arc<Contract> {
+    let agent = journal.with_extension("agent.json");
+    match std::fs::read_to_string(&agent) {
+        Ok(text) => {
+            let def: kedge_core::agent::AgentDefinition =
+                serde_json::from_str(&text).expect("an agent definition");
+            Contract::of(&def)
+        }
+        Err(_) => std::sync::Arc::new(Contract::default()),
+    }
 }
 
 #[test]
@@ -302,16 +367,7 @@ fn recorded_journals_replay_through_the_current_machine() {
         if path.extension().and_then(|e| e.to_str()) != Some("jsonl") {
             continue;
         }
-        let text = std::fs::read_to_string(&path).expect("read");
-        let mut events = Vec::new();
-        for line in text.lines() {
-            let v: serde_json::Value = serde_json::from_str(line).expect("json line");
-            let seq = v["seq"].as_u64().expect("seq");
-            let bytes = serde_json::to_vec(&v["event"]).expect("json");
-            let env = Envelope::from_json_bytes(&bytes).expect("envelope with a valid digest");
-            assert_valid(&env);
-            events.push((seq, env));
-        }
+        let events = load_fixture(&path);
         let state = fold(events.iter().map(|(s, e)| (*s, e))).expect("old journal folds");
         let expect_path = path.with_extension("expect.json");
         let expected: serde_json::Value =
@@ -324,6 +380,11 @@ fn recorded_journals_replay_through_the_current_machine() {
             "{}",
             path.display()
         );
+        // And the code still makes the decisions the journal records, at every point.
+        let contract = fixture_contract(&path);
+        let checked = kedge_core::replay::check(&events, &contract)
+            .unwrap_or_else(|d| panic!("{}: {d}", path.display()));
+        assert!(checked.groups > 0, "{}", path.display());
         replayed += 1;
     }
     assert!(replayed > 0, "no fixtures in {}", dir.display());

@@ -311,6 +311,57 @@ impl Harness {
         self.rt.journal.read(run, 0).await.expect("journal read")
     }
 
+    /// Checks that this build makes every decision the run's journal records, decided again at
+    /// every point from the state folded up to there ([`kedge_core::replay::check`], with the
+    /// run's agent revision). With `KEDGE_BLESS=all` (or a comma-separated list of names that
+    /// holds `name`) the journal is also kept as the replay fixture `name` of
+    /// crates/core/tests/fixtures (with its agent definition and the summary of its
+    /// fold), so later builds are checked against what this one decided. For a finished run.
+    pub async fn check_replay(&self, run: &RunId, name: &str) {
+        let events = self.events(run).await;
+        let journal: Vec<(u64, Envelope)> =
+            events.iter().map(|r| (r.seq, r.envelope.clone())).collect();
+        let state = self.state(run).await;
+        assert!(
+            state.status.is_terminal(),
+            "{name}: {} is not finished",
+            state.status
+        );
+        let def = self
+            .rt
+            .agents
+            .at_revision(&state.bundle.agent, state.bundle.agent_revision)
+            .await
+            .expect("the run's agent revision");
+        let contract = kedge_core::tools::Contract::of(&def);
+        let checked = kedge_core::replay::check(&journal, &contract)
+            .unwrap_or_else(|d| panic!("{name}: this build decides differently: {d}"));
+        assert!(checked.groups > 0, "{name}: no decision checked");
+        // `KEDGE_BLESS=all`, or a comma-separated list of fixture names.
+        let bless = std::env::var("KEDGE_BLESS").unwrap_or_default();
+        if bless != "all" && !bless.split(',').any(|n| n.trim() == name) {
+            return;
+        }
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../core/tests/fixtures");
+        let mut lines = String::new();
+        for (seq, env) in &journal {
+            lines.push_str(&serde_json::json!({ "seq": seq, "event": env }).to_string());
+            lines.push('\n');
+        }
+        std::fs::write(dir.join(format!("{name}.jsonl")), lines).expect("write the journal");
+        let pretty = |v: &serde_json::Value| serde_json::to_string_pretty(v).expect("json") + "\n";
+        std::fs::write(
+            dir.join(format!("{name}.expect.json")),
+            pretty(&kedge_core::replay::summary(&state)),
+        )
+        .expect("write the summary");
+        std::fs::write(
+            dir.join(format!("{name}.agent.json")),
+            pretty(&serde_json::to_value(&*def).expect("json")),
+        )
+        .expect("write the agent");
+    }
+
     pub async fn state(&self, run: &RunId) -> RunState {
         let events = self.events(run).await;
         kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope))).expect("journal folds")
@@ -357,8 +408,20 @@ impl Harness {
         }
     }
 
+    /// Waits until the run is finished, then checks that this build makes every decision its
+    /// journal records ([`Harness::check_replay`]; the fixture name is the test's, with `-`
+    /// for `_`).
     pub async fn wait_terminal(&self, run: &RunId, within: Duration) -> RunState {
-        self.wait_for(run, within, |s| s.status.is_terminal()).await
+        let state = self.wait_for(run, within, |s| s.status.is_terminal()).await;
+        let name = std::thread::current()
+            .name()
+            .unwrap_or("run")
+            .rsplit("::")
+            .next()
+            .unwrap_or("run")
+            .replace('_', "-");
+        self.check_replay(run, &name).await;
+        state
     }
 
     /// Appends an input to a run.
