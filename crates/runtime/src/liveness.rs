@@ -53,6 +53,9 @@ const MAX_PEERS: usize = 4096;
 const MAX_HELD: usize = 10_000;
 /// Ids one "added" heartbeat may contribute (a process sends one per run or operation it takes).
 const MAX_ADDED: usize = 16;
+/// After how many `suspect_after` of silence another process that heartbeat under this
+/// process's worker id is taken to be gone ([`Liveness::id_is_unique`]).
+pub const SHARED_ID_SILENCE: u32 = 10;
 
 /// What a heartbeat says its process holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -133,8 +136,10 @@ struct Inner {
     me: String,
     /// This process among those that may (wrongly) share its worker id.
     instance: String,
-    /// Another live process heartbeats under this worker id.
-    id_shared: std::sync::atomic::AtomicBool,
+    /// When another process last heartbeat under this worker id (milliseconds after `started`,
+    /// 0 for never).
+    id_shared_at: std::sync::atomic::AtomicU64,
+    started: Instant,
     heartbeat: Duration,
     suspect_after: Duration,
     runs: Mutex<BTreeSet<RunId>>,
@@ -217,7 +222,8 @@ impl Liveness {
             client,
             me: worker.to_owned(),
             instance: uuid::Uuid::new_v4().simple().to_string(),
-            id_shared: std::sync::atomic::AtomicBool::new(false),
+            id_shared_at: std::sync::atomic::AtomicU64::new(0),
+            started: Instant::now(),
             heartbeat,
             suspect_after,
             runs: Mutex::default(),
@@ -290,11 +296,18 @@ impl Liveness {
     /// Whether no other live process heartbeats under this process's worker id. Only then may
     /// a lease or record under that id be taken for a leftover of this process's own (e.g.
     /// from before a restart): with two live processes sharing an id, it may be the other's.
+    /// The other is taken to be gone once it has been silent for [`SHARED_ID_SILENCE`] times
+    /// `suspect_after` (a rolling restart that briefly ran two processes under one id does not
+    /// leave this one unable to take its own leftovers for the rest of its life).
     pub fn id_is_unique(&self) -> bool {
-        !self
+        let at = self
             .inner
-            .id_shared
-            .load(std::sync::atomic::Ordering::Relaxed)
+            .id_shared_at
+            .load(std::sync::atomic::Ordering::Relaxed);
+        at == 0
+            || self.inner.started.elapsed()
+                > Duration::from_millis(at)
+                    .saturating_add(self.inner.suspect_after.saturating_mul(SHARED_ID_SILENCE))
     }
 
     /// Whether `worker` is gone: this process itself never is; one whose heartbeat arrived
@@ -409,16 +422,25 @@ async fn watch_heartbeats(inner: Weak<Inner>, mut beats: async_nats::Subscriber)
             let other = held
                 .as_ref()
                 .is_some_and(|b| !b.instance.is_empty() && b.instance != live.instance);
-            if other
-                && !live
-                    .id_shared
-                    .swap(true, std::sync::atomic::Ordering::Relaxed)
-            {
-                tracing::error!(
-                    worker = %live.me,
-                    "another live process uses this worker id: worker ids must be unique \
-                     (leases it left behind are no longer taken for this process's own)"
-                );
+            if other {
+                let now = u64::try_from(live.started.elapsed().as_millis())
+                    .unwrap_or(u64::MAX)
+                    .max(1);
+                let before = live
+                    .id_shared_at
+                    .swap(now, std::sync::atomic::Ordering::Relaxed);
+                let silence = live
+                    .suspect_after
+                    .saturating_mul(SHARED_ID_SILENCE)
+                    .as_millis();
+                if before == 0 || u128::from(now.saturating_sub(before)) > silence {
+                    tracing::error!(
+                        worker = %live.me,
+                        "another live process uses this worker id: worker ids must be unique \
+                         (leases it left behind are not taken for this process's own while the \
+                         other heartbeats)"
+                    );
+                }
             }
             continue;
         }

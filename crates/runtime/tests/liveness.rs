@@ -62,4 +62,13 @@ async fn two_live_processes_sharing_a_worker_id_notice_it() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(!a.id_is_unique() && !b.id_is_unique());
     assert!(alone.id_is_unique(), "its own heartbeats are not another's");
+    // The other one goes away (a rolling restart that overlapped): once it has been silent long
+    // enough, the id is this process's alone again.
+    drop(b);
+    let silence = SUSPECT * kedge_runtime::liveness::SHARED_ID_SILENCE;
+    tokio::time::sleep(silence + Duration::from_millis(500)).await;
+    assert!(
+        a.id_is_unique(),
+        "the other has been silent for {silence:?}"
+    );
 }
