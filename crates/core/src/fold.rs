@@ -797,17 +797,27 @@ impl RunState {
             }
             // A failed attempt that will be tried again: not a result. The operation waits for
             // its next attempt as a dispatched one does, from when that attempt is due (so a
-            // long backoff is not taken for a stuck operation).
+            // long backoff is not taken for a stuck operation). What a `tool.attempt` means is
+            // `NextAttempt::after`'s to say (the runners read it the same way): a later attempt
+            // of the current dispatch, its due time at most the longest backoff away.
             Event::ToolAttempt(a) => match self.open_op(env) {
                 Some(op)
                     if matches!(op.status, OpStatus::Requested | OpStatus::Started { .. })
-                        && a.dispatch.saturating_add(1) == op.dispatches
-                        && a.attempt > op.failed_attempts =>
+                        && a.dispatch.saturating_add(1) == op.dispatches =>
                 {
-                    op.status = OpStatus::Requested;
-                    op.failed_attempts = a.attempt;
-                    op.since = a.retry_at;
-                    true
+                    let known = crate::tools::NextAttempt {
+                        number: op.failed_attempts.saturating_add(1),
+                        due: None,
+                    };
+                    match known.after(a, env.at) {
+                        Some(next) => {
+                            op.status = OpStatus::Requested;
+                            op.failed_attempts = a.attempt;
+                            op.since = next.due.unwrap_or(env.at);
+                            true
+                        }
+                        None => false,
+                    }
                 }
                 _ => false,
             },

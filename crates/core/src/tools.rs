@@ -502,10 +502,9 @@ impl fmt::Display for ToolErrorClass {
     }
 }
 
-/// Most attempts a tool's `retry` policy may ask for (the first included). Each further
-/// attempt is one more delivery of the operation's request, and the tool consumer delivers a
-/// request at most 20 times (`nats/consumers/KEDGE_RUNS/tool.json`): ten leave room for the
-/// redeliveries broker trouble may need.
+/// Most attempts a tool's `retry` policy may ask for (the first included); a `tool.attempt`
+/// numbered above it is no attempt ([`NextAttempt::after`]). Each attempt claims the
+/// operation's record under its own number, 16 per dispatch ([`claim_dispatch`]).
 pub const MAX_TOOL_ATTEMPTS: u32 = 10;
 /// Longest wait between two attempts (ten minutes). An operation waiting for its next attempt
 /// holds nothing; a run cancelled meanwhile does not wait for it (no attempt is running), and
@@ -707,25 +706,56 @@ pub struct NextAttempt {
     pub due: Option<crate::event::Timestamp>,
 }
 
-/// The next attempt of dispatch `dispatch`, given the operation's `tool.attempt`s (any order,
-/// repeats and other dispatches included).
-pub fn next_attempt<'a>(
-    attempts: impl IntoIterator<Item = &'a crate::event::ToolAttempt>,
-    dispatch: u32,
-) -> NextAttempt {
-    let mut next = NextAttempt {
+impl NextAttempt {
+    /// Before any attempt of a dispatch failed.
+    pub const FIRST: NextAttempt = NextAttempt {
         number: 1,
         due: None,
     };
-    for a in attempts {
-        if a.dispatch == dispatch && a.attempt >= next.number {
-            next = NextAttempt {
-                number: a.attempt.saturating_add(1),
-                due: Some(a.retry_at),
-            };
+
+    /// Where the dispatch stands after `failed`, a `tool.attempt` of it journaled at `at` (its
+    /// envelope's time), or `None` when `failed` changes nothing: the one rule for reading a
+    /// `tool.attempt`, which the fold ([`crate::fold`]) and the runners both apply.
+    ///
+    /// A failure is taken only if it is later than what is known (attempts are numbered up,
+    /// a repeat changes nothing) and a real attempt: numbers outside 1..=[`MAX_TOOL_ATTEMPTS`]
+    /// are set aside (no policy makes them: a forged or buggy event). Its `retry_at` is held to
+    /// at most [`MAX_BACKOFF_MS`] after `at`, so no event parks an operation longer than the
+    /// longest backoff a policy can ask for.
+    pub fn after(
+        self,
+        failed: &crate::event::ToolAttempt,
+        at: crate::event::Timestamp,
+    ) -> Option<NextAttempt> {
+        if !(1..=MAX_TOOL_ATTEMPTS).contains(&failed.attempt) || failed.attempt < self.number {
+            return None;
         }
+        let latest = at.saturating_add(std::time::Duration::from_millis(MAX_BACKOFF_MS as u64));
+        let due = if failed.retry_at.0 > latest.0 {
+            latest
+        } else {
+            failed.retry_at
+        };
+        Some(NextAttempt {
+            number: failed.attempt + 1,
+            due: Some(due),
+        })
     }
-    next
+}
+
+/// The next attempt of dispatch `dispatch`, given the operation's `tool.attempt`s in journal
+/// order, each with its envelope's time (repeats and other dispatches included): what
+/// [`NextAttempt::after`] makes of them.
+pub fn next_attempt<'a>(
+    attempts: impl IntoIterator<Item = (&'a crate::event::ToolAttempt, crate::event::Timestamp)>,
+    dispatch: u32,
+) -> NextAttempt {
+    attempts
+        .into_iter()
+        .filter(|(a, _)| a.dispatch == dispatch)
+        .fold(NextAttempt::FIRST, |next, (a, at)| {
+            next.after(a, at).unwrap_or(next)
+        })
 }
 
 impl RetryPolicy {
@@ -1334,21 +1364,22 @@ mod tests {
     fn the_next_attempt_follows_the_last_failed_one_of_the_same_dispatch() {
         use crate::event::{Timestamp, ToolAttempt};
         let at = |s: i64| Timestamp(time::OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(s));
-        let failed = |attempt, dispatch, t| ToolAttempt {
-            attempt,
-            dispatch,
-            class: ToolErrorClass::Transient,
-            error: "x".into(),
-            delay_ms: 1,
-            retry_at: at(t),
+        let failed = |attempt, dispatch, t| {
+            (
+                ToolAttempt {
+                    attempt,
+                    dispatch,
+                    class: ToolErrorClass::Transient,
+                    error: "x".into(),
+                    delay_ms: 1,
+                    retry_at: at(t),
+                },
+                at(0),
+            )
         };
-        assert_eq!(
-            next_attempt([], 0),
-            NextAttempt {
-                number: 1,
-                due: None
-            }
-        );
+        let of =
+            |j: &[(ToolAttempt, Timestamp)], d| next_attempt(j.iter().map(|(a, t)| (a, *t)), d);
+        assert_eq!(of(&[], 0), NextAttempt::FIRST);
         let journal = [
             failed(2, 0, 20),
             failed(1, 0, 10),
@@ -1356,25 +1387,69 @@ mod tests {
             failed(5, 1, 99),
         ];
         assert_eq!(
-            next_attempt(&journal, 0),
+            of(&journal, 0),
             NextAttempt {
                 number: 3,
                 due: Some(at(20))
             }
         );
         assert_eq!(
-            next_attempt(&journal, 1),
+            of(&journal, 1),
             NextAttempt {
                 number: 6,
                 due: Some(at(99))
             }
         );
+        assert_eq!(of(&journal, 2), NextAttempt::FIRST);
+    }
+
+    #[test]
+    fn a_tool_attempt_parks_an_operation_no_longer_than_the_longest_backoff() {
+        use crate::event::{Timestamp, ToolAttempt};
+        let at = |s: i64| Timestamp(time::OffsetDateTime::UNIX_EPOCH + time::Duration::seconds(s));
+        let failed = |attempt, retry_at| ToolAttempt {
+            attempt,
+            dispatch: 0,
+            class: ToolErrorClass::Transient,
+            error: "x".into(),
+            delay_ms: 1,
+            retry_at,
+        };
+        let max = MAX_BACKOFF_MS / 1000;
+        // Years ahead, or the end of time: due at most the longest backoff after the event.
+        for far in [at(100 + 3 * 365 * 86_400), Timestamp::MAX] {
+            assert_eq!(
+                NextAttempt::FIRST.after(&failed(1, far), at(100)),
+                Some(NextAttempt {
+                    number: 2,
+                    due: Some(at(100 + max))
+                })
+            );
+        }
+        // Within the bound: as journaled.
         assert_eq!(
-            next_attempt(&journal, 2),
-            NextAttempt {
-                number: 1,
-                due: None
-            }
+            NextAttempt::FIRST.after(&failed(1, at(130)), at(100)),
+            Some(NextAttempt {
+                number: 2,
+                due: Some(at(130))
+            })
+        );
+        // No policy makes attempt 0 or more than MAX_TOOL_ATTEMPTS: set aside, whatever came
+        // before; an earlier number than what is known changes nothing.
+        for n in [0, MAX_TOOL_ATTEMPTS + 1, u32::MAX] {
+            assert_eq!(NextAttempt::FIRST.after(&failed(n, at(1)), at(0)), None);
+        }
+        let third = NextAttempt {
+            number: 3,
+            due: Some(at(5)),
+        };
+        assert_eq!(third.after(&failed(1, at(9)), at(0)), None);
+        assert_eq!(
+            third.after(&failed(MAX_TOOL_ATTEMPTS, at(9)), at(0)),
+            Some(NextAttempt {
+                number: MAX_TOOL_ATTEMPTS + 1,
+                due: Some(at(9))
+            })
         );
     }
 }

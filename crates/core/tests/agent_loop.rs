@@ -1575,7 +1575,7 @@ fn failed_attempts_are_not_results_and_the_model_reads_the_last_attempts_result(
     let op = sim.ops_of(1)[0].clone();
 
     started(&mut sim, &op, 1);
-    let far = Timestamp(Timestamp::now().0 + time::Duration::hours(2));
+    let far = Timestamp(Timestamp::now().0 + time::Duration::minutes(8));
     attempt_failed(&mut sim, &op, 1, far);
     let state = sim.state();
     let o = &state.ops[&op];
@@ -1593,7 +1593,7 @@ fn failed_attempts_are_not_results_and_the_model_reads_the_last_attempts_result(
     );
     assert!(
         state
-            .ops_stuck_since(Timestamp(Timestamp::now().0 + time::Duration::hours(1)))
+            .ops_stuck_since(Timestamp(Timestamp::now().0 + time::Duration::minutes(7)))
             .is_empty(),
         "a long backoff is not a stuck operation"
     );
@@ -1630,6 +1630,54 @@ fn failed_attempts_are_not_results_and_the_model_reads_the_last_attempts_result(
         })
         .collect();
     assert_eq!(results, ["third time lucky"], "one result for one call");
+}
+
+#[test]
+fn a_forged_tool_attempt_parks_nothing_for_long_and_counts_no_impossible_attempt() {
+    let mut sim = Sim::new(Budget::default());
+    let (contract, _) = shell_with_retry(false);
+    complete_under(
+        &mut sim,
+        &contract,
+        calls(&[("call_1", "shell", serde_json::json!({"command": "ls"}))]),
+    );
+    let op = sim.ops_of(1)[0].clone();
+    started(&mut sim, &op, 1);
+    // An attempt no policy makes is set aside: the operation is still running attempt 1.
+    for n in [0, kedge_core::tools::MAX_TOOL_ATTEMPTS + 1, u32::MAX] {
+        attempt_failed(&mut sim, &op, n, Timestamp::now());
+        let o = &sim.state().ops[&op];
+        assert_eq!(o.failed_attempts, 0, "attempt {n}");
+        assert!(matches!(
+            o.status,
+            kedge_core::fold::OpStatus::Started { .. }
+        ));
+    }
+    // Due in years (or never): due the longest backoff after the event at most, so the
+    // operation is overdue (the reconciler resumes it) soon after that.
+    let before = Timestamp::now();
+    attempt_failed(&mut sim, &op, 1, Timestamp::MAX);
+    let state = sim.state();
+    let o = &state.ops[&op];
+    assert_eq!(o.failed_attempts, 1);
+    let latest = Timestamp(
+        Timestamp::now().0 + time::Duration::milliseconds(kedge_core::tools::MAX_BACKOFF_MS),
+    );
+    assert!(
+        o.since
+            >= Timestamp(
+                before.0 + time::Duration::milliseconds(kedge_core::tools::MAX_BACKOFF_MS)
+            )
+            && o.since <= latest,
+        "{:?}",
+        o.since
+    );
+    assert_eq!(
+        state
+            .ops_stuck_since(Timestamp(latest.0 + time::Duration::seconds(1)))
+            .len(),
+        1
+    );
 }
 
 #[test]
@@ -1737,7 +1785,7 @@ fn a_run_cancelled_between_attempts_is_cancelled_at_once_listing_the_operation_f
     );
     let op = sim.ops_of(1)[0].clone();
     started(&mut sim, &op, 1);
-    let far = Timestamp(Timestamp::now().0 + time::Duration::hours(2));
+    let far = Timestamp(Timestamp::now().0 + time::Duration::minutes(8));
     attempt_failed(&mut sim, &op, 1, far);
     sim.input(
         Event::CancelRequested(CancelRequested {

@@ -1168,6 +1168,31 @@ impl Journal {
         Ok(last.is_some())
     }
 
+    /// The run's last event of each of `types` (one batched direct get, `multi_last`), in
+    /// stream order; a type the run has none of is left out, as is a message that is not an
+    /// event of the run. Same consistency as [`Journal::has_event`]: e.g. a runner's one look
+    /// at a run before an operation (its `run.created`, a `cancel.requested`, its last
+    /// `tool.attempt`).
+    pub async fn last_of(
+        &self,
+        run: &RunId,
+        types: &[EventType],
+    ) -> Result<Vec<Recorded>, JournalError> {
+        let filters: Vec<String> = types.iter().map(|t| subjects::event(run, *t)).collect();
+        let mut out = Vec::with_capacity(types.len());
+        if filters.is_empty() {
+            return Ok(out);
+        }
+        wire::direct_multi_last(&self.inbox, RUNS_STREAM, &filters, self.timeout, |m| {
+            if let Decoded::Event(r) = decode(run, m) {
+                out.push(r);
+            }
+        })
+        .await
+        .map_err(|e| JournalError::from_wire("last events", e))?;
+        Ok(out)
+    }
+
     /// Sequence of the run's last decision; 0 if it has none (the `expected_last` of its first
     /// decision). Same consistency as [`Journal::last_seq`].
     pub async fn last_decision_seq(&self, run: &RunId) -> Result<u64, JournalError> {

@@ -360,9 +360,35 @@ pub(crate) async fn direct_batch(
     timeout: Duration,
     mut each: impl FnMut(StoredMessage),
 ) -> Result<u64, WireError> {
+    let body = serde_json::json!({ "seq": from, "next_by_subj": subject, "batch": batch });
+    direct_batch_request(inbox, stream, body, timeout, &mut each).await
+}
+
+/// Batched direct get of the last message on each of `subjects` (`multi_last`; literal subjects),
+/// handed to `each` in stream order. One request, answered like [`direct_batch`] (by any
+/// current replica); subjects with no message are left out.
+pub(crate) async fn direct_multi_last(
+    inbox: &BatchInbox,
+    stream: &str,
+    subjects: &[String],
+    timeout: Duration,
+    mut each: impl FnMut(StoredMessage),
+) -> Result<(), WireError> {
+    let body = serde_json::json!({ "multi_last": subjects, "batch": subjects.len().max(1) });
+    direct_batch_request(inbox, stream, body, timeout, &mut each)
+        .await
+        .map(|_| ())
+}
+
+async fn direct_batch_request(
+    inbox: &BatchInbox,
+    stream: &str,
+    body: serde_json::Value,
+    timeout: Duration,
+    each: &mut impl FnMut(StoredMessage),
+) -> Result<u64, WireError> {
     let client = &inbox.client;
     let mut replies = inbox.open().await?;
-    let body = serde_json::json!({ "seq": from, "next_by_subj": subject, "batch": batch });
     client
         .publish_with_reply(
             format!("{API_PREFIX}.DIRECT.GET.{stream}"),

@@ -556,3 +556,43 @@ async fn a_purge_through_a_sequence_leaves_what_landed_after_it() {
     assert!(journal.read(&run, 0).await.unwrap().is_empty());
     assert_eq!(journal.purge_run(&run, later).await.unwrap(), 0);
 }
+
+#[tokio::test]
+async fn the_last_event_of_each_type_comes_back_in_one_read() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let other = new_run();
+    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    journal.create_run(&run_created(&other)).await.unwrap();
+    let mut last = 0;
+    for i in 0..3u32 {
+        last = journal
+            .append_input(&user_message(&run, &format!("m{i}")), &format!("lo-{i}"))
+            .await
+            .unwrap();
+        journal
+            .append_input(&user_message(&other, "x"), &format!("lo-o-{i}"))
+            .await
+            .unwrap();
+    }
+    use kedge_core::EventType::{CancelRequested, RunCreated, UserMessage};
+    let found = journal
+        .last_of(&run, &[UserMessage, CancelRequested, RunCreated])
+        .await
+        .unwrap();
+    let seqs: Vec<u64> = found.iter().map(|r| r.seq).collect();
+    assert_eq!(
+        seqs,
+        [created.last_seq, last],
+        "in stream order, none for a missing type"
+    );
+    assert!(found.iter().all(|r| r.envelope.run_id == run));
+    assert!(
+        journal
+            .last_of(&new_run(), &[RunCreated])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(journal.last_of(&run, &[]).await.unwrap().is_empty());
+}

@@ -293,3 +293,69 @@ async fn an_approval_whose_target_moved_is_invalidated_and_asked_again() {
     common::assert_schema_valid(&h.events(&run).await);
     h.shutdown().await;
 }
+
+/// Under a retry policy too, a dispatch given back because its target moved is done with: a
+/// later request for it (a redelivery, the reconciler's resolve) is answered `released`, not
+/// put back to be tried again (it used to come back every 200 ms until its deliveries ran out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_given_back_under_a_retry_policy_is_not_asked_for_again() {
+    let script = json!({"models": {"ap9": {"steps": [
+        {"text": "writing", "tool_calls": [{"name": "write_file", "arguments": {"path": "n.txt", "content": "agent"}}]},
+        {"text": "finished"}
+    ]}}});
+    let h = Harness::start_with(
+        script,
+        &[Svc::Intake, Svc::Step, Svc::Tool, Svc::Approval],
+        |c| {
+            c.approvers.insert("tok-alice".into(), "alice".into());
+        },
+    )
+    .await;
+    h.agent_with_policy(
+        "ap9",
+        "ap9",
+        json!({"write_file": {"approval": "always", "retry": {"attempts": 3}}}),
+    )
+    .await;
+    let run = h.submit("ap9", "write", "ap9-1").await;
+    let state = h
+        .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingApproval)
+        .await;
+    let (id, a) = state.approvals.iter().next().expect("an approval");
+    let file = h.config.workspace_root.join(run.as_str()).join("n.txt");
+    std::fs::create_dir_all(file.parent().expect("dir")).expect("workspace");
+    std::fs::write(&file, "someone else").expect("write");
+    let ok = decide(
+        &h,
+        &run,
+        "tok-alice",
+        json!({"approval_id": id, "verdict": "approve", "args_digest": a.request.args_digest}),
+    )
+    .await;
+    assert_eq!(ok["status"], "journaled", "{ok}");
+    h.wait_for(&run, WAIT, |s| {
+        s.status == RunStatus::WaitingApproval && s.approvals.len() == 2
+    })
+    .await;
+    let events = h.events(&run).await;
+    let first = events
+        .iter()
+        .find(|r| matches!(&r.envelope.event, Event::ToolRequested(t) if t.redispatch == 0))
+        .expect("the first dispatch");
+    assert!(matches!(&first.envelope.event, Event::ToolRequested(t) if t.retry.is_some()));
+    let answer =
+        h.rt.client
+            .request(
+                kedge_core::subjects::TOOL_RESOLVE,
+                first.envelope.to_json_bytes().into(),
+            )
+            .await
+            .expect("answered");
+    let answer: Value = serde_json::from_slice(&answer.payload).expect("JSON");
+    assert_eq!(answer, json!({"handled": "released"}));
+    assert_eq!(
+        std::fs::read_to_string(&file).expect("file"),
+        "someone else"
+    );
+    h.shutdown().await;
+}

@@ -187,9 +187,22 @@ async fn a_tool_failing_transiently_twice_is_retried_within_one_operation_and_th
             "max_backoff_ms": 600, "jitter": 0.5, "on": ["transient"]}}}),
     )
     .await;
+    // The request is kept by its runner through each backoff, not handed back: a NAK (even a
+    // delayed one) counts against the consumer's max_deliver.
+    let mut naks =
+        h.rt.client
+            .subscribe("$JS.EVENT.ADVISORY.CONSUMER.MSG_NAKED.KEDGE_RUNS.tool")
+            .await
+            .expect("subscribe");
     let run = h.submit("retrier", "go", "retry-transient").await;
     let done = h.wait_terminal(&run, WAIT).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    let nak = tokio::time::timeout(
+        Duration::from_millis(300),
+        futures::StreamExt::next(&mut naks),
+    )
+    .await;
+    assert!(nak.is_err(), "a request was handed back: {nak:?}");
 
     let events = h.events(&run).await;
     assert_schema_valid(&events);
@@ -606,7 +619,7 @@ async fn a_cancelled_run_does_not_wait_for_an_operation_between_attempts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_wait_between_attempts_is_held_by_the_broker_and_survives_its_runner() {
+async fn the_wait_between_attempts_survives_its_runner() {
     let state = tempfile::tempdir().expect("dir");
     let steps = json!([
         {"text": "fetching", "tool_calls": [call("flaky__fetch", "k")]},

@@ -17,14 +17,20 @@
 //! Retries (`policy.<tool>.retry`, carried by the request): an attempt that fails with an error
 //! the policy retries (its class: `timeout`, `transient`, `rate_limited`; see
 //! [`kedge_core::tools::RetryPolicy::after_failure`]) is journaled as `tool.attempt` under the
-//! operation's id, the record is given back, and the request is handed back to the broker with
-//! the backoff as its redelivery delay (`Nak(delay)`): nothing here waits, and whichever runner
-//! gets it then makes the next attempt, which the journal numbers (one more than the failed
-//! attempts of the dispatch) and which claims the record under that number
-//! ([`kedge_core::tools::claim_dispatch`]), superseding the failed one without a confirm query.
-//! A delivery before the attempt is due is put back until then. Any other error, the last
-//! attempt's error, a stopped operation and an ambiguous outcome of a tool not declared
-//! idempotent are not retried: the model, or a person, gets them as before.
+//! operation's id, the record is given back, and the request is kept by this runner until the
+//! backoff has passed (a sleeping task that reports progress to the broker, so the request's ack
+//! wait does not run out; see [`keep`]) and then handled anew: the next attempt, which the journal
+//! numbers (one more than the failed attempts of the dispatch, as
+//! [`kedge_core::tools::NextAttempt::after`] reads them) and which claims the record under that
+//! number ([`kedge_core::tools::claim_dispatch`]), superseding the failed one without a confirm
+//! query. A request held by a live runner, or whose attempt is not due yet, is kept the same way.
+//! A kept request spends none of the consumer's deliveries (`max_deliver`): JetStream counts a
+//! `Nak`, even a delayed one, as a delivery, so handing it back for each wait would bring a tool
+//! retrying under its policy towards a dead letter. If this runner dies meanwhile, the broker
+//! redelivers the request after its ack wait; on shutdown it is handed back with the rest of its
+//! wait. Any other error, the last attempt's error, a stopped operation and an ambiguous outcome
+//! of a tool not declared idempotent are not retried: the model, or a person, gets them as
+//! before.
 //!
 //! A `running` record whose runner is gone (`kedge_runtime::liveness`: the broker has no
 //! connection for it) is abandoned at once, whatever its age. The operations a runner is
@@ -63,12 +69,12 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{AckKind, Message};
 use futures::{FutureExt, StreamExt};
 use kedge_core::event::{
-    Draft, Envelope, Event, Timestamp, ToolRequested, ToolResult, ToolStarted,
+    Draft, Envelope, Event, EventType, Timestamp, ToolRequested, ToolResult, ToolStarted,
 };
 use kedge_core::fold::handled_by_step;
 use kedge_core::ids::InputId;
@@ -82,7 +88,7 @@ use kedge_runtime::idempotency::{Claim, IdempotencyError};
 use kedge_runtime::liveness::Liveness;
 use kedge_runtime::metrics::{self, ConfirmResult, Takeover, ToolOutcome};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
 use crate::builtin::{Confirm, Output};
@@ -126,6 +132,11 @@ const CONSUMER: &str = "tool";
 /// `agent.rejected.dead.tool`.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
 const RETRY_MAX: Duration = Duration::from_secs(30);
+/// Most times one delivery of a request is kept and handled anew ([`keep`]); beyond, it is
+/// handed back to the broker (a delivery spent) as before keeping existed. Every reason to keep
+/// one ends (an attempt is due within the longest backoff, a live holder finishes or is found
+/// gone, attempts are bounded), so this is only a backstop.
+const MAX_KEPT: u32 = 1_000;
 
 /// The stop signal of one running operation.
 type StopSignal = (OperationId, watch::Sender<bool>);
@@ -181,24 +192,82 @@ struct Ctx {
     /// Operations adopted from a runner found gone, and when it was last heard: the takeover's
     /// latency ([`metrics::TAKEOVER_SECONDS`]) once the record is taken over.
     adopted: Mutex<HashMap<OperationId, std::time::Instant>>,
+    /// Where kept requests go back to be handled anew (the service's loop).
+    again: mpsc::UnboundedSender<Again>,
+    /// Turns true when the service stops: kept requests are handed back to the broker.
+    stopping: watch::Receiver<bool>,
+    /// One clone per kept request (the service waits for them on shutdown).
+    keeping: Arc<()>,
 }
 
-impl Ctx {
-    /// Whether the run's cancellation has been requested (best effort: on a broker error, no).
-    async fn cancel_requested(&self, run: &RunId) -> bool {
-        match self
-            .rt
-            .journal
-            .has_event(run, kedge_core::event::EventType::CancelRequested)
-            .await
-        {
-            Ok(found) => found,
-            Err(e) => {
-                tracing::warn!(run_id = %run, error = %e, "cannot check for a cancel request");
-                false
+/// Work kept for a while ([`keep`]) and handed back to the service's loop, with how many times
+/// it was kept.
+enum Again {
+    /// A delivered request.
+    Request(Box<Message>, u32),
+    /// An operation adopted from a runner that is gone (there is no delivery to keep).
+    Adopted(OperationId, u32),
+}
+
+/// What a runner's one look at the journal before an operation found ([`look`]).
+#[derive(Debug, Default)]
+struct Look {
+    /// The run's `traceparent` (looked for only when spans are exported).
+    traceparent: Option<String>,
+    /// The run's cancellation was requested (best effort: no, when it could not be read).
+    cancel_requested: bool,
+    /// Under a retry policy: the attempt to make next.
+    next: Option<NextAttempt>,
+}
+
+/// The runner's one read of the journal for an operation: one batched direct get of the last
+/// `run.created` (only when spans are exported: its trace context), `cancel.requested` and,
+/// under a retry policy, `tool.attempt` of the run. The last `tool.attempt` says where the
+/// dispatch stands when it is this operation's, of this dispatch (attempts are journaled in
+/// order: attempt n+1 is claimed only once n's failure is read); another operation's or
+/// dispatch's sends the runner to read all of the run's `tool.attempt`s ([`next_attempt`]).
+/// Without a policy a broker error is no error (the cancel check is best effort).
+async fn look(
+    ctx: &Ctx,
+    op: &OperationId,
+    req: &ToolRequested,
+    trace: bool,
+) -> Result<Look, ToolError> {
+    let mut types = Vec::with_capacity(3);
+    if trace {
+        types.push(EventType::RunCreated);
+    }
+    types.push(EventType::CancelRequested);
+    if req.retry.is_some() {
+        types.push(EventType::ToolAttempt);
+    }
+    let found = match ctx.rt.journal.last_of(op.run(), &types).await {
+        Ok(found) => found,
+        Err(e) if req.retry.is_some() => return Err(e.into()),
+        Err(e) => {
+            tracing::warn!(run_id = %op.run(), error = %e, "cannot check for a cancel request");
+            return Ok(Look::default());
+        }
+    };
+    let mut out = Look {
+        next: req.retry.as_ref().map(|_| NextAttempt::FIRST),
+        ..Look::default()
+    };
+    for r in found {
+        match &r.envelope.event {
+            Event::RunCreated(c) => out.traceparent = c.traceparent.clone(),
+            Event::CancelRequested(_) => out.cancel_requested = true,
+            Event::ToolAttempt(a) => {
+                let mine = r.envelope.op.as_ref() == Some(op) && a.dispatch == req.redispatch;
+                out.next = match NextAttempt::FIRST.after(a, r.envelope.at) {
+                    Some(next) if mine => Some(next),
+                    _ => Some(next_attempt(&ctx.rt, op, req.redispatch).await?),
+                };
             }
+            _ => {}
         }
     }
+    Ok(out)
 }
 
 /// Runs the tool service until `shutdown` resolves, then lets in-flight operations finish.
@@ -231,6 +300,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("tool consumer", e))?;
+    // Kept requests come back here; the service's stop hands them back to the broker.
+    let (again, mut kept) = mpsc::unbounded_channel::<Again>();
+    let (stop, stopping) = watch::channel(false);
     let ctx = Arc::new(Ctx {
         env: builtin::Env {
             root: rt.config.workspace_root.clone(),
@@ -244,6 +316,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         running,
         liveness,
         adopted: Mutex::default(),
+        again,
+        stopping,
+        keeping: Arc::new(()),
         rt: rt.clone(),
     });
     let workers = consumer::Workers::new(rt.config.tool_concurrency);
@@ -260,7 +335,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     tracing::info!(worker = %rt.config.worker_id, "tool service started");
     tokio::pin!(shutdown);
     loop {
-        let msg = tokio::select! {
+        let (slot, msg) = tokio::select! {
             _ = &mut shutdown => break,
             death = deaths.recv() => {
                 // A runner that held operations is gone: take them over now (confirm query
@@ -279,8 +354,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                     }
                     for op in death.held.ops {
                         let ctx = ctx.clone();
-                        let worker = death.worker.clone();
-                        workers.spawn(async move { adopt(&ctx, op, &worker).await }).await;
+                        workers.spawn(async move { adopt(&ctx, op, 0).await }).await;
                     }
                 }
                 continue;
@@ -295,15 +369,41 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 workers.spawn(async move { answer_resolve(&ctx, request).await }).await;
                 continue;
             }
-            next = consumer::next_message(&mut messages, CONSUMER) => match next {
-                Some(msg) => msg,
+            Some(again) = kept.recv() => {
+                let ctx = ctx.clone();
+                match again {
+                    Again::Request(msg, times) => {
+                        workers.spawn(async move { handle(&ctx, *msg, times).await }).await;
+                    }
+                    Again::Adopted(op, times) => {
+                        workers.spawn(async move { adopt(&ctx, op, times).await }).await;
+                    }
+                }
+                continue;
+            }
+            next = workers.next(&mut messages, CONSUMER) => match next {
+                Some(next) => next,
                 None => break,
             },
         };
         let ctx = ctx.clone();
-        workers.spawn(async move { handle(&ctx, msg).await }).await;
+        workers.run(slot, async move { handle(&ctx, msg, 0).await });
     }
+    consumer::hand_back(messages, CONSUMER).await;
+    // Kept requests go back to the broker with the rest of their wait (a handler that keeps one
+    // from now on hands it back at once), as do those waiting to be handled anew.
+    let _ = stop.send(true);
     workers.drain().await;
+    kept.close();
+    while let Some(again) = kept.recv().await {
+        if let Again::Request(msg, _) = again {
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+        }
+    }
+    let waited = Instant::now();
+    while Arc::strong_count(&ctx.keeping) > 1 && waited.elapsed() < Duration::from_secs(2) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     ctx.mcp.close().await;
     tracing::info!("tool service stopped");
     Ok(())
@@ -319,7 +419,8 @@ enum ToolError {
     Panicked(String),
 }
 
-async fn handle(ctx: &Ctx, msg: Message) {
+/// Handles a delivered request; `kept`: how many times this delivery was kept already.
+async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
     let envelope = match Envelope::from_json_bytes(&msg.payload) {
         Ok(envelope) => envelope,
         Err(e) => {
@@ -362,21 +463,27 @@ async fn handle(ctx: &Ctx, msg: Message) {
     );
     // The step span that requested it (the `traceparent` header the journal put on this
     // tool.requested), so the tool's work nests under its step. A request without one (from an
-    // older build) joins the run's trace (its run.created).
+    // older build) joins the run's trace (its run.created): then the one look at the journal is
+    // taken here, before the span starts.
     let requested_by = msg
         .headers
         .as_ref()
         .and_then(|h| h.get(kedge_runtime::trace::TRACEPARENT_HEADER))
         .map(|v| v.as_str());
-    if requested_by.is_some() {
+    let looked = if requested_by.is_some() {
         kedge_runtime::trace::set_parent(&span, requested_by);
+        None
+    } else if kedge_runtime::trace::exporting() {
+        let looked = look(ctx, &op, &req, true).await.ok();
+        let traceparent = looked.as_ref().and_then(|l| l.traceparent.as_deref());
+        kedge_runtime::trace::set_parent(&span, traceparent);
+        looked
     } else {
-        let traceparent = kedge_runtime::trace::of_run(&ctx.rt.journal, &run_id).await;
-        kedge_runtime::trace::set_parent(&span, traceparent.as_deref());
-    }
+        None
+    };
     // A panic while handling it (a bug) is contained: it counts as a failed delivery (handed
     // back, and a dead letter at the last one); the service and its other operations go on.
-    let result = AssertUnwindSafe(execute(ctx, &op, &req).instrument(span))
+    let result = AssertUnwindSafe(execute(ctx, &op, &req, looked).instrument(span))
         .catch_unwind()
         .await
         .unwrap_or_else(|panic| {
@@ -394,9 +501,14 @@ async fn handle(ctx: &Ctx, msg: Message) {
             msg.ack().await
         }
         Ok(Handled::Busy { retry_in_ms }) => {
-            tracing::info!(op = %op, retry_in_ms, "held by a live runner or not due; put back");
-            msg.ack_with(AckKind::Nak(Some(Duration::from_millis(retry_in_ms))))
-                .await
+            tracing::info!(op = %op, retry_in_ms, "held by a live runner or not due; kept until then");
+            keep(
+                ctx,
+                Again::Request(Box::new(msg), kept),
+                &op,
+                Duration::from_millis(retry_in_ms),
+            )
+            .await
         }
         Ok(Handled::Retrying { attempt, .. }) if last => {
             // The failure is journaled; the reconciler finds the operation overdue once its
@@ -404,16 +516,19 @@ async fn handle(ctx: &Ctx, msg: Message) {
             tracing::warn!(op = %op, attempt, delivered, "retry due at the request's last delivery; the reconciler will resume it");
             msg.ack().await
         }
-        // The wait between attempts is the broker's: the request comes back after the backoff
-        // (a delayed redelivery, holding no task or timer here), to whichever runner is free.
+        // The request is kept through the backoff, spending no delivery; if this runner goes
+        // away meanwhile, the broker redelivers it to another.
         Ok(Handled::Retrying {
             attempt,
             retry_in_ms,
         }) => {
             tracing::info!(op = %op, attempt, retry_in_ms, "next attempt after the backoff");
-            msg.ack_with(AckKind::Nak(Some(Duration::from_millis(
-                retry_in_ms.max(1),
-            ))))
+            keep(
+                ctx,
+                Again::Request(Box::new(msg), kept),
+                &op,
+                Duration::from_millis(retry_in_ms.max(1)),
+            )
             .await
         }
         Ok(_) => msg.ack().await,
@@ -436,6 +551,75 @@ async fn handle(ctx: &Ctx, msg: Message) {
     if let Err(e) = ack {
         tracing::warn!(op = %op, error = %e, "ack failed; the request will be redelivered");
     }
+}
+
+/// Keeps a delivered request of `op` (or an adopted operation) for `wait`, then hands it to
+/// the service's loop to be handled anew, without giving it back to the broker: JetStream
+/// counts every redelivery, a delayed `Nak` included, against the consumer's `max_deliver`, so a
+/// request waiting for its next attempt or for a live holder would otherwise walk towards a
+/// dead letter. Meanwhile the broker is told the request is in progress (`+WPI`, which resets
+/// its ack wait and is not a delivery) every third of the ack wait, and the operation is
+/// announced in this process's heartbeats: if this process dies, a standby adopts it at once
+/// (and waits out what is left of the backoff itself). When the service stops, or the request
+/// was kept [`MAX_KEPT`] times already, it is handed back with the rest of its wait
+/// (`Nak(delay)`); an adopted operation is then left to its request's redelivery.
+async fn keep(
+    ctx: &Ctx,
+    what: Again,
+    op: &OperationId,
+    wait: Duration,
+) -> Result<(), async_nats::Error> {
+    let mut stopping = ctx.stopping.clone();
+    let stopped = *stopping.borrow();
+    let times = match &what {
+        Again::Request(_, n) | Again::Adopted(_, n) => *n,
+    };
+    if times >= MAX_KEPT || stopped {
+        if let Again::Request(msg, _) = what {
+            return msg.ack_with(AckKind::Nak(Some(wait))).await;
+        }
+        return Ok(());
+    }
+    let again = ctx.again.clone();
+    let keeping = ctx.keeping.clone();
+    let hold = ctx.liveness.hold_op(op).await;
+    let beat = (ctx.rt.config.timeouts.tool_ack_wait() / 3).max(Duration::from_millis(50));
+    tokio::spawn(async move {
+        let _keeping = (keeping, hold);
+        let due = tokio::time::Instant::now() + wait;
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= due {
+                break;
+            }
+            let next = (now + beat).min(due);
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {}
+                _ = async { let _ = stopping.wait_for(|stop| *stop).await; } => {
+                    if let Again::Request(msg, _) = what {
+                        let rest = due.saturating_duration_since(tokio::time::Instant::now());
+                        let _ = msg.ack_with(AckKind::Nak(Some(rest))).await;
+                    }
+                    return;
+                }
+            }
+            if next < due
+                && let Again::Request(msg, _) = &what
+                && let Err(e) = msg.ack_with(AckKind::Progress).await
+            {
+                tracing::warn!(error = %e, "cannot report a kept request in progress");
+            }
+        }
+        let what = match what {
+            Again::Request(msg, n) => Again::Request(msg, n + 1),
+            Again::Adopted(op, n) => Again::Adopted(op, n + 1),
+        };
+        if let Err(mpsc::error::SendError(Again::Request(msg, _))) = again.send(what) {
+            // The service is stopping: back to the broker, due now.
+            let _ = msg.ack_with(AckKind::Nak(None)).await;
+        }
+    });
+    Ok(())
 }
 
 /// Answers the reconciler's request to resolve an operation stuck in `running`: the same
@@ -481,7 +665,7 @@ async fn resolve(ctx: &Ctx, claimed: Envelope) -> Result<Vec<u8>, serde_json::Er
         );
     }
     tracing::Span::current().record("tool", req.tool.as_str());
-    match execute(ctx, &op, &req).await {
+    match execute(ctx, &op, &req, None).await {
         Ok(handled) => {
             tracing::info!(?handled, "resolved at the reconciler's request");
             serde_json::to_vec(&handled)
@@ -490,10 +674,12 @@ async fn resolve(ctx: &Ctx, claimed: Envelope) -> Result<Vec<u8>, serde_json::Er
     }
 }
 
-/// Takes over operation `op` of `worker`, which is gone: its journaled request is handled like
-/// a redelivered one (the claim sees the gone runner's record and takes it over).
-async fn adopt(ctx: &Ctx, op: OperationId, worker: &str) {
-    let span = tracing::info_span!("adopt", run_id = %op.run(), op = %op, from = %worker);
+/// Takes over operation `op` of a runner that is gone: its journaled request is handled like
+/// a redelivered one (the claim sees the gone runner's record and takes it over). An attempt
+/// not due yet, or failed with its next one due after a backoff, is kept ([`keep`]) and
+/// adopted again then; `kept`: how many times so far.
+async fn adopt(ctx: &Ctx, op: OperationId, kept: u32) {
+    let span = tracing::info_span!("adopt", run_id = %op.run(), op = %op);
     async {
         let req = match verify::latest(&ctx.rt.journal, &op).await {
             Ok(req) => req,
@@ -505,7 +691,12 @@ async fn adopt(ctx: &Ctx, op: OperationId, worker: &str) {
         if handled_by_step(&req.tool) {
             return;
         }
-        match execute(ctx, &op, &req).await {
+        match execute(ctx, &op, &req, None).await {
+            Ok(Handled::Busy { retry_in_ms } | Handled::Retrying { retry_in_ms, .. }) => {
+                tracing::info!(retry_in_ms, "adopted operation not due yet; kept until then");
+                let wait = Duration::from_millis(retry_in_ms.max(1));
+                let _ = keep(ctx, Again::Adopted(op.clone(), kept), &op, wait).await;
+            }
             Ok(handled) => tracing::info!(?handled, "adopted an operation of a gone runner"),
             Err(e) => {
                 tracing::warn!(error = %e, "adopted operation not finished; its request's redelivery will retry")
@@ -516,7 +707,13 @@ async fn adopt(ctx: &Ctx, op: OperationId, worker: &str) {
     .await
 }
 
-async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Handled, ToolError> {
+/// Handles one request of `op`; `looked`: the journal's [`look`], if the caller took it.
+async fn execute(
+    ctx: &Ctx,
+    op: &OperationId,
+    req: &ToolRequested,
+    looked: Option<Look>,
+) -> Result<Handled, ToolError> {
     let (rt, env) = (&ctx.rt, &ctx.env);
     let runner = &rt.config.worker_id;
     let target = Target::of(&req.tool, &ctx.mcp);
@@ -534,39 +731,57 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
     // without a confirm query, and one attempt of one dispatch runs at a time.
     let retried = req.retry.is_some();
     let (claim, cancel_requested, attempt) = if retried {
-        let (next, cancel_requested) = futures::join!(
-            next_attempt(rt, op, req.redispatch),
-            ctx.cancel_requested(op.run())
-        );
-        let next = next?;
-        if !cancel_requested
-            && let Some(due) = next.due
-            && let Some(wait) = until(due)
-        {
-            tracing::info!(
-                attempt = next.number,
-                wait_ms = wait.as_millis(),
-                "next attempt not due yet"
-            );
-            return Ok(Handled::Busy {
-                retry_in_ms: millis(wait),
-            });
+        let looked = match looked {
+            Some(looked) => looked,
+            None => look(ctx, op, req, false).await?,
+        };
+        let cancel_requested = looked.cancel_requested;
+        let mut next = looked.next.unwrap_or(NextAttempt::FIRST);
+        loop {
+            if !cancel_requested
+                && let Some(due) = next.due
+                && let Some(wait) = until(due)
+            {
+                tracing::info!(
+                    attempt = next.number,
+                    wait_ms = wait.as_millis(),
+                    "next attempt not due yet"
+                );
+                return Ok(Handled::Busy {
+                    retry_in_ms: millis(wait),
+                });
+            }
+            let claim = rt
+                .idempotency
+                .claim_attempt(
+                    op,
+                    &req.args_digest,
+                    runner,
+                    claim_dispatch(req.redispatch, next.number, true),
+                    claim_dispatch(req.redispatch, 1, true),
+                    abandoned_after,
+                )
+                .await;
+            // A record given back at this number: either that attempt's failure landed since
+            // the journal was read (read again: the next number is free), or the dispatch was
+            // given back without running (its target moved): nothing to do. Numbers only go
+            // up, so this ends.
+            if let Ok(Claim::Released) = claim {
+                let again = next_attempt(rt, op, req.redispatch).await?;
+                if again.number > next.number {
+                    tracing::info!(
+                        attempt = again.number,
+                        "the previous attempt was given back since the journal was read"
+                    );
+                    next = again;
+                    continue;
+                }
+            }
+            break (claim, cancel_requested, next.number);
         }
-        let claim = rt
-            .idempotency
-            .claim_attempt(
-                op,
-                &req.args_digest,
-                runner,
-                claim_dispatch(req.redispatch, next.number, true),
-                claim_dispatch(req.redispatch, 1, true),
-                abandoned_after,
-            )
-            .await;
-        (claim, cancel_requested, next.number)
     } else {
-        // The cancel check is a read of the journal; it goes out with the claim.
-        let (claim, cancel_requested) = futures::join!(
+        // The journal's look (the cancel check) goes out with the claim.
+        let (claim, looked) = futures::join!(
             rt.idempotency.claim(
                 op,
                 &req.args_digest,
@@ -574,9 +789,14 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
                 req.redispatch,
                 abandoned_after
             ),
-            ctx.cancel_requested(op.run())
+            async {
+                match looked {
+                    Some(looked) => looked,
+                    None => look(ctx, op, req, false).await.unwrap_or_default(),
+                }
+            }
         );
-        (claim, cancel_requested, 1)
+        (claim, looked.cancel_requested, 1)
     };
     let code = claim_dispatch(req.redispatch, attempt, retried);
     tracing::Span::current().record("attempt", attempt);
@@ -611,12 +831,6 @@ async fn execute(ctx: &Ctx, op: &OperationId, req: &ToolRequested) -> Result<Han
             journal_result(rt, op, out, false).await?;
             metrics::tool_operation(ToolOutcome::Stored);
             return Ok(Handled::Stored);
-        }
-        // Under a retry policy a record given back at this number is an attempt whose failure
-        // the journal read above did not show yet (it landed meanwhile): ask again shortly.
-        Claim::Released if retried => {
-            tracing::info!("the previous attempt was given back since the journal was read");
-            return Ok(Handled::Busy { retry_in_ms: 200 });
         }
         Claim::Released => {
             tracing::info!(
@@ -835,10 +1049,10 @@ async fn next_attempt(
 ) -> Result<NextAttempt, ToolError> {
     let recorded = rt
         .journal
-        .read_type(op.run(), kedge_core::event::EventType::ToolAttempt)
+        .read_type(op.run(), EventType::ToolAttempt)
         .await?;
     let attempts = recorded.iter().filter_map(|r| match &r.envelope.event {
-        Event::ToolAttempt(a) if r.envelope.op.as_ref() == Some(op) => Some(a),
+        Event::ToolAttempt(a) if r.envelope.op.as_ref() == Some(op) => Some((a, r.envelope.at)),
         _ => None,
     });
     Ok(kedge_core::tools::next_attempt(attempts, dispatch))
