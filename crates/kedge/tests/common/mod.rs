@@ -104,6 +104,7 @@ pub enum Svc {
     Tool,
     Approval,
     Gateway,
+    Timer,
 }
 
 impl Harness {
@@ -190,6 +191,7 @@ impl Harness {
             Svc::Tool => Kind::Tool,
             Svc::Approval => Kind::Approval,
             Svc::Gateway => Kind::Gateway,
+            Svc::Timer => Kind::Timer,
         };
         let mut config = as_kind(&self.config, kind);
         config.worker_id = worker.to_owned();
@@ -205,6 +207,7 @@ impl Harness {
                 Svc::Tool => kedge_tool::run(rt, stop).await,
                 Svc::Approval => kedge_approval::run(rt, stop).await,
                 Svc::Gateway => kedge_gateway::run(rt, stop).await,
+                Svc::Timer => kedge_timer::run(rt, stop).await,
             };
             if let Err(e) = result {
                 panic!("{svc:?} service failed: {e}");
