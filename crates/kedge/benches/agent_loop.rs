@@ -59,6 +59,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+/// The allocator the `kedge` binary runs with (its main.rs): the services run in this process.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -11,6 +11,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+/// mimalloc instead of glibc malloc (see Cargo.toml): the services allocate per message.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
     let traces = init_tracing(&args);
