@@ -1,6 +1,19 @@
 //! Agent definitions in the `kedge_agents` KV bucket. The key is the agent's name; each put is a
-//! new revision and the bucket keeps the history, so the revision a run froze in `run.created`
-//! can always be read back.
+//! new revision, and the revision a run froze in `run.created` can always be read back.
+//!
+//! The bucket keeps only the last 64 values of a key (`max_msgs_per_subject` in
+//! nats/kv/kedge_agents.json), so a run pinned to an older revision would lose its definition
+//! once the agent is edited 64 more times. Each revision is therefore also kept under a key of
+//! its own, `<name>.rev.<revision>` ([`revision_key`]; an agent name has no `.`, so such a key is
+//! never an agent), which no later edit replaces. [`AgentStore::put`] writes the copy right after
+//! the new revision; a put interrupted in between leaves the newest revision without its copy,
+//! and the next put copies it first (it is still in the key's history then), so every revision
+//! but possibly the current one has its copy, and the current one is the key's value.
+//! [`AgentStore::at_revision`] reads the copy, then the history.
+//!
+//! Copies are never removed by Kedge: a definition is a few KiB written by a person, and one may
+//! be needed as long as any unfinished run uses it, and after that to read the run's archive. An
+//! admin removes them by hand if ever needed (docs/RUNBOOK.md "Retention").
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -45,6 +58,11 @@ impl std::fmt::Debug for AgentStore {
     }
 }
 
+/// The key under which revision `revision` of agent `name` is kept for good.
+pub fn revision_key(name: &AgentName, revision: u64) -> String {
+    format!("{name}.rev.{revision}")
+}
+
 impl AgentStore {
     pub fn new(kv: Store) -> Self {
         Self {
@@ -62,10 +80,51 @@ impl AgentStore {
                 reason: e.to_string(),
             })
         })?;
-        self.kv
-            .put(def.name.as_str(), bytes.into())
+        // The current revision gets its copy first, if an interrupted put left it without.
+        if let Some(current) = self
+            .kv
+            .entry(def.name.as_str())
             .await
-            .map_err(|e| AgentError::Unavailable(e.to_string()))
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?
+            && current.operation == Operation::Put
+        {
+            self.keep(&def.name, current.revision, current.value)
+                .await?;
+        }
+        let revision = self
+            .kv
+            .put(def.name.as_str(), bytes.clone().into())
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+        self.keep(&def.name, revision, bytes.into()).await?;
+        Ok(revision)
+    }
+
+    /// Writes the copy of a revision unless it is there.
+    async fn keep(
+        &self,
+        name: &AgentName,
+        revision: u64,
+        value: bytes::Bytes,
+    ) -> Result<(), AgentError> {
+        let key = revision_key(name, revision);
+        let present = self
+            .kv
+            .entry(key.as_str())
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?
+            .is_some_and(|e| e.operation == Operation::Put);
+        if present {
+            return Ok(());
+        }
+        match self.kv.create(key.as_str(), value).await {
+            Ok(_) => Ok(()),
+            // Written meanwhile by another put.
+            Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
+                Ok(())
+            }
+            Err(e) => Err(AgentError::Unavailable(e.to_string())),
+        }
     }
 
     fn parse(name: &AgentName, revision: u64, bytes: &[u8]) -> Result<AgentDefinition, AgentError> {
@@ -107,11 +166,20 @@ impl AgentStore {
         {
             return Ok(def.clone());
         }
-        let entry = self
+        // The copy (every revision but possibly the newest has one), then the key's history.
+        let copy = self
             .kv
-            .entry_for_revision(name.as_str(), revision)
+            .entry(revision_key(name, revision))
             .await
             .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+        let entry = match copy {
+            Some(e) if e.operation == Operation::Put => Some(e),
+            _ => self
+                .kv
+                .entry_for_revision(name.as_str(), revision)
+                .await
+                .map_err(|e| AgentError::Unavailable(e.to_string()))?,
+        };
         match entry {
             Some(e) if e.operation == Operation::Put => {
                 let def = Arc::new(Self::parse(name, revision, &e.value)?);
@@ -154,7 +222,8 @@ impl AgentStore {
         Ok(out)
     }
 
-    /// The revisions of an agent, oldest first (its version history).
+    /// The revisions of an agent, oldest first (its version history: the kept copies and the
+    /// key's recent history).
     pub async fn history(&self, name: &AgentName) -> Result<Vec<u64>, AgentError> {
         let entries: Vec<_> = self
             .kv
@@ -164,10 +233,24 @@ impl AgentStore {
             .try_collect()
             .await
             .map_err(|e| AgentError::Unavailable(e.to_string()))?;
-        Ok(entries
+        let mut revisions: std::collections::BTreeSet<u64> = entries
             .into_iter()
             .filter(|e| e.operation == Operation::Put)
             .map(|e| e.revision)
-            .collect())
+            .collect();
+        let prefix = format!("{name}.rev.");
+        let keys: Vec<String> = self
+            .kv
+            .keys()
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?
+            .try_collect()
+            .await
+            .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+        revisions.extend(
+            keys.iter()
+                .filter_map(|k| k.strip_prefix(prefix.as_str())?.parse::<u64>().ok()),
+        );
+        Ok(revisions.into_iter().collect())
     }
 }
