@@ -1039,6 +1039,11 @@ impl Journal {
             })
             .await
             .map_err(|e| consumer_error(op, e))?;
+        // Messages removed since `target` was read (a retention purge of the stream's last
+        // runs) never arrive: nothing left to deliver means everything through `target` is seen.
+        if consumer.cached_info().num_pending == 0 {
+            return Ok((runs, target));
+        }
         let mut messages = consumer
             .messages()
             .await
@@ -1065,17 +1070,16 @@ impl Journal {
                 Ok(Some(Err(e))) => return Err(ordered_error(e)),
                 Ok(Some(Ok(msg))) => msg,
             };
-            let seq = msg
-                .info()
-                .map_err(|e| JournalError::Rejected {
-                    op,
-                    reason: format!("message without JetStream metadata: {e}"),
-                })?
-                .stream_sequence;
+            let info = msg.info().map_err(|e| JournalError::Rejected {
+                op,
+                reason: format!("message without JetStream metadata: {e}"),
+            })?;
+            let (seq, last) = (info.stream_sequence, info.pending == 0);
             if seq <= through {
                 continue;
             }
-            through = seq;
+            // The last message there is: what followed it through `target` was removed.
+            through = if last { seq.max(target) } else { seq };
             // `agent.run.<id>.…`: anything whose third token is not a run id is not a run's.
             if let Some(run) = msg
                 .subject

@@ -303,6 +303,9 @@ pub enum Service {
     Bridge,
     /// The tenants' NATS API (`kedge.t.<tenant>.>`; part of `all`).
     Gateway,
+    /// The retention policy (`retention` in the config; not part of `all`: it runs with the
+    /// `retention` user's credentials, the one service user allowed to purge).
+    Retention,
 }
 
 #[derive(Debug, Subcommand)]
@@ -787,6 +790,11 @@ pub async fn serve(
     if wanted(Service::Reconciler) {
         start("reconciler", |rt, stop| {
             boxed(kedge_reconciler::run(rt, stop))
+        });
+    }
+    if services.contains(&Service::Retention) {
+        start("retention", |rt, stop| {
+            boxed(kedge_reconciler::retention::run(rt, stop))
         });
     }
     if wanted(Service::Projector) {

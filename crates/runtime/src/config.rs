@@ -92,6 +92,126 @@ pub struct Config {
     /// base URL, e.g. `http://otel-collector:4318`: spans go to `<endpoint>/v1/traces`, JSON
     /// encoded); none (the default): no export. See [`crate::trace`].
     pub otlp_endpoint: Option<String>,
+    /// The retention policy (`kedge serve retention`) and the tool hosts' sweep of purged runs'
+    /// workspaces. Off by default: see [`RetentionConfig`] and docs/CONFIG.md "Retention".
+    pub retention: RetentionConfig,
+}
+
+/// The retention policy: what `kedge serve retention` purges, and how often ([`crate::retention`]).
+///
+/// Durations are written with a unit: `"30d"`, `"12h"`, `"15m"`, `"90s"`, `"500ms"`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    /// Whether the retention service purges anything (`KEDGE_RETENTION=1`). Off by default:
+    /// a purge cannot be undone, and how long a journal must be kept (audit, disputes) is the
+    /// operator's decision, not a default's.
+    pub enabled: bool,
+    /// A finished run is purged once it has been finished this long
+    /// (`KEDGE_RETENTION_FINISHED_AFTER`; default `30d`, at least `1s`).
+    #[serde(with = "duration_text")]
+    pub finished_after: std::time::Duration,
+    /// Archive each journal as JSON Lines to `kedge_blobs` before purging it
+    /// (`KEDGE_RETENTION_ARCHIVE`; default on).
+    pub archive: bool,
+    /// How often the retention service looks for runs past the horizon
+    /// (`KEDGE_RETENTION_INTERVAL`; default `10m`).
+    #[serde(with = "duration_text")]
+    pub interval: std::time::Duration,
+    /// How often a tool service removes the workspaces of purged runs from its workspace root
+    /// (`KEDGE_RETENTION_WORKSPACE_SWEEP`; default `10m`). Runs whether or not `enabled` is set
+    /// here: `kedge runs purge` purges too.
+    #[serde(with = "duration_text")]
+    pub workspace_sweep: std::time::Duration,
+    /// Runs purged between two saves of the retention cursor (default 256).
+    pub batch: usize,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            finished_after: std::time::Duration::from_secs(30 * 24 * 3600),
+            archive: true,
+            interval: std::time::Duration::from_secs(600),
+            workspace_sweep: std::time::Duration::from_secs(600),
+            batch: 256,
+        }
+    }
+}
+
+impl RetentionConfig {
+    fn check(&self) -> Result<(), ConfigError> {
+        let invalid = |reason: String| {
+            Err(ConfigError::Invalid {
+                field: "retention",
+                reason,
+            })
+        };
+        if self.finished_after < std::time::Duration::from_secs(1) {
+            return invalid("finished_after must be at least 1s".into());
+        }
+        if self.interval < std::time::Duration::from_millis(100)
+            || self.workspace_sweep < std::time::Duration::from_millis(100)
+        {
+            return invalid("interval and workspace_sweep must be at least 100ms".into());
+        }
+        if !(1..=10_000).contains(&self.batch) {
+            return invalid(format!("batch {} is not between 1 and 10000", self.batch));
+        }
+        Ok(())
+    }
+}
+
+/// Parses a duration written with a unit: `500ms`, `90s`, `15m`, `12h`, `30d`.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("`{text}` has no unit (ms, s, m, h or d)"))?;
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("`{text}` does not start with a number"))?;
+    let ms = match unit {
+        "ms" => Some(n),
+        "s" => n.checked_mul(1_000),
+        "m" => n.checked_mul(60_000),
+        "h" => n.checked_mul(3_600_000),
+        "d" => n.checked_mul(86_400_000),
+        _ => return Err(format!("`{text}`: the unit is one of ms, s, m, h, d")),
+    }
+    .ok_or_else(|| format!("`{text}` is too long"))?;
+    Ok(std::time::Duration::from_millis(ms))
+}
+
+/// Writes a duration in the largest unit that divides it.
+pub fn format_duration(d: std::time::Duration) -> String {
+    let ms = d.as_millis() as u64;
+    for (unit, size) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
+        if ms > 0 && ms.is_multiple_of(size) {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+mod duration_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &std::time::Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::format_duration(*d))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<std::time::Duration, D::Error> {
+        let text = String::deserialize(d)?;
+        super::parse_duration(&text).map_err(serde::de::Error::custom)
+    }
 }
 
 /// What an agent definition may name for its model: the operator's choice, not the author's.
@@ -230,6 +350,7 @@ impl Default for Config {
             models: ModelPolicy::default(),
             metrics_addr: None,
             otlp_endpoint: None,
+            retention: RetentionConfig::default(),
         }
     }
 }
@@ -286,6 +407,7 @@ impl std::fmt::Debug for Config {
             models,
             metrics_addr,
             otlp_endpoint,
+            retention,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
         let api_keys: Vec<&String> = api_keys.keys().collect();
@@ -310,6 +432,7 @@ impl std::fmt::Debug for Config {
             .field("models", models)
             .field("metrics_addr", metrics_addr)
             .field("otlp_endpoint", &otlp_endpoint.as_deref().map(redact_url))
+            .field("retention", retention)
             .finish()
     }
 }
@@ -1152,6 +1275,27 @@ impl Config {
         if let Some(v) = get("KEDGE_BRIDGE_REQUEST_TIMEOUT_MS") {
             self.bridge.request_timeout_ms = num("KEDGE_BRIDGE_REQUEST_TIMEOUT_MS", &v)?;
         }
+        if let Some(v) = get("KEDGE_RETENTION") {
+            self.retention.enabled = flag("KEDGE_RETENTION", &v)?;
+        }
+        if let Some(v) = get("KEDGE_RETENTION_ARCHIVE") {
+            self.retention.archive = flag("KEDGE_RETENTION_ARCHIVE", &v)?;
+        }
+        for (var, field) in [
+            (
+                "KEDGE_RETENTION_FINISHED_AFTER",
+                &mut self.retention.finished_after,
+            ),
+            ("KEDGE_RETENTION_INTERVAL", &mut self.retention.interval),
+            (
+                "KEDGE_RETENTION_WORKSPACE_SWEEP",
+                &mut self.retention.workspace_sweep,
+            ),
+        ] {
+            if let Some(v) = get(var) {
+                *field = parse_duration(&v).map_err(|reason| ConfigError::Env { var, reason })?;
+            }
+        }
         let t = &mut self.timeouts;
         for (var, field) in [
             ("KEDGE_LEASE_TTL_MS", &mut t.lease_ttl_ms),
@@ -1216,6 +1360,7 @@ impl Config {
             });
         }
         self.bridge.check()?;
+        self.retention.check()?;
         if let Some(addr) = &self.metrics_addr {
             let port = addr
                 .rsplit_once(':')
@@ -1260,6 +1405,71 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retention_is_off_by_default_and_reads_durations_with_units() {
+        let c = Config::default();
+        assert!(!c.retention.enabled);
+        assert_eq!(
+            c.retention.finished_after,
+            std::time::Duration::from_secs(30 * 86_400)
+        );
+        assert!(c.retention.archive);
+        let v: serde_json::Value = serde_json::to_value(&c).expect("serializes");
+        assert_eq!(v["retention"]["finished_after"], "30d");
+        assert_eq!(v["retention"]["interval"], "10m");
+        let parsed: Config = serde_json::from_value(serde_json::json!({
+            "retention": {"enabled": true, "finished_after": "12h", "interval": "90s", "archive": false}
+        }))
+        .expect("parses");
+        assert!(parsed.retention.enabled && !parsed.retention.archive);
+        assert_eq!(
+            parsed.retention.finished_after,
+            std::time::Duration::from_secs(12 * 3600)
+        );
+        assert_eq!(
+            parsed.retention.interval,
+            std::time::Duration::from_secs(90)
+        );
+        let mut e = Config::default();
+        e.apply_env(|k| match k {
+            "KEDGE_RETENTION" => Some("1".into()),
+            "KEDGE_RETENTION_FINISHED_AFTER" => Some("2s".into()),
+            "KEDGE_RETENTION_WORKSPACE_SWEEP" => Some("500ms".into()),
+            _ => None,
+        })
+        .expect("applies");
+        assert!(e.retention.enabled);
+        assert_eq!(
+            e.retention.finished_after,
+            std::time::Duration::from_secs(2)
+        );
+        assert_eq!(
+            e.retention.workspace_sweep,
+            std::time::Duration::from_millis(500)
+        );
+        for bad in ["30", "3w", "d", "-1s", ""] {
+            assert!(parse_duration(bad).is_err(), "{bad}");
+        }
+        assert!(
+            Config::default()
+                .apply_env(|k| (k == "KEDGE_RETENTION_INTERVAL").then(|| "soon".into()))
+                .is_err()
+        );
+        let mut short = Config::default();
+        short.retention.finished_after = std::time::Duration::from_millis(10);
+        assert!(
+            short
+                .check()
+                .expect_err("too short")
+                .to_string()
+                .contains("retention")
+        );
+        assert_eq!(
+            format_duration(std::time::Duration::from_millis(1500)),
+            "1500ms"
+        );
+    }
 
     #[test]
     fn env_overrides_defaults_and_relations_are_checked() {

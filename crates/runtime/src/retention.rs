@@ -16,16 +16,42 @@
 //! 3. the journal subjects `agent.run.<id>.>`.
 //!
 //! Purging twice is harmless (the second finds no run). Workspaces live on the tool hosts and
-//! are not removed here (see docs/RUNBOOK.md "Retention"). Every removal is a stream purge with a
-//! subject filter: it needs `$JS.API.STREAM.PURGE`, which only the operator's credentials carry
-//! (docs/SECURITY.md).
+//! are not removed here: each tool service sweeps its workspace root and removes the directory
+//! of every run whose journal is gone (`kedge_tool::workspaces`). Every removal is a stream
+//! purge with a subject filter: it needs `$JS.API.STREAM.PURGE`, which only the admin's and the
+//! `retention` user's credentials carry (docs/SECURITY.md).
+//!
+//! # The retention policy
+//!
+//! [`apply_policy`] is one pass of the retention service (`kedge serve retention`, configured by
+//! [`crate::config::RetentionConfig`]). It does not list runs: it reads the journal's terminal
+//! events (`agent.run.*.d.run.succeeded|failed|cancelled`, headers only, in stream order) from a
+//! cursor kept in `kedge_leases` under [`CURSOR_KEY`], purges the run of each one stored before
+//! the horizon (`now - finished_after`), and moves the cursor past them. It stops at the first
+//! terminal event not yet past the horizon (later ones are younger). So a pass costs the runs
+//! that crossed the horizon since the last pass (plus at most one batch of headers), whatever the
+//! number of runs ever created.
+//!
+//! Each run still goes through [`purge_run`], which decides from the run's own journal: a run
+//! revived since that terminal event is left alone (its next ending journals a new terminal
+//! event, which the cursor meets later), and a run whose last ending is younger than the horizon
+//! is left to that later event. Replicas: the cursor is saved with compare-and-set after each
+//! batch; two replicas reading the same batch both purge its runs (harmless: purging is
+//! idempotent) and the slower one's save fails, so it re-reads the cursor on its next pass. A pass
+//! interrupted mid-batch leaves the cursor before that batch: the next pass does it again.
 
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+use futures::StreamExt;
 use kedge_core::event::Event;
 use kedge_core::event::Timestamp;
 use kedge_core::ids::RunId;
-use kedge_core::subjects::{BLOBS_BUCKET, IDEMPOTENCY_BUCKET, LEASES_BUCKET, RUNS_BUCKET};
+use kedge_core::subjects::{
+    BLOBS_BUCKET, IDEMPOTENCY_BUCKET, LEASES_BUCKET, RUNS_BUCKET, RUNS_STREAM,
+};
 use kedge_journal::JournalError;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::Runtime;
 use crate::idempotency::IdempotencyStore;
@@ -83,6 +109,9 @@ pub enum RetentionError {
     /// is gone, what came after was left in the journal.
     #[error("run {run} got an event while it was purged; the events after the check were left")]
     Revived { run: RunId },
+    /// The retention cursor or the terminal events could not be read or saved.
+    #[error("retention cursor: {0}")]
+    Cursor(String),
 }
 
 /// The object name of a run's archived journal in `kedge_blobs`.
@@ -90,16 +119,34 @@ pub fn archive_name(run: &RunId) -> String {
     format!("archive/runs/{run}.jsonl")
 }
 
-/// Purges one finished run (see the module docs).
+/// Purges one finished run (see the module docs). The cutoff applies to when the run ended
+/// (its last `run.succeeded|failed|cancelled`), not to inputs that landed on it since without
+/// reviving it.
 pub async fn purge_run(
     rt: &Runtime,
     run: &RunId,
     opts: PurgeOptions,
 ) -> Result<Purged, RetentionError> {
+    Ok(purge_run_ended(rt, run, opts).await?.0)
+}
+
+/// [`purge_run`], and the sequence of the run's last terminal event when it read one.
+async fn purge_run_ended(
+    rt: &Runtime,
+    run: &RunId,
+    opts: PurgeOptions,
+) -> Result<(Purged, Option<u64>), RetentionError> {
     let page = rt.journal.read_with_set_aside(run, 0).await?;
     if page.events.is_empty() {
-        return Ok(Purged::NotFound);
+        return Ok((Purged::NotFound, None));
     }
+    let ended = page.events.iter().rev().find(|r| {
+        matches!(
+            r.envelope.event,
+            Event::RunSucceeded(_) | Event::RunFailed(_) | Event::RunCancelled(_)
+        )
+    });
+    let ended_seq = ended.map(|r| r.seq);
     let state =
         kedge_core::fold::fold(page.events.iter().map(|r| (r.seq, &r.envelope))).map_err(|e| {
             RetentionError::Fold {
@@ -108,18 +155,20 @@ pub async fn purge_run(
             }
         })?;
     if !crate::view::finished(&state) {
-        return Ok(Purged::NotFinished {
-            status: state.status,
-        });
+        return Ok((
+            Purged::NotFinished {
+                status: state.status,
+            },
+            ended_seq,
+        ));
     }
-    let ended_at = page
-        .events
-        .last()
+    let ended_at = ended
+        .or(page.events.last())
         .map_or(state.created_at, |r| r.envelope.at);
     if let Some(cutoff) = opts.finished_before
         && ended_at >= cutoff
     {
-        return Ok(Purged::TooRecent { ended_at });
+        return Ok((Purged::TooRecent { ended_at }, ended_seq));
     }
     let events = (page.events.len() + page.set_aside.len()) as u64;
     let mut filters: Vec<(&str, String)> = Vec::new();
@@ -150,12 +199,15 @@ pub async fn purge_run(
         format!("{}{}.{run}", kv(RUNS_BUCKET), state.bundle.tenant),
     ));
     if opts.dry_run {
-        return Ok(Purged::Purged {
-            events,
-            records: filters.len() as u64,
-            archive: opts.archive.then(|| archive_name(run)),
-            dry_run: true,
-        });
+        return Ok((
+            Purged::Purged {
+                events,
+                records: filters.len() as u64,
+                archive: opts.archive.then(|| archive_name(run)),
+                dry_run: true,
+            },
+            ended_seq,
+        ));
     }
     let archive = if opts.archive {
         Some(archive(rt, run, &page.events).await?)
@@ -180,12 +232,15 @@ pub async fn purge_run(
         return Err(RetentionError::Revived { run: run.clone() });
     }
     tracing::info!(run_id = %run, events, records, archived = archive.is_some(), "run purged");
-    Ok(Purged::Purged {
-        events,
-        records,
-        archive,
-        dry_run: false,
-    })
+    Ok((
+        Purged::Purged {
+            events,
+            records,
+            archive,
+            dry_run: false,
+        },
+        ended_seq,
+    ))
 }
 
 /// What [`purge_finished`] did over the whole journal.
@@ -230,6 +285,245 @@ pub async fn purge_finished(
         }
     }
     Ok(report)
+}
+
+/// The key of the retention service's cursor in `kedge_leases`: the journal sequence through
+/// which terminal events were handled (JSON [`Cursor`]).
+pub const CURSOR_KEY: &str = "retention.cursor";
+
+/// The subjects of the terminal events the retention service reads.
+pub const TERMINAL_SUBJECTS: [&str; 3] = [
+    "agent.run.*.d.run.succeeded",
+    "agent.run.*.d.run.failed",
+    "agent.run.*.d.run.cancelled",
+];
+
+/// Runs purged at once within a batch.
+const CONCURRENT_PURGES: usize = 8;
+
+/// What [`CURSOR_KEY`] holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    /// Terminal events up to this journal sequence are handled.
+    pub through: u64,
+    /// Who saved it, when (for people reading the bucket).
+    #[serde(default)]
+    pub by: String,
+    #[serde(default)]
+    pub at: Option<Timestamp>,
+}
+
+/// The retention policy one pass applies ([`crate::config::RetentionConfig`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    /// Runs finished longer ago than this are purged.
+    pub finished_after: Duration,
+    /// Archive each journal to `kedge_blobs` first.
+    pub archive: bool,
+    /// Terminal events handled between two saves of the cursor.
+    pub batch: usize,
+}
+
+impl From<&crate::config::RetentionConfig> for Policy {
+    fn from(c: &crate::config::RetentionConfig) -> Self {
+        Policy {
+            finished_after: c.finished_after,
+            archive: c.archive,
+            batch: c.batch.max(1),
+        }
+    }
+}
+
+/// What one [`apply_policy`] pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PassReport {
+    /// Terminal events read (the pass's work: it never lists runs).
+    pub read: usize,
+    /// Runs purged.
+    pub purged: usize,
+    /// Journal messages removed.
+    pub events: u64,
+    /// Terminal events whose run was already gone, revived since, or ended again later.
+    pub skipped: usize,
+    /// Runs that could not be purged (logged): the cursor stopped before the first (a later
+    /// pass tries again), unless its journal does not fold (left for a person, passed over).
+    pub failed: usize,
+    /// The cursor after the pass.
+    pub through: u64,
+    /// Another replica saved the cursor first: this pass's last batch overlapped its work.
+    pub overtaken: bool,
+}
+
+/// One pass of the retention policy (see the module docs): purges the runs whose terminal
+/// event is older than `now - finished_after`, from the saved cursor on, in batches.
+pub async fn apply_policy(rt: &Runtime, policy: Policy) -> Result<PassReport, RetentionError> {
+    let cursor_err = |e: &dyn std::fmt::Display| RetentionError::Cursor(e.to_string());
+    let kv = rt
+        .js
+        .get_key_value(LEASES_BUCKET)
+        .await
+        .map_err(|e| cursor_err(&e))?;
+    let horizon = time::OffsetDateTime::now_utc()
+        - time::Duration::try_from(policy.finished_after).unwrap_or(time::Duration::MAX);
+    let cutoff = Timestamp(horizon);
+    let opts = PurgeOptions {
+        finished_before: Some(cutoff),
+        archive: policy.archive,
+        dry_run: false,
+    };
+    let mut report = PassReport::default();
+    loop {
+        let (through, revision) = match kv.entry(CURSOR_KEY).await.map_err(|e| cursor_err(&e))? {
+            Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => {
+                let c: Cursor = serde_json::from_slice(&e.value).unwrap_or_default();
+                (c.through, Some(e.revision))
+            }
+            Some(e) => (0, Some(e.revision)),
+            None => (0, None),
+        };
+        report.through = through;
+        let (batch, more) = terminal_events(rt, through, policy.batch, horizon).await?;
+        report.read += batch.len();
+        if batch.is_empty() {
+            return Ok(report);
+        }
+        let results: Vec<_> = futures::stream::iter(batch)
+            .map(|(seq, run)| async move {
+                let r = purge_run_ended(rt, &run, opts).await;
+                (seq, run, r)
+            })
+            .buffered(CONCURRENT_PURGES)
+            .collect()
+            .await;
+        let mut advanced = through;
+        let mut stopped = false;
+        for (seq, run, result) in results {
+            if stopped {
+                continue;
+            }
+            let handled = match result {
+                Ok((Purged::Purged { events, .. }, _)) => {
+                    report.purged += 1;
+                    report.events += events;
+                    true
+                }
+                Ok((Purged::NotFound | Purged::NotFinished { .. }, _))
+                | Err(RetentionError::Revived { .. }) => {
+                    report.skipped += 1;
+                    true
+                }
+                // Ended again after this event: the later terminal event is met later.
+                Ok((Purged::TooRecent { .. }, Some(ended))) if ended > seq => {
+                    report.skipped += 1;
+                    true
+                }
+                // Past the horizon by the broker's clock, not yet by the writer's: next pass.
+                Ok((Purged::TooRecent { .. }, _)) => false,
+                // A journal that does not fold will not fold next time either: left for a
+                // person (logged), and the cursor goes on.
+                Err(e @ RetentionError::Fold { .. }) => {
+                    tracing::error!(run_id = %run, error = %e, "run not purged: its journal does not fold; left as it is");
+                    report.failed += 1;
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(run_id = %run, error = %e, "run not purged; retried by a later pass");
+                    report.failed += 1;
+                    false
+                }
+            };
+            if handled {
+                advanced = seq;
+            } else {
+                stopped = true;
+            }
+        }
+        if advanced > through {
+            let value = serde_json::to_vec(&Cursor {
+                through: advanced,
+                by: rt.config.worker_id.clone(),
+                at: Some(Timestamp::now()),
+            })
+            .map_err(|e| cursor_err(&e))?;
+            let saved = match revision {
+                Some(r) => kv
+                    .update(CURSOR_KEY, value.into(), r)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                None => kv
+                    .create(CURSOR_KEY, value.into())
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+            };
+            if let Err(e) = saved {
+                tracing::debug!(error = %e, "retention cursor moved by another replica");
+                report.overtaken = true;
+                return Ok(report);
+            }
+            report.through = advanced;
+        }
+        if stopped || !more {
+            return Ok(report);
+        }
+    }
+}
+
+/// Up to `max` terminal events after journal sequence `after` stored before `horizon`, as
+/// (sequence, run), in stream order; and whether more may follow (the batch was full).
+async fn terminal_events(
+    rt: &Runtime,
+    after: u64,
+    max: usize,
+    horizon: time::OffsetDateTime,
+) -> Result<(Vec<(u64, RunId)>, bool), RetentionError> {
+    let failed = |e: &dyn std::fmt::Display| RetentionError::Cursor(e.to_string());
+    let stream = rt
+        .js
+        .get_stream_no_info(RUNS_STREAM)
+        .await
+        .map_err(|e| failed(&e))?;
+    let consumer = stream
+        .create_consumer(pull::Config {
+            filter_subjects: TERMINAL_SUBJECTS.iter().map(|s| (*s).to_owned()).collect(),
+            deliver_policy: DeliverPolicy::ByStartSequence {
+                start_sequence: after.saturating_add(1),
+            },
+            ack_policy: AckPolicy::None,
+            headers_only: true,
+            memory_storage: true,
+            inactive_threshold: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| failed(&e))?;
+    let mut messages = consumer
+        .fetch()
+        .max_messages(max)
+        .messages()
+        .await
+        .map_err(|e| failed(&e))?;
+    let mut out = Vec::new();
+    let mut young = false;
+    while let Some(msg) = messages.next().await {
+        let msg = msg.map_err(|e| failed(&e))?;
+        let info = msg.info().map_err(|e| failed(&e))?;
+        if info.published >= horizon {
+            young = true;
+            break;
+        }
+        if let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) {
+            out.push((info.stream_sequence, parsed.run_id));
+        }
+    }
+    drop(messages);
+    // The consumer goes away by itself after `inactive_threshold`; deleting it now keeps the
+    // stream's consumer count low between passes.
+    let name = consumer.cached_info().name.clone();
+    let _ = stream.delete_consumer(&name).await;
+    let more = !young && out.len() >= max;
+    Ok((out, more))
 }
 
 /// Writes the run's journal as JSON Lines to the object store; the object's name.

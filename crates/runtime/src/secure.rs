@@ -64,6 +64,10 @@ pub enum Kind {
     Approval,
     Timer,
     Reconciler,
+    /// The retention service (`kedge serve retention`): the one service that may purge, and only
+    /// the streams a finished run has data in. Not part of [`Kind::All`]: a deployment that
+    /// applies a retention policy gives these credentials to that process alone.
+    Retention,
     Projector,
     Bridge,
     Gateway,
@@ -82,6 +86,7 @@ impl Kind {
         Kind::Approval,
         Kind::Timer,
         Kind::Reconciler,
+        Kind::Retention,
         Kind::Projector,
         Kind::Bridge,
         Kind::Gateway,
@@ -111,6 +116,7 @@ impl Kind {
             Kind::Approval => "approval",
             Kind::Timer => "timer",
             Kind::Reconciler => "reconciler",
+            Kind::Retention => "retention",
             Kind::Projector => "projector",
             Kind::Bridge => "bridge",
             Kind::Gateway => "gateway",
@@ -319,6 +325,9 @@ struct KindRules {
     subscribe: Vec<String>,
     #[serde(default)]
     allow_responses: Option<Value>,
+    /// Entries of `deny_all_services` not denied to this kind (its `publish` says what it may).
+    #[serde(default)]
+    lift: Vec<String>,
 }
 
 fn permissions() -> Result<Permissions, SecureError> {
@@ -354,12 +363,14 @@ pub fn kind_permissions(kind: Kind) -> Result<Option<Value>, SecureError> {
     let mut subscribe: Vec<String> = perms.common.subscribe.clone();
     let mut own_durables = Vec::new();
     let mut responses: Option<Value> = None;
+    let mut lifted: Vec<String> = Vec::new();
     for k in &members {
         let rules = perms.kinds.get(k.as_str()).ok_or_else(|| {
             SecureError::Permissions(format!("no entry for kind `{}`", k.as_str()))
         })?;
         publish.extend(rules.publish.iter().cloned());
         subscribe.extend(rules.subscribe.iter().cloned());
+        lifted.extend(rules.lift.iter().cloned());
         for d in &rules.durables {
             publish.extend(durable_subjects(d)?);
             own_durables.push(d.clone());
@@ -374,7 +385,13 @@ pub fn kind_permissions(kind: Kind) -> Result<Option<Value>, SecureError> {
     }
     // Other kinds' durables: never created, changed or pulled by this kind, even where a
     // wildcard (ordered consumers on KEDGE_RUNS) would allow it.
-    let mut deny = perms.deny_all_services.publish.clone();
+    let mut deny: Vec<String> = perms
+        .deny_all_services
+        .publish
+        .iter()
+        .filter(|d| !lifted.contains(d))
+        .cloned()
+        .collect();
     for rules in perms.kinds.values() {
         for d in &rules.durables {
             // No kind deletes a durable consumer (only admin), not even its own.
@@ -597,8 +614,48 @@ mod tests {
     }
 
     #[test]
+    fn only_retention_purges_and_only_the_streams_a_finished_run_has_data_in() {
+        let publish = allowed(Kind::Retention, "publish");
+        let purges: Vec<&String> = publish
+            .iter()
+            .filter(|s| s.starts_with("$JS.API.STREAM.PURGE."))
+            .collect();
+        assert_eq!(purges.len(), 7, "{purges:?}");
+        assert!(purges.iter().all(|s| !s.contains('>') && !s.contains('*')));
+        assert!(
+            !purges
+                .iter()
+                .any(|s| s.ends_with("KEDGE_TASKS") || s.ends_with("KV_kedge_agents"))
+        );
+        let deny = denied(Kind::Retention);
+        assert!(!deny.iter().any(|d| d == "$JS.API.STREAM.PURGE.>"));
+        for must in [
+            "$JS.API.STREAM.DELETE.>",
+            "$JS.API.STREAM.UPDATE.>",
+            "$JS.API.STREAM.MSG.DELETE.>",
+            "$KV.kedge_agents.>",
+        ] {
+            assert!(deny.iter().any(|d| d == must), "retention may {must}");
+        }
+        // Nothing that writes a run: no decisions, no inputs, no task.
+        assert!(
+            !publish
+                .iter()
+                .any(|s| s.starts_with("agent.") || s.starts_with("kedge.tool"))
+        );
+        assert!(
+            !Kind::SERVICES.contains(&Kind::Retention),
+            "not part of all"
+        );
+    }
+
+    #[test]
     fn nobody_but_admin_deletes_purges_or_changes_agents_or_others_consumers() {
-        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
+        for kind in Kind::EVERY
+            .iter()
+            .copied()
+            .filter(|k| !matches!(k, Kind::Admin | Kind::Retention))
+        {
             let deny = denied(kind);
             for must in [
                 "$JS.API.STREAM.DELETE.>",

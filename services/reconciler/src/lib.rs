@@ -34,6 +34,11 @@
 //! consumers never see again. A stalled scan is not silent: every scan logs what it checked and
 //! nudged, and errors are logged per run, never swallowed. A panic while checking one run is
 //! contained to that run (logged at error, the scan goes on).
+//!
+//! The crate also holds the retention service ([`retention`], `kedge serve retention`), a loop
+//! of its own run with its own credentials: the reconciler's user may not purge.
+
+pub mod retention;
 
 use std::collections::BTreeSet;
 use std::future::Future;

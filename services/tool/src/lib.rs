@@ -64,6 +64,7 @@ pub mod builtin;
 pub mod sandbox;
 pub mod target;
 pub mod verify;
+pub mod workspaces;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -322,6 +323,12 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         rt: rt.clone(),
     });
     let workers = consumer::Workers::new(rt.config.tool_concurrency);
+    // Workspaces of purged runs (retention): this host's own sweep.
+    let sweeper = tokio::spawn(workspaces::sweeper(
+        rt.config.workspace_root.clone(),
+        rt.journal.clone(),
+        rt.config.retention.workspace_sweep,
+    ));
     let mut resolves = rt
         .client
         .queue_subscribe(TOOL_RESOLVE, TOOL_RESOLVE_QUEUE.to_owned())
@@ -404,6 +411,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     while Arc::strong_count(&ctx.keeping) > 1 && waited.elapsed() < Duration::from_secs(2) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    sweeper.abort();
     ctx.mcp.close().await;
     tracing::info!("tool service stopped");
     Ok(())
