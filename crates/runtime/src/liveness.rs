@@ -6,9 +6,10 @@
 //! - publishes a **heartbeat** on `kedge.live.hb.<worker>` every `heartbeat_ms`, naming what
 //!   it holds: the runs whose lease it holds and the tool operations it is running. A newly held
 //!   run or operation is announced at once, before the holder acts on it (so a process killed
-//!   right after it took a run, at the worst moment, is still known to have held it); a release
-//!   goes out with the next periodic beat (announcing it sooner would only spare a standby a
-//!   harmless, idle drive of a released run, and only when this process dies in between).
+//!   right after it took a run, at the worst moment, is still known to have held it); a released
+//!   run stays listed for one more heartbeat interval, so that taking it again within it (an
+//!   agent loop's next drive) needs no announcement (a listed released run costs a standby at
+//!   most a harmless, idle drive of it, and only when this process dies in between).
 //!   Core NATS: nothing is stored, and a broker
 //!   leader election (a JetStream matter) does not interrupt it;
 //! - answers **pings** on `kedge.live.ping.<worker>`;
@@ -143,6 +144,10 @@ struct Inner {
     heartbeat: Duration,
     suspect_after: Duration,
     runs: Mutex<BTreeSet<RunId>>,
+    /// Runs let go of lately, and when: still listed in the heartbeats for one heartbeat
+    /// interval, so that holding one again within it needs no announcement (see
+    /// [`Liveness::hold_run`]).
+    released: Mutex<HashMap<RunId, Instant>>,
     ops: Mutex<BTreeSet<OperationId>>,
     peers: Mutex<HashMap<String, Peer>>,
     deaths: broadcast::Sender<Death>,
@@ -185,7 +190,15 @@ impl std::fmt::Debug for Hold {
 impl Drop for Hold {
     fn drop(&mut self) {
         match &self.what {
-            Held::Run(run) => drop(self.inner.runs.lock().map(|mut s| s.remove(run))),
+            Held::Run(run) => {
+                let was = self.inner.runs.lock().is_ok_and(|mut s| s.remove(run));
+                if was && let Ok(mut released) = self.inner.released.lock() {
+                    if released.len() >= MAX_HELD {
+                        released.clear();
+                    }
+                    released.insert(run.clone(), Instant::now());
+                }
+            }
             Held::Op(op) => drop(self.inner.ops.lock().map(|mut s| s.remove(op))),
         }
     }
@@ -227,6 +240,7 @@ impl Liveness {
             heartbeat,
             suspect_after,
             runs: Mutex::default(),
+            released: Mutex::default(),
             ops: Mutex::default(),
             peers: Mutex::default(),
             deaths,
@@ -247,6 +261,11 @@ impl Liveness {
     /// Announces that this process holds `run`'s lease until the [`Hold`] is dropped. The
     /// heartbeat saying so is sent before this returns (not at the next beat): whatever the
     /// holder does next (a model call) happens after a standby can know it holds the run.
+    /// Except for a run let go of less than one heartbeat interval ago (an agent loop's next
+    /// drive, after its tool's result): every heartbeat sent since still lists it (a released
+    /// run stays in them for that long), so a standby already knows, and one publish (and every
+    /// watcher's parse of it) per drive is saved. Listing a released run costs at most an idle
+    /// drive of it by a standby, when this process dies within the interval.
     pub async fn hold_run(&self, run: &RunId) -> Hold {
         self.hold(Held::Run(run.clone())).await
     }
@@ -266,10 +285,19 @@ impl Liveness {
         let new = match &what {
             Held::Run(run) => {
                 added.runs.push(run.clone());
-                self.inner
+                let listed = self
+                    .inner
+                    .released
+                    .lock()
+                    .ok()
+                    .and_then(|mut r| r.remove(run))
+                    .is_some_and(|at| at.elapsed() < self.inner.heartbeat);
+                let new = self
+                    .inner
                     .runs
                     .lock()
-                    .is_ok_and(|mut s| s.insert(run.clone()))
+                    .is_ok_and(|mut s| s.insert(run.clone()));
+                new && !listed
             }
             Held::Op(op) => {
                 added.ops.push(op.clone());
@@ -364,12 +392,17 @@ async fn answer_pings(inner: Weak<Inner>, mut pings: async_nats::Subscriber) {
 
 /// What this process holds now.
 fn snapshot(live: &Inner) -> Beat {
+    let mut runs: Vec<RunId> = live
+        .runs
+        .lock()
+        .map(|s| s.iter().cloned().collect())
+        .unwrap_or_default();
+    if let Ok(mut released) = live.released.lock() {
+        released.retain(|_, at| at.elapsed() < live.heartbeat);
+        runs.extend(released.keys().cloned());
+    }
     Beat {
-        runs: live
-            .runs
-            .lock()
-            .map(|s| s.iter().cloned().collect())
-            .unwrap_or_default(),
+        runs,
         ops: live
             .ops
             .lock()

@@ -72,3 +72,44 @@ async fn two_live_processes_sharing_a_worker_id_notice_it() {
         "the other has been silent for {silence:?}"
     );
 }
+
+/// A run held again within a heartbeat interval of its release is not announced again (every
+/// heartbeat since still lists it); a run not held lately is, at once.
+#[tokio::test]
+async fn a_run_held_again_right_after_its_release_is_not_announced_again() {
+    let server = NatsServer::start().await;
+    let watch = client(&server).await;
+    let mut beats = watch.subscribe("kedge.live.hb.w-again").await.expect("sub");
+    watch.flush().await.expect("flush");
+    let live = Liveness::start(
+        client(&server).await,
+        "w-again",
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    )
+    .await
+    .expect("starts");
+    let first = next_beat(&mut beats).await.expect("the first full beat");
+    assert!(first.get("added").is_none(), "{first}");
+    let run = RunId::generate();
+    let hold = live.hold_run(&run).await;
+    let added = next_beat(&mut beats).await.expect("announced");
+    assert_eq!(added["added"], true);
+    assert_eq!(added["runs"][0], run.as_str());
+    drop(hold);
+    let _again = live.hold_run(&run).await;
+    assert_eq!(next_beat(&mut beats).await, None, "not announced twice");
+    let other = RunId::generate();
+    let _other = live.hold_run(&other).await;
+    let added = next_beat(&mut beats).await.expect("another run is");
+    assert_eq!(added["runs"][0], other.as_str());
+}
+
+/// The next message on a heartbeat subscription within half a second, parsed.
+async fn next_beat(beats: &mut async_nats::Subscriber) -> Option<serde_json::Value> {
+    tokio::time::timeout(Duration::from_millis(500), futures::StreamExt::next(beats))
+        .await
+        .ok()
+        .flatten()
+        .map(|m| serde_json::from_slice(&m.payload).expect("JSON"))
+}
