@@ -825,7 +825,12 @@ impl Driver {
         let subject = kedge_core::subjects::delta(&state.run_id);
         let header = serde_json::json!({"step": plan.step, "attempt": plan.attempt});
         let forward = tokio::spawn(async move {
-            while let Some(text) = rx.recv().await {
+            while let Some(mut text) = rx.recv().await {
+                // Deltas already waiting go out as one (a fast stream, or a provider that sends
+                // many small chunks at once): nothing is held back, and the text is the same.
+                while let Ok(more) = rx.try_recv() {
+                    text.push_str(&more);
+                }
                 let mut body = header.clone();
                 body["text"] = text.into();
                 let _ = client
