@@ -272,8 +272,8 @@ pub struct PurgeArgs {
     /// Only these runs (repeatable).
     #[arg(long = "run")]
     run: Vec<RunId>,
-    /// Only runs whose last event is older than this instant (RFC 3339, e.g.
-    /// 2026-11-01T00:00:00Z); without --run, every such run in the journal.
+    /// Only runs that ended (their last run.succeeded/failed/cancelled) before this instant
+    /// (RFC 3339, e.g. 2026-11-01T00:00:00Z); without --run, every such run in the journal.
     #[arg(long)]
     finished_before: Option<String>,
     /// Archive each run's journal first, as JSON Lines in the object store kedge_blobs

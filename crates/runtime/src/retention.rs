@@ -2,8 +2,9 @@
 //!
 //! [`purge_run`] removes one run's data from every place Kedge keeps it, after checking from the
 //! journal itself (not the projection, a cache) that the run is finished — ended, with nothing
-//! about to revive it ([`crate::view::finished`]) — and, when a cutoff is given, that its last
-//! event is older than the cutoff. A run that is not finished is never touched.
+//! about to revive it ([`crate::view::finished`]) — and, when a cutoff is given, that it ended
+//! (its last `run.succeeded|failed|cancelled`) before the cutoff. A run that is not finished is
+//! never touched.
 //!
 //! What goes, in this order (so that an interrupted purge is finished by running it again: the
 //! journal, which the check reads, goes last):
@@ -88,7 +89,7 @@ pub enum Purged {
 /// How [`purge_run`] goes about it.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PurgeOptions {
-    /// Only runs whose last event is older than this.
+    /// Only runs that ended (their last terminal event) before this.
     pub finished_before: Option<Timestamp>,
     /// Archive the journal to the object store first.
     pub archive: bool,
