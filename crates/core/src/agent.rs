@@ -156,10 +156,53 @@ struct ToolSpecWire {
     /// Kedge's schema; for any other tool: any object.
     #[serde(default)]
     parameters: Option<serde_json::Value>,
+    /// Only for the `run_agent` tool (and required there): the agents its model may start as
+    /// child runs. Kedge writes the tool's parameters from it (the agent's name, one of these,
+    /// and the child's input); it is not stored apart.
+    #[serde(default)]
+    agents: Option<Vec<AgentName>>,
 }
 
-impl From<ToolSpecWire> for ToolSpec {
-    fn from(w: ToolSpecWire) -> ToolSpec {
+impl TryFrom<ToolSpecWire> for ToolSpec {
+    type Error = String;
+    fn try_from(w: ToolSpecWire) -> Result<ToolSpec, String> {
+        match (&w.agents, w.name == crate::child::RUN_AGENT_TOOL) {
+            (Some(_), false) => {
+                return Err(format!(
+                    "`agents` is only for the `{}` tool, not `{}`",
+                    crate::child::RUN_AGENT_TOOL,
+                    w.name
+                ));
+            }
+            (Some(agents), true) => {
+                if agents.is_empty() {
+                    return Err("`run_agent`'s `agents` must name at least one agent".into());
+                }
+                if w.parameters.is_some() {
+                    return Err(
+                        "`run_agent`'s parameters are Kedge's: name the agents in `agents`, \
+                         not `parameters`"
+                            .into(),
+                    );
+                }
+                return Ok(ToolSpec {
+                    description: if w.description.is_empty() {
+                        crate::child::default_description(agents)
+                    } else {
+                        w.description
+                    },
+                    parameters: crate::child::parameters(agents),
+                    name: w.name,
+                });
+            }
+            (None, _) => {}
+        }
+        Ok(ToolSpec::from_wire(w))
+    }
+}
+
+impl ToolSpec {
+    fn from_wire(w: ToolSpecWire) -> ToolSpec {
         let unset = match &w.parameters {
             None | Some(serde_json::Value::Null) => true,
             Some(serde_json::Value::Object(o)) => o.is_empty(),
@@ -192,14 +235,16 @@ impl<'de> Deserialize<'de> for ToolSpec {
         // A string is a built-in's name (any other name gets the permissive default, as an
         // entry without parameters does; `validate` checks the name).
         match serde_json::Value::deserialize(d)? {
-            serde_json::Value::String(name) => Ok(ToolSpec::from(ToolSpecWire {
+            serde_json::Value::String(name) => ToolSpec::try_from(ToolSpecWire {
                 name,
                 description: String::new(),
                 parameters: None,
-            })),
+                agents: None,
+            })
+            .map_err(serde::de::Error::custom),
             other => serde_json::from_value::<ToolSpecWire>(other)
-                .map(ToolSpec::from)
-                .map_err(serde::de::Error::custom),
+                .map_err(serde::de::Error::custom)
+                .and_then(|w| ToolSpec::try_from(w).map_err(serde::de::Error::custom)),
         }
     }
 }
@@ -393,6 +438,13 @@ impl AgentDefinition {
             }
             if let Err(reason) = crate::tools::check_schema(&t.parameters) {
                 return err(format!("tools[{i}].parameters"), &reason);
+            }
+            if t.name == crate::child::RUN_AGENT_TOOL && crate::child::allowed(t).is_none() {
+                return err(
+                    format!("tools[{i}].agents"),
+                    "run_agent must name the agents it may start (`\"agents\": [..]`); its \
+                     parameters are Kedge's",
+                );
             }
         }
         if let Some(schema) = &self.output_schema

@@ -7,7 +7,8 @@
 
 use crate::agent::{DEFAULT_APPROVAL_TTL_SECS, OnInvalidOutput};
 use crate::event::{
-    ApprovalExpired, ApprovalInvalidated, ApprovalRequested, CallbackExpected, Verdict,
+    ApprovalExpired, ApprovalInvalidated, ApprovalRequested, CallbackExpected, ChildStarted,
+    Verdict,
 };
 use crate::event::{
     AssistantMessage, Budget, Digest, Draft, Event, FailureReason, FinishReason, QuestionAsked,
@@ -625,11 +626,17 @@ fn redispatches(state: &RunState) -> Vec<Draft> {
         .collect()
 }
 
+/// Operations whose outcome a cancel waits for: those a runner started, and child runs that
+/// have not given their result (the step service asks each to cancel, and it answers when it
+/// has).
 fn running_ops(state: &RunState) -> usize {
     state
         .ops
         .values()
-        .filter(|o| matches!(o.status, OpStatus::Started { .. }))
+        .filter(|o| {
+            matches!(o.status, OpStatus::Started { .. })
+                || (o.result.is_none() && state.children.contains_key(&o.op))
+        })
         .count()
 }
 
@@ -880,6 +887,18 @@ pub fn complete_step(
                     }))
                     .step(step)
                     .op(op),
+                );
+            }
+        } else if call.name == crate::child::RUN_AGENT_TOOL {
+            // A child the run may start is linked now; a refused one never starts, and the
+            // step service gives the operation its refusal as the result.
+            if let crate::child::Plan::Start { child, agent, .. } =
+                crate::child::plan(state, &op, call)
+            {
+                tool_drafts.push(
+                    Draft::new(Event::ChildStarted(ChildStarted { child, agent }))
+                        .step(step)
+                        .op(op),
                 );
             }
         } else if call.name == WAIT_TOOL {

@@ -500,6 +500,22 @@ pub struct RunCreated {
     /// header), so every service's spans for this run join the submitter's trace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// Set on a child run (started by its parent's `run_agent` operation): the parent and the
+    /// operation whose result this run's final answer becomes. Absent on a run from a task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentLink>,
+}
+
+/// Where a child run comes from: its parent run and the `run_agent` operation in it. The
+/// child's run id is derived from `op` ([`RunId::for_child`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ParentLink {
+    pub run_id: RunId,
+    pub op: OperationId,
+    /// The agents of the runs above this one, the root first and the parent last: its length
+    /// is the child's depth (at most [`crate::child::MAX_DEPTH`]), and an agent in it may not
+    /// be started again below (no recursion).
+    pub ancestors: Vec<AgentName>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
@@ -572,6 +588,15 @@ fn is_false(b: &bool) -> bool {
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+/// The `run_agent` operation (the envelope's `op`) starts child run `child` of `agent`: the
+/// parent's half of the link (the child's `run.created` carries the other). Journaled with the
+/// operation's `tool.requested`, before the child exists (intent before effect).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ChildStarted {
+    pub child: RunId,
+    pub agent: AgentName,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -914,6 +939,7 @@ events! {
     Decision StepCompleted(StepCompleted) = "step.completed";
     Decision ToolRequested(ToolRequested) = "tool.requested";
     Decision QuestionAsked(QuestionAsked) = "question.asked";
+    Decision ChildStarted(ChildStarted) = "child.started";
     Decision ApprovalRequested(ApprovalRequested) = "approval.requested";
     Decision ApprovalInvalidated(ApprovalInvalidated) = "approval.invalidated";
     Decision ApprovalExpired(ApprovalExpired) = "approval.expired";

@@ -46,7 +46,10 @@ pub const AWAIT_CALLBACK_TOOL: &str = "await_callback";
 
 /// Tools the step service handles itself (no tool worker executes them).
 pub fn handled_by_step(tool: &str) -> bool {
-    tool == ASK_USER_TOOL || tool == WAIT_TOOL || tool == AWAIT_CALLBACK_TOOL
+    tool == ASK_USER_TOOL
+        || tool == WAIT_TOOL
+        || tool == AWAIT_CALLBACK_TOOL
+        || tool == crate::child::RUN_AGENT_TOOL
 }
 
 /// One message of the provider-neutral conversation.
@@ -226,7 +229,11 @@ pub struct RunState {
     pub cancel_requested: Option<String>,
     pub usage: Usage,
     pub output: Option<String>,
+    /// The check of `output` against the output schema (`run.succeeded`'s), this turn.
+    pub validation: Option<crate::event::OutputValidation>,
     pub failure: Option<RunFailed>,
+    /// Child runs started by `run_agent` operations (`child.started`), by operation.
+    pub children: BTreeMap<OperationId, RunId>,
     /// Final answers of the current turn sent back for a retry (`output.rejected`).
     pub output_rejections: u32,
     pub ignored_inputs: u32,
@@ -377,7 +384,9 @@ impl RunState {
             cancel_requested: None,
             usage: Usage::default(),
             output: None,
+            validation: None,
             failure: None,
+            children: BTreeMap::new(),
             output_rejections: 0,
             ignored_inputs: 0,
             set_aside: 0,
@@ -664,6 +673,24 @@ impl RunState {
                     self.set_op_result(&op, at, payload_text(&payload), false);
                 }
             }
+            Event::ChildStarted(c) => {
+                // The link of a `run_agent` operation just requested, to the child derived
+                // from it: anything else is not what the writer journals.
+                let linked = env.op.as_ref().filter(|op| {
+                    self.ops
+                        .get(*op)
+                        .is_some_and(|o| o.call.name == crate::child::RUN_AGENT_TOOL)
+                        && c.child == RunId::for_child(op)
+                });
+                let Some(op) = linked.cloned() else {
+                    return Err(Self::inconsistent(
+                        seq,
+                        env,
+                        "child.started must name a run_agent operation and the child derived from it",
+                    ));
+                };
+                self.children.insert(op, c.child.clone());
+            }
             Event::RunCancelling(_) | Event::RunUnknown(_) => {}
             Event::RunRevived(r) => {
                 if r.turn != self.turn.saturating_add(1) {
@@ -671,6 +698,7 @@ impl RunState {
                 }
                 self.turn = r.turn;
                 self.output = None;
+                self.validation = None;
                 self.failure = None;
                 self.output_rejections = 0;
             }
@@ -692,7 +720,10 @@ impl RunState {
                     text: output_feedback(self.bundle.model.provider, r),
                 });
             }
-            Event::RunSucceeded(s) => self.output = Some(s.output.clone()),
+            Event::RunSucceeded(s) => {
+                self.output = Some(s.output.clone());
+                self.validation = Some(s.validation.clone());
+            }
             Event::RunFailed(f) => self.failure = Some(f.clone()),
             Event::RunCancelled(_) => {}
             Event::UserMessage(_)
@@ -997,6 +1028,7 @@ impl RunState {
             | Event::StepCompleted(_)
             | Event::ToolRequested(_)
             | Event::QuestionAsked(_)
+            | Event::ChildStarted(_)
             | Event::ApprovalRequested(_)
             | Event::ApprovalInvalidated(_)
             | Event::ApprovalExpired(_)
@@ -1201,6 +1233,7 @@ mod tests {
             runtime_version: "test".into(),
             metadata: Default::default(),
             traceparent: None,
+            parent: None,
         })))
     }
 

@@ -332,6 +332,23 @@ impl JsonSchema for OperationId {
     }
 }
 
+impl RunId {
+    /// The child run an operation of `run_agent` starts (docs/ARCHITECTURE.md "Child runs"):
+    /// `run_ch` + 32 hex digits of the SHA-256 of the operation id. Derived from the operation
+    /// alone, so a writer that takes over after a crash finds the same child (one child per
+    /// operation); of fixed length whatever the parent's id.
+    pub fn for_child(op: &OperationId) -> RunId {
+        use sha2::Digest as _;
+        let hash = sha2::Sha256::digest(format!("child:{op}").as_bytes());
+        let mut body = String::with_capacity(2 + 32);
+        body.push_str("ch");
+        for b in hash.iter().take(16) {
+            body.push_str(&format!("{b:02x}"));
+        }
+        RunId(format!("{}{body}", RunId::PREFIX))
+    }
+}
+
 impl QuestionId {
     /// The question an `ask_user` operation asks: derived from the operation, so a retried commit
     /// asks the same question. Always valid: a run id body has at most 64 characters.

@@ -7,6 +7,8 @@
 //! - [`fold`]: `fold(journal) -> RunState`.
 //! - [`decide`]: what the step service should do next, as pure functions of the state.
 //! - [`agent`]: agent definitions (prompt, model, tools, policy, budget).
+//! - [`child`]: child runs (`run_agent`): the verdict on a call, the child's bundle and budget,
+//!   and the result a child gives its parent.
 //! - [`config`]: the timeouts and the relations between them.
 //! - [`task`]: the task submission and its validation.
 //! - [`tools`]: the built-in tools' schemas and a run's tool contract (what the model may call,
@@ -18,6 +20,7 @@
 //! time- or configuration-dependent arrives as a recorded event or in the frozen run bundle.
 
 pub mod agent;
+pub mod child;
 pub mod config;
 pub mod decide;
 pub mod event;

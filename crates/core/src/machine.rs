@@ -178,6 +178,12 @@ pub const TRANSITIONS: &[Transition] = &[
         from: &[R],
         to: Target::Stay,
     },
+    // The link to a child run, journaled with its `run_agent` operation's request.
+    Transition {
+        event: EventType::ChildStarted,
+        from: &[R],
+        to: Target::Stay,
+    },
     Transition {
         event: EventType::ApprovalRequested,
         from: WAITING_OR_RUNNING,

@@ -73,6 +73,7 @@ impl Sim {
             runtime_version: "test".into(),
             metadata: Default::default(),
             traceparent: None,
+            parent: None,
         };
         let mut sim = Sim {
             run,

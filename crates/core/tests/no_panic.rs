@@ -485,6 +485,7 @@ fn created(budget: Budget) -> Envelope {
             runtime_version: "test".into(),
             metadata: Default::default(),
             traceparent: None,
+            parent: None,
         }))),
     )
 }

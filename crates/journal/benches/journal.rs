@@ -458,6 +458,7 @@ fn created(run: &RunId) -> Envelope {
             runtime_version: "bench".into(),
             metadata: Default::default(),
             traceparent: None,
+            parent: None,
         }))),
     )
 }

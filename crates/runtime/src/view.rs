@@ -34,6 +34,7 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::StepCompleted
         | EventType::ToolRequested
         | EventType::QuestionAsked
+        | EventType::ChildStarted
         | EventType::ApprovalRequested
         | EventType::ApprovalInvalidated
         | EventType::ApprovalExpired

@@ -306,6 +306,7 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         runtime_version: env!("CARGO_PKG_VERSION").to_owned(),
         metadata: task.metadata.clone(),
         traceparent: trace::accept(header(headers, trace::TRACEPARENT_HEADER)),
+        parent: None,
     };
     let env = Envelope::new(
         run_id.clone(),

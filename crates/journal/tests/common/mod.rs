@@ -56,6 +56,7 @@ pub fn run_created(run: &RunId) -> Envelope {
                 runtime_version: "test".into(),
                 metadata: Default::default(),
                 traceparent: None,
+                parent: None,
             }
             .into(),
         )),
