@@ -1172,7 +1172,8 @@ async fn show_run(rt: &Runtime, run: &RunId, output: Output) -> anyhow::Result<E
         bail!("no run {run}");
     }
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
-    let view = kedge_runtime::view::run_view(&state, &events);
+    let mut view = kedge_runtime::view::run_view(&state, &events);
+    kedge_runtime::view::add_children(&rt.journal, &state, &mut view).await;
     if output != Output::Text {
         println!("{}", serde_json::to_string_pretty(&view)?);
         return Ok(ExitCode::SUCCESS);
@@ -1256,6 +1257,26 @@ fn answer_lines(
     }
     for t in &w.timers {
         lines.push(format!("  timer {} fires at {}", t.timer_id, t.fire_at));
+    }
+    // A child run that needs a person is answered on the child's run id.
+    for c in &w.children {
+        lines.push(format!(
+            "  child run {} ({}, {}) waits on {:?}",
+            c.run_id, c.agent, c.op, c.on
+        ));
+        for q in &c.questions {
+            lines.push(format!("    question: {}", q.prompt));
+            lines.push(format!(
+                "      kedge answer {} {} '<your answer>'",
+                c.run_id, q.question_id
+            ));
+        }
+        for a in &c.approvals {
+            lines.push(format!(
+                "    approval {} of {}: kedge runs show {} for the command",
+                a.approval_id, a.tool, c.run_id
+            ));
+        }
     }
     lines
 }

@@ -584,16 +584,26 @@ mod tests {
                 ),
                 "{kind}"
             );
+            // The step gives a parent its child run's result (and a refused run_agent call its
+            // refusal): it writes any decision of any run already, so this adds no power.
             assert_eq!(
                 may(kind, "agent.run.*.i.tool.result"),
-                matches!(kind, Kind::Tool | Kind::Operator | Kind::All),
+                matches!(kind, Kind::Tool | Kind::Step | Kind::Operator | Kind::All),
                 "{kind}"
             );
         }
-        assert!(
-            !allowed(Kind::Step, "publish")
-                .iter()
-                .any(|s| s.contains(".i."))
+        // Of inputs, the step appends only those two: a child's result and the cancel a
+        // cancelling parent sends its children.
+        let step_inputs: Vec<String> = allowed(Kind::Step, "publish")
+            .into_iter()
+            .filter(|s| s.contains(".i."))
+            .collect();
+        assert_eq!(
+            step_inputs,
+            vec![
+                "agent.run.*.i.cancel.requested".to_owned(),
+                "agent.run.*.i.tool.result".to_owned()
+            ]
         );
     }
 

@@ -146,6 +146,22 @@ pub struct Waiting {
     pub operations: Vec<OperationView>,
     pub approvals: Vec<ApprovalView>,
     pub timers: Vec<TimerView>,
+    /// Child runs (and their children) that wait on a person: a question to answer or an
+    /// approval to give, on the child's run id ([`add_children`]). Absent when none does.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ChildWaiting>,
+}
+
+/// A child run below this one that waits on a person.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChildWaiting {
+    pub run_id: RunId,
+    pub agent: AgentName,
+    /// The `run_agent` operation (of the run right above it) that started it.
+    pub op: OperationId,
+    pub on: WaitReason,
+    pub questions: Vec<QuestionView>,
+    pub approvals: Vec<ApprovalView>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -298,6 +314,7 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
                 fire_at: t.fire_at,
             })
             .collect(),
+        children: Vec::new(),
     });
     let result = match (&state.output, state.status) {
         (Some(output), RunStatus::Succeeded) => Some(ResultView {
@@ -329,6 +346,93 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
         cancel_requested: state.cancel_requested.clone(),
         metadata: state.bundle.metadata.clone(),
         links: Links::for_run(&state.run_id),
+    }
+}
+
+/// The open questions of a run.
+fn open_questions(state: &RunState) -> Vec<QuestionView> {
+    state
+        .questions
+        .iter()
+        .filter(|(_, q)| q.is_open())
+        .map(|(id, q)| QuestionView {
+            question_id: id.clone(),
+            prompt: q.prompt.clone(),
+        })
+        .collect()
+}
+
+/// The open approval requests of a run.
+fn open_approvals(state: &RunState) -> Vec<ApprovalView> {
+    state
+        .approvals
+        .iter()
+        .filter(|(_, a)| a.status == ApprovalStatus::Open)
+        .map(|(id, a)| ApprovalView {
+            approval_id: id.clone(),
+            tool: a.request.tool.clone(),
+            expires_at: a.request.expires_at,
+        })
+        .collect()
+}
+
+/// The child runs below `state` (children, their children, …, at most
+/// [`kedge_core::child::MAX_DEPTH`] levels) whose result is still missing and that wait on a
+/// person. One journal read per open child; a child that cannot be read is left out (the view
+/// is a report, not a decision).
+pub async fn children_waiting(
+    journal: &kedge_journal::Journal,
+    state: &RunState,
+) -> Vec<ChildWaiting> {
+    let open = |s: &RunState| -> Vec<(OperationId, RunId)> {
+        s.children
+            .iter()
+            .filter(|(op, _)| s.ops.get(*op).is_some_and(|o| o.result.is_none()))
+            .map(|(op, id)| (op.clone(), id.clone()))
+            .collect()
+    };
+    let mut out = Vec::new();
+    let mut level = open(state);
+    for _ in 0..kedge_core::child::MAX_DEPTH {
+        let mut next = Vec::new();
+        for (op, id) in level {
+            let events = match journal.read(&id, 0).await {
+                Ok(events) if !events.is_empty() => events,
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::debug!(child = %id, error = %e, "cannot read a child run for the view");
+                    continue;
+                }
+            };
+            let Ok(child) = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope))) else {
+                continue;
+            };
+            if let Some(on @ (WaitReason::User | WaitReason::Approval)) = child.waiting_on() {
+                out.push(ChildWaiting {
+                    run_id: id.clone(),
+                    agent: child.bundle.agent.clone(),
+                    op,
+                    on,
+                    questions: open_questions(&child),
+                    approvals: open_approvals(&child),
+                });
+            }
+            next.extend(open(&child));
+        }
+        if next.is_empty() {
+            break;
+        }
+        level = next;
+    }
+    out
+}
+
+/// Fills `view.waiting.children` ([`children_waiting`]) for a run that waits.
+pub async fn add_children(journal: &kedge_journal::Journal, state: &RunState, view: &mut RunView) {
+    if let Some(waiting) = &mut view.waiting
+        && !state.children.is_empty()
+    {
+        waiting.children = children_waiting(journal, state).await;
     }
 }
 

@@ -404,7 +404,9 @@ pub(crate) async fn get_run(
     let run = run_id(&id)?;
     let events = owned_run(&bridge, &caller, &run).await?;
     let state = fold(&run, &events)?;
-    Ok(Json(view::run_view(&state, &events)).into_response())
+    let mut v = view::run_view(&state, &events);
+    view::add_children(&bridge.rt.journal, &state, &mut v).await;
+    Ok(Json(v).into_response())
 }
 
 /// `GET /v1/runs/{id}/history`

@@ -399,7 +399,9 @@ async fn task(
 async fn get(rt: &Runtime, tenant: &TenantId, run: &RunId) -> Result<Value, Refusal> {
     let events = inputs::owned_run(rt, tenant, run).await?;
     let state = inputs::state_of(run, &events)?;
-    serde_json::to_value(view::run_view(&state, &events)).map_err(|e| Refusal::Internal {
+    let mut v = view::run_view(&state, &events);
+    view::add_children(&rt.journal, &state, &mut v).await;
+    serde_json::to_value(v).map_err(|e| Refusal::Internal {
         reason: e.to_string(),
     })
 }

@@ -5,12 +5,15 @@ use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message};
 use kedge_core::agent::AgentDefinition;
+use kedge_core::child;
 use kedge_core::decide::{Next, StepPlan, complete_step, decide};
 use kedge_core::event::{
-    Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed, Timestamp,
+    CancelRequested, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed,
+    Timestamp, ToolResult,
 };
-use kedge_core::fold::{FoldError, RunState};
-use kedge_core::ids::RunId;
+use kedge_core::fold::{FoldError, RunState, ToolOp};
+use kedge_core::ids::{InputId, OperationId, RunId};
+use kedge_core::machine::RunStatus;
 use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_core::tools::Contract;
 use kedge_journal::{DecisionWriter, ErrorKind, JournalError, Lease, LeaseError, Released};
@@ -102,6 +105,9 @@ pub struct Driver {
     /// Runs adopted from a worker found gone, and when that worker was last heard: the
     /// takeover's latency ([`metrics::TAKEOVER_SECONDS`]) once the lease is taken.
     adopted: Arc<std::sync::Mutex<std::collections::HashMap<RunId, std::time::Instant>>>,
+    /// Child runs this process made sure exist (their `run.created` is journaled): not written
+    /// again on the parent's next drives.
+    children: Arc<std::sync::Mutex<std::collections::HashSet<RunId>>>,
 }
 
 /// How one drive writes the run's decisions.
@@ -200,6 +206,7 @@ impl Driver {
             cache: Arc::default(),
             released: Arc::default(),
             adopted: Arc::default(),
+            children: Arc::default(),
         }
     }
 
@@ -603,6 +610,7 @@ impl Driver {
             match decide(state) {
                 Next::Idle(why) => {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
+                    self.tend_children(state).await?;
                     return Ok(());
                 }
                 Next::Commit(drafts) => {
@@ -774,6 +782,167 @@ impl Driver {
         }
         .instrument(span)
         .await
+    }
+
+    /// What an idle run owes its child runs, and a child its parent (docs/ARCHITECTURE.md
+    /// "Child runs"). Every step is idempotent and repeated on every idle drive until it shows
+    /// in the journal, so a crash anywhere in between only delays it:
+    ///
+    /// - each open `run_agent` operation without a link gets its refusal as its result;
+    /// - each linked child is made to exist (its `run.created`, written like intake's with the
+    ///   check that the run has none: a run already there is this operation's child or the
+    ///   operation fails), and is asked to cancel while the run is cancelling;
+    /// - a child that ended gives its parent's operation its result (`Nats-Msg-Id` the
+    ///   operation's result id; the parent's fold keeps the first result).
+    async fn tend_children(&self, state: &RunState) -> Result<(), DriveError> {
+        if !state.status.is_terminal() {
+            let open = state
+                .ops
+                .values()
+                .filter(|o| o.call.name == child::RUN_AGENT_TOOL && o.result.is_none());
+            for op in open {
+                let refusal = match state.children.get(&op.op) {
+                    None => match child::plan(state, &op.op, &op.call) {
+                        child::Plan::Refuse(why) => Some(why),
+                        // Linked by the rest of its group, which the next decision finishes.
+                        child::Plan::Start { .. } => None,
+                    },
+                    Some(id) => self.ensure_child(state, op, id).await?,
+                };
+                if let Some(why) = refusal {
+                    tracing::info!(run_id = %state.run_id, op = %op.op, reason = %why, "run_agent refused");
+                    let result = ToolResult {
+                        content: why,
+                        is_error: true,
+                        stopped: false,
+                    };
+                    self.give_result(&state.run_id, &op.op, result).await?;
+                } else if let Some(id) = state.children.get(&op.op)
+                    && state.status == RunStatus::Cancelling
+                {
+                    self.cancel_child(state, id).await?;
+                }
+            }
+        }
+        if let Some(link) = &state.bundle.parent
+            && let Some(result) = child::result(state)
+        {
+            failpoint::hit("step.before_child_result");
+            self.give_result(&link.run_id, &link.op, result).await?;
+        }
+        Ok(())
+    }
+
+    /// Makes child run `id` of the `run_agent` operation `op` exist; `Some(refusal)` when it
+    /// cannot (no such agent for the run's tenant, no budget left, its id taken by another run).
+    async fn ensure_child(
+        &self,
+        state: &RunState,
+        op: &ToolOp,
+        id: &RunId,
+    ) -> Result<Option<String>, DriveError> {
+        if self.children.lock().is_ok_and(|c| c.contains(id)) {
+            return Ok(None);
+        }
+        let (agent, input) = match child::plan(state, &op.op, &op.call) {
+            child::Plan::Start { agent, input, .. } => (agent, input),
+            child::Plan::Refuse(why) => return Ok(Some(why)),
+        };
+        let (revision, def) = match self.rt.agents.latest(&agent).await {
+            Ok(found) => found,
+            Err(AgentError::NotFound(_)) => {
+                return Ok(Some(format!("not run: no agent named `{agent}`")));
+            }
+            Err(e @ AgentError::Unavailable(_)) => return Err(e.into()),
+            Err(e) => return Ok(Some(format!("not run: {e}"))),
+        };
+        let now = Timestamp::now();
+        let created = match child::created(state, &op.op, revision, &def, input, now) {
+            Ok(created) => created,
+            Err(why) => return Ok(Some(why)),
+        };
+        let env = Envelope::new(
+            id.clone(),
+            now,
+            Draft::new(Event::RunCreated(Box::new(created))),
+        );
+        match self.rt.journal.create_run(&env).await {
+            Ok(_) => {
+                metrics::run_created();
+                tracing::info!(run_id = %state.run_id, op = %op.op, child = %id, agent = %agent, "child run created");
+            }
+            Err(JournalError::Duplicate { .. }) => {}
+            Err(JournalError::Conflict { .. }) => {
+                let found = self
+                    .rt
+                    .journal
+                    .read_type(id, kedge_core::event::EventType::RunCreated)
+                    .await?;
+                let ours = matches!(
+                    found.first().map(|r| &r.envelope.event),
+                    Some(Event::RunCreated(c)) if child::is_child_of(c, &state.run_id, &op.op)
+                );
+                if !ours {
+                    tracing::warn!(run_id = %state.run_id, op = %op.op, child = %id, "a child's run id is taken by another run");
+                    return Ok(Some(format!(
+                        "not run: the child's run id {id} is taken by a run this operation did not start"
+                    )));
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        failpoint::hit("step.after_child_created");
+        if let Ok(mut children) = self.children.lock() {
+            if children.len() >= CACHE_RUNS {
+                children.clear();
+            }
+            children.insert(id.clone());
+        }
+        Ok(None)
+    }
+
+    /// Asks child run `id` of the cancelling run `state` to cancel (once: the child's cancel
+    /// request has its run's one `Nats-Msg-Id`, and its fold ignores a second).
+    async fn cancel_child(&self, state: &RunState, id: &RunId) -> Result<(), DriveError> {
+        let reason = format!(
+            "its parent run {} is cancelling: {}",
+            state.run_id,
+            state.cancel_requested.as_deref().unwrap_or_default()
+        );
+        let env = Envelope::new(
+            id.clone(),
+            Timestamp::now(),
+            Draft::new(Event::CancelRequested(CancelRequested {
+                reason,
+                by: Some(format!("run:{}", state.run_id)),
+            })),
+        );
+        self.rt
+            .journal
+            .append_input(&env, InputId::cancel(id).as_str())
+            .await?;
+        Ok(())
+    }
+
+    /// Appends `result` as the one result of operation `op` of run `run`.
+    async fn give_result(
+        &self,
+        run: &RunId,
+        op: &OperationId,
+        result: ToolResult,
+    ) -> Result<(), DriveError> {
+        let env = Envelope::new(
+            run.clone(),
+            Timestamp::now(),
+            Draft::new(Event::ToolResult(result))
+                .step(op.step())
+                .op(op.clone()),
+        );
+        self.rt
+            .journal
+            .append_input(&env, InputId::tool_result(op).as_str())
+            .await?;
+        Ok(())
     }
 
     /// The agent definition the run froze, checked against the bundle's digests.
