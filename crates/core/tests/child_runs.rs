@@ -762,3 +762,28 @@ fn run_agent_is_declared_with_the_agents_it_may_start() {
     let e = parse(json!([{"name": "run_agent", "agents": ["no.dots"]}])).expect_err("refused");
     assert!(e.to_string().contains("contains `.`"), "{e}");
 }
+
+#[test]
+fn the_config_doc_child_runs_example_is_accepted() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/CONFIG.md");
+    let doc = std::fs::read_to_string(path).expect("docs/CONFIG.md");
+    let section = doc
+        .split("### Child runs (`run_agent`)")
+        .nth(1)
+        .expect("a child runs section");
+    let block = section
+        .split("```json\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("a JSON example in the section");
+    let def = AgentDefinition::parse(block.as_bytes()).expect("the example is accepted");
+    let tool = def
+        .tools
+        .iter()
+        .find(|t| t.name == RUN_AGENT_TOOL)
+        .expect("run_agent");
+    assert_eq!(
+        child::allowed(tool),
+        Some(vec![name("navigator"), name("quartermaster")])
+    );
+}
