@@ -27,11 +27,15 @@ pub fn line(r: &Recorded) -> String {
     );
     let what = match &e.event {
         Event::RunCreated(c) => format!(
-            "agent {} rev {} · model {} · input “{}”",
+            "agent {} rev {} · model {} · input “{}”{}",
             c.agent,
             c.agent_revision,
             c.model.name,
-            clip(&c.input, 60)
+            clip(&c.input, 60),
+            c.parent
+                .as_ref()
+                .map(|p| format!(" · child of {} [{}]", p.run_id, p.op))
+                .unwrap_or_default()
         ),
         Event::RunStarted(_) => String::new(),
         Event::StepStarted(s) => format!(
@@ -79,6 +83,7 @@ pub fn line(r: &Recorded) -> String {
             clip(&t.content, 70)
         ),
         Event::QuestionAsked(q) => format!("{} “{}”", q.question_id, q.prompt),
+        Event::ChildStarted(c) => format!("child run {} of {}", c.child, c.agent),
         Event::QuestionAnswered(a) => format!("{} “{}”", a.question_id, a.answer),
         Event::RunWaiting(w) => format!("on {:?}", w.on).to_lowercase(),
         Event::RunSucceeded(s) => format!("“{}”", clip(&s.output, 90)),

@@ -368,3 +368,68 @@ async fn the_childs_worker_killed_before_giving_its_result_delivers_it_once() {
     assert_one_child_one_result(&h, &run).await;
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_result_lost_with_its_wake_is_recovered_by_the_reconciler() {
+    let script = json!({"models": {
+        "gpt-captain": parent_model("navigator"),
+        "gpt-navigator": {"default": {"text": "{\"tide\": \"noon\"}"}}
+    }});
+    let mut h = Harness::start_with(script, &[Svc::Intake, Svc::Tool], |c| {
+        c.timeouts.stall_after_ms = 3_500;
+    })
+    .await;
+    put(&h, "captain", "gpt-captain", starts(&["navigator"])).await;
+    put(&h, "navigator", "gpt-navigator", json!({})).await;
+    let doomed = h.spawn_process("step", "w-doomed", "step.before_child_result");
+    let run = h
+        .submit("captain", "Plan the voyage.", "task-lost-result")
+        .await;
+    assert!(
+        h.wait_exit(doomed, WAIT).await,
+        "the worker reached its failpoint"
+    );
+    // The worst case the step's own repair cannot see: the wake that would have been
+    // redelivered is taken and acked, and nothing acts on it.
+    let consumer = kedge_runtime::consumer::durable(&h.rt.js, "step", Duration::from_secs(3))
+        .await
+        .expect("step consumer");
+    let mut acked = 0;
+    for _ in 0..5 {
+        let mut batch = consumer
+            .fetch()
+            .max_messages(10)
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+            .expect("fetch");
+        while let Some(Ok(msg)) = futures::StreamExt::next(&mut batch).await {
+            msg.double_ack().await.expect("ack");
+            acked += 1;
+        }
+        if acked > 0 {
+            break;
+        }
+    }
+    assert!(acked > 0, "the child's pending wake");
+    h.spawn_service(Svc::Step, "w-step");
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let child = RunId::for_child(&op1(&run));
+    assert_eq!(h.state(&child).await.status, RunStatus::Succeeded);
+    assert_eq!(
+        h.state(&run).await.status,
+        RunStatus::WaitingTool,
+        "stalled"
+    );
+
+    // Once the child has been quiet past stall_after, the reconciler nudges it and its next
+    // drive gives the parent its result.
+    tokio::time::sleep(Duration::from_millis(3_600)).await;
+    let rec = h.runtime_as(kedge_runtime::secure::Kind::Reconciler).await;
+    let report = kedge_reconciler::scan_once(&rec).await.expect("scan");
+    assert!(report.nudged.contains(&run), "{report:?}");
+    assert_one_child_one_result(&h, &run).await;
+    let nudges = of_type(&h.events(&child).await, EventType::Nudge).len();
+    assert_eq!(nudges, 1, "the child was nudged once");
+    h.shutdown().await;
+}

@@ -16,6 +16,10 @@
 //! same stalled state append one message, and the nudge itself is journaled (the run's history
 //! says why it woke). The step service treats it like any other wake.
 //!
+//! A quiet run that waits on child runs (`run_agent`) is watched until each child gives its
+//! result: a child that was never created gets the parent nudged (its drive creates it), a child
+//! that ended and did not give its result is nudged itself (its drive gives it).
+//!
 //! It also finds operations stuck in `running`: dispatched or started longer than
 //! `tool_timeout + tool_grace` ago with no outcome (a live runner would have finished or killed
 //! its tool by then, so the runner is gone, or the request never reached one). For each it
@@ -333,6 +337,17 @@ async fn check(
         Next::Idle(_) => false,
         Next::Commit(_) | Next::Step(_) | Next::Finish(_) => true,
     };
+    if !runnable && !state.status.is_terminal() {
+        let children: Vec<(OperationId, RunId)> = state
+            .children
+            .iter()
+            .filter(|(op, _)| state.ops.get(*op).is_some_and(|o| o.result.is_none()))
+            .map(|(op, child)| (op.clone(), child.clone()))
+            .collect();
+        if !children.is_empty() {
+            return check_children(rt, run, &state, &children, stall_after).await;
+        }
+    }
     if !runnable {
         // `decide` is a function of the journal alone: it says the same until an event lands.
         // Only an operation in flight can change the verdict meanwhile (it may get stuck).
@@ -375,6 +390,61 @@ async fn check(
         Err(JournalError::Duplicate { .. }) => Ok(Verdict::Quiet),
         Err(e) => Err(e.into()),
     }
+}
+
+/// A quiet run that waits on child runs (`run_agent`): the safety net under the step's own
+/// repairs (docs/ARCHITECTURE.md "Child runs"). A child that does not exist is created by the
+/// parent's next drive: the parent is nudged. A child that ended longer than `stall_after` ago
+/// without its parent holding its result gives it on its next drive: the child is nudged. Either
+/// nudge is keyed by the last event seen, so replicas append one. Otherwise the run stays
+/// watched (a child may end any time).
+async fn check_children(
+    rt: &Runtime,
+    run: &RunId,
+    state: &kedge_core::RunState,
+    children: &[(OperationId, RunId)],
+    stall_after: Duration,
+) -> Result<Verdict, ReconcileError> {
+    for (op, child) in children {
+        let (target, seq, reason) = match rt.journal.last_event(child).await? {
+            None => (
+                run,
+                state.last_seq,
+                format!("child run {child} of operation {op} does not exist yet"),
+            ),
+            Some(last)
+                if matches!(
+                    last.event_type,
+                    Some(EventType::RunSucceeded | EventType::RunFailed | EventType::RunCancelled)
+                ) && time::OffsetDateTime::now_utc() - last.stored_at >= stall_after =>
+            {
+                (
+                    child,
+                    last.seq,
+                    format!("child run ended without giving run {run} its result for {op}"),
+                )
+            }
+            Some(_) => continue,
+        };
+        let nudge = Envelope::new(
+            target.clone(),
+            Timestamp::now(),
+            Draft::new(Event::Nudge(Nudge {
+                reason: reason.clone(),
+            })),
+        );
+        let key = kedge_core::ids::InputId::nudge(target, seq);
+        match rt.journal.append_input(&nudge, key.as_str()).await {
+            Ok(_) => {
+                tracing::info!(run_id = %run, nudged = %target, %reason, "nudged for a child run");
+                kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Stalled);
+                return Ok(Verdict::Nudged);
+            }
+            Err(JournalError::Duplicate { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Verdict::Quiet)
 }
 
 /// Sends a stuck operation's request to the tool services without holding up the scan; the
