@@ -433,3 +433,72 @@ async fn a_child_result_lost_with_its_wake_is_recovered_by_the_reconciler() {
     assert_eq!(nudges, 1, "the child was nudged once");
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_childs_worker_killed_mid_model_call_is_replaced_while_the_parent_waits() {
+    let script = json!({"models": {
+        "gpt-captain": parent_model("navigator"),
+        "gpt-navigator": {"default": {"text": "{\"tide\": \"noon\"}", "delay_ms": 2500}}
+    }});
+    let mut h = Harness::start(script, &[Svc::Intake, Svc::Tool]).await;
+    put(&h, "captain", "gpt-captain", starts(&["navigator"])).await;
+    put(&h, "navigator", "gpt-navigator", json!({})).await;
+    let workers = [
+        ("w-a", h.spawn_process("step", "w-a", "")),
+        ("w-b", h.spawn_process("step", "w-b", "")),
+    ];
+    for (w, _) in workers {
+        let mut sub =
+            h.rt.client
+                .subscribe(kedge_core::subjects::live_heartbeat(w))
+                .await
+                .expect("subscribe");
+        tokio::time::timeout(WAIT, futures::StreamExt::next(&mut sub))
+            .await
+            .unwrap_or_else(|_| panic!("no heartbeat from {w}"));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let run = h
+        .submit("captain", "Plan the voyage.", "task-kill-child")
+        .await;
+    let child = RunId::for_child(&op1(&run));
+    // The child's model call is in flight: kill the worker that holds the child.
+    let deadline = std::time::Instant::now() + WAIT;
+    let holder = loop {
+        let started = of_type(&h.events(&child).await, EventType::StepStarted).len();
+        if started > 0
+            && let Some(l) = h.rt.leases.holder(&child).await.expect("lease read")
+        {
+            break l.owner;
+        }
+        assert!(std::time::Instant::now() < deadline, "nobody drove {child}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let (_, doomed) = workers
+        .into_iter()
+        .find(|(w, _)| *w == holder)
+        .expect("one of ours drives the child");
+    assert_eq!(h.state(&run).await.status, RunStatus::WaitingTool);
+    h.kill9(doomed);
+
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    assert_eq!(state.output.as_deref(), Some("done: sail at noon"));
+    assert_linked(&h, &run, "navigator").await;
+    let result = the_result(&h.events(&run).await, &op1(&run));
+    assert_eq!(result.content, "{\"tide\": \"noon\"}");
+    // The standby took the child over with a new attempt; the parent was not called again
+    // until the result came.
+    let child_events = h.events(&child).await;
+    let attempts: Vec<u32> = child_events
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            Event::StepStarted(s) => Some(s.request_id.attempt().get()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(attempts, vec![1, 2], "the standby started attempt 2");
+    assert_eq!(of_type(&child_events, EventType::RunSucceeded).len(), 1);
+    assert_eq!(h.mock.requests("gpt-captain").len(), 2);
+    h.shutdown().await;
+}
