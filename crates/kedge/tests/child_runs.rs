@@ -153,6 +153,39 @@ async fn a_childs_answer_is_the_parents_tool_result_and_an_invalid_one_an_error(
     assert!(!result.is_error);
     assert_eq!(h.mock.requests("gpt-navigator").len(), 1);
 
+    // An ended child woken again (a nudge, a redelivered wake) gives its result again: the
+    // broker's duplicate, which the drive takes as given, not as a failure to retry.
+    let nudge = h
+        .input(
+            &child,
+            Event::Nudge(kedge_core::event::Nudge {
+                reason: "again".into(),
+            }),
+            "nudge:test:again",
+        )
+        .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut c: async_nats::jetstream::consumer::PullConsumer =
+            h.rt.js
+                .get_consumer_from_stream("step", "KEDGE_RUNS")
+                .await
+                .expect("consumer");
+        let info = c.info().await.expect("consumer info");
+        if info.ack_floor.stream_sequence >= nudge && info.num_ack_pending == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the ended child's wake was not acked: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        the_result(&h.events(&run).await, &op1(&run)).content,
+        "{\"tide\": \"noon\"}"
+    );
+
     // A child whose answer fails its output_schema fails; the parent reads an error naming it
     // and goes on.
     let run = h.submit("bosun", "Plan the voyage.", "task-bosun").await;

@@ -917,11 +917,16 @@ impl Driver {
                 by: Some(format!("run:{}", state.run_id)),
             })),
         );
-        self.rt
+        match self
+            .rt
             .journal
             .append_input(&env, InputId::cancel(id).as_str())
-            .await?;
-        Ok(())
+            .await
+        {
+            // Asked before (this drive's earlier self, or another worker's).
+            Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Appends `result` as the one result of operation `op` of run `run`.
@@ -938,11 +943,16 @@ impl Driver {
                 .step(op.step())
                 .op(op.clone()),
         );
-        self.rt
+        match self
+            .rt
             .journal
             .append_input(&env, InputId::tool_result(op).as_str())
-            .await?;
-        Ok(())
+            .await
+        {
+            // Given before (a redelivered wake, a nudge, another worker): the one result stands.
+            Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The agent definition the run froze, checked against the bundle's digests.
