@@ -535,3 +535,76 @@ async fn the_childs_worker_killed_mid_model_call_is_replaced_while_the_parent_wa
     assert_eq!(h.mock.requests("gpt-captain").len(), 2);
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grandchild_waiting_on_a_person_shows_in_the_root_and_its_answer_flows_up() {
+    let script = json!({"models": {
+        "gpt-captain": parent_model("navigator"),
+        "gpt-navigator": {
+            "rules": [{"when_last_tool_result_contains": "harbour",
+                       "respond": {"text": "the tide at harbour Nice turns at noon"}}],
+            "default": {"tool_calls": [{"name": "run_agent",
+                                        "arguments": {"agent": "asker", "input": "Ask where."}}]}
+        },
+        "gpt-asker": {
+            "rules": [{"when_last_tool_result_contains": "Nice",
+                       "respond": {"text": "harbour Nice"}}],
+            "default": {"tool_calls": [{"name": "ask_user",
+                                        "arguments": {"question": "Which harbour?"}}]}
+        }
+    }});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    put(&h, "captain", "gpt-captain", starts(&["navigator"])).await;
+    put(&h, "navigator", "gpt-navigator", starts(&["asker"])).await;
+    put(&h, "asker", "gpt-asker", json!({"tools": ["ask_user"]})).await;
+
+    let run = h.submit("captain", "Plan the voyage.", "task-nested").await;
+    let child = RunId::for_child(&op1(&run));
+    let grandchild = RunId::for_child(&op1(&child));
+    let asked = h
+        .wait_for(&grandchild, WAIT, |s| s.status == RunStatus::WaitingUser)
+        .await;
+    let link = asked.bundle.parent.clone().expect("linked");
+    assert_eq!(link.run_id, child);
+    assert_eq!(
+        link.ancestors
+            .iter()
+            .map(|a| a.as_str())
+            .collect::<Vec<_>>(),
+        vec!["captain", "navigator"]
+    );
+    // The root's view lists the grandchild's question, on the grandchild's run id.
+    let state = h
+        .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingTool)
+        .await;
+    let events = h.events(&run).await;
+    let mut view = kedge_runtime::view::run_view(&state, &events);
+    kedge_runtime::view::add_children(&h.rt.journal, &state, &mut view).await;
+    let waiting = view.waiting.expect("waiting");
+    assert_eq!(waiting.children.len(), 1, "{:?}", waiting.children);
+    assert_eq!(waiting.children[0].run_id, grandchild);
+    let question = waiting.children[0].questions[0].question_id.clone();
+
+    // Answered there, the answer flows up: grandchild → child → root.
+    h.input(
+        &grandchild,
+        Event::QuestionAnswered(kedge_core::event::QuestionAnswered {
+            question_id: question.clone(),
+            answer: "Nice".into(),
+        }),
+        InputId::answer(&question).as_str(),
+    )
+    .await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    assert_eq!(state.output.as_deref(), Some("done: sail at noon"));
+    assert_eq!(
+        the_result(&h.events(&child).await, &op1(&child)).content,
+        "harbour Nice"
+    );
+    assert_eq!(
+        the_result(&h.events(&run).await, &op1(&run)).content,
+        "the tide at harbour Nice turns at noon"
+    );
+    h.shutdown().await;
+}
