@@ -199,16 +199,20 @@ impl AgentStore {
         }
     }
 
-    /// Every agent with its current revision, sorted by name.
-    pub async fn list(&self) -> Result<Vec<(AgentName, u64)>, AgentError> {
-        let keys: Vec<String> = self
-            .kv
+    /// Every key of the bucket (agent names and revision copies).
+    async fn keys(&self) -> Result<Vec<String>, AgentError> {
+        self.kv
             .keys()
             .await
             .map_err(|e| AgentError::Unavailable(e.to_string()))?
             .try_collect()
             .await
-            .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+            .map_err(|e| AgentError::Unavailable(e.to_string()))
+    }
+
+    /// Every agent with its current revision, sorted by name.
+    pub async fn list(&self) -> Result<Vec<(AgentName, u64)>, AgentError> {
+        let keys = self.keys().await?;
         let mut out = Vec::new();
         for key in keys {
             let Ok(name) = key.parse::<AgentName>() else {
@@ -239,14 +243,7 @@ impl AgentStore {
             .map(|e| e.revision)
             .collect();
         let prefix = format!("{name}.rev.");
-        let keys: Vec<String> = self
-            .kv
-            .keys()
-            .await
-            .map_err(|e| AgentError::Unavailable(e.to_string()))?
-            .try_collect()
-            .await
-            .map_err(|e| AgentError::Unavailable(e.to_string()))?;
+        let keys = self.keys().await?;
         revisions.extend(
             keys.iter()
                 .filter_map(|k| k.strip_prefix(prefix.as_str())?.parse::<u64>().ok()),
