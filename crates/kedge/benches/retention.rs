@@ -123,6 +123,7 @@ fn created(i: usize) -> RunCreated {
         runtime_version: "bench".into(),
         metadata: Default::default(),
         traceparent: None,
+        parent: None,
     }
 }
 
