@@ -865,3 +865,72 @@ fn the_documented_retry_fields_defaults_and_ranges_match_the_schema_and_the_code
         }
     }
 }
+
+/// An MCP tool whose server answers Kedge's status query (`kedge_status`, docs/ARCHITECTURE.md
+/// "Status queries for MCP tools"): its runner dies right after the effect, before journaling
+/// the result, and the runner that takes the operation over asks the server instead of leaving
+/// the run to a person. The result is the server's, the effect happened once, and the run goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mcp_operation_cut_off_after_its_effect_is_confirmed_by_the_servers_status_tool() {
+    let state = tempfile::tempdir().expect("dir");
+    let server = flaky(state.path(), &[("FLAKY_STATUS", "1")]);
+    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
+    let mut h = Harness::start_with(
+        json!({"models": {"mp": {"steps": [
+            {"text": "paying", "tool_calls": [call("flaky__pay", "invoice-7")]},
+            {"text": "paid"}
+        ]}}}),
+        &[Svc::Intake, Svc::Step],
+        |c| {
+            c.timeouts.tool_timeout_ms = 10_000;
+            c.timeouts.tool_grace_ms = 2_000;
+            c.timeouts.tool_ack_wait_ms = 15_000;
+        },
+    )
+    .await;
+    let def = json!({
+        "name": "payer",
+        "system_prompt": "status test",
+        "model": {"provider": "openai", "name": "mp", "base_url": format!("{}/v1", h.mock.base_url())},
+        "api_key_env": API_KEY_VAR,
+        "tools": [{"name": "flaky__pay"}],
+    });
+    let def = AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent");
+    h.rt.agents.put(&def).await.expect("agent stored");
+    let env = [("KEDGE_MCP_SERVERS", servers)];
+    // Dies after the tool answered, before its result is journaled.
+    let doomed = h.spawn_process_with_env("tool", "w-doomed", "tool.after_effect", &env);
+    let run = h.submit("payer", "go", "status-pay").await;
+    assert!(
+        h.wait_exit(doomed, WAIT).await,
+        "the runner died at the failpoint"
+    );
+    h.spawn_process_with_env("tool", "w-fresh", "", &env);
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    let events = h.events(&run).await;
+    let op = only_op(&run, &events);
+    assert_eq!(
+        done.ops[&op].result.clone().expect("a result").content,
+        "paid invoice-7",
+        "the server's record of the effect"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeConfirmed(_))),
+        "outcome.confirmed"
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeAmbiguous(_))),
+        "nobody had to decide"
+    );
+    let pays = lines(state.path(), "calls")
+        .into_iter()
+        .filter(|l| l.starts_with("pay\t"))
+        .count();
+    assert_eq!(pays, 1, "the effect happened once");
+    h.shutdown().await;
+}

@@ -883,7 +883,7 @@ async fn execute(
             let confirm = if rerun_safe {
                 None
             } else {
-                target.confirm(env, op).await
+                target.confirm(env, &ctx.mcp, op).await
             };
             match &confirm {
                 Some(Confirm::Confirmed(_)) => metrics::confirm_query(ConfirmResult::Confirmed),

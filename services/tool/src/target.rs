@@ -45,15 +45,13 @@ impl Target {
     }
 
     /// The confirm query for an operation whose runner is gone; `None` when running it again is
-    /// harmless (idempotent built-ins, unknown tools).
-    pub async fn confirm(&self, env: &Env, op: &OperationId) -> Option<Confirm> {
+    /// harmless (idempotent built-ins, unknown tools). An MCP tool is asked through its server's
+    /// status tool when it has one ([`mcp_status`]).
+    pub async fn confirm(&self, env: &Env, mcp: &Pool, op: &OperationId) -> Option<Confirm> {
         match self {
             Target::Builtin(t) if !t.idempotent() => Some(env.confirm(*t, op).await),
             Target::Builtin(_) | Target::Unknown => None,
-            Target::Mcp { server, tool } => Some(Confirm::Ambiguous(format!(
-                "the MCP call `{tool}` on `{server}` was cut off with its runner; \
-                 MCP has no way to ask whether it took effect"
-            ))),
+            Target::Mcp { server, tool } => Some(mcp_status(env, mcp, server, tool, op).await),
         }
     }
 
@@ -152,6 +150,132 @@ impl Target {
                 out: Output::error("unknown tool"),
                 stopped: false,
             },
+        }
+    }
+}
+
+/// The tool an MCP server may offer to answer Kedge's confirm query (docs/ARCHITECTURE.md,
+/// "Status queries for MCP tools"): called with `{"operation_id": "op_…", "tool": "<name>"}`, it
+/// answers one text item holding `{"status": "confirmed", "content": "…", "is_error": false}`,
+/// `{"status": "not_found"}` or `{"status": "ambiguous", "detail": "…"}`.
+pub const MCP_STATUS_TOOL: &str = "kedge_status";
+
+/// Asks `server`'s [`MCP_STATUS_TOOL`] what became of operation `op` of `tool`, whose runner
+/// died with the call in flight. Anything but a well-formed answer (no such tool, an error, a
+/// timeout, an answer that does not parse or names another status) is `Ambiguous`: a person
+/// decides, as without the convention. The server's `content` is cut like any tool output.
+async fn mcp_status(env: &Env, mcp: &Pool, server: &str, tool: &str, op: &OperationId) -> Confirm {
+    let ambiguous = |why: String| {
+        Confirm::Ambiguous(format!(
+            "the MCP call `{tool}` on `{server}` was cut off with its runner, and {why}"
+        ))
+    };
+    match mcp.tools(server).await {
+        Ok(tools) if tools.iter().any(|t| t.name == MCP_STATUS_TOOL) => {}
+        Ok(_) => {
+            return ambiguous(format!(
+                "the server has no `{MCP_STATUS_TOOL}` tool to say whether it took effect"
+            ));
+        }
+        Err(e) => return ambiguous(format!("its status could not be asked: {e}")),
+    }
+    let mut arguments = serde_json::Map::new();
+    arguments.insert("operation_id".into(), Value::from(op.to_string()));
+    arguments.insert("tool".into(), Value::from(tool));
+    let asked = mcp
+        .call(
+            server,
+            MCP_STATUS_TOOL,
+            arguments,
+            &op.to_string(),
+            env.timeout,
+            std::future::pending(),
+        )
+        .await;
+    let text = match asked {
+        Ok(Outcome::Completed {
+            content,
+            is_error: false,
+        }) => content,
+        Ok(Outcome::Completed { content, .. }) => {
+            return ambiguous(format!("`{MCP_STATUS_TOOL}` answered an error: {content}"));
+        }
+        Ok(other) => return ambiguous(format!("`{MCP_STATUS_TOOL}` did not answer: {other:?}")),
+        Err(e) => return ambiguous(format!("`{MCP_STATUS_TOOL}` failed: {e}")),
+    };
+    match parse_status(&text) {
+        Some(StatusAnswer::Confirmed { content, is_error }) => Confirm::Confirmed(Output {
+            content: env.truncate(content),
+            is_error,
+            class: None,
+        }),
+        Some(StatusAnswer::NotFound) => Confirm::NotFound,
+        Some(StatusAnswer::Ambiguous { detail }) => ambiguous(format!(
+            "its server cannot tell whether it took effect: {detail}"
+        )),
+        None => ambiguous(format!(
+            "`{MCP_STATUS_TOOL}` answered something that is not a status: {}",
+            text.chars().take(200).collect::<String>()
+        )),
+    }
+}
+
+/// A status tool's answer.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+enum StatusAnswer {
+    Confirmed {
+        content: String,
+        #[serde(default)]
+        is_error: bool,
+    },
+    NotFound,
+    Ambiguous {
+        #[serde(default)]
+        detail: String,
+    },
+}
+
+fn parse_status(text: &str) -> Option<StatusAnswer> {
+    let value: Value = serde_json::from_str(text.trim()).ok()?;
+    // Only an object: serde would also take `["not_found"]` for a tagged enum.
+    value
+        .is_object()
+        .then(|| serde_json::from_value(value).ok())
+        .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_answer_parses_only_when_well_formed() {
+        assert_eq!(
+            parse_status(r#"{"status": "confirmed", "content": "charged 5"}"#),
+            Some(StatusAnswer::Confirmed {
+                content: "charged 5".into(),
+                is_error: false
+            })
+        );
+        assert_eq!(
+            parse_status(r#" {"status": "not_found"} "#),
+            Some(StatusAnswer::NotFound)
+        );
+        assert_eq!(
+            parse_status(r#"{"status": "ambiguous", "detail": "in flight"}"#),
+            Some(StatusAnswer::Ambiguous {
+                detail: "in flight".into()
+            })
+        );
+        for bad in [
+            "",
+            "confirmed",
+            r#"{"status": "done"}"#,
+            r#"{"status": "confirmed"}"#,
+            r#"["not_found"]"#,
+        ] {
+            assert_eq!(parse_status(bad), None, "{bad}");
         }
     }
 }
