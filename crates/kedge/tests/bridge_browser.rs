@@ -25,13 +25,18 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// Five steps with a tool call each, streamed in chunks, then a final answer: a few seconds.
+/// A question first (the run waits there until the page is watching: a browser can take longer
+/// to start than the rest of the run takes), then five steps with a tool call each, streamed in
+/// chunks, then a final answer: a few seconds.
 fn script(model: &str) -> Value {
     let step = |i: usize| {
         json!({"text": format!("step {i}: reading the charts"), "delay_ms": 300, "chunk_delay_ms": 20,
                "tool_calls": [{"name": "write_file", "arguments": {"path": format!("c{i}.txt"), "content": "x"}}]})
     };
-    let mut steps: Vec<Value> = (1..=5).map(step).collect();
+    let mut steps = vec![json!({"text": "ready?", "tool_calls": [
+        {"name": "ask_user", "arguments": {"question": "Shall I read the charts?"}}
+    ]})];
+    steps.extend((1..=5).map(step));
     steps.push(json!({"text": "charts read", "chunk_delay_ms": 20}));
     json!({"models": {model: {"steps": steps}}})
 }
@@ -94,7 +99,23 @@ async fn a_browser_eventsource_resumes_across_a_bridge_restart_and_sees_every_ev
             progress = n.parse().unwrap_or(0);
         }
     }
-    h.wait_for(&run_id, Duration::from_secs(30), |s| s.step.get() >= 3)
+    // The page is watching: let the run go on, and restart the bridge a few steps in.
+    let waiting = h
+        .wait_for(&run_id, Duration::from_secs(30), |s| {
+            s.status == kedge_core::RunStatus::WaitingUser
+        })
+        .await;
+    let question = waiting
+        .questions
+        .keys()
+        .next()
+        .expect("the question")
+        .clone();
+    let events = h.events(&run_id).await;
+    kedge_runtime::inputs::answer(&h.rt, &run_id, &events, &question, "yes".into())
+        .await
+        .expect("answered");
+    h.wait_for(&run_id, Duration::from_secs(30), |s| s.step.get() >= 4)
         .await;
     bridge.stop().await;
     tokio::time::sleep(Duration::from_millis(400)).await;
