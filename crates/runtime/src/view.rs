@@ -407,6 +407,16 @@ pub async fn children_waiting(
             let Ok(child) = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope))) else {
                 continue;
             };
+            // Only the operation's own child, in the same tenant: a run that took a child's id
+            // (a task naming it) shows nothing of itself here.
+            let linked = child
+                .bundle
+                .parent
+                .as_ref()
+                .is_some_and(|link| link.op == op && link.run_id == *op.run());
+            if !linked || child.bundle.tenant != state.bundle.tenant {
+                continue;
+            }
             if let Some(on @ (WaitReason::User | WaitReason::Approval)) = child.waiting_on() {
                 out.push(ChildWaiting {
                     run_id: id.clone(),

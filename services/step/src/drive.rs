@@ -140,6 +140,11 @@ fn fold_merged<'a>(
     Ok(())
 }
 
+/// The refusal of a `run_agent` operation whose child's run id another run holds.
+fn taken(id: &RunId) -> String {
+    format!("not run: the child's run id {id} is taken by a run this operation did not start")
+}
+
 /// Runs whose folded state is kept between drives; beyond it the cache starts over.
 const CACHE_RUNS: usize = 10_000;
 
@@ -844,6 +849,60 @@ impl Driver {
         if self.children.lock().is_ok_and(|c| c.contains(id)) {
             return Ok(None);
         }
+        // The child may exist already (created before a restart, a takeover, by another
+        // worker): then it is this operation's child or its id is taken, whatever the registry
+        // says now. Only a child that does not exist yet is planned and created.
+        match self.child_link(state, op, id).await? {
+            Some(true) => {}
+            Some(false) => return Ok(Some(taken(id))),
+            None => {
+                if let Some(refusal) = self.create_child(state, op, id).await? {
+                    return Ok(Some(refusal));
+                }
+                // Created, or created meanwhile by someone else (a duplicate message id proves
+                // nothing about whose run it is): the link decides.
+                if self.child_link(state, op, id).await? != Some(true) {
+                    return Ok(Some(taken(id)));
+                }
+            }
+        }
+        failpoint::hit("step.after_child_created");
+        if let Ok(mut children) = self.children.lock() {
+            if children.len() >= CACHE_RUNS {
+                children.clear();
+            }
+            children.insert(id.clone());
+        }
+        Ok(None)
+    }
+
+    /// Whether run `id` exists and is the child of `op` of `state`'s run: `None` when it has no
+    /// `run.created`, `Some(false)` when another run holds the id.
+    async fn child_link(
+        &self,
+        state: &RunState,
+        op: &ToolOp,
+        id: &RunId,
+    ) -> Result<Option<bool>, DriveError> {
+        let found = self
+            .rt
+            .journal
+            .read_type(id, kedge_core::event::EventType::RunCreated)
+            .await?;
+        Ok(found.first().map(|r| {
+            matches!(&r.envelope.event,
+                Event::RunCreated(c) if child::is_child_of(c, &state.run_id, &op.op))
+        }))
+    }
+
+    /// Creates child run `id` of `op`; `Some(refusal)` when the call may not start one (no such
+    /// agent for the run's tenant, no budget left).
+    async fn create_child(
+        &self,
+        state: &RunState,
+        op: &ToolOp,
+        id: &RunId,
+    ) -> Result<Option<String>, DriveError> {
         let (agent, input) = match child::plan(state, &op.op, &op.call) {
             child::Plan::Start { agent, input, .. } => (agent, input),
             child::Plan::Refuse(why) => return Ok(Some(why)),
@@ -870,35 +929,11 @@ impl Driver {
             Ok(_) => {
                 metrics::run_created();
                 tracing::info!(run_id = %state.run_id, op = %op.op, child = %id, agent = %agent, "child run created");
+                Ok(None)
             }
-            Err(JournalError::Duplicate { .. }) => {}
-            Err(JournalError::Conflict { .. }) => {
-                let found = self
-                    .rt
-                    .journal
-                    .read_type(id, kedge_core::event::EventType::RunCreated)
-                    .await?;
-                let ours = matches!(
-                    found.first().map(|r| &r.envelope.event),
-                    Some(Event::RunCreated(c)) if child::is_child_of(c, &state.run_id, &op.op)
-                );
-                if !ours {
-                    tracing::warn!(run_id = %state.run_id, op = %op.op, child = %id, "a child's run id is taken by another run");
-                    return Ok(Some(format!(
-                        "not run: the child's run id {id} is taken by a run this operation did not start"
-                    )));
-                }
-            }
-            Err(e) => return Err(e.into()),
+            Err(JournalError::Duplicate { .. } | JournalError::Conflict { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
         }
-        failpoint::hit("step.after_child_created");
-        if let Ok(mut children) = self.children.lock() {
-            if children.len() >= CACHE_RUNS {
-                children.clear();
-            }
-            children.insert(id.clone());
-        }
-        Ok(None)
     }
 
     /// Asks child run `id` of the cancelling run `state` to cancel (once: the child's cancel
