@@ -165,10 +165,11 @@ pub const MCP_STATUS_TOOL: &str = "kedge_status";
 /// timeout, an answer that does not parse or names another status) is `Ambiguous`: a person
 /// decides, as without the convention. The server's `content` is cut like any tool output.
 async fn mcp_status(env: &Env, mcp: &Pool, server: &str, tool: &str, op: &OperationId) -> Confirm {
+    // What the server says is journaled (outcome.ambiguous): cut like any tool output.
     let ambiguous = |why: String| {
-        Confirm::Ambiguous(format!(
+        Confirm::Ambiguous(env.truncate(format!(
             "the MCP call `{tool}` on `{server}` was cut off with its runner, and {why}"
-        ))
+        )))
     };
     match mcp.tools(server).await {
         Ok(tools) if tools.iter().any(|t| t.name == MCP_STATUS_TOOL) => {}
@@ -182,12 +183,14 @@ async fn mcp_status(env: &Env, mcp: &Pool, server: &str, tool: &str, op: &Operat
     let mut arguments = serde_json::Map::new();
     arguments.insert("operation_id".into(), Value::from(op.to_string()));
     arguments.insert("tool".into(), Value::from(tool));
+    // The status call carries its own id in `_meta`: a server that deduplicates calls by the
+    // operation id must not take the query for the operation (and answer a later re-run from it).
     let asked = mcp
         .call(
             server,
             MCP_STATUS_TOOL,
             arguments,
-            &op.to_string(),
+            &format!("{op}:status"),
             env.timeout,
             std::future::pending(),
         )
