@@ -588,6 +588,11 @@ async fn keep(
         }
         return Ok(());
     }
+    // In progress from now: handling may already have used most of the ack wait, and the
+    // first beat below is a third of it away.
+    if let Again::Request(msg, _) = &what {
+        msg.ack_with(AckKind::Progress).await?;
+    }
     let again = ctx.again.clone();
     let keeping = ctx.keeping.clone();
     let hold = ctx.liveness.hold_op(op).await;
