@@ -64,9 +64,20 @@ pub async fn sweep(root: &Path, journal: &Journal, settle: Duration) -> std::io:
         if recent {
             continue;
         }
-        match journal.last_seq(&run).await {
-            Ok(None) => {}
-            Ok(Some(_)) => continue,
+        // A direct get (any replica may answer) finds most runs cheaply; that a run is gone is
+        // asked of the stream leader too (a replica may trail a run created a moment ago)
+        // before anything is removed.
+        let gone = match journal.last_seq(&run).await {
+            Ok(None) => journal
+                .read_at_most(&run, 0, 1)
+                .await
+                .map(|p| p.events.is_empty()),
+            Ok(Some(_)) => Ok(false),
+            Err(e) => Err(e),
+        };
+        match gone {
+            Ok(true) => {}
+            Ok(false) => continue,
             Err(e) => {
                 tracing::warn!(run_id = %run, error = %e, "workspace sweep: cannot look the run up; kept");
                 continue;
