@@ -18,9 +18,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kedge_core::event::{Event, EventType};
-use kedge_core::ids::RunId;
-use kedge_journal::Journal;
 use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
@@ -117,7 +114,7 @@ impl TraceParent {
 static EXPORTING: AtomicBool = AtomicBool::new(false);
 
 /// Says spans leave this process (`kedge` installed the OpenTelemetry layer): only then is a
-/// run's trace context worth a journal read ([`of_run`]).
+/// run's trace context worth a journal read.
 pub fn set_exporting() {
     EXPORTING.store(true, Ordering::Relaxed);
 }
@@ -125,20 +122,6 @@ pub fn set_exporting() {
 /// Whether [`set_exporting`] was called.
 pub fn exporting() -> bool {
     EXPORTING.load(Ordering::Relaxed)
-}
-
-/// The `traceparent` of `run` (from its `run.created`), for a service that holds only a message
-/// of the run (the tool service, a `tool.requested`). `None` without a read when spans are not
-/// exported, or when the run has none or cannot be read now (tracing never holds work up).
-pub async fn of_run(journal: &Journal, run: &RunId) -> Option<String> {
-    if !exporting() {
-        return None;
-    }
-    let created = journal.read_type(run, EventType::RunCreated).await.ok()?;
-    match &created.first()?.envelope.event {
-        Event::RunCreated(c) => c.traceparent.clone(),
-        _ => None,
-    }
 }
 
 /// Makes `span` a child of the trace context in `traceparent` (when there is a valid one).
