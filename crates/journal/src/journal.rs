@@ -41,7 +41,8 @@ use kedge_core::{Envelope, EventKind, EventType, RunId};
 use serde::Serialize;
 use tracing::Instrument;
 
-use crate::error::JournalError;
+use crate::blob::{self, BlobError, BlobRef, Blobs};
+use crate::error::{ErrorKind, JournalError};
 use crate::wire::{self, BatchMessage, StoredMessage, WireError, codes};
 
 /// Most decisions one atomic group may hold (the server's batch limit).
@@ -256,6 +257,9 @@ enum Decoded {
     /// Under the run's tree but not an event subject (`.d.`/`.i.`).
     Skip,
     SetAside(SetAside),
+    /// An envelope that holds its data by reference ([`crate::blob`]): decoded again once the
+    /// blob is read.
+    ByReference(StoredMessage),
 }
 
 /// The longest reason kept for a set-aside message.
@@ -300,6 +304,7 @@ fn decode(run: &RunId, m: StoredMessage) -> Decoded {
     };
     let envelope = match Envelope::from_json_bytes(&m.payload) {
         Ok(envelope) => envelope,
+        Err(_) if blob::reference_of(&m.payload).is_some() => return Decoded::ByReference(m),
         Err(e) => return set_aside(kind, format!("not an event envelope: {e}")),
     };
     if envelope.run_id != *run || envelope.subject() != m.subject {
@@ -359,6 +364,8 @@ pub struct ReadPage {
     pub set_aside: Vec<SetAside>,
     /// The run has events after the last one returned (as of the read).
     pub more: bool,
+    /// Messages that hold their data by reference, resolved before the page is returned.
+    by_reference: Vec<StoredMessage>,
 }
 
 impl ReadPage {
@@ -369,8 +376,10 @@ impl ReadPage {
             Decoded::Skip => {}
             Decoded::SetAside(a) => {
                 tracing::debug!(run_id = %run, seq = a.seq, reason = %a.reason, "journal message set aside");
-                self.set_aside.push(a);
+                let at = self.set_aside.partition_point(|s| s.seq < a.seq);
+                self.set_aside.insert(at, a);
             }
+            Decoded::ByReference(m) => self.by_reference.push(m),
         }
     }
 }
@@ -399,7 +408,7 @@ impl Reading<'_> {
     }
 
     fn full(&self) -> bool {
-        self.out.events.len() >= self.max
+        self.out.events.len() + self.out.by_reference.len() >= self.max
     }
 }
 
@@ -415,6 +424,8 @@ pub struct Journal {
     /// the `traceparent` header, so the service that handles one (the tool runner a
     /// `tool.requested`) continues the trace under it ([`Journal::with_trace_context`]).
     trace_context: Option<fn() -> Option<String>>,
+    /// Where events larger than [`blob::INLINE_MAX`] keep their data.
+    blobs: Blobs,
 }
 
 /// The header that carries a message's W3C trace context.
@@ -424,8 +435,10 @@ impl Journal {
     /// A journal over `KEDGE_RUNS` (which [`crate::ensure_layout`] creates or verifies).
     pub fn new(client: Client) -> Self {
         let js = async_nats::jetstream::new(client.clone());
+        let inbox = wire::BatchInbox::new(client.clone());
         Self {
-            inbox: wire::BatchInbox::new(client.clone()),
+            blobs: Blobs::with_inbox(client.clone(), inbox.clone(), DEFAULT_TIMEOUT),
+            inbox,
             client,
             js,
             timeout: DEFAULT_TIMEOUT,
@@ -449,11 +462,131 @@ impl Journal {
     /// Sets the timeout of each broker request.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self.blobs = Blobs::with_inbox(self.client.clone(), self.inbox.clone(), timeout);
         self
     }
 
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// The object store where large events keep their data ([`crate::blob`]).
+    pub fn blobs(&self) -> &Blobs {
+        &self.blobs
+    }
+
+    /// What is published for `envelope`: its JSON, or, above [`blob::INLINE_MAX`], the envelope
+    /// with its data stored in `kedge_blobs` first and referred to (`data_ref`).
+    pub async fn stored_form(&self, envelope: &Envelope) -> Result<Bytes, JournalError> {
+        let bytes = envelope.to_json_bytes();
+        if bytes.len() <= blob::INLINE_MAX {
+            return Ok(Bytes::from(bytes));
+        }
+        // The canonical JSON of the data: its SHA-256 is the envelope's digest, so the blob is
+        // named by the digest the envelope already carries.
+        let data = serde_json::to_vec(&envelope.event.data_json()).unwrap_or_default();
+        let reference = self.blobs.put(&data, blob::EVENT_DATA).await?;
+        let mut stored = serde_json::to_value(envelope).unwrap_or_default();
+        blob::by_reference(&mut stored, &reference);
+        tracing::debug!(
+            run_id = %envelope.run_id,
+            event_type = %envelope.event_type(),
+            size = reference.size,
+            "event data stored by reference"
+        );
+        Ok(Bytes::from(serde_json::to_vec(&stored).unwrap_or_default()))
+    }
+
+    /// The envelope a stored message holds (as a consumer delivered it), its data read back
+    /// from `kedge_blobs` when it holds it by reference. Its digest is checked either way.
+    /// `Unavailable` when the blob could not be read for broker trouble; `Invalid` (sequence 0)
+    /// when the message is not an envelope or its blob is missing or corrupt.
+    pub async fn open(&self, payload: &[u8]) -> Result<Envelope, JournalError> {
+        let invalid = |reason: String| JournalError::Invalid { seq: 0, reason };
+        match Envelope::from_json_bytes(payload) {
+            Ok(envelope) => Ok(envelope),
+            Err(e) => {
+                let Some(reference) = blob::reference_of(payload) else {
+                    return Err(invalid(format!("not an event envelope: {e}")));
+                };
+                let data = self.blobs.get(&reference).await.map_err(|e| match e {
+                    BlobError::Unavailable(_) => JournalError::from(e),
+                    other => invalid(other.to_string()),
+                })?;
+                let whole = blob::with_data(payload, &data).map_err(invalid)?;
+                Envelope::from_json_bytes(&whole)
+                    .map_err(|e| invalid(format!("not an event envelope: {e}")))
+            }
+        }
+    }
+
+    /// The blobs the run's journal refers to (messages that hold their data by reference),
+    /// with their sequences, without reading the blobs: e.g. to check that a blob a caller asks
+    /// for is the run's before serving it.
+    pub async fn blob_references(&self, run: &RunId) -> Result<Vec<(u64, BlobRef)>, JournalError> {
+        let page = self
+            .read_stored(run, &subjects::run_all(run), 0, usize::MAX, None)
+            .await?;
+        Ok(page
+            .by_reference
+            .iter()
+            .filter_map(|m| blob::reference_of(&m.payload).map(|r| (m.seq, r)))
+            .collect())
+    }
+
+    /// Resolves the messages of a page that hold their data by reference, putting each event
+    /// (or what is set aside) in its place.
+    async fn resolve_page(&self, run: &RunId, page: &mut ReadPage) -> Result<(), JournalError> {
+        for m in std::mem::take(&mut page.by_reference) {
+            let decoded = self.resolve(run, m).await?;
+            match decoded {
+                Decoded::Event(r) => {
+                    let at = page.events.partition_point(|e| e.seq < r.seq);
+                    page.events.insert(at, r);
+                }
+                other => page.push(run, other),
+            }
+        }
+        Ok(())
+    }
+
+    /// [`decode`] of a message that holds its data by reference, once the blob is read: a
+    /// missing or corrupt blob sets the message aside; broker trouble is an error.
+    async fn resolve(&self, run: &RunId, mut m: StoredMessage) -> Result<Decoded, JournalError> {
+        let kind = if m.subject.contains(".d.") {
+            EventKind::Decision
+        } else {
+            EventKind::Input
+        };
+        let set_aside = |m: &StoredMessage, reason: String| {
+            Decoded::SetAside(SetAside {
+                seq: m.seq,
+                subject: m.subject.chars().take(MAX_REASON).collect(),
+                kind,
+                reason: shorten(reason),
+            })
+        };
+        let Some(reference) = blob::reference_of(&m.payload) else {
+            return Ok(set_aside(&m, "not an event envelope".into()));
+        };
+        let data = match self.blobs.get(&reference).await {
+            Ok(data) => data,
+            Err(e @ BlobError::Unavailable(_)) => return Err(e.into()),
+            Err(e) => return Ok(set_aside(&m, format!("its data is held by reference: {e}"))),
+        };
+        match blob::with_data(&m.payload, &data) {
+            Ok(whole) => {
+                m.payload = Bytes::from(whole);
+                Ok(match decode(run, m) {
+                    // Resolved once: a blob that holds another reference is not followed.
+                    Decoded::ByReference(m) => {
+                        set_aside(&m, "its blob holds another reference".into())
+                    }
+                    other => other,
+                })
+            }
+            Err(reason) => Ok(set_aside(&m, reason)),
+        }
     }
 
     /// Appends decisions of the writer's run, provided the run's last decision is at
@@ -539,7 +672,7 @@ impl Journal {
             messages.push(BatchMessage {
                 subject: envelope.subject(),
                 headers,
-                payload: Bytes::from(envelope.to_json_bytes()),
+                payload: self.stored_form(envelope).await?,
             });
         }
         let count = messages.len() as u64;
@@ -634,11 +767,12 @@ impl Journal {
             let mut headers = HeaderMap::new();
             headers.insert(wire::MSG_ID, msg_id);
             self.trace_header(&mut headers);
+            let payload = self.stored_form(envelope).await?;
             let ack = wire::publish(
                 &self.client,
                 envelope.subject(),
                 headers,
-                Bytes::from(envelope.to_json_bytes()),
+                payload,
                 self.timeout,
             )
             .await
@@ -757,6 +891,21 @@ impl Journal {
     /// for a few messages at once when `after` is near `through` (a recent read of a live
     /// run, where the server's search past the last match covers only the stream's tail).
     async fn read_filtered(
+        &self,
+        run: &RunId,
+        filter: &str,
+        after: u64,
+        max: usize,
+        through: Option<u64>,
+    ) -> Result<ReadPage, JournalError> {
+        let mut page = self.read_stored(run, filter, after, max, through).await?;
+        self.resolve_page(run, &mut page).await?;
+        Ok(page)
+    }
+
+    /// [`Journal::read_filtered`] before the messages that hold their data by reference are
+    /// resolved.
+    async fn read_stored(
         &self,
         run: &RunId,
         filter: &str,
@@ -932,37 +1081,67 @@ impl Journal {
             }
         })?;
         let mut last = after;
+        let journal = self.clone();
         Ok(messages.filter_map(move |item| {
-            let out = match item {
-                Err(e) => Some(Err(ordered_error(e))),
+            let decoded = match item {
+                Err(e) => Err(ordered_error(e)),
                 Ok(msg) => match msg.info() {
-                    Err(e) => Some(Err(JournalError::Rejected {
+                    Err(e) => Err(JournalError::Rejected {
                         op,
                         reason: format!("message without JetStream metadata: {e}"),
-                    })),
-                    Ok(info) if info.stream_sequence <= last => None,
+                    }),
+                    Ok(info) if info.stream_sequence <= last => Ok(Decoded::Skip),
                     Ok(info) => {
                         let seq = info.stream_sequence;
                         last = seq;
-                        let stored = StoredMessage {
-                            seq,
-                            subject: msg.subject.to_string(),
-                            headers: msg.headers.clone().unwrap_or_default(),
-                            payload: msg.payload.clone(),
-                        };
-                        match decode(&run, stored) {
-                            Decoded::Event(r) => Some(Ok(r)),
-                            Decoded::Skip => None,
-                            Decoded::SetAside(a) => {
-                                tracing::debug!(run_id = %run, seq = a.seq, reason = %a.reason, "tail: journal message set aside");
-                                None
-                            }
-                        }
+                        Ok(decode(
+                            &run,
+                            StoredMessage {
+                                seq,
+                                subject: msg.subject.to_string(),
+                                headers: msg.headers.clone().unwrap_or_default(),
+                                payload: msg.payload.clone(),
+                            },
+                        ))
                     }
                 },
             };
-            futures::future::ready(out)
+            let (journal, run) = (journal.clone(), run.clone());
+            async move {
+                let decoded = match decoded {
+                    Ok(Decoded::ByReference(m)) => journal.resolve_retrying(&run, m).await,
+                    other => other,
+                };
+                match decoded {
+                    Err(e) => Some(Err(e)),
+                    Ok(Decoded::Event(r)) => Some(Ok(r)),
+                    Ok(Decoded::Skip | Decoded::ByReference(_)) => None,
+                    Ok(Decoded::SetAside(a)) => {
+                        tracing::debug!(run_id = %run, seq = a.seq, reason = %a.reason, "tail: journal message set aside");
+                        None
+                    }
+                }
+            }
         }))
+    }
+
+    /// [`Journal::resolve`] for a tail, which cannot come back to a message: broker trouble
+    /// reading the blob is waited out a few times before it is reported.
+    async fn resolve_retrying(
+        &self,
+        run: &RunId,
+        m: StoredMessage,
+    ) -> Result<Decoded, JournalError> {
+        let mut tries = 0u64;
+        loop {
+            match self.resolve(run, m.clone()).await {
+                Err(e) if e.kind() == ErrorKind::Unavailable && tries < 5 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(200 * tries)).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Every run in the journal (each subject `agent.run.<id>.d.run.created`), from the
@@ -1140,7 +1319,16 @@ impl Journal {
         )
         .await
         .map_err(|e| JournalError::from_wire("last event", e))?;
-        Ok(last.map(|m| LastEvent {
+        let Some(m) = last else { return Ok(None) };
+        let envelope = match Envelope::from_json_bytes(&m.payload) {
+            Ok(envelope) => Some(envelope),
+            Err(_) => match self.open(&m.payload).await {
+                Ok(envelope) => Some(envelope),
+                Err(e) if e.kind() == ErrorKind::Unavailable => return Err(e),
+                Err(_) => None,
+            },
+        };
+        Ok(Some(m).map(|m| LastEvent {
             seq: m.seq,
             stored_at: m
                 .header("Nats-Time-Stamp")
@@ -1150,7 +1338,7 @@ impl Journal {
                 })
                 .unwrap_or_else(time::OffsetDateTime::now_utc),
             event_type: subjects::parse_event(&m.subject).map(|p| p.event_type),
-            envelope: Envelope::from_json_bytes(&m.payload).ok(),
+            envelope,
         }))
     }
 
@@ -1187,13 +1375,26 @@ impl Journal {
         if filters.is_empty() {
             return Ok(out);
         }
-        wire::direct_multi_last(&self.inbox, RUNS_STREAM, &filters, self.timeout, |m| {
-            if let Decoded::Event(r) = decode(run, m) {
-                out.push(r);
-            }
-        })
+        let mut by_reference = Vec::new();
+        wire::direct_multi_last(
+            &self.inbox,
+            RUNS_STREAM,
+            &filters,
+            self.timeout,
+            |m| match decode(run, m) {
+                Decoded::Event(r) => out.push(r),
+                Decoded::ByReference(m) => by_reference.push(m),
+                Decoded::Skip | Decoded::SetAside(_) => {}
+            },
+        )
         .await
         .map_err(|e| JournalError::from_wire("last events", e))?;
+        for m in by_reference {
+            if let Decoded::Event(r) = self.resolve(run, m).await? {
+                let at = out.partition_point(|e| e.seq < r.seq);
+                out.insert(at, r);
+            }
+        }
         Ok(out)
     }
 
@@ -1379,7 +1580,7 @@ mod tests {
     fn set_aside_at(d: Decoded) -> Option<(u64, EventKind)> {
         match d {
             Decoded::SetAside(a) => Some((a.seq, a.kind)),
-            Decoded::Event(_) | Decoded::Skip => None,
+            Decoded::Event(_) | Decoded::Skip | Decoded::ByReference(_) => None,
         }
     }
 

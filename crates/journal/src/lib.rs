@@ -31,12 +31,14 @@
 //!   ~0.05–0.4 ms for a single decision. Put several intents in one decision where a batch is not
 //!   worth it.
 
+pub mod blob;
 pub mod error;
 pub mod journal;
 pub mod layout;
 pub mod lease;
 mod wire;
 
+pub use blob::{BlobError, BlobRef, Blobs};
 pub use error::{ErrorKind, JournalError};
 pub use journal::{
     Appended, DecisionMsgId, DecisionWriter, Journal, LastEvent, ReadPage, Recorded, SetAside,

@@ -284,7 +284,7 @@ pub(crate) async fn publish_batch(
 }
 
 /// A message read back from a stream (by direct get or the leader's message get).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct StoredMessage {
     pub(crate) seq: u64,
     pub(crate) subject: String,
