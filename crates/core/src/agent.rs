@@ -291,7 +291,16 @@ pub struct ToolPolicy {
     /// is the limit of each attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry: Option<crate::tools::RetryPolicy>,
+    /// The longest output of this tool's operations kept for the model, in bytes (1 to
+    /// [`MAX_TOOL_OUTPUT_BYTES`]); longer output is cut with a note. Absent: the tool service's
+    /// `max_tool_output_bytes` (64 KiB by default). A result over 64 KiB is journaled by
+    /// reference (`kedge_blobs`), so this is the model's limit, not the runtime's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_bytes: Option<u64>,
 }
+
+/// The most output a policy may keep for one tool operation (16 MiB).
+pub const MAX_TOOL_OUTPUT_BYTES: u64 = 16 * 1024 * 1024;
 
 fn is_false(b: &bool) -> bool {
     !*b
@@ -508,6 +517,11 @@ impl AgentDefinition {
             }
             for (field, value, max) in [
                 ("timeout_secs", p.timeout_secs, MAX_TOOL_TIMEOUT_SECS),
+                (
+                    "max_output_bytes",
+                    p.max_output_bytes,
+                    MAX_TOOL_OUTPUT_BYTES,
+                ),
                 (
                     "approval_ttl_secs",
                     p.approval_ttl_secs,
@@ -783,6 +797,16 @@ mod tests {
                 "policy",
                 serde_json::json!({"read_file": {"approval_ttl_secs": u64::MAX}}),
                 "policy.read_file.approval_ttl_secs",
+            ),
+            (
+                "policy",
+                serde_json::json!({"read_file": {"max_output_bytes": 0}}),
+                "policy.read_file.max_output_bytes",
+            ),
+            (
+                "policy",
+                serde_json::json!({"shell": {"max_output_bytes": 16 * 1024 * 1024 + 1}}),
+                "policy.shell.max_output_bytes",
             ),
             (
                 "policy",

@@ -9,10 +9,12 @@ use serde::{Deserialize, Serialize};
 use crate::event::Budget;
 use crate::ids::{AgentName, RunId};
 
-/// Largest accepted `input`, in bytes. Larger inputs belong in the object store.
-pub const MAX_INPUT_BYTES: usize = 256 * 1024;
-/// Largest accepted task body, in bytes.
-pub const MAX_TASK_BYTES: usize = 512 * 1024;
+/// Largest accepted `input`, in bytes. A task is one NATS message, so this stays under
+/// nats-server's default `max_payload` (1 MiB) with the rest of the task beside it; in the journal
+/// an input over 64 KiB goes by reference (`kedge_blobs`).
+pub const MAX_INPUT_BYTES: usize = 768 * 1024;
+/// Largest accepted task body, in bytes (under the broker's default 1 MiB `max_payload`).
+pub const MAX_TASK_BYTES: usize = 960 * 1024;
 
 /// A task submission.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -12,9 +12,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::kv::{Operation, Store};
+use bytes::Bytes;
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::Digest;
 use kedge_core::ids::{ModelRequestId, OperationId};
+use kedge_journal::blob::INLINE_MAX;
+use kedge_journal::{BlobError, BlobRef, Blobs};
 use serde::{Deserialize, Serialize};
 
 /// A stored model response.
@@ -93,6 +96,16 @@ pub struct IdempotencyStore {
     /// response the bucket could not take (its leader moving during a broker failover) is still
     /// reused by this process's next attempt instead of paying for the call again.
     recent: Arc<Mutex<HashMap<ModelRequestId, StoredResponse>>>,
+    /// Where a record larger than [`INLINE_MAX`] (a long model response, a long tool result)
+    /// keeps its bytes; the bucket holds `{"kedge_blob": <reference>}` instead. `None`: inline
+    /// whatever its size (the bucket refuses what its broker's `max_payload` does not take).
+    blobs: Option<Blobs>,
+}
+
+/// A record stored by reference.
+#[derive(Serialize, Deserialize)]
+struct ByReference {
+    kedge_blob: BlobRef,
 }
 
 /// Model responses kept in memory per process (beyond it the map starts over: the bucket has
@@ -120,7 +133,51 @@ impl IdempotencyStore {
         Self {
             kv,
             recent: Arc::default(),
+            blobs: None,
         }
+    }
+
+    /// Keeps records larger than [`INLINE_MAX`] in `blobs`.
+    pub fn with_blobs(mut self, blobs: Blobs) -> Self {
+        self.blobs = Some(blobs);
+        self
+    }
+
+    /// The bytes a record is stored as: its JSON, or a reference to it in `kedge_blobs`.
+    async fn stored_form(&self, value: &impl Serialize) -> Result<Bytes, IdempotencyError> {
+        let bytes = serde_json::to_vec(value).map_err(unavailable)?;
+        match &self.blobs {
+            Some(blobs) if bytes.len() > INLINE_MAX => {
+                let kedge_blob = blobs
+                    .put(&bytes, kedge_journal::blob::EVENT_DATA)
+                    .await
+                    .map_err(unavailable)?;
+                serde_json::to_vec(&ByReference { kedge_blob })
+                    .map(Bytes::from)
+                    .map_err(unavailable)
+            }
+            _ => Ok(Bytes::from(bytes)),
+        }
+    }
+
+    /// A stored record, read back from `kedge_blobs` when it is held by reference.
+    async fn parse<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &str,
+        value: &[u8],
+    ) -> Result<T, IdempotencyError> {
+        let corrupt = |reason: String| IdempotencyError::Corrupt {
+            key: key.to_owned(),
+            reason,
+        };
+        if let (Some(blobs), Ok(r)) = (&self.blobs, serde_json::from_slice::<ByReference>(value)) {
+            let bytes = blobs.get(&r.kedge_blob).await.map_err(|e| match e {
+                BlobError::Unavailable(_) => unavailable(e),
+                other => corrupt(other.to_string()),
+            })?;
+            return serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()));
+        }
+        serde_json::from_slice(value).map_err(|e| corrupt(e.to_string()))
     }
 
     fn remember(&self, request: &ModelRequestId, stored: &StoredResponse) {
@@ -153,7 +210,7 @@ impl IdempotencyStore {
         stored: &StoredResponse,
     ) -> Result<(), IdempotencyError> {
         self.remember(request, stored);
-        let bytes: bytes::Bytes = serde_json::to_vec(stored).map_err(unavailable)?.into();
+        let bytes = self.stored_form(stored).await?;
         let started = Instant::now();
         let mut wait = STORE_BACKOFF;
         loop {
@@ -184,12 +241,7 @@ impl IdempotencyStore {
         }
         let key = Self::model_key(request);
         match self.kv.entry(key.clone()).await.map_err(unavailable)? {
-            Some(e) if e.operation == Operation::Put => serde_json::from_slice(&e.value)
-                .map(Some)
-                .map_err(|err| IdempotencyError::Corrupt {
-                    key,
-                    reason: err.to_string(),
-                }),
+            Some(e) if e.operation == Operation::Put => self.parse(&key, &e.value).await.map(Some),
             _ => Ok(None),
         }
     }
@@ -201,11 +253,7 @@ impl IdempotencyStore {
         let key = Self::op_key(op);
         match self.kv.entry(key.clone()).await.map_err(unavailable)? {
             Some(e) if e.operation == Operation::Put => {
-                let rec: OpRecord =
-                    serde_json::from_slice(&e.value).map_err(|err| IdempotencyError::Corrupt {
-                        key,
-                        reason: err.to_string(),
-                    })?;
+                let rec: OpRecord = self.parse(&key, &e.value).await?;
                 Ok(Some((e.revision, rec, e.created)))
             }
             _ => Ok(None),
@@ -364,9 +412,9 @@ impl IdempotencyStore {
         revision: u64,
         rec: &OpRecord,
     ) -> Result<u64, IdempotencyError> {
-        let bytes = serde_json::to_vec(rec).map_err(unavailable)?;
+        let bytes = self.stored_form(rec).await?;
         self.kv
-            .update(Self::op_key(op), bytes.into(), revision)
+            .update(Self::op_key(op), bytes, revision)
             .await
             .map_err(|_| IdempotencyError::Raced {
                 key: Self::op_key(op),

@@ -25,7 +25,7 @@ use crate::approvals::DecisionRequest;
 use crate::callbacks::{CallbackError, Delivery};
 
 /// Largest text of a message or an answer, in bytes.
-pub const MAX_TEXT_BYTES: usize = 64 * 1024;
+pub const MAX_TEXT_BYTES: usize = kedge_core::task::MAX_INPUT_BYTES;
 
 /// Why an input was not appended.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]

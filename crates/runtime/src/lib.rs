@@ -166,11 +166,13 @@ impl Runtime {
             }
         };
         let agents = agents::AgentStore::new(kv(subjects::AGENTS_BUCKET).await?);
+        let journal = Journal::new(client.clone()).with_trace_context(trace::current);
         let idempotency =
-            idempotency::IdempotencyStore::new(kv(subjects::IDEMPOTENCY_BUCKET).await?);
+            idempotency::IdempotencyStore::new(kv(subjects::IDEMPOTENCY_BUCKET).await?)
+                .with_blobs(journal.blobs().clone());
         let leases = Leases::new(client.clone());
         Ok(Runtime {
-            journal: Journal::new(client.clone()).with_trace_context(trace::current),
+            journal,
             leases,
             agents,
             idempotency,

@@ -16,10 +16,11 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use kedge_core::event::{Digest, DigestError};
 use kedge_core::ids::{QuestionId, RunId};
 use kedge_core::task::{MAX_INPUT_BYTES, MAX_TASK_BYTES, TaskSubmission};
 use kedge_core::{RunState, RunStatus};
-use kedge_journal::Recorded;
+use kedge_journal::{BlobError, Recorded, blob};
 use kedge_runtime::inputs;
 use kedge_runtime::tasks::{Answer, Submission, SubmitError};
 use serde_json::{Map, Value, json};
@@ -432,6 +433,54 @@ pub(crate) async fn history(
         None
     };
     Ok(Json(json!({ "events": page, "next_after": next_after })).into_response())
+}
+
+/// `GET /v1/runs/{id}/blobs/{digest}`: the data of one of the run's events held by reference
+/// (`data_ref` in the stored message; `/history` and SSE already show it in place), as stored
+/// in `kedge_blobs` and checked against its digest. Only a blob the run's journal refers to is
+/// served, and only to the run's tenant.
+pub(crate) async fn blob(
+    State(bridge): State<Bridge>,
+    caller: Caller,
+    Path((id, digest)): Path<(String, String)>,
+) -> Result<Response> {
+    let run = run_id(&id)?;
+    let digest: Digest = digest
+        .parse()
+        .map_err(|e: DigestError| Problem::malformed("digest", e.to_string()))?;
+    check_owner(&bridge, &caller, &run).await?;
+    let references = bridge.rt.journal.blob_references(&run).await?;
+    let Some((_, reference)) = references.into_iter().find(|(_, r)| r.digest == digest) else {
+        return Err(Problem::not_found(format!(
+            "run {run} holds no blob {digest} (an event small enough stays in the journal: see /history)"
+        )));
+    };
+    let bytes = match bridge.rt.journal.blobs().get(&reference).await {
+        Ok(bytes) => bytes,
+        Err(BlobError::Unavailable(reason)) => return Err(Problem::unavailable(reason, 1)),
+        Err(e) => return Err(Problem::internal(e.to_string())),
+    };
+    // Only the type the runtime stores; a reference someone else wrote names no other.
+    let media_type = if reference.media_type == blob::EVENT_DATA {
+        blob::EVENT_DATA
+    } else {
+        "application/octet-stream"
+    };
+    let mut response = Body::from(bytes).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(media_type));
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    if let Ok(etag) = HeaderValue::from_str(&format!("\"{digest}\"")) {
+        headers.insert(header::ETAG, etag);
+    }
+    headers.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("private, max-age=31536000, immutable"),
+    );
+    Ok(response)
 }
 
 /// `GET /v1/runs/{id}/events`

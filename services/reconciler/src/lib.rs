@@ -328,7 +328,9 @@ async fn check(
                     Err(e) => return Err(e.into()),
                 }
             }
-            ask_to_resolve(rt, op.op.clone(), request.envelope.to_json_bytes());
+            // As journaled: large arguments by reference, so the request fits a message.
+            let payload = rt.journal.stored_form(&request.envelope).await?;
+            ask_to_resolve(rt, op.op.clone(), payload.to_vec());
             asked.push(op.op.clone());
         }
         return Ok(Verdict::Resolving(asked));

@@ -84,7 +84,7 @@ use kedge_core::subjects::{
     TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE, TargetAnswer, TargetQuery,
 };
 use kedge_core::tools::{NextAttempt, ToolErrorClass, Verdict, claim_dispatch};
-use kedge_journal::JournalError;
+use kedge_journal::{ErrorKind, JournalError};
 use kedge_runtime::idempotency::{Claim, IdempotencyError};
 use kedge_runtime::liveness::Liveness;
 use kedge_runtime::metrics::{self, ConfirmResult, Takeover, ToolOutcome};
@@ -429,8 +429,16 @@ enum ToolError {
 
 /// Handles a delivered request; `kept`: how many times this delivery was kept already.
 async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
-    let envelope = match Envelope::from_json_bytes(&msg.payload) {
+    // A request whose data is held by reference (large arguments) is read back whole.
+    let envelope = match ctx.rt.journal.open(&msg.payload).await {
         Ok(envelope) => envelope,
+        Err(e) if e.kind() == ErrorKind::Unavailable => {
+            tracing::warn!(subject = %msg.subject, error = %e, "cannot read the request's data yet; redelivering");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+            return;
+        }
         Err(e) => {
             tracing::error!(subject = %msg.subject, error = %e, "not an envelope; terminating");
             let _ = msg.ack_with(AckKind::Term).await;
@@ -639,7 +647,7 @@ async fn keep(
 /// handling as a redelivered request, of the operation's journaled `tool.requested` (the
 /// request only names it); the reply says what it came to (or `{"error": …}`).
 async fn answer_resolve(ctx: &Ctx, request: async_nats::Message) {
-    let reply = match Envelope::from_json_bytes(&request.payload) {
+    let reply = match ctx.rt.journal.open(&request.payload).await {
         Ok(claimed) => {
             let span = tracing::info_span!(
                 "resolve",
