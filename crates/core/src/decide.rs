@@ -15,9 +15,11 @@ use crate::event::{
     RunCancelled, RunCancelling, RunFailed, RunResumed, RunRevived, RunStarted, RunSucceeded,
     RunUnknown, RunWaiting, StepCompleted, StepStarted, ToolRequested, Usage, WaitReason,
 };
-use crate::event::{OutputRejected, OutputValidation, TimerPurpose, TimerScheduled, Timestamp};
-use crate::fold::ApprovalStatus;
+use crate::event::{
+    Gate, OutputRejected, OutputValidation, RunGated, TimerPurpose, TimerScheduled, Timestamp,
+};
 use crate::fold::{ASK_USER_TOOL, AWAIT_CALLBACK_TOOL, ChatMessage, OpStatus, RunState, WAIT_TOOL};
+use crate::fold::{ApprovalStatus, Gates};
 use crate::ids::ApprovalId;
 use crate::ids::{Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, StepNo, TimerId};
 use crate::machine::RunStatus;
@@ -305,7 +307,10 @@ pub fn decide(state: &RunState) -> Next {
 
 /// The rest of a step's decision group that a writer left cut short: the group as
 /// [`complete_step`] makes it (without regard to a cancel requested since, which the next
-/// decision handles), minus `step.completed` and the decisions that already landed.
+/// decision handles), minus `step.completed` and the decisions that already landed. The group
+/// keeps the branch its writer took: decided with the gates marked before it, and taking
+/// anew the gates its landed part took (a marker that landed, or for
+/// [`Gate::WaitFromStepGroup`], a `step.completed` that counts its group).
 pub fn finish_step(
     state: &RunState,
     c: &crate::fold::Completing,
@@ -314,7 +319,16 @@ pub fn finish_step(
 ) -> Vec<Draft> {
     let mut as_written = state.clone();
     as_written.cancel_requested = None;
-    complete_step(
+    let mut take = state.gates.minus(c.gates);
+    as_written.gates = c.gates;
+    let gate = Gate::WaitFromStepGroup;
+    if c.follows.is_some() {
+        take = take.with(gate);
+    } else {
+        take = take.without(gate);
+        as_written.gates = as_written.gates.without(gate);
+    }
+    complete_step_gated(
         &as_written,
         c.step,
         c.attempt,
@@ -323,6 +337,7 @@ pub fn finish_step(
         c.reused,
         now,
         contract,
+        take,
     )
     .into_iter()
     .skip(1 + c.landed)
@@ -753,12 +768,8 @@ fn plan(
     }
 }
 
-/// The decisions that complete a step with the model's response: `step.completed`, one
-/// `tool.requested` per tool call (operation id `(run, step, index)`), `question.asked` for
-/// `ask_user` calls, `timer.scheduled` for `wait` calls (due `now` + the seconds asked), and then
-/// `run.waiting`, or for a final answer what [`final_answer`] makes of it (`run.succeeded`,
-/// `output.rejected`, `run.failed`). One group, committed atomically. `now` is the commit's
-/// clock reading; it is recorded (as the timer's `fire_at`), so replay does not depend on it.
+/// The decisions that complete a step with the model's response, as the live writer makes them
+/// (taking every gate this build knows: [`complete_step_gated`] with [`Gates::all`]).
 // Each argument is a distinct recorded fact of the commit (which attempt, what the model said,
 // whether it was reused, the clock reading, the frozen policy); bundling them would only rename them.
 #[allow(clippy::too_many_arguments)]
@@ -771,6 +782,44 @@ pub fn complete_step(
     reused: bool,
     now: Timestamp,
     contract: &Contract,
+) -> Vec<Draft> {
+    complete_step_gated(
+        state,
+        step,
+        attempt,
+        request_id,
+        response,
+        reused,
+        now,
+        contract,
+        Gates::all(),
+    )
+}
+
+/// The decisions that complete a step with the model's response: `step.completed`, one
+/// `tool.requested` per tool call (operation id `(run, step, index)`), `question.asked` for
+/// `ask_user` calls, `timer.scheduled` for `wait` calls (due `now` + the seconds asked), and then
+/// what the run waits on, or for a final answer what [`final_answer`] makes of it
+/// (`run.succeeded`, `output.rejected`, `run.failed`). One group. `now` is the commit's clock
+/// reading; it is recorded (as the timer's `fire_at`), so replay does not depend on it.
+///
+/// Version gates: `take` names the gates this group may take for the first time (the live
+/// writer: all it knows; replay: those whose marker the recorded group carries); a gate the run
+/// marked already is taken anyway. [`Gate::WaitFromStepGroup`]: a step that requested tools
+/// ends its group with `run.waiting {on}` on the old branch; on the new one its
+/// `step.completed` counts the decisions that follow it (`follows`, the marker included the
+/// first time) and the fold derives the same status from them.
+#[allow(clippy::too_many_arguments)]
+pub fn complete_step_gated(
+    state: &RunState,
+    step: StepNo,
+    attempt: Attempt,
+    request_id: ModelRequestId,
+    response: ModelResponse,
+    reused: bool,
+    now: Timestamp,
+    contract: &Contract,
+    take: Gates,
 ) -> Vec<Draft> {
     // What the step cost, at the run's frozen price (recomputed from the tokens, so a step
     // finished by another worker records the same).
@@ -787,6 +836,7 @@ pub fn complete_step(
                 usage: response.usage,
                 finish: response.finish,
                 reused,
+                follows: None,
             }))
             .step(step)
             .attempt(attempt),
@@ -800,9 +850,6 @@ pub fn complete_step(
         return drafts;
     }
     let mut drafts = Vec::with_capacity(response.message.tool_calls.len() * 2 + 2);
-    let mut waits_on_user = false;
-    let mut waits_on_timer = false;
-    let mut waits_on_approval = false;
     let mut refused_any = false;
     let mut tool_drafts = Vec::new();
     for (index, call) in response.message.tool_calls.iter().enumerate() {
@@ -819,7 +866,6 @@ pub fn complete_step(
             && !crate::fold::handled_by_step(&call.name)
         {
             // Held back: nothing runs until a person approves exactly these arguments.
-            waits_on_approval = true;
             let ttl = std::time::Duration::from_secs(
                 tool_policy
                     .approval_ttl_secs
@@ -857,7 +903,6 @@ pub fn complete_step(
             .op(op.clone()),
         );
         if call.name == ASK_USER_TOOL {
-            waits_on_user = true;
             let prompt = call
                 .arguments
                 .get("question")
@@ -902,7 +947,6 @@ pub fn complete_step(
                 );
             }
         } else if call.name == WAIT_TOOL {
-            waits_on_timer = true;
             let fire_at = now.saturating_add(seconds_arg(&call.arguments, "seconds", 0));
             tool_drafts.push(
                 Draft::new(Event::TimerScheduled(TimerScheduled {
@@ -914,7 +958,6 @@ pub fn complete_step(
                 .op(op),
             );
         } else if call.name == AWAIT_CALLBACK_TOOL {
-            waits_on_timer = true;
             let key = CallbackKey::for_operation(&op);
             let expires_at = now.saturating_add(seconds_arg(
                 &call.arguments,
@@ -944,6 +987,15 @@ pub fn complete_step(
     // context answers them.
     let has_tools = !tool_drafts.is_empty() || refused_any;
     let output = response.message.text.clone();
+    // Gate `wait_from_step_group`: the group settles the status by itself (no `run.waiting`).
+    let gate = Gate::WaitFromStepGroup;
+    let settles_itself = has_tools && (state.gates.contains(gate) || take.contains(gate));
+    let marker = (settles_itself && !state.gates.contains(gate))
+        .then(|| Draft::new(Event::RunGated(RunGated { gate })).step(step));
+    let follows = settles_itself.then(|| {
+        u32::try_from(tool_drafts.len() + usize::from(marker.is_some())).unwrap_or(u32::MAX)
+    });
+    let on = crate::fold::group_waits_on(tool_drafts.iter().map(|d| &d.event));
     drafts.push(
         Draft::new(Event::StepCompleted(StepCompleted {
             request_id,
@@ -951,24 +1003,17 @@ pub fn complete_step(
             usage: response.usage,
             finish: response.finish,
             reused,
+            follows,
         }))
         .step(step)
         .attempt(attempt),
     );
+    drafts.extend(marker);
     drafts.extend(tool_drafts);
-    if has_tools {
-        let on = if waits_on_approval {
-            WaitReason::Approval
-        } else if waits_on_user {
-            WaitReason::User
-        } else if waits_on_timer {
-            WaitReason::External
-        } else {
-            WaitReason::Tool
-        };
-        drafts.push(Draft::new(Event::RunWaiting(RunWaiting { on })).step(step));
-    } else {
+    if !has_tools {
         drafts.push(Draft::new(final_answer(state, contract, output)).step(step));
+    } else if follows.is_none() {
+        drafts.push(Draft::new(Event::RunWaiting(RunWaiting { on })).step(step));
     }
     drafts
 }

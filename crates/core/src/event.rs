@@ -550,6 +550,12 @@ pub struct StepCompleted {
     /// before committing) instead of calling the model again.
     #[serde(default)]
     pub reused: bool,
+    /// How many decisions of its group follow it, when the group settles the run's waiting
+    /// status by itself (gate [`Gate::WaitFromStepGroup`]): the fold derives the status from
+    /// the group once that many landed, and no `run.waiting` is journaled. Absent in a group
+    /// that ends with its own settling decision (`run.waiting`, `run.succeeded`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub follows: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -720,6 +726,44 @@ pub struct RunCancelled {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct UserMessage {
     pub text: String,
+}
+
+/// A version gate: a change to the decision code (`decide`, `complete_step`) that decides
+/// differently from the code before it for the same journal. A run takes the new branch only
+/// from the decision group that journals the gate's marker (`run.gated`) on; a journal without
+/// the marker keeps the old branch, in replay and when a new build continues it. See
+/// docs/ARCHITECTURE.md, "Upgrades: decision replay".
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Gate {
+    /// A step that requested tools journals no `run.waiting`: its `step.completed` counts the
+    /// decisions of its group (`follows`), and the fold derives the waiting status from them.
+    WaitFromStepGroup,
+}
+
+impl Gate {
+    /// Every gate this build knows, oldest first.
+    pub const ALL: &'static [Gate] = &[Gate::WaitFromStepGroup];
+}
+
+/// The marker of a version gate: from this decision group on, the run takes `gate`'s new
+/// branch. Journaled once per run and gate, right after the first decision of the group that
+/// first takes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunGated {
+    pub gate: Gate,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -954,6 +998,7 @@ events! {
     Decision RunSucceeded(RunSucceeded) = "run.succeeded";
     Decision RunFailed(RunFailed) = "run.failed";
     Decision RunCancelled(RunCancelled) = "run.cancelled";
+    Decision RunGated(RunGated) = "run.gated";
     Input UserMessage(UserMessage) = "user.message";
     Input ToolStarted(ToolStarted) = "tool.started";
     Input ToolResult(ToolResult) = "tool.result";

@@ -24,8 +24,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::event::{
-    ApprovalRequested, AssistantMessage, Envelope, Event, EventType, OpFate, OpSummary, Resolution,
-    RunCreated, RunFailed, TimerPurpose, Timestamp, ToolCall, Usage, Verdict, WaitReason,
+    ApprovalRequested, AssistantMessage, Envelope, Event, EventType, Gate, OpFate, OpSummary,
+    Resolution, RunCreated, RunFailed, TimerPurpose, Timestamp, ToolCall, Usage, Verdict,
+    WaitReason,
 };
 use crate::ids::{
     ApprovalId, Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, RunId, StepNo,
@@ -50,6 +51,135 @@ pub fn handled_by_step(tool: &str) -> bool {
         || tool == WAIT_TOOL
         || tool == AWAIT_CALLBACK_TOOL
         || tool == crate::child::RUN_AGENT_TOOL
+}
+
+/// A set of version gates ([`Gate`]): those a run has marked (`run.gated`), or those a decision
+/// may take for the first time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct Gates(u32);
+
+impl Gates {
+    pub const NONE: Gates = Gates(0);
+
+    fn bit(gate: Gate) -> u32 {
+        match gate {
+            Gate::WaitFromStepGroup => 1,
+        }
+    }
+
+    /// Every gate this build knows: what the live writer, deciding at the end of the journal,
+    /// may take for the first time.
+    pub fn all() -> Gates {
+        Gates::of(Gate::ALL.iter().copied())
+    }
+
+    pub fn of(gates: impl IntoIterator<Item = Gate>) -> Gates {
+        gates.into_iter().fold(Gates::NONE, Gates::with)
+    }
+
+    pub fn contains(self, gate: Gate) -> bool {
+        self.0 & Gates::bit(gate) != 0
+    }
+
+    #[must_use]
+    pub fn with(self, gate: Gate) -> Gates {
+        Gates(self.0 | Gates::bit(gate))
+    }
+
+    #[must_use]
+    pub fn without(self, gate: Gate) -> Gates {
+        Gates(self.0 & !Gates::bit(gate))
+    }
+
+    /// The gates of `self` that are not in `other`.
+    #[must_use]
+    pub fn minus(self, other: Gates) -> Gates {
+        Gates(self.0 & !other.0)
+    }
+
+    #[must_use]
+    pub fn union(self, other: Gates) -> Gates {
+        Gates(self.0 | other.0)
+    }
+
+    pub fn iter(self) -> impl Iterator<Item = Gate> {
+        Gate::ALL.iter().copied().filter(move |g| self.contains(*g))
+    }
+}
+
+/// What one decision of a step's group makes the run wait on beyond its tools: a person's
+/// approval (`approval.requested`), a person's answer (`question.asked`), a timer or a callback
+/// (`timer.scheduled` of a `wait`, `callback.expected`). `None` for everything else.
+pub fn waits_on(event: &Event) -> Option<WaitReason> {
+    match event {
+        Event::ApprovalRequested(_) => Some(WaitReason::Approval),
+        Event::QuestionAsked(_) => Some(WaitReason::User),
+        Event::CallbackExpected(_) => Some(WaitReason::External),
+        Event::TimerScheduled(t) => match t.purpose {
+            TimerPurpose::Wait { .. } | TimerPurpose::CallbackExpiry { .. } => {
+                Some(WaitReason::External)
+            }
+            TimerPurpose::RunDeadline
+            | TimerPurpose::ApprovalExpiry { .. }
+            | TimerPurpose::QuestionTimeout { .. } => None,
+        },
+        Event::RunCreated(_)
+        | Event::RunStarted(_)
+        | Event::StepStarted(_)
+        | Event::ModelAttempt(_)
+        | Event::StepCompleted(_)
+        | Event::ToolRequested(_)
+        | Event::ChildStarted(_)
+        | Event::ApprovalInvalidated(_)
+        | Event::ApprovalExpired(_)
+        | Event::OutputRejected(_)
+        | Event::RunWaiting(_)
+        | Event::RunCancelling(_)
+        | Event::RunUnknown(_)
+        | Event::RunResumed(_)
+        | Event::RunRevived(_)
+        | Event::RunSucceeded(_)
+        | Event::RunFailed(_)
+        | Event::RunCancelled(_)
+        | Event::RunGated(_)
+        | Event::UserMessage(_)
+        | Event::ToolStarted(_)
+        | Event::ToolResult(_)
+        | Event::ToolAttempt(_)
+        | Event::QuestionAnswered(_)
+        | Event::ApprovalDecided(_)
+        | Event::TimerFired(_)
+        | Event::CallbackReceived(_)
+        | Event::CancelRequested(_)
+        | Event::OutcomeConfirmed(_)
+        | Event::OutcomeNotFound(_)
+        | Event::OutcomeAmbiguous(_)
+        | Event::OutcomeResolved(_)
+        | Event::TargetMoved(_)
+        | Event::Nudge(_) => None,
+    }
+}
+
+/// The stronger of two wait reasons: what a run whose step asked for both waits on (an
+/// approval before an answer, an answer before a timer or callback, any of them before tools).
+pub fn stronger(a: WaitReason, b: WaitReason) -> WaitReason {
+    let rank = |w: WaitReason| match w {
+        WaitReason::Tool => 0,
+        WaitReason::External => 1,
+        WaitReason::User => 2,
+        WaitReason::Approval => 3,
+    };
+    if rank(b) > rank(a) { b } else { a }
+}
+
+/// What a run waits on after a step whose group (the decisions after its `step.completed`) is
+/// `events`: its tools, unless one of them waits on more ([`waits_on`]). `complete_step`'s
+/// `run.waiting` and the fold's derivation for a group that journals none are both this.
+pub fn group_waits_on<'a>(events: impl IntoIterator<Item = &'a Event>) -> WaitReason {
+    events
+        .into_iter()
+        .filter_map(waits_on)
+        .fold(WaitReason::Tool, stronger)
 }
 
 /// One message of the provider-neutral conversation.
@@ -244,6 +374,8 @@ pub struct RunState {
     /// decisions are appended one after another; a writer that died in between left the rest
     /// for the next one).
     pub completing: Option<Completing>,
+    /// Version gates the run has marked (`run.gated`): its decisions take their new branch.
+    pub gates: Gates,
 }
 
 /// The part of a step's decision group already journaled.
@@ -256,6 +388,28 @@ pub struct Completing {
     pub reused: bool,
     /// Decisions of the group journaled after `step.completed`.
     pub landed: usize,
+    /// `step.completed`'s `follows`: the group settles the status by itself once that many
+    /// decisions landed (no `run.waiting`). `None`: it ends with its own settling decision.
+    pub follows: Option<u32>,
+    /// What the decisions landed so far make the run wait on ([`group_waits_on`]).
+    pub on: WaitReason,
+    /// The gates the run had marked when `step.completed` landed (the group was decided with
+    /// them; a marker it carries is not among them).
+    pub gates: Gates,
+}
+
+impl Completing {
+    /// What the run waits on once `rest` (the decisions of the group still to land) landed,
+    /// when the group settles the status by itself; `None` when it journals its own settling
+    /// decision.
+    pub fn settles_with(&self, rest: &[crate::event::Draft]) -> Option<WaitReason> {
+        self.follows?;
+        Some(
+            rest.iter()
+                .filter_map(|d| waits_on(&d.event))
+                .fold(self.on, stronger),
+        )
+    }
 }
 
 /// A journal that does not fold.
@@ -391,6 +545,7 @@ impl RunState {
             ignored_inputs: 0,
             set_aside: 0,
             completing: None,
+            gates: Gates::NONE,
         })
     }
 
@@ -419,7 +574,12 @@ impl RunState {
                 self.status = apply(Some(self.status), event, wait)
                     .map_err(|source| FoldError::Transition { seq, event, source })?;
                 self.apply_decision(seq, env)?;
-                self.track_group(env);
+                // A step group that journals no `run.waiting` settles the status when its last
+                // decision lands, through the same row of the table.
+                if let Some(on) = self.track_group(env) {
+                    self.status = apply(Some(self.status), EventType::RunWaiting, Some(on))
+                        .map_err(|source| FoldError::Transition { seq, event, source })?;
+                }
                 self.last_decision_seq = seq;
             }
             crate::event::EventKind::Input => {
@@ -692,6 +852,8 @@ impl RunState {
                 self.children.insert(op, c.child.clone());
             }
             Event::RunCancelling(_) | Event::RunUnknown(_) => {}
+            // Idempotent: a second marker of the same gate changes nothing.
+            Event::RunGated(g) => self.gates = self.gates.with(g.gate),
             Event::RunRevived(r) => {
                 if r.turn != self.turn.saturating_add(1) {
                     return Err(Self::inconsistent(seq, env, "turn must grow by one"));
@@ -748,8 +910,10 @@ impl RunState {
     }
 
     /// Follows a step's decision group: it starts at `step.completed` and ends at the decision
-    /// that settles the run's status (`run.waiting`, a terminal or cancelling decision).
-    fn track_group(&mut self, env: &Envelope) {
+    /// that settles the run's status (`run.waiting`, a terminal or cancelling decision), or,
+    /// when `step.completed` counts its group (`follows`), once that many decisions landed:
+    /// then what the run waits on, derived from the group, is returned.
+    fn track_group(&mut self, env: &Envelope) -> Option<WaitReason> {
         match &env.event {
             Event::StepCompleted(done) => {
                 self.completing = Some(Completing {
@@ -763,6 +927,9 @@ impl RunState {
                     },
                     reused: done.reused,
                     landed: 0,
+                    follows: done.follows,
+                    on: WaitReason::Tool,
+                    gates: self.gates,
                 });
             }
             Event::RunWaiting(_)
@@ -771,12 +938,26 @@ impl RunState {
             | Event::RunFailed(_)
             | Event::RunCancelling(_)
             | Event::RunCancelled(_)
-            | Event::RunUnknown(_) => self.completing = None,
-            _ => {
+            | Event::RunUnknown(_) => {
+                self.completing = None;
+                return None;
+            }
+            other => {
                 if let Some(c) = &mut self.completing {
                     c.landed += 1;
+                    if let Some(on) = waits_on(other) {
+                        c.on = stronger(c.on, on);
+                    }
                 }
             }
+        }
+        match &self.completing {
+            Some(c) if c.follows.is_some_and(|n| n as usize == c.landed) => {
+                let on = c.on;
+                self.completing = None;
+                Some(on)
+            }
+            Some(_) | None => None,
         }
     }
 
@@ -1042,7 +1223,8 @@ impl RunState {
             | Event::RunRevived(_)
             | Event::RunSucceeded(_)
             | Event::RunFailed(_)
-            | Event::RunCancelled(_) => false,
+            | Event::RunCancelled(_)
+            | Event::RunGated(_) => false,
         }
     }
 

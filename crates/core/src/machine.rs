@@ -115,7 +115,9 @@ pub enum Target {
     Stay,
     /// The status becomes this one.
     To(RunStatus),
-    /// `run.waiting`: the status becomes the waiting status its data names.
+    /// `run.waiting`: the status becomes the waiting status its data names. The fold also
+    /// applies this row when a step group that journals no `run.waiting` (it counts its
+    /// decisions, `step.completed.follows`) ends, with the reason derived from the group.
     Wait,
 }
 
@@ -257,6 +259,13 @@ pub const TRANSITIONS: &[Transition] = &[
         event: EventType::RunCancelled,
         from: &[C, U],
         to: Target::To(X),
+    },
+    // A version gate's marker: bookkeeping, journaled in a decision group of a live run (right
+    // after the group's first decision, which has left any terminal status).
+    Transition {
+        event: EventType::RunGated,
+        from: &[Q, R, WT, WU, WA, WE, C, U],
+        to: Target::Stay,
     },
 ];
 

@@ -24,12 +24,12 @@ use std::collections::VecDeque;
 
 use serde_json::Value;
 
-use crate::decide::{Next, complete_step, decide, finish_step};
+use crate::decide::{Next, complete_step_gated, decide, finish_step};
 use crate::event::{
     AttemptOutcome, Draft, Envelope, ErrorClass, Event, EventKind, FailureReason, RunFailed,
     Timestamp,
 };
-use crate::fold::{FoldError, RunState, fold};
+use crate::fold::{FoldError, Gates, RunState, fold};
 use crate::tools::Contract;
 
 /// How far an instant the code computes from the clock may be from the recorded one.
@@ -80,14 +80,16 @@ pub fn check(events: &[(u64, Envelope)], contract: &Contract) -> Result<Checked,
     let mut since: Vec<(u64, &Envelope)> = Vec::new();
     let mut expected: VecDeque<Draft> = VecDeque::new();
     let mut checked = Checked::default();
-    for (seq, env) in &events[created + 1..] {
+    let rest = &events[created + 1..];
+    for (i, (seq, env)) in rest.iter().enumerate() {
         if env.kind() == EventKind::Input {
             state.apply(*seq, env)?;
             since.push((*seq, env));
             continue;
         }
         if expected.is_empty() {
-            expected = group_decided(&base, &since, *seq, env, contract)?.into();
+            let take = markers_after(&rest[i + 1..]);
+            expected = group_decided(&base, &since, *seq, env, contract, take)?.into();
             checked.groups += 1;
         }
         let Some(want) = expected.pop_front() else {
@@ -106,6 +108,24 @@ pub fn check(events: &[(u64, Envelope)], contract: &Contract) -> Result<Checked,
     Ok(checked)
 }
 
+/// The version gates a recorded group takes for the first time: the markers (`run.gated`) right
+/// after its first decision (`after` is what follows that decision in the journal), where the
+/// writer puts them. A group without them was decided on the old branch of every gate the run
+/// had not marked, so the code is asked to decide it so.
+fn markers_after(after: &[(u64, Envelope)]) -> Gates {
+    let mut take = Gates::NONE;
+    for (_, env) in after
+        .iter()
+        .filter(|(_, e)| e.kind() == EventKind::Decision)
+    {
+        match &env.event {
+            Event::RunGated(g) => take = take.with(g.gate),
+            _ => break,
+        }
+    }
+    take
+}
+
 /// The group the code decides, where the journal's next decision is `next` at `seq`: from
 /// `base` with all of the inputs `since` folded in, or with fewer of them (the writer had not
 /// read the latest). The first whose first decision is `next` is taken; none matching is the
@@ -116,6 +136,7 @@ fn group_decided(
     seq: u64,
     next: &Envelope,
     contract: &Contract,
+    take: Gates,
 ) -> Result<Vec<Draft>, Divergence> {
     let mut states = Vec::with_capacity(since.len() + 1);
     let mut state = base.clone();
@@ -126,7 +147,7 @@ fn group_decided(
     }
     let mut first_error = None;
     for state in states.iter().rev() {
-        match group_at(state, seq, next, contract) {
+        match group_at(state, seq, next, contract, take) {
             Ok(group) => match group.first() {
                 Some(first) => match compare(seq, first.clone(), next) {
                     Ok(()) => return Ok(group),
@@ -150,12 +171,14 @@ fn group_decided(
     Err(first_error.unwrap_or(Divergence::NoRun))
 }
 
-/// The decision group the code makes at `state`, where the journal's next decision is `next`.
+/// The decision group the code makes at `state`, where the journal's next decision is `next`,
+/// taking the gates in `take` for the first time (and those the run marked before).
 fn group_at(
     state: &RunState,
     seq: u64,
     next: &Envelope,
     contract: &Contract,
+    take: Gates,
 ) -> Result<Vec<Draft>, Divergence> {
     // A step whose model call is out: its outcome is the model's (a fact), what follows from it
     // is the code's.
@@ -164,7 +187,7 @@ fn group_at(
     {
         match &next.event {
             Event::StepCompleted(done) if next.attempt == Some(open.attempt) => {
-                return Ok(complete_step(
+                return Ok(complete_step_gated(
                     state,
                     open.step,
                     open.attempt,
@@ -177,6 +200,7 @@ fn group_at(
                     done.reused,
                     next.at,
                     contract,
+                    take,
                 ));
             }
             Event::ModelAttempt(attempt) if next.attempt == Some(open.attempt) => {

@@ -1168,19 +1168,22 @@ fn undeclared_tools_and_invalid_arguments_are_refused_and_never_dispatched() {
             ),
         ]),
     );
+    // A fresh run's first step group marks the gate it takes (`run.gated`) and settles the
+    // status without `run.waiting`.
     assert_eq!(
         types(&group),
-        ["step.completed", "tool.requested", "run.waiting"],
+        ["step.completed", "run.gated", "tool.requested"],
         "only the valid call is dispatched"
     );
-    let Event::ToolRequested(req) = &group[1].event else {
+    assert_eq!(sim.state().status, RunStatus::WaitingTool);
+    let Event::ToolRequested(req) = &group[2].event else {
         unreachable!()
     };
     assert_eq!(
         (req.tool.as_str(), req.call_id.as_str()),
         ("read_file", "c_ok")
     );
-    assert_eq!(group[1].op, Some(OperationId::new(&sim.run, StepNo(1), 2)));
+    assert_eq!(group[2].op, Some(OperationId::new(&sim.run, StepNo(1), 2)));
     let state = sim.state();
     assert_eq!(state.status, RunStatus::WaitingTool);
     assert_eq!(state.ops.len(), 1, "no operation exists for a refused call");
@@ -1259,10 +1262,11 @@ fn a_step_whose_calls_are_all_refused_goes_on_to_the_next_step() {
     );
     assert_eq!(
         types(&group),
-        ["step.completed", "run.waiting"],
+        ["step.completed", "run.gated"],
         "nothing dispatched, no question"
     );
     let state = sim.state();
+    assert_eq!(state.status, RunStatus::WaitingTool);
     assert!(state.questions.is_empty() && state.ops.is_empty());
     let mut plan = sim.expect_step();
     plan.answer_refused(&contract);
@@ -1280,10 +1284,8 @@ fn a_step_whose_calls_are_all_refused_goes_on_to_the_next_step() {
         &contract,
         calls(&[("c3", "shell", serde_json::json!({"command": "ls"}))]),
     );
-    assert_eq!(
-        types(&group),
-        ["step.completed", "tool.requested", "run.waiting"]
-    );
+    assert_eq!(types(&group), ["step.completed", "tool.requested"]);
+    assert_eq!(sim.state().status, RunStatus::WaitingTool);
 }
 
 #[test]
@@ -1496,7 +1498,8 @@ fn a_final_answer_is_validated_against_the_output_schema() {
         &structured(OnInvalidOutput::Fail),
         calls(&[("c1", "read_file", serde_json::json!({"path": "a"}))]),
     );
-    assert_eq!(types(&group).last(), Some(&"run.waiting"));
+    assert_eq!(types(&group).last(), Some(&"tool.requested"));
+    assert_eq!(sim.state().status, RunStatus::WaitingTool);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1960,7 +1963,8 @@ fn no_retries_under_fail_or_accept_and_tool_steps_are_never_rejected() {
         &contract,
         calls(&[("c1", "read_file", serde_json::json!({"path": "a"}))]),
     );
-    assert_eq!(types(&group).last(), Some(&"run.waiting"));
+    assert_eq!(types(&group).last(), Some(&"tool.requested"));
+    assert_eq!(sim.state().status, RunStatus::WaitingTool);
     let op = sim.ops_of(1).remove(0);
     sim.result(&op, "contents");
     let group = complete_under(&mut sim, &contract, text(GOOD));

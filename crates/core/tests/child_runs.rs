@@ -183,21 +183,22 @@ fn a_run_agent_call_links_the_derived_child_and_its_result_is_the_tool_result() 
         types(&group),
         vec![
             "step.completed",
+            "run.gated",
             "tool.requested",
-            "child.started",
-            "run.waiting"
+            "child.started"
         ]
     );
+    assert_eq!(sim.state().status, RunStatus::WaitingTool);
     let op = op1(&sim);
     let child = RunId::for_child(&op);
-    let Event::ChildStarted(started) = &group[2].event else {
+    let Event::ChildStarted(started) = &group[3].event else {
         unreachable!()
     };
     assert_eq!(
         (&started.child, started.agent.as_str()),
         (&child, "navigator")
     );
-    assert_eq!(group[2].op.as_ref(), Some(&op));
+    assert_eq!(group[3].op.as_ref(), Some(&op));
     let state = sim.state();
     assert_eq!(state.status, RunStatus::WaitingTool);
     assert_eq!(state.children.get(&op), Some(&child));
@@ -316,7 +317,7 @@ fn a_link_to_another_run_or_a_non_run_agent_operation_does_not_fold() {
             Timestamp::now(),
             &contract,
         );
-        group[2] = forged(child, op);
+        group[3] = forged(child, op);
         for d in group {
             s.push(d);
         }
@@ -351,11 +352,8 @@ fn hostile_calls_start_no_child() {
         let mut r = call_agent("navigator", "x");
         r.message.tool_calls[0].arguments = args.clone();
         let group = sim.step(r, &contract);
-        assert_eq!(
-            types(&group),
-            vec!["step.completed", "run.waiting"],
-            "{args}"
-        );
+        assert_eq!(types(&group), vec!["step.completed", "run.gated"], "{args}");
+        assert_eq!(sim.state().status, RunStatus::WaitingTool);
         assert!(sim.state().children.is_empty());
     }
 
@@ -373,7 +371,7 @@ fn hostile_calls_start_no_child() {
         let group = sim.step(call_agent(agent, "x"), &loose);
         assert_eq!(
             types(&group),
-            vec!["step.completed", "tool.requested", "run.waiting"],
+            vec!["step.completed", "run.gated", "tool.requested"],
             "{agent}"
         );
         let state = sim.state();

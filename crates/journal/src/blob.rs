@@ -2,9 +2,9 @@
 //!
 //! A journal message carries at most [`INLINE_MAX`] bytes. An event whose envelope is larger
 //! (a long tool output, a big model response, a large task input or callback payload) is
-//! journaled *by reference*: its `data` goes to `kedge_blobs` first, under the name of its own
-//! digest (`sha256:<hex>`, the envelope's `digest`: the SHA-256 of the data's canonical JSON),
-//! and the message carries the envelope without `data` and with
+//! journaled *by reference*: its `data` goes to `kedge_blobs` first, named by its run and its own
+//! digest (`<run_id>/sha256:<hex>`, the envelope's `digest`: the SHA-256 of the data's canonical
+//! JSON), and the message carries the envelope without `data` and with
 //! `data_ref: {digest, size, media_type}` instead. Every read of the journal ([`crate::Journal`]:
 //! reads, tails, last-event lookups, [`crate::Journal::open`]) puts the data back before anyone
 //! sees the event, so the fold, the context sent to the model, `/history`, SSE and
@@ -13,13 +13,16 @@
 //! Order: the blob is stored (and acknowledged) before the message that refers to it is
 //! published, so a journaled reference always resolves; a crash between the two leaves an
 //! unreferenced blob, never a dangling reference. Content addressing makes a retried put a no-op
-//! and lets two events with the same data share one object.
+//! and lets two events of a run with the same data share one object. Blobs are not shared across
+//! runs, so removing a finished run removes its blobs without asking who else refers to them
+//! ([`Blobs::delete`], retention).
 //!
 //! Integrity: a blob is read back chunk by chunk with direct gets (no consumer) and checked
 //! against the digest it is named by before it is used; a blob that is missing, too large or
 //! does not hash to its name is never used (the message is set aside like any malformed one).
 //!
-//! The objects are ordinary object-store objects: `nats object get kedge_blobs sha256:<hex>`.
+//! The objects are ordinary object-store objects:
+//! `nats object get kedge_blobs <run_id>/sha256:<hex>`.
 
 use std::io::Cursor;
 use std::time::Duration;
@@ -27,6 +30,7 @@ use std::time::Duration;
 use async_nats::Client;
 use async_nats::jetstream::object_store::{ObjectInfo, ObjectMetadata, ObjectStore, PutErrorKind};
 use bytes::Bytes;
+use kedge_core::RunId;
 use kedge_core::event::Digest;
 use kedge_core::subjects::BLOBS_BUCKET;
 use serde::{Deserialize, Serialize};
@@ -61,11 +65,9 @@ pub struct BlobRef {
     pub media_type: String,
 }
 
-impl BlobRef {
-    /// The blob's object name in `kedge_blobs`.
-    pub fn object_name(&self) -> String {
-        self.digest.to_string()
-    }
+/// The object name in `kedge_blobs` of run `run`'s blob `digest`.
+pub fn object_name(run: &RunId, digest: &Digest) -> String {
+    format!("{run}/{digest}")
 }
 
 /// Why a blob could not be had.
@@ -142,8 +144,8 @@ impl Blobs {
     }
 
     /// The object's info, `None` when there is no such object.
-    async fn info(&self, digest: &Digest) -> Result<Option<ObjectInfo>, BlobError> {
-        let subject = format!("$O.{BLOBS_BUCKET}.M.{}", object_subject_token(digest));
+    async fn info(&self, name: &str, digest: &Digest) -> Result<Option<ObjectInfo>, BlobError> {
+        let subject = format!("$O.{BLOBS_BUCKET}.M.{}", base64_url(name.as_bytes()));
         let found = wire::direct_last(&self.client, BLOBS_STREAM, &subject, self.timeout)
             .await
             .map_err(unavailable)?;
@@ -156,24 +158,30 @@ impl Blobs {
         Ok((!info.deleted).then_some(info))
     }
 
-    /// Stores `bytes` under their digest (nothing is written when the blob is already there)
-    /// and returns the reference. Returns once the broker has acknowledged every chunk and the
-    /// object's info.
-    pub async fn put(&self, bytes: &[u8], media_type: &str) -> Result<BlobRef, BlobError> {
+    /// Stores `bytes` as run `run`'s blob named by their digest (nothing is written when it is
+    /// already there) and returns the reference. Returns once the broker has acknowledged every
+    /// chunk and the object's info.
+    pub async fn put(
+        &self,
+        run: &RunId,
+        bytes: &[u8],
+        media_type: &str,
+    ) -> Result<BlobRef, BlobError> {
         let digest = Digest::of_bytes(bytes);
         let reference = BlobRef {
             digest: digest.clone(),
             size: bytes.len() as u64,
             media_type: media_type.to_owned(),
         };
-        if let Some(info) = self.info(&digest).await?
+        let name = object_name(run, &digest);
+        if let Some(info) = self.info(&name, &digest).await?
             && info.size as u64 == reference.size
         {
             return Ok(reference);
         }
         let store = self.store().await?;
         let meta = ObjectMetadata {
-            name: reference.object_name(),
+            name,
             description: Some(media_type.to_owned()),
             ..Default::default()
         };
@@ -187,8 +195,32 @@ impl Blobs {
         }
     }
 
-    /// The blob's bytes, checked against its digest.
-    pub async fn get(&self, reference: &BlobRef) -> Result<Bytes, BlobError> {
+    /// Removes run `run`'s blob `digest` (its chunks and its info). Removing one that is not
+    /// there is no error. Needs the right to purge `OBJ_kedge_blobs` (retention).
+    pub async fn delete(&self, run: &RunId, digest: &Digest) -> Result<(), BlobError> {
+        let name = object_name(run, digest);
+        let Some(info) = self.info(&name, digest).await? else {
+            return Ok(());
+        };
+        let mut subjects = Vec::with_capacity(2);
+        if usable_nuid(&info.nuid) {
+            subjects.push(format!("$O.{BLOBS_BUCKET}.C.{}", info.nuid));
+        }
+        // The info last: a delete cut short is found again and finished.
+        subjects.push(format!(
+            "$O.{BLOBS_BUCKET}.M.{}",
+            base64_url(name.as_bytes())
+        ));
+        for subject in subjects {
+            wire::purge(&self.client, BLOBS_STREAM, &subject, None, self.timeout)
+                .await
+                .map_err(unavailable)?;
+        }
+        Ok(())
+    }
+
+    /// Run `run`'s blob, checked against its digest.
+    pub async fn get(&self, run: &RunId, reference: &BlobRef) -> Result<Bytes, BlobError> {
         let digest = &reference.digest;
         let corrupt = |reason: String| BlobError::Corrupt {
             digest: digest.clone(),
@@ -201,7 +233,7 @@ impl Blobs {
             )));
         }
         let info = self
-            .info(digest)
+            .info(&object_name(run, digest), digest)
             .await?
             .ok_or_else(|| BlobError::Missing(digest.clone()))?;
         if info.size as u64 != reference.size {
@@ -210,7 +242,7 @@ impl Blobs {
                 info.size, reference.size
             )));
         }
-        if info.nuid.is_empty() || info.nuid.contains(['.', '*', '>', ' ']) {
+        if !usable_nuid(&info.nuid) {
             return Err(corrupt("object info without a usable chunk id".into()));
         }
         let subject = format!("$O.{BLOBS_BUCKET}.C.{}", info.nuid);
@@ -269,12 +301,13 @@ impl Blobs {
     }
 }
 
-/// The last token of an object's info subject: its name, base64url with padding (what the
-/// object store and the `nats` CLI use).
-fn object_subject_token(digest: &Digest) -> String {
-    base64_url(digest.as_str().as_bytes())
+/// A chunk id that is one subject token.
+fn usable_nuid(nuid: &str) -> bool {
+    !nuid.is_empty() && !nuid.contains(['.', '*', '>', ' '])
 }
 
+/// An object's name as the last token of its info subject: base64url with padding (what the
+/// object store and the `nats` CLI use).
 fn base64_url(input: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     let mut out = String::with_capacity(input.len().div_ceil(3) * 4);

@@ -412,6 +412,12 @@ impl Reading<'_> {
     }
 }
 
+/// The run an envelope names.
+#[derive(serde::Deserialize)]
+struct RunOf {
+    run_id: RunId,
+}
+
 /// Handle on the journal stream. Cheap to clone (it clones a NATS client handle).
 #[derive(Debug, Clone)]
 pub struct Journal {
@@ -485,7 +491,10 @@ impl Journal {
         // The canonical JSON of the data: its SHA-256 is the envelope's digest, so the blob is
         // named by the digest the envelope already carries.
         let data = serde_json::to_vec(&envelope.event.data_json()).unwrap_or_default();
-        let reference = self.blobs.put(&data, blob::EVENT_DATA).await?;
+        let reference = self
+            .blobs
+            .put(&envelope.run_id, &data, blob::EVENT_DATA)
+            .await?;
         let mut stored = serde_json::to_value(envelope).unwrap_or_default();
         blob::by_reference(&mut stored, &reference);
         tracing::debug!(
@@ -509,10 +518,19 @@ impl Journal {
                 let Some(reference) = blob::reference_of(payload) else {
                     return Err(invalid(format!("not an event envelope: {e}")));
                 };
-                let data = self.blobs.get(&reference).await.map_err(|e| match e {
-                    BlobError::Unavailable(_) => JournalError::from(e),
-                    other => invalid(other.to_string()),
-                })?;
+                // The run is the envelope's (the blob is read under that run's name, and the
+                // envelope it completes must name the same run to parse).
+                let run = serde_json::from_slice::<RunOf>(payload)
+                    .map_err(|e| invalid(format!("not an event envelope: {e}")))?
+                    .run_id;
+                let data = self
+                    .blobs
+                    .get(&run, &reference)
+                    .await
+                    .map_err(|e| match e {
+                        BlobError::Unavailable(_) => JournalError::from(e),
+                        other => invalid(other.to_string()),
+                    })?;
                 let whole = blob::with_data(payload, &data).map_err(invalid)?;
                 Envelope::from_json_bytes(&whole)
                     .map_err(|e| invalid(format!("not an event envelope: {e}")))
@@ -569,7 +587,7 @@ impl Journal {
         let Some(reference) = blob::reference_of(&m.payload) else {
             return Ok(set_aside(&m, "not an event envelope".into()));
         };
-        let data = match self.blobs.get(&reference).await {
+        let data = match self.blobs.get(run, &reference).await {
             Ok(data) => data,
             Err(e @ BlobError::Unavailable(_)) => return Err(e.into()),
             Err(e) => return Ok(set_aside(&m, format!("its data is held by reference: {e}"))),

@@ -12,7 +12,7 @@ use futures::StreamExt;
 use kedge_core::event::{StepCompleted, ToolResult};
 use kedge_core::{Draft, Envelope, Event, EventType, OperationId, RunId, StepNo};
 use kedge_journal::blob::{INLINE_MAX, MAX_BLOB};
-use kedge_journal::{BlobRef, DecisionWriter, ErrorKind, Journal};
+use kedge_journal::{BlobError, BlobRef, DecisionWriter, ErrorKind, Journal};
 
 /// A tool result of `size` bytes (not compressible to a repeat: each line differs).
 fn big_result(run: &RunId, size: usize) -> Envelope {
@@ -96,7 +96,7 @@ async fn a_ten_mib_input_and_a_two_mib_decision_go_by_reference_and_read_back_wh
         assert_eq!(reference.digest, envelope.digest);
         assert_eq!(reference.media_type, "application/json");
         // The blob is an ordinary object named by the digest.
-        let bytes = journal.blobs().get(&reference).await.unwrap();
+        let bytes = journal.blobs().get(&run, &reference).await.unwrap();
         assert_eq!(bytes.len() as u64, reference.size);
         // A consumer's copy of the message opens to the whole event.
         assert_eq!(journal.open(&m.payload).await.unwrap(), *envelope);
@@ -186,6 +186,7 @@ async fn a_reference_to_a_missing_or_forged_blob_is_set_aside_not_fatal() {
     let other = journal
         .blobs()
         .put(
+            &run,
             br#"{"content":"forged","is_error":false,"stopped":false}"#,
             "application/json",
         )
@@ -222,4 +223,44 @@ async fn small_events_stay_inline() {
     let stored: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
     assert!(stored.get("data_ref").is_none());
     assert_eq!(Envelope::from_json_bytes(&m.payload).unwrap(), result);
+}
+
+#[tokio::test]
+async fn blobs_belong_to_their_run_and_are_deleted_with_it() {
+    let (_server, journal) = setup().await;
+    let (run, _) = started(&journal).await;
+    let (other, _) = started(&journal).await;
+    let result = big_result(&run, 100 * 1024);
+    let seq = journal.append_input(&result, "r").await.unwrap();
+    let stored: serde_json::Value =
+        serde_json::from_slice(&raw(&journal, seq).await.payload).unwrap();
+    let reference: BlobRef = serde_json::from_value(stored["data_ref"].clone()).unwrap();
+    let blobs = journal.blobs();
+    assert!(blobs.get(&run, &reference).await.is_ok());
+    // Named by its run: another run cannot borrow it.
+    assert_eq!(
+        blobs.get(&other, &reference).await.unwrap_err(),
+        BlobError::Missing(reference.digest.clone())
+    );
+    blobs.delete(&run, &reference.digest).await.unwrap();
+    assert_eq!(
+        blobs.get(&run, &reference).await.unwrap_err(),
+        BlobError::Missing(reference.digest.clone())
+    );
+    blobs.delete(&run, &reference.digest).await.unwrap();
+    // The bucket keeps nothing of it: no chunk, no info.
+    let js = async_nats::jetstream::new(journal.client().clone());
+    let info = js
+        .get_stream("OBJ_kedge_blobs")
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(info.state.messages, 0, "{:?}", info.state);
+    // A reference to a deleted blob is set aside.
+    let page = journal.read_with_set_aside(&run, 0).await.unwrap();
+    assert_eq!(page.events.len(), 1);
+    assert_eq!(page.set_aside.len(), 1);
 }

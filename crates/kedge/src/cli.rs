@@ -1380,10 +1380,11 @@ fn describe_purge(p: &kedge_runtime::retention::Purged) -> String {
         Purged::Purged {
             events,
             records,
+            blobs,
             archive,
             dry_run,
         } => format!(
-            "{}{events} journal messages and {records} other records{}",
+            "{}{events} journal messages, {records} other records and {blobs} blobs{}",
             if *dry_run { "would purge " } else { "purged " },
             archive
                 .as_ref()

@@ -30,7 +30,8 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
     let script = json!({"models": {
         "act": {"steps": [
             {"text": "acting", "tool_calls": [{"name": "ledger_append", "arguments": {"text": "once"}}]},
-            {"text": "done"}
+            // Over 64 KiB: its step.completed, run.succeeded and stored response go by reference.
+            {"text": "done ".repeat(20_000)}
         ]},
         "ask": {"steps": [
             {"text": "asking", "tool_calls": [{"name": "ask_user", "arguments": {"question": "which?"}}]},
@@ -40,7 +41,8 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
     let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
     h.agent("act", "act").await;
     h.agent("ask", "ask").await;
-    let done = h.submit("act", "go", "ret-done").await;
+    // An input over 64 KiB: its run.created goes by reference.
+    let done = h.submit("act", &"go ".repeat(40_000), "ret-done").await;
     let waiting = h.submit("ask", "go", "ret-wait").await;
     assert_eq!(
         h.wait_terminal(&done, WAIT).await.status,
@@ -61,6 +63,17 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
         "a model response and an operation record: {idem:?}"
     );
     let events = h.events(&done).await;
+    // Its blobs: run.created, step 2's step.completed and the run.succeeded (and the stored
+    // response of step 2, in kedge_idempotency).
+    let referenced = h.rt.journal.blob_references(&done).await.expect("refs");
+    assert_eq!(referenced.len(), 3, "{referenced:?}");
+    for (_, r) in &referenced {
+        h.rt.journal
+            .blobs()
+            .get(&done, r)
+            .await
+            .expect("blob there");
+    }
 
     // The CLI lists them from the projection (as the operator), filtered by status.
     let cli = |kind: Kind, args: &[&str]| {
@@ -138,7 +151,11 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
         retention::purge_run(&admin, &done, dry)
             .await
             .expect("purge"),
-        Purged::Purged { dry_run: true, .. }
+        Purged::Purged {
+            dry_run: true,
+            blobs: 4,
+            ..
+        }
     ));
     assert_eq!(h.events(&done).await.len(), events.len());
 
@@ -178,6 +195,37 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
         "{report:?}"
     );
     assert!(h.events(&done).await.is_empty(), "the journal is gone");
+    for (_, r) in &referenced {
+        assert_eq!(
+            h.rt.journal.blobs().get(&done, r).await.expect_err("removed"),
+            kedge_journal::BlobError::Missing(r.digest.clone()),
+            "its blobs are gone"
+        );
+    }
+    // Of the bucket only the archive is left (no chunk or info of the run's four blobs).
+    let bucket = admin
+        .js
+        .get_stream("OBJ_kedge_blobs")
+        .await
+        .expect("bucket")
+        .info()
+        .await
+        .expect("info")
+        .state
+        .clone();
+    let archived = admin
+        .js
+        .get_object_store("kedge_blobs")
+        .await
+        .expect("store")
+        .info(retention::archive_name(&done).as_str())
+        .await
+        .expect("the archive");
+    assert_eq!(
+        bucket.messages,
+        archived.chunks as u64 + 1,
+        "only the archive's chunks and info: {bucket:?}"
+    );
     assert_eq!(mine(&keys(&admin, "kedge_idempotency").await), 0);
     assert!(
         !keys(&admin, "kedge_runs")

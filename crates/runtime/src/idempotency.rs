@@ -15,7 +15,7 @@ use async_nats::jetstream::kv::{Operation, Store};
 use bytes::Bytes;
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::Digest;
-use kedge_core::ids::{ModelRequestId, OperationId};
+use kedge_core::ids::{ModelRequestId, OperationId, RunId};
 use kedge_journal::blob::INLINE_MAX;
 use kedge_journal::{BlobError, BlobRef, Blobs};
 use serde::{Deserialize, Serialize};
@@ -143,13 +143,18 @@ impl IdempotencyStore {
         self
     }
 
-    /// The bytes a record is stored as: its JSON, or a reference to it in `kedge_blobs`.
-    async fn stored_form(&self, value: &impl Serialize) -> Result<Bytes, IdempotencyError> {
+    /// The bytes a record of run `run` is stored as: its JSON, or a reference to it in
+    /// `kedge_blobs`.
+    async fn stored_form(
+        &self,
+        run: &RunId,
+        value: &impl Serialize,
+    ) -> Result<Bytes, IdempotencyError> {
         let bytes = serde_json::to_vec(value).map_err(unavailable)?;
         match &self.blobs {
             Some(blobs) if bytes.len() > INLINE_MAX => {
                 let kedge_blob = blobs
-                    .put(&bytes, kedge_journal::blob::EVENT_DATA)
+                    .put(run, &bytes, kedge_journal::blob::EVENT_DATA)
                     .await
                     .map_err(unavailable)?;
                 serde_json::to_vec(&ByReference { kedge_blob })
@@ -160,9 +165,10 @@ impl IdempotencyStore {
         }
     }
 
-    /// A stored record, read back from `kedge_blobs` when it is held by reference.
+    /// A stored record of run `run`, read back from `kedge_blobs` when it is held by reference.
     async fn parse<T: serde::de::DeserializeOwned>(
         &self,
+        run: &RunId,
         key: &str,
         value: &[u8],
     ) -> Result<T, IdempotencyError> {
@@ -171,7 +177,7 @@ impl IdempotencyStore {
             reason,
         };
         if let (Some(blobs), Ok(r)) = (&self.blobs, serde_json::from_slice::<ByReference>(value)) {
-            let bytes = blobs.get(&r.kedge_blob).await.map_err(|e| match e {
+            let bytes = blobs.get(run, &r.kedge_blob).await.map_err(|e| match e {
                 BlobError::Unavailable(_) => unavailable(e),
                 other => corrupt(other.to_string()),
             })?;
@@ -186,6 +192,19 @@ impl IdempotencyStore {
                 recent.clear();
             }
             recent.insert(request.clone(), stored.clone());
+        }
+    }
+
+    /// The blob a record holds its bytes in, if it is held by reference (`key` as
+    /// [`IdempotencyStore::model_key`] or [`IdempotencyStore::op_key`] make it).
+    pub async fn blob_of(&self, key: &str) -> Result<Option<BlobRef>, IdempotencyError> {
+        match self.kv.entry(key).await.map_err(unavailable)? {
+            Some(e) if e.operation == Operation::Put => {
+                Ok(serde_json::from_slice::<ByReference>(&e.value)
+                    .ok()
+                    .map(|r| r.kedge_blob))
+            }
+            _ => Ok(None),
         }
     }
 
@@ -210,7 +229,7 @@ impl IdempotencyStore {
         stored: &StoredResponse,
     ) -> Result<(), IdempotencyError> {
         self.remember(request, stored);
-        let bytes = self.stored_form(stored).await?;
+        let bytes = self.stored_form(request.run(), stored).await?;
         let started = Instant::now();
         let mut wait = STORE_BACKOFF;
         loop {
@@ -241,7 +260,9 @@ impl IdempotencyStore {
         }
         let key = Self::model_key(request);
         match self.kv.entry(key.clone()).await.map_err(unavailable)? {
-            Some(e) if e.operation == Operation::Put => self.parse(&key, &e.value).await.map(Some),
+            Some(e) if e.operation == Operation::Put => {
+                self.parse(request.run(), &key, &e.value).await.map(Some)
+            }
             _ => Ok(None),
         }
     }
@@ -253,7 +274,7 @@ impl IdempotencyStore {
         let key = Self::op_key(op);
         match self.kv.entry(key.clone()).await.map_err(unavailable)? {
             Some(e) if e.operation == Operation::Put => {
-                let rec: OpRecord = self.parse(&key, &e.value).await?;
+                let rec: OpRecord = self.parse(op.run(), &key, &e.value).await?;
                 Ok(Some((e.revision, rec, e.created)))
             }
             _ => Ok(None),
@@ -412,7 +433,7 @@ impl IdempotencyStore {
         revision: u64,
         rec: &OpRecord,
     ) -> Result<u64, IdempotencyError> {
-        let bytes = self.stored_form(rec).await?;
+        let bytes = self.stored_form(op.run(), rec).await?;
         self.kv
             .update(Self::op_key(op), bytes, revision)
             .await

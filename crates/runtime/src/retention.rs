@@ -14,7 +14,11 @@
 //!    `op.<operation>` of every tool operation), the run's lease, its timers' schedules and
 //!    fired messages (`KEDGE_TIMERS`), its set-aside records (`KEDGE_REJECTIONS`) and its
 //!    summary in `kedge_runs`;
-//! 3. the journal subjects `agent.run.<id>.>`.
+//! 3. the journal subjects `agent.run.<id>.>`;
+//! 4. the run's blobs in `kedge_blobs` (the data of its events and records held by reference,
+//!    named `<run_id>/sha256:<hex>`: blobs are not shared across runs), found from the journal
+//!    and the records before anything is removed. Last, so that a purge cut short leaves
+//!    unreferenced blobs (logged), never a journal whose events cannot be read.
 //!
 //! Purging twice is harmless (the second finds no run). Workspaces live on the tool hosts and
 //! are not removed here: each tool service sweeps its workspace root and removes the directory
@@ -45,8 +49,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use futures::StreamExt;
-use kedge_core::event::Event;
 use kedge_core::event::Timestamp;
+use kedge_core::event::{Digest, Event};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{
     BLOBS_BUCKET, IDEMPOTENCY_BUCKET, LEASES_BUCKET, RUNS_BUCKET, RUNS_STREAM,
@@ -71,10 +75,12 @@ const REJECTIONS_STREAM: &str = "KEDGE_REJECTIONS";
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Purged {
     /// Removed (or, with `dry_run`, would be): the journal's message count, the other records
-    /// removed, and the archive's object name when one was written.
+    /// removed, the blobs removed (the run's data held by reference in `kedge_blobs`), and the
+    /// archive's object name when one was written.
     Purged {
         events: u64,
         records: u64,
+        blobs: u64,
         archive: Option<String>,
         dry_run: bool,
     },
@@ -102,6 +108,8 @@ pub struct PurgeOptions {
 pub enum RetentionError {
     #[error(transparent)]
     Journal(#[from] JournalError),
+    #[error(transparent)]
+    Idempotency(#[from] crate::idempotency::IdempotencyError),
     #[error("run {run} does not fold: {reason}")]
     Fold { run: RunId, reason: String },
     #[error("archive of run {run}: {reason}")]
@@ -172,25 +180,24 @@ async fn purge_run_ended(
         return Ok((Purged::TooRecent { ended_at }, ended_seq));
     }
     let events = (page.events.len() + page.set_aside.len()) as u64;
-    let mut filters: Vec<(&str, String)> = Vec::new();
-    for r in &page.events {
-        if let Event::StepStarted(s) = &r.envelope.event {
-            filters.push((
+    let mut record_keys: Vec<String> = page
+        .events
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            Event::StepStarted(s) => Some(IdempotencyStore::model_key(&s.request_id)),
+            _ => None,
+        })
+        .collect();
+    record_keys.extend(state.ops.keys().map(IdempotencyStore::op_key));
+    let mut filters: Vec<(&str, String)> = record_keys
+        .iter()
+        .map(|key| {
+            (
                 IDEMPOTENCY_STREAM,
-                format!(
-                    "{}{}",
-                    kv(IDEMPOTENCY_BUCKET),
-                    IdempotencyStore::model_key(&s.request_id)
-                ),
-            ));
-        }
-    }
-    for op in state.ops.keys() {
-        filters.push((
-            IDEMPOTENCY_STREAM,
-            format!("{}{}", kv(IDEMPOTENCY_BUCKET), IdempotencyStore::op_key(op)),
-        ));
-    }
+                format!("{}{key}", kv(IDEMPOTENCY_BUCKET)),
+            )
+        })
+        .collect();
     filters.push((LEASES_STREAM, format!("{}{run}", kv(LEASES_BUCKET))));
     filters.push((TIMERS_STREAM, format!("kedge.timer.sched.{run}.>")));
     filters.push((TIMERS_STREAM, format!("kedge.timer.fired.{run}.>")));
@@ -199,11 +206,28 @@ async fn purge_run_ended(
         RUNS_BUCKET_STREAM,
         format!("{}{}.{run}", kv(RUNS_BUCKET), state.bundle.tenant),
     ));
+    // The run's blobs: what its journal and its idempotency records hold by reference. Found
+    // before anything is removed (the references go with the journal).
+    let mut blobs: Vec<Digest> = rt
+        .journal
+        .blob_references(run)
+        .await?
+        .into_iter()
+        .map(|(_, r)| r.digest)
+        .collect();
+    for key in &record_keys {
+        if let Some(r) = rt.idempotency.blob_of(key).await? {
+            blobs.push(r.digest);
+        }
+    }
+    blobs.sort();
+    blobs.dedup();
     if opts.dry_run {
         return Ok((
             Purged::Purged {
                 events,
                 records: filters.len() as u64,
+                blobs: blobs.len() as u64,
                 archive: opts.archive.then(|| archive_name(run)),
                 dry_run: true,
             },
@@ -232,11 +256,19 @@ async fn purge_run_ended(
         tracing::warn!(run_id = %run, through, "an event landed on the run while it was purged; it was left in the journal");
         return Err(RetentionError::Revived { run: run.clone() });
     }
-    tracing::info!(run_id = %run, events, records, archived = archive.is_some(), "run purged");
+    // Last: a pass cut short before this leaves unreferenced blobs (logged), never a journal
+    // whose events cannot be read.
+    for digest in &blobs {
+        if let Err(e) = rt.journal.blobs().delete(run, digest).await {
+            tracing::warn!(run_id = %run, blob = %digest, error = %e, "blob of a purged run not removed");
+        }
+    }
+    tracing::info!(run_id = %run, events, records, blobs = blobs.len(), archived = archive.is_some(), "run purged");
     Ok((
         Purged::Purged {
             events,
             records,
+            blobs: blobs.len() as u64,
             archive,
             dry_run: false,
         },

@@ -62,7 +62,8 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::OutcomeNotFound
         | EventType::OutcomeAmbiguous
         | EventType::OutcomeResolved
-        | EventType::TargetMoved => true,
+        | EventType::TargetMoved
+        | EventType::RunGated => true,
         EventType::Nudge => false,
     }
 }

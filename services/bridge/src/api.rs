@@ -455,7 +455,7 @@ pub(crate) async fn blob(
             "run {run} holds no blob {digest} (an event small enough stays in the journal: see /history)"
         )));
     };
-    let bytes = match bridge.rt.journal.blobs().get(&reference).await {
+    let bytes = match bridge.rt.journal.blobs().get(&run, &reference).await {
         Ok(bytes) => bytes,
         Err(BlobError::Unavailable(reason)) => return Err(Problem::unavailable(reason, 1)),
         Err(e) => return Err(Problem::internal(e.to_string())),
