@@ -378,6 +378,7 @@ struct Held {
     timeout_secs: Option<u64>,
     network: bool,
     retry: Option<crate::tools::RetryPolicy>,
+    max_output_bytes: Option<u64>,
 }
 
 /// `approval.requested` (version `version`) and its expiry timer.
@@ -406,6 +407,7 @@ fn approval_request(
             target_version: None,
             timeout_secs: held.timeout_secs,
             network: held.network,
+            max_output_bytes: held.max_output_bytes,
             retry: held.retry,
         }))
         .step(op.step())
@@ -437,6 +439,7 @@ fn ask_again(
             basis: a.request.basis.clone(),
             timeout_secs: a.request.timeout_secs,
             network: a.request.network,
+            max_output_bytes: a.request.max_output_bytes,
             retry: a.request.retry.clone(),
         },
         a.request.plan_version.saturating_add(1),
@@ -523,6 +526,7 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                             expect_version: a.request.target_version.clone(),
                             timeout_secs: tool.timeout_secs,
                             network: tool.network,
+                            max_output_bytes: tool.max_output_bytes,
                             retry: tool.retry.clone(),
                         }))
                         .step(op.step())
@@ -633,6 +637,7 @@ fn redispatches(state: &RunState) -> Vec<Draft> {
                 expect_version: approved_version(state, &o.op),
                 timeout_secs: o.timeout_secs,
                 network: o.network,
+                max_output_bytes: o.max_output_bytes,
                 retry: o.retry.clone(),
             }))
             .step(o.op.step())
@@ -880,6 +885,7 @@ pub fn complete_step_gated(
                     basis,
                     timeout_secs: tool_policy.timeout_secs,
                     network: tool_policy.network,
+                    max_output_bytes: tool_policy.max_output_bytes,
                     retry: tool_policy.retry.clone(),
                 },
                 1,
@@ -897,6 +903,7 @@ pub fn complete_step_gated(
                 expect_version: None,
                 timeout_secs: tool_policy.timeout_secs,
                 network: tool_policy.network,
+                max_output_bytes: tool_policy.max_output_bytes,
                 retry: tool_policy.retry.clone(),
             }))
             .step(step)

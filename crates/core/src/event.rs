@@ -586,6 +586,10 @@ pub struct ToolRequested {
     /// dispatch. Absent: one attempt.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry: Option<RetryPolicy>,
+    /// The agent policy's output limit for this tool (`policy.<tool>.max_output_bytes`): the
+    /// runner keeps that much of the output instead of its own `max_tool_output_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_bytes: Option<u64>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -639,6 +643,9 @@ pub struct ApprovalRequested {
     /// The policy's retry policy for the tool, carried to the dispatch once approved.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry: Option<RetryPolicy>,
+    /// The policy's output limit for the tool, carried to the dispatch once approved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]

@@ -251,6 +251,8 @@ pub struct ToolOp {
     pub network: bool,
     /// The policy's retry policy for it (from its request), repeated on every dispatch.
     pub retry: Option<crate::tools::RetryPolicy>,
+    /// The policy's output limit for it (from its request), repeated on every dispatch.
+    pub max_output_bytes: Option<u64>,
     /// Attempts of its current dispatch that failed and were retried (`tool.attempt`).
     pub failed_attempts: u32,
 }
@@ -734,6 +736,7 @@ impl RunState {
                                 target_moved: None,
                                 timeout_secs: req.timeout_secs,
                                 network: req.network,
+                                max_output_bytes: req.max_output_bytes,
                                 retry: req.retry.clone(),
                                 failed_attempts: 0,
                             },
@@ -772,6 +775,7 @@ impl RunState {
                     target_moved: None,
                     timeout_secs: req.timeout_secs,
                     network: req.network,
+                    max_output_bytes: req.max_output_bytes,
                     retry: req.retry.clone(),
                     failed_attempts: 0,
                 });

@@ -122,6 +122,7 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
                 expect_version: None,
                 timeout_secs: None,
                 network: false,
+                max_output_bytes: None,
                 retry: None,
             }))
             .step(StepNo(step))

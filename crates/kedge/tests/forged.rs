@@ -47,6 +47,7 @@ fn request(
             expect_version: None,
             timeout_secs: None,
             network: false,
+            max_output_bytes: None,
             retry: None,
         }))
         .step(op.step())

@@ -270,6 +270,7 @@ async fn a_command_reaches_the_network_only_when_its_tool_policy_grants_it() {
         timeout_secs: None,
         network,
         retry: None,
+        max_output_bytes: None,
     };
     let accepted = || match listener.accept() {
         Ok(_) => true,

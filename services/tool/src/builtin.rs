@@ -21,6 +21,7 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use kedge_core::agent::MAX_TOOL_OUTPUT_BYTES;
 use kedge_core::ids::{OperationId, RunId};
 use kedge_core::tools::ToolErrorClass;
 use rustix::fs::{Mode, OFlags, ResolveFlags};
@@ -152,16 +153,23 @@ impl Env {
     }
 
     /// This environment as a request's policy leaves it: the time limit lowered to its
-    /// `timeout_secs` ([`Env::limited_to`]) and, when the policy grants the tool the network
-    /// (`network`), a sandbox that shares it ([`crate::sandbox::WithNetwork`]).
+    /// `timeout_secs` ([`Env::limited_to`]), the output kept set to its `max_output_bytes`
+    /// (the agent's choice, up to [`MAX_TOOL_OUTPUT_BYTES`]: longer results are journaled by
+    /// reference) and, when the policy grants the tool the network (`network`), a sandbox that
+    /// shares it ([`crate::sandbox::WithNetwork`]).
     pub fn for_request(&self, req: &kedge_core::event::ToolRequested) -> std::borrow::Cow<'_, Env> {
-        let limited = self.limited_to(req.timeout_secs);
-        if !req.network {
-            return limited;
+        let mut env = self.limited_to(req.timeout_secs);
+        if let Some(max) = req.max_output_bytes {
+            let max = usize::try_from(max.clamp(1, MAX_TOOL_OUTPUT_BYTES)).unwrap_or(usize::MAX);
+            if max != env.max_output {
+                env.to_mut().max_output = max;
+            }
         }
-        let mut env = limited.into_owned();
-        env.sandbox = Arc::new(crate::sandbox::WithNetwork(env.sandbox.clone()));
-        std::borrow::Cow::Owned(env)
+        if req.network {
+            let env = env.to_mut();
+            env.sandbox = Arc::new(crate::sandbox::WithNetwork(env.sandbox.clone()));
+        }
+        env
     }
 
     /// Cuts `s` to the largest output kept inline, with a note.

@@ -352,6 +352,7 @@ mod tests {
                 expect_version: None,
                 timeout_secs: None,
                 network: false,
+                max_output_bytes: None,
                 retry: None,
             }))
             .step(op.step())

@@ -102,6 +102,7 @@ pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
             expect_version: None,
             timeout_secs: None,
             network: false,
+            max_output_bytes: None,
             retry: None,
         }))
         .step(StepNo(step))
