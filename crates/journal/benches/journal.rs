@@ -106,6 +106,7 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
             },
             finish: FinishReason::ToolCalls,
             reused: false,
+            follows: None,
         }))
         .step(StepNo(step)),
     )];

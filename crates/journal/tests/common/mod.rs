@@ -84,6 +84,7 @@ pub fn step_completed(run: &RunId, step: u32) -> Envelope {
             },
             finish: FinishReason::ToolCalls,
             reused: false,
+            follows: None,
         }))
         .step(StepNo(step)),
     )
