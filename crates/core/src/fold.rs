@@ -594,6 +594,29 @@ impl RunState {
         Ok(())
     }
 
+    /// What the run waits on once `drafts` (a decision group, or the rest of the one cut short)
+    /// land, when they end a step group that journals no `run.waiting` (gate
+    /// `wait_from_step_group`): the status the fold then derives. `None` otherwise (the group's
+    /// own decisions say it, or it does not end there). For status counters.
+    pub fn settled_by(&self, drafts: &[crate::event::Draft]) -> Option<WaitReason> {
+        match drafts.first().map(|d| &d.event) {
+            Some(Event::StepCompleted(done)) => {
+                let follows = usize::try_from(done.follows?).ok()?;
+                (drafts.len() == follows + 1)
+                    .then(|| group_waits_on(drafts[1..].iter().map(|d| &d.event)))
+            }
+            _ => {
+                let c = self.completing.as_ref()?;
+                let follows = usize::try_from(c.follows?).ok()?;
+                if c.landed + drafts.len() == follows {
+                    c.settles_with(drafts)
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
     /// Folds in a message at `seq` that the journal set aside (it is not an event of the run):
     /// counted, and skipped. One on a decision subject still moved the run's last decision (the
     /// broker's expected-sequence check counts every message on `.d.`), so the next decision is

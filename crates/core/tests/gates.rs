@@ -472,6 +472,12 @@ fn a_group_cut_short_is_finished_on_the_branch_its_writer_took() {
                 panic!("a cut-short group is finished first ({landed})")
             };
             let rest = finish_step(&state, &c, Timestamp::now(), &contract);
+            let settles = state.settled_by(&rest);
+            assert_eq!(
+                settles,
+                live.then_some(WaitReason::User),
+                "{live} after {landed}"
+            );
             assert_eq!(
                 types(&rest),
                 types(&group[landed..]),

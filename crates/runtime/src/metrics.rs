@@ -317,30 +317,42 @@ pub fn task_rejected() {
     counter!(TASKS_REJECTED).increment(1);
 }
 
+/// A run moved into a waiting status: by `run.waiting`, or by the end of a step group that
+/// journals none (gate `wait_from_step_group`, `RunState::settled_by`).
+pub fn waiting(on: WaitReason) {
+    transition(match on {
+        WaitReason::Tool => "waiting_tool",
+        WaitReason::User => "waiting_user",
+        WaitReason::Approval => "waiting_approval",
+        WaitReason::External => "waiting_external",
+    })
+}
+
+fn transition(status: &'static str) {
+    one_of!(
+        counter,
+        RUN_TRANSITIONS,
+        "status",
+        status,
+        [
+            "running",
+            "waiting_tool",
+            "waiting_user",
+            "waiting_approval",
+            "waiting_external",
+            "cancelling",
+            "unknown",
+            "succeeded",
+            "failed",
+            "cancelled"
+        ]
+    )
+    .increment(1)
+}
+
 /// The step journaled `event`, a decision: counts the status it moves the run into, a
 /// completed step and a reused response.
 pub fn decision(event: &Event) {
-    let transition = |status: &'static str| {
-        one_of!(
-            counter,
-            RUN_TRANSITIONS,
-            "status",
-            status,
-            [
-                "running",
-                "waiting_tool",
-                "waiting_user",
-                "waiting_approval",
-                "waiting_external",
-                "cancelling",
-                "unknown",
-                "succeeded",
-                "failed",
-                "cancelled"
-            ]
-        )
-        .increment(1)
-    };
     // Decisions that do not settle a status (run.created is intake's) count nothing here; new
     // event types count nothing until they are listed.
     match event {
@@ -351,12 +363,7 @@ pub fn decision(event: &Event) {
             }
         }
         Event::RunStarted(_) | Event::RunResumed(_) | Event::RunRevived(_) => transition("running"),
-        Event::RunWaiting(w) => transition(match w.on {
-            WaitReason::Tool => "waiting_tool",
-            WaitReason::User => "waiting_user",
-            WaitReason::Approval => "waiting_approval",
-            WaitReason::External => "waiting_external",
-        }),
+        Event::RunWaiting(w) => waiting(w.on),
         Event::RunCancelling(_) => transition("cancelling"),
         Event::RunUnknown(_) => transition("unknown"),
         Event::RunSucceeded(_) => transition("succeeded"),

@@ -29,7 +29,7 @@
     "run.cancelling", "run.unknown", "run.resumed", "run.revived", "run.succeeded",
     "run.failed", "run.cancelled", "user.message", "cancel.requested", "outcome.confirmed",
     "outcome.not_found", "outcome.ambiguous", "outcome.resolved", "target.moved",
-    "tool.attempt", "output.rejected",
+    "tool.attempt", "output.rejected", "run.gated",
   ];
 
   // ------------------------------------------------------------------------------------------
@@ -815,6 +815,10 @@
           return place(ev, row(ev, "Callback received", h("pre", {}, pretty(d.payload))));
         case "run.waiting":
           return place(ev, row(ev, "Waiting", WAIT_WORDS[d.on] || d.on));
+        case "run.gated":
+          // A version gate's marker: from here on this run takes the gate's new branch (a step
+          // that calls tools journals no run.waiting; the run view says what it waits on).
+          return place(ev, row(ev, "Version gate", h("span", { class: "mono" }, d.gate)));
         case "run.cancelling":
           return place(ev, row(ev, "Cancelling", d.reason));
         case "run.unknown":

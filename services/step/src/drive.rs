@@ -427,6 +427,9 @@ impl Driver {
     ) -> Result<bool, DriveError> {
         let mut drafts = drafts;
         self.observe_targets(&state.run_id, &mut drafts).await?;
+        // A step group that journals no `run.waiting` moves the run into its waiting status
+        // when its last decision lands: counted then.
+        let settles = state.settled_by(&drafts);
         let now = Timestamp::now();
         let mut expected = state.last_decision_seq;
         for draft in drafts {
@@ -469,6 +472,9 @@ impl Driver {
                 }
                 Err(e) => return Err(e.into()),
             }
+        }
+        if let Some(on) = settles {
+            metrics::waiting(on);
         }
         Ok(true)
     }
