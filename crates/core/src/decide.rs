@@ -811,9 +811,10 @@ pub fn complete_step(
 /// Version gates: `take` names the gates this group may take for the first time (the live
 /// writer: all it knows; replay: those whose marker the recorded group carries); a gate the run
 /// marked already is taken anyway. [`Gate::WaitFromStepGroup`]: a step that requested tools
-/// ends its group with `run.waiting {on}` on the old branch; on the new one its
-/// `step.completed` counts the decisions that follow it (`follows`, the marker included the
-/// first time) and the fold derives the same status from them.
+/// ends its group with `run.waiting {on}` on the old branch; on the new one, when it waits on
+/// its tools alone (`on` = `tool`), its `step.completed` counts the decisions that follow it
+/// (`follows`, the marker included the first time) and the fold derives the same status from
+/// them.
 #[allow(clippy::too_many_arguments)]
 pub fn complete_step_gated(
     state: &RunState,
@@ -994,15 +995,19 @@ pub fn complete_step_gated(
     // context answers them.
     let has_tools = !tool_drafts.is_empty() || refused_any;
     let output = response.message.text.clone();
-    // Gate `wait_from_step_group`: the group settles the status by itself (no `run.waiting`).
+    let on = crate::fold::group_waits_on(tool_drafts.iter().map(|d| &d.event));
+    // Gate `wait_from_step_group`: a group that waits on its tools alone settles the status by
+    // itself (no `run.waiting`). One that waits on a person, a timer or a callback keeps its
+    // `run.waiting`: the last event of such a run tells the reconciler it is settled without a
+    // read of its journal, and it is not on the hot path.
     let gate = Gate::WaitFromStepGroup;
-    let settles_itself = has_tools && (state.gates.contains(gate) || take.contains(gate));
+    let settles_itself =
+        has_tools && on == WaitReason::Tool && (state.gates.contains(gate) || take.contains(gate));
     let marker = (settles_itself && !state.gates.contains(gate))
         .then(|| Draft::new(Event::RunGated(RunGated { gate })).step(step));
     let follows = settles_itself.then(|| {
         u32::try_from(tool_drafts.len() + usize::from(marker.is_some())).unwrap_or(u32::MAX)
     });
-    let on = crate::fold::group_waits_on(tool_drafts.iter().map(|d| &d.event));
     drafts.push(
         Draft::new(Event::StepCompleted(StepCompleted {
             request_id,

@@ -755,8 +755,9 @@ pub struct UserMessage {
 )]
 #[serde(rename_all = "snake_case")]
 pub enum Gate {
-    /// A step that requested tools journals no `run.waiting`: its `step.completed` counts the
-    /// decisions of its group (`follows`), and the fold derives the waiting status from them.
+    /// A step that requested tools and waits on them alone (no person, timer or callback)
+    /// journals no `run.waiting`: its `step.completed` counts the decisions of its group
+    /// (`follows`), and the fold derives the waiting status from them.
     WaitFromStepGroup,
 }
 

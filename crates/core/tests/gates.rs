@@ -422,7 +422,19 @@ fn every_wait_reason_is_derived_as_run_waiting_named_it() {
         old.commit(group);
         let mut new = Journal::new();
         let group = new.step(calls(&call_list), &contract, None);
-        assert!(!types(&group).contains(&"run.waiting"));
+        if on == WaitReason::Tool {
+            // Waiting on its tools alone: no run.waiting, the status derived from the group.
+            assert!(!types(&group).contains(&"run.waiting"));
+            assert_eq!(types(&group)[1], "run.gated");
+            assert_eq!(new.state().settled_by(&group), Some(on), "{call_list:?}");
+            assert_eq!(new.state().settled_by(&group[..group.len() - 1]), None);
+        } else {
+            // On a person, a timer or a callback: the explicit run.waiting stays (the
+            // reconciler leaves such a run alone on its last event), and the gate is not taken.
+            assert_eq!(types(&group).last(), Some(&"run.waiting"), "{call_list:?}");
+            assert!(!types(&group).contains(&"run.gated"));
+            assert_eq!(new.state().settled_by(&group), None);
+        }
         new.commit(group);
         let (o, n) = (old.state(), new.state());
         assert_eq!(n.status, o.status, "{call_list:?}");
@@ -445,15 +457,7 @@ fn every_wait_reason_is_derived_as_run_waiting_named_it() {
 fn a_group_cut_short_is_finished_on_the_branch_its_writer_took() {
     use kedge_core::decide::finish_step;
     let contract = contract();
-    let response = || {
-        calls(&[
-            read("a"),
-            (
-                "ask_user",
-                serde_json::json!({"question": "?", "timeout_seconds": 5}),
-            ),
-        ])
-    };
+    let response = || calls(&[read("a"), read("b"), ("undeclared", serde_json::json!({}))]);
     for live in [true, false] {
         let take = if live { None } else { Some(Gates::NONE) };
         let mut whole = Journal::new();
@@ -461,7 +465,7 @@ fn a_group_cut_short_is_finished_on_the_branch_its_writer_took() {
         let base = whole.clone();
         whole.commit(group.clone());
         let settled = whole.state();
-        assert_eq!(settled.status, RunStatus::WaitingUser);
+        assert_eq!(settled.status, RunStatus::WaitingTool);
         // Cut after every decision but the last: the next writer (this build, live) finishes
         // the group as its writer began it.
         for landed in 1..group.len() {
@@ -475,7 +479,7 @@ fn a_group_cut_short_is_finished_on_the_branch_its_writer_took() {
             let settles = state.settled_by(&rest);
             assert_eq!(
                 settles,
-                live.then_some(WaitReason::User),
+                live.then_some(WaitReason::Tool),
                 "{live} after {landed}"
             );
             assert_eq!(

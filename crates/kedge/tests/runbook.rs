@@ -522,6 +522,8 @@ fn problems(results: &[Value], runs: &Runs) -> Vec<String> {
             } else if run_is(r, &runs.failed) {
                 last("run.failed")
             } else if run_is(r, &runs.waiting) || run_is(r, &runs.sleeping) {
+                // Waiting on a person or a timer: `run.waiting` stays the group's last decision
+                // under gate `wait_from_step_group` (only a wait on tools leaves it out).
                 last("run.waiting")
             } else {
                 count(r) == 0
