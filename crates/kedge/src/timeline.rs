@@ -86,6 +86,14 @@ pub fn line(r: &Recorded) -> String {
         Event::ChildStarted(c) => format!("child run {} of {}", c.child, c.agent),
         Event::QuestionAnswered(a) => format!("{} “{}”", a.question_id, a.answer),
         Event::RunWaiting(w) => format!("on {:?}", w.on).to_lowercase(),
+        // A version gate's marker: this run takes the gate's new branch from here on.
+        Event::RunGated(g) => format!(
+            "gate {} taken",
+            serde_json::to_value(g.gate)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_owned))
+                .unwrap_or_default()
+        ),
         Event::RunSucceeded(s) => format!("“{}”", clip(&s.output, 90)),
         Event::OutputRejected(r) => format!(
             "answer sent back, retry {} of {}: {}",
@@ -184,6 +192,28 @@ mod tests {
         assert!(l.contains("output.rejected"), "{l}");
         assert!(
             l.contains("retry 1 of 2") && l.contains("at /answer"),
+            "{l}"
+        );
+    }
+
+    #[test]
+    fn a_version_gate_marker_names_its_gate() {
+        use kedge_core::event::{Draft, Envelope, Gate, RunGated, Timestamp};
+        let envelope = Envelope::new(
+            "run_t1".parse().expect("run id"),
+            Timestamp::now(),
+            Draft::new(Event::RunGated(RunGated {
+                gate: Gate::WaitFromStepGroup,
+            }))
+            .step(kedge_core::ids::StepNo(1)),
+        );
+        let l = line(&Recorded {
+            seq: 5,
+            envelope,
+            msg_id: None,
+        });
+        assert!(
+            l.contains("run.gated") && l.contains("gate wait_from_step_group taken"),
             "{l}"
         );
     }
