@@ -15,6 +15,11 @@
 //! from the clock (`fire_at`, `expires_at`) are compared with a tolerance ([`CLOCK_SLACK_SECS`]),
 //! since the recorded group was decided a moment before its envelopes were stamped.
 //!
+//! Version gates ([`crate::event::Gate`]): a group is decided taking anew only the gates whose
+//! marker (`run.gated`) it carries, right after its first decision ([`markers_after`]), besides
+//! those the run marked before; a journal without markers is decided on every gate's old
+//! branch, as the build that wrote it did.
+//!
 //! The replay fixtures (`crates/core/tests/fixtures`, recorded by earlier builds) are checked
 //! with it in `crates/core/tests/agent_loop.rs`; a change to `decide` or `complete_step` that
 //! fails them must keep the old branch for runs that took it (docs/ARCHITECTURE.md, "Upgrades:
