@@ -59,6 +59,12 @@ pub struct AgentDefinition {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 5))]
     pub output_retries: Option<u32>,
+    /// Task fields whose values are sensitive: `input`, `metadata.<key>`. Intake seals them
+    /// with the operator's key before the run is journaled; the model still reads them
+    /// (docs/SECURITY.md, "Sensitive values"). A deployment without a seal key refuses runs of
+    /// an agent that marks anything sensitive.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sensitive_task_fields: Vec<String>,
 }
 
 /// Retries of an invalid answer when `output_retries` is not given.
@@ -297,6 +303,12 @@ pub struct ToolPolicy {
     /// reference (`kedge_blobs`), so this is the model's limit, not the runtime's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_output_bytes: Option<u64>,
+    /// Parameters of this tool whose values are sensitive (top-level argument names): sealed
+    /// the moment the model's response arrives, so the journal and everything read from it hold
+    /// them sealed; opened for the model's context and for the tool runner only. Kedge checks
+    /// the rest of the arguments against the tool's schema; these the tool checks itself.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sensitive: Vec<String>,
 }
 
 /// The most output a policy may keep for one tool operation (16 MiB).
@@ -415,6 +427,19 @@ pub fn valid_tool_name(name: &str) -> bool {
 }
 
 impl AgentDefinition {
+    /// The sensitive parameters of `tool` (`policy.<tool>.sensitive`).
+    pub fn sensitive_params(&self, tool: &str) -> &[String] {
+        self.policy
+            .get(tool)
+            .map_or(&[], |p| p.sensitive.as_slice())
+    }
+
+    /// Whether anything of this agent's runs is sensitive: its runs need the seal key.
+    pub fn marks_sensitive(&self) -> bool {
+        !self.sensitive_task_fields.is_empty()
+            || self.policy.values().any(|p| !p.sensitive.is_empty())
+    }
+
     pub fn parse(bytes: &[u8]) -> Result<AgentDefinition, DefinitionError> {
         let def: AgentDefinition = serde_json::from_slice(bytes).map_err(|e| DefinitionError {
             field: "definition".into(),
@@ -515,6 +540,20 @@ impl AgentDefinition {
             {
                 return err(format!("policy.{name}.retry.{field}"), &reason);
             }
+            let properties = self
+                .tools
+                .iter()
+                .find(|t| t.name == *name)
+                .and_then(|t| t.parameters.get("properties"))
+                .and_then(|p| p.as_object());
+            for (i, param) in p.sensitive.iter().enumerate() {
+                if param.is_empty() || properties.is_some_and(|props| !props.contains_key(param)) {
+                    return err(
+                        format!("policy.{name}.sensitive[{i}]"),
+                        "must name a parameter of the tool (a property of its schema)",
+                    );
+                }
+            }
             for (field, value, max) in [
                 ("timeout_secs", p.timeout_secs, MAX_TOOL_TIMEOUT_SECS),
                 (
@@ -531,6 +570,18 @@ impl AgentDefinition {
                 if let Some(v) = value {
                     in_range(&format!("policy.{name}.{field}"), v, 1, max)?;
                 }
+            }
+        }
+        for (i, field) in self.sensitive_task_fields.iter().enumerate() {
+            let known = field == "input"
+                || field
+                    .strip_prefix("metadata.")
+                    .is_some_and(|key| !key.is_empty());
+            if !known {
+                return err(
+                    format!("sensitive_task_fields[{i}]"),
+                    "must be `input` or `metadata.<key>`",
+                );
             }
         }
         check_budget(&self.budget, "budget.")
@@ -805,8 +856,23 @@ mod tests {
             ),
             (
                 "policy",
-                serde_json::json!({"shell": {"max_output_bytes": 16 * 1024 * 1024 + 1}}),
-                "policy.shell.max_output_bytes",
+                serde_json::json!({"read_file": {"sensitive": ["path", "nope"]}}),
+                "policy.read_file.sensitive[1]",
+            ),
+            (
+                "sensitive_task_fields",
+                serde_json::json!(["input", "metadata."]),
+                "sensitive_task_fields[1]",
+            ),
+            (
+                "sensitive_task_fields",
+                serde_json::json!(["output"]),
+                "sensitive_task_fields[0]",
+            ),
+            (
+                "policy",
+                serde_json::json!({"read_file": {"max_output_bytes": 16 * 1024 * 1024 + 1}}),
+                "policy.read_file.max_output_bytes",
             ),
             (
                 "policy",

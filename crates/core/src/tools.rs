@@ -308,7 +308,9 @@ impl Contract {
         let tools = tools
             .iter()
             .map(|t| {
-                let validator = jsonschema::validator_for(&t.parameters).map_err(|e| e.to_string());
+                let sensitive = policy.get(&t.name).map_or(&[][..], |p| &p.sensitive[..]);
+                let schema = without_sensitive(&t.parameters, sensitive);
+                let validator = jsonschema::validator_for(&schema).map_err(|e| e.to_string());
                 (t.name.clone(), Offered { validator })
             })
             .collect();
@@ -437,6 +439,21 @@ fn clip(s: &str) -> String {
         Some((at, _)) => format!("{}…", &s[..at]),
         None => s.to_owned(),
     }
+}
+
+/// `schema` with the properties `sensitive` accepting any value: their values reach the core
+/// sealed (`kedge_runtime::seal`), so only their presence can be checked here (the tool checks
+/// the values).
+fn without_sensitive(schema: &Value, sensitive: &[String]) -> Value {
+    let mut schema = schema.clone();
+    if let Some(properties) = schema.get_mut("properties").and_then(Value::as_object_mut) {
+        for name in sensitive {
+            if let Some(p) = properties.get_mut(name) {
+                *p = Value::Bool(true);
+            }
+        }
+    }
+    schema
 }
 
 /// Checks that `schema` is a JSON Schema Kedge can validate arguments against: valid against its
@@ -958,6 +975,35 @@ mod tests {
             .check(&call("read_file", json!({"path": "a", "mode": "x"})))
             .expect_err("extra property");
         assert!(r.to_string().contains("mode"), "{r}");
+    }
+
+    #[test]
+    fn a_sensitive_parameter_is_checked_for_presence_only() {
+        let pay = ToolSpec {
+            name: "pay".into(),
+            description: String::new(),
+            parameters: json!({"type": "object", "required": ["to", "card"],
+                "properties": {"to": {"type": "string"}, "card": {"type": "string", "pattern": "^[0-9]{16}$"}},
+                "additionalProperties": false}),
+        };
+        let sealed = json!({"to": "bob", "card": "kedge:sealed:v1:AAAA"});
+        let plain = Contract::new(std::slice::from_ref(&pay), &BTreeMap::new());
+        assert!(plain.check(&call("pay", sealed.clone())).is_err());
+        let policy = BTreeMap::from([(
+            "pay".to_owned(),
+            ToolPolicy {
+                sensitive: vec!["card".into()],
+                ..ToolPolicy::default()
+            },
+        )]);
+        let c = Contract::new(&[pay], &policy);
+        assert_eq!(c.check(&call("pay", sealed)), Ok(()));
+        // The other parameters are still checked, and the sensitive one must be there.
+        assert!(
+            c.check(&call("pay", json!({"to": 5, "card": "x"})))
+                .is_err()
+        );
+        assert!(c.check(&call("pay", json!({"to": "bob"}))).is_err());
     }
 
     #[test]

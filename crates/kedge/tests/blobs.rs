@@ -90,7 +90,7 @@ async fn stored_by_reference(h: &Harness, run: &RunId, events: &[Recorded]) -> u
     by_reference
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_two_mib_response_and_a_ten_mib_tool_output_go_through_a_run() {
     let content = text(2 * MIB);
     let script = json!({"models": {"big": {"steps": [
@@ -99,7 +99,13 @@ async fn a_two_mib_response_and_a_ten_mib_tool_output_go_through_a_run() {
         {"text": "done"}
     ]}}});
     let h = Harness::start_with(script, &[Svc::Intake, Svc::Step, Svc::Tool], |c| {
-        // Writing and catting megabytes in the sandbox, under a loaded machine.
+        // Writing, catting and hashing megabytes on a loaded machine: leases that a busy
+        // moment does not lose (the harness's in-process services share one worker id, so a
+        // lost lease is not taken back by its own process).
+        c.timeouts.lease_ttl_ms = 10_000;
+        c.timeouts.lease_renew_ms = 2_000;
+        c.timeouts.step_ack_wait_ms = 15_000;
+        c.timeouts.stall_after_ms = 30_000;
         c.timeouts.tool_timeout_ms = 20_000;
         c.timeouts.tool_grace_ms = 2_000;
         c.timeouts.tool_ack_wait_ms = 30_000;
@@ -183,7 +189,7 @@ async fn a_two_mib_response_and_a_ten_mib_tool_output_go_through_a_run() {
     h.shutdown().await;
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_without_an_output_policy_is_still_cut_at_the_default() {
     let script = json!({"models": {"cut": {"steps": [
         {"tool_calls": [{"name": "write_file", "arguments": {"path": "f.txt", "content": text(200 * 1024)}}]},

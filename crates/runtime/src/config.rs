@@ -92,6 +92,11 @@ pub struct Config {
     /// base URL, e.g. `http://otel-collector:4318`: spans go to `<endpoint>/v1/traces`, JSON
     /// encoded); none (the default): no export. See [`crate::trace`].
     pub otlp_endpoint: Option<String>,
+    /// The operator's key for sensitive values (`KEDGE_SEAL_KEY`: 64 hex digits, 32 bytes), which
+    /// intake, step and tool processes need when an agent marks task fields or tool parameters
+    /// sensitive: such values are journaled sealed with it ([`crate::seal`]). None (the default):
+    /// runs of such agents are refused. Never printed.
+    pub seal_key: Option<Secret>,
     /// The retention policy (`kedge serve retention`) and the tool hosts' sweep of purged runs'
     /// workspaces. Off by default: see [`RetentionConfig`] and docs/CONFIG.md "Retention".
     pub retention: RetentionConfig,
@@ -350,6 +355,7 @@ impl Default for Config {
             models: ModelPolicy::default(),
             metrics_addr: None,
             otlp_endpoint: None,
+            seal_key: None,
             retention: RetentionConfig::default(),
         }
     }
@@ -407,6 +413,7 @@ impl std::fmt::Debug for Config {
             models,
             metrics_addr,
             otlp_endpoint,
+            seal_key,
             retention,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
@@ -432,6 +439,7 @@ impl std::fmt::Debug for Config {
             .field("models", models)
             .field("metrics_addr", metrics_addr)
             .field("otlp_endpoint", &otlp_endpoint.as_deref().map(redact_url))
+            .field("seal_key", seal_key)
             .field("retention", retention)
             .finish()
     }
@@ -1247,6 +1255,9 @@ impl Config {
         if let Some(v) = get("KEDGE_METRICS_ADDR") {
             self.metrics_addr = non_empty(Some(v)).map(|v| v.trim().to_owned());
         }
+        if let Some(v) = get("KEDGE_SEAL_KEY") {
+            self.seal_key = non_empty(Some(v)).map(|v| Secret::new(v.trim()));
+        }
         if let Some(v) = get("KEDGE_OTLP_ENDPOINT") {
             self.otlp_endpoint = non_empty(Some(v)).map(|v| v.trim().to_owned());
         }
@@ -1372,6 +1383,12 @@ impl Config {
                     reason: format!("`{addr}` is not host:port (e.g. 0.0.0.0:9464)"),
                 });
             }
+        }
+        if let Some(key) = &self.seal_key {
+            crate::seal::SealKey::from_hex(key.expose()).map_err(|e| ConfigError::Invalid {
+                field: "seal_key",
+                reason: e.to_string(),
+            })?;
         }
         if let Some(url) = &self.otlp_endpoint {
             let rest = url

@@ -39,6 +39,7 @@ pub mod inputs;
 pub mod liveness;
 pub mod metrics;
 pub mod retention;
+pub mod seal;
 pub mod secure;
 pub mod tasks;
 pub mod trace;
@@ -96,6 +97,8 @@ pub struct Runtime {
     pub leases: Leases,
     pub agents: agents::AgentStore,
     pub idempotency: idempotency::IdempotencyStore,
+    /// The operator's key for sensitive values ([`seal`]), when configured.
+    pub seal: Option<seal::SealKey>,
     /// This process's failure detector, started by the first service that needs it
     /// ([`Runtime::liveness`]) and shared by the others.
     liveness: Arc<tokio::sync::OnceCell<liveness::Liveness>>,
@@ -171,8 +174,19 @@ impl Runtime {
             idempotency::IdempotencyStore::new(kv(subjects::IDEMPOTENCY_BUCKET).await?)
                 .with_blobs(journal.blobs().clone());
         let leases = Leases::new(client.clone());
+        let seal =
+            match &config.seal_key {
+                Some(hex) => Some(seal::SealKey::from_hex(hex.expose()).map_err(|e| {
+                    ConfigError::Invalid {
+                        field: "seal_key",
+                        reason: e.to_string(),
+                    }
+                })?),
+                None => None,
+            };
         Ok(Runtime {
             journal,
+            seal,
             leases,
             agents,
             idempotency,

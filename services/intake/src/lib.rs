@@ -286,7 +286,7 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         Some(id) => id.clone(),
         None => derive_run_id(&tenant, key.as_deref(), seq),
     };
-    let created = RunCreated {
+    let mut created = RunCreated {
         agent: task.agent.clone(),
         agent_revision: revision,
         agent_digest: def.digest(),
@@ -308,6 +308,7 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         traceparent: trace::accept(header(headers, trace::TRACEPARENT_HEADER)),
         parent: None,
     };
+    seal_task_fields(rt, &def, &run_id, &mut created)?;
     let env = Envelope::new(
         run_id.clone(),
         Timestamp::now(),
@@ -374,26 +375,73 @@ fn is_inbox(subject: &str, config: &kedge_runtime::Config) -> bool {
                 && subject.as_bytes().get(prefix.len()) == Some(&b'.')))
 }
 
+/// Seals the task fields the agent marks sensitive (`input`, `metadata.<key>`) before the run
+/// is journaled ([`kedge_runtime::seal`]). Without the seal key such a task is refused: nothing
+/// sensitive is journaled in clear.
+fn seal_task_fields(
+    rt: &Runtime,
+    def: &kedge_core::agent::AgentDefinition,
+    run: &RunId,
+    created: &mut RunCreated,
+) -> Result<(), Refusal> {
+    if !def.marks_sensitive() {
+        return Ok(());
+    }
+    let Some(key) = rt.seal.as_ref() else {
+        return Err(Refusal::Reject(TaskRejection::new(
+            "agent",
+            format!(
+                "agent `{}` marks values sensitive and this deployment has no seal key \
+                 (KEDGE_SEAL_KEY)",
+                def.name
+            ),
+        )));
+    };
+    for field in &def.sensitive_task_fields {
+        if field == "input" {
+            created.input = key.seal(run, &serde_json::Value::String(created.input.clone()));
+        } else if let Some(k) = field.strip_prefix("metadata.")
+            && let Some(v) = created.metadata.get_mut(k)
+            && !v.as_str().is_some_and(kedge_runtime::seal::is_sealed)
+        {
+            *v = serde_json::Value::String(key.seal(run, v));
+        }
+    }
+    Ok(())
+}
+
 async fn record_rejection(
     rt: &Runtime,
     msg: &Message,
     rejection: &TaskRejection,
 ) -> Result<(), String> {
-    let agent = msg.subject.strip_prefix("agent.task.").unwrap_or("unknown");
-    let agent = if agent
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-    {
-        agent
+    // The record goes to agent.rejected.<agent> (also for agent.task.<agent>.<tenant>).
+    let parsed = subjects::parse_task(&msg.subject).ok();
+    let agent = match &parsed {
+        Some(task) => task.agent.as_str(),
+        None => "invalid",
+    };
+    // The start of the task, for the operator; not for an agent that marks task fields
+    // sensitive (they would be kept here in clear).
+    let sensitive = match &parsed {
+        Some(task) => rt
+            .agents
+            .latest(&task.agent)
+            .await
+            .is_ok_and(|(_, def)| def.marks_sensitive()),
+        None => false,
+    };
+    let task = if sensitive {
+        "<withheld: the agent marks task fields sensitive>".into()
     } else {
-        "invalid"
+        String::from_utf8_lossy(&msg.payload[..msg.payload.len().min(4096)])
     };
     let body = serde_json::json!({
         "at": Timestamp::now(),
         "subject": msg.subject.as_str(),
         "msg_id": header(msg.headers.as_ref(), "Nats-Msg-Id"),
         "error": rejection,
-        "task": String::from_utf8_lossy(&msg.payload[..msg.payload.len().min(4096)]),
+        "task": task,
     });
     let ack = rt
         .js

@@ -11,7 +11,7 @@ use kedge_core::event::{
     CancelRequested, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed,
     Timestamp, ToolResult,
 };
-use kedge_core::fold::{FoldError, RunState, ToolOp};
+use kedge_core::fold::{ChatMessage, FoldError, RunState, ToolOp};
 use kedge_core::ids::{InputId, OperationId, RunId};
 use kedge_core::machine::RunStatus;
 use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
@@ -24,6 +24,7 @@ use kedge_runtime::failpoint;
 use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
 use kedge_runtime::liveness::Liveness;
 use kedge_runtime::metrics::{self, ModelOutcome, Takeover};
+use kedge_runtime::seal::{self, SealError};
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
@@ -922,10 +923,13 @@ impl Driver {
             Err(e) => return Ok(Some(format!("not run: {e}"))),
         };
         let now = Timestamp::now();
-        let created = match child::created(state, &op.op, revision, &def, input, now) {
+        let mut created = match child::created(state, &op.op, revision, &def, input, now) {
             Ok(created) => created,
             Err(why) => return Ok(Some(why)),
         };
+        if let Err(e) = seal_child_input(&self.rt, state, id, &def, &mut created.input) {
+            return Ok(Some(format!("not run: {e}")));
+        }
         let env = Envelope::new(
             id.clone(),
             now,
@@ -1028,12 +1032,15 @@ impl Driver {
             .check_model(&key_var, state.bundle.model.base_url.as_deref())
             .map_err(|reason| CallError::Model(ModelError::refused_by_policy(reason)))?;
         let api_key = self.rt.config.api_key(&key_var);
+        // Sensitive values are sealed in the journal; the model reads them in clear.
+        let context = open_context(&self.rt, state, def, &plan.context)
+            .map_err(|e| CallError::Model(ModelError::refused_by_policy(e.to_string())))?;
         let call = ModelCall {
             spec: &state.bundle.model,
             api_key: api_key.as_deref(),
             system: &def.system_prompt,
             tools: &def.tools,
-            context: &plan.context,
+            context: context.as_deref().unwrap_or(&plan.context),
             request_id: &plan.request_id,
             max_output_tokens: def.max_output_tokens,
             output_schema: def.output_schema.as_ref(),
@@ -1088,8 +1095,81 @@ impl Driver {
         };
         drop(tx);
         let _ = forward.await;
-        result
+        // The sensitive arguments of its tool calls are sealed before the response is stored,
+        // decided on or logged.
+        result.and_then(|mut response| {
+            seal_response(&self.rt, state, def, &mut response)
+                .map_err(|e| CallError::Model(ModelError::refused_by_policy(e.to_string())))?;
+            Ok(response)
+        })
     }
+}
+
+/// The context to send the model with the sealed values of the run opened
+/// ([`kedge_runtime::seal`]); `None` when nothing in it is sealed (the plan's is sent as is).
+/// Refused when the agent marks values sensitive and this process has no seal key.
+fn open_context(
+    rt: &Runtime,
+    state: &RunState,
+    def: &AgentDefinition,
+    context: &[ChatMessage],
+) -> Result<Option<Vec<ChatMessage>>, SealError> {
+    if def.marks_sensitive() && rt.seal.is_none() {
+        return Err(SealError::NoKey);
+    }
+    let mut value = serde_json::to_value(context).unwrap_or_default();
+    if !seal::holds_sealed(&value) {
+        return Ok(None);
+    }
+    seal::open_all(rt.seal.as_ref(), &state.run_id, &mut value)?;
+    serde_json::from_value(value)
+        .map(Some)
+        .map_err(|_| SealError::Unopenable("a sealed value does not fit where it was"))
+}
+
+/// A child's input as its `run.created` keeps it: a value the parent holds sealed
+/// (`policy.run_agent.sensitive`) is opened and sealed again for the child (a token opens only
+/// in its own run), and one the child's agent marks sensitive is sealed. So it is sealed when
+/// either side marks it, never journaled in clear.
+fn seal_child_input(
+    rt: &Runtime,
+    parent: &RunState,
+    child: &RunId,
+    def: &AgentDefinition,
+    input: &mut String,
+) -> Result<(), SealError> {
+    let held_sealed = seal::is_sealed(input);
+    if !held_sealed && !def.sensitive_task_fields.iter().any(|f| f == "input") {
+        return Ok(());
+    }
+    let key = rt.seal.as_ref().ok_or(SealError::NoKey)?;
+    let clear = if held_sealed {
+        match key.open(&parent.run_id, input)? {
+            serde_json::Value::String(s) => s,
+            other => other.to_string(),
+        }
+    } else {
+        std::mem::take(input)
+    };
+    *input = key.seal(child, &serde_json::Value::String(clear));
+    Ok(())
+}
+
+/// Seals the arguments the agent marks sensitive (`policy.<tool>.sensitive`) in the model's
+/// tool calls.
+fn seal_response(
+    rt: &Runtime,
+    state: &RunState,
+    def: &AgentDefinition,
+    response: &mut kedge_core::decide::ModelResponse,
+) -> Result<(), SealError> {
+    for call in &mut response.message.tool_calls {
+        let names = def.sensitive_params(&call.name);
+        if !names.is_empty() {
+            seal::seal_fields(rt.seal.as_ref(), &state.run_id, &mut call.arguments, names)?;
+        }
+    }
+    Ok(())
 }
 
 enum CallError {

@@ -971,11 +971,17 @@ async fn execute(
     // before it; `tool.result` is appended only after both, so the journal keeps the order.
     let key = InputId::tool_started(op, revision);
     let limited = env.for_request(req);
+    // Sensitive arguments are journaled sealed; the tool gets them in clear.
+    let arguments = open_arguments(rt, op.run(), &req.arguments);
     let (started, ran) = futures::join!(rt.journal.append_input(&started, key.as_str()), async {
         let began = std::time::Instant::now();
-        let ran = target
-            .run(&limited, &ctx.mcp, op, &req.arguments, stop)
-            .await;
+        let ran = match &arguments {
+            Ok(arguments) => target.run(&limited, &ctx.mcp, op, arguments, stop).await,
+            Err(e) => Ran::Done {
+                out: Output::error(format!("not run: {e}")),
+                stopped: false,
+            },
+        };
         metrics::tool_call(began.elapsed());
         ran
     });
@@ -1147,6 +1153,20 @@ async fn journal_moved(
 /// run that exists and a tool its agent declares (else `{"refused": reason}`). When that cannot
 /// be checked (broker trouble) there is no answer: the asker's timeout makes it ask again,
 /// where an error answer could be taken for "no version".
+/// An operation's arguments with the run's sealed values opened ([`kedge_runtime::seal`]).
+fn open_arguments<'a>(
+    rt: &Runtime,
+    run: &RunId,
+    arguments: &'a serde_json::Value,
+) -> Result<std::borrow::Cow<'a, serde_json::Value>, kedge_runtime::seal::SealError> {
+    if !kedge_runtime::seal::holds_sealed(arguments) {
+        return Ok(std::borrow::Cow::Borrowed(arguments));
+    }
+    let mut opened = arguments.clone();
+    kedge_runtime::seal::open_all(rt.seal.as_ref(), run, &mut opened)?;
+    Ok(std::borrow::Cow::Owned(opened))
+}
+
 async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
     let reply = match serde_json::from_slice::<TargetQuery>(&request.payload) {
         Ok(q) => {
@@ -1156,9 +1176,14 @@ async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
                 .await
             {
                 Ok(()) => {
-                    let version = Target::of(&q.tool, &ctx.mcp)
-                        .version(&ctx.env, &q.run_id, &q.arguments)
-                        .await;
+                    let version = match open_arguments(&ctx.rt, &q.run_id, &q.arguments) {
+                        Ok(arguments) => {
+                            Target::of(&q.tool, &ctx.mcp)
+                                .version(&ctx.env, &q.run_id, &arguments)
+                                .await
+                        }
+                        Err(_) => None,
+                    };
                     serde_json::to_vec(&TargetAnswer { version })
                 }
                 Err(CheckError::Refused(refusal)) => {
