@@ -192,3 +192,88 @@ async fn an_ambiguous_operation_left_by_an_earlier_build_is_resolved_and_run_on_
     );
     h.shutdown().await;
 }
+
+/// An operation left `running` by an earlier build whose runner died (issue 13, item 6): this
+/// build's runner takes it over and asks the tool's status query about the earlier build's
+/// operation id (the built-in ledger's, by operation id). `confirmed`: the earlier effect's
+/// result is journaled (`outcome.confirmed`) and nothing runs again; `not_found`: this runner
+/// runs it, once, under the same id. Either way the run finishes on this build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_left_running_by_an_earlier_build_is_answered_by_its_status_query() {
+    let fixture = "a-step-worker-killed-after-the-model-answered-costs-no-second-call";
+    for effect_happened in [true, false] {
+        // Through the ledger operation's `tool.started`: the earlier build's runner took it.
+        let (events, def) = recorded(fixture, 26);
+        assert!(
+            matches!(
+                events.last().map(|(_, e)| &e.event),
+                Some(Event::ToolStarted(_))
+            ),
+            "the fixture is cut with the operation started"
+        );
+        let (op, args_digest) = events
+            .iter()
+            .find_map(|(_, e)| match &e.event {
+                Event::ToolRequested(t) if t.tool == "ledger_append" => {
+                    Some((e.op.clone().expect("op"), t.args_digest.clone()))
+                }
+                _ => None,
+            })
+            .expect("the ledger operation");
+        let model = def.model.name.clone();
+        let mut h = Harness::start(
+            // By assistant turns: three were answered for the earlier build.
+            json!({"models": {model: {"steps": [
+                {"text": "not asked again"}, {"text": "not asked again"},
+                {"text": "not asked again"}, {"text": "all done"}
+            ]}}}),
+            &[],
+        )
+        .await;
+        restore(&h, &events, def).await;
+        let run = events[0].1.run_id.clone();
+        // What the earlier build left beside its journal: the operation's record, held by a
+        // runner that is gone, and (or not) the effect in the ledger.
+        let kv =
+            h.rt.js
+                .get_key_value("kedge_idempotency")
+                .await
+                .expect("bucket");
+        let record = json!({"args_digest": args_digest, "runner": "w-earlier-build",
+            "dispatch": 0, "state": "running"});
+        kv.put(format!("op.{op}"), record.to_string().into())
+            .await
+            .expect("record");
+        let ledger = h.config.workspace_root.join("ledger.log");
+        std::fs::create_dir_all(&h.config.workspace_root).expect("workspace root");
+        if effect_happened {
+            std::fs::write(&ledger, format!("{op}\tone\n")).expect("ledger");
+        }
+        for svc in [Svc::Step, Svc::Tool] {
+            h.spawn_service(svc, "w-new-build");
+        }
+        let done = h.wait_terminal(&run, WAIT).await;
+        assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+        assert_eq!(done.output.as_deref(), Some("all done"));
+        let events = h.events(&run).await;
+        let confirmed = events.iter().any(|r| {
+            matches!(r.envelope.event, Event::OutcomeConfirmed(_))
+                && r.envelope.op.as_ref() == Some(&op)
+        });
+        assert_eq!(confirmed, effect_happened, "confirmed only what happened");
+        assert_eq!(
+            done.ops[&op].result.clone().expect("a result").content,
+            "recorded: one"
+        );
+        let lines = std::fs::read_to_string(&ledger).expect("ledger");
+        assert_eq!(
+            lines
+                .lines()
+                .filter(|l| l.starts_with(&format!("{op}\t")))
+                .count(),
+            1,
+            "the effect once, whoever made it: {lines}"
+        );
+        h.shutdown().await;
+    }
+}

@@ -157,11 +157,13 @@ impl Running {
         rx
     }
 
+    /// Forgets `op`'s stop signals whose handling ended (its receiver is gone): another
+    /// delivery of the same operation handled at the same time keeps its own.
     fn unregister(&self, op: &OperationId) {
         if let Ok(mut map) = self.0.lock()
             && let Some(ops) = map.get_mut(op.run())
         {
-            ops.retain(|(o, _)| o != op);
+            ops.retain(|(o, tx)| o != op || !tx.is_closed());
             if ops.is_empty() {
                 map.remove(op.run());
             }
@@ -1274,5 +1276,31 @@ async fn journal_input(
     match rt.journal.append_input(&env, key.as_str()).await {
         Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
         Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kedge_core::StepNo;
+
+    #[tokio::test]
+    async fn a_finished_handling_leaves_the_stop_signal_of_another_of_the_same_operation() {
+        let run: RunId = "run_x".parse().expect("run id");
+        let op = OperationId::new(&run, StepNo(1), 0);
+        let running = Running::default();
+        let first = running.register(&op);
+        let mut second = running.register(&op);
+        // The first handling ends (its receiver goes) and forgets its signal only.
+        drop(first);
+        running.unregister(&op);
+        running.stop_run(&run);
+        assert!(
+            second.wait_for(|s| *s).await.is_ok(),
+            "the other is still stopped by a cancel"
+        );
+        drop(second);
+        running.unregister(&op);
+        assert!(running.0.lock().expect("lock").is_empty());
     }
 }

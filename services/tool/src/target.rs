@@ -80,7 +80,7 @@ impl Target {
             Target::Builtin(t) => tokio::select! {
                 out = env.run(*t, op, args) => Ran::Done { out, stopped: false },
                 // Dropping the tool's future kills a `shell` child (kill_on_drop).
-                _ = stop.wait_for(|s| *s) => stopped(),
+                _ = stop_requested(&mut stop) => stopped(),
             },
             Target::Mcp { server, tool } => {
                 let arguments = match args {
@@ -95,9 +95,7 @@ impl Target {
                         };
                     }
                 };
-                let stop = async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                };
+                let stop = async move { stop_requested(&mut stop).await };
                 match mcp
                     .call(server, tool, arguments, &op.to_string(), env.timeout, stop)
                     .await
@@ -151,6 +149,14 @@ impl Target {
                 stopped: false,
             },
         }
+    }
+}
+
+/// Resolves when the run's cancel turns `stop` true; never when its sender is gone (that is
+/// no cancel).
+async fn stop_requested(stop: &mut watch::Receiver<bool>) {
+    if stop.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
