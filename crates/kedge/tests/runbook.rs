@@ -561,7 +561,13 @@ fn problems(results: &[Value], runs: &Runs) -> Vec<String> {
         "an archived journal",
         ok.iter()
             .copied()
-            .filter(|r| op(r, "object_get") && run_is(r, &runs.archived))
+            .filter(|r| {
+                op(r, "object_get")
+                    && run_is(r, &runs.archived)
+                    && r["target"]["name"]
+                        .as_str()
+                        .is_some_and(|n| n.starts_with("archive/"))
+            })
             .collect(),
         &|r| {
             r["target"]["bucket"] == "kedge_blobs"
