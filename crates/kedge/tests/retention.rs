@@ -197,7 +197,11 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
     assert!(h.events(&done).await.is_empty(), "the journal is gone");
     for (_, r) in &referenced {
         assert_eq!(
-            h.rt.journal.blobs().get(&done, r).await.expect_err("removed"),
+            h.rt.journal
+                .blobs()
+                .get(&done, r)
+                .await
+                .expect_err("removed"),
             kedge_journal::BlobError::Missing(r.digest.clone()),
             "its blobs are gone"
         );
