@@ -730,11 +730,6 @@ pub struct RunCancelled {
     pub operations: Vec<OpSummary>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub struct UserMessage {
-    pub text: String,
-}
-
 /// A version gate: a change to the decision code (`decide`, `complete_step`) that decides
 /// differently from the code before it for the same journal. A run takes the new branch only
 /// from the decision group that journals the gate's marker (`run.gated`) on; a journal without
@@ -772,6 +767,11 @@ impl Gate {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct RunGated {
     pub gate: Gate,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct UserMessage {
+    pub text: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
