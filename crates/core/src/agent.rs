@@ -65,6 +65,48 @@ pub struct AgentDefinition {
     /// an agent that marks anything sensitive.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sensitive_task_fields: Vec<String>,
+    /// What a cancelled run does with its effects: `none` (default) ends it at once, listing
+    /// them; `compensate` first runs the compensation of each completed operation of a
+    /// `compensable` tool (`policy.<tool>.reversibility`), newest first, one at a time
+    /// (docs/ARCHITECTURE.md "Compensation").
+    #[serde(default, skip_serializing_if = "OnEnd::is_none")]
+    pub on_cancel: OnEnd,
+    /// The same for a run that fails (its budget, deadline, the model's refusal, an invalid
+    /// answer): `none` (default) or `compensate`.
+    #[serde(default, skip_serializing_if = "OnEnd::is_none")]
+    pub on_failure: OnEnd,
+}
+
+/// What a run that ends early (cancelled, failed) does with the effects of its turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnEnd {
+    /// Nothing: the run ends at once, its terminal event listing its operations.
+    #[default]
+    None,
+    /// Compensate what can be compensated, newest first, then end; what cannot is listed.
+    Compensate,
+}
+
+impl OnEnd {
+    fn is_none(&self) -> bool {
+        *self == OnEnd::None
+    }
+}
+
+/// How a `compensable` tool's effect is undone (`policy.<tool>.compensate`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CompensateDecl {
+    /// The compensating tool: a tool of this agent (not one the step handles itself, and not
+    /// one that needs approval: compensations run without a person).
+    pub tool: String,
+    /// Its arguments, a JSON template: a string `${arguments}`, `${arguments.<field>…}`,
+    /// `${result}` or `${op}` is the compensated operation's arguments (or a field of them),
+    /// its result text, or its operation id; inside a longer string, their text. Absent: the
+    /// compensated operation's own arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<serde_json::Value>,
 }
 
 /// Retries of an invalid answer when `output_retries` is not given.
@@ -309,6 +351,15 @@ pub struct ToolPolicy {
     /// the rest of the arguments against the tool's schema; these the tool checks itself.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sensitive: Vec<String>,
+    /// How far the tool's effect can be undone: `reversible` (nothing needs undoing: harmless
+    /// to leave, or a read), `compensable` (undone by `compensate`), `irreversible`. Absent:
+    /// undeclared, treated as irreversible (never compensated, always listed) and listed as
+    /// `undeclared`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reversibility: Option<crate::event::Level>,
+    /// With `reversibility: compensable` (and only then): the operation that undoes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensate: Option<CompensateDecl>,
 }
 
 /// The most output a policy may keep for one tool operation (16 MiB).
@@ -584,6 +635,7 @@ impl AgentDefinition {
                 );
             }
         }
+        self.check_compensation()?;
         check_budget(&self.budget, "budget.")
             .map_err(|(field, reason)| DefinitionError { field, reason })?;
         in_range(
@@ -609,6 +661,69 @@ impl AgentDefinition {
                 "budget.max_cost".into(),
                 "needs model.price to count what the run costs",
             );
+        }
+        Ok(())
+    }
+
+    /// The reversibility declarations (`policy.<tool>.reversibility`, `compensate`).
+    fn check_compensation(&self) -> Result<(), DefinitionError> {
+        use crate::event::Level;
+        let err = |field: String, reason: String| Err(DefinitionError { field, reason });
+        for (name, p) in &self.policy {
+            match (p.reversibility, &p.compensate) {
+                (Some(Level::Undeclared), _) => {
+                    return err(
+                        format!("policy.{name}.reversibility"),
+                        "must be reversible, compensable or irreversible (leave it out for \
+                         undeclared)"
+                            .into(),
+                    );
+                }
+                (Some(Level::Compensable), None) => {
+                    return err(
+                        format!("policy.{name}.compensate"),
+                        "a compensable tool must name its compensation \
+                         (`{\"tool\": …, \"arguments\": …}`)"
+                            .into(),
+                    );
+                }
+                (Some(Level::Compensable), Some(c)) => {
+                    let field = format!("policy.{name}.compensate.tool");
+                    if !self.tools.iter().any(|t| t.name == c.tool) {
+                        return err(field, format!("`{}` is not a tool of this agent", c.tool));
+                    }
+                    if crate::fold::handled_by_step(&c.tool) {
+                        return err(
+                            field,
+                            format!(
+                                "`{}` is handled by the step and has no effect to run",
+                                c.tool
+                            ),
+                        );
+                    }
+                    if self.tool_policy(&c.tool).approval != ApprovalRule::Never {
+                        return err(
+                            field,
+                            format!(
+                                "`{}` needs approval, and compensations run without a person",
+                                c.tool
+                            ),
+                        );
+                    }
+                    if let Some(args) = &c.arguments
+                        && let Err(reason) = crate::compensation::check_template(args)
+                    {
+                        return err(format!("policy.{name}.compensate.arguments"), reason);
+                    }
+                }
+                (_, Some(_)) => {
+                    return err(
+                        format!("policy.{name}.compensate"),
+                        "only with \"reversibility\": \"compensable\"".into(),
+                    );
+                }
+                (Some(Level::Reversible | Level::Irreversible) | None, None) => {}
+            }
         }
         Ok(())
     }

@@ -291,6 +291,7 @@ pub fn result(child: &RunState) -> Option<ToolResult> {
         | RunStatus::WaitingApproval
         | RunStatus::WaitingExternal
         | RunStatus::Cancelling
+        | RunStatus::Compensating
         | RunStatus::Unknown => None,
     }
 }

@@ -152,8 +152,19 @@ pub struct ModelResponse {
     pub finish: FinishReason,
 }
 
-/// Decides the next action for a run.
+/// Decides the next action for a run. A run that ends (cancelled, failed) with effects its
+/// agent compensates goes through `compensating` first ([`crate::compensation`]).
 pub fn decide(state: &RunState) -> Next {
+    if state.status == RunStatus::Compensating && state.completing.is_none() {
+        return crate::compensation::next(state);
+    }
+    match decide_base(state) {
+        Next::Commit(drafts) => Next::Commit(crate::compensation::intercept(state, drafts)),
+        other => other,
+    }
+}
+
+fn decide_base(state: &RunState) -> Next {
     let budget = &state.bundle.budget;
     // A cut-short decision group is finished before anything else (a group always ends by
     // settling the status, so a terminal run never has one).
@@ -189,6 +200,7 @@ pub fn decide(state: &RunState) -> Next {
                 Next::Commit(drafts)
             }
         }
+        RunStatus::Compensating => crate::compensation::next(state),
         RunStatus::Cancelling if has_ambiguous(state) => unknown(state),
         RunStatus::Cancelling => finish_cancel(state),
         _ if state.cancel_requested.is_some() => {
@@ -379,6 +391,7 @@ struct Held {
     network: bool,
     retry: Option<crate::tools::RetryPolicy>,
     max_output_bytes: Option<u64>,
+    reversibility: Option<crate::event::Reversibility>,
 }
 
 /// `approval.requested` (version `version`) and its expiry timer.
@@ -409,6 +422,7 @@ fn approval_request(
             network: held.network,
             max_output_bytes: held.max_output_bytes,
             retry: held.retry,
+            reversibility: held.reversibility,
         }))
         .step(op.step())
         .op(op.clone()),
@@ -441,6 +455,7 @@ fn ask_again(
             network: a.request.network,
             max_output_bytes: a.request.max_output_bytes,
             retry: a.request.retry.clone(),
+            reversibility: a.request.reversibility.clone(),
         },
         a.request.plan_version.saturating_add(1),
         from.saturating_add_signed(ttl),
@@ -528,6 +543,8 @@ fn act_on_approvals(state: &RunState) -> Vec<Draft> {
                             network: tool.network,
                             max_output_bytes: tool.max_output_bytes,
                             retry: tool.retry.clone(),
+                            reversibility: tool.reversibility.clone(),
+                            compensates: None,
                         }))
                         .step(op.step())
                         .op(op.clone()),
@@ -639,6 +656,8 @@ fn redispatches(state: &RunState) -> Vec<Draft> {
                 network: o.network,
                 max_output_bytes: o.max_output_bytes,
                 retry: o.retry.clone(),
+                reversibility: o.reversibility.clone(),
+                compensates: o.compensates.clone(),
             }))
             .step(o.op.step())
             .op(o.op.clone())
@@ -678,6 +697,7 @@ fn fail(reason: FailureReason, message: String) -> Next {
     Next::Commit(vec![Draft::new(Event::RunFailed(RunFailed {
         reason,
         message,
+        effects: Vec::new(),
     }))])
 }
 
@@ -687,7 +707,11 @@ fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>) -> Next {
     // reason, a sequence the state machine allows (a bare `run.failed` from `succeeded` is not).
     let fail_after = |prefix: Vec<Draft>, reason, message: String| {
         let mut drafts = prefix;
-        drafts.push(Draft::new(Event::RunFailed(RunFailed { reason, message })));
+        drafts.push(Draft::new(Event::RunFailed(RunFailed {
+            reason,
+            message,
+            effects: Vec::new(),
+        })));
         Next::Commit(drafts)
     };
     if state.step.get() >= budget.max_steps {
@@ -853,7 +877,7 @@ pub fn complete_step_gated(
         if running_ops(state) == 0 {
             drafts.push(cancelled(state));
         }
-        return drafts;
+        return crate::compensation::intercept(state, drafts);
     }
     let mut drafts = Vec::with_capacity(response.message.tool_calls.len() * 2 + 2);
     let mut refused_any = false;
@@ -888,6 +912,7 @@ pub fn complete_step_gated(
                     network: tool_policy.network,
                     max_output_bytes: tool_policy.max_output_bytes,
                     retry: tool_policy.retry.clone(),
+                    reversibility: contract.reversibility(&call.name),
                 },
                 1,
                 now.saturating_add(ttl),
@@ -906,6 +931,8 @@ pub fn complete_step_gated(
                 network: tool_policy.network,
                 max_output_bytes: tool_policy.max_output_bytes,
                 retry: tool_policy.retry.clone(),
+                reversibility: contract.reversibility(&call.name),
+                compensates: None,
             }))
             .step(step)
             .op(op.clone()),
@@ -1027,7 +1054,7 @@ pub fn complete_step_gated(
     } else if follows.is_none() {
         drafts.push(Draft::new(Event::RunWaiting(RunWaiting { on })).step(step));
     }
-    drafts
+    crate::compensation::intercept(state, drafts)
 }
 
 /// What the final answer `output` (a step that calls no tools) means for the run, by its check
@@ -1046,6 +1073,7 @@ pub fn final_answer(state: &RunState, contract: &Contract, output: String) -> Ev
         Event::RunFailed(RunFailed {
             reason: FailureReason::InvalidOutput,
             message,
+            effects: Vec::new(),
         })
     };
     match contract.on_invalid_output() {

@@ -142,6 +142,7 @@ pub fn waits_on(event: &Event) -> Option<WaitReason> {
         | Event::RunFailed(_)
         | Event::RunCancelled(_)
         | Event::RunGated(_)
+        | Event::RunCompensating(_)
         | Event::UserMessage(_)
         | Event::ToolStarted(_)
         | Event::ToolResult(_)
@@ -255,6 +256,11 @@ pub struct ToolOp {
     pub max_output_bytes: Option<u64>,
     /// Attempts of its current dispatch that failed and were retried (`tool.attempt`).
     pub failed_attempts: u32,
+    /// Its tool's declared reversibility (from its request), and a compensable tool's
+    /// compensation.
+    pub reversibility: Option<crate::event::Reversibility>,
+    /// For a compensation: the operation it compensates.
+    pub compensates: Option<OperationId>,
 }
 
 /// The step whose `step.started` has no `step.completed` yet.
@@ -378,6 +384,11 @@ pub struct RunState {
     pub completing: Option<Completing>,
     /// Version gates the run has marked (`run.gated`): its decisions take their new branch.
     pub gates: Gates,
+    /// The first step of the current turn (1, or the step after `run.revived`): the effects a
+    /// compensation undoes are this turn's.
+    pub turn_first_step: StepNo,
+    /// The compensation the run is in or went through (`run.compensating`).
+    pub compensation: Option<crate::event::RunCompensating>,
 }
 
 /// The part of a step's decision group already journaled.
@@ -548,6 +559,8 @@ impl RunState {
             set_aside: 0,
             completing: None,
             gates: Gates::NONE,
+            turn_first_step: StepNo(1),
+            compensation: None,
         })
     }
 
@@ -729,6 +742,32 @@ impl RunState {
                     name: req.tool.clone(),
                     arguments: req.arguments.clone(),
                 };
+                // A compensation is requested only by a compensating run, under the id derived
+                // from the operation it compensates, which is in its plan; and only it uses a
+                // compensation's id.
+                let planned = |c: &OperationId| {
+                    self.compensation.as_ref().is_some_and(|k| {
+                        k.plan
+                            .iter()
+                            .any(|p| p.op == *c && p.compensation.as_ref() == Some(&op))
+                    })
+                };
+                let valid = match &req.compensates {
+                    Some(c) => {
+                        self.status == RunStatus::Compensating
+                            && c.compensation_of().as_ref() == Some(&op)
+                            && planned(c)
+                    }
+                    None => !op.is_compensation(),
+                };
+                if !valid {
+                    return Err(Self::inconsistent(
+                        seq,
+                        env,
+                        "a compensation must be requested by a compensating run, under the id \
+                         derived from an operation of its plan (and only a compensation uses one)",
+                    ));
+                }
                 match self.ops.get_mut(&op) {
                     // A re-dispatch under the same operation id (after `outcome.not_found` or a
                     // person's `retry`).
@@ -762,6 +801,8 @@ impl RunState {
                                 max_output_bytes: req.max_output_bytes,
                                 retry: req.retry.clone(),
                                 failed_attempts: 0,
+                                reversibility: req.reversibility.clone(),
+                                compensates: req.compensates.clone(),
                             },
                         );
                     }
@@ -801,6 +842,8 @@ impl RunState {
                     max_output_bytes: req.max_output_bytes,
                     retry: req.retry.clone(),
                     failed_attempts: 0,
+                    reversibility: req.reversibility.clone(),
+                    compensates: None,
                 });
                 // A fresh request (after an invalidation) is made for where the target is now.
                 tool.target_moved = None;
@@ -879,6 +922,12 @@ impl RunState {
                 self.children.insert(op, c.child.clone());
             }
             Event::RunCancelling(_) | Event::RunUnknown(_) => {}
+            Event::RunCompensating(k) => {
+                if self.compensation.is_some() {
+                    return Err(Self::inconsistent(seq, env, "a second run.compensating"));
+                }
+                self.compensation = Some(k.clone());
+            }
             // Idempotent: a second marker of the same gate changes nothing.
             Event::RunGated(g) => self.gates = self.gates.with(g.gate),
             Event::RunRevived(r) => {
@@ -886,6 +935,7 @@ impl RunState {
                     return Err(Self::inconsistent(seq, env, "turn must grow by one"));
                 }
                 self.turn = r.turn;
+                self.turn_first_step = self.step.next();
                 self.output = None;
                 self.validation = None;
                 self.failure = None;
@@ -965,6 +1015,7 @@ impl RunState {
             | Event::RunFailed(_)
             | Event::RunCancelling(_)
             | Event::RunCancelled(_)
+            | Event::RunCompensating(_)
             | Event::RunUnknown(_) => {
                 self.completing = None;
                 return None;
@@ -1251,7 +1302,8 @@ impl RunState {
             | Event::RunSucceeded(_)
             | Event::RunFailed(_)
             | Event::RunCancelled(_)
-            | Event::RunGated(_) => false,
+            | Event::RunGated(_)
+            | Event::RunCompensating(_) => false,
         }
     }
 
@@ -1321,7 +1373,10 @@ impl RunState {
             Some(open) => StepNo(open.step.get().saturating_sub(1)),
             None => self.step,
         };
-        self.ops.values().filter(|o| o.op.step() == last).collect()
+        self.ops
+            .values()
+            .filter(|o| o.op.step() == last && o.compensates.is_none())
+            .collect()
     }
 
     /// Operations that have no result yet (of any step).
@@ -1375,6 +1430,7 @@ impl RunState {
             RunStatus::Queued
             | RunStatus::Running
             | RunStatus::Cancelling
+            | RunStatus::Compensating
             | RunStatus::Unknown
             | RunStatus::Succeeded
             | RunStatus::Failed
@@ -1382,11 +1438,17 @@ impl RunState {
         }
     }
 
-    /// How every operation of the run ended, for `run.cancelled`.
+    /// How every operation of the run ended, for `run.cancelled` (and `run.failed`'s
+    /// `effects`): a compensation is listed under the operation it compensates, not apart; each
+    /// with its level when the run's agent declares any ([`RunState::declares_levels`]).
     pub fn op_summaries(&self) -> Vec<OpSummary> {
+        let levels = self.declares_levels();
         self.ops
             .values()
+            .filter(|o| o.compensates.is_none())
             .map(|o| OpSummary {
+                level: levels.then(|| crate::compensation::level_of(o)),
+                compensation: crate::compensation::outcome_of(self, &o.op),
                 op: o.op.clone(),
                 fate: match (&o.result, &o.status) {
                     (Some(r), _) if r.stopped => OpFate::Stopped,
@@ -1403,6 +1465,13 @@ impl RunState {
                 },
             })
             .collect()
+    }
+
+    /// Whether any operation's request carries a declared reversibility: then the run's
+    /// terminal event lists each operation's level. Never for runs of agents that declare
+    /// none, so their terminal events are what they always were.
+    pub fn declares_levels(&self) -> bool {
+        self.ops.values().any(|o| o.reversibility.is_some())
     }
 }
 

@@ -277,6 +277,39 @@ impl OperationId {
     pub fn index(&self) -> u32 {
         self.index
     }
+
+    /// Where compensation ids start in a step's index space (a step's calls never get near).
+    pub const COMPENSATION_BASE: u32 = 1_000_000_000;
+
+    /// The operation that compensates `self` (docs/ARCHITECTURE.md "Compensation"): same run
+    /// and step, index [`OperationId::COMPENSATION_BASE`] + `self`'s. Derived from the operation
+    /// alone, so whoever decides it names the same one, and an ordinary operation id
+    /// everywhere else (the tool runners' records, the confirm queries). `None` for a
+    /// compensation (compensations are not compensated) or an index that does not fit.
+    pub fn compensation_of(&self) -> Option<OperationId> {
+        if self.is_compensation() {
+            return None;
+        }
+        Some(OperationId {
+            run: self.run.clone(),
+            step: self.step,
+            index: Self::COMPENSATION_BASE.checked_add(self.index)?,
+        })
+    }
+
+    /// Whether this is a compensation's id.
+    pub fn is_compensation(&self) -> bool {
+        self.index >= Self::COMPENSATION_BASE
+    }
+
+    /// The operation a compensation's id compensates.
+    pub fn compensated(&self) -> Option<OperationId> {
+        self.is_compensation().then(|| OperationId {
+            run: self.run.clone(),
+            step: self.step,
+            index: self.index - Self::COMPENSATION_BASE,
+        })
+    }
 }
 
 impl fmt::Display for OperationId {

@@ -21,6 +21,7 @@
 
 pub mod agent;
 pub mod child;
+pub mod compensation;
 pub mod config;
 pub mod decide;
 pub mod event;

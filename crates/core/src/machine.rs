@@ -40,6 +40,9 @@ pub enum RunStatus {
     WaitingApproval,
     WaitingExternal,
     Cancelling,
+    /// The run is ending (cancelled or failed) and its agent compensates: the compensations of
+    /// its effects run one at a time, newest first; then `run.cancelled` or `run.failed`.
+    Compensating,
     /// An operation's outcome is ambiguous; a person must decide.
     Unknown,
     Succeeded,
@@ -56,6 +59,7 @@ impl RunStatus {
         RunStatus::WaitingApproval,
         RunStatus::WaitingExternal,
         RunStatus::Cancelling,
+        RunStatus::Compensating,
         RunStatus::Unknown,
         RunStatus::Succeeded,
         RunStatus::Failed,
@@ -72,6 +76,7 @@ impl RunStatus {
             | RunStatus::WaitingApproval
             | RunStatus::WaitingExternal
             | RunStatus::Cancelling
+            | RunStatus::Compensating
             | RunStatus::Unknown => false,
         }
     }
@@ -85,6 +90,7 @@ impl RunStatus {
             RunStatus::WaitingApproval => "waiting_approval",
             RunStatus::WaitingExternal => "waiting_external",
             RunStatus::Cancelling => "cancelling",
+            RunStatus::Compensating => "compensating",
             RunStatus::Unknown => "unknown",
             RunStatus::Succeeded => "succeeded",
             RunStatus::Failed => "failed",
@@ -132,8 +138,8 @@ pub struct Transition {
 }
 
 use RunStatus::{
-    Cancelled as X, Cancelling as C, Failed as F, Queued as Q, Running as R, Succeeded as S,
-    Unknown as U, WaitingApproval as WA, WaitingExternal as WE, WaitingTool as WT,
+    Cancelled as X, Cancelling as C, Compensating as K, Failed as F, Queued as Q, Running as R,
+    Succeeded as S, Unknown as U, WaitingApproval as WA, WaitingExternal as WE, WaitingTool as WT,
     WaitingUser as WU,
 };
 
@@ -169,10 +175,11 @@ pub const TRANSITIONS: &[Transition] = &[
         from: &[R],
         to: Target::Stay,
     },
-    // Also while waiting: an operation found not to have happened is dispatched again.
+    // Also while waiting: an operation found not to have happened is dispatched again; and
+    // while compensating: the compensations.
     Transition {
         event: EventType::ToolRequested,
-        from: WAITING_OR_RUNNING,
+        from: &[R, WT, WU, WA, WE, K],
         to: Target::Stay,
     },
     Transition {
@@ -248,23 +255,31 @@ pub const TRANSITIONS: &[Transition] = &[
         from: &[R],
         to: Target::To(S),
     },
+    // Also from `compensating`: a failed run whose agent compensates ends once its
+    // compensations are settled.
     Transition {
         event: EventType::RunFailed,
-        from: LIVE,
+        from: &[Q, R, WT, WU, WA, WE, U, K],
         to: Target::To(F),
     },
     // `unknown` reaches `cancelled` when a person resolves the last ambiguous operation of a
-    // cancelling run.
+    // cancelling run; `compensating` once a cancelled run's compensations are settled.
     Transition {
         event: EventType::RunCancelled,
-        from: &[C, U],
+        from: &[C, U, K],
         to: Target::To(X),
+    },
+    // A run that ends (cancel, failure) with effects its agent compensates.
+    Transition {
+        event: EventType::RunCompensating,
+        from: &[Q, R, WT, WU, WA, WE, C, U],
+        to: Target::To(K),
     },
     // A version gate's marker: bookkeeping, journaled in a decision group of a live run (right
     // after the group's first decision, which has left any terminal status).
     Transition {
         event: EventType::RunGated,
-        from: &[Q, R, WT, WU, WA, WE, C, U],
+        from: &[Q, R, WT, WU, WA, WE, C, K, U],
         to: Target::Stay,
     },
 ];

@@ -223,9 +223,10 @@ fn group_at(
                     group.push(Draft::new(Event::RunFailed(RunFailed {
                         reason: FailureReason::ModelRejected,
                         message: message.clone(),
+                        effects: Vec::new(),
                     })));
                 }
-                return Ok(group);
+                return Ok(crate::compensation::intercept(state, group));
             }
             _ => {}
         }

@@ -248,6 +248,8 @@ pub struct Contract {
     on_invalid_output: OnInvalidOutput,
     /// With [`OnInvalidOutput::Retry`]: retries per turn before the run fails.
     output_retries: u32,
+    /// The run ends the agent compensates (`on_cancel`, `on_failure`).
+    compensate_on: Vec<crate::event::StopCause>,
 }
 
 impl fmt::Debug for Contract {
@@ -283,6 +285,8 @@ impl Contract {
             &def.output_schema,
             def.on_invalid_output,
             def.output_retries(),
+            def.on_cancel,
+            def.on_failure,
         ));
         if let Ok(cache) = cache().lock()
             && let Some(c) = cache.get(&key)
@@ -292,7 +296,8 @@ impl Contract {
         let contract = Arc::new(
             Contract::new(&def.tools, &def.policy)
                 .with_output(def.output_schema.as_ref(), def.on_invalid_output)
-                .with_output_retries(def.output_retries()),
+                .with_output_retries(def.output_retries())
+                .with_compensation(def.on_cancel, def.on_failure),
         );
         if let Ok(mut cache) = cache().lock() {
             if cache.len() >= CACHED_CONTRACTS {
@@ -320,7 +325,60 @@ impl Contract {
             output: None,
             on_invalid_output: OnInvalidOutput::default(),
             output_retries: 0,
+            compensate_on: Vec::new(),
         }
+    }
+
+    /// This contract with the agent's compensation choices (`on_cancel`, `on_failure`).
+    pub fn with_compensation(
+        mut self,
+        on_cancel: crate::agent::OnEnd,
+        on_failure: crate::agent::OnEnd,
+    ) -> Contract {
+        use crate::agent::OnEnd;
+        use crate::event::StopCause;
+        self.compensate_on = [
+            (on_cancel, StopCause::Cancel),
+            (on_failure, StopCause::Failure),
+        ]
+        .into_iter()
+        .filter(|(on, _)| *on == OnEnd::Compensate)
+        .map(|(_, cause)| cause)
+        .collect();
+        self
+    }
+
+    /// What a request of `tool` journals about its reversibility
+    /// (`ToolRequested::reversibility`): the level its policy declares, a compensable tool's
+    /// compensation with the compensating tool's own policy, and the run ends the agent
+    /// compensates. `None` when the policy declares nothing (so requests of agents that do not
+    /// use compensation are what they always were).
+    pub fn reversibility(&self, tool: &str) -> Option<crate::event::Reversibility> {
+        let p = self.policy.get(tool)?;
+        let level = p.reversibility?;
+        let compensate = p.compensate.as_ref().map(|c| {
+            let cp = self.policy(&c.tool);
+            crate::event::CompensateSpec {
+                tool: c.tool.clone(),
+                arguments: c
+                    .arguments
+                    .clone()
+                    .unwrap_or_else(|| Value::String("${arguments}".into())),
+                timeout_secs: cp.timeout_secs,
+                network: cp.network,
+                retry: cp.retry.clone(),
+                max_output_bytes: cp.max_output_bytes,
+            }
+        });
+        Some(crate::event::Reversibility {
+            level,
+            compensate_on: if compensate.is_some() {
+                self.compensate_on.clone()
+            } else {
+                Vec::new()
+            },
+            compensate,
+        })
     }
 
     /// This contract with the final answer checked against `schema` (none: not checked).

@@ -659,6 +659,7 @@ fn ended(status: &str) -> RunState {
         "failed" => sim.commit(vec![Draft::new(Event::RunFailed(RunFailed {
             reason: FailureReason::MaxSteps,
             message: "the run used its 3 steps".into(),
+            effects: Vec::new(),
         }))]),
         "cancelled" => {
             sim.push(Draft::new(Event::CancelRequested(CancelRequested {

@@ -125,6 +125,8 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
                 network: false,
                 max_output_bytes: None,
                 retry: None,
+                reversibility: None,
+                compensates: None,
             }))
             .step(StepNo(step))
             .op(OperationId::new(run, StepNo(step), i)),

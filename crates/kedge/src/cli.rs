@@ -1208,6 +1208,9 @@ async fn show_run(rt: &Runtime, run: &RunId, output: Output) -> anyhow::Result<E
     if let Some(f) = &view.failure {
         println!("failed ({:?}): {}", f.reason, f.message);
     }
+    for line in timeline::effect_lines(&view.effects) {
+        println!("{line}");
+    }
     Ok(ExitCode::SUCCESS)
 }
 

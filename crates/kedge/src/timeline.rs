@@ -154,6 +154,52 @@ pub fn status_line(s: &RunState) -> String {
     line
 }
 
+/// The effects of a run whose agent declares reversibility, one line each with its level and
+/// fate and what compensating it did: irreversible and undeclared effects are listed as
+/// plainly as the compensated ones.
+pub fn effect_lines(effects: &[kedge_core::event::OpSummary]) -> Vec<String> {
+    use kedge_core::event::CompensationStatus;
+    let mut lines = Vec::new();
+    if effects.is_empty() {
+        return lines;
+    }
+    lines.push("effects:".to_owned());
+    for e in effects {
+        let level = e
+            .level
+            .map(|l| name(&l))
+            .unwrap_or_else(|| "undeclared".into());
+        let mut line = format!("  {} {} ({level})", e.op, name(&e.fate));
+        match &e.compensation {
+            Some(c) => {
+                let what = match c.status {
+                    CompensationStatus::Compensated => "compensated",
+                    CompensationStatus::Failed => "compensation FAILED",
+                    CompensationStatus::Ambiguous => "compensation AMBIGUOUS",
+                };
+                line.push_str(&format!(" · {what}"));
+                if let Some(op) = &c.op {
+                    line.push_str(&format!(" by {op}"));
+                }
+                if !c.detail.is_empty() {
+                    line.push_str(&format!(": {}", clip(&c.detail, 100)));
+                }
+            }
+            None => line.push_str(" · not compensated"),
+        }
+        lines.push(line);
+    }
+    lines
+}
+
+/// The wire name of a unit enum (its serde form).
+fn name<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

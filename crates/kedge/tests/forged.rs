@@ -49,6 +49,8 @@ fn request(
             network: false,
             max_output_bytes: None,
             retry: None,
+            reversibility: None,
+            compensates: None,
         }))
         .step(op.step())
         .op(op.clone()),

@@ -271,6 +271,8 @@ async fn a_command_reaches_the_network_only_when_its_tool_policy_grants_it() {
         network,
         retry: None,
         max_output_bytes: None,
+        reversibility: None,
+        compensates: None,
     };
     let accepted = || match listener.accept() {
         Ok(_) => true,

@@ -63,7 +63,8 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::OutcomeAmbiguous
         | EventType::OutcomeResolved
         | EventType::TargetMoved
-        | EventType::RunGated => true,
+        | EventType::RunGated
+        | EventType::RunCompensating => true,
         EventType::Nudge => false,
     }
 }
@@ -127,6 +128,11 @@ pub struct RunView {
     pub result: Option<ResultView>,
     pub failure: Option<RunFailed>,
     pub cancel_requested: Option<String>,
+    /// Every operation with its level and fate and, once the run compensated (or while it
+    /// does), what compensating it did (docs/ARCHITECTURE.md "Compensation"). Only for runs
+    /// whose agent declares reversibility; absent otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub effects: Vec<kedge_core::event::OpSummary>,
     pub metadata: serde_json::Map<String, serde_json::Value>,
     pub links: Links,
 }
@@ -345,6 +351,11 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
         result,
         failure: state.failure.clone(),
         cancel_requested: state.cancel_requested.clone(),
+        effects: if state.declares_levels() || state.compensation.is_some() {
+            state.op_summaries()
+        } else {
+            Vec::new()
+        },
         metadata: state.bundle.metadata.clone(),
         links: Links::for_run(&state.run_id),
     }

@@ -639,6 +639,7 @@ impl Driver {
                             let fail = Draft::new(Event::RunFailed(RunFailed {
                                 reason: FailureReason::Internal,
                                 message: reason,
+                                effects: Vec::new(),
                             }));
                             self.commit(state, w, vec![fail]).await?;
                             continue;
@@ -670,6 +671,7 @@ impl Driver {
                     let fail = Draft::new(Event::RunFailed(RunFailed {
                         reason: FailureReason::Internal,
                         message: reason,
+                        effects: Vec::new(),
                     }));
                     self.commit(state, w, vec![fail]).await?;
                     return Ok(());
@@ -776,8 +778,12 @@ impl Driver {
                         drafts.push(Draft::new(Event::RunFailed(RunFailed {
                             reason: FailureReason::ModelRejected,
                             message: e.message.clone(),
+                            effects: Vec::new(),
                         })));
                     }
+                    // A fatal refusal ends the run: through its compensation, if its agent
+                    // compensates failures.
+                    let drafts = kedge_core::compensation::intercept(state, drafts);
                     if self.commit(state, w, drafts).await?
                         && e.class == ErrorClass::Retryable
                     {

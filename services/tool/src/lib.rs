@@ -758,7 +758,9 @@ async fn execute(
             Some(looked) => looked,
             None => look(ctx, op, req, false).await?,
         };
-        let cancel_requested = looked.cancel_requested;
+        // A compensation runs because the run is cancelled (or failed): its cancel does not
+        // stop it.
+        let cancel_requested = looked.cancel_requested && req.compensates.is_none();
         let mut next = looked.next.unwrap_or(NextAttempt::FIRST);
         loop {
             if !cancel_requested
@@ -819,7 +821,11 @@ async fn execute(
                 }
             }
         );
-        (claim, looked.cancel_requested, 1)
+        (
+            claim,
+            looked.cancel_requested && req.compensates.is_none(),
+            1,
+        )
     };
     let code = claim_dispatch(req.redispatch, attempt, retried);
     tracing::Span::current().record("attempt", attempt);
@@ -968,7 +974,13 @@ async fn execute(
         .step(op.step())
         .op(op.clone()),
     );
-    let stop = ctx.running.register(op);
+    // A compensation is not stopped by the run's cancel (it is what the cancel asked for).
+    let (_unstopped, never) = watch::channel(false);
+    let stop = if req.compensates.is_some() {
+        never
+    } else {
+        ctx.running.register(op)
+    };
     // `tool.started` goes out first and its acknowledgement is awaited alongside the tool, not
     // before it; `tool.result` is appended only after both, so the journal keeps the order.
     let key = InputId::tool_started(op, revision);

@@ -354,6 +354,8 @@ mod tests {
                 network: false,
                 max_output_bytes: None,
                 retry: None,
+                reversibility: None,
+                compensates: None,
             }))
             .step(op.step())
             .op(op.clone()),

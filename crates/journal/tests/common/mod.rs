@@ -105,6 +105,8 @@ pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
             network: false,
             max_output_bytes: None,
             retry: None,
+            reversibility: None,
+            compensates: None,
         }))
         .step(StepNo(step))
         .op(OperationId::new(run, StepNo(step), index)),

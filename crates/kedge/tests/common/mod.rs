@@ -163,6 +163,19 @@ impl Harness {
         self.rt.agents.put(&def).await.expect("agent stored");
     }
 
+    /// Stores a test agent changed by `edit` (checked like any definition).
+    pub async fn agent_edited(
+        &self,
+        name: &str,
+        model: &str,
+        edit: impl FnOnce(&mut AgentDefinition),
+    ) {
+        let mut def = test_agent(name, model, &self.mock.base_url());
+        edit(&mut def);
+        def.validate().expect("valid definition");
+        self.rt.agents.put(&def).await.expect("agent stored");
+    }
+
     /// Stores a test agent that also has the tools `extra` (e.g. MCP tools `<server>__<tool>`).
     pub async fn agent_with_tools(&self, name: &str, model: &str, extra: &[&str]) {
         let mut def = test_agent(name, model, &self.mock.base_url());
