@@ -165,11 +165,8 @@ pub fn effect_lines(effects: &[kedge_core::event::OpSummary]) -> Vec<String> {
     }
     lines.push("effects:".to_owned());
     for e in effects {
-        let level = e
-            .level
-            .map(|l| name(&l))
-            .unwrap_or_else(|| "undeclared".into());
-        let mut line = format!("  {} {} ({level})", e.op, name(&e.fate));
+        let level = e.level.map_or("undeclared", level_name);
+        let mut line = format!("  {} {} ({level})", e.op, fate_name(e.fate));
         match &e.compensation {
             Some(c) => {
                 let what = match c.status {
@@ -192,54 +189,23 @@ pub fn effect_lines(effects: &[kedge_core::event::OpSummary]) -> Vec<String> {
     lines
 }
 
-/// The wire name of a unit enum (its serde form).
-fn name<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_value(v)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default()
+fn level_name(l: kedge_core::event::Level) -> &'static str {
+    use kedge_core::event::Level;
+    match l {
+        Level::Reversible => "reversible",
+        Level::Compensable => "compensable",
+        Level::Irreversible => "irreversible",
+        Level::Undeclared => "undeclared",
+    }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_result_is_reported_with_its_validation() {
-        assert!(validation_line(&OutputValidation::NotChecked).contains("not checked"));
-        assert!(validation_line(&OutputValidation::Valid).contains("valid against"));
-        let invalid = validation_line(&OutputValidation::Invalid {
-            errors: vec!["at /answer: 42 is not of type \"string\"".into()],
-        });
-        assert!(
-            invalid.contains("invalid") && invalid.contains("/answer"),
-            "{invalid}"
-        );
-    }
-
-    #[test]
-    fn a_rejected_answer_shows_its_retry_and_errors() {
-        use kedge_core::event::{Draft, Envelope, OutputRejected, Timestamp};
-        let envelope = Envelope::new(
-            "run_t1".parse().expect("run id"),
-            Timestamp::now(),
-            Draft::new(Event::OutputRejected(OutputRejected {
-                errors: vec!["at /answer: 42 is not of type \"string\"".into()],
-                retry: 1,
-                max_retries: 2,
-            }))
-            .step(kedge_core::ids::StepNo(1)),
-        );
-        let l = line(&Recorded {
-            seq: 7,
-            envelope,
-            msg_id: None,
-        });
-        assert!(l.contains("output.rejected"), "{l}");
-        assert!(
-            l.contains("retry 1 of 2") && l.contains("at /answer"),
-            "{l}"
-        );
+fn fate_name(f: kedge_core::event::OpFate) -> &'static str {
+    use kedge_core::event::OpFate;
+    match f {
+        OpFate::Completed => "completed",
+        OpFate::Failed => "failed",
+        OpFate::Stopped => "stopped",
+        OpFate::NeverStarted => "never started",
     }
 
     #[test]
