@@ -141,3 +141,44 @@ async fn cancel_compensates_ledger_once_across_a_tool_kill() {
     assert_eq!(view.effects, ended[0].operations);
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_run_compensates_then_fails_with_its_reason() {
+    let script = json!({"models": {"mfail": {"steps": [
+        {"text": "paying", "tool_calls": [call("ledger_append", json!({"text": "pay 1"}))]},
+        {"text": "paying", "tool_calls": [call("ledger_append", json!({"text": "pay 2"}))]},
+        {"text": "never reached"}
+    ]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    h.agent_edited("budgeted", "mfail", |def| {
+        def.policy = serde_json::from_value(json!({
+            "ledger_append": {"reversibility": "compensable", "compensate": {
+                "tool": "ledger_append", "arguments": {"text": "undo ${result}"}}}
+        }))
+        .expect("valid policy");
+        def.on_failure = OnEnd::Compensate;
+        def.budget.max_steps = 2;
+    })
+    .await;
+    let run = h.submit("budgeted", "go", "task-comp-fail").await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Failed);
+    let failure = state.failure.clone().expect("a failure");
+    assert_eq!(
+        failure.reason,
+        kedge_core::event::FailureReason::MaxSteps,
+        "{failure:?}"
+    );
+    let ledger = h.ledger();
+    assert_eq!(ledger.len(), 4, "{ledger:?}");
+    assert!(ledger[2].ends_with("\tundo recorded: pay 2"), "{ledger:?}");
+    assert!(ledger[3].ends_with("\tundo recorded: pay 1"), "{ledger:?}");
+    assert_eq!(failure.effects.len(), 2);
+    assert!(failure.effects.iter().all(|e| {
+        e.compensation
+            .as_ref()
+            .is_some_and(|c| c.status == CompensationStatus::Compensated)
+    }));
+    assert_schema_valid(&h.events(&run).await);
+    h.shutdown().await;
+}
