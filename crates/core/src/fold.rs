@@ -935,7 +935,10 @@ impl RunState {
                     return Err(Self::inconsistent(seq, env, "turn must grow by one"));
                 }
                 self.turn = r.turn;
+                // A new turn: its effects are its own to compensate (the last turn's were
+                // listed in its end).
                 self.turn_first_step = self.step.next();
+                self.compensation = None;
                 self.output = None;
                 self.validation = None;
                 self.failure = None;

@@ -618,3 +618,46 @@ fn definitions_are_checked_naming_the_field() {
     let stored = serde_json::to_vec(&d).expect("json");
     assert_eq!(AgentDefinition::parse(&stored).expect("reads back"), d);
 }
+
+#[test]
+fn a_revived_turn_compensates_its_own_effects_only() {
+    let def = definition("none", "compensate", true);
+    let budget = Budget {
+        max_steps: 3,
+        ..Budget::default()
+    };
+    let mut sim = Sim::new(&def, budget);
+    sim.step(&[("pay", json!({"amount": 5}))]);
+    sim.result(&sim.op(1, 0), "paid 5", false);
+    // Three steps of a budget of three: the fourth fails the run, through its compensation.
+    sim.step(&[("pay", json!({"amount": 6}))]);
+    sim.result(&sim.op(2, 0), "paid 6", false);
+    sim.step(&[("read_file", json!({"path": "a"}))]);
+    sim.result(&sim.op(3, 0), "text", false);
+    let start = sim.decide_commit();
+    assert!(matches!(start[0].event, Event::RunCompensating(_)));
+    for _ in 0..2 {
+        let (c, _) = requested(&sim.decide_commit());
+        sim.result(&c, "refunded", false);
+    }
+    sim.decide_commit();
+    assert_eq!(sim.state().status, RunStatus::Failed);
+    // A new message revives it; the budget fails the new turn at once: nothing of it to
+    // compensate, and the last turn's effects are not compensated twice.
+    sim.push(Draft::new(Event::UserMessage(
+        kedge_core::event::UserMessage {
+            text: "again".into(),
+        },
+    )));
+    let again = sim.decide_commit();
+    let kinds: Vec<_> = again
+        .iter()
+        .map(|d| d.event.event_type().as_str())
+        .collect();
+    assert_eq!(kinds, ["run.revived", "run.failed"]);
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::Failed);
+    assert_eq!(state.compensation, None);
+    assert_eq!(state.turn_first_step, StepNo(4));
+    sim.replays();
+}
