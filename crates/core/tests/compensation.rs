@@ -661,3 +661,40 @@ fn a_revived_turn_compensates_its_own_effects_only() {
     assert_eq!(state.turn_first_step, StepNo(4));
     sim.replays();
 }
+
+/// docs/CONFIG.md's compensation example, added to a minimal agent, is accepted by the agent
+/// schema and by the definition's rules.
+#[test]
+fn the_config_doc_compensation_example_is_accepted() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let doc = std::fs::read_to_string(format!("{root}/docs/CONFIG.md")).expect("CONFIG.md");
+    let section = doc
+        .split("### Compensation")
+        .nth(1)
+        .expect("a compensation section");
+    let fragment = section
+        .split("```json\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("a JSON example");
+    let fields: serde_json::Value =
+        serde_json::from_str(&format!("{{{fragment}}}")).expect("JSON fields");
+    let mut def = json!({"name": "doc", "system_prompt": "Shop.",
+                         "model": {"provider": "openai", "name": "gpt-4.1"}});
+    for (k, v) in fields.as_object().expect("fields") {
+        def[k] = v.clone();
+    }
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(format!("{root}/schemas/agent.schema.json")).expect("schema"),
+    )
+    .expect("json");
+    let validator = jsonschema::validator_for(&schema).expect("a valid schema");
+    let errors: Vec<String> = validator.iter_errors(&def).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{errors:?}");
+    let d = AgentDefinition::parse(def.to_string().as_bytes()).expect("accepted");
+    let r = Contract::of(&d)
+        .reversibility("pay__charge")
+        .expect("declared");
+    assert_eq!(r.compensate_on, [StopCause::Cancel]);
+    assert_eq!(r.compensate.expect("compensable").tool, "pay__refund");
+}
