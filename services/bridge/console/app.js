@@ -18,7 +18,7 @@
   const LONG_TIMELINE = 200;
   const STATUSES = [
     "queued", "running", "waiting_tool", "waiting_user", "waiting_approval",
-    "waiting_external", "cancelling", "succeeded", "failed", "cancelled", "unknown",
+    "waiting_external", "cancelling", "compensating", "succeeded", "failed", "cancelled", "unknown",
   ];
   // Every public journal event type (docs/API.md, "Which events are public").
   const EVENT_TYPES = [
@@ -29,7 +29,7 @@
     "run.cancelling", "run.unknown", "run.resumed", "run.revived", "run.succeeded",
     "run.failed", "run.cancelled", "user.message", "cancel.requested", "outcome.confirmed",
     "outcome.not_found", "outcome.ambiguous", "outcome.resolved", "target.moved",
-    "tool.attempt", "output.rejected", "run.gated",
+    "tool.attempt", "output.rejected", "run.gated", "run.compensating",
   ];
 
   // ------------------------------------------------------------------------------------------
@@ -345,6 +345,7 @@
         ? "Running: step " + view.current_step.number + " is calling the model (attempt " + (view.current_step.attempt || 1) + ")."
         : "Running.";
       case "cancelling": return "Cancelling: no new step or tool starts; the run is cancelled once every operation's fate is known.";
+      case "compensating": return "Compensating: the run is ending and undoes the effects its agent declared compensable, newest first, one at a time.";
       case "cancelled": return "Cancelled.";
       case "succeeded": return "Succeeded" + (view.finished ? "." : "; a new message is about to start a new turn.");
       case "failed": return "Failed" + (view.failure ? ": " + view.failure.reason + " — " + view.failure.message : ".");
@@ -365,7 +366,16 @@
   const STATUS_OF_EVENT = {
     "run.cancelling": "cancelling", "run.cancelled": "cancelled", "run.succeeded": "succeeded",
     "run.failed": "failed", "run.unknown": "unknown", "run.started": "running", "run.resumed": "running",
+    "run.compensating": "compensating",
   };
+
+  // One operation of a run's end: its fate, its declared level, and what compensating it did.
+  function effectLine(o) {
+    let text = o.op + ": " + o.fate;
+    if (o.level) text += " (" + o.level + ")";
+    if (o.compensation) text += " · compensation " + o.compensation.status + (o.compensation.op ? " by " + o.compensation.op : "") + (o.compensation.detail ? ": " + o.compensation.detail : "");
+    return h("div", { class: "mono" }, text);
+  }
 
   function runPage(runId) {
     const t = {
@@ -829,10 +839,13 @@
           const val = (d.validation && d.validation.status) || "not_checked";
           return place(ev, row(ev, "Succeeded", h("div", {}, "validation: " + val), h("pre", {}, d.output)));
         }
+        case "run.compensating":
+          return place(ev, row(ev, "Compensating (" + d.cause + ")", (d.plan || []).map((p) => h("div", { class: "mono" },
+            p.op + " ← " + (p.compensation ? p.tool + " " + p.compensation : "cannot: " + (p.error || ""))))));
         case "run.failed":
-          return place(ev, row(ev, "Failed (" + d.reason + ")", d.message));
+          return place(ev, row(ev, "Failed (" + d.reason + ")", d.message, (d.effects || []).map(effectLine)));
         case "run.cancelled":
-          return place(ev, row(ev, "Cancelled", (d.operations || []).map((o) => h("div", { class: "mono" }, o.op + ": " + o.fate))));
+          return place(ev, row(ev, "Cancelled", (d.operations || []).map(effectLine)));
         case "user.message":
           return place(ev, row(ev, "Message", h("pre", {}, d.text)));
         case "cancel.requested":
