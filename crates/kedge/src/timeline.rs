@@ -230,3 +230,77 @@ fn fate_name(f: kedge_core::event::OpFate) -> &'static str {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_result_is_reported_with_its_validation() {
+        assert!(validation_line(&OutputValidation::NotChecked).contains("not checked"));
+        assert!(validation_line(&OutputValidation::Valid).contains("valid against"));
+        let invalid = validation_line(&OutputValidation::Invalid {
+            errors: vec!["at /answer: 42 is not of type \"string\"".into()],
+        });
+        assert!(
+            invalid.contains("invalid") && invalid.contains("/answer"),
+            "{invalid}"
+        );
+    }
+
+    #[test]
+    fn a_rejected_answer_shows_its_retry_and_errors() {
+        use kedge_core::event::{Draft, Envelope, OutputRejected, Timestamp};
+        let envelope = Envelope::new(
+            "run_t1".parse().expect("run id"),
+            Timestamp::now(),
+            Draft::new(Event::OutputRejected(OutputRejected {
+                errors: vec!["at /answer: 42 is not of type \"string\"".into()],
+                retry: 1,
+                max_retries: 2,
+            }))
+            .step(kedge_core::ids::StepNo(1)),
+        );
+        let l = line(&Recorded {
+            seq: 7,
+            envelope,
+            msg_id: None,
+        });
+        assert!(l.contains("output.rejected"), "{l}");
+        assert!(
+            l.contains("retry 1 of 2") && l.contains("at /answer"),
+            "{l}"
+        );
+    }
+
+    #[test]
+    fn effects_are_listed_with_their_level_and_compensation() {
+        use kedge_core::event::{
+            CompensationOutcome, CompensationStatus, Level, OpFate, OpSummary,
+        };
+        let run: kedge_core::ids::RunId = "run_t1".parse().expect("run id");
+        let op = |i| kedge_core::ids::OperationId::new(&run, kedge_core::ids::StepNo(1), i);
+        let lines = effect_lines(&[
+            OpSummary {
+                op: op(0),
+                fate: OpFate::Completed,
+                level: Some(Level::Compensable),
+                compensation: Some(CompensationOutcome {
+                    op: op(0).compensation_of(),
+                    status: CompensationStatus::Failed,
+                    detail: "card expired".into(),
+                }),
+            },
+            OpSummary {
+                op: op(1),
+                fate: OpFate::Completed,
+                level: Some(Level::Irreversible),
+                compensation: None,
+            },
+        ]);
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(lines[1].contains("compensation FAILED") && lines[1].contains("card expired"));
+        assert!(lines[2].contains("(irreversible)") && lines[2].contains("not compensated"));
+        assert!(effect_lines(&[]).is_empty());
+    }
+}
