@@ -207,6 +207,11 @@ fn fate_name(f: kedge_core::event::OpFate) -> &'static str {
         OpFate::Stopped => "stopped",
         OpFate::NeverStarted => "never started",
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     #[test]
     fn a_version_gate_marker_names_its_gate() {
@@ -229,11 +234,6 @@ fn fate_name(f: kedge_core::event::OpFate) -> &'static str {
             "{l}"
         );
     }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
 
     #[test]
     fn the_result_is_reported_with_its_validation() {
