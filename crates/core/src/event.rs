@@ -872,17 +872,7 @@ pub struct RunCancelled {
 /// the marker keeps the old branch, in replay and when a new build continues it. See
 /// docs/ARCHITECTURE.md, "Upgrades: decision replay".
 #[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    PartialOrd,
-    Ord,
-    Serialize,
-    Deserialize,
-    JsonSchema,
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
 )]
 #[serde(rename_all = "snake_case")]
 pub enum Gate {
