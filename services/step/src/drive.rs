@@ -149,6 +149,20 @@ fn taken(id: &RunId) -> String {
 /// Runs whose folded state is kept between drives; beyond it the cache starts over.
 const CACHE_RUNS: usize = 10_000;
 
+/// A wake stored longer ago than this is a backlog (a fresh process catching up on the
+/// journal, a redelivery): its run is looked at before its lease is taken
+/// ([`Driver::backlog_look`]). A live run's wakes are milliseconds old and keep the one round
+/// trip of lease and read together.
+const BACKLOG_AGE: Duration = Duration::from_secs(2);
+
+/// Whether `msg` was stored more than [`BACKLOG_AGE`] ago.
+fn is_backlog(msg: &Message) -> bool {
+    msg.info().is_ok_and(|info| {
+        time::OffsetDateTime::now_utc() - info.published
+            > time::Duration::try_from(BACKLOG_AGE).unwrap_or(time::Duration::MAX)
+    })
+}
+
 /// Keeps a lease alive in the background and marks the wake message in progress.
 struct Keeper {
     stop: oneshot::Sender<()>,
@@ -240,10 +254,22 @@ impl Driver {
         through: Option<u64>,
     ) -> Result<Outcome, DriveError> {
         let cfg = &self.rt.config;
+        // A wake from a backlog (a fresh process catching up, a redelivery) is looked at before
+        // the lease is taken: a run it finds idle needs no lease (see `backlog_look`).
+        let looked = match msg.as_deref() {
+            Some(m) if is_backlog(m) => match self.backlog_look(run, through).await? {
+                Some(state) => Some(state),
+                None => return Ok(Outcome::Idle),
+            },
+            _ => None,
+        };
         // The lease and the run's state are fetched at once (one round trip instead of two on
         // the way to the next decision). Reading without the lease is harmless: a state made
         // stale by another holder's appends meets the concurrency check and is read again.
-        let (lease, state) = futures::join!(self.acquire(run), self.read_state(run, through));
+        let (lease, state) = match looked {
+            Some(state) => (self.acquire(run).await, Ok(Some(state))),
+            None => futures::join!(self.acquire(run), self.read_state(run, through)),
+        };
         let lease = match lease {
             Ok(Some(lease)) => lease,
             other => {
@@ -556,6 +582,33 @@ impl Driver {
             Err(LeaseError::Held { .. }) => Ok(None),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// A backlog wake's look at its run before any lease: `None` when there is nothing to do
+    /// (no such run, or `decide` says idle and no child run needs tending), else the state read,
+    /// for the drive to go on with under the lease. Reading through the wake makes this exact for
+    /// the wake: `decide` is a function of the journal, an input that lands later wakes the run
+    /// again, and a holder that appends meanwhile reads back what landed before its append (the
+    /// concurrency check and `Driver::catch_up`). A state found idle this way is not cached: a
+    /// backlog of runs that wait for hours is not worth holding in memory.
+    async fn backlog_look(
+        &self,
+        run: &RunId,
+        through: Option<u64>,
+    ) -> Result<Option<RunState>, DriveError> {
+        let Some(state) = self.read_state(run, through).await? else {
+            return Ok(None);
+        };
+        let tending = state.bundle.parent.is_some()
+            || state
+                .ops
+                .values()
+                .any(|o| o.call.name == child::RUN_AGENT_TOOL && o.result.is_none());
+        if !tending && matches!(decide(&state), Next::Idle(_)) {
+            tracing::debug!(run_id = %run, status = %state.status, "backlog wake: idle, no lease taken");
+            return Ok(None);
+        }
+        Ok(Some(state))
     }
 
     /// The run's state: the one cached from this process's last drive, brought up to date, or
