@@ -222,6 +222,27 @@ impl Projection {
         Ok(Some((summary, stored)))
     }
 
+    /// [`Projection::project`] of a run through at least `through`, an event of the run the
+    /// broker acknowledged (the decision a projector handles): read without asking the stream
+    /// leader where the run ends ([`Journal::read_through`]); a later event the read did not
+    /// reach is projected on its own delivery.
+    async fn project_through(
+        &self,
+        run: &RunId,
+        through: u64,
+    ) -> Result<Option<(RunSummary, Stored)>, ProjectionError> {
+        let events = self.journal.read_through(run, 0, through).await?.events;
+        let Some(summary) = summarize(&events).map_err(|source| ProjectionError::Fold {
+            run: run.clone(),
+            source,
+        })?
+        else {
+            return Ok(None);
+        };
+        let stored = self.store(&summary, false).await?;
+        Ok(Some((summary, stored)))
+    }
+
     /// Every summary of a tenant (one pass over the bucket's keys `<tenant>.>`).
     pub async fn list(&self, tenant: &TenantId) -> Result<Vec<RunSummary>, ProjectionError> {
         let filter = format!("$KV.{RUNS_BUCKET}.{tenant}.>");
@@ -308,6 +329,7 @@ pub async fn run_projector(
         .await
         .map_err(|e| RuntimeError::broker("projector consumer", e))?;
     let workers = consumer::Workers::new(16);
+    let projected = Projected::default();
     let cap = rt.config.timeouts.max_retry_delay();
     tracing::info!(worker = %rt.config.worker_id, "projector started");
     tokio::pin!(shutdown);
@@ -320,9 +342,10 @@ pub async fn run_projector(
             },
         };
         let projection = projection.clone();
+        let projected = projected.clone();
         workers.run(slot, async move {
             use futures::FutureExt as _;
-            let handled = std::panic::AssertUnwindSafe(handle(&projection, &msg))
+            let handled = std::panic::AssertUnwindSafe(handle(&projection, &projected, &msg))
                 .catch_unwind()
                 .await;
             let verdict = handled.unwrap_or_else(|panic| {
@@ -368,23 +391,73 @@ async fn settle(js: &Context, msg: &Message, verdict: Verdict, cap: Duration) {
     }
 }
 
-async fn handle(projection: &Projection, msg: &Message) -> Verdict {
+/// Runs this projector stored (or found stored) a summary of, and the sequence that summary was
+/// folded through: a decision at or before it needs no broker request at all. A journal read
+/// folds every decision there is, so a backlog of a run's decisions (a fresh projector over a
+/// journal that grew without one) costs one read, not one per decision. Bounded like the
+/// step's cache of states: started over when full.
+#[derive(Debug, Clone, Default)]
+struct Projected(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<RunId, u64>>>);
+
+/// Runs [`Projected`] remembers before it starts over.
+const PROJECTED_RUNS: usize = 10_000;
+
+impl Projected {
+    fn covers(&self, run: &RunId, seq: u64) -> bool {
+        self.0
+            .lock()
+            .is_ok_and(|m| m.get(run).is_some_and(|through| *through >= seq))
+    }
+
+    fn note(&self, run: &RunId, through: u64) {
+        if let Ok(mut m) = self.0.lock() {
+            if m.len() >= PROJECTED_RUNS && !m.contains_key(run) {
+                m.clear();
+            }
+            let at = m.entry(run.clone()).or_default();
+            *at = (*at).max(through);
+        }
+    }
+}
+
+/// A decision stored longer ago than this is handled as a backlog (see `handle`): a projector
+/// catching up on a journal that grew without one, or a redelivery.
+const BACKLOG_AGE: Duration = Duration::from_secs(2);
+
+fn is_backlog(msg: &Message) -> bool {
+    msg.info().is_ok_and(|info| {
+        time::OffsetDateTime::now_utc() - info.published
+            > time::Duration::try_from(BACKLOG_AGE).unwrap_or(time::Duration::MAX)
+    })
+}
+
+async fn handle(projection: &Projection, projected: &Projected, msg: &Message) -> Verdict {
     let Some(parsed) = subjects::parse_event(&msg.subject) else {
         return Verdict::Poison("not a journal event subject".into());
     };
     let run = parsed.run_id;
     failpoint::panic_point("projector.project", run.as_str());
     let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(u64::MAX);
+    if projected.covers(&run, seq) {
+        return Verdict::Ack;
+    }
     // A summary folded through this decision or later is already there (a burst of decisions of
-    // one run costs one journal read).
-    if let Ok(Some(tenant)) = projection.tenants.get(&run).await
+    // one run costs one journal read). Not looked for in a backlog: the look costs what reading
+    // the run does, and the write after the read finds it just the same.
+    if !is_backlog(msg)
+        && let Ok(Some(tenant)) = projection.tenants.get(&run).await
         && let Ok(Some(stored)) = projection.get(&tenant, &run).await
         && stored.seq >= seq
     {
+        projected.note(&run, stored.seq);
         return Verdict::Ack;
     }
-    match projection.project(&run, false).await {
-        Ok(_) => Verdict::Ack,
+    match projection.project_through(&run, seq).await {
+        Ok(Some((summary, _))) => {
+            projected.note(&run, summary.seq);
+            Verdict::Ack
+        }
+        Ok(None) => Verdict::Ack,
         Err(e) if e.is_retryable() => Verdict::Retry(format!("run {run}: {e}")),
         Err(e) => {
             tracing::error!(run_id = %run, error = %e, "run cannot be projected");
