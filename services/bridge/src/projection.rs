@@ -211,15 +211,7 @@ impl Projection {
         overwrite_equal: bool,
     ) -> Result<Option<(RunSummary, Stored)>, ProjectionError> {
         let events = self.journal.read(run, 0).await?;
-        let Some(summary) = summarize(&events).map_err(|source| ProjectionError::Fold {
-            run: run.clone(),
-            source,
-        })?
-        else {
-            return Ok(None);
-        };
-        let stored = self.store(&summary, overwrite_equal).await?;
-        Ok(Some((summary, stored)))
+        self.fold_and_store(run, &events, overwrite_equal).await
     }
 
     /// [`Projection::project`] of a run through at least `through`, an event of the run the
@@ -232,14 +224,24 @@ impl Projection {
         through: u64,
     ) -> Result<Option<(RunSummary, Stored)>, ProjectionError> {
         let events = self.journal.read_through(run, 0, through).await?.events;
-        let Some(summary) = summarize(&events).map_err(|source| ProjectionError::Fold {
+        self.fold_and_store(run, &events, false).await
+    }
+
+    /// Folds a run's events into its summary and stores it. `Ok(None)` for no events.
+    async fn fold_and_store(
+        &self,
+        run: &RunId,
+        events: &[Recorded],
+        overwrite_equal: bool,
+    ) -> Result<Option<(RunSummary, Stored)>, ProjectionError> {
+        let Some(summary) = summarize(events).map_err(|source| ProjectionError::Fold {
             run: run.clone(),
             source,
         })?
         else {
             return Ok(None);
         };
-        let stored = self.store(&summary, false).await?;
+        let stored = self.store(&summary, overwrite_equal).await?;
         Ok(Some((summary, stored)))
     }
 
