@@ -82,6 +82,8 @@ if [ -z "${KEDGE_NATS_SERVER:-}" ]; then
         say "ERROR: scripts/setup.sh failed (a nats-server for agent_loop); see $OUT/setup.log"
         exit 1
     }
+    # Where setup.sh puts it (the bench runs from crates/kedge, which has no .tools of its own).
+    export KEDGE_NATS_SERVER="$ROOT/.tools/bin/nats-server"
 fi
 say "building the agent_loop bench (cargo bench --no-run; the target dir may be locked by other builds)"
 # The executable is run directly below (as `cargo bench` runs it: from the package directory),

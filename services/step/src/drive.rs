@@ -1176,10 +1176,22 @@ fn open_context(
     if def.marks_sensitive() && rt.seal.is_none() {
         return Err(SealError::NoKey);
     }
-    let mut value = serde_json::to_value(context).unwrap_or_default();
-    if !seal::holds_sealed(&value) {
+    // Looked for in place first: most contexts hold nothing sealed, and this runs every step.
+    let sealed = context.iter().any(|m| match m {
+        ChatMessage::User { text } => seal::is_sealed(text),
+        ChatMessage::Assistant { message } => {
+            seal::is_sealed(&message.text)
+                || message
+                    .tool_calls
+                    .iter()
+                    .any(|c| seal::holds_sealed(&c.arguments))
+        }
+        ChatMessage::Tool { content, .. } => seal::is_sealed(content),
+    });
+    if !sealed {
         return Ok(None);
     }
+    let mut value = serde_json::to_value(context).unwrap_or_default();
     seal::open_all(rt.seal.as_ref(), &state.run_id, &mut value)?;
     serde_json::from_value(value)
         .map(Some)
