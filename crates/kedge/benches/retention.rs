@@ -41,14 +41,17 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/mod.rs"]
+mod support;
+use support::*;
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kedge_core::decide::{ModelResponse, Next, complete_step, decide};
 use kedge_core::event::{
-    AssistantMessage, Budget, Digest, Draft, Envelope, Event, FinishReason, ModelSpec, Provider,
-    RunCreated, Timestamp, ToolCall, Usage,
+    AssistantMessage, Draft, Envelope, Event, FinishReason, RunCreated, Timestamp, ToolCall, Usage,
 };
 use kedge_core::ids::RunId;
 use kedge_core::{RunStatus, fold};
@@ -98,33 +101,6 @@ fn opts() -> Opts {
     }
     o.round = o.round.clamp(1, o.runs.max(1));
     o
-}
-
-fn created(i: usize) -> RunCreated {
-    RunCreated {
-        agent: "flow".parse().unwrap(),
-        agent_revision: 1,
-        agent_digest: Digest::of_bytes(b"agent"),
-        model: ModelSpec {
-            provider: Provider::Openai,
-            name: "mock".into(),
-            base_url: None,
-            settings: Default::default(),
-            price: None,
-        },
-        prompt_digest: Digest::of_bytes(b"prompt"),
-        tools_digest: Digest::of_bytes(b"tools"),
-        policy_digest: Digest::of_bytes(b"policy"),
-        budget: Budget::default(),
-        tenant: "acme".parse().unwrap(),
-        caller: Some("bench".into()),
-        idempotency_key: Some(format!("flow-{i}")),
-        input: "summarise the quarterly report and say what changed since the last one".into(),
-        runtime_version: "bench".into(),
-        metadata: Default::default(),
-        traceparent: None,
-        parent: None,
-    }
 }
 
 fn response(wait: bool) -> ModelResponse {
@@ -191,7 +167,13 @@ async fn write_run(rt: &Runtime, i: usize, wait: bool, workspaces: &Path) -> Run
     let runs = rt.js.get_key_value("kedge_runs").await.unwrap();
     let mut events: Vec<(u64, Envelope)> = Vec::new();
     let mut last = 0;
-    let created = Draft::new(Event::RunCreated(Box::new(created(i))));
+    let created = Draft::new(Event::RunCreated(Box::new(RunCreated {
+        idempotency_key: Some(format!("flow-{i}")),
+        ..created(
+            "flow",
+            "summarise the quarterly report and say what changed since the last one",
+        )
+    })));
     append(rt, &run, &mut events, &mut last, vec![created]).await;
     loop {
         let state = fold(events.iter().map(|(s, e)| (*s, e))).unwrap();

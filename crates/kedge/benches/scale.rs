@@ -38,6 +38,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/mod.rs"]
+mod support;
+use support::*;
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -45,8 +49,8 @@ use async_nats::HeaderMap;
 use futures::StreamExt;
 use kedge_core::decide::{ModelResponse, Next, complete_step, decide};
 use kedge_core::event::{
-    AssistantMessage, Budget, Digest, Draft, Envelope, Event, EventKind, FinishReason, ModelSpec,
-    Provider, RunCreated, Timestamp, ToolCall, Usage, UserMessage,
+    AssistantMessage, Draft, Envelope, Event, EventKind, FinishReason, Timestamp, ToolCall, Usage,
+    UserMessage,
 };
 use kedge_core::ids::RunId;
 use kedge_core::{RunStatus, fold};
@@ -114,33 +118,6 @@ fn opts() -> Opts {
 
 // ---------------------------------------------------------------------------------------------
 // Journals made by the core
-
-fn created(agent: &str, input: &str) -> RunCreated {
-    RunCreated {
-        agent: agent.parse().unwrap(),
-        agent_revision: 1,
-        agent_digest: Digest::of_bytes(b"agent"),
-        model: ModelSpec {
-            provider: Provider::Openai,
-            name: "mock".into(),
-            base_url: None,
-            settings: Default::default(),
-            price: None,
-        },
-        prompt_digest: Digest::of_bytes(b"prompt"),
-        tools_digest: Digest::of_bytes(b"tools"),
-        policy_digest: Digest::of_bytes(b"policy"),
-        budget: Budget::default(),
-        tenant: "acme".parse().unwrap(),
-        caller: Some("bench".into()),
-        idempotency_key: None,
-        input: input.into(),
-        runtime_version: "bench".into(),
-        metadata: Default::default(),
-        traceparent: None,
-        parent: None,
-    }
-}
 
 fn response(tool_calls: Vec<ToolCall>, text: &str) -> ModelResponse {
     let finish = if tool_calls.is_empty() {
@@ -481,56 +458,6 @@ async fn reads(rt: &Runtime, runs: &[RunId], events: usize, count: usize) -> (f6
     pct(ms)
 }
 
-fn clock_ticks() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
-}
-
-/// (RSS in KiB, utime + stime in clock ticks) of a process.
-fn read_proc(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let num = |i: usize| fields.get(i).and_then(|v| v.parse().ok()).unwrap_or(0u64);
-    (rss, num(11) + num(12))
-}
-
-async fn api(
-    client: &async_nats::Client,
-    subject: &str,
-    body: serde_json::Value,
-) -> serde_json::Value {
-    let reply = client
-        .request(format!("$JS.API.{subject}"), body.to_string().into())
-        .await
-        .unwrap();
-    serde_json::from_slice(&reply.payload).unwrap()
-}
-
-async fn pending_schedules(client: &async_nats::Client) -> u64 {
-    let info = api(
-        client,
-        "STREAM.INFO.KEDGE_TIMERS",
-        serde_json::json!({"subjects_filter": "kedge.timer.sched.>"}),
-    )
-    .await;
-    info["state"]["subjects"]
-        .as_object()
-        .map_or(0, |s| s.len() as u64)
-}
-
 /// The consumers of `kedge serve all` that have nothing pending or unacknowledged.
 async fn drained(client: &async_nats::Client) -> Vec<&'static str> {
     let mut out = Vec::new();
@@ -564,7 +491,7 @@ async fn wait_caught_up(
     let mut peak = 0;
     let mut done: Vec<(&'static str, Duration)> = Vec::new();
     loop {
-        peak = peak.max(read_proc(pid).0);
+        peak = peak.max(read_proc(pid).rss_kb);
         for name in drained(client).await {
             if !done.iter().any(|(n, _)| *n == name) {
                 done.push((name, t0.elapsed()));
@@ -600,11 +527,6 @@ fn serve_all(nats_url: &str, dir: &std::path::Path, log: &std::path::Path) -> Ch
         .stderr(log)
         .spawn()
         .expect("spawn kedge serve all")
-}
-
-fn stop(mut child: Child) {
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 struct Row {
@@ -689,9 +611,9 @@ async fn bench(o: Opts) {
         let log = dir.path().join("kedge.log");
         let child = serve_all(&server.url(), dir.path(), &log);
         let pid = child.id();
-        let (k0, n0) = (read_proc(pid).1, read_proc(nats_pid).1);
+        let (k0, n0) = (read_proc(pid).cpu_ticks, read_proc(nats_pid).cpu_ticks);
         let (took, peak, done) = wait_caught_up(&rt.client, pid, total as u64).await;
-        let (k1, n1) = (read_proc(pid).1, read_proc(nats_pid).1);
+        let (k1, n1) = (read_proc(pid).cpu_ticks, read_proc(nats_pid).cpu_ticks);
         let caught = new + COMPACT + SPREAD;
         let cpu_ms = |a: u64, b: u64| b.saturating_sub(a) as f64 / ticks * 1e3 / caught as f64;
         println!(
@@ -718,13 +640,17 @@ async fn bench(o: Opts) {
         let child = serve_all(&server.url(), dir.path(), &log);
         let pid = child.id();
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let (_, c0) = read_proc(pid);
+        let c0 = read_proc(pid).cpu_ticks;
         let t0 = Instant::now();
         tokio::time::sleep(o.window).await;
-        let (rss, c1) = read_proc(pid);
+        let Proc {
+            rss_kb: rss,
+            cpu_ticks: c1,
+            ..
+        } = read_proc(pid);
         let cpu = c1.saturating_sub(c0) as f64 / ticks / t0.elapsed().as_secs_f64() * 100.0;
         stop(child);
-        let (nats_rss, _) = read_proc(nats_pid);
+        let nats_rss = read_proc(nats_pid).rss_kb;
         println!(
             "N={total}: fresh process RSS {:.1} MB, CPU {cpu:.2} % over {:?}; nats-server RSS {:.1} MB",
             rss as f64 / 1024.0,

@@ -35,14 +35,17 @@
 
 #![allow(clippy::unwrap_used)]
 
+#[path = "support/mod.rs"]
+mod support;
+use support::*;
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use kedge_core::decide::{ModelResponse, Next, complete_step, decide};
 use kedge_core::event::{
-    AssistantMessage, Budget, Digest, Draft, Envelope, Event, FinishReason, ModelSpec, Provider,
-    RunCreated, Timestamp, ToolCall, Usage,
+    AssistantMessage, Draft, Envelope, Event, FinishReason, RunCreated, Timestamp, ToolCall, Usage,
 };
 use kedge_core::ids::RunId;
 use kedge_core::{RunStatus, fold};
@@ -107,47 +110,6 @@ fn opts() -> Opts {
 // ---------------------------------------------------------------------------------------------
 // /proc
 
-fn clock_ticks() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
-}
-
-#[derive(Debug, Clone, Copy, Default)]
-struct Proc {
-    rss_kb: u64,
-    threads: u64,
-    /// utime + stime, in clock ticks.
-    cpu_ticks: u64,
-}
-
-fn read_proc(pid: u32) -> Proc {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may contain spaces) start at field 3.
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let num = |i: usize| fields.get(i).and_then(|v| v.parse().ok()).unwrap_or(0u64);
-    Proc {
-        rss_kb: field("VmRSS:"),
-        threads: field("Threads:"),
-        // utime is field 14, stime 15 (1-based); `fields[0]` is field 3.
-        cpu_ticks: num(11) + num(12),
-    }
-}
-
 #[derive(Debug, Clone, Copy)]
 struct Sample {
     rss_kb: u64,
@@ -173,33 +135,6 @@ async fn measure(kedge: u32, nats: u32, window: Duration) -> (Sample, Sample) {
 
 // ---------------------------------------------------------------------------------------------
 // Journals written directly
-
-fn created(i: usize) -> RunCreated {
-    RunCreated {
-        agent: "waiter".parse().unwrap(),
-        agent_revision: 1,
-        agent_digest: Digest::of_bytes(b"agent"),
-        model: ModelSpec {
-            provider: Provider::Openai,
-            name: "mock".into(),
-            base_url: None,
-            settings: Default::default(),
-            price: None,
-        },
-        prompt_digest: Digest::of_bytes(b"prompt"),
-        tools_digest: Digest::of_bytes(b"tools"),
-        policy_digest: Digest::of_bytes(b"policy"),
-        budget: Budget::default(),
-        tenant: "acme".parse().unwrap(),
-        caller: Some("bench".into()),
-        idempotency_key: Some(format!("wait-{i}")),
-        input: "wait for an hour".into(),
-        runtime_version: "bench".into(),
-        metadata: Default::default(),
-        traceparent: None,
-        parent: None,
-    }
-}
 
 fn wait_an_hour() -> ModelResponse {
     ModelResponse {
@@ -251,7 +186,10 @@ async fn write_run(rt: &Runtime, i: usize) -> RunId {
     let run = RunId::generate();
     let mut events: Vec<(u64, Envelope)> = Vec::new();
     let mut last = 0;
-    let created = Draft::new(Event::RunCreated(Box::new(created(i))));
+    let created = Draft::new(Event::RunCreated(Box::new(RunCreated {
+        idempotency_key: Some(format!("wait-{i}")),
+        ..created("waiter", "wait for an hour")
+    })));
     append(rt, &run, &mut events, &mut last, vec![created]).await;
     loop {
         let state = fold(events.iter().map(|(s, e)| (*s, e))).unwrap();
@@ -317,31 +255,6 @@ async fn read_latency(rt: &Runtime, runs: &[RunId]) -> Option<(f64, f64)> {
 
 // ---------------------------------------------------------------------------------------------
 // The broker's view
-
-async fn api(
-    client: &async_nats::Client,
-    subject: &str,
-    body: serde_json::Value,
-) -> serde_json::Value {
-    let reply = client
-        .request(format!("$JS.API.{subject}"), body.to_string().into())
-        .await
-        .unwrap();
-    serde_json::from_slice(&reply.payload).unwrap()
-}
-
-/// Pending schedules in KEDGE_TIMERS.
-async fn pending_schedules(client: &async_nats::Client) -> u64 {
-    let info = api(
-        client,
-        "STREAM.INFO.KEDGE_TIMERS",
-        serde_json::json!({"subjects_filter": "kedge.timer.sched.>"}),
-    )
-    .await;
-    info["state"]["subjects"]
-        .as_object()
-        .map_or(0, |s| s.len() as u64)
-}
 
 async fn stream_bytes(client: &async_nats::Client, stream: &str) -> u64 {
     let info = api(
@@ -420,11 +333,6 @@ fn serve(
         .stderr(log)
         .spawn()
         .expect("spawn kedge serve all")
-}
-
-fn stop(mut child: Child) {
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 struct Row {

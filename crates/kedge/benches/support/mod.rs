@@ -1,0 +1,112 @@
+//! What the benches that fill the journal and watch a `kedge serve all` process share: a run's
+//! `run.created` as the core would freeze it, the JetStream API by hand, and /proc figures.
+//! Included with `#[path]`; not a bench target of its own.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::process::{Child, Command};
+
+use kedge_core::event::{Budget, Digest, ModelSpec, Provider, RunCreated};
+
+/// A `run.created` of agent `agent` (tenant `acme`, the mock model) with `input`.
+pub fn created(agent: &str, input: &str) -> RunCreated {
+    RunCreated {
+        agent: agent.parse().unwrap(),
+        agent_revision: 1,
+        agent_digest: Digest::of_bytes(b"agent"),
+        model: ModelSpec {
+            provider: Provider::Openai,
+            name: "mock".into(),
+            base_url: None,
+            settings: Default::default(),
+            price: None,
+        },
+        prompt_digest: Digest::of_bytes(b"prompt"),
+        tools_digest: Digest::of_bytes(b"tools"),
+        policy_digest: Digest::of_bytes(b"policy"),
+        budget: Budget::default(),
+        tenant: "acme".parse().unwrap(),
+        caller: Some("bench".into()),
+        idempotency_key: None,
+        input: input.into(),
+        runtime_version: "bench".into(),
+        metadata: Default::default(),
+        traceparent: None,
+        parent: None,
+    }
+}
+
+/// A JetStream API request (`$JS.API.<subject>`) and its JSON answer.
+pub async fn api(
+    client: &async_nats::Client,
+    subject: &str,
+    body: serde_json::Value,
+) -> serde_json::Value {
+    let reply = client
+        .request(format!("$JS.API.{subject}"), body.to_string().into())
+        .await
+        .unwrap();
+    serde_json::from_slice(&reply.payload).unwrap()
+}
+
+/// Pending schedules in KEDGE_TIMERS.
+pub async fn pending_schedules(client: &async_nats::Client) -> u64 {
+    let info = api(
+        client,
+        "STREAM.INFO.KEDGE_TIMERS",
+        serde_json::json!({"subjects_filter": "kedge.timer.sched.>"}),
+    )
+    .await;
+    info["state"]["subjects"]
+        .as_object()
+        .map_or(0, |s| s.len() as u64)
+}
+
+/// A process's resident memory, threads and CPU time, from /proc.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Proc {
+    pub rss_kb: u64,
+    pub threads: u64,
+    /// utime + stime, in clock ticks.
+    pub cpu_ticks: u64,
+}
+
+pub fn read_proc(pid: u32) -> Proc {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may contain spaces) start at field 3.
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let num = |i: usize| fields.get(i).and_then(|v| v.parse().ok()).unwrap_or(0u64);
+    Proc {
+        rss_kb: field("VmRSS:"),
+        threads: field("Threads:"),
+        // utime is field 14, stime 15 (1-based); `fields[0]` is field 3.
+        cpu_ticks: num(11) + num(12),
+    }
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`).
+pub fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// Kills a process this bench started and reaps it.
+pub fn stop(mut child: Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
