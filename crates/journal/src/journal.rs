@@ -35,7 +35,7 @@ use async_nats::jetstream::consumer::pull::{OrderedConfig, OrderedErrorKind};
 use async_nats::jetstream::stream::ConsumerErrorKind;
 use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use kedge_core::subjects::{self, RUNS_STREAM};
 use kedge_core::{Envelope, EventKind, EventType, RunId};
 use serde::Serialize;
@@ -1124,21 +1124,23 @@ impl Journal {
                     }
                 },
             };
-            let (journal, run) = (journal.clone(), run.clone());
-            async move {
-                let decoded = match decoded {
-                    Ok(Decoded::ByReference(m)) => journal.resolve_retrying(&run, m).await,
-                    other => other,
-                };
-                match decoded {
-                    Err(e) => Some(Err(e)),
-                    Ok(Decoded::Event(r)) => Some(Ok(r)),
-                    Ok(Decoded::Skip | Decoded::ByReference(_)) => None,
-                    Ok(Decoded::SetAside(a)) => {
-                        tracing::debug!(run_id = %run, seq = a.seq, reason = %a.reason, "tail: journal message set aside");
-                        None
-                    }
+            let report = |run: &RunId, decoded: Result<Decoded, JournalError>| match decoded {
+                Err(e) => Some(Err(e)),
+                Ok(Decoded::Event(r)) => Some(Ok(r)),
+                Ok(Decoded::Skip | Decoded::ByReference(_)) => None,
+                Ok(Decoded::SetAside(a)) => {
+                    tracing::debug!(run_id = %run, seq = a.seq, reason = %a.reason, "tail: journal message set aside");
+                    None
                 }
+            };
+            match decoded {
+                // Only a message that holds its data by reference waits for the broker again.
+                Ok(Decoded::ByReference(m)) => {
+                    let (journal, run) = (journal.clone(), run.clone());
+                    async move { report(&run, journal.resolve_retrying(&run, m).await) }
+                        .left_future()
+                }
+                other => futures::future::ready(report(&run, other)).right_future(),
             }
         }))
     }

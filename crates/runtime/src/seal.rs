@@ -154,13 +154,23 @@ pub fn seal_fields(
 }
 
 /// Opens, in place, every string of `value` that is a sealed value of run `run` (wherever it
-/// sits: a message's text, a tool call's arguments). The number opened.
+/// sits: a message's text, a tool call's arguments). The number opened. A string that only
+/// looks sealed (the model or a tool wrote it, or it is another run's) is left as written:
+/// text from outside never fails the run. Without a key, a sealed value is an error.
 pub fn open_all(key: Option<&SealKey>, run: &RunId, value: &mut Value) -> Result<usize, SealError> {
     match value {
         Value::String(s) if is_sealed(s) => {
             let key = key.ok_or(SealError::NoKey)?;
-            *value = key.open(run, s)?;
-            Ok(1)
+            match key.open(run, s) {
+                Ok(opened) => {
+                    *value = opened;
+                    Ok(1)
+                }
+                Err(e) => {
+                    tracing::warn!(run_id = %run, error = %e, "a string that looks sealed does not open; left as written");
+                    Ok(0)
+                }
+            }
         }
         Value::Array(items) => {
             let mut n = 0;
@@ -268,5 +278,14 @@ mod tests {
         assert!(!holds_sealed(&context));
         let mut sealed = json!([key.seal(&r, &json!("x"))]);
         assert_eq!(open_all(None, &r, &mut sealed), Err(SealError::NoKey));
+        // What only looks sealed (another run's, or forged) stays as written.
+        let foreign = key.seal(&run("run_other"), &json!("x"));
+        let mut mixed = json!([
+            foreign.clone(),
+            "kedge:sealed:v1:forged",
+            key.seal(&r, &json!("y"))
+        ]);
+        assert_eq!(open_all(Some(&key), &r, &mut mixed), Ok(1));
+        assert_eq!(mixed, json!([foreign, "kedge:sealed:v1:forged", "y"]));
     }
 }

@@ -1173,8 +1173,13 @@ fn open_context(
     def: &AgentDefinition,
     context: &[ChatMessage],
 ) -> Result<Option<Vec<ChatMessage>>, SealError> {
-    if def.marks_sensitive() && rt.seal.is_none() {
-        return Err(SealError::NoKey);
+    if rt.seal.is_none() {
+        // Nothing can be sealed for this run; a string that looks sealed is the model's text.
+        return if def.marks_sensitive() {
+            Err(SealError::NoKey)
+        } else {
+            Ok(None)
+        };
     }
     // Looked for in place first: most contexts hold nothing sealed, and this runs every step.
     let sealed = context.iter().any(|m| match m {
