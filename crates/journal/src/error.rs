@@ -35,6 +35,11 @@ pub enum JournalError {
     /// The expected-last-decision check failed: another writer decided.
     #[error("decision conflict: expected last decision at {expected}, the run's is at {actual}")]
     Conflict { expected: u64, actual: u64 },
+    /// An append checked against the run's last message (any message, not only decisions)
+    /// found more of the run after it, inputs or messages set aside, but no other writer's
+    /// decision: the writer's state is behind the run; it reads what landed and decides again.
+    #[error("the run moved on: expected its last message at {expected}")]
+    Behind { expected: u64 },
     /// The append is already journaled; `seq` is the sequence of its (last) message.
     #[error("already journaled at sequence {seq}")]
     Duplicate { seq: u64 },
@@ -64,7 +69,7 @@ pub enum JournalError {
 impl JournalError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            JournalError::Conflict { .. } => ErrorKind::Conflict,
+            JournalError::Conflict { .. } | JournalError::Behind { .. } => ErrorKind::Conflict,
             JournalError::Duplicate { .. } => ErrorKind::Duplicate,
             JournalError::Unavailable { .. } => ErrorKind::Unavailable,
             JournalError::TooOld { .. } => ErrorKind::TooOld,

@@ -623,8 +623,34 @@ impl Journal {
         expected_last: u64,
         events: &[Envelope],
     ) -> Result<Appended, JournalError> {
-        self.append_decisions_as(&writer.run, expected_last, &writer.name, events)
+        self.append_decisions_as(&writer.run, expected_last, None, &writer.name, events)
             .await
+    }
+
+    /// [`Journal::append_decisions`] of one decision, provided moreover that the run's last
+    /// message of any kind is at `run_last`: the writer's state holds the whole run, so the
+    /// decision was made on everything there is, and what it appends follows the state's last
+    /// event directly (no read back needed, however many other runs' messages were stored in
+    /// between). The run's inputs that landed meanwhile (a cancel request during a model call)
+    /// fail it with [`JournalError::Behind`]: the writer reads them and decides again. Checked
+    /// by the stream's leader as it stores the message, so nothing slips in between.
+    /// `Conflict` and `Duplicate` as for [`Journal::append_decisions`], whose message id it
+    /// shares: a plain append of the same decision after a `Behind` is recognised as the same.
+    pub async fn append_decision_current(
+        &self,
+        writer: &DecisionWriter,
+        expected_last: u64,
+        run_last: u64,
+        event: &Envelope,
+    ) -> Result<Appended, JournalError> {
+        self.append_decisions_as(
+            &writer.run,
+            expected_last,
+            Some(run_last),
+            &writer.name,
+            std::slice::from_ref(event),
+        )
+        .await
     }
 
     /// Writes a run's first decision, its `run.created`, with the check that the run has no
@@ -638,14 +664,21 @@ impl Journal {
                 created.event_type()
             )));
         }
-        self.append_decisions_as(&created.run_id, 0, CREATOR, std::slice::from_ref(created))
-            .await
+        self.append_decisions_as(
+            &created.run_id,
+            0,
+            None,
+            CREATOR,
+            std::slice::from_ref(created),
+        )
+        .await
     }
 
     async fn append_decisions_as(
         &self,
         run: &RunId,
         expected_last: u64,
+        run_last: Option<u64>,
         writer: &str,
         events: &[Envelope],
     ) -> Result<Appended, JournalError> {
@@ -653,10 +686,11 @@ impl Journal {
             "append_decisions",
             run_id = %run,
             expected_last,
+            run_last,
             writer,
             events = events.len()
         );
-        self.append_decisions_inner(run, expected_last, writer, events)
+        self.append_decisions_inner(run, expected_last, run_last, writer, events)
             .instrument(span)
             .await
     }
@@ -665,6 +699,7 @@ impl Journal {
         &self,
         run: &RunId,
         expected_last: u64,
+        run_last: Option<u64>,
         writer: &str,
         events: &[Envelope],
     ) -> Result<Appended, JournalError> {
@@ -678,14 +713,14 @@ impl Journal {
             );
             self.trace_header(&mut headers);
             if index == 0 {
-                headers.insert(
-                    wire::EXPECTED_LAST_SUBJECT_SEQ,
-                    expected_last.to_string().as_str(),
-                );
-                headers.insert(
-                    wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT,
-                    subjects::run_decisions(run).as_str(),
-                );
+                // The run's last message when the writer knows it (it implies the last
+                // decision), else its last decision.
+                let (seq, scope) = match run_last {
+                    Some(seq) => (seq, subjects::run_all(run)),
+                    None => (expected_last, subjects::run_decisions(run)),
+                };
+                headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ, seq.to_string().as_str());
+                headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT, scope.as_str());
             }
             messages.push(BatchMessage {
                 subject: envelope.subject(),
@@ -731,7 +766,9 @@ impl Journal {
                 ) =>
             {
                 let ours = decision_msg_id(run, expected_last, events.len() - 1, writer);
-                let outcome = self.classify_rejection(run, expected_last, &ours).await;
+                let outcome = self
+                    .classify_rejection(run, expected_last, run_last, &ours)
+                    .await;
                 tracing::debug!(error = %err, outcome = ?outcome, "decision append rejected");
                 Err(outcome)
             }
@@ -745,12 +782,23 @@ impl Journal {
         &self,
         run: &RunId,
         expected_last: u64,
+        run_last: Option<u64>,
         our_last_msg_id: &str,
     ) -> JournalError {
         let query = serde_json::json!({ "last_by_subj": subjects::run_decisions(run) });
         match wire::leader_get(&self.client, RUNS_STREAM, query, self.timeout).await {
             Ok(Some(last)) if last.header(wire::MSG_ID) == Some(our_last_msg_id) => {
                 JournalError::Duplicate { seq: last.seq }
+            }
+            // Checked against the run's last message, and the last decision is the expected
+            // one: only inputs (or messages set aside) landed since.
+            Ok(last)
+                if run_last.is_some_and(|seq| seq >= expected_last)
+                    && last.as_ref().map_or(0, |m| m.seq) == expected_last =>
+            {
+                JournalError::Behind {
+                    expected: run_last.unwrap_or(expected_last),
+                }
             }
             Ok(last) => JournalError::Conflict {
                 expected: expected_last,

@@ -117,6 +117,98 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
 }
 
 #[tokio::test]
+async fn an_append_checked_against_the_run_lands_only_on_its_last_message() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let other = new_run();
+    let writer = kedge_journal::DecisionWriter::unfenced(&run, "step-a");
+    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    // Another run's messages in between do not matter: only this run's last message does.
+    journal.create_run(&run_created(&other)).await.unwrap();
+    journal
+        .append_input(&user_message(&other, "elsewhere"), "other-1")
+        .await
+        .unwrap();
+    let started = journal
+        .append_decision_current(
+            &writer,
+            created.last_seq,
+            created.last_seq,
+            &run_started(&run),
+        )
+        .await
+        .unwrap();
+    assert!(started.first_seq > created.last_seq + 1, "{started:?}");
+
+    // An input of this run lands: the writer is behind, nothing is stored.
+    let input = journal
+        .append_input(&user_message(&run, "stop"), "in-1")
+        .await
+        .unwrap();
+    let completed = step_completed(&run, 1);
+    let behind = journal
+        .append_decision_current(&writer, started.last_seq, started.last_seq, &completed)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        behind,
+        JournalError::Behind {
+            expected: started.last_seq
+        }
+    );
+    assert_eq!(behind.kind(), ErrorKind::Conflict);
+    assert_eq!(journal.last_seq(&run).await.unwrap(), Some(input));
+    // Having read it, the writer's append lands.
+    let landed = journal
+        .append_decision_current(&writer, started.last_seq, input, &completed)
+        .await
+        .unwrap();
+    // The same append again is a duplicate, checked either way.
+    assert_eq!(
+        journal
+            .append_decision_current(&writer, started.last_seq, input, &completed)
+            .await,
+        Err(JournalError::Duplicate {
+            seq: landed.last_seq
+        })
+    );
+    assert_eq!(
+        journal
+            .append_decisions(&writer, started.last_seq, std::slice::from_ref(&completed))
+            .await,
+        Err(JournalError::Duplicate {
+            seq: landed.last_seq
+        })
+    );
+    // Another writer's decision since: a conflict, not "behind".
+    let rival = kedge_journal::DecisionWriter::unfenced(&run, "step-b");
+    let theirs = journal
+        .append_decisions(&rival, landed.last_seq, &[tool_requested(&run, 1, 0)])
+        .await
+        .unwrap();
+    assert_eq!(
+        journal
+            .append_decision_current(
+                &writer,
+                landed.last_seq,
+                landed.last_seq,
+                &tool_requested(&run, 1, 1)
+            )
+            .await,
+        Err(JournalError::Conflict {
+            expected: landed.last_seq,
+            actual: theirs.last_seq
+        })
+    );
+    let all = journal.read(&run, 0).await.unwrap();
+    assert_eq!(
+        all.len(),
+        5,
+        "created, started, the input, completed, theirs"
+    );
+}
+
+#[tokio::test]
 async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_takeover_lands() {
     let (_server, journal) = setup().await;
     let run = new_run();

@@ -410,6 +410,14 @@ async fn a_user_message_sent_during_a_step_reaches_the_next_model_request() {
         second.contains("also check the tides"),
         "in the next step: {second}"
     );
+    // The message landed while the step's state lacked it: the step's `step.completed`
+    // (checked against the run's last message) came after it, with the response paid once.
+    let events = h.events(&run).await;
+    let seq_of =
+        |f: &dyn Fn(&Event) -> bool| events.iter().find(|r| f(&r.envelope.event)).map(|r| r.seq);
+    let message = seq_of(&|e| matches!(e, Event::UserMessage(_))).expect("the message");
+    let completed = seq_of(&|e| matches!(e, Event::StepCompleted(_))).expect("a step");
+    assert!(message < completed, "{message} < {completed}");
     h.shutdown().await;
 }
 

@@ -441,11 +441,17 @@ impl Driver {
         Ok(())
     }
 
-    /// The appends of [`Driver::commit`]. An append that landed right after the state's last
-    /// event (its stream sequence is the next one: nothing at all was stored in between) is
-    /// folded in as it lands, so the common case needs no read back. Otherwise the state stays
-    /// behind the journal until [`Driver::catch_up`], which the caller must call before
-    /// deciding again.
+    /// The appends of [`Driver::commit`]. While the state holds the whole run (no append left
+    /// unfolded), each append is checked against the run's last message of any kind
+    /// ([`kedge_journal::Journal::append_decision_current`]): when it lands, nothing of the
+    /// run came in between, so it is folded in as it lands and needs no read back, however
+    /// many other runs' messages the stream stored meanwhile. When the run moved on (an input
+    /// landed: a cancel request during a model call, a tool's result), the group's first
+    /// decision is not appended: what landed is read (through the stream's leader) and the
+    /// caller decides again on it, so nothing is dispatched on a state that misses an input
+    /// acknowledged before the append. A later decision of the group goes on as before (inputs
+    /// do not conflict with decisions) and the state stays behind the journal until
+    /// [`Driver::catch_up`], which the caller must call before deciding again.
     async fn append(
         &self,
         state: &mut RunState,
@@ -459,24 +465,38 @@ impl Driver {
         let settles = state.settled_by(&drafts);
         let now = Timestamp::now();
         let mut expected = state.last_decision_seq;
-        for draft in drafts {
+        for (index, draft) in drafts.into_iter().enumerate() {
             let event = Envelope::new(state.run_id.clone(), now, draft);
-            match self
-                .rt
-                .journal
-                .append_decisions(w.writer, expected, std::slice::from_ref(&event))
-                .await
-            {
-                Ok(appended)
-                    if w.stale_through.is_none()
-                        && appended.first_seq == state.last_seq.saturating_add(1) =>
-                {
+            let journal = &self.rt.journal;
+            let mut current = w.stale_through.is_none();
+            let mut result = if current {
+                journal
+                    .append_decision_current(w.writer, expected, state.last_seq, &event)
+                    .await
+            } else {
+                journal
+                    .append_decisions(w.writer, expected, std::slice::from_ref(&event))
+                    .await
+            };
+            if let Err(JournalError::Behind { .. }) = result {
+                if index == 0 {
+                    tracing::debug!(run_id = %state.run_id, "the run moved on; reading it and deciding again");
+                    self.refresh(state, None).await?;
+                    return Ok(false);
+                }
+                // The same message id: an earlier attempt that landed is recognised.
+                current = false;
+                result = journal
+                    .append_decisions(w.writer, expected, std::slice::from_ref(&event))
+                    .await;
+            }
+            match result {
+                Ok(appended) if current => {
                     metrics::decision(&event.event);
                     state.apply(appended.last_seq, &event)?;
                     expected = appended.last_seq;
                 }
-                // Something was stored between the state's last event and this one (another
-                // run's message, or an input of this run): read back later.
+                // Appended after an unfolded append or past an input: read back later.
                 Ok(appended) => {
                     metrics::decision(&event.event);
                     expected = appended.last_seq;
@@ -774,17 +794,26 @@ impl Driver {
                         context_digest: plan.context_digest.clone(),
                         response: response.clone(),
                     };
-                    // Inputs that arrived during the call (a cancel above all) shape the commit;
-                    // they are read while the response is stored. Nothing is committed before
-                    // the response is stored: a crash from here on never pays for it twice.
-                    // Read with the leader's check: an input acknowledged before this read (a
-                    // cancel) is in it, so nothing is dispatched after a cancel request.
-                    w.stale_through = None;
+                    // Inputs that arrived during the call (a cancel above all) shape the commit.
+                    // A state that holds the whole run needs no read for them: its appends are
+                    // checked against the run's last message, so one that finds an input
+                    // acknowledged meanwhile is not appended and the step is decided again on
+                    // it, reusing the stored response (`Driver::append`). A state left behind
+                    // by `step.started` is read now, with the leader's check, while the
+                    // response is stored. Nothing is committed before the response is stored:
+                    // a crash from here on never pays for it twice.
+                    let behind = w.stale_through.take().is_some();
                     let (put, read) = futures::join!(
                         self.rt
                             .idempotency
                             .store_response(&plan.request_id, &stored),
-                        self.refresh(state, None)
+                        async {
+                            if behind {
+                                self.refresh(state, None).await
+                            } else {
+                                Ok(())
+                            }
+                        }
                     );
                     put?;
                     failpoint::hit("step.after_model_stored");
