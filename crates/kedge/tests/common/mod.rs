@@ -143,8 +143,11 @@ impl Harness {
             services: Vec::new(),
             children: Vec::new(),
         };
+        // One worker id per service, as separate processes would have: services sharing an id
+        // would each see "another live process" under it, and a lease one of them lost under
+        // load would never be taken back (`Liveness::id_is_unique`).
         for s in services {
-            h.spawn_service(*s, "w-main");
+            h.spawn_service(*s, &format!("w-main-{}", format!("{s:?}").to_lowercase()));
         }
         h
     }
