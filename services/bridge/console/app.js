@@ -537,7 +537,17 @@
         if (el.value) typed.set(el.id, el.value);
       }
       const focused = actions.contains(document.activeElement) ? document.activeElement.id : null;
+      // A refusal a form shows (a 403, a conflict) too: a live update must not wipe it unread.
+      const refusals = new Map();
+      for (const el of actions.querySelectorAll("form[id] > .error")) {
+        if (el.textContent) refusals.set(el.parentElement.id, el.textContent);
+      }
       actions.replaceChildren(...(cards.length ? [h("h2", {}, "Actions"), ...cards] : []));
+      for (const [id, text] of refusals) {
+        const form = document.getElementById(id);
+        const el = form && actions.contains(form) ? form.querySelector(":scope > .error") : null;
+        if (el) el.textContent = text;
+      }
       for (const [id, value] of typed) {
         const el = document.getElementById(id);
         if (el && actions.contains(el)) el.value = value;

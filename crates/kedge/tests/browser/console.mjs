@@ -114,9 +114,8 @@ try {
   await page.goto(config.base + "/#/runs/" + config.runs.cancel);
   await page.waitForSelector("#actions form#cancel", { timeout: T });
   await page.click("#actions form#cancel button[type=submit]");
-  // The text is taken as it shows: a live update may render the actions again right after.
-  const refusal = await page.waitForFunction(() => (document.querySelector("#actions form#cancel .error") || {}).textContent, null, { timeout: T });
-  result.forbidden_error = await refusal.jsonValue();
+  await page.waitForFunction(() => (document.querySelector("#actions form#cancel .error") || {}).textContent, null, { timeout: T });
+  result.forbidden_error = await page.textContent("#actions form#cancel .error");
   await page.unroute("**/v1/whoami");
   await page.click("#signout");
   await page.waitForSelector("#signin", { timeout: T });
