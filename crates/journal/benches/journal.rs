@@ -543,73 +543,129 @@ async fn fill(journal: &Journal, count: usize, events: usize) {
         .await;
 }
 
-/// The read path before issue 11 (kept here as the baseline, spoken on the wire): a leader
-/// `last_by_subj` on `agent.run.<id>.>` beside a batched direct get with that wildcard from
-/// sequence 1, 256 per page. Returns the number of messages read.
-async fn legacy_read(client: &async_nats::Client, run: &RunId) -> usize {
+/// The read path of the previous commit (kept here as the baseline, spoken on the wire): every
+/// read by the wildcard `agent.run.<id>.>`. A leader `last_by_subj` beside a probe of one
+/// message (its end of batch says how many follow), then exactly that many from sequence 1, 256
+/// per page. Returns the number of messages read.
+async fn wildcard_read(raw: &RawReader, run: &RunId) -> usize {
     let filter = format!("agent.run.{run}.>");
-    let leader = client.request(
+    let leader = raw.client.request(
         "$JS.API.STREAM.MSG.GET.KEDGE_RUNS",
         serde_json::json!({ "last_by_subj": filter })
             .to_string()
             .into(),
     );
-    let (leader, mut page) = futures::join!(leader, raw_batch(client, &filter, 1, 256));
+    let (leader, probe) = futures::join!(leader, raw.batch(&filter, 1, 1));
     let leader: serde_json::Value = serde_json::from_slice(&leader.unwrap().payload).unwrap();
     let last = leader["message"]["seq"].as_u64().unwrap();
+    let (mut page, mut pending) = probe;
+    if pending > 0 && pending < 256 {
+        // From sequence 1 again: what is pending from there comes from the subject index.
+        (page, pending) = raw.batch(&filter, 1, 1 + pending as usize).await;
+    }
     let mut got = 0;
+    let mut reached = 0;
     loop {
-        let mut reached = 0;
-        for (seq, payload) in &page.0 {
+        for (seq, payload) in &page {
+            if *seq <= reached {
+                continue;
+            }
             let _ = Envelope::from_json_bytes(payload).unwrap();
             reached = *seq;
             got += 1;
         }
-        if page.1 == 0 && reached >= last {
+        if pending == 0 {
+            assert!(reached >= last, "R1: the one server answers");
             return got;
         }
-        page = raw_batch(client, &filter, reached + 1, 256).await;
+        (page, pending) = raw
+            .batch(&filter, reached + 1, (pending as usize).min(256))
+            .await;
     }
 }
 
-/// A batched direct get: (sequence, payload) of each message, and the pending count at the end.
-async fn raw_batch(
-    client: &async_nats::Client,
-    filter: &str,
-    from: u64,
-    batch: usize,
-) -> (Vec<(u64, bytes::Bytes)>, u64) {
-    let inbox = client.new_inbox();
-    let mut sub = client.subscribe(inbox.clone()).await.unwrap();
-    client
-        .publish_with_reply(
-            "$JS.API.DIRECT.GET.KEDGE_RUNS",
-            inbox,
-            serde_json::json!({ "seq": from, "next_by_subj": filter, "batch": batch })
-                .to_string()
-                .into(),
-        )
-        .await
-        .unwrap();
-    let mut out = Vec::new();
-    loop {
-        let m = tokio::time::timeout(Duration::from_secs(10), sub.next())
-            .await
-            .unwrap()
-            .unwrap();
-        let header = |name: &str| {
-            m.headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .and_then(|v| v.as_str().parse::<u64>().ok())
-        };
-        match m.status.map(|s| s.as_u16()) {
-            Some(204) => return (out, header("Nats-Num-Pending").unwrap_or(0)),
-            Some(404) => return (out, 0),
-            Some(other) => panic!("direct get status {other}"),
-            None => out.push((header("Nats-Sequence").unwrap(), m.payload.clone())),
+/// Batched direct gets over one reply subscription (as the journal does), one at a time.
+struct RawReader {
+    client: async_nats::Client,
+    prefix: String,
+    sub: tokio::sync::Mutex<(async_nats::Subscriber, u64)>,
+}
+
+impl RawReader {
+    async fn new(client: &async_nats::Client) -> Self {
+        let prefix = client.new_inbox();
+        let sub = client.subscribe(format!("{prefix}.*")).await.unwrap();
+        Self {
+            client: client.clone(),
+            prefix,
+            sub: tokio::sync::Mutex::new((sub, 0)),
         }
     }
+
+    /// A batched direct get: (sequence, payload) of each message, and the pending count at
+    /// the end.
+    async fn batch(
+        &self,
+        filter: &str,
+        from: u64,
+        batch: usize,
+    ) -> (Vec<(u64, bytes::Bytes)>, u64) {
+        let mut guard = self.sub.lock().await;
+        let (sub, token) = &mut *guard;
+        *token += 1;
+        let reply = format!("{}.{token}", self.prefix);
+        self.client
+            .publish_with_reply(
+                "$JS.API.DIRECT.GET.KEDGE_RUNS",
+                reply.clone(),
+                serde_json::json!({ "seq": from, "next_by_subj": filter, "batch": batch })
+                    .to_string()
+                    .into(),
+            )
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(10), sub.next())
+                .await
+                .unwrap()
+                .unwrap();
+            if m.subject.as_str() != reply {
+                continue;
+            }
+            let header = |name: &str| {
+                m.headers
+                    .as_ref()
+                    .and_then(|h| h.get(name))
+                    .and_then(|v| v.as_str().parse::<u64>().ok())
+            };
+            match m.status.map(|s| s.as_u16()) {
+                Some(204) => return (out, header("Nats-Num-Pending").unwrap_or(0)),
+                Some(404) => return (out, 0),
+                Some(other) => panic!("direct get status {other}"),
+                None => out.push((header("Nats-Sequence").unwrap(), m.payload.clone())),
+            }
+        }
+    }
+}
+
+/// Reads the run in pages of `page` events (as `/history` does, by sequence) and checks they
+/// make up the whole read.
+async fn check_pages(journal: &Journal, run: &RunId, page: usize) {
+    let whole = journal.read(run, 0).await.unwrap();
+    let mut paged = Vec::new();
+    let mut after = 0;
+    loop {
+        let p = journal.read_at_most(run, after, page).await.unwrap();
+        if let Some(last) = p.events.last() {
+            after = last.seq;
+        }
+        paged.extend(p.events);
+        if !p.more {
+            break;
+        }
+    }
+    assert_eq!(paged, whole);
 }
 
 /// Times `reads` calls of `f`, cycling over `runs`.
@@ -636,7 +692,9 @@ where
 /// over that fill and `COMPACT` 50-event runs written right after it; then times, one read at
 /// a time and cycling over runs, reading a whole 50-event run: the ones just written ("recent"),
 /// the first level's ("old"), the previous level's, and the spread ones — with `Journal::read` and with the read path
-/// as it was before issue 11 (`legacy_read`), back to back on the same runs. Also the cost of
+/// of the previous commit (`wildcard_read`: by the wildcard only), back to back on the same
+/// runs; a spread run is also read in pages of 20 (`read_at_most`, as `/history` pages). Also
+/// the cost of
 /// `last_event` and of `run_ids` (every run: the reconciler's old scan).
 async fn history(args: Args) {
     let server = NatsServer::start().await;
@@ -645,6 +703,7 @@ async fn history(args: Args) {
         .await
         .unwrap();
     let journal = Journal::new(client.clone());
+    let raw = RawReader::new(&client).await;
     eprintln!(
         "nats-server {}, R1 file storage; levels {:?}, filler runs of {} events, {} reads per line",
         report.server_version, args.history, args.filler_events, args.reads
@@ -692,7 +751,8 @@ async fn history(args: Args) {
         let spread: Vec<RunId> = spread.into_iter().map(|w| w.run).collect();
         for run in compact.iter().chain(&spread) {
             assert_eq!(journal.read(run, 0).await.unwrap().len(), 50);
-            assert_eq!(legacy_read(&client, run).await, 50);
+            assert_eq!(wildcard_read(&raw, run).await, 50);
+            check_pages(&journal, run, 7).await;
         }
         let mut kinds = vec![("recent", &compact), ("old", &old)];
         if !mid.is_empty() && mid != old {
@@ -708,15 +768,31 @@ async fn history(args: Args) {
             })
             .await;
             table.add(&format!("N={level} read {kind} 50-event run"), s);
-            let s = time_reads(runs, args.reads, |run| {
-                let client = client.clone();
-                async move {
-                    assert_eq!(legacy_read(&client, &run).await, 50);
-                }
+            let raw = &raw;
+            let s = time_reads(runs, args.reads, |run| async move {
+                assert_eq!(wildcard_read(raw, &run).await, 50);
             })
             .await;
-            table.add(&format!("N={level}   same, before (legacy_read)"), s);
+            table.add(&format!("N={level}   same, before (wildcard_read)"), s);
         }
+        let s = time_reads(&spread, args.reads / 4, |run| {
+            let journal = journal.clone();
+            async move {
+                let mut after = 0;
+                let mut n = 0;
+                loop {
+                    let p = journal.read_at_most(&run, after, 20).await.unwrap();
+                    n += p.events.len();
+                    after = p.events.last().map_or(after, |e| e.seq);
+                    if !p.more {
+                        break;
+                    }
+                }
+                assert_eq!(n, 50);
+            }
+        })
+        .await;
+        table.add(&format!("N={level} read spread run in pages of 20"), s);
         let s = time_reads(&compact, args.reads, |run| {
             let journal = journal.clone();
             async move {

@@ -65,6 +65,17 @@ const NEAR_BATCH: usize = 8;
 /// from the leader itself.
 const STALE_RETRIES: u32 = 3;
 
+/// A read whose run spans at least `SPREAD_MIN_SPAN` stream sequences, and at least
+/// `SPREAD_RATIO` per message of the run, is read by its literal subjects (see
+/// `Journal::read_literal`): the server walks the messages between a wildcard's matches, but
+/// skips the blocks a literal subject is not in.
+const SPREAD_MIN_SPAN: u64 = 16_384;
+const SPREAD_RATIO: u64 = 2048;
+
+/// Most subjects a run may have for the literal read (one request per subject); a run with more
+/// (garbage published on many subjects) is read by its wildcard.
+const MAX_LANES: usize = 64;
+
 /// Where an append landed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Appended {
@@ -390,6 +401,8 @@ struct Reading<'a> {
     out: ReadPage,
     /// The last sequence taken (the read's `after` before any).
     reached: u64,
+    /// The first sequence taken (0 before any).
+    first: u64,
     /// Messages taken (events, set aside and skipped alike).
     fetched: u64,
     max: usize,
@@ -403,6 +416,9 @@ impl Reading<'_> {
             return;
         }
         self.reached = m.seq;
+        if self.fetched == 0 {
+            self.first = m.seq;
+        }
         self.fetched += 1;
         self.out.push(self.run, decode(self.run, m));
     }
@@ -410,6 +426,13 @@ impl Reading<'_> {
     fn full(&self) -> bool {
         self.out.events.len() + self.out.by_reference.len() >= self.max
     }
+}
+
+/// Whether a run whose messages from `first` number `count` and end at `last` is spread over
+/// enough of the stream to be read by its literal subjects.
+fn spread(first: u64, count: u64, last: u64) -> bool {
+    let span = last.saturating_sub(first).saturating_add(1);
+    first > 0 && span >= SPREAD_MIN_SPAN && span / count.max(1) >= SPREAD_RATIO
 }
 
 /// The run an envelope names.
@@ -947,6 +970,12 @@ impl Journal {
     ///    the probe: the server counts what is pending from the stream's start out of its subject
     ///    index, but from a later sequence by visiting message blocks.
     ///
+    /// 3. a run spread over history (its messages from the probe's on span at least
+    ///    `SPREAD_MIN_SPAN` sequences and `SPREAD_RATIO` per message, e.g. a long-lived run
+    ///    among many others) is read instead by its literal subjects, merged by sequence
+    ///    (`Journal::read_literal`): the wildcard's cost is the messages between the run's,
+    ///    the literal subjects' only those between two of a subject's messages in one block.
+    ///
     /// A literal filter ([`Journal::read_type`]) needs no probe: the server skips blocks for it.
     /// The consistency argument is unchanged: pages may come from a replica that trails the
     /// leader; the read is complete only when it reaches the leader's last sequence, asked in the
@@ -988,6 +1017,7 @@ impl Journal {
             run,
             out: ReadPage::default(),
             reached: after,
+            first: 0,
             fetched: 0,
             max,
         };
@@ -1024,6 +1054,28 @@ impl Journal {
         let mut pending = first.map_err(map)?;
         let mut before = after;
         let mut stale = 0;
+        // A run spread over history: read by its literal subjects. What it leaves (a replica
+        // that trails, too many subjects) the loop below reads, probing first.
+        if wildcard
+            && !r.full()
+            && pending > 0
+            && spread(r.first, r.fetched.saturating_add(pending), leader_last)
+        {
+            let from = if after == 0 {
+                1
+            } else {
+                r.reached.saturating_add(1)
+            };
+            if self
+                .read_literal(&mut r, filter, from, page_size, leader_last)
+                .await?
+            {
+                pending = 0;
+            } else {
+                pending = 1;
+                before = after;
+            }
+        }
         loop {
             // A prefix of what follows `after` is gap-free whoever answered.
             if r.full() {
@@ -1086,6 +1138,161 @@ impl Journal {
         }
         r.out.more = r.reached < leader_last;
         Ok(r.out)
+    }
+
+    /// Reads on from `r.reached` by the literal subjects under `filter` (the run's tree), merged
+    /// by sequence: for a run whose messages are spread over much of the stream.
+    ///
+    /// Why (nats-server 2.15, `filestore.go`): to find the next match of a wildcard,
+    /// `LoadNextMsg` walks message by message through every block between two of the run's
+    /// messages (`firstMatching` scans a block linearly once its cache is loaded and it holds
+    /// many subjects, and past 64k subjects `checkSkipFirstBlock` does not skip blocks for a
+    /// wildcard), so a run that lived while many others came and went costs the messages its
+    /// life spans. For a literal subject the server asks each block's subject index
+    /// (`mb.fss`: first and last sequence of each subject in the block) and does not look at a
+    /// block's messages unless the subject is in it; it jumps to the subject's first block
+    /// (`psim` `fblk`) and stops after its last (`lblk`), and the batch's pending count is
+    /// taken from the same indexes. Inside a block it still walks from one match to the next.
+    ///
+    /// 1. `multi_last` on `filter` lists the run's subjects with their last sequences, and the
+    ///    sequence through which that holds (`Nats-UpTo-Sequence`): one request, answered from
+    ///    the subject tree;
+    /// 2. one batched direct get per subject from `from`, all at once, then more pages of a
+    ///    subject only as the merge reaches its last message; messages are taken in sequence
+    ///    order up to the smallest sequence every unfinished subject has reached.
+    ///
+    /// Complete (`true`) when the subject list holds through `leader_last` and every subject
+    /// was read through its last message as listed: a replica stores a prefix of the stream,
+    /// so a subject read through a sequence has nothing missing before it, and nothing after
+    /// the list's sequence is taken (a subject that appeared since is not in the list).
+    /// `false` leaves the rest (from `r.reached`) to the caller's read by wildcard.
+    async fn read_literal(
+        &self,
+        r: &mut Reading<'_>,
+        filter: &str,
+        from: u64,
+        page: usize,
+        leader_last: u64,
+    ) -> Result<bool, JournalError> {
+        struct Lane {
+            subject: String,
+            /// The subject's last sequence, as listed.
+            last: u64,
+            /// Where its next page starts.
+            from: u64,
+            /// The last sequence read of it (0: none yet).
+            read: u64,
+            done: bool,
+        }
+        let t = self.timeout;
+        let map = |e: WireError| JournalError::from_wire("read", e);
+        let mut lanes: Vec<Lane> = Vec::new();
+        let listed = wire::direct_subjects_last(
+            &self.inbox,
+            RUNS_STREAM,
+            filter,
+            r.reached.saturating_add(1),
+            MAX_LANES + 1,
+            t,
+            |m| {
+                lanes.push(Lane {
+                    subject: m.subject,
+                    last: m.seq,
+                    from,
+                    read: 0,
+                    done: false,
+                })
+            },
+        )
+        .await;
+        let up_to = match listed {
+            Ok(eob) if eob.pending == 0 && lanes.len() <= MAX_LANES => match eob.up_to {
+                Some(up_to) if up_to >= leader_last => up_to,
+                _ => return Ok(false),
+            },
+            Ok(_) => return Ok(false),
+            // More subjects than the server lists at once.
+            Err(WireError::Api(e)) if e.code == 413 => return Ok(false),
+            Err(e) => return Err(map(e)),
+        };
+        // A bounded read asks each subject for its share of the page (a subject read ahead
+        // past what the page takes costs the messages walked to find it); more as it is taken.
+        let batch = if lanes.is_empty() {
+            page
+        } else {
+            page.div_ceil(lanes.len()).max(2).min(page)
+        };
+        let batch = if page < READ_PAGE { batch } else { page };
+        // Taken in sequence order; a message is read by exactly one subject.
+        let mut merged: std::collections::BTreeMap<u64, StoredMessage> = Default::default();
+        loop {
+            // Every unfinished subject whose messages read so far are all taken reads a page.
+            let reached = r.reached;
+            let pages = lanes
+                .iter()
+                .enumerate()
+                .filter(|(_, lane)| !lane.done && lane.read <= reached)
+                .map(|(i, lane)| async move {
+                    let mut got = Vec::new();
+                    let pending = wire::direct_batch(
+                        &self.inbox,
+                        RUNS_STREAM,
+                        &lane.subject,
+                        lane.from,
+                        batch,
+                        t,
+                        |m| got.push(m),
+                    )
+                    .await;
+                    (i, pending.map(|pending| (got, pending)))
+                });
+            for (i, result) in futures::future::join_all(pages).await {
+                let (got, pending) = result.map_err(map)?;
+                let lane = &mut lanes[i];
+                let progress = lane.read;
+                for m in got {
+                    if m.seq > up_to {
+                        // After the list: another subject may hold messages before it.
+                        lane.done = true;
+                        break;
+                    }
+                    if m.seq >= lane.from && m.subject == lane.subject {
+                        lane.from = m.seq.saturating_add(1);
+                        lane.read = m.seq;
+                        merged.insert(m.seq, m);
+                    }
+                }
+                if pending == 0 {
+                    lane.done = true;
+                }
+                if lane.done && lane.read < lane.last {
+                    // The replica that answered trails the one that listed the subjects.
+                    return Ok(false);
+                }
+                if !lane.done && lane.read == progress {
+                    // Pending, but nothing came: leave it to the wildcard read.
+                    return Ok(false);
+                }
+            }
+            let through = lanes
+                .iter()
+                .filter(|lane| !lane.done)
+                .map(|lane| lane.read)
+                .min()
+                .unwrap_or(u64::MAX);
+            while let Some(entry) = merged.first_entry() {
+                if *entry.key() > through {
+                    break;
+                }
+                r.take(entry.remove());
+                if r.full() {
+                    return Ok(true);
+                }
+            }
+            if through == u64::MAX {
+                return Ok(true);
+            }
+        }
     }
 
     /// The run's events after `after`, then every new one as it is appended: no gap, no
@@ -1621,6 +1828,25 @@ mod tests {
             check_group(&r, "w", &many),
             Err(JournalError::BadRequest(_))
         ));
+    }
+
+    #[test]
+    fn only_a_run_spread_far_and_thin_is_read_by_its_subjects() {
+        // A compact run, one written side by side with others, a run near the tail.
+        assert!(!spread(1_000, 50, 1_049));
+        assert!(!spread(1_000, 50, 1_000 + 64 * 50));
+        assert!(!spread(1_000, 1, 1_000 + SPREAD_MIN_SPAN - 2));
+        // A 50-event run over 10k other runs (5 messages each): as dense as a block's worth of
+        // messages, where the subjects' walks inside blocks cost more than the wildcard's.
+        assert!(!spread(1_000, 50, 51_000));
+        // Over 30k and 100k other runs.
+        assert!(spread(1_000, 50, 151_000));
+        assert!(spread(1_000, 50, 501_000));
+        // A long run that is dense: as many messages as its span holds over the ratio.
+        assert!(!spread(1, 10_000, 200_000));
+        // No first message (nothing read), no count.
+        assert!(!spread(0, 50, 501_000));
+        assert!(spread(1, 0, 501_000));
     }
 
     fn stored(seq: u64, subject: &str, payload: Vec<u8>) -> StoredMessage {

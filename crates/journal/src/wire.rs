@@ -36,6 +36,7 @@ pub(crate) const MARKER_REASON: &str = "Nats-Marker-Reason";
 pub(crate) const SEQUENCE: &str = "Nats-Sequence";
 pub(crate) const SUBJECT: &str = "Nats-Subject";
 pub(crate) const NUM_PENDING: &str = "Nats-Num-Pending";
+pub(crate) const UP_TO_SEQUENCE: &str = "Nats-UpTo-Sequence";
 
 /// JetStream error codes Kedge branches on.
 pub(crate) mod codes {
@@ -361,7 +362,9 @@ pub(crate) async fn direct_batch(
     mut each: impl FnMut(StoredMessage),
 ) -> Result<u64, WireError> {
     let body = serde_json::json!({ "seq": from, "next_by_subj": subject, "batch": batch });
-    direct_batch_request(inbox, stream, body, timeout, &mut each).await
+    direct_batch_request(inbox, stream, body, timeout, &mut each)
+        .await
+        .map(|eob| eob.pending)
 }
 
 /// Batched direct get of the last message on each of `subjects` (`multi_last`; literal subjects),
@@ -380,13 +383,41 @@ pub(crate) async fn direct_multi_last(
         .map(|_| ())
 }
 
+/// The end of a batched direct get, as the responder saw the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct EndOfBatch {
+    /// `Nats-Num-Pending`: what matched and was not sent (for `multi_last`, the subjects left).
+    pub(crate) pending: u64,
+    /// `Nats-UpTo-Sequence` of a `multi_last` answer: the responder's last sequence, through
+    /// which the answer is complete. `None` when absent (or when nothing matched).
+    pub(crate) up_to: Option<u64>,
+}
+
+/// `multi_last` over one `filter` (wildcards allowed): the last message of each subject
+/// matching it, those stored at or after `min_seq` handed to `each` in stream order, at most
+/// `batch` of them. One request, answered from the server's subject index (no message scan) by
+/// any current replica; the end of batch says how many subjects were left out and through which
+/// sequence the answer holds. A filter matching more than 1024 subjects is refused (413).
+pub(crate) async fn direct_subjects_last(
+    inbox: &BatchInbox,
+    stream: &str,
+    filter: &str,
+    min_seq: u64,
+    batch: usize,
+    timeout: Duration,
+    mut each: impl FnMut(StoredMessage),
+) -> Result<EndOfBatch, WireError> {
+    let body = serde_json::json!({ "multi_last": [filter], "seq": min_seq, "batch": batch.max(1) });
+    direct_batch_request(inbox, stream, body, timeout, &mut each).await
+}
+
 async fn direct_batch_request(
     inbox: &BatchInbox,
     stream: &str,
     body: serde_json::Value,
     timeout: Duration,
     each: &mut impl FnMut(StoredMessage),
-) -> Result<u64, WireError> {
+) -> Result<EndOfBatch, WireError> {
     let client = &inbox.client;
     let mut replies = inbox.open().await?;
     client
@@ -407,14 +438,18 @@ async fn direct_batch_request(
         match msg.status {
             Some(status) if status.as_u16() == 204 => {
                 // End of batch.
-                return Ok(msg
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get(NUM_PENDING))
-                    .and_then(|v| v.as_str().parse().ok())
-                    .unwrap_or(0));
+                let header = |name: &str| {
+                    msg.headers
+                        .as_ref()
+                        .and_then(|h| h.get(name))
+                        .and_then(|v| v.as_str().parse().ok())
+                };
+                return Ok(EndOfBatch {
+                    pending: header(NUM_PENDING).unwrap_or(0),
+                    up_to: header(UP_TO_SEQUENCE),
+                });
             }
-            Some(StatusCode::NOT_FOUND) if received == 0 => return Ok(0),
+            Some(StatusCode::NOT_FOUND) if received == 0 => return Ok(EndOfBatch::default()),
             Some(_) => {
                 return Err(status_error(&msg)
                     .unwrap_or_else(|| WireError::Malformed("unexpected status".into())));
