@@ -15,11 +15,17 @@
 //!   a moment old may be missing from the list: the list is eventually consistent.
 //!
 //! The projector is a durable consumer (`projector`, `nats/consumers/KEDGE_RUNS/projector.json`)
-//! on the runs' decisions (`agent.run.*.d.>`; only decisions change a summary). For each one it
-//! skips the work when the stored summary already covers that sequence (so a burst of decisions
-//! costs one journal read), else reads and folds the run and writes the summary.
+//! on the runs' decisions (`agent.run.*.d.>`; only decisions change a summary). It projects many
+//! runs at once and one run at a time: the decisions of a run delivered while it is being
+//! projected are covered by one more read, fold and store, and a decision at or before a summary
+//! it already stored costs no request at all (so a burst or a backlog of a run's decisions
+//! costs one journal read). A write starts from what the process last stored for the run (a
+//! compare-and-set on that revision, or a create for a run first seen by its `run.created`), so
+//! it is usually one request; a wrong guess falls back to reading the key.
 
+use std::collections::HashMap;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
@@ -29,12 +35,11 @@ use futures::StreamExt;
 use kedge_core::event::{OutputValidation, Timestamp, Usage, WaitReason};
 use kedge_core::ids::{AgentName, RunId, TenantId};
 use kedge_core::subjects::{self, RUNS_BUCKET};
-use kedge_core::{FoldError, RunStatus};
+use kedge_core::{EventType, FoldError, RunStatus};
 use kedge_journal::{Journal, JournalError, Recorded};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use serde::{Deserialize, Serialize};
 
-use crate::tenants::TenantCache;
 use crate::view;
 
 /// One run in `kedge_runs`.
@@ -127,7 +132,6 @@ pub struct Projection {
     kv: kv::Store,
     js: Context,
     journal: Journal,
-    tenants: TenantCache,
 }
 
 const CAS_TRIES: usize = 16;
@@ -143,7 +147,6 @@ impl Projection {
             kv,
             js: rt.js.clone(),
             journal: rt.journal.clone(),
-            tenants: TenantCache::new(rt),
         })
     }
 
@@ -175,24 +178,66 @@ impl Projection {
         summary: &RunSummary,
         overwrite_equal: bool,
     ) -> Result<Stored, ProjectionError> {
+        Ok(self
+            .store_hinted(summary, overwrite_equal, Hint::Unknown)
+            .await?
+            .0)
+    }
+
+    /// [`Projection::store`], starting from what the caller believes is stored: with a right
+    /// guess the write is one request (a compare-and-set on the believed revision, or a create),
+    /// with a wrong one the compare-and-set fails and the write goes on as without a guess (read
+    /// the key, compare, compare-and-set). Returns what is stored afterwards.
+    async fn store_hinted(
+        &self,
+        summary: &RunSummary,
+        overwrite_equal: bool,
+        hint: Hint,
+    ) -> Result<(Stored, Known), ProjectionError> {
         let key = key(&summary.tenant, &summary.run_id);
         let value: bytes::Bytes = serde_json::to_vec(summary)
             .map_err(|e| ProjectionError::Kv(e.to_string()))?
             .into();
+        let known = |seq: u64, revision: u64| Known {
+            seq,
+            revision,
+            tenant: summary.tenant.clone(),
+        };
+        let guess = match hint {
+            Hint::Unknown => None,
+            Hint::Absent => Some(0),
+            Hint::Stored(k) if k.tenant == summary.tenant => {
+                if k.seq > summary.seq || (k.seq == summary.seq && !overwrite_equal) {
+                    // Stored by this projector; a later write by anyone is newer still.
+                    return Ok((Stored::Stale, k));
+                }
+                Some(k.revision)
+            }
+            Hint::Stored(_) => None,
+        };
+        if let Some(revision) = guess {
+            // Revision 0: only if the key has never been written (a `create` without the
+            // client's follow-up read on failure: the loop below reads anyway).
+            match self.kv.update(&key, value.clone(), revision).await {
+                Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                Err(e) => return Err(ProjectionError::Kv(e.to_string())),
+            }
+        }
         for _ in 0..CAS_TRIES {
             match self.entry(&key).await? {
                 None => match self.kv.create(&key, value.clone()).await {
-                    Ok(_) => return Ok(Stored::Written),
+                    Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
                     Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
                     Err(e) => return Err(ProjectionError::Kv(e.to_string())),
                 },
                 Some((revision, stored)) => {
                     let stored_seq = stored.map_or(0, |s| s.seq);
                     if stored_seq > summary.seq || (stored_seq == summary.seq && !overwrite_equal) {
-                        return Ok(Stored::Stale);
+                        return Ok((Stored::Stale, known(stored_seq, revision)));
                     }
                     match self.kv.update(&key, value.clone(), revision).await {
-                        Ok(_) => return Ok(Stored::Written),
+                        Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
                         Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
                         Err(e) => return Err(ProjectionError::Kv(e.to_string())),
                     }
@@ -211,20 +256,24 @@ impl Projection {
         overwrite_equal: bool,
     ) -> Result<Option<(RunSummary, Stored)>, ProjectionError> {
         let events = self.journal.read(run, 0).await?;
-        self.fold_and_store(run, &events, overwrite_equal).await
+        Ok(self
+            .fold_and_store(run, &events, overwrite_equal, Hint::Unknown)
+            .await?
+            .map(|(summary, stored, _)| (summary, stored)))
     }
 
     /// [`Projection::project`] of a run through at least `through`, an event of the run the
     /// broker acknowledged (the decision a projector handles): read without asking the stream
     /// leader where the run ends ([`Journal::read_through`]); a later event the read did not
-    /// reach is projected on its own delivery.
+    /// reach is projected on its own delivery. `hint`: what the caller believes is stored.
     async fn project_through(
         &self,
         run: &RunId,
         through: u64,
-    ) -> Result<Option<(RunSummary, Stored)>, ProjectionError> {
+        hint: Hint,
+    ) -> Result<Option<(RunSummary, Stored, Known)>, ProjectionError> {
         let events = self.journal.read_through(run, 0, through).await?.events;
-        self.fold_and_store(run, &events, false).await
+        self.fold_and_store(run, &events, false, hint).await
     }
 
     /// Folds a run's events into its summary and stores it. `Ok(None)` for no events.
@@ -233,7 +282,8 @@ impl Projection {
         run: &RunId,
         events: &[Recorded],
         overwrite_equal: bool,
-    ) -> Result<Option<(RunSummary, Stored)>, ProjectionError> {
+        hint: Hint,
+    ) -> Result<Option<(RunSummary, Stored, Known)>, ProjectionError> {
         let Some(summary) = summarize(events).map_err(|source| ProjectionError::Fold {
             run: run.clone(),
             source,
@@ -241,8 +291,8 @@ impl Projection {
         else {
             return Ok(None);
         };
-        let stored = self.store(&summary, overwrite_equal).await?;
-        Ok(Some((summary, stored)))
+        let (stored, known) = self.store_hinted(&summary, overwrite_equal, hint).await?;
+        Ok(Some((summary, stored, known)))
     }
 
     /// Every summary of a tenant (one pass over the bucket's keys `<tenant>.>`).
@@ -312,27 +362,40 @@ pub const PROJECTOR: &str = "projector";
 /// First redelivery delay after a failure; it doubles per delivery up to the configured
 /// `max_retry_delay`, and the consumer's `max_deliver` bounds the tries.
 const RETRY_DELAY: Duration = Duration::from_secs(1);
+/// Runs projected at once. Each is a journal read and a write, a few round trips mostly spent
+/// waiting on the broker; the consumer's `max_ack_pending` (1,000) bounds the deliveries held.
+const PROJECTING: usize = 64;
 
 /// Runs the projector until `shutdown` resolves.
 ///
+/// Deliveries are handled per run, [`PROJECTING`] runs at once: a delivery of a run already
+/// being projected joins it ([`Inbox`]), and one read, fold and store covers every decision of
+/// the run that arrived meanwhile (a backlog of a run's decisions, a burst of a live run). A
+/// delivery is acknowledged only once a summary folded through it is stored (or found stored),
+/// so a process killed midway leaves the rest to redelivery. At most one projection of a run is
+/// in flight in a process; across processes, the compare-and-set decides.
+///
 /// A decision it cannot project (broker trouble, or a panic, which is contained) is handed back
 /// with a growing delay; at the consumer's last delivery (`max_deliver` 20), and at once for a
-/// run whose journal does not fold, it is given up on as a dead letter
-/// (`agent.rejected.dead.projector`, `kedge dead list`): the projection is a cache, a later
-/// decision of the run or `kedge runs rebuild` brings the summary up to date.
+/// run whose journal does not fold or a subject that is not a run's event, it is given up on
+/// as a dead letter (`agent.rejected.dead.projector`, `kedge dead list`): the projection is a
+/// cache, a later decision of the run or `kedge runs rebuild` brings the summary up to date.
 pub async fn run_projector(
     rt: Runtime,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), RuntimeError> {
-    let projection = Projection::open(&rt).await?;
+    let projector = Arc::new(Projector {
+        projection: Projection::open(&rt).await?,
+        projected: Projected::default(),
+        inbox: Inbox::default(),
+        cap: rt.config.timeouts.max_retry_delay(),
+    });
     let consumer = consumer::durable(&rt.js, PROJECTOR, Duration::from_secs(30)).await?;
     let mut messages = consumer
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("projector consumer", e))?;
-    let workers = consumer::Workers::new(16);
-    let projected = Projected::default();
-    let cap = rt.config.timeouts.max_retry_delay();
+    let workers = consumer::Workers::new(PROJECTING);
     tracing::info!(worker = %rt.config.worker_id, "projector started");
     tokio::pin!(shutdown);
     loop {
@@ -343,20 +406,29 @@ pub async fn run_projector(
                 None => break,
             },
         };
-        let projection = projection.clone();
-        let projected = projected.clone();
-        workers.run(slot, async move {
-            use futures::FutureExt as _;
-            let handled = std::panic::AssertUnwindSafe(handle(&projection, &projected, &msg))
-                .catch_unwind()
-                .await;
-            let verdict = handled.unwrap_or_else(|panic| {
-                let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
-                tracing::error!(subject = %msg.subject, panic = %reason, "projecting panicked");
-                Verdict::Retry(format!("panicked: {reason}"))
+        let parsed = match (subjects::parse_event(&msg.subject), msg.info()) {
+            (Some(parsed), Ok(info)) => Some((parsed.run_id, info.stream_sequence)),
+            _ => None,
+        };
+        let Some((run, seq)) = parsed else {
+            let projector = projector.clone();
+            workers.run(slot, async move {
+                let verdict = Verdict::Poison("not a journal event subject".into());
+                projector.settle(&msg, &verdict).await;
             });
-            settle(&projection.js, &msg, verdict, cap).await;
-        });
+            continue;
+        };
+        if projector.projected.covers(&run, seq) {
+            // Folded into a summary this process stored (or found stored) already.
+            projector.settle(&msg, &Verdict::Ack).await;
+            continue;
+        }
+        if !projector.inbox.add(&run, msg) {
+            // Joins the projection of the run in flight; the slot is not needed.
+            continue;
+        }
+        let projector = projector.clone();
+        workers.run(slot, async move { projector.project_run(&run).await });
     }
     consumer::hand_back(messages, PROJECTOR).await;
     workers.drain().await;
@@ -365,7 +437,7 @@ pub async fn run_projector(
 }
 
 /// What the projector tells the broker about a decision.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum Verdict {
     Ack,
     /// Failed for the reason: handed back, given up on at the last delivery.
@@ -374,32 +446,178 @@ enum Verdict {
     Poison(String),
 }
 
-async fn settle(js: &Context, msg: &Message, verdict: Verdict, cap: Duration) {
-    let delivered = consumer::deliveries(msg);
-    let ack = match verdict {
-        Verdict::Ack => msg.ack().await,
-        Verdict::Poison(reason) => return consumer::dead_letter(js, PROJECTOR, msg, &reason).await,
-        Verdict::Retry(reason) if consumer::is_last_delivery(PROJECTOR, msg) => {
-            return consumer::dead_letter(js, PROJECTOR, msg, &reason).await;
+/// What the projector's handlers share.
+#[derive(Debug)]
+struct Projector {
+    projection: Projection,
+    projected: Projected,
+    inbox: Inbox,
+    /// The longest delay before a redelivery.
+    cap: Duration,
+}
+
+impl Projector {
+    /// Projects `run` until no delivery of it is waiting: each pass takes every delivery that
+    /// arrived since the last one and settles them all on one projection.
+    async fn project_run(&self, run: &RunId) {
+        use futures::FutureExt as _;
+        while let Some(batch) = self.inbox.take(run) {
+            let handled = std::panic::AssertUnwindSafe(self.project(run, &batch))
+                .catch_unwind()
+                .await;
+            let verdict = handled.unwrap_or_else(|panic| {
+                let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
+                tracing::error!(run_id = %run, panic = %reason, "projecting panicked");
+                Verdict::Retry(format!("panicked: {reason}"))
+            });
+            for msg in &batch {
+                self.settle(msg, &verdict).await;
+            }
         }
-        Verdict::Retry(reason) => {
-            let delay = consumer::retry_delay(delivered, RETRY_DELAY.min(cap), cap);
-            tracing::warn!(subject = %msg.subject, delivered, %reason, "projection deferred");
-            msg.ack_with(AckKind::Nak(Some(delay))).await
+    }
+
+    /// Projects `run` through the latest of `batch`, its decisions' deliveries.
+    async fn project(&self, run: &RunId, batch: &[Message]) -> Verdict {
+        failpoint::panic_point("projector.project", run.as_str());
+        // Every delivery in the inbox has its metadata (see `run_projector`).
+        let through = batch
+            .iter()
+            .filter_map(|msg| msg.info().ok().map(|i| i.stream_sequence))
+            .max()
+            .unwrap_or(0);
+        let known = self.projected.get(run);
+        if known.as_ref().is_some_and(|k| k.seq >= through) {
+            return Verdict::Ack;
         }
-    };
-    if let Err(e) = ack {
-        tracing::warn!(subject = %msg.subject, error = %e, "ack failed; the decision will be redelivered");
+        // What is stored, as far as this process knows: its own last write of the run, else
+        // nothing when the run's first decision is among these (a run is projected first when
+        // its `run.created` is delivered), else unknown (the store reads the key).
+        let hint = match known {
+            Some(k) => Hint::Stored(k),
+            None if batch.iter().any(is_run_created) => Hint::Absent,
+            None => Hint::Unknown,
+        };
+        match self.projection.project_through(run, through, hint).await {
+            Ok(Some((_, _, known))) => {
+                self.projected.note(run, known);
+                Verdict::Ack
+            }
+            Ok(None) => Verdict::Ack,
+            Err(e) if e.is_retryable() => Verdict::Retry(format!("run {run}: {e}")),
+            Err(e) => {
+                tracing::error!(run_id = %run, error = %e, "run cannot be projected");
+                Verdict::Poison(format!("run {run} cannot be projected: {e}"))
+            }
+        }
+    }
+
+    async fn settle(&self, msg: &Message, verdict: &Verdict) {
+        let js = &self.projection.js;
+        let cap = self.cap;
+        let delivered = consumer::deliveries(msg);
+        let ack = match verdict {
+            Verdict::Ack => msg.ack().await,
+            Verdict::Poison(reason) => {
+                return consumer::dead_letter(js, PROJECTOR, msg, reason).await;
+            }
+            Verdict::Retry(reason) if consumer::is_last_delivery(PROJECTOR, msg) => {
+                return consumer::dead_letter(js, PROJECTOR, msg, reason).await;
+            }
+            Verdict::Retry(reason) => {
+                let delay = consumer::retry_delay(delivered, RETRY_DELAY.min(cap), cap);
+                tracing::warn!(subject = %msg.subject, delivered, %reason, "projection deferred");
+                msg.ack_with(AckKind::Nak(Some(delay))).await
+            }
+        };
+        if let Err(e) = ack {
+            tracing::warn!(subject = %msg.subject, error = %e, "ack failed; the decision will be redelivered");
+        }
     }
 }
 
-/// Runs this projector stored (or found stored) a summary of, and the sequence that summary was
-/// folded through: a decision at or before it needs no broker request at all. A journal read
-/// folds every decision there is, so a backlog of a run's decisions (a fresh projector over a
-/// journal that grew without one) costs one read, not one per decision. Bounded like the
-/// step's cache of states: started over when full.
+fn is_run_created(msg: &Message) -> bool {
+    subjects::parse_event(&msg.subject).is_some_and(|s| s.event_type == EventType::RunCreated)
+}
+
+/// The deliveries of the runs being projected, per run. A run is in the inbox exactly while a
+/// handler projects it: [`Inbox::add`] says whether the delivery started the run's entry (the
+/// caller starts the handler) or joined one (the handler takes it on its next pass), and
+/// [`Inbox::take`] removes the entry, under the same lock, when nothing is left. So every
+/// delivery is taken by exactly one pass of exactly one handler, and a run never has two.
+#[derive(Debug, Clone)]
+struct Inbox<M = Message>(Arc<Mutex<HashMap<RunId, Vec<M>>>>);
+
+impl<M> Default for Inbox<M> {
+    fn default() -> Self {
+        Inbox(Arc::default())
+    }
+}
+
+impl<M> Inbox<M> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RunId, Vec<M>>> {
+        // Nothing panics holding it; a poisoned map is still whole.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds a delivery of `run`; `true` when no handler has the run (the caller starts one).
+    fn add(&self, run: &RunId, msg: M) -> bool {
+        let mut map = self.lock();
+        match map.get_mut(run) {
+            Some(waiting) => {
+                waiting.push(msg);
+                false
+            }
+            None => {
+                map.insert(run.clone(), vec![msg]);
+                true
+            }
+        }
+    }
+
+    /// The deliveries of `run` waiting for its handler; `None`, and the run is no longer
+    /// handled, when there are none.
+    fn take(&self, run: &RunId) -> Option<Vec<M>> {
+        let mut map = self.lock();
+        let waiting = map.get_mut(run).map(std::mem::take).unwrap_or_default();
+        if waiting.is_empty() {
+            map.remove(run);
+            None
+        } else {
+            Some(waiting)
+        }
+    }
+}
+
+/// What is stored for a run, as far as one process knows: the sequence its summary was folded
+/// through, the KV revision holding it, and the run's tenant (its key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Known {
+    seq: u64,
+    revision: u64,
+    tenant: TenantId,
+}
+
+/// What a store starts from (see [`Projection::store_hinted`]).
+#[derive(Debug, Clone)]
+enum Hint {
+    /// Read the key first.
+    Unknown,
+    /// Probably never written: create it.
+    Absent,
+    /// Probably this (this process stored or found it): compare-and-set on its revision.
+    Stored(Known),
+}
+
+/// Runs this projector stored (or found stored) a summary of: a decision at or before its
+/// sequence needs no broker request at all (a journal read folds every decision there is, so
+/// a backlog of a run's decisions, a fresh projector over a journal that grew without one,
+/// costs one read, not one per decision), and the next write of the run is a compare-and-set
+/// on the revision it left, with no read of the key. Bounded like the step's cache of states:
+/// started over when full.
 #[derive(Debug, Clone, Default)]
-struct Projected(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<RunId, u64>>>);
+struct Projected(Arc<Mutex<HashMap<RunId, Known>>>);
 
 /// Runs [`Projected`] remembers before it starts over.
 const PROJECTED_RUNS: usize = 10_000;
@@ -408,62 +626,25 @@ impl Projected {
     fn covers(&self, run: &RunId, seq: u64) -> bool {
         self.0
             .lock()
-            .is_ok_and(|m| m.get(run).is_some_and(|through| *through >= seq))
+            .is_ok_and(|m| m.get(run).is_some_and(|k| k.seq >= seq))
     }
 
-    fn note(&self, run: &RunId, through: u64) {
+    fn get(&self, run: &RunId) -> Option<Known> {
+        self.0.lock().ok().and_then(|m| m.get(run).cloned())
+    }
+
+    fn note(&self, run: &RunId, known: Known) {
         if let Ok(mut m) = self.0.lock() {
             if m.len() >= PROJECTED_RUNS && !m.contains_key(run) {
                 m.clear();
             }
-            let at = m.entry(run.clone()).or_default();
-            *at = (*at).max(through);
-        }
-    }
-}
-
-/// A decision stored longer ago than this is handled as a backlog (see `handle`): a projector
-/// catching up on a journal that grew without one, or a redelivery.
-const BACKLOG_AGE: Duration = Duration::from_secs(2);
-
-fn is_backlog(msg: &Message) -> bool {
-    msg.info().is_ok_and(|info| {
-        time::OffsetDateTime::now_utc() - info.published
-            > time::Duration::try_from(BACKLOG_AGE).unwrap_or(time::Duration::MAX)
-    })
-}
-
-async fn handle(projection: &Projection, projected: &Projected, msg: &Message) -> Verdict {
-    let Some(parsed) = subjects::parse_event(&msg.subject) else {
-        return Verdict::Poison("not a journal event subject".into());
-    };
-    let run = parsed.run_id;
-    failpoint::panic_point("projector.project", run.as_str());
-    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(u64::MAX);
-    if projected.covers(&run, seq) {
-        return Verdict::Ack;
-    }
-    // A summary folded through this decision or later is already there (a burst of decisions of
-    // one run costs one journal read). Not looked for in a backlog: the look costs what reading
-    // the run does, and the write after the read finds it just the same.
-    if !is_backlog(msg)
-        && let Ok(Some(tenant)) = projection.tenants.get(&run).await
-        && let Ok(Some(stored)) = projection.get(&tenant, &run).await
-        && stored.seq >= seq
-    {
-        projected.note(&run, stored.seq);
-        return Verdict::Ack;
-    }
-    match projection.project_through(&run, seq).await {
-        Ok(Some((summary, _))) => {
-            projected.note(&run, summary.seq);
-            Verdict::Ack
-        }
-        Ok(None) => Verdict::Ack,
-        Err(e) if e.is_retryable() => Verdict::Retry(format!("run {run}: {e}")),
-        Err(e) => {
-            tracing::error!(run_id = %run, error = %e, "run cannot be projected");
-            Verdict::Poison(format!("run {run} cannot be projected: {e}"))
+            match m.get_mut(run) {
+                Some(k) if (k.seq, k.revision) >= (known.seq, known.revision) => {}
+                Some(k) => *k = known,
+                None => {
+                    m.insert(run.clone(), known);
+                }
+            }
         }
     }
 }
@@ -534,4 +715,55 @@ pub async fn rebuild(rt: &Runtime) -> Result<RebuildReport, ProjectionError> {
         report.removed += 1;
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run() -> RunId {
+        RunId::generate()
+    }
+
+    #[test]
+    fn a_run_has_one_handler_that_takes_every_delivery_once() {
+        let inbox: Inbox<u64> = Inbox::default();
+        let (a, b) = (run(), run());
+        assert!(inbox.add(&a, 1), "the first delivery starts a handler");
+        assert!(!inbox.add(&a, 2), "a second one joins it");
+        assert!(inbox.add(&b, 3), "another run has its own");
+        assert_eq!(inbox.take(&a), Some(vec![1, 2]), "one pass takes both");
+        assert!(!inbox.add(&a, 4), "the handler is still on the run");
+        assert_eq!(inbox.take(&a), Some(vec![4]));
+        assert_eq!(inbox.take(&a), None, "nothing left: the handler ends");
+        assert!(inbox.add(&a, 5), "so the next delivery starts a new one");
+        assert_eq!(inbox.take(&b), Some(vec![3]));
+        assert_eq!(inbox.take(&b), None);
+        assert_eq!(inbox.take(&a), Some(vec![5]));
+        assert_eq!(inbox.take(&a), None);
+        assert!(inbox.lock().is_empty());
+    }
+
+    #[test]
+    fn what_is_known_of_a_run_only_moves_forward() {
+        let projected = Projected::default();
+        let a = run();
+        let tenant: TenantId = "acme".parse().expect("tenant");
+        let known = |seq, revision| Known {
+            seq,
+            revision,
+            tenant: tenant.clone(),
+        };
+        assert!(!projected.covers(&a, 1));
+        projected.note(&a, known(10, 3));
+        assert!(projected.covers(&a, 10) && !projected.covers(&a, 11));
+        projected.note(&a, known(7, 2));
+        assert_eq!(
+            projected.get(&a),
+            Some(known(10, 3)),
+            "an older fold is ignored"
+        );
+        projected.note(&a, known(12, 5));
+        assert_eq!(projected.get(&a), Some(known(12, 5)));
+    }
 }

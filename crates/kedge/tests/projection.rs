@@ -1,0 +1,271 @@
+//! The runs projection under concurrency: many runs, many decisions each, projected by two
+//! projectors at once while the runs are written (and a backlog written before either started).
+//! Whatever order the deliveries are handled in, merged or not, by whichever projector, every
+//! run's stored summary ends as the fold of its whole journal: an older fold never stays
+//! stored, and no delivery is acknowledged before a summary through it is stored.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use common::Harness;
+use kedge_bridge::projection::{RunSummary, summarize};
+use kedge_core::decide::{ModelResponse, Next, complete_step, decide};
+use kedge_core::event::{
+    AssistantMessage, Budget, Digest, Draft, Envelope, Event, EventKind, FinishReason, ModelSpec,
+    Provider, RunCreated, Timestamp, Usage, UserMessage,
+};
+use kedge_core::ids::RunId;
+use kedge_core::{RunStatus, fold};
+use kedge_runtime::secure::Kind;
+use kedge_runtime::{Config, Runtime};
+use serde_json::json;
+
+/// Runs written before the projectors start (a backlog), and while they run.
+const BACKLOG_RUNS: usize = 64;
+const LIVE_RUNS: usize = 64;
+/// Turns per run: 5 events each (about 3 decisions), after `run.created` and `run.started`.
+const TURNS: usize = 6;
+const WAIT: Duration = Duration::from_secs(90);
+
+fn created() -> RunCreated {
+    RunCreated {
+        agent: "chat".parse().expect("agent"),
+        agent_revision: 1,
+        agent_digest: Digest::of_bytes(b"agent"),
+        model: ModelSpec {
+            provider: Provider::Openai,
+            name: "mock".into(),
+            base_url: None,
+            settings: Default::default(),
+            price: None,
+        },
+        prompt_digest: Digest::of_bytes(b"prompt"),
+        tools_digest: Digest::of_bytes(b"tools"),
+        policy_digest: Digest::of_bytes(b"policy"),
+        budget: Budget::default(),
+        tenant: "acme".parse().expect("tenant"),
+        caller: Some("test".into()),
+        idempotency_key: None,
+        input: "hello".into(),
+        runtime_version: "test".into(),
+        metadata: Default::default(),
+        traceparent: None,
+        parent: None,
+    }
+}
+
+fn answer(turn: usize) -> ModelResponse {
+    ModelResponse {
+        message: AssistantMessage {
+            text: format!("answer {turn}"),
+            tool_calls: Vec::new(),
+            thinking: Vec::new(),
+        },
+        usage: Usage {
+            input_tokens: 10 + turn as u64,
+            output_tokens: 5,
+            cost: None,
+        },
+        finish: FinishReason::Stop,
+    }
+}
+
+/// A chat written as the services would, one event at a time with its real stream sequence.
+struct Chat {
+    run: RunId,
+    events: Vec<(u64, Envelope)>,
+    last_decision: u64,
+}
+
+impl Chat {
+    fn new() -> Chat {
+        Chat {
+            run: RunId::generate(),
+            events: Vec::new(),
+            last_decision: 0,
+        }
+    }
+
+    async fn publish(&mut self, js: &async_nats::jetstream::Context, draft: Draft) {
+        let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
+        let id = if env.kind() == EventKind::Decision {
+            kedge_journal::decision_msg_id(&self.run, self.last_decision, 0, "test")
+        } else {
+            format!("test:{}:{}", self.run, self.events.len() + 1)
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", id.as_str());
+        let seq = js
+            .publish_with_headers(env.subject(), headers, env.to_json_bytes().into())
+            .await
+            .expect("publish")
+            .await
+            .expect("stored")
+            .sequence;
+        if env.kind() == EventKind::Decision {
+            self.last_decision = seq;
+        }
+        self.events.push((seq, env));
+    }
+
+    /// Writes every turn, deciding after each event as the step service would.
+    async fn write(mut self, js: async_nats::jetstream::Context) -> RunId {
+        for turn in 0..TURNS {
+            let input = if turn == 0 {
+                Event::RunCreated(Box::new(created()))
+            } else {
+                Event::UserMessage(UserMessage {
+                    text: format!("and then {turn}?"),
+                })
+            };
+            self.publish(&js, Draft::new(input)).await;
+            loop {
+                let state = fold(self.events.iter().map(|(s, e)| (*s, e))).expect("folds");
+                match decide(&state) {
+                    Next::Commit(drafts) => {
+                        for d in drafts {
+                            self.publish(&js, d).await;
+                        }
+                    }
+                    Next::Step(plan) => {
+                        for d in plan.start.clone() {
+                            self.publish(&js, d).await;
+                        }
+                        let state = fold(self.events.iter().map(|(s, e)| (*s, e))).expect("folds");
+                        let done = complete_step(
+                            &state,
+                            plan.step,
+                            plan.attempt,
+                            plan.request_id,
+                            answer(turn),
+                            false,
+                            Timestamp::now(),
+                            &Default::default(),
+                        );
+                        for d in done {
+                            self.publish(&js, d).await;
+                        }
+                    }
+                    Next::Finish(_) => panic!("no finish is pending"),
+                    Next::Idle(_) => {
+                        assert_eq!(state.status, RunStatus::Succeeded);
+                        break;
+                    }
+                }
+            }
+        }
+        self.run
+    }
+}
+
+/// Writes `n` chats side by side (each its own writer) and returns their runs.
+async fn write_chats(h: &Harness, n: usize) -> Vec<RunId> {
+    let writers: Vec<_> = (0..n)
+        .map(|_| tokio::spawn(Chat::new().write(h.rt.js.clone())))
+        .collect();
+    let mut runs = Vec::new();
+    for w in writers {
+        runs.push(w.await.expect("writer"));
+    }
+    runs
+}
+
+fn spawn_projector(config: &Config) {
+    let config = common::as_kind(config, Kind::Projector);
+    tokio::spawn(async move {
+        let rt = Runtime::connect(config).await.expect("projector runtime");
+        kedge_bridge::run_projector(rt, futures::future::pending())
+            .await
+            .expect("projector");
+    });
+}
+
+/// Each run's summary as the fold of its whole journal now.
+async fn folds(h: &Harness, runs: &[RunId]) -> BTreeMap<RunId, RunSummary> {
+    let mut out = BTreeMap::new();
+    for run in runs {
+        let events = h.rt.journal.read(run, 0).await.expect("read");
+        let summary = summarize(&events).expect("folds").expect("has events");
+        assert!(summary.seq > 0);
+        out.insert(run.clone(), summary);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_deliveries_of_a_run_leave_the_fold_of_its_journal() {
+    let h = Harness::start_with(json!({"models": {}}), &[], |_| {}).await;
+    // A backlog: runs written side by side before any projector runs.
+    let mut runs = write_chats(&h, BACKLOG_RUNS).await;
+    // Two projectors share the consumer; more runs are written while they catch up.
+    spawn_projector(&h.config);
+    spawn_projector(&h.config);
+    runs.extend(write_chats(&h, LIVE_RUNS).await);
+    let want = folds(&h, &runs).await;
+    assert!(
+        want.values().all(|s| s.status == RunStatus::Succeeded),
+        "every chat is whole"
+    );
+
+    let kv = h.rt.js.get_key_value("kedge_runs").await.expect("bucket");
+    let started = Instant::now();
+    loop {
+        let mut stale = Vec::new();
+        for (run, summary) in &want {
+            let key = kedge_bridge::projection::key(&summary.tenant, run);
+            let stored: Option<RunSummary> = kv
+                .get(&key)
+                .await
+                .expect("kv get")
+                .and_then(|v| serde_json::from_slice(&v).ok());
+            if stored.as_ref() != Some(summary) {
+                stale.push((run.clone(), stored.map(|s| s.seq), summary.seq));
+            }
+        }
+        if stale.is_empty() {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "{} runs never got the fold of their journal (run, stored seq, journal seq): {:?}",
+            stale.len(),
+            &stale[..stale.len().min(5)]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Every delivery was acknowledged (none left pending or handed back for good).
+    let started = Instant::now();
+    loop {
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+            h.rt.js
+                .get_stream("KEDGE_RUNS")
+                .await
+                .expect("stream")
+                .get_consumer("projector")
+                .await
+                .expect("consumer");
+        let info = consumer.info().await.expect("info");
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "projector left {} pending, {} unacknowledged",
+            info.num_pending,
+            info.num_ack_pending
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // And the summaries are still those folds (nothing older landed late).
+    for (run, summary) in &want {
+        let key = kedge_bridge::projection::key(&summary.tenant, run);
+        let stored: RunSummary =
+            serde_json::from_slice(&kv.get(&key).await.expect("kv get").expect("stored summary"))
+                .expect("summary");
+        assert_eq!(&stored, summary, "run {run}");
+    }
+}
