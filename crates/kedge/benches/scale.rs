@@ -33,6 +33,9 @@
 //!    window (`--window`, 10 s) from 2 s after its start.
 //!
 //! `KEDGE_BIN=<path>` runs another `kedge` binary as the service (a build from before a change).
+//! `--serve projector` runs the projector alone in step 4 (and 5): what catching up costs it by
+//! itself, its drain time and CPU per run not mixed with the other services' (the timer schedules
+//! are then not waited for).
 //!
 //! Not a pass/fail test: it prints a table (and checks that every read is complete).
 
@@ -81,6 +84,31 @@ struct Opts {
     levels: Vec<usize>,
     reads: usize,
     window: Duration,
+    /// What the service process runs: `all`, or `projector` alone (`--serve projector`).
+    serve: Serve,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Serve {
+    All,
+    Projector,
+}
+
+impl Serve {
+    fn arg(self) -> &'static str {
+        match self {
+            Serve::All => "all",
+            Serve::Projector => "projector",
+        }
+    }
+
+    /// The consumers the process runs and must drain (stream, name).
+    fn consumers(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Serve::All => CONSUMERS,
+            Serve::Projector => &[("KEDGE_RUNS", "projector")],
+        }
+    }
 }
 
 fn opts() -> Opts {
@@ -88,6 +116,7 @@ fn opts() -> Opts {
         levels: vec![1_000, 10_000],
         reads: 200,
         window: Duration::from_secs(10),
+        serve: Serve::All,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -107,6 +136,14 @@ fn opts() -> Opts {
             "--window" => {
                 i += 1;
                 o.window = Duration::from_secs(args[i].parse().unwrap());
+            }
+            "--serve" => {
+                i += 1;
+                o.serve = match args[i].as_str() {
+                    "all" => Serve::All,
+                    "projector" => Serve::Projector,
+                    other => panic!("--serve all|projector, not {other}"),
+                };
             }
             // cargo bench passes --bench; ignore what we do not know.
             _ => {}
@@ -459,9 +496,9 @@ async fn reads(rt: &Runtime, runs: &[RunId], events: usize, count: usize) -> (f6
 }
 
 /// The consumers of `kedge serve all` that have nothing pending or unacknowledged.
-async fn drained(client: &async_nats::Client) -> Vec<&'static str> {
+async fn drained(client: &async_nats::Client, serve: Serve) -> Vec<&'static str> {
     let mut out = Vec::new();
-    for (stream, name) in CONSUMERS {
+    for (stream, name) in serve.consumers() {
         let info = api(
             client,
             &format!("CONSUMER.INFO.{stream}.{name}"),
@@ -486,22 +523,24 @@ async fn wait_caught_up(
     client: &async_nats::Client,
     pid: u32,
     schedules: u64,
+    serve: Serve,
 ) -> (Duration, u64, Vec<(&'static str, Duration)>) {
     let t0 = Instant::now();
     let mut peak = 0;
     let mut done: Vec<(&'static str, Duration)> = Vec::new();
     loop {
         peak = peak.max(read_proc(pid).rss_kb);
-        for name in drained(client).await {
+        for name in drained(client, serve).await {
             if !done.iter().any(|(n, _)| *n == name) {
                 done.push((name, t0.elapsed()));
             }
         }
-        let scheduled = pending_schedules(client).await == schedules;
+        // The projector alone schedules nothing.
+        let scheduled = serve == Serve::Projector || pending_schedules(client).await == schedules;
         if scheduled && !done.iter().any(|(n, _)| *n == "schedules") {
             done.push(("schedules", t0.elapsed()));
         }
-        if scheduled && done.len() == CONSUMERS.len() + 1 {
+        if scheduled && done.len() == serve.consumers().len() + 1 {
             return (t0.elapsed(), peak, done);
         }
         assert!(
@@ -512,12 +551,12 @@ async fn wait_caught_up(
     }
 }
 
-fn serve_all(nats_url: &str, dir: &std::path::Path, log: &std::path::Path) -> Child {
+fn serve_all(nats_url: &str, dir: &std::path::Path, log: &std::path::Path, serve: Serve) -> Child {
     let log = std::fs::File::create(log).unwrap();
     // `KEDGE_BIN`: another build to compare (e.g. a copy of the binary before a change).
     let bin = std::env::var("KEDGE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_kedge").to_owned());
     Command::new(bin)
-        .args(["serve", "all"])
+        .args(["serve", serve.arg()])
         .env("KEDGE_NATS_URL", nats_url)
         .env("KEDGE_WORKER_ID", "w-bench")
         .env("KEDGE_WORKSPACE_ROOT", dir.join("ws"))
@@ -566,8 +605,11 @@ async fn bench(o: Opts) {
     let nats_pid = server.pid().unwrap();
     let ticks = clock_ticks();
     println!(
-        "scale bench: levels {:?}, {} reads per line, idle window {:?}",
-        o.levels, o.reads, o.window
+        "scale bench: levels {:?}, {} reads per line, idle window {:?}, kedge serve {}",
+        o.levels,
+        o.reads,
+        o.window,
+        o.serve.arg()
     );
     let mut follower = kedge_reconciler::Reconciler::new(rt.clone());
     follower.scan().await.unwrap();
@@ -609,10 +651,10 @@ async fn bench(o: Opts) {
         );
 
         let log = dir.path().join("kedge.log");
-        let child = serve_all(&server.url(), dir.path(), &log);
+        let child = serve_all(&server.url(), dir.path(), &log, o.serve);
         let pid = child.id();
         let (k0, n0) = (read_proc(pid).cpu_ticks, read_proc(nats_pid).cpu_ticks);
-        let (took, peak, done) = wait_caught_up(&rt.client, pid, total as u64).await;
+        let (took, peak, done) = wait_caught_up(&rt.client, pid, total as u64, o.serve).await;
         let (k1, n1) = (read_proc(pid).cpu_ticks, read_proc(nats_pid).cpu_ticks);
         let caught = new + COMPACT + SPREAD;
         let cpu_ms = |a: u64, b: u64| b.saturating_sub(a) as f64 / ticks * 1e3 / caught as f64;
@@ -628,7 +670,8 @@ async fn bench(o: Opts) {
             .collect();
         println!("N={total}: drained: {}", done.join(", "));
         println!(
-            "N={total}: kedge serve all caught up on {} new runs in {took:.1?} ({:.0} runs/s), peak RSS {:.1} MB",
+            "N={total}: kedge serve {} caught up on {} new runs in {took:.1?} ({:.0} runs/s), peak RSS {:.1} MB",
+            o.serve.arg(),
             new + COMPACT + SPREAD,
             (new + COMPACT + SPREAD) as f64 / took.as_secs_f64(),
             peak as f64 / 1024.0
@@ -637,7 +680,7 @@ async fn bench(o: Opts) {
 
         // A fresh process holding every run.
         let log = dir.path().join("kedge-fresh.log");
-        let child = serve_all(&server.url(), dir.path(), &log);
+        let child = serve_all(&server.url(), dir.path(), &log, o.serve);
         let pid = child.id();
         tokio::time::sleep(Duration::from_secs(2)).await;
         let c0 = read_proc(pid).cpu_ticks;
