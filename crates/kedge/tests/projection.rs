@@ -113,7 +113,15 @@ impl Chat {
 
     /// Writes every turn, deciding after each event as the step service would.
     async fn write(mut self, js: async_nats::jetstream::Context) -> RunId {
-        for turn in 0..TURNS {
+        self.turns(&js, 0..TURNS).await;
+        self.run
+    }
+
+    /// Writes the turns `turns` (turn 0 creates the run; a later one is a user message that
+    /// revives it), deciding after each event as the step service would.
+    async fn turns(&mut self, js: &async_nats::jetstream::Context, turns: std::ops::Range<usize>) {
+        let js = js.clone();
+        for turn in turns {
             let input = if turn == 0 {
                 Event::RunCreated(Box::new(created()))
             } else {
@@ -157,7 +165,6 @@ impl Chat {
                 }
             }
         }
-        self.run
     }
 }
 
@@ -268,4 +275,68 @@ async fn concurrent_deliveries_of_a_run_leave_the_fold_of_its_journal() {
                 .expect("summary");
         assert_eq!(&stored, summary, "run {run}");
     }
+}
+
+/// Consumer `projector` has nothing pending or unacknowledged.
+async fn drained(h: &Harness) -> bool {
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        h.rt.js
+            .get_stream("KEDGE_RUNS")
+            .await
+            .expect("stream")
+            .get_consumer("projector")
+            .await
+            .expect("consumer");
+    let info = consumer.info().await.expect("info");
+    info.num_pending == 0 && info.num_ack_pending == 0
+}
+
+/// The projector's one-request write (a compare-and-set on the revision it last stored) meets a
+/// summary someone else stored since, newer than its fold: the write fails, the projector reads
+/// the key, finds it newer and leaves it. (A plain put there, or a write that trusted its own
+/// memory, would put the older fold back.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_from_what_the_projector_remembers_never_overwrites_a_newer_summary() {
+    let h = Harness::start_with(json!({"models": {}}), &[], |_| {}).await;
+    spawn_projector(&h.config);
+    let mut chat = Chat::new();
+    let run = chat.run.clone();
+    chat.turns(&h.rt.js, 0..1).await;
+    let kv = h.rt.js.get_key_value("kedge_runs").await.expect("bucket");
+    let stored = |kv: async_nats::jetstream::kv::Store, key: String| async move {
+        kv.get(&key)
+            .await
+            .expect("kv get")
+            .map(|v| serde_json::from_slice::<RunSummary>(&v).expect("summary"))
+    };
+    // The projector stored turn 0's summary (and remembers its revision).
+    let first = folds(&h, std::slice::from_ref(&run)).await[&run].clone();
+    let key = kedge_bridge::projection::key(&first.tenant, &run);
+    let started = Instant::now();
+    while stored(kv.clone(), key.clone()).await.as_ref() != Some(&first) || !drained(&h).await {
+        assert!(started.elapsed() < WAIT, "turn 0 was never projected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Someone else (another projector, further ahead) stores a newer summary meanwhile.
+    let projection = kedge_bridge::projection::Projection::open(&h.rt)
+        .await
+        .expect("projection");
+    let mut ahead = first.clone();
+    ahead.seq = u64::MAX / 2;
+    ahead.status = RunStatus::Cancelled;
+    projection.store(&ahead, false).await.expect("store");
+    // The run goes on: the projector folds it through its newest decision, older than that.
+    chat.turns(&h.rt.js, 1..2).await;
+    let started = Instant::now();
+    while !drained(&h).await {
+        assert!(started.elapsed() < WAIT, "turn 1 was never acknowledged");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let now = folds(&h, std::slice::from_ref(&run)).await[&run].clone();
+    assert!(now.seq > first.seq && now.seq < ahead.seq);
+    assert_eq!(
+        stored(kv.clone(), key.clone()).await,
+        Some(ahead),
+        "the newer summary stays"
+    );
 }
