@@ -712,6 +712,7 @@ async fn history(args: Args) {
     let mut total = 0;
     let mut old: Vec<RunId> = Vec::new();
     let mut previous: Vec<RunId> = Vec::new();
+    let mut sleepers: Vec<RunId> = Vec::new();
     for &level in &args.history {
         assert!(level >= total, "levels must grow");
         let new_fillers = level - total - COMPACT - SPREAD;
@@ -817,6 +818,45 @@ async fn history(args: Args) {
         })
         .await;
         table.add(&format!("N={level} run_ids (every run)"), s);
+        // A run woken long after its last event (a timer, an answer): the step service reads
+        // from its cached fold (the run's last event) through the wake. The first level's
+        // spread runs (read no more as 50-event runs), each woken once per level.
+        if sleepers.is_empty() {
+            sleepers = spread.clone();
+        }
+        let mut woken = std::collections::HashMap::new();
+        for run in &sleepers {
+            let last = journal.last_seq(run).await.unwrap().unwrap_or(0);
+            let wake = journal
+                .append_input(&input(run, level), &format!("wake-{level}-{run}"))
+                .await
+                .unwrap();
+            woken.insert(run.clone(), (last, wake));
+        }
+        let woken = &woken;
+        let s = time_reads(&sleepers, args.reads, |run| {
+            let journal = journal.clone();
+            async move {
+                let (after, wake) = woken[&run];
+                let page = journal.read_through(&run, after, wake).await.unwrap();
+                assert_eq!(page.events.len(), 1);
+            }
+        })
+        .await;
+        table.add(
+            &format!("N={level} wake of an old run: read_through its fold"),
+            s,
+        );
+        let s = time_reads(&sleepers, args.reads, |run| {
+            let journal = journal.clone();
+            async move {
+                let (after, _) = woken[&run];
+                let page = journal.read_with_set_aside(&run, after).await.unwrap();
+                assert_eq!(page.events.len(), 1);
+            }
+        })
+        .await;
+        table.add(&format!("N={level}   same, by the probe (read after)"), s);
     }
     println!();
     println!(

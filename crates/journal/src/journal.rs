@@ -1021,6 +1021,21 @@ impl Journal {
             fetched: 0,
             max,
         };
+        // A read from far behind a known end (the step service's cached fold of a run that
+        // slept while the stream grew, woken by a timer or an answer): the probe below would
+        // walk every message since `after` to find the next; the run's literal subjects skip
+        // the blocks it is not in. What the literal read leaves goes on as below.
+        if let Some(through) = through
+            && wildcard
+            && after > 0
+            && through.saturating_sub(after) >= SPREAD_MIN_SPAN
+            && self
+                .read_literal(&mut r, filter, after.saturating_add(1), page_size, through)
+                .await?
+        {
+            r.out.more = r.reached < through;
+            return Ok(r.out);
+        }
         let leader_q = serde_json::json!({ "last_by_subj": filter });
         let first_batch = match through {
             _ if !wildcard => page_size,

@@ -287,6 +287,20 @@ async fn a_run_spread_over_history_reads_whole_in_order_from_anywhere_and_in_pag
             .filter(|s| *s > mid)
             .collect::<Vec<_>>()
     );
+    // From every event and every set-aside message: near the end by the probe, far from it
+    // (16k sequences and more) by the literal subjects at once.
+    for after in want.iter().map(|(s, _)| *s).chain(s.aside.iter().copied()) {
+        let page = journal.read_through(run, after, last).await.unwrap();
+        let expected: Vec<(u64, Envelope)> =
+            want.iter().filter(|(s, _)| *s > after).cloned().collect();
+        assert_eq!(pairs(&page), expected, "through {last} after {after}");
+        let aside: Vec<u64> = s.aside.iter().copied().filter(|s| *s > after).collect();
+        assert_eq!(
+            page.set_aside.iter().map(|a| a.seq).collect::<Vec<_>>(),
+            aside,
+            "set aside through {last} after {after}"
+        );
+    }
 
     // The same as a tail (an ordered consumer) delivers.
     let mut tail = Box::pin(journal.tail(run, 0));
