@@ -138,25 +138,6 @@ async fn an_input_published_twice_with_one_msg_id_is_stored_once() {
     assert_eq!(all[0].msg_id.as_deref(), Some("client-key-1"));
 }
 
-/// Publishes raw bytes on `subject` (anyone may, on an input subject) and returns the sequence.
-async fn publish_raw(
-    js: &async_nats::jetstream::Context,
-    subject: String,
-    payload: Vec<u8>,
-    msg_id: Option<&str>,
-) -> u64 {
-    let mut headers = async_nats::HeaderMap::new();
-    if let Some(id) = msg_id {
-        headers.insert("Nats-Msg-Id", id);
-    }
-    js.publish_with_headers(subject, headers, payload.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap()
-        .sequence
-}
-
 #[tokio::test]
 async fn messages_that_are_not_events_of_the_run_are_set_aside_and_reported_never_fatal() {
     let (server, journal) = setup().await;

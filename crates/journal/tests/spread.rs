@@ -38,25 +38,6 @@ async fn filler(js: &async_nats::jetstream::Context, n: usize, salt: usize) {
     }
 }
 
-/// Publishes raw bytes on `subject` and returns the sequence.
-async fn publish_raw(
-    js: &async_nats::jetstream::Context,
-    subject: String,
-    payload: Vec<u8>,
-    msg_id: Option<&str>,
-) -> u64 {
-    let mut headers = async_nats::HeaderMap::new();
-    if let Some(id) = msg_id {
-        headers.insert("Nats-Msg-Id", id);
-    }
-    js.publish_with_headers(subject, headers, payload.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap()
-        .sequence
-}
-
 /// A tool result too large to hold inline: stored by reference.
 fn big_result(run: &RunId, step: u32) -> Envelope {
     let mut content = String::new();

@@ -139,3 +139,22 @@ pub fn tool_result(run: &RunId, step: u32, index: u32) -> Envelope {
         .op(OperationId::new(run, StepNo(step), index)),
     )
 }
+
+/// Publishes raw bytes on `subject` (anyone may, on an input subject) and returns the sequence.
+pub async fn publish_raw(
+    js: &async_nats::jetstream::Context,
+    subject: String,
+    payload: Vec<u8>,
+    msg_id: Option<&str>,
+) -> u64 {
+    let mut headers = async_nats::HeaderMap::new();
+    if let Some(id) = msg_id {
+        headers.insert("Nats-Msg-Id", id);
+    }
+    js.publish_with_headers(subject, headers, payload.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap()
+        .sequence
+}
