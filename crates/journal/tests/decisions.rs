@@ -499,3 +499,72 @@ async fn a_run_is_created_only_with_run_created_and_only_once() {
         Err(JournalError::Conflict { .. })
     ));
 }
+
+/// What `append_decision_current` relies on, checked at scale: the broker refuses an append
+/// checked against the run's last message once any message of the run (an input on another
+/// subject, old or new, in another message block) landed after it. Many runs side by side,
+/// their inputs and decisions interleaved with other runs' messages across blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_run_wide_check_holds_across_subjects_and_blocks() {
+    let (_server, journal) = setup().await;
+    let runs: Vec<_> = (0..200).map(|_| new_run()).collect();
+    let mut last = std::collections::HashMap::new();
+    let mut decided = std::collections::HashMap::new();
+    for run in &runs {
+        let created = journal.create_run(&run_created(run)).await.unwrap();
+        last.insert(run.clone(), created.last_seq);
+        decided.insert(run.clone(), created.last_seq);
+    }
+    let client = journal.client().clone();
+    let js = async_nats::jetstream::new(client);
+    let filler = new_run();
+    for round in 0..6 {
+        // Other runs' messages, 8 MiB and more per round: the runs' messages end up spread
+        // over message blocks.
+        let mut acks = Vec::new();
+        for n in 0..2_500 {
+            let subject = format!("agent.run.{filler}.i.user.message");
+            acks.push(
+                js.publish(subject, vec![b'x'; 4096].into())
+                    .await
+                    .unwrap_or_else(|e| panic!("filler {n}: {e}")),
+            );
+        }
+        for ack in acks {
+            ack.await.unwrap();
+        }
+        for (i, run) in runs.iter().enumerate() {
+            let writer = kedge_journal::DecisionWriter::unfenced(run, "step-a");
+            // Every other run gets an input (alternating subjects) after its last message.
+            if (i + round) % 2 == 0 {
+                let input = if round % 3 == 0 {
+                    user_message(run, &format!("m{round}"))
+                } else {
+                    tool_result(run, round as u32, 0)
+                };
+                let seq = journal
+                    .append_input(&input, &format!("in-{run}-{round}"))
+                    .await
+                    .unwrap();
+                let stale = journal
+                    .append_decision_current(&writer, decided[run], last[run], &run_started(run))
+                    .await;
+                assert_eq!(
+                    stale,
+                    Err(JournalError::Behind {
+                        expected: last[run]
+                    }),
+                    "round {round}: an input at {seq} after {}",
+                    last[run]
+                );
+                last.insert(run.clone(), seq);
+            }
+            let landed = journal
+                .append_decision_current(&writer, decided[run], last[run], &run_started(run))
+                .await
+                .unwrap();
+            last.insert(run.clone(), landed.last_seq);
+            decided.insert(run.clone(), landed.last_seq);
+        }
+    }
+}
