@@ -809,24 +809,23 @@ impl Journal {
         our_last_msg_id: &str,
     ) -> JournalError {
         let query = serde_json::json!({ "last_by_subj": subjects::run_decisions(run) });
+        // Checked against the run's last message: with the last decision the expected one,
+        // only inputs (or messages set aside) landed since.
+        let behind = run_last.filter(|seq| *seq >= expected_last);
         match wire::leader_get(&self.client, RUNS_STREAM, query, self.timeout).await {
             Ok(Some(last)) if last.header(wire::MSG_ID) == Some(our_last_msg_id) => {
                 JournalError::Duplicate { seq: last.seq }
             }
-            // Checked against the run's last message, and the last decision is the expected
-            // one: only inputs (or messages set aside) landed since.
-            Ok(last)
-                if run_last.is_some_and(|seq| seq >= expected_last)
-                    && last.as_ref().map_or(0, |m| m.seq) == expected_last =>
-            {
-                JournalError::Behind {
-                    expected: run_last.unwrap_or(expected_last),
+            Ok(last) => {
+                let actual = last.map_or(0, |m| m.seq);
+                match behind {
+                    Some(expected) if actual == expected_last => JournalError::Behind { expected },
+                    _ => JournalError::Conflict {
+                        expected: expected_last,
+                        actual,
+                    },
                 }
             }
-            Ok(last) => JournalError::Conflict {
-                expected: expected_last,
-                actual: last.map_or(0, |m| m.seq),
-            },
             Err(e) => JournalError::from_wire("classify a rejected decision append", e),
         }
     }
