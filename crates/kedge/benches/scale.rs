@@ -57,7 +57,7 @@ use kedge_core::event::{
 };
 use kedge_core::ids::RunId;
 use kedge_core::{RunStatus, fold};
-use kedge_runtime::{Config, Runtime};
+use kedge_runtime::Runtime;
 use kedge_testkit::NatsServer;
 
 /// Runs written side by side when filling a level.
@@ -584,24 +584,13 @@ struct Row {
 }
 
 fn main() {
-    let o = opts();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(bench(o));
+    run_bench(bench(opts()));
 }
 
 async fn bench(o: Opts) {
     let server = NatsServer::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let config = Config {
-        nats_urls: vec![server.url()],
-        workspace_root: dir.path().join("ws"),
-        worker_id: "bench-writer".into(),
-        ..Config::default()
-    };
-    let rt = Runtime::connect(config).await.unwrap();
+    let rt = writer_runtime(&server, dir.path()).await;
     let nats_pid = server.pid().unwrap();
     let ticks = clock_ticks();
     println!(

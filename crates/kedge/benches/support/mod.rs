@@ -36,6 +36,30 @@ pub fn created(agent: &str, input: &str) -> RunCreated {
     }
 }
 
+/// The bench's own runtime on `server` (worker `bench-writer`, workspaces under `dir`): what
+/// fills the journal and reads it back, apart from the services under test.
+pub async fn writer_runtime(
+    server: &kedge_testkit::NatsServer,
+    dir: &std::path::Path,
+) -> kedge_runtime::Runtime {
+    let config = kedge_runtime::Config {
+        nats_urls: vec![server.url()],
+        workspace_root: dir.join("ws"),
+        worker_id: "bench-writer".into(),
+        ..kedge_runtime::Config::default()
+    };
+    kedge_runtime::Runtime::connect(config).await.unwrap()
+}
+
+/// A multi-thread runtime running `bench` to its end.
+pub fn run_bench<F: std::future::Future<Output = ()>>(bench: F) {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(bench);
+}
+
 /// A JetStream API request (`$JS.API.<subject>`) and its JSON answer.
 pub async fn api(
     client: &async_nats::Client,
