@@ -421,6 +421,51 @@ async fn a_user_message_sent_during_a_step_reaches_the_next_model_request() {
     h.shutdown().await;
 }
 
+/// The net under the run-wide check: should the broker accept a decision past an input (the
+/// switch `step.append_past_input` makes the step take its plain-checked append as checked
+/// against the run's last message), the state folds the decision in and steps over the input, and
+/// its next read (the tool's result) must find the input there and fold the run again: the
+/// message still reaches the next model request. Without the net the cached state would read on
+/// from after the decision and never see it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_input_an_append_was_accepted_past_is_found_by_the_next_read() {
+    let script = json!({"models": {"mp": {"steps": [
+        {"text": "thinking", "delay_ms": 1500, "tool_calls": [call("list_files", json!({}))]},
+        {"text": "noted"}
+    ]}}});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    h.agent("past", "mp").await;
+    let run = h.submit("past", "start", "task-past").await;
+    h.wait_for(&run, WAIT, |s| s.open_step.is_some()).await;
+    // The next append of the run is the step's first decision after the model call.
+    kedge_runtime::failpoint::arm("step.append_past_input", run.as_str(), 1);
+    h.input(
+        &run,
+        Event::UserMessage(UserMessage {
+            text: "also check the tides".into(),
+        }),
+        "user-msg-past",
+    )
+    .await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded);
+    let requests = h.mock.requests("mp");
+    assert_eq!(requests.len(), 2, "one model call per step");
+    assert!(
+        requests[1].to_string().contains("also check the tides"),
+        "in the next step: {}",
+        requests[1]
+    );
+    // The decision did land past the message, as a broker ignoring the check would let it.
+    let events = h.events(&run).await;
+    let seq_of =
+        |f: &dyn Fn(&Event) -> bool| events.iter().find(|r| f(&r.envelope.event)).map(|r| r.seq);
+    let message = seq_of(&|e| matches!(e, Event::UserMessage(_))).expect("the message");
+    let completed = seq_of(&|e| matches!(e, Event::StepCompleted(_))).expect("a step");
+    assert!(message < completed, "{message} < {completed}");
+    h.shutdown().await;
+}
+
 /// `policy.<tool>.timeout_secs` lowers the tool service's limit for that tool: a `sleep 20`
 /// under a 1 s policy limit (service limit 30 s) is killed after about a second and the model
 /// is told.

@@ -7,6 +7,9 @@
 //!   id) and a number of hits with [`arm_panic`]. A panic is what a bug looks like: the service
 //!   must contain it (the message is handed back, the process goes on).
 //!
+//! - A switch ([`fires`]), armed in-process with [`arm`], makes the code act as a broker that
+//!   misbehaves would make it (`step.append_past_input`: an append accepted past an input).
+//!
 //! The points are named where they are hit; docs/CONFIG.md lists them. With nothing armed a hit
 //! costs one atomic load (and, for panic points, one uncontended lock).
 
@@ -49,6 +52,12 @@ fn panics() -> &'static Mutex<Vec<ArmedPanic>> {
 /// Arms the panic point `name` for `key` (e.g. a run id): its next `times` hits with that key
 /// panic. For tests that run services in this process.
 pub fn arm_panic(name: &str, key: &str, times: u32) {
+    arm(name, key, times);
+}
+
+/// Arms the switch `name` for `key` (e.g. a run id): its next `times` checks with that key
+/// ([`fires`]) say yes. For tests that run services in this process.
+pub fn arm(name: &str, key: &str, times: u32) {
     if let Ok(mut p) = panics().lock() {
         p.push(ArmedPanic {
             name: name.to_owned(),
@@ -58,13 +67,11 @@ pub fn arm_panic(name: &str, key: &str, times: u32) {
     }
 }
 
-/// Panics if `name` is armed: for every key by `KEDGE_FAILPOINTS=panic:<name>`, or for `key`
-/// by [`arm_panic`] (until its hits are used up).
-pub fn panic_point(name: &str, key: &str) {
-    let by_env = armed()
-        .iter()
-        .any(|a| a.strip_prefix("panic:") == Some(name));
-    let by_test = panics().lock().is_ok_and(|mut p| {
+/// Whether the switch `name` is armed for `key` by [`arm`] (one of its hits is used up): for
+/// a misbehaviour that no real failure produces on demand (a broker accepting what it should
+/// refuse), so the code that must survive it can be tested.
+pub fn fires(name: &str, key: &str) -> bool {
+    panics().lock().is_ok_and(|mut p| {
         let hit = p
             .iter_mut()
             .find(|a| a.name == name && a.key == key && a.times > 0);
@@ -75,8 +82,16 @@ pub fn panic_point(name: &str, key: &str) {
             }
             None => false,
         }
-    });
-    if by_env || by_test {
+    })
+}
+
+/// Panics if `name` is armed: for every key by `KEDGE_FAILPOINTS=panic:<name>`, or for `key`
+/// by [`arm_panic`] (until its hits are used up).
+pub fn panic_point(name: &str, key: &str) {
+    let by_env = armed()
+        .iter()
+        .any(|a| a.strip_prefix("panic:") == Some(name));
+    if by_env || fires(name, key) {
         panic!("kedge: failpoint {name} hit for {key}");
     }
 }
@@ -106,5 +121,15 @@ mod tests {
             assert!(r.is_err());
         }
         panic_point("test.point", "run_a");
+    }
+
+    #[test]
+    fn an_armed_switch_fires_for_its_key_and_its_number_of_hits() {
+        arm("test.switch", "run_a", 2);
+        assert!(!fires("test.switch", "run_b"));
+        assert!(!fires("other.switch", "run_a"));
+        assert!(fires("test.switch", "run_a"));
+        assert!(fires("test.switch", "run_a"));
+        assert!(!fires("test.switch", "run_a"));
     }
 }

@@ -95,8 +95,9 @@ pub struct Driver {
     /// `cancel.requested` inputs); an in-flight model call of such a run is aborted.
     cancels: tokio::sync::broadcast::Sender<RunId>,
     /// Folded states of runs this process drove, so that a drive reads only what was appended
-    /// since (the journal is append-only, so a cached state plus the events after it is exact).
-    cache: Arc<std::sync::Mutex<std::collections::HashMap<RunId, RunState>>>,
+    /// since (the journal is append-only, so a cached state plus the events after it is exact),
+    /// each with the sequences its appends skipped ([`Skipped`]).
+    cache: Arc<std::sync::Mutex<std::collections::HashMap<RunId, (RunState, Skipped)>>>,
     /// The release markers this process left on runs' leases: the next acquire of such a run
     /// tries to take over its own marker first (one round trip instead of two).
     released: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Released>>>,
@@ -117,6 +118,24 @@ struct Writing<'a> {
     /// Set when an append was not folded in: the state lacks the journal through this
     /// sequence until [`Driver::catch_up`].
     stale_through: Option<u64>,
+    /// What the state's appends skipped since it was last read.
+    skipped: Skipped,
+}
+
+/// Stream sequences a run's state stepped over without reading them: an append checked against
+/// the run's last message ([`kedge_journal::Journal::append_decision_current`]) is folded in as
+/// it lands, and the sequences between the state's last event and it are other runs' messages
+/// as far as the broker's check says. Nothing relies on that alone: the state's next read
+/// ([`Driver::refresh`]) starts at the first of them, and a message of the run found there (the
+/// broker accepted an append past it after all) makes the state be folded again from the
+/// journal, so a state never stands on a missed input.
+type Skipped = Vec<(u64, u64)>;
+
+/// Whether `seq` is one the state stepped over.
+fn was_skipped(skipped: &Skipped, seq: u64) -> bool {
+    skipped
+        .iter()
+        .any(|&(first, last)| first <= seq && seq <= last)
 }
 
 /// The stream where set-aside journal messages are recorded.
@@ -275,7 +294,7 @@ impl Driver {
             other => {
                 // Not ours to drive now: what was read stays good for the next drive here.
                 if let Ok(Some(state)) = state {
-                    self.keep(state);
+                    self.keep(state, Skipped::new());
                 }
                 return other.map(|_| Outcome::Busy);
             }
@@ -289,6 +308,7 @@ impl Driver {
         let mut w = Writing {
             writer: &writer,
             stale_through: None,
+            skipped: Skipped::new(),
         };
         let keeper = Keeper::start(&self.rt, lease, msg);
         let mut lost = keeper.lost.clone();
@@ -362,12 +382,58 @@ impl Driver {
     }
 
     /// Reads what landed after the state's last event (through `through`, see
-    /// [`Driver::read`]) and folds it in.
-    async fn refresh(&self, state: &mut RunState, through: Option<u64>) -> Result<(), DriveError> {
-        let page = self.read(&state.run_id, state.last_seq, through).await?;
-        fold_merged(state, page.events.iter(), &page.set_aside)?;
-        if !page.set_aside.is_empty() {
-            self.record_set_aside(&state.run_id, &page.set_aside).await;
+    /// [`Driver::read`]) and folds it in. When the state's appends `skipped` sequences, the read
+    /// starts at the first of them (the run's own appends since are passed over) and a message
+    /// of the run found in one makes the state be folded again from the whole journal; either
+    /// way they are checked and cleared.
+    async fn refresh(
+        &self,
+        state: &mut RunState,
+        skipped: &mut Skipped,
+        through: Option<u64>,
+    ) -> Result<(), DriveError> {
+        let last = state.last_seq;
+        let (after, through) = match skipped.first() {
+            // Through the state's last event at least: it is an acknowledged event of the run.
+            Some(&(first, _)) => (
+                first.saturating_sub(1).min(last),
+                through.map(|t| t.max(last)),
+            ),
+            None => (last, through),
+        };
+        let page = self.read(&state.run_id, after, through).await?;
+        let missed = page
+            .events
+            .iter()
+            .map(|r| r.seq)
+            .chain(page.set_aside.iter().map(|a| a.seq))
+            .find(|&seq| was_skipped(skipped, seq));
+        skipped.clear();
+        if let Some(seq) = missed {
+            tracing::error!(
+                run_id = %state.run_id,
+                seq,
+                state_through = last,
+                "the broker accepted an append checked against the run's last message past a message of the run; folding the run again"
+            );
+            *state = self
+                .load(&state.run_id, None)
+                .await?
+                .ok_or(DriveError::NoRun)?;
+            return Ok(());
+        }
+        let set_aside: Vec<kedge_journal::SetAside> = page
+            .set_aside
+            .into_iter()
+            .filter(|a| a.seq > last)
+            .collect();
+        fold_merged(
+            state,
+            page.events.iter().filter(|r| r.seq > last),
+            &set_aside,
+        )?;
+        if !set_aside.is_empty() {
+            self.record_set_aside(&state.run_id, &set_aside).await;
         }
         Ok(())
     }
@@ -436,22 +502,23 @@ impl Driver {
     /// Folds in what the state lacks after appends that could not be folded in as they landed.
     async fn catch_up(&self, state: &mut RunState, w: &mut Writing<'_>) -> Result<(), DriveError> {
         if let Some(through) = w.stale_through.take() {
-            self.refresh(state, Some(through)).await?;
+            self.refresh(state, &mut w.skipped, Some(through)).await?;
         }
         Ok(())
     }
 
     /// The appends of [`Driver::commit`]. While the state holds the whole run (no append left
     /// unfolded), each append is checked against the run's last message of any kind
-    /// ([`kedge_journal::Journal::append_decision_current`]). When the run moved on (an input
+    /// ([`kedge_journal::Journal::append_decision_current`]) and folded in as it lands, the
+    /// sequences between it and the state's last event (other runs' messages) noted as
+    /// [`Skipped`] and checked by the state's next read. When the run moved on (an input
     /// landed: a cancel request during a model call, a tool's result), the group's first
     /// decision is not appended: what landed is read (through the stream's leader) and the
     /// caller decides again on it, so nothing is dispatched on a state that misses an input
     /// acknowledged before the append (no read is needed after a model call for it). A later
-    /// decision of the group goes on as before (inputs do not conflict with decisions). An
-    /// append whose stream sequence is the one right after the state's last event is folded in
-    /// as it lands (nothing at all was stored in between); otherwise the state stays behind the
-    /// journal until [`Driver::catch_up`], which the caller must call before deciding again.
+    /// decision of the group goes on with the plain check (inputs do not conflict with
+    /// decisions) and the state stays behind the journal until [`Driver::catch_up`], which the
+    /// caller must call before deciding again.
     async fn append(
         &self,
         state: &mut RunState,
@@ -469,7 +536,11 @@ impl Driver {
             let event = Envelope::new(state.run_id.clone(), now, draft);
             let journal = &self.rt.journal;
             let mut current = w.stale_through.is_none();
-            let mut result = if current {
+            // A test's stand-in for a broker that accepts an append past an input: the plain
+            // check, taken as the run-wide one.
+            let past_input =
+                current && failpoint::fires("step.append_past_input", state.run_id.as_str());
+            let mut result = if current && !past_input {
                 journal
                     .append_decision_current(w.writer, expected, state.last_seq, &event)
                     .await
@@ -481,7 +552,7 @@ impl Driver {
             if let Err(JournalError::Behind { .. }) = result {
                 if index == 0 {
                     tracing::debug!(run_id = %state.run_id, "the run moved on; reading it and deciding again");
-                    self.refresh(state, None).await?;
+                    self.refresh(state, &mut w.skipped, None).await?;
                     return Ok(false);
                 }
                 // The same message id: an earlier attempt that landed is recognised.
@@ -491,15 +562,14 @@ impl Driver {
                     .await;
             }
             match result {
-                // Folded as it lands only when nothing at all was stored in between: the
-                // run-wide check alone would do, but one sighting (tests/cancel.rs, never
-                // reproduced, see ARCHITECTURE "The step service") of nats-server accepting
-                // such an append past an input makes the state not rely on it; a state that
-                // missed an input would stand until its process restarts.
-                Ok(appended)
-                    if current && appended.first_seq == state.last_seq.saturating_add(1) =>
-                {
+                // Nothing of the run was stored in between, says the run-wide check: folded as
+                // it lands, what it stepped over noted for the next read to check.
+                Ok(appended) if current => {
                     metrics::decision(&event.event);
+                    let next = state.last_seq.saturating_add(1);
+                    if appended.first_seq > next {
+                        w.skipped.push((next, appended.first_seq - 1));
+                    }
                     state.apply(appended.last_seq, &event)?;
                     expected = appended.last_seq;
                 }
@@ -518,6 +588,7 @@ impl Driver {
                 Err(JournalError::Conflict { expected, actual }) => {
                     tracing::warn!(run_id = %state.run_id, expected, actual, "decision conflict; re-reading");
                     w.stale_through = None;
+                    w.skipped.clear();
                     *state = self
                         .load(&state.run_id, None)
                         .await?
@@ -647,22 +718,23 @@ impl Driver {
     ) -> Result<Option<RunState>, DriveError> {
         let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
         match cached {
-            Some(mut state) => {
-                self.refresh(&mut state, through).await?;
+            Some((mut state, mut skipped)) => {
+                self.refresh(&mut state, &mut skipped, through).await?;
                 Ok(Some(state))
             }
             None => self.load(run, through).await,
         }
     }
 
-    /// Keeps a run's state for its next drive here (not a finished run's with nothing pending).
-    fn keep(&self, state: RunState) {
+    /// Keeps a run's state, with what its appends `skipped`, for its next drive here (not a
+    /// finished run's with nothing pending).
+    fn keep(&self, state: RunState, skipped: Skipped) {
         if let Ok(mut cache) = self.cache.lock() {
             if cache.len() >= CACHE_RUNS {
                 cache.clear();
             }
             if !state.status.is_terminal() || !state.pending_messages.is_empty() {
-                cache.insert(state.run_id.clone(), state);
+                cache.insert(state.run_id.clone(), (state, skipped));
             }
         }
     }
@@ -683,7 +755,7 @@ impl Driver {
         };
         let result = self.drive_state(&mut state, w, lost).await;
         if result.is_ok() {
-            self.keep(state);
+            self.keep(state, std::mem::take(&mut w.skipped));
         }
         result
     }
@@ -793,7 +865,7 @@ impl Driver {
             if result.is_err() {
                 // Read with the leader's check: what ended the call (a cancel) is in it.
                 w.stale_through = None;
-                self.refresh(state, None).await?;
+                self.refresh(state, &mut w.skipped, None).await?;
             }
             match result {
                 Ok(response) => {
@@ -816,7 +888,7 @@ impl Driver {
                             .store_response(&plan.request_id, &stored),
                         async {
                             if behind {
-                                self.refresh(state, None).await
+                                self.refresh(state, &mut w.skipped, None).await
                             } else {
                                 Ok(())
                             }
