@@ -9,6 +9,7 @@
 //! cargo bench -p kedge --bench agent_loop -- --tls-compare         # plain TCP vs TLS, same run
 //! cargo bench -p kedge --bench agent_loop -- --tls-compare --tls-reps 6 --runs 20
 //! cargo bench -p kedge --bench agent_loop -- --json FILE         # also write the key figures as JSON
+//! cargo bench -p kedge --bench agent_loop -- --sustain 15        # closed-loop window, s (0: none)
 //! scripts/bench-vs-restate.sh [--quick]         # Restate first, then this bench: one table, ratios
 //! ```
 //!
@@ -27,6 +28,14 @@
 //! and intake + step + tool in this process (as the end-to-end tests run them), each service on
 //! its own connection.
 //!
+//! Throughput two ways: batches of 1, 16 and 64 runs submitted at once, timed until the last one
+//! ends (latency under load; a batch's ramp-up and tail run with fewer runs in flight), and a
+//! **closed loop** of 64 runs always in flight (each loop submits its next run when its last one
+//! ends), counted over a window after a ramp (`--sustain`, default 10 s, 6 s with `--quick`):
+//! what the Restate peer's throughput mode measures, and the "actions/s at 64 runs" of the
+//! comparison. Its actions are counted by the ledger (two per line: the model call that asked for
+//! the tool and the tool call).
+//!
 //! Timing sources:
 //! - **journal stamps** (`envelope.at`, set by the writer just before it appends) define the
 //!   actions: a model action runs from the event that woke the step (`run.created` / the previous
@@ -41,8 +50,9 @@
 //!   broker operations per action and times each request → reply as the server answered it.
 //! - **op costs**: the same public APIs the services call (leases, journal, idempotency KV),
 //!   timed in a loop on the same server, one request in flight.
-//! - **CPU**: utime+stime of nats-server and of this process (services + mock + client) per
-//!   phase, from /proc.
+//! - **CPU**: utime+stime of nats-server and of this process per phase, from /proc; the mock
+//!   model serves on a thread of its own, whose CPU is printed apart and left out of the
+//!   process's (a model's work: the Restate peer's `llm` step is a canned answer).
 //!
 //! `--tls-compare` measures the cost of TLS instead (issue 9): two environments side by side, one
 //! over plain TCP and one where every Kedge connection (runtime, services, watcher) speaks TLS
@@ -110,6 +120,9 @@ struct Opts {
     /// `--json FILE`: also write the report's key figures to FILE as JSON (for
     /// `scripts/bench-vs-restate.sh`); not with `--tls-compare`.
     json: Option<std::path::PathBuf>,
+    /// `--sustain SECS`: the measured window of the closed-loop phase (64 runs always in
+    /// flight, as the Restate peer's throughput mode); 0 skips it.
+    sustain_s: f64,
 }
 
 fn opts() -> Opts {
@@ -123,8 +136,10 @@ fn opts() -> Opts {
         tls_compare: false,
         tls_reps: 4,
         json: None,
+        sustain_s: 10.0,
     };
     let mut runs: Option<usize> = None;
+    let mut sustain: Option<f64> = None;
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -132,6 +147,15 @@ fn opts() -> Opts {
             "--quick" => {
                 o.runs = 4;
                 o.micro_iters = 150;
+                sustain.get_or_insert(6.0);
+            }
+            "--sustain" => {
+                sustain = Some(
+                    it.next()
+                        .and_then(|n| n.parse::<f64>().ok())
+                        .filter(|s| s.is_finite() && *s >= 0.0)
+                        .expect("--sustain takes a number of seconds"),
+                )
             }
             "--micro-iters" => {
                 o.micro_iters = it
@@ -157,6 +181,9 @@ fn opts() -> Opts {
     }
     if let Some(r) = runs {
         o.runs = r.max(1);
+    }
+    if let Some(s) = sustain {
+        o.sustain_s = s;
     }
     o
 }
@@ -206,32 +233,90 @@ fn dt_ms(later: OffsetDateTime, earlier: OffsetDateTime) -> f64 {
 const TICK_MS: f64 = 10.0;
 
 fn cpu_ticks(pid: u32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    cpu_ticks_at(&format!("/proc/{pid}/stat"))
+}
+
+/// The threads serving the mock model ([`start_mock`]): their CPU is the model's, counted
+/// apart from the runtime's (the Restate peer's `llm` step is a canned answer in its own process).
+static MOCK_THREADS: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+fn thread_ticks(tid: u32) -> Option<u64> {
+    cpu_ticks_at(&format!("/proc/self/task/{tid}/stat"))
+}
+
+fn cpu_ticks_at(path: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(path).ok()?;
     let rest = &text[text.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+fn mock_ticks() -> u64 {
+    MOCK_THREADS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|&tid| thread_ticks(tid))
+        .sum()
+}
+
+/// Serves the mock model on a thread of its own (a single-threaded runtime that lives as long
+/// as the process), so that [`cpu_since`] leaves its CPU out of the runtime's.
+fn start_mock(scripts: Scripts) -> MockHandle {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("mock-model".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("mock runtime");
+            rt.block_on(async move {
+                let handle = MockHandle::start(scripts).await;
+                let tid = std::fs::read_link("/proc/thread-self")
+                    .ok()
+                    .and_then(|p| p.file_name()?.to_str()?.parse::<u32>().ok());
+                let _ = tx.send((handle, tid));
+                std::future::pending::<()>().await
+            })
+        })
+        .expect("mock thread");
+    let (handle, tid) = rx.recv().expect("mock model started");
+    if let Some(tid) = tid {
+        MOCK_THREADS.lock().unwrap().push(tid);
+    }
+    handle
 }
 
 #[derive(Clone, Copy)]
 struct CpuMark {
     server: u64,
     me: u64,
+    mock: u64,
 }
 
 fn cpu_mark(server_pid: Option<u32>) -> CpuMark {
     CpuMark {
         server: server_pid.and_then(cpu_ticks).unwrap_or(0),
         me: cpu_ticks(std::process::id()).unwrap_or(0),
+        mock: mock_ticks(),
     }
 }
 
-/// CPU milliseconds (server, this process) since `from`.
+/// CPU milliseconds (server, this process without the mock model's thread) since `from`.
 fn cpu_since(from: CpuMark, server_pid: Option<u32>) -> (f64, f64) {
     let now = cpu_mark(server_pid);
+    let me = now.me.saturating_sub(from.me);
+    let mock = now.mock.saturating_sub(from.mock);
     (
         (now.server.saturating_sub(from.server)) as f64 * TICK_MS,
-        (now.me.saturating_sub(from.me)) as f64 * TICK_MS,
+        me.saturating_sub(mock) as f64 * TICK_MS,
     )
+}
+
+/// CPU milliseconds of the mock model's thread since `from`.
+fn mock_cpu_since(from: CpuMark) -> f64 {
+    mock_ticks().saturating_sub(from.mock) as f64 * TICK_MS
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -373,7 +458,7 @@ impl Env {
             ..Default::default()
         })
         .await;
-        let mock = MockHandle::start(Scripts::from_value(script()).expect("valid script")).await;
+        let mock = start_mock(Scripts::from_value(script()).expect("valid script"));
         let dir = tempfile::tempdir().expect("temp dir");
         let mut config = bench_config(&nats.url(), &dir.path().join("ws"), "w-bench");
         if let Some(pki) = tls {
@@ -1841,6 +1926,92 @@ async fn conc_round(env: &mut Env, key: &str, n: usize, all_runs: &mut Vec<RunId
     (n, elapsed, rate, c, (cs / na, cm / na))
 }
 
+/// The closed-loop phase: `n` runs always in flight (each of `n` loops submits its next run as
+/// soon as its last one ends), as the Restate peer's throughput mode measures; a single batch
+/// (`conc_round`) also times its ramp-up and its tail, where fewer than `n` runs are left.
+struct Sustained {
+    in_flight: usize,
+    /// The measured window (after the ramp), s.
+    window_s: f64,
+    /// Actions completed in the window: two per ledger line (one model call asking for the
+    /// tool, one tool call), as the peer counts its `llm` and `tool` steps.
+    actions: u64,
+    actions_per_s: f64,
+    /// CPU ms per action in the window: (nats-server, kedge process without the mock model).
+    cpu: (f64, f64),
+    /// CPU ms per action of the mock model's thread in the window.
+    mock_cpu: f64,
+    /// Runs completed over the whole phase (ramp, window and drain).
+    runs: usize,
+    /// From the end of the window until every loop's last run ended, s.
+    drain_s: f64,
+}
+
+/// Lines of the ledger file so far: one per tool call of the `ledger_append` built-in.
+fn ledger_lines(env: &Env) -> u64 {
+    std::fs::read(env.config.workspace_root.join("ledger.log"))
+        .map(|b| b.iter().filter(|&&c| c == b'\n').count() as u64)
+        .unwrap_or(0)
+}
+
+async fn sustained(
+    env: &mut Env,
+    key: &str,
+    n: usize,
+    ramp: Duration,
+    window: Duration,
+    all_runs: &mut Vec<RunId>,
+) -> Sustained {
+    let pid = env.server_pid();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let env_ref = &*env;
+    let stop_ref = &stop;
+    let loops = futures::future::join_all((0..n).map(|w| async move {
+        let mut done = Vec::new();
+        while !stop_ref.load(std::sync::atomic::Ordering::Relaxed) {
+            let t = env_ref.run_one(format!("{key}-{w}-{}", done.len())).await;
+            done.push(t.run);
+        }
+        done
+    }));
+    let measure = async {
+        tokio::time::sleep(ramp).await;
+        let (lines0, cpu0, t0) = (ledger_lines(env_ref), cpu_mark(pid), Instant::now());
+        tokio::time::sleep(window).await;
+        let (lines1, cpu, mock, secs) = (
+            ledger_lines(env_ref),
+            cpu_since(cpu0, pid),
+            mock_cpu_since(cpu0),
+            t0.elapsed().as_secs_f64(),
+        );
+        stop_ref.store(true, std::sync::atomic::Ordering::Relaxed);
+        (
+            2 * lines1.saturating_sub(lines0),
+            cpu,
+            mock,
+            secs,
+            Instant::now(),
+        )
+    };
+    let (runs, (actions, (cs, cm), mock, secs, stopped)) = futures::join!(loops, measure);
+    let drain_s = stopped.elapsed().as_secs_f64();
+    let runs: Vec<RunId> = runs.into_iter().flatten().collect();
+    env.submitted += runs.len();
+    let count = runs.len();
+    all_runs.extend(runs);
+    let per = actions.max(1) as f64;
+    Sustained {
+        in_flight: n,
+        window_s: secs,
+        actions,
+        actions_per_s: actions as f64 / secs,
+        cpu: (cs / per, cm / per),
+        mock_cpu: mock / per,
+        runs: count,
+        drain_s,
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // One durability setting, end to end
 
@@ -1849,9 +2020,13 @@ struct ModeResult {
     sync_always: bool,
     seq: Collected,
     conc: Vec<ConcRound>,
+    /// The closed-loop phase (`--sustain 0`: none).
+    sustained: Option<Sustained>,
     calls_per_step: f64,
     /// CPU ms per action during the sequential runs: (nats-server, kedge process).
     seq_cpu: (f64, f64),
+    /// CPU ms per action of the mock model's thread during the sequential runs.
+    seq_mock_cpu: f64,
     /// The wiretap of the traced run (`--no-trace`: none).
     tap: Option<TapReport>,
     /// Load average before and after this setting's measurements.
@@ -1894,6 +2069,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     }
     let seq_elapsed = ms(seq_t0.elapsed());
     let (cpu_srv, cpu_me) = cpu_since(cpu0, pid);
+    let cpu_mock = mock_cpu_since(cpu0);
     let mut seq = Collected::default();
     collect(&env, &seq_timings, &mut seq).await;
     all_runs.extend(seq_timings.iter().map(|t| t.run.clone()));
@@ -1902,10 +2078,11 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     let n_actions = (o.runs * ACTIONS) as f64;
     let seq_cpu = (cpu_srv / n_actions, cpu_me / n_actions);
     println!(
-        "  CPU during the sequential runs: nats-server {:.3} ms/action, kedge process (services+mock+client) {:.3} ms/action; {:.0}% of one core busy in total",
+        "  CPU during the sequential runs: nats-server {:.3} ms/action, kedge process (services + client) {:.3} ms/action, mock model (its own thread) {:.3} ms/action; {:.0}% of one core busy in total",
         cpu_srv / n_actions,
         cpu_me / n_actions,
-        (cpu_srv + cpu_me) / seq_elapsed * 100.0
+        cpu_mock / n_actions,
+        (cpu_srv + cpu_me + cpu_mock) / seq_elapsed * 100.0
     );
 
     // 5 (live): segments of the steady-state loop.
@@ -1937,6 +2114,38 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
         conc.push(r);
     }
     print_conc_segments(&conc);
+
+    // 3b: the closed loop, 64 runs always in flight, as the peer's throughput mode.
+    let sustained = if o.sustain_s > 0.0 {
+        let n = o.concurrency.iter().copied().max().unwrap_or(64);
+        let ramp = Duration::from_secs_f64((o.sustain_s / 4.0).clamp(1.0, 5.0));
+        let s = sustained(
+            &mut env,
+            &format!("{label}-loop"),
+            n,
+            ramp,
+            Duration::from_secs_f64(o.sustain_s),
+            &mut all_runs,
+        )
+        .await;
+        println!();
+        println!(
+            "  Closed loop, {} runs always in flight ({:.1} s ramp, then {:.1} s measured): {:.0} actions/s ({} actions); CPU {:.3} ms/action server + {:.3} kedge + {:.3} mock model; {} runs in all, drained {:.1} s after the window",
+            s.in_flight,
+            ramp.as_secs_f64(),
+            s.window_s,
+            s.actions_per_s,
+            s.actions,
+            s.cpu.0,
+            s.cpu.1,
+            s.mock_cpu,
+            s.runs,
+            s.drain_s
+        );
+        Some(s)
+    } else {
+        None
+    };
 
     // 4: model calls per step, before anything else calls the mock.
     let calls_per_step = model_calls_per_step(&env, &all_runs, "").await;
@@ -1977,8 +2186,10 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
         sync_always,
         seq,
         conc,
+        sustained,
         calls_per_step,
         seq_cpu,
+        seq_mock_cpu: cpu_mock / n_actions,
         tap,
         load: (load_before, load_after),
     }
@@ -2256,18 +2467,24 @@ fn print_summary(results: &[ModeResult]) {
         let a = stats(&r.seq.actions());
         let w = stats(&r.seq.client_wall);
         let jw = stats(&r.seq.journal_wall);
+        // The closed loop when it ran (what the peer measures), else the batch of 64.
         let at64 = r
-            .conc
-            .iter()
-            .find(|c| c.0 == 64)
-            .or(r.conc.last())
-            .map(|c| (c.0, c.2));
+            .sustained
+            .as_ref()
+            .map(|s| format!("{:.0} (loop {})", s.actions_per_s, s.in_flight))
+            .or_else(|| {
+                r.conc
+                    .iter()
+                    .find(|c| c.0 == 64)
+                    .or(r.conc.last())
+                    .map(|c| format!("{:.0} (@{})", c.2, c.0))
+            });
         println!(
             "  {:<26} {:>18} {:>16} {:>18} {:>16}",
             format!("Kedge ({})", r.label),
             format!("{:.3} (p99 {:.2})", a.p50, a.p99),
             format!("{:.1} ({:.1} jrnl)", w.p50, jw.p50),
-            at64.map_or("-".into(), |(n, rate)| format!("{rate:.0} (@{n})")),
+            at64.unwrap_or_else(|| "-".into()),
             format!("{:.3}", r.calls_per_step)
         );
     }
@@ -2366,9 +2583,18 @@ fn json_summary(results: &[ModeResult], o: &Opts, load_start: &str) -> serde_jso
                     "tool_action": stats_json(&stats(&r.seq.tool)),
                     "run_client": stats_json(&stats(&r.seq.client_wall)),
                     "run_journal": stats_json(&stats(&r.seq.journal_wall)),
-                    "cpu_ms_per_action": {"nats_server": r.seq_cpu.0, "kedge": r.seq_cpu.1},
+                    "cpu_ms_per_action": {"nats_server": r.seq_cpu.0, "kedge": r.seq_cpu.1, "mock_model": r.seq_mock_cpu},
                 },
                 "concurrency": conc,
+                "sustained": r.sustained.as_ref().map(|s| serde_json::json!({
+                    "in_flight": s.in_flight,
+                    "window_s": s.window_s,
+                    "actions": s.actions,
+                    "actions_per_s": s.actions_per_s,
+                    "cpu_ms_per_action": {"nats_server": s.cpu.0, "kedge": s.cpu.1, "mock_model": s.mock_cpu},
+                    "runs": s.runs,
+                    "drain_s": s.drain_s,
+                })),
                 "model_calls_per_step": r.calls_per_step,
                 "wiretap": tap,
             })
