@@ -380,45 +380,7 @@ async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_message_sent_during_a_step_reaches_the_next_model_request() {
-    let script = json!({"models": {"mu": {"steps": [
-        {"text": "thinking", "delay_ms": 1500, "tool_calls": [call("list_files", json!({}))]},
-        {"text": "noted"}
-    ]}}});
-    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
-    h.agent("msg", "mu").await;
-    let run = h.submit("msg", "start", "task-msg").await;
-    h.wait_for(&run, WAIT, |s| s.open_step.is_some()).await;
-    h.input(
-        &run,
-        Event::UserMessage(UserMessage {
-            text: "also check the tides".into(),
-        }),
-        "user-msg-1",
-    )
-    .await;
-    let state = h.wait_terminal(&run, WAIT).await;
-    assert_eq!(state.status, RunStatus::Succeeded);
-    let requests = h.mock.requests("mu");
-    assert_eq!(requests.len(), 2);
-    let first = requests[0].to_string();
-    let second = requests[1].to_string();
-    assert!(
-        !first.contains("also check the tides"),
-        "not in the step already in flight"
-    );
-    assert!(
-        second.contains("also check the tides"),
-        "in the next step: {second}"
-    );
-    // The message landed while the step's state lacked it: the step's `step.completed`
-    // (checked against the run's last message) came after it, with the response paid once.
-    let events = h.events(&run).await;
-    let seq_of =
-        |f: &dyn Fn(&Event) -> bool| events.iter().find(|r| f(&r.envelope.event)).map(|r| r.seq);
-    let message = seq_of(&|e| matches!(e, Event::UserMessage(_))).expect("the message");
-    let completed = seq_of(&|e| matches!(e, Event::StepCompleted(_))).expect("a step");
-    assert!(message < completed, "{message} < {completed}");
-    h.shutdown().await;
+    a_message_during_a_step("mu", false).await;
 }
 
 /// The net under the run-wide check: should the broker accept a decision past an input (the
@@ -429,34 +391,49 @@ async fn a_user_message_sent_during_a_step_reaches_the_next_model_request() {
 /// from after the decision and never see it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_input_an_append_was_accepted_past_is_found_by_the_next_read() {
-    let script = json!({"models": {"mp": {"steps": [
+    a_message_during_a_step("mp", true).await;
+}
+
+/// A user message lands while step 1's model call is in flight (model `model`; with `past_input`,
+/// the step's next append is taken past it, see above): it is not in the call in flight, it is
+/// in step 2's, each step is paid once, and step 1's `step.completed` landed after it.
+async fn a_message_during_a_step(model: &str, past_input: bool) {
+    let script = json!({"models": {model: {"steps": [
         {"text": "thinking", "delay_ms": 1500, "tool_calls": [call("list_files", json!({}))]},
         {"text": "noted"}
     ]}}});
     let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
-    h.agent("past", "mp").await;
-    let run = h.submit("past", "start", "task-past").await;
+    h.agent("msg", model).await;
+    let run = h.submit("msg", "start", "task-msg").await;
     h.wait_for(&run, WAIT, |s| s.open_step.is_some()).await;
-    // The next append of the run is the step's first decision after the model call.
-    kedge_runtime::failpoint::arm("step.append_past_input", run.as_str(), 1);
+    if past_input {
+        // The next append of the run is the step's first decision after the model call.
+        kedge_runtime::failpoint::arm("step.append_past_input", run.as_str(), 1);
+    }
     h.input(
         &run,
         Event::UserMessage(UserMessage {
             text: "also check the tides".into(),
         }),
-        "user-msg-past",
+        "user-msg-1",
     )
     .await;
     let state = h.wait_terminal(&run, WAIT).await;
     assert_eq!(state.status, RunStatus::Succeeded);
-    let requests = h.mock.requests("mp");
+    let requests = h.mock.requests(model);
     assert_eq!(requests.len(), 2, "one model call per step");
+    let first = requests[0].to_string();
+    let second = requests[1].to_string();
     assert!(
-        requests[1].to_string().contains("also check the tides"),
-        "in the next step: {}",
-        requests[1]
+        !first.contains("also check the tides"),
+        "not in the step already in flight"
     );
-    // The decision did land past the message, as a broker ignoring the check would let it.
+    assert!(
+        second.contains("also check the tides"),
+        "in the next step: {second}"
+    );
+    // The message landed while the step's state lacked it: the step's `step.completed` came
+    // after it (checked against the run's last message, or taken past it), paid once.
     let events = h.events(&run).await;
     let seq_of =
         |f: &dyn Fn(&Event) -> bool| events.iter().find(|r| f(&r.envelope.event)).map(|r| r.seq);
