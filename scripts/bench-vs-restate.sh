@@ -6,7 +6,8 @@
 #
 #   scripts/bench-vs-restate.sh                  # full: Restate latency (50 workflows) + throughput
 #                                                # (64 workflows, 15 s), then agent_loop, both settings
-#                                                # (its closed loop of 64 runs: the same window)
+#                                                # (as many sequential runs, a closed loop of 64 runs
+#                                                # over the same window)
 #   scripts/bench-vs-restate.sh --quick          # agent_loop --quick; Restate 20 workflows / 8 s
 #   scripts/bench-vs-restate.sh --kedge-only     # skip the peer (prints Kedge alone)
 #   scripts/bench-vs-restate.sh --verbose        # also stream agent_loop's full report
@@ -66,8 +67,9 @@ else
     peer_workflows=50
     peer_seconds=15
 fi
-# Kedge's closed-loop window is the peer's (64 runs always in flight, as its throughput mode).
-bench_args=(--sustain "$peer_seconds" "${bench_args[@]}")
+# Kedge's sequential runs are as many as the peer's latency workflows, and its closed-loop window
+# is the peer's (64 runs always in flight, as its throughput mode); after `--` they can be changed.
+bench_args=(--runs "$peer_workflows" --sustain "$peer_seconds" "${bench_args[@]}")
 
 mkdir -p "$OUT"
 say() { echo "bench-vs-restate: $*" >&2; }
