@@ -97,21 +97,40 @@ pub struct DigestError(String);
 impl Digest {
     /// Digest of raw bytes.
     pub fn of_bytes(bytes: &[u8]) -> Self {
-        let hash = Sha256::digest(bytes);
-        let mut s = String::with_capacity(7 + 64);
+        Self::of_hash(Sha256::digest(bytes).as_slice())
+    }
+
+    /// `sha256:` and the lowercase hex of `hash`, with no allocation but the string's.
+    fn of_hash(hash: &[u8]) -> Self {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut s = String::with_capacity(7 + 2 * hash.len());
         s.push_str("sha256:");
-        for b in hash.iter() {
-            s.push_str(&format!("{b:02x}"));
+        for &b in hash {
+            s.push(char::from(HEX[usize::from(b >> 4)]));
+            s.push(char::from(HEX[usize::from(b & 0x0f)]));
         }
         Self(s)
     }
 
     /// Digest of a JSON value in canonical form. `serde_json::Map` keeps keys sorted (the crate's
     /// `preserve_order` feature is off in this workspace), so equal values give equal digests.
+    /// The serialization is hashed as it is written (the same bytes, not collected first).
     pub fn of_json(value: &serde_json::Value) -> Self {
-        // Serializing a `Value` cannot fail.
-        let bytes = serde_json::to_vec(value).unwrap_or_default();
-        Self::of_bytes(&bytes)
+        /// Feeds what serde_json writes into the hash.
+        struct Hashing(Sha256);
+        impl std::io::Write for Hashing {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.update(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut hashing = Hashing(Sha256::new());
+        // Serializing a `Value` into a writer that never fails cannot fail.
+        let _ = serde_json::to_writer(&mut hashing, value);
+        Self::of_hash(hashing.0.finalize().as_slice())
     }
 
     /// Digest of any serializable value, through its canonical JSON form.
@@ -1365,5 +1384,26 @@ mod tests {
         let b: serde_json::Value = serde_json::from_str(r#"{"b":[1,2],"a":1}"#).expect("json");
         assert_eq!(Digest::of_json(&a), Digest::of_json(&b));
         assert!(Digest::of_json(&a).as_str().parse::<Digest>().is_ok());
+    }
+
+    /// Digests are stored in journals: their bytes never change. SHA-256 of "abc" (FIPS 180-2),
+    /// and a JSON value's digest is that of its compact serialization.
+    #[test]
+    fn digests_are_the_sha256_of_the_bytes_in_lowercase_hex() {
+        assert_eq!(
+            Digest::of_bytes(b"abc").as_str(),
+            "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(
+            Digest::of_bytes(b"").as_str(),
+            "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+        let value = serde_json::json!({
+            "z": [1, 2.5, -3, null, true, "é\n\"q\u{1}"],
+            "a": {"nested": {"k": "v"}, "empty": {}},
+            "big": "x".repeat(100_000),
+        });
+        let bytes = serde_json::to_vec(&value).expect("serializes");
+        assert_eq!(Digest::of_json(&value), Digest::of_bytes(&bytes));
     }
 }
