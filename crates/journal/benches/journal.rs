@@ -441,28 +441,9 @@ fn created(run: &RunId) -> Envelope {
     env(
         run,
         Draft::new(Event::RunCreated(Box::new(kedge_core::event::RunCreated {
-            agent: "bench".parse().unwrap(),
-            agent_revision: 1,
-            agent_digest: Digest::of_bytes(b"agent"),
-            model: kedge_core::event::ModelSpec {
-                provider: kedge_core::event::Provider::Openai,
-                name: "mock".into(),
-                base_url: None,
-                settings: Default::default(),
-                price: None,
-            },
-            prompt_digest: Digest::of_bytes(b"prompt"),
-            tools_digest: Digest::of_bytes(b"tools"),
-            policy_digest: Digest::of_bytes(b"policy"),
-            budget: kedge_core::event::Budget::default(),
-            tenant: "acme".parse().unwrap(),
             caller: Some("bench".into()),
-            idempotency_key: None,
-            input: "look this up".into(),
             runtime_version: "bench".into(),
-            metadata: Default::default(),
-            traceparent: None,
-            parent: None,
+            ..kedge_testkit::fixtures::run_created("bench", "look this up")
         }))),
     )
 }

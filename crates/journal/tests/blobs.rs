@@ -9,31 +9,14 @@ use std::time::Duration;
 
 use common::*;
 use futures::StreamExt;
-use kedge_core::event::{StepCompleted, ToolResult};
-use kedge_core::{Draft, Envelope, Event, EventType, OperationId, RunId, StepNo};
+use kedge_core::event::StepCompleted;
+use kedge_core::{Draft, Envelope, Event, EventType, RunId, StepNo};
 use kedge_journal::blob::{INLINE_MAX, MAX_BLOB};
 use kedge_journal::{BlobError, BlobRef, DecisionWriter, ErrorKind, Journal};
 
-/// A tool result of `size` bytes (not compressible to a repeat: each line differs).
+/// A tool result of `size` bytes (see `common::long_tool_result`).
 fn big_result(run: &RunId, size: usize) -> Envelope {
-    let mut content = String::with_capacity(size + 32);
-    let mut i = 0u64;
-    while content.len() < size {
-        content.push_str(&format!("line {i} of a long tool output\n"));
-        i += 1;
-    }
-    content.truncate(size);
-    Envelope::new(
-        run.clone(),
-        kedge_core::event::Timestamp::now(),
-        Draft::new(Event::ToolResult(ToolResult {
-            content,
-            is_error: false,
-            stopped: false,
-        }))
-        .step(StepNo(1))
-        .op(OperationId::new(run, StepNo(1), 0)),
-    )
+    long_tool_result(run, 1, 0, size)
 }
 
 /// The raw stored message at `seq` (what a `nats stream get` shows).

@@ -12,8 +12,7 @@ use std::time::Duration;
 
 use common::*;
 use futures::StreamExt;
-use kedge_core::event::ToolResult;
-use kedge_core::{Draft, Envelope, Event, OperationId, RunId, StepNo};
+use kedge_core::{Envelope, RunId};
 use kedge_journal::blob::INLINE_MAX;
 use kedge_journal::{DecisionWriter, Journal, ReadPage};
 
@@ -40,23 +39,7 @@ async fn filler(js: &async_nats::jetstream::Context, n: usize, salt: usize) {
 
 /// A tool result too large to hold inline: stored by reference.
 fn big_result(run: &RunId, step: u32) -> Envelope {
-    let mut content = String::new();
-    let mut i = 0;
-    while content.len() < INLINE_MAX + 1000 {
-        content.push_str(&format!("line {i} of a long tool output\n"));
-        i += 1;
-    }
-    Envelope::new(
-        run.clone(),
-        kedge_core::event::Timestamp::now(),
-        Draft::new(Event::ToolResult(ToolResult {
-            content,
-            is_error: false,
-            stopped: false,
-        }))
-        .step(StepNo(step))
-        .op(OperationId::new(run, StepNo(step), 9)),
-    )
+    long_tool_result(run, step, 9, INLINE_MAX + 1000)
 }
 
 /// What a spread run holds: its events with their sequences, and the sequences of the messages
@@ -172,6 +155,25 @@ fn seqs(page: &ReadPage) -> Vec<u64> {
     page.events.iter().map(|r| r.seq).collect()
 }
 
+/// `page` holds exactly the events of `want` and the set-aside sequences of `aside` after
+/// `after` (`how` names the read in the messages).
+fn assert_all_after(
+    page: &ReadPage,
+    want: &[(u64, Envelope)],
+    aside: &[u64],
+    after: u64,
+    how: &str,
+) {
+    let expected: Vec<(u64, Envelope)> = want.iter().filter(|(s, _)| *s > after).cloned().collect();
+    assert_eq!(pairs(page), expected, "{how}after {after}");
+    let aside: Vec<u64> = aside.iter().copied().filter(|s| *s > after).collect();
+    assert_eq!(
+        page.set_aside.iter().map(|a| a.seq).collect::<Vec<_>>(),
+        aside,
+        "set aside {how}after {after}"
+    );
+}
+
 fn pairs(page: &ReadPage) -> Vec<(u64, Envelope)> {
     page.events
         .iter()
@@ -237,15 +239,7 @@ async fn a_run_spread_over_history_reads_whole_in_order_from_anywhere_and_in_pag
     cursors.dedup();
     for after in cursors {
         let page = journal.read_with_set_aside(run, after).await.unwrap();
-        let expected: Vec<(u64, Envelope)> =
-            want.iter().filter(|(s, _)| *s > after).cloned().collect();
-        assert_eq!(pairs(&page), expected, "after {after}");
-        let aside: Vec<u64> = s.aside.iter().copied().filter(|s| *s > after).collect();
-        assert_eq!(
-            page.set_aside.iter().map(|a| a.seq).collect::<Vec<_>>(),
-            aside,
-            "set aside after {after}"
-        );
+        assert_all_after(&page, want, &s.aside, after, "");
     }
 
     // In pages: every boundary, the set-aside messages reported once each.
@@ -272,15 +266,7 @@ async fn a_run_spread_over_history_reads_whole_in_order_from_anywhere_and_in_pag
     // (16k sequences and more) by the literal subjects at once.
     for after in want.iter().map(|(s, _)| *s).chain(s.aside.iter().copied()) {
         let page = journal.read_through(run, after, last).await.unwrap();
-        let expected: Vec<(u64, Envelope)> =
-            want.iter().filter(|(s, _)| *s > after).cloned().collect();
-        assert_eq!(pairs(&page), expected, "through {last} after {after}");
-        let aside: Vec<u64> = s.aside.iter().copied().filter(|s| *s > after).collect();
-        assert_eq!(
-            page.set_aside.iter().map(|a| a.seq).collect::<Vec<_>>(),
-            aside,
-            "set aside through {last} after {after}"
-        );
+        assert_all_after(&page, want, &s.aside, after, &format!("through {last} "));
     }
 
     // The same as a tail (an ordered consumer) delivers.

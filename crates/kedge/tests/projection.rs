@@ -14,8 +14,8 @@ use common::Harness;
 use kedge_bridge::projection::{RunSummary, summarize};
 use kedge_core::decide::{ModelResponse, Next, complete_step, decide};
 use kedge_core::event::{
-    AssistantMessage, Budget, Digest, Draft, Envelope, Event, EventKind, FinishReason, ModelSpec,
-    Provider, RunCreated, Timestamp, Usage, UserMessage,
+    AssistantMessage, Draft, Envelope, Event, EventKind, FinishReason, RunCreated, Timestamp,
+    Usage, UserMessage,
 };
 use kedge_core::ids::RunId;
 use kedge_core::{RunStatus, fold};
@@ -32,28 +32,8 @@ const WAIT: Duration = Duration::from_secs(90);
 
 fn created() -> RunCreated {
     RunCreated {
-        agent: "chat".parse().expect("agent"),
-        agent_revision: 1,
-        agent_digest: Digest::of_bytes(b"agent"),
-        model: ModelSpec {
-            provider: Provider::Openai,
-            name: "mock".into(),
-            base_url: None,
-            settings: Default::default(),
-            price: None,
-        },
-        prompt_digest: Digest::of_bytes(b"prompt"),
-        tools_digest: Digest::of_bytes(b"tools"),
-        policy_digest: Digest::of_bytes(b"policy"),
-        budget: Budget::default(),
-        tenant: "acme".parse().expect("tenant"),
         caller: Some("test".into()),
-        idempotency_key: None,
-        input: "hello".into(),
-        runtime_version: "test".into(),
-        metadata: Default::default(),
-        traceparent: None,
-        parent: None,
+        ..kedge_testkit::fixtures::run_created("chat", "hello")
     }
 }
 
@@ -247,23 +227,13 @@ async fn concurrent_deliveries_of_a_run_leave_the_fold_of_its_journal() {
     // Every delivery was acknowledged (none left pending or handed back for good).
     let started = Instant::now();
     loop {
-        let mut consumer: async_nats::jetstream::consumer::PullConsumer =
-            h.rt.js
-                .get_stream("KEDGE_RUNS")
-                .await
-                .expect("stream")
-                .get_consumer("projector")
-                .await
-                .expect("consumer");
-        let info = consumer.info().await.expect("info");
-        if info.num_pending == 0 && info.num_ack_pending == 0 {
+        let (pending, unacknowledged) = left(&h).await;
+        if pending == 0 && unacknowledged == 0 {
             break;
         }
         assert!(
             started.elapsed() < WAIT,
-            "projector left {} pending, {} unacknowledged",
-            info.num_pending,
-            info.num_ack_pending
+            "projector left {pending} pending, {unacknowledged} unacknowledged"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -277,8 +247,8 @@ async fn concurrent_deliveries_of_a_run_leave_the_fold_of_its_journal() {
     }
 }
 
-/// Consumer `projector` has nothing pending or unacknowledged.
-async fn drained(h: &Harness) -> bool {
+/// What consumer `projector` has pending and delivered unacknowledged.
+async fn left(h: &Harness) -> (u64, usize) {
     let mut consumer: async_nats::jetstream::consumer::PullConsumer =
         h.rt.js
             .get_stream("KEDGE_RUNS")
@@ -288,7 +258,12 @@ async fn drained(h: &Harness) -> bool {
             .await
             .expect("consumer");
     let info = consumer.info().await.expect("info");
-    info.num_pending == 0 && info.num_ack_pending == 0
+    (info.num_pending, info.num_ack_pending)
+}
+
+/// Consumer `projector` has nothing pending or unacknowledged.
+async fn drained(h: &Harness) -> bool {
+    left(h).await == (0, 0)
 }
 
 /// The projector's one-request write (a compare-and-set on the revision it last stored) meets a

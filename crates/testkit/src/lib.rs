@@ -33,6 +33,7 @@
 //!
 //! [`kill -9`]: NatsServer::kill9
 
+pub mod fixtures;
 pub mod tls;
 
 use std::fs::{File, OpenOptions};

@@ -4,8 +4,8 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use kedge_core::event::{
-    AssistantMessage, Budget, Digest, FinishReason, ModelSpec, Provider, RunCreated, RunStarted,
-    StepCompleted, Timestamp, ToolRequested, ToolResult, Usage, UserMessage,
+    AssistantMessage, Digest, FinishReason, RunCreated, RunStarted, StepCompleted, Timestamp,
+    ToolRequested, ToolResult, Usage, UserMessage,
 };
 use kedge_core::ids::ModelRequestId;
 use kedge_core::{Attempt, Draft, Envelope, Event, OperationId, RunId, StepNo};
@@ -35,28 +35,8 @@ pub fn run_created(run: &RunId) -> Envelope {
         run,
         Draft::new(Event::RunCreated(
             RunCreated {
-                agent: "test-agent".parse().unwrap(),
-                agent_revision: 1,
-                agent_digest: Digest::of_bytes(b"agent"),
-                model: ModelSpec {
-                    provider: Provider::Openai,
-                    name: "mock".into(),
-                    base_url: None,
-                    settings: Default::default(),
-                    price: None,
-                },
-                prompt_digest: Digest::of_bytes(b"prompt"),
-                tools_digest: Digest::of_bytes(b"tools"),
-                policy_digest: Digest::of_bytes(b"policy"),
-                budget: Budget::default(),
                 tenant: "t1".parse().unwrap(),
-                caller: None,
-                idempotency_key: None,
-                input: "hello".into(),
-                runtime_version: "test".into(),
-                metadata: Default::default(),
-                traceparent: None,
-                parent: None,
+                ..kedge_testkit::fixtures::run_created("test-agent", "hello")
             }
             .into(),
         )),
@@ -128,10 +108,14 @@ pub fn user_message(run: &RunId, text: &str) -> Envelope {
 }
 
 pub fn tool_result(run: &RunId, step: u32, index: u32) -> Envelope {
+    tool_result_of(run, step, index, format!("result {index}"))
+}
+
+fn tool_result_of(run: &RunId, step: u32, index: u32, content: String) -> Envelope {
     env(
         run,
         Draft::new(Event::ToolResult(ToolResult {
-            content: format!("result {index}"),
+            content,
             is_error: false,
             stopped: false,
         }))
@@ -157,4 +141,17 @@ pub async fn publish_raw(
         .await
         .unwrap()
         .sequence
+}
+
+/// A tool result of `size` bytes for operation `op` of step `step` (not compressible to a
+/// repeat: each line differs), large enough to go by reference when `size` > `INLINE_MAX`.
+pub fn long_tool_result(run: &RunId, step: u32, op: u32, size: usize) -> Envelope {
+    let mut content = String::with_capacity(size + 32);
+    let mut i = 0u64;
+    while content.len() < size {
+        content.push_str(&format!("line {i} of a long tool output\n"));
+        i += 1;
+    }
+    content.truncate(size);
+    tool_result_of(run, step, op, content)
 }

@@ -6,33 +6,14 @@
 
 use std::process::{Child, Command};
 
-use kedge_core::event::{Budget, Digest, ModelSpec, Provider, RunCreated};
+use kedge_core::event::RunCreated;
 
 /// A `run.created` of agent `agent` (tenant `acme`, the mock model) with `input`.
 pub fn created(agent: &str, input: &str) -> RunCreated {
     RunCreated {
-        agent: agent.parse().unwrap(),
-        agent_revision: 1,
-        agent_digest: Digest::of_bytes(b"agent"),
-        model: ModelSpec {
-            provider: Provider::Openai,
-            name: "mock".into(),
-            base_url: None,
-            settings: Default::default(),
-            price: None,
-        },
-        prompt_digest: Digest::of_bytes(b"prompt"),
-        tools_digest: Digest::of_bytes(b"tools"),
-        policy_digest: Digest::of_bytes(b"policy"),
-        budget: Budget::default(),
-        tenant: "acme".parse().unwrap(),
         caller: Some("bench".into()),
-        idempotency_key: None,
-        input: input.into(),
         runtime_version: "bench".into(),
-        metadata: Default::default(),
-        traceparent: None,
-        parent: None,
+        ..kedge_testkit::fixtures::run_created(agent, input)
     }
 }
 
