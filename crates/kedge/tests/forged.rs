@@ -453,13 +453,26 @@ async fn a_precondition_query_needs_a_run_that_exists_and_a_declared_tool() {
         let query = json!({"run_id": run, "tool": tool, "arguments": {"path": "notes.txt"}});
         let client = h.rt.client.clone();
         async move {
-            let reply = tokio::time::timeout(
-                Duration::from_secs(10),
-                client.request(TOOL_INSPECT, query.to_string().into()),
-            )
-            .await
-            .expect("answered in time")
-            .expect("answered");
+            // The run reached its wait without the tool service (ask_user is the step's own), so
+            // under load the service may still be subscribing: no responders yet is retried.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let reply = loop {
+                let answer = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    client.request(TOOL_INSPECT, query.to_string().into()),
+                )
+                .await
+                .expect("answered in time");
+                match answer {
+                    Err(e)
+                        if e.kind() == async_nats::RequestErrorKind::NoResponders
+                            && std::time::Instant::now() < deadline =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    other => break other.expect("answered"),
+                }
+            };
             serde_json::from_slice::<Value>(&reply.payload).expect("json answer")
         }
     };

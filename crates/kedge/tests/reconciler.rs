@@ -223,7 +223,7 @@ async fn scans_look_at_unsettled_runs_only() {
     )
     .await;
     let mut third = reconciler.scan().await.expect("scan");
-    for _ in 0..50 {
+    for _ in 0..300 {
         // The revived turn may still be running when the scan looks.
         if third.runs == 2 && reconciler.unsettled() == 1 {
             break;
