@@ -302,6 +302,14 @@ class Failed(Exception):
     pass
 
 
+class KvEntry:
+    """A key's current value, as a KV watcher hands it over."""
+
+    def __init__(self, key, value):
+        self.key = key
+        self.value = value
+
+
 class Inspector:
     def __init__(self, nc, sub_seconds):
         self.nc = nc
@@ -376,17 +384,31 @@ class Inspector:
             raise Failed(f"bucket {bucket} not found")
 
     async def watch(self, kv, filt, meta_only=False):
-        """The current entries under `filt` (the watcher's initial values)."""
-        w = await kv.watch(filt or ">", ignore_deletes=True, meta_only=meta_only)
+        """The current entries under `filt`, as a watcher's initial values.
+
+        Not nats-py's `kv.watch`: its end-of-initial-values marker comes from a consumer info
+        taken while the values are already on their way, so on a loaded machine it can say "none"
+        before the first value is read. Here the stream's subject counts say whether there is
+        anything, and an ordered consumer is read until a message says nothing is pending.
+        """
+        stream, pre = f"KV_{kv._name}", f"$KV.{kv._name}."
+        if not await self.subjects(stream, pre + (filt or ">")):
+            return []
+        sub = await self.js.subscribe(pre + (filt or ">"), stream=stream, ordered_consumer=True,
+                                      deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                                      headers_only=meta_only)
         entries = []
         try:
             while True:
-                e = await w.updates(timeout=5)
-                if e is None:
+                msg = await sub.next_msg(timeout=5)
+                op = (msg.headers or {}).get("KV-Operation")
+                marker = (msg.headers or {}).get("Nats-Marker-Reason")
+                if op not in ("DEL", "PURGE") and marker is None:
+                    entries.append(KvEntry(msg.subject[len(pre):], msg.data))
+                if msg.metadata.num_pending == 0:
                     break
-                entries.append(e)
         finally:
-            await w.stop()
+            await sub.unsubscribe()
         return entries
 
     async def kv_keys(self, kv, pattern):
