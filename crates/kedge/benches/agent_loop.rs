@@ -1690,7 +1690,15 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
                 if let Some(rev) = rev {
                     let op = OperationId::new(krun, StepNo(i as u32 + 1), 0);
                     rt.idempotency
-                        .finish(&op, rev, digest, "w-bench", "recorded: 5", false)
+                        .finish(
+                            &op,
+                            rev,
+                            digest,
+                            "w-bench",
+                            "recorded: 5",
+                            false,
+                            kedge_runtime::idempotency::Finished::Ran,
+                        )
                         .await
                         .expect("finish");
                 }

@@ -217,6 +217,40 @@ async fn a_tool_worker_killed_after_its_side_effect_does_not_repeat_it() {
     }
 }
 
+/// A runner that took over an abandoned operation, confirmed it happened and recorded so, dies
+/// before journaling `outcome.confirmed`: the next taker finds the record done and journals what
+/// the first would have (how the result was learned), not a plain `tool.result`. The same holds
+/// for a second taker racing a live one (two reconciler replicas asking at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_confirmed_outcome_recorded_by_a_runner_that_died_is_journaled_as_confirmed() {
+    let script = json!({"models": {"mc": {"steps": [
+        {"text": "paying", "tool_calls": [call("ledger_append", json!({"text": "pay 5"}))]},
+        {"text": "paid"}
+    ]}}});
+    let mut h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("ledger", "mc").await;
+    let first = h.spawn_process("tool", "w-tool-first", "tool.after_effect");
+    let run = h.submit("ledger", "go", "task-confirmed").await;
+    assert!(h.wait_exit(first, WAIT).await, "the first runner aborts");
+    let second = h.spawn_process("tool", "w-tool-second", "tool.after_confirmed_record");
+    assert!(
+        h.wait_exit(second, WAIT).await,
+        "the second runner confirms, records and aborts"
+    );
+    h.spawn_process("tool", "w-tool-third", "");
+    assert_eq!(
+        h.wait_terminal(&run, WAIT).await.status,
+        RunStatus::Succeeded
+    );
+    let events = h.events(&run).await;
+    let count = |f: fn(&Event) -> bool| events.iter().filter(|r| f(&r.envelope.event)).count();
+    assert_eq!(count(|e| matches!(e, Event::OutcomeConfirmed(_))), 1);
+    assert_eq!(count(|e| matches!(e, Event::ToolResult(_))), 0);
+    assert_eq!(h.ledger().len(), 1, "the effect did not repeat");
+    assert_schema_valid(&events);
+    h.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_step_workers_racing_make_one_call_per_step_and_no_conflicting_decisions() {
     let mut h = Harness::start(three_steps("mr"), &[Svc::Intake, Svc::Tool]).await;

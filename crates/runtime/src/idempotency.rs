@@ -35,10 +35,29 @@ pub enum OpState {
     Done {
         content: String,
         is_error: bool,
+        /// How the result came about (records written before this field: ran).
+        #[serde(default)]
+        how: Finished,
     },
     /// Given back without running (its approved target moved): a later dispatch claims it
     /// afresh; the released dispatch itself never runs.
     Released,
+}
+
+/// How a finished operation's result came about, which says which event journals it: a taker
+/// that finds the record done journals what its finisher would have (the finisher may have
+/// died, or may still be on its way to the journal; both write under the same msg id, so the
+/// first one lands and the history says how the result was learned either way).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finished {
+    /// The tool ran (`tool.result`).
+    #[default]
+    Ran,
+    /// Stopped by the run's cancel, or not run because of it (`tool.result`, `stopped`).
+    Stopped,
+    /// A confirm query found that an abandoned attempt happened (`outcome.confirmed`).
+    Confirmed,
 }
 
 /// A tool operation's record.
@@ -71,7 +90,11 @@ pub enum Claim {
     /// `retry_in`.
     Held { runner: String, retry_in: Duration },
     /// The operation already ran to completion: use this result, do not run it again.
-    Done { content: String, is_error: bool },
+    Done {
+        content: String,
+        is_error: bool,
+        how: Finished,
+    },
     /// The same operation id was claimed with different arguments.
     Conflict { stored: Digest },
     /// This dispatch was given back without running (see [`OpState::Released`]).
@@ -382,8 +405,16 @@ impl IdempotencyStore {
             }
             let redispatched = dispatch > rec.dispatch;
             match rec.state {
-                OpState::Done { content, is_error } => {
-                    return Ok(Claim::Done { content, is_error });
+                OpState::Done {
+                    content,
+                    is_error,
+                    how,
+                } => {
+                    return Ok(Claim::Done {
+                        content,
+                        is_error,
+                        how,
+                    });
                 }
                 OpState::Released if !redispatched => return Ok(Claim::Released),
                 OpState::Released => {
@@ -460,7 +491,9 @@ impl IdempotencyStore {
         self.replace(op, revision, &rec).await.map(|_| ())
     }
 
-    /// Records the result of an operation this runner holds (revision from the claim).
+    /// Records the result of an operation this runner holds (revision from the claim), and how
+    /// it came about.
+    #[allow(clippy::too_many_arguments)]
     pub async fn finish(
         &self,
         op: &OperationId,
@@ -469,6 +502,7 @@ impl IdempotencyStore {
         runner: &str,
         content: &str,
         is_error: bool,
+        how: Finished,
     ) -> Result<(), IdempotencyError> {
         let rec = OpRecord {
             args_digest: args_digest.clone(),
@@ -477,6 +511,7 @@ impl IdempotencyStore {
             state: OpState::Done {
                 content: content.to_owned(),
                 is_error,
+                how,
             },
         };
         self.replace(op, revision, &rec).await.map(|_| ())

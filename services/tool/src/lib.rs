@@ -85,7 +85,7 @@ use kedge_core::subjects::{
 };
 use kedge_core::tools::{NextAttempt, ToolErrorClass, Verdict, claim_dispatch};
 use kedge_journal::{ErrorKind, JournalError};
-use kedge_runtime::idempotency::{Claim, IdempotencyError};
+use kedge_runtime::idempotency::{Claim, Finished, IdempotencyError};
 use kedge_runtime::liveness::Liveness;
 use kedge_runtime::metrics::{self, ConfirmResult, Takeover, ToolOutcome};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
@@ -850,14 +850,23 @@ async fn execute(
     }
     let revision = match claim {
         Claim::Fresh { revision } => revision,
-        Claim::Done { content, is_error } => {
+        Claim::Done {
+            content,
+            is_error,
+            how,
+        } => {
             tracing::info!("operation already done; journaling its stored result");
             let out = Output {
                 content,
                 is_error,
                 class: None,
             };
-            journal_result(rt, op, out, false).await?;
+            // As its finisher journals it (which may still be on its way: the same msg id).
+            match how {
+                Finished::Ran => journal_result(rt, op, out, false).await?,
+                Finished::Stopped => journal_result(rt, op, out, true).await?,
+                Finished::Confirmed => journal_confirmed(rt, op, out).await?,
+            }
             metrics::tool_operation(ToolOutcome::Stored);
             return Ok(Handled::Stored);
         }
@@ -923,8 +932,10 @@ async fn execute(
                             runner,
                             &out.content,
                             out.is_error,
+                            Finished::Confirmed,
                         )
                         .await?;
+                    failpoint::hit("tool.after_confirmed_record");
                     journal_confirmed(rt, op, out).await?;
                     metrics::tool_operation(ToolOutcome::Confirmed);
                     return Ok(Handled::Confirmed);
@@ -942,7 +953,15 @@ async fn execute(
     if cancel_requested {
         let out = Output::error("not run: the run's cancellation was requested");
         rt.idempotency
-            .finish(op, revision, &req.args_digest, runner, &out.content, true)
+            .finish(
+                op,
+                revision,
+                &req.args_digest,
+                runner,
+                &out.content,
+                true,
+                Finished::Stopped,
+            )
             .await?;
         journal_result(rt, op, out, true).await?;
         metrics::tool_operation(ToolOutcome::Cancelled);
@@ -1068,6 +1087,11 @@ async fn execute(
             runner,
             &out.content,
             out.is_error,
+            if stopped {
+                Finished::Stopped
+            } else {
+                Finished::Ran
+            },
         )
         .await?;
     failpoint::hit("tool.after_record");
