@@ -78,7 +78,7 @@ struct Turn {
 pub fn request_body(call: &ModelCall<'_>) -> Value {
     let mut turns: Vec<Turn> = Vec::with_capacity(call.context.len());
     for message in normalize(call.context) {
-        match message {
+        match &*message {
             ChatMessage::User { text } => {
                 let t = turn(&mut turns, Role::User);
                 if !text.trim().is_empty() {
@@ -116,11 +116,11 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                 content,
                 is_error,
             } => {
-                let mut block = json!({"type": "tool_result", "tool_use_id": tool_id(&call_id)});
+                let mut block = json!({"type": "tool_result", "tool_use_id": tool_id(call_id)});
                 if !content.is_empty() {
-                    block["content"] = content.into();
+                    block["content"] = content.as_str().into();
                 }
-                if is_error {
+                if *is_error {
                     block["is_error"] = true.into();
                 }
                 turn(&mut turns, Role::User).results.push(block);
@@ -140,7 +140,10 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                 Role::User => "user",
                 Role::Assistant => "assistant",
             };
-            json!({"role": role, "content": content})
+            // Moved in (`json!` would copy the blocks once more).
+            let mut m = json!({"role": role});
+            m["content"] = Value::Array(content);
+            m
         })
         .collect();
     if cache {
@@ -157,9 +160,9 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
     let mut body = json!({
         "model": call.spec.name,
         "max_tokens": call.max_output_tokens,
-        "messages": messages,
         "stream": true,
     });
+    body["messages"] = Value::Array(messages);
     let output_tool = output_tool(call);
     let system = match output_tool {
         Some(_) if call.system.trim().is_empty() => OUTPUT_INSTRUCTION.to_owned(),

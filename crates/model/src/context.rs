@@ -12,6 +12,8 @@
 //! Both also reject empty messages, so a message that would carry no text gets
 //! [`EMPTY_PLACEHOLDER`] instead.
 
+use std::borrow::Cow;
+
 use kedge_core::fold::ChatMessage;
 use serde_json::Value;
 
@@ -29,25 +31,26 @@ pub const MISSING_RESULT: &str = "no result was recorded for this tool call";
 /// [`parse_arguments`]).
 pub const RAW_ARGUMENTS_KEY: &str = "raw_arguments";
 
-/// The conversation with every tool call answered directly after its assistant turn.
-pub fn normalize(context: &[ChatMessage]) -> Vec<ChatMessage> {
+/// The conversation with every tool call answered directly after its assistant turn: the
+/// context's own messages borrowed (the request body copies them once), synthetic results owned.
+pub fn normalize(context: &[ChatMessage]) -> Vec<Cow<'_, ChatMessage>> {
     struct Open {
         pending: Vec<String>,
         /// Where the next tool result goes: after the assistant turn and the results so far.
         insert_at: usize,
     }
 
-    fn close(out: &mut Vec<ChatMessage>, open: Option<Open>) {
+    fn close(out: &mut Vec<Cow<'_, ChatMessage>>, open: Option<Open>) {
         let Some(mut open) = open else { return };
         for call_id in open.pending.drain(..) {
             tracing::warn!(%call_id, "tool call has no result; sending a synthetic error result");
             out.insert(
                 open.insert_at,
-                ChatMessage::Tool {
+                Cow::Owned(ChatMessage::Tool {
                     call_id,
                     content: MISSING_RESULT.to_owned(),
                     is_error: true,
-                },
+                }),
             );
             open.insert_at += 1;
         }
@@ -57,10 +60,10 @@ pub fn normalize(context: &[ChatMessage]) -> Vec<ChatMessage> {
     let mut open: Option<Open> = None;
     for message in context {
         match message {
-            ChatMessage::User { .. } => out.push(message.clone()),
+            ChatMessage::User { .. } => out.push(Cow::Borrowed(message)),
             ChatMessage::Assistant { message: turn } => {
                 close(&mut out, open.take());
-                out.push(message.clone());
+                out.push(Cow::Borrowed(message));
                 if !turn.tool_calls.is_empty() {
                     open = Some(Open {
                         pending: turn.tool_calls.iter().map(|c| c.call_id.clone()).collect(),
@@ -76,7 +79,7 @@ pub fn normalize(context: &[ChatMessage]) -> Vec<ChatMessage> {
                 });
                 match slot {
                     Some(o) => {
-                        out.insert(o.insert_at, message.clone());
+                        out.insert(o.insert_at, Cow::Borrowed(message));
                         o.insert_at += 1;
                     }
                     None => tracing::warn!(
@@ -130,6 +133,9 @@ mod tests {
     fn user(text: &str) -> ChatMessage {
         ChatMessage::User { text: text.into() }
     }
+    fn owned(messages: Vec<Cow<'_, ChatMessage>>) -> Vec<ChatMessage> {
+        messages.into_iter().map(Cow::into_owned).collect()
+    }
     fn calls(ids: &[&str]) -> ChatMessage {
         ChatMessage::Assistant {
             message: AssistantMessage {
@@ -163,7 +169,7 @@ mod tests {
             result("a"),
             user("more"),
         ];
-        assert_eq!(normalize(&ctx), ctx);
+        assert_eq!(owned(normalize(&ctx)), ctx);
     }
 
     #[test]
@@ -182,7 +188,7 @@ mod tests {
             is_error: true,
         };
         assert_eq!(
-            normalize(&ctx),
+            owned(normalize(&ctx)),
             vec![
                 user("hi"),
                 calls(&["a", "b", "c"]),
@@ -207,7 +213,7 @@ mod tests {
             result("zz"),
         ];
         assert_eq!(
-            normalize(&ctx),
+            owned(normalize(&ctx)),
             vec![user("hi"), calls(&["a"]), result("a")]
         );
     }

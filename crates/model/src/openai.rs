@@ -43,8 +43,8 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
         messages.push(json!({"role": "system", "content": call.system}));
     }
     for message in normalize(call.context) {
-        messages.push(match message {
-            ChatMessage::User { text } => json!({"role": "user", "content": non_empty(&text)}),
+        messages.push(match &*message {
+            ChatMessage::User { text } => json!({"role": "user", "content": non_empty(text)}),
             ChatMessage::Assistant { message } => {
                 let mut m = json!({"role": "assistant"});
                 if message.tool_calls.is_empty() {
@@ -53,7 +53,7 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                     m["content"] = if message.text.is_empty() {
                         Value::Null
                     } else {
-                        message.text.into()
+                        message.text.as_str().into()
                     };
                     m["tool_calls"] = message
                         .tool_calls
@@ -80,18 +80,19 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                 let content = match (is_error, content.is_empty()) {
                     (true, _) => format!("{ERROR_PREFIX}{content}"),
                     (false, true) => EMPTY_PLACEHOLDER.to_owned(),
-                    (false, false) => content,
+                    (false, false) => content.clone(),
                 };
                 json!({"role": "tool", "tool_call_id": call_id, "content": content})
             }
         });
     }
+    // The messages are moved in (`json!` would copy them all once more).
     let mut body = json!({
         "model": call.spec.name,
-        "messages": messages,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
+    body["messages"] = Value::Array(messages);
     let cap_key = if is_public_endpoint(call.spec.base_url.as_deref()) {
         "max_completion_tokens"
     } else {
