@@ -701,7 +701,7 @@ const SEGMENTS: &[(&str, &str)] = &[
     ),
     (
         "5 commit+tool wake+claim",
-        "group end stored -> tool.started stamped (tool consumer wake, op claim: KV get + create, cancel check)",
+        "group end stored -> tool.started stamped (tool consumer wake, op claim: KV create, cancel check)",
     ),
     ("6 tool.started append", "stamp -> stored (input)"),
     (
