@@ -924,17 +924,7 @@ async fn execute(
             match confirm {
                 None | Some(Confirm::NotFound) => revision,
                 Some(Confirm::Confirmed(out)) => {
-                    rt.idempotency
-                        .finish(
-                            op,
-                            revision,
-                            &req.args_digest,
-                            runner,
-                            &out.content,
-                            out.is_error,
-                            Finished::Confirmed,
-                        )
-                        .await?;
+                    record(rt, op, revision, req, runner, &out, Finished::Confirmed).await?;
                     failpoint::hit("tool.after_confirmed_record");
                     journal_confirmed(rt, op, out).await?;
                     metrics::tool_operation(ToolOutcome::Confirmed);
@@ -952,17 +942,7 @@ async fn execute(
     };
     if cancel_requested {
         let out = Output::error("not run: the run's cancellation was requested");
-        rt.idempotency
-            .finish(
-                op,
-                revision,
-                &req.args_digest,
-                runner,
-                &out.content,
-                true,
-                Finished::Stopped,
-            )
-            .await?;
+        record(rt, op, revision, req, runner, &out, Finished::Stopped).await?;
         journal_result(rt, op, out, true).await?;
         metrics::tool_operation(ToolOutcome::Cancelled);
         return Ok(Handled::Cancelled);
@@ -1079,21 +1059,12 @@ async fn execute(
             }
         }
     }
-    rt.idempotency
-        .finish(
-            op,
-            revision,
-            &req.args_digest,
-            runner,
-            &out.content,
-            out.is_error,
-            if stopped {
-                Finished::Stopped
-            } else {
-                Finished::Ran
-            },
-        )
-        .await?;
+    let how = if stopped {
+        Finished::Stopped
+    } else {
+        Finished::Ran
+    };
+    record(rt, op, revision, req, runner, &out, how).await?;
     failpoint::hit("tool.after_record");
     let outcome = match (stopped, out.is_error) {
         (true, _) => ToolOutcome::Stopped,
@@ -1245,6 +1216,31 @@ async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
     {
         tracing::warn!(error = %e, "cannot answer a precondition query");
     }
+}
+
+/// Completes the record of an operation this runner holds (revision from its claim) with its
+/// result and how it came about, before the result is journaled.
+async fn record(
+    rt: &Runtime,
+    op: &OperationId,
+    revision: u64,
+    req: &ToolRequested,
+    runner: &str,
+    out: &Output,
+    how: Finished,
+) -> Result<(), ToolError> {
+    rt.idempotency
+        .finish(
+            op,
+            revision,
+            &req.args_digest,
+            runner,
+            &out.content,
+            out.is_error,
+            how,
+        )
+        .await?;
+    Ok(())
 }
 
 /// Journals the result a confirm query found, as `outcome.confirmed` (the history says how it
