@@ -76,19 +76,25 @@ async fn a_gated_run_waits_without_run_waiting() {
         })
         .collect();
     assert_eq!(follows, [Some(3), None, None]);
-    // The status after each step group, as a fold of the journal up to there says it.
+    // The status after each step group (from its `step.completed` to its last decision before
+    // the next `step.started`), as a fold of the journal up to there says it. The group's
+    // decisions are chained appends: a tool's `tool.started` may land between two of them.
     let mut statuses = Vec::new();
     for (i, r) in events.iter().enumerate() {
-        let next_is_input_or_end = events
-            .get(i + 1)
-            .is_none_or(|n| n.envelope.kind() == kedge_core::event::EventKind::Input);
-        if r.envelope.kind() == kedge_core::event::EventKind::Decision && next_is_input_or_end {
-            let s =
-                kedge_core::fold(events[..=i].iter().map(|r| (r.seq, &r.envelope))).expect("folds");
-            if statuses.last() != Some(&s.status) {
-                statuses.push(s.status);
-            }
+        if !matches!(r.envelope.event, Event::StepCompleted(_)) {
+            continue;
         }
+        let next_step = events[i..]
+            .iter()
+            .position(|r| matches!(r.envelope.event, Event::StepStarted(_)))
+            .map_or(events.len(), |j| i + j);
+        let last = (i..next_step)
+            .rev()
+            .find(|&k| events[k].envelope.kind() == kedge_core::event::EventKind::Decision)
+            .unwrap_or(i);
+        let s =
+            kedge_core::fold(events[..=last].iter().map(|r| (r.seq, &r.envelope))).expect("folds");
+        statuses.push(s.status);
     }
     assert_eq!(
         statuses,
