@@ -1481,7 +1481,7 @@ impl RunState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{Digest, Draft, EventKind, ModelSpec, Provider, RunStarted, UserMessage};
+    use crate::event::{Draft, EventKind, RunStarted, UserMessage};
 
     fn run() -> RunId {
         "run_fold1".parse().expect("valid")
@@ -1492,30 +1492,9 @@ mod tests {
     }
 
     fn created() -> Envelope {
-        env(Event::RunCreated(Box::new(RunCreated {
-            agent: "demo".parse().expect("valid"),
-            agent_revision: 1,
-            agent_digest: Digest::of_bytes(b"agent"),
-            model: ModelSpec {
-                provider: Provider::Openai,
-                name: "mock".into(),
-                base_url: None,
-                settings: Default::default(),
-                price: None,
-            },
-            prompt_digest: Digest::of_bytes(b"prompt"),
-            tools_digest: Digest::of_bytes(b"tools"),
-            policy_digest: Digest::of_bytes(b"policy"),
-            budget: Default::default(),
-            tenant: "acme".parse().expect("valid"),
-            caller: None,
-            idempotency_key: None,
-            input: "hello".into(),
-            runtime_version: "test".into(),
-            metadata: Default::default(),
-            traceparent: None,
-            parent: None,
-        })))
+        env(Event::RunCreated(Box::new(crate::fixtures::run_created(
+            "demo", "hello",
+        ))))
     }
 
     fn message(text: &str) -> Envelope {

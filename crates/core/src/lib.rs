@@ -25,6 +25,8 @@ pub mod compensation;
 pub mod config;
 pub mod decide;
 pub mod event;
+#[cfg(any(test, feature = "test-util"))]
+pub mod fixtures;
 pub mod fold;
 pub mod ids;
 pub mod machine;

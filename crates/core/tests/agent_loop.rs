@@ -4,8 +4,8 @@
 use kedge_core::decide::{Idle, ModelResponse, Next, StepPlan, complete_step, decide};
 use kedge_core::event::{
     AssistantMessage, Budget, CancelRequested, Digest, Draft, Envelope, Event, FailureReason,
-    FinishReason, ModelAttempt, ModelSpec, Provider, QuestionAnswered, RunCreated, Timestamp,
-    ToolCall, ToolResult, ToolStarted, Usage, UserMessage,
+    FinishReason, ModelAttempt, Provider, QuestionAnswered, RunCreated, Timestamp, ToolCall,
+    ToolResult, ToolStarted, Usage, UserMessage,
 };
 use kedge_core::fold::{ChatMessage, RunState, fold};
 use kedge_core::ids::{OperationId, QuestionId, RunId, StepNo};
@@ -46,35 +46,17 @@ struct Sim {
 impl Sim {
     fn new(budget: Budget) -> Sim {
         let run: RunId = "run_sim".parse().expect("valid");
-        let created = RunCreated {
-            agent: "demo".parse().expect("valid"),
-            agent_revision: 1,
-            agent_digest: Digest::of_bytes(b"agent"),
-            model: ModelSpec {
-                provider: Provider::Openai,
-                name: "mock".into(),
-                base_url: None,
-                settings: Default::default(),
-                // Priced whenever the budget limits cost.
-                price: budget.max_cost.map(|_| kedge_core::event::Price {
-                    input_per_mtok: 1000.0,
-                    output_per_mtok: 4000.0,
-                    currency: "EUR".into(),
-                }),
-            },
-            prompt_digest: Digest::of_bytes(b"prompt"),
-            tools_digest: Digest::of_bytes(b"tools"),
-            policy_digest: Digest::of_bytes(b"policy"),
+        let mut created = RunCreated {
             budget,
-            tenant: "acme".parse().expect("valid"),
-            caller: None,
             idempotency_key: Some("task-1".into()),
-            input: "research kedging".into(),
-            runtime_version: "test".into(),
-            metadata: Default::default(),
-            traceparent: None,
-            parent: None,
+            ..kedge_core::fixtures::run_created("demo", "research kedging")
         };
+        // Priced whenever the budget limits cost.
+        created.model.price = created.budget.max_cost.map(|_| kedge_core::event::Price {
+            input_per_mtok: 1000.0,
+            output_per_mtok: 4000.0,
+            currency: "EUR".into(),
+        });
         let mut sim = Sim {
             run,
             events: Vec::new(),

@@ -6,9 +6,9 @@ use kedge_core::agent::AgentDefinition;
 use kedge_core::child::{self, MAX_DEPTH, Plan, RUN_AGENT_TOOL};
 use kedge_core::decide::{Idle, ModelResponse, Next, complete_step, decide, finish_step};
 use kedge_core::event::{
-    AssistantMessage, Budget, CancelRequested, Digest, Draft, Envelope, Event, FailureReason,
-    FinishReason, ModelSpec, OpFate, OutputValidation, ParentLink, Provider, RunCreated, RunFailed,
-    RunSucceeded, Timestamp, ToolCall, ToolResult, Usage,
+    AssistantMessage, Budget, CancelRequested, Draft, Envelope, Event, FailureReason, FinishReason,
+    OpFate, OutputValidation, ParentLink, RunCreated, RunFailed, RunSucceeded, Timestamp, ToolCall,
+    ToolResult, Usage,
 };
 use kedge_core::fold::{ChatMessage, FoldError, RunState, fold};
 use kedge_core::ids::{AgentName, OperationId, RunId, StepNo};
@@ -22,28 +22,10 @@ fn name(s: &str) -> AgentName {
 
 fn bundle(agent: &str, budget: Budget, parent: Option<ParentLink>) -> RunCreated {
     RunCreated {
-        agent: name(agent),
-        agent_revision: 1,
-        agent_digest: Digest::of_bytes(b"agent"),
-        model: ModelSpec {
-            provider: Provider::Openai,
-            name: "mock".into(),
-            base_url: None,
-            settings: Default::default(),
-            price: None,
-        },
-        prompt_digest: Digest::of_bytes(b"prompt"),
-        tools_digest: Digest::of_bytes(b"tools"),
-        policy_digest: Digest::of_bytes(b"policy"),
         budget,
-        tenant: "acme".parse().expect("tenant"),
-        caller: None,
-        idempotency_key: None,
-        input: "plan a voyage".into(),
-        runtime_version: "test".into(),
-        metadata: Default::default(),
         traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
         parent,
+        ..kedge_core::fixtures::run_created(agent, "plan a voyage")
     }
 }
 

@@ -9,8 +9,8 @@ use kedge_core::agent::AgentDefinition;
 use kedge_core::decide::{Idle, ModelResponse, Next, complete_step, decide};
 use kedge_core::event::{
     AssistantMessage, Budget, CancelRequested, CompensationStatus, Digest, Draft, Envelope, Event,
-    FailureReason, FinishReason, Level, ModelSpec, OpFate, OpSummary, OutcomeAmbiguous, Provider,
-    RunCreated, StopCause, Timestamp, ToolCall, ToolRequested, ToolResult, Usage,
+    FailureReason, FinishReason, Level, OpFate, OpSummary, OutcomeAmbiguous, RunCreated, StopCause,
+    Timestamp, ToolCall, ToolRequested, ToolResult, Usage,
 };
 use kedge_core::fold::{RunState, fold};
 use kedge_core::ids::{OperationId, RunId, StepNo};
@@ -56,28 +56,12 @@ struct Sim {
 impl Sim {
     fn new(def: &AgentDefinition, budget: Budget) -> Sim {
         let created = RunCreated {
-            agent: "shop".parse().expect("valid"),
-            agent_revision: 1,
             agent_digest: def.digest(),
-            model: ModelSpec {
-                provider: Provider::Openai,
-                name: "mock".into(),
-                base_url: None,
-                settings: Default::default(),
-                price: None,
-            },
             prompt_digest: def.prompt_digest(),
             tools_digest: def.tools_digest(),
             policy_digest: def.policy_digest(),
             budget,
-            tenant: "acme".parse().expect("valid"),
-            caller: None,
-            idempotency_key: None,
-            input: "buy a boat".into(),
-            runtime_version: "test".into(),
-            metadata: Default::default(),
-            traceparent: None,
-            parent: None,
+            ..kedge_core::fixtures::run_created("shop", "buy a boat")
         };
         let mut sim = Sim {
             run: "run_comp".parse().expect("valid"),

@@ -6,8 +6,8 @@
 
 use kedge_core::decide::{ModelResponse, Next, complete_step, complete_step_gated, decide};
 use kedge_core::event::{
-    AssistantMessage, Budget, Digest, Draft, Envelope, Event, EventType, FinishReason, Gate,
-    ModelSpec, Provider, RunCreated, RunGated, Timestamp, ToolCall, ToolResult, Usage, WaitReason,
+    AssistantMessage, Draft, Envelope, Event, EventType, FinishReason, Gate, RunGated, Timestamp,
+    ToolCall, ToolResult, Usage, WaitReason,
 };
 use kedge_core::fold::{Gates, RunState, fold};
 use kedge_core::ids::{OperationId, RunId};
@@ -27,30 +27,7 @@ struct Journal {
 impl Journal {
     fn new() -> Journal {
         let run: RunId = "run_gates".parse().expect("valid");
-        let created = RunCreated {
-            agent: "demo".parse().expect("valid"),
-            agent_revision: 1,
-            agent_digest: Digest::of_bytes(b"agent"),
-            model: ModelSpec {
-                provider: Provider::Openai,
-                name: "mock".into(),
-                base_url: None,
-                settings: Default::default(),
-                price: None,
-            },
-            prompt_digest: Digest::of_bytes(b"prompt"),
-            tools_digest: Digest::of_bytes(b"tools"),
-            policy_digest: Digest::of_bytes(b"policy"),
-            budget: Budget::default(),
-            tenant: "acme".parse().expect("valid"),
-            caller: None,
-            idempotency_key: None,
-            input: "go".into(),
-            runtime_version: "test".into(),
-            metadata: Default::default(),
-            traceparent: None,
-            parent: None,
-        };
+        let created = kedge_core::fixtures::run_created("demo", "go");
         let mut j = Journal {
             run,
             events: Vec::new(),

@@ -15,9 +15,8 @@ use kedge_core::decide::{ModelResponse, Next, complete_step, decide, finish_step
 use kedge_core::event::{
     ApprovalDecided, AssistantMessage, Budget, CallbackReceived, CancelRequested, Digest, Draft,
     Envelope, Event, FinishReason, ModelSpec, Nudge, OutcomeAmbiguous, OutcomeConfirmed,
-    OutcomeNotFound, OutcomeResolved, Provider, QuestionAnswered, Resolution, RunCreated,
-    TargetMoved, TimerFired, Timestamp, ToolCall, ToolResult, ToolStarted, Usage, UserMessage,
-    Verdict,
+    OutcomeNotFound, OutcomeResolved, QuestionAnswered, Resolution, RunCreated, TargetMoved,
+    TimerFired, Timestamp, ToolCall, ToolResult, ToolStarted, Usage, UserMessage, Verdict,
 };
 use kedge_core::fold::{RunState, fold};
 use kedge_core::ids::{
@@ -459,33 +458,18 @@ fn created(budget: Budget) -> Envelope {
         run(),
         Timestamp::now(),
         Draft::new(Event::RunCreated(Box::new(RunCreated {
-            agent: "demo".parse().expect("valid"),
-            agent_revision: 1,
-            agent_digest: Digest::of_bytes(b"agent"),
             model: ModelSpec {
-                provider: Provider::Openai,
-                name: "mock".into(),
-                base_url: None,
-                settings: Default::default(),
                 // A priced model whenever the budget limits cost, so that the cost check runs.
                 price: budget.max_cost.map(|_| kedge_core::event::Price {
                     input_per_mtok: 1000.0,
                     output_per_mtok: 4000.0,
                     currency: "USD".into(),
                 }),
+                ..kedge_core::fixtures::run_created("demo", "").model
             },
-            prompt_digest: Digest::of_bytes(b"prompt"),
-            tools_digest: Digest::of_bytes(b"tools"),
-            policy_digest: Digest::of_bytes(b"policy"),
             budget,
-            tenant: "acme".parse().expect("valid"),
-            caller: None,
             idempotency_key: Some("task-1".into()),
-            input: "research kedging".into(),
-            runtime_version: "test".into(),
-            metadata: Default::default(),
-            traceparent: None,
-            parent: None,
+            ..kedge_core::fixtures::run_created("demo", "research kedging")
         }))),
     )
 }
