@@ -39,6 +39,13 @@ pub fn live_ping(worker: &str) -> String {
     format!("kedge.live.ping.{worker}")
 }
 
+/// The lease-yield subject of worker `worker`: a step worker woken for a run whose lease
+/// `worker` keeps parked after a drive asks it there to let go (core NATS request, the run id
+/// as payload; the answer is the release marker's sequence, or empty when nothing was parked).
+pub fn live_yield(worker: &str) -> String {
+    format!("kedge.live.yield.{worker}")
+}
+
 /// Whether `s` may be used as one subject token by Kedge: 1 to 128 of `[A-Za-z0-9_-]`.
 pub fn is_token(s: &str) -> bool {
     !s.is_empty()

@@ -1,12 +1,13 @@
 //! One drive of one run: lease, fold, decide, act, until idle.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{AckKind, Message};
 use kedge_core::agent::AgentDefinition;
 use kedge_core::child;
-use kedge_core::decide::{Next, StepPlan, complete_step, decide};
+use kedge_core::decide::{Idle, Next, StepPlan, complete_step, decide};
 use kedge_core::event::{
     CancelRequested, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed,
     Timestamp, ToolResult,
@@ -14,7 +15,7 @@ use kedge_core::event::{
 use kedge_core::fold::{ChatMessage, FoldError, RunState, ToolOp};
 use kedge_core::ids::{InputId, OperationId, RunId};
 use kedge_core::machine::RunStatus;
-use kedge_core::subjects::{TOOL_INSPECT, TargetAnswer, TargetQuery};
+use kedge_core::subjects::{self, TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_core::tools::Contract;
 use kedge_journal::{DecisionWriter, ErrorKind, JournalError, Lease, LeaseError, Released};
 use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
@@ -22,7 +23,7 @@ use kedge_runtime::Runtime;
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::failpoint;
 use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
-use kedge_runtime::liveness::Liveness;
+use kedge_runtime::liveness::{Hold, Liveness};
 use kedge_runtime::metrics::{self, ModelOutcome, Takeover};
 use kedge_runtime::seal::{self, SealError};
 use tokio::sync::{oneshot, watch};
@@ -30,6 +31,13 @@ use tracing::Instrument;
 
 /// How long the step waits for a tool runner's precondition check.
 const PRECONDITION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a worker woken for a run whose lease another live worker holds waits for that
+/// worker's answer to "let go of it if you keep it parked" (no answer: busy, as before).
+const YIELD_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// A lease with less than this left of its parking window is released at once instead.
+const MIN_PARK: Duration = Duration::from_millis(50);
 
 /// How a drive ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +118,17 @@ pub struct Driver {
     /// Child runs this process made sure exist (their `run.created` is journaled): not written
     /// again on the parent's next drives.
     children: Arc<std::sync::Mutex<std::collections::HashSet<RunId>>>,
+    /// Leases kept after drives that left their runs waiting on tools ([`Parked`]).
+    parked: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Parked>>>,
+    park_ids: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Driver")
+            .field("worker", &self.rt.config.worker_id)
+            .finish_non_exhaustive()
+    }
 }
 
 /// How one drive writes the run's decisions.
@@ -182,28 +201,57 @@ fn is_backlog(msg: &Message) -> bool {
     })
 }
 
+/// A lease held by this process and when it was last written (taken before the write was
+/// sent, so on the safe side of the TTL the broker counts from its store).
+struct Holding {
+    lease: Lease,
+    written: Instant,
+    /// The run's announcement in the heartbeats, kept from a parked holding.
+    hold: Option<Hold>,
+}
+
+/// A lease kept after a drive that left its run waiting on its tools (the agent loop's next
+/// drive follows in milliseconds): that drive takes it back without a write, instead of a
+/// release now and an acquire then. Parked at most until the lease's next renewal was due
+/// (`lease_renew_ms` after its last write), so a parked lease is never older than one in use
+/// between two renewals; then released. Another step worker woken for the run asks for it on
+/// `kedge.live.yield.<worker>` ([`Driver::yield_parked`]).
+struct Parked {
+    lease: Lease,
+    written: Instant,
+    hold: Hold,
+    /// Tells this parking from a later one of the same run: the expiry releases only its own.
+    id: u64,
+}
+
 /// Keeps a lease alive in the background and marks the wake message in progress.
 struct Keeper {
     stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Option<Lease>>,
+    task: tokio::task::JoinHandle<Option<(Lease, Instant)>>,
     lost: watch::Receiver<bool>,
 }
 
 impl Keeper {
-    fn start(rt: &Runtime, lease: Lease, msg: Option<Arc<Message>>) -> Keeper {
+    /// Renews `lease` every `lease_renew` after its last write at `written`.
+    fn start(rt: &Runtime, lease: Lease, written: Instant, msg: Option<Arc<Message>>) -> Keeper {
         let (stop, mut stopped) = oneshot::channel();
         let (lost_tx, lost) = watch::channel(false);
         let leases = rt.leases.clone();
         let every = rt.config.timeouts.lease_renew();
         let task = tokio::spawn(async move {
             let mut lease = lease;
+            let mut written = written;
             loop {
                 tokio::select! {
-                    _ = &mut stopped => return Some(lease),
-                    _ = tokio::time::sleep(every) => {}
+                    _ = &mut stopped => return Some((lease, written)),
+                    _ = tokio::time::sleep_until((written + every).into()) => {}
                 }
+                let at = Instant::now();
                 match leases.renew(&lease).await {
-                    Ok(renewed) => lease = renewed,
+                    Ok(renewed) => {
+                        lease = renewed;
+                        written = at;
+                    }
                     // Broker trouble (a leader election, a reconnect): the lease is still ours
                     // until its TTL runs out or someone takes it; try again next time.
                     Err(e @ LeaseError::Unavailable { .. }) => {
@@ -223,8 +271,8 @@ impl Keeper {
         Keeper { stop, task, lost }
     }
 
-    /// Stops renewing and returns the lease if it is still held.
-    async fn finish(self) -> Option<Lease> {
+    /// Stops renewing and returns the lease if it is still held, and when it was last written.
+    async fn finish(self) -> Option<(Lease, Instant)> {
         let _ = self.stop.send(());
         self.task.await.ok().flatten()
     }
@@ -246,6 +294,8 @@ impl Driver {
             released: Arc::default(),
             adopted: Arc::default(),
             children: Arc::default(),
+            parked: Arc::default(),
+            park_ids: Arc::default(),
         }
     }
 
@@ -289,8 +339,8 @@ impl Driver {
             Some(state) => (self.acquire(run).await, Ok(Some(state))),
             None => futures::join!(self.acquire(run), self.read_state(run, through)),
         };
-        let lease = match lease {
-            Ok(Some(lease)) => lease,
+        let holding = match lease {
+            Ok(Some(holding)) => holding,
             other => {
                 // Not ours to drive now: what was read stays good for the next drive here.
                 if let Ok(Some(state)) = state {
@@ -301,16 +351,19 @@ impl Driver {
         };
         // Announced in this process's heartbeats while held: if it dies, a standby adopts the
         // run as soon as the broker says it is gone.
-        let hold = self.liveness.hold_run(run).await;
+        let hold = match holding.hold {
+            Some(hold) => hold,
+            None => self.liveness.hold_run(run).await,
+        };
         // The right to write the run's decisions comes from the lease; its name is stable for
         // this holding, so a retried append is recognised as ours.
-        let writer = lease.writer(&cfg.worker_id);
+        let writer = holding.lease.writer(&cfg.worker_id);
         let mut w = Writing {
             writer: &writer,
             stale_through: None,
             skipped: Skipped::new(),
         };
-        let keeper = Keeper::start(&self.rt, lease, msg);
+        let keeper = Keeper::start(&self.rt, holding.lease, holding.written, msg);
         let mut lost = keeper.lost.clone();
         let span = tracing::info_span!("drive", run_id = %run);
         // The run's trace (from its run.created), when it was read with the lease.
@@ -321,23 +374,107 @@ impl Driver {
             .drive_leased(run, &mut w, &mut lost, state)
             .instrument(span)
             .await;
-        if let Some(lease) = keeper.finish().await {
-            match self.rt.leases.release(lease).await {
-                Ok(marker) => {
-                    if let Ok(mut released) = self.released.lock() {
-                        if released.len() >= CACHE_RUNS {
-                            released.clear();
-                        }
-                        released.insert(run.clone(), marker);
+        match keeper.finish().await {
+            // The run waits on its tools: their results wake it in a moment, most likely here.
+            Some((lease, written)) if matches!(result, Ok(Some(Idle::WaitingTools { .. }))) => {
+                self.park(lease, written, hold).await
+            }
+            Some((lease, _)) => {
+                self.release(lease).await;
+                drop(hold);
+            }
+            None => drop(hold),
+        }
+        result.map(|_| Outcome::Idle)
+    }
+
+    /// Releases `lease`; its marker is this process's hint for the run's next acquire.
+    async fn release(&self, lease: Lease) {
+        let run = lease.run.clone();
+        match self.rt.leases.release(lease).await {
+            Ok(marker) => {
+                if let Ok(mut released) = self.released.lock() {
+                    if released.len() >= CACHE_RUNS {
+                        released.clear();
                     }
-                }
-                Err(e) => {
-                    tracing::debug!(run_id = %run, error = %e, "lease release failed; it will expire")
+                    released.insert(run, marker);
                 }
             }
+            Err(e) => {
+                tracing::debug!(run_id = %run, error = %e, "lease release failed; it will expire")
+            }
         }
-        drop(hold);
-        result.map(|()| Outcome::Idle)
+    }
+
+    /// Keeps `lease` (last written at `written`) for the run's next drive here until its next
+    /// renewal would be due, then releases it ([`Parked`]).
+    async fn park(&self, lease: Lease, written: Instant, hold: Hold) {
+        let left = self
+            .rt
+            .config
+            .timeouts
+            .lease_renew()
+            .saturating_sub(written.elapsed());
+        if left < MIN_PARK {
+            self.release(lease).await;
+            return;
+        }
+        let run = lease.run.clone();
+        let id = self.park_ids.fetch_add(1, Ordering::Relaxed);
+        let refused = match self.parked.lock() {
+            Ok(mut parked) if parked.len() < CACHE_RUNS => {
+                let entry = Parked {
+                    lease,
+                    written,
+                    hold,
+                    id,
+                };
+                parked.insert(run.clone(), entry);
+                None
+            }
+            _ => Some(lease),
+        };
+        if let Some(lease) = refused {
+            self.release(lease).await;
+            return;
+        }
+        let driver = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(left).await;
+            let expired = driver
+                .parked
+                .lock()
+                .ok()
+                .and_then(|mut parked| match parked.get(&run) {
+                    Some(p) if p.id == id => parked.remove(&run),
+                    _ => None,
+                });
+            if let Some(p) = expired {
+                driver.release(p.lease).await;
+            }
+        });
+    }
+
+    /// Lets go of `run`'s lease if this process keeps it parked, for another worker woken for
+    /// the run (asked on `kedge.live.yield.<worker>`): released at once, and the marker's
+    /// sequence is returned for the asker's acquire. `None` when nothing is parked for it (the
+    /// run is being driven here, or this process does not hold it).
+    pub async fn yield_parked(&self, run: &RunId) -> Option<Released> {
+        let p = self.parked.lock().ok().and_then(|mut p| p.remove(run))?;
+        tracing::debug!(run_id = %run, "parked lease yielded to another worker");
+        self.rt.leases.release(p.lease).await.ok()
+    }
+
+    /// Releases every parked lease (the service is stopping).
+    pub async fn release_parked(&self) {
+        let all: Vec<Parked> = self
+            .parked
+            .lock()
+            .map(|mut p| p.drain().map(|(_, p)| p).collect())
+            .unwrap_or_default();
+        for p in all {
+            self.release(p.lease).await;
+        }
     }
 
     /// The run's state from its whole journal; `None` for a run with no `run.created` (a wake by
@@ -641,17 +778,49 @@ impl Driver {
     }
 
     /// Takes the run's lease: `None` when another live worker holds it.
-    async fn acquire(&self, run: &RunId) -> Result<Option<Lease>, DriveError> {
+    async fn acquire(&self, run: &RunId) -> Result<Option<Holding>, DriveError> {
         let cfg = &self.rt.config;
+        // A lease this process parked after the run's last drive: taken back without a write.
+        let parked = self.parked.lock().ok().and_then(|mut p| p.remove(run));
+        if let Some(p) = parked {
+            if p.written.elapsed() < cfg.timeouts.lease_renew() {
+                return Ok(Some(Holding {
+                    lease: p.lease,
+                    written: p.written,
+                    hold: Some(p.hold),
+                }));
+            }
+            // Its window ran out before its expiry let it go: renewed, as the keeper would.
+            let at = Instant::now();
+            match self.rt.leases.renew(&p.lease).await {
+                Ok(lease) => {
+                    return Ok(Some(Holding {
+                        lease,
+                        written: at,
+                        hold: Some(p.hold),
+                    }));
+                }
+                Err(LeaseError::Lost { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
         let hint = self.released.lock().ok().and_then(|mut r| r.remove(run));
         let ttl = cfg.timeouts.lease_ttl();
+        let at = Instant::now();
+        let fresh = |lease| {
+            Some(Holding {
+                lease,
+                written: at,
+                hold: None,
+            })
+        };
         match self
             .rt
             .leases
             .acquire_after(run, &cfg.worker_id, ttl, hint)
             .await
         {
-            Ok(lease) => Ok(Some(lease)),
+            Ok(lease) => Ok(fresh(lease)),
             // Held by a process that is gone (the broker has no connection for it), or by this
             // process itself (one drive per run per process, so such a lease is left over from
             // an earlier holding whose release failed, possibly before a restart under the same
@@ -671,13 +840,74 @@ impl Driver {
                         tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
                         let heard = self.adopted.lock().ok().and_then(|mut a| a.remove(run));
                         metrics::takeover(Takeover::Run, heard.map(|at| at.elapsed()));
-                        Ok(Some(lease))
+                        Ok(fresh(lease))
+                    }
+                    // Our own parked lease, released by its expiry meanwhile: taken afresh.
+                    Err(LeaseError::Lost { .. }) if owner == cfg.worker_id => {
+                        match self.rt.leases.acquire(run, &cfg.worker_id, ttl).await {
+                            Ok(lease) => Ok(fresh(lease)),
+                            Err(LeaseError::Held { .. }) => Ok(None),
+                            Err(e) => Err(e.into()),
+                        }
                     }
                     Err(LeaseError::Lost { .. } | LeaseError::Held { .. }) => Ok(None),
                     Err(e) => Err(e.into()),
                 }
             }
+            // A live worker holds it: between two drives it keeps the lease parked, and lets go
+            // when asked.
+            Err(LeaseError::Held { owner, .. }) if owner != cfg.worker_id => {
+                self.ask_to_yield(run, &owner).await
+            }
             Err(LeaseError::Held { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Asks `owner`, a live worker holding `run`'s lease, to let go of it if it keeps it parked
+    /// ([`Driver::yield_parked`]), and takes it if so. `None` (busy) when the owner is driving
+    /// the run, does not answer in [`YIELD_TIMEOUT`] or runs a build without parking (no
+    /// responders), or another worker took the lease first.
+    async fn ask_to_yield(&self, run: &RunId, owner: &str) -> Result<Option<Holding>, DriveError> {
+        if !subjects::is_token(owner) {
+            return Ok(None);
+        }
+        let request = async_nats::Request::new()
+            .payload(run.as_str().to_owned().into())
+            .timeout(Some(YIELD_TIMEOUT));
+        let Ok(answer) = self
+            .rt
+            .client
+            .send_request(subjects::live_yield(owner), request)
+            .await
+        else {
+            return Ok(None);
+        };
+        let Some(seq) = std::str::from_utf8(&answer.payload)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+        else {
+            return Ok(None);
+        };
+        let cfg = &self.rt.config;
+        let at = Instant::now();
+        match self
+            .rt
+            .leases
+            .acquire_after(
+                run,
+                &cfg.worker_id,
+                cfg.timeouts.lease_ttl(),
+                Some(Released { seq }),
+            )
+            .await
+        {
+            Ok(lease) => Ok(Some(Holding {
+                lease,
+                written: at,
+                hold: None,
+            })),
+            Err(LeaseError::Held { .. } | LeaseError::Lost { .. }) => Ok(None),
             Err(e) => Err(e.into()),
         }
     }
@@ -745,19 +975,19 @@ impl Driver {
         w: &mut Writing<'_>,
         lost: &mut watch::Receiver<bool>,
         state: Result<Option<RunState>, DriveError>,
-    ) -> Result<(), DriveError> {
+    ) -> Result<Option<Idle>, DriveError> {
         // A panic here (a bug; or the test failpoint) is contained by the service: the wake is
         // handed back and the lease expires.
         failpoint::panic_point("step.drive", run.as_str());
         let Some(mut state) = state? else {
             tracing::debug!(run_id = %run, "woken for a run that has no run.created; nothing to drive");
-            return Ok(());
+            return Ok(None);
         };
         let result = self.drive_state(&mut state, w, lost).await;
         if result.is_ok() {
             self.keep(state, std::mem::take(&mut w.skipped));
         }
-        result
+        result.map(Some)
     }
 
     async fn drive_state(
@@ -765,7 +995,7 @@ impl Driver {
         state: &mut RunState,
         w: &mut Writing<'_>,
         lost: &mut watch::Receiver<bool>,
-    ) -> Result<(), DriveError> {
+    ) -> Result<Idle, DriveError> {
         let run = state.run_id.clone();
         loop {
             if *lost.borrow() {
@@ -775,7 +1005,7 @@ impl Driver {
                 Next::Idle(why) => {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
                     self.tend_children(state).await?;
-                    return Ok(());
+                    return Ok(why);
                 }
                 Next::Commit(drafts) => {
                     self.commit(state, w, drafts).await?;

@@ -15,9 +15,12 @@
 //!
 //! Wakes for a run this process is already driving are folded into the running drive (it reads
 //! the journal again before letting go), so a burst of inputs costs one drive, not one each.
-//! A wake for a run whose lease another worker holds is handed back with a short delay, unless
-//! that worker is gone (`kedge_runtime::liveness`: the broker has no connection for it), in
-//! which case the lease is taken over at once. The runs this process drives are announced in
+//! A drive that leaves its run waiting on its tools keeps the lease parked for the next drive
+//! (the tools' results follow in moments) instead of releasing it, until its next renewal would
+//! be due; another step worker woken for such a run asks for it on `kedge.live.yield.<worker>`.
+//! A wake for a run whose lease another worker holds and does not yield is handed back with a
+//! short delay, unless that worker is gone (`kedge_runtime::liveness`: the broker has no
+//! connection for it), in which case the lease is taken over at once. The runs this process drives are announced in
 //! its heartbeats; when another worker is found gone, the runs its last heartbeat named are
 //! adopted and driven here right away (docs/ARCHITECTURE.md "Takeover").
 //!
@@ -45,7 +48,7 @@ use kedge_core::ids::RunId;
 use kedge_model::ModelClient;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
-pub use drive::{DriveError, Outcome};
+pub use drive::{DriveError, Driver, Outcome};
 
 /// Redelivery delay of a wake whose run is leased by another worker (doubled per delivery up to
 /// [`BUSY_MAX`]).
@@ -93,6 +96,39 @@ async fn watch_cancels(
     Ok(())
 }
 
+/// Answers other step workers' requests to let go of a lease this process keeps parked
+/// ([`drive::Driver::yield_parked`]) on `kedge.live.yield.<worker>`: the payload is a run id, the
+/// answer the release marker's sequence, or empty. Anyone allowed on `kedge.live.>` can ask; all
+/// an asker gets is a lease released earlier than it would have been. Stops (and unsubscribes)
+/// when the returned task is aborted.
+async fn answer_yields(
+    rt: &Runtime,
+    driver: drive::Driver,
+) -> Result<tokio::task::JoinHandle<()>, RuntimeError> {
+    let mut sub = rt
+        .client
+        .subscribe(kedge_core::subjects::live_yield(&rt.config.worker_id))
+        .await
+        .map_err(|e| RuntimeError::broker("subscribe to lease yield requests", e))?;
+    let client = rt.client.clone();
+    Ok(tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            let Some(reply) = msg.reply else { continue };
+            let run = std::str::from_utf8(&msg.payload)
+                .ok()
+                .and_then(|s| s.parse::<RunId>().ok());
+            let answer = match run {
+                Some(run) => driver.yield_parked(&run).await,
+                None => None,
+            };
+            let body = answer.map(|m| m.seq.to_string()).unwrap_or_default();
+            if let Err(e) = client.publish(reply, body.into()).await {
+                tracing::debug!(error = %e, "lease yield answer not sent");
+            }
+        }
+    }))
+}
+
 /// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let consumer = consumer::durable(&rt.js, CONSUMER, rt.config.timeouts.step_ack_wait()).await?;
@@ -110,6 +146,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         workers: consumer::Workers::new(rt.config.step_concurrency),
         js: rt.js.clone(),
     };
+    let yields = answer_yields(&rt, drives.driver.clone()).await?;
     tracing::info!(worker = %rt.config.worker_id, "step service started");
     tokio::pin!(shutdown);
     loop {
@@ -152,6 +189,8 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     // Drain: hand back the wakes pulled and not started, then wait for every in-flight drive.
     consumer::hand_back(messages, CONSUMER).await;
     drives.workers.drain().await;
+    yields.abort();
+    drives.driver.release_parked().await;
     tracing::info!("step service stopped");
     Ok(())
 }
