@@ -10,6 +10,8 @@
 //! cargo bench -p kedge --bench agent_loop -- --tls-compare --tls-reps 6 --runs 20
 //! cargo bench -p kedge --bench agent_loop -- --json FILE         # also write the key figures as JSON
 //! cargo bench -p kedge --bench agent_loop -- --sustain 15        # closed-loop window, s (0: none)
+//! cargo bench -p kedge --bench agent_loop -- --cluster           # a 3-node cluster, R3 streams
+//! cargo bench -p kedge --bench agent_loop -- --no-park           # leases released after every drive
 //! scripts/bench-vs-restate.sh [--quick]         # Restate first, then this bench: one table, ratios
 //! ```
 //!
@@ -92,7 +94,7 @@ use kedge_journal::Recorded;
 use kedge_mock_llm::{MockHandle, Scripts};
 use kedge_runtime::idempotency::{Claim, StoredResponse};
 use kedge_runtime::{Config, Runtime};
-use kedge_testkit::{NatsServer, ServerOptions};
+use kedge_testkit::{NatsCluster, NatsServer, ServerOptions};
 use time::OffsetDateTime;
 
 const K: usize = 20;
@@ -123,6 +125,13 @@ struct Opts {
     /// `--sustain SECS`: the measured window of the closed-loop phase (64 runs always in
     /// flight, as the Restate peer's throughput mode); 0 skips it.
     sustain_s: f64,
+    /// `--cluster`: a three-node cluster on this machine, streams and buckets with three
+    /// replicas (every write a RAFT proposal), instead of one server; "server" CPU is the
+    /// three nodes'.
+    cluster: bool,
+    /// `--no-park`: the step releases a run's lease after every drive (`park_leases: false`),
+    /// for an A/B of parking in one build.
+    no_park: bool,
 }
 
 fn opts() -> Opts {
@@ -137,6 +146,8 @@ fn opts() -> Opts {
         tls_reps: 4,
         json: None,
         sustain_s: 10.0,
+        cluster: false,
+        no_park: false,
     };
     let mut runs: Option<usize> = None;
     let mut sustain: Option<f64> = None;
@@ -175,6 +186,8 @@ fn opts() -> Opts {
                     .max(1)
             }
             "--json" => o.json = Some(it.next().expect("--json takes a file name").into()),
+            "--cluster" => o.cluster = true,
+            "--no-park" => o.no_park = true,
             // `cargo bench` passes `--bench`; ignore it and anything else.
             _ => {}
         }
@@ -295,17 +308,17 @@ struct CpuMark {
     mock: u64,
 }
 
-fn cpu_mark(server_pid: Option<u32>) -> CpuMark {
+fn cpu_mark(server_pids: &[u32]) -> CpuMark {
     CpuMark {
-        server: server_pid.and_then(cpu_ticks).unwrap_or(0),
+        server: server_pids.iter().filter_map(|p| cpu_ticks(*p)).sum(),
         me: cpu_ticks(std::process::id()).unwrap_or(0),
         mock: mock_ticks(),
     }
 }
 
 /// CPU milliseconds (server, this process without the mock model's thread) since `from`.
-fn cpu_since(from: CpuMark, server_pid: Option<u32>) -> (f64, f64) {
-    let now = cpu_mark(server_pid);
+fn cpu_since(from: CpuMark, server_pids: &[u32]) -> (f64, f64) {
+    let now = cpu_mark(server_pids);
     let me = now.me.saturating_sub(from.me);
     let mock = now.mock.saturating_sub(from.mock);
     (
@@ -430,8 +443,30 @@ impl Terminals {
     }
 }
 
+/// The broker of one environment: one server, or a three-node cluster (`--cluster`).
+enum Broker {
+    Single(Box<NatsServer>),
+    Cluster(NatsCluster),
+}
+
+impl Broker {
+    fn urls(&self) -> Vec<String> {
+        match self {
+            Broker::Single(s) => vec![s.url()],
+            Broker::Cluster(c) => c.urls(),
+        }
+    }
+
+    fn pids(&self) -> Vec<u32> {
+        match self {
+            Broker::Single(s) => s.pid().into_iter().collect(),
+            Broker::Cluster(c) => (0..3).filter_map(|n| c.pid(n)).collect(),
+        }
+    }
+}
+
 struct Env {
-    nats: NatsServer,
+    nats: Broker,
     mock: MockHandle,
     _dir: tempfile::TempDir,
     config: Config,
@@ -447,20 +482,37 @@ impl Env {
     /// With `tls`, the server offers TLS and verifies client certificates, and every Kedge
     /// connection requires TLS (CA + client certificate); `extra_config` is appended to the
     /// server's configuration.
-    async fn start(sync_always: bool, tls: Option<&Pki>, extra_config: &str) -> Env {
+    async fn start(
+        sync_always: bool,
+        tls: Option<&Pki>,
+        extra_config: &str,
+        cluster: bool,
+        park: bool,
+    ) -> Env {
         let mut server_config = extra_config.to_owned();
         if let Some(pki) = tls {
             server_config.push_str(&pki.server_config());
         }
-        let nats = NatsServer::start_with(ServerOptions {
+        let options = ServerOptions {
             sync_always,
             extra_config: server_config,
             ..Default::default()
-        })
-        .await;
+        };
+        let nats = if cluster {
+            Broker::Cluster(NatsCluster::start_with(options).await)
+        } else {
+            Broker::Single(Box::new(NatsServer::start_with(options).await))
+        };
         let mock = start_mock(Scripts::from_value(script()).expect("valid script"));
         let dir = tempfile::tempdir().expect("temp dir");
-        let mut config = bench_config(&nats.url(), &dir.path().join("ws"), "w-bench");
+        let urls = nats.urls();
+        let mut config = bench_config(&urls[0], &dir.path().join("ws"), "w-bench");
+        if cluster {
+            config.nats_urls = urls;
+            config.replicas = 3;
+            config.check().expect("valid cluster bench config");
+        }
+        config.park_leases = park;
         if let Some(pki) = tls {
             config.nats.tls_ca = Some(pki.ca.clone());
             config.nats.tls_cert = Some(pki.client_cert.clone());
@@ -536,8 +588,8 @@ impl Env {
         }
     }
 
-    fn server_pid(&self) -> Option<u32> {
-        self.nats.pid()
+    fn server_pids(&self) -> Vec<u32> {
+        self.nats.pids()
     }
 
     /// Submits one run (the client picks its id) and waits for its terminal event.
@@ -1898,10 +1950,10 @@ fn check_ledger(env: &Env, all_runs: &[RunId], who: &str) {
 /// One concurrency round: submits `n` runs at once (idempotency keys `<key>-<n>-<i>`), waits
 /// for every terminal event and reads the runs back; adds them to `all_runs`.
 async fn conc_round(env: &mut Env, key: &str, n: usize, all_runs: &mut Vec<RunId>) -> ConcRound {
-    let pid = env.server_pid();
+    let pid = env.server_pids();
     let runs: Vec<RunId> = (0..n).map(|_| RunId::generate()).collect();
     let rxs: Vec<_> = runs.iter().map(|r| env.terminals.register(r)).collect();
-    let cpu0 = cpu_mark(pid);
+    let cpu0 = cpu_mark(&pid);
     let t0 = Instant::now();
     let env_ref = &*env;
     let submits = runs.iter().enumerate().map(|(i, r)| async move {
@@ -1924,7 +1976,7 @@ async fn conc_round(env: &mut Env, key: &str, n: usize, all_runs: &mut Vec<RunId
         });
     }
     let elapsed = timings.iter().map(|t| t.wall).fold(0.0, f64::max);
-    let (cs, cm) = cpu_since(cpu0, pid);
+    let (cs, cm) = cpu_since(cpu0, &pid);
     env.submitted += n;
     let mut c = Collected::default();
     collect(env, &timings, &mut c).await;
@@ -1970,7 +2022,7 @@ async fn sustained(
     window: Duration,
     all_runs: &mut Vec<RunId>,
 ) -> Sustained {
-    let pid = env.server_pid();
+    let pid = env.server_pids();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let env_ref = &*env;
     let stop_ref = &stop;
@@ -1984,11 +2036,11 @@ async fn sustained(
     }));
     let measure = async {
         tokio::time::sleep(ramp).await;
-        let (lines0, cpu0, t0) = (ledger_lines(env_ref), cpu_mark(pid), Instant::now());
+        let (lines0, cpu0, t0) = (ledger_lines(env_ref), cpu_mark(&pid), Instant::now());
         tokio::time::sleep(window).await;
         let (lines1, cpu, mock, secs) = (
             ledger_lines(env_ref),
-            cpu_since(cpu0, pid),
+            cpu_since(cpu0, &pid),
             mock_cpu_since(cpu0),
             t0.elapsed().as_secs_f64(),
         );
@@ -2055,8 +2107,8 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     println!("================================================================================");
     let load_before = loadavg();
     println!("  load average before: {load_before}");
-    let mut env = Env::start(sync_always, None, "").await;
-    let pid = env.server_pid();
+    let mut env = Env::start(sync_always, None, "", o.cluster, !o.no_park).await;
+    let pid = env.server_pids();
 
     // Warm-up: connections, HTTP pool, agent cache, consumers.
     let mut all_runs: Vec<RunId> = Vec::new();
@@ -2068,7 +2120,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
 
     // 1 + 2: sequential runs.
     let mut seq_timings = Vec::new();
-    let cpu0 = cpu_mark(pid);
+    let cpu0 = cpu_mark(&pid);
     let seq_t0 = Instant::now();
     for i in 0..o.runs {
         let t = env.run_one(format!("{label}-seq-{i}")).await;
@@ -2076,7 +2128,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
         env.submitted += 1;
     }
     let seq_elapsed = ms(seq_t0.elapsed());
-    let (cpu_srv, cpu_me) = cpu_since(cpu0, pid);
+    let (cpu_srv, cpu_me) = cpu_since(cpu0, &pid);
     let cpu_mock = mock_cpu_since(cpu0);
     let mut seq = Collected::default();
     collect(&env, &seq_timings, &mut seq).await;
@@ -2161,7 +2213,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     // Traced run: the wiretap.
     let mut tap = None;
     if o.trace {
-        let (tap_client, store, task) = start_tap(&env.nats.url()).await;
+        let (tap_client, store, task) = start_tap(&env.nats.urls()[0]).await;
         let t = env.run_one(format!("{label}-traced")).await;
         env.submitted += 1;
         all_runs.push(t.run.clone());
@@ -2711,6 +2763,8 @@ async fn tls_compare(o: &Opts) {
             sync_always,
             tls,
             &format!("http: \"127.0.0.1:{http_port}\"\n"),
+            false,
+            !o.no_park,
         )
         .await;
         variants.push(Variant {
@@ -2772,9 +2826,9 @@ async fn tls_compare(o: &Opts) {
         // Sequential runs, one at a time.
         for &i in &order {
             let v = &mut variants[i];
-            let pid = v.env.server_pid();
+            let pid = v.env.server_pids();
             let mut timings = Vec::new();
-            let cpu0 = cpu_mark(pid);
+            let cpu0 = cpu_mark(&pid);
             let t0 = Instant::now();
             for j in 0..o.runs {
                 let t = v.env.run_one(format!("{}-r{rep}-seq-{j}", v.label)).await;
@@ -2782,7 +2836,7 @@ async fn tls_compare(o: &Opts) {
                 v.env.submitted += 1;
             }
             let elapsed = ms(t0.elapsed());
-            let (cs, cm) = cpu_since(cpu0, pid);
+            let (cs, cm) = cpu_since(cpu0, &pid);
             let mut c = Collected::default();
             collect(&v.env, &timings, &mut c).await;
             v.all_runs.extend(timings.iter().map(|t| t.run.clone()));
@@ -3002,8 +3056,13 @@ fn main() {
         );
         let load_start = loadavg();
         println!(
-            "nats-server: {}; load average {} (other processes on these cores inflate every figure: compare ratios within one run)",
+            "nats-server: {}{}; load average {} (other processes on these cores inflate every figure: compare ratios within one run)",
             kedge_testkit::nats_server_binary().display(),
+            if o.cluster {
+                " (three nodes on this machine, three replicas)"
+            } else {
+                ""
+            },
             load_start
         );
         if o.tls_compare {

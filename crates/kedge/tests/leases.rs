@@ -92,6 +92,29 @@ async fn an_agent_loop_keeps_its_lease_from_one_drive_to_the_next() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_parking_off_every_drive_takes_and_releases_the_lease() {
+    let h = Harness::start_with(
+        ledger_steps("mnopark", 3),
+        &[Svc::Intake, Svc::Step, Svc::Tool],
+        |c| {
+            default_leases(c);
+            c.park_leases = false;
+        },
+    )
+    .await;
+    h.agent("unparked", "mnopark").await;
+    let before = lease_writes(&h).await;
+    let run = h.submit("unparked", "go", "task-nopark").await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    // At least four drives (one per step; a wake that arrives during a drive makes one more),
+    // each an acquire and a release.
+    let writes = lease_writes(&h).await - before;
+    assert!(writes >= 8, "{writes} lease writes for four drives");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_lease_goes_to_another_step_worker_that_asks_for_it() {
     // No tool service yet: the run waits on its tool, and the step worker keeps its lease.
     let mut h = Harness::start_with(

@@ -57,6 +57,11 @@ pub struct Config {
     /// Offer the test-only `ledger_append` tool (`KEDGE_LEDGER_TOOL=1`): the side effect the
     /// tests, the demo and the benches count. Off in production.
     pub ledger_tool: bool,
+    /// Keep a run's lease between two drives while the run waits on its tools
+    /// (`KEDGE_PARK_LEASES`, default on): two lease writes fewer per agent-loop step. Off
+    /// releases it after every drive, as builds before parking did; worth it while step workers
+    /// of such a build (which do not ask a holder to yield) run beside this one.
+    pub park_leases: bool,
     /// Runs a step worker drives at once.
     pub step_concurrency: usize,
     /// Tool operations a tool worker runs at once.
@@ -344,6 +349,7 @@ impl Default for Config {
             .collect(),
             sandbox: SandboxKind::Bwrap,
             ledger_tool: false,
+            park_leases: true,
             step_concurrency: 256,
             tool_concurrency: 64,
             max_tool_output_bytes: 64 * 1024,
@@ -402,6 +408,7 @@ impl std::fmt::Debug for Config {
             shell_allowlist,
             sandbox,
             ledger_tool,
+            park_leases,
             step_concurrency,
             tool_concurrency,
             max_tool_output_bytes,
@@ -428,6 +435,7 @@ impl std::fmt::Debug for Config {
             .field("shell_allowlist", shell_allowlist)
             .field("sandbox", sandbox)
             .field("ledger_tool", ledger_tool)
+            .field("park_leases", park_leases)
             .field("step_concurrency", step_concurrency)
             .field("tool_concurrency", tool_concurrency)
             .field("max_tool_output_bytes", max_tool_output_bytes)
@@ -1217,6 +1225,9 @@ impl Config {
         }
         if let Some(v) = get("KEDGE_LEDGER_TOOL") {
             self.ledger_tool = flag("KEDGE_LEDGER_TOOL", &v)?;
+        }
+        if let Some(v) = get("KEDGE_PARK_LEASES") {
+            self.park_leases = flag("KEDGE_PARK_LEASES", &v)?;
         }
         if let Some(v) = get("KEDGE_SANDBOX") {
             self.sandbox = v.parse().map_err(|reason| ConfigError::Env {

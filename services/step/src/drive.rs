@@ -376,7 +376,9 @@ impl Driver {
             .await;
         match keeper.finish().await {
             // The run waits on its tools: their results wake it in a moment, most likely here.
-            Some((lease, written)) if matches!(result, Ok(Some(Idle::WaitingTools { .. }))) => {
+            Some((lease, written))
+                if cfg.park_leases && matches!(result, Ok(Some(Idle::WaitingTools { .. }))) =>
+            {
                 self.park(lease, written, hold).await
             }
             Some((lease, _)) => {
