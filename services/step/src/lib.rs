@@ -20,9 +20,9 @@
 //! be due; another step worker woken for such a run asks for it on `kedge.live.yield.<worker>`.
 //! A wake for a run whose lease another worker holds and does not yield is handed back with a
 //! short delay, unless that worker is gone (`kedge_runtime::liveness`: the broker has no
-//! connection for it), in which case the lease is taken over at once. The runs this process drives are announced in
-//! its heartbeats; when another worker is found gone, the runs its last heartbeat named are
-//! adopted and driven here right away (docs/ARCHITECTURE.md "Takeover").
+//! connection for it), in which case the lease is taken over at once. The runs this process
+//! drives are announced in its heartbeats; when another worker is found gone, the runs its last
+//! heartbeat named are adopted and driven here right away (docs/ARCHITECTURE.md "Takeover").
 //!
 //! Hostile or broken input never stops a run or the service: messages on a run's subjects that
 //! are not events of the run are set aside by the journal, recorded once on
