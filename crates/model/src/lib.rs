@@ -173,6 +173,20 @@ pub fn request_body(call: &ModelCall<'_>) -> serde_json::Value {
     }
 }
 
+/// The request body of a call as the bytes sent ([`request_body`] is the same as a value).
+fn request_json(call: &ModelCall<'_>) -> Result<Vec<u8>, ModelError> {
+    match call.spec.provider {
+        Provider::Openai => openai::request_json(call),
+        Provider::Anthropic => serde_json::to_vec(&anthropic::request_body(call)),
+    }
+    .map_err(|e| {
+        ModelError::fatal(
+            ModelErrorKind::Request,
+            format!("the request body does not serialize: {e}"),
+        )
+    })
+}
+
 /// A model API client. Cheap to clone (one shared connection pool).
 #[derive(Debug, Clone)]
 pub struct ModelClient {
@@ -304,13 +318,14 @@ impl ModelClient {
         on_delta: &mut (dyn FnMut(Delta) + Send),
     ) -> Result<ModelResponse, ModelError> {
         let deadline = Instant::now() + call.timeout;
-        let body = request_body(call);
+        let body = request_json(call)?;
         let headers = headers(call)?;
         let request = self
             .http
             .post(endpoint(call.spec))
             .headers(headers)
-            .json(&body);
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .body(body);
 
         let first_wait = self.wait_until(deadline);
         let response = match tokio::time::timeout_at(first_wait, request.send()).await {

@@ -16,14 +16,15 @@
 //! reassembled from `delta.tool_calls[]` by `index`, usage from the extra `choices: []` chunk
 //! that `stream_options.include_usage` asks for.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::{AssistantMessage, FinishReason, ToolCall, Usage};
 use kedge_core::fold::ChatMessage;
 use kedge_core::settings::ToolChoice;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
 
 use crate::context::{EMPTY_PLACEHOLDER, history_arguments, non_empty, normalize, parse_arguments};
 use crate::error::{ErrorBody, ModelError, ModelErrorKind};
@@ -36,63 +37,130 @@ pub const DEFAULT_BASE_URL: &str = "https://api.openai.com/v1";
 /// Prefix of the content of a tool result that reports an error.
 pub const ERROR_PREFIX: &str = "ERROR: ";
 
-/// The request body for `call`.
+/// One message of the request, borrowed from the conversation: the conversation is serialized
+/// straight into the body ([`request_json`]) instead of through a `Value` tree of it per step.
+#[derive(Debug, Serialize)]
+#[serde(tag = "role", rename_all = "lowercase")]
+enum Message<'a> {
+    System {
+        content: &'a str,
+    },
+    User {
+        content: &'a str,
+    },
+    Assistant {
+        /// `null` when the turn has tool calls and no text.
+        content: Option<&'a str>,
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        tool_calls: Vec<Call<'a>>,
+    },
+    Tool {
+        tool_call_id: &'a str,
+        content: Cow<'a, str>,
+    },
+}
+
+#[derive(Debug, Serialize)]
+struct Call<'a> {
+    id: &'a str,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: Function<'a>,
+}
+
+#[derive(Debug, Serialize)]
+struct Function<'a> {
+    name: &'a str,
+    /// The arguments as a JSON string, as the API has them.
+    arguments: String,
+}
+
+/// The request body: the messages, then every other field.
+#[derive(Debug, Serialize)]
+struct Body<'a> {
+    messages: Vec<Message<'a>>,
+    #[serde(flatten)]
+    rest: Map<String, Value>,
+}
+
+/// The request body for `call`, as JSON bytes.
+pub fn request_json(call: &ModelCall<'_>) -> Result<Vec<u8>, serde_json::Error> {
+    let context = normalize(call.context);
+    serde_json::to_vec(&body(call, &context))
+}
+
+/// The request body for `call` (what [`request_json`] writes).
 pub fn request_body(call: &ModelCall<'_>) -> Value {
-    let mut messages = Vec::with_capacity(call.context.len() + 1);
+    let context = normalize(call.context);
+    serde_json::to_value(body(call, &context)).unwrap_or_default()
+}
+
+fn body<'a>(call: &'a ModelCall<'_>, context: &'a [Cow<'_, ChatMessage>]) -> Body<'a> {
+    let mut messages = Vec::with_capacity(context.len() + 1);
     if !call.system.trim().is_empty() {
-        messages.push(json!({"role": "system", "content": call.system}));
+        messages.push(Message::System {
+            content: call.system,
+        });
     }
-    for message in normalize(call.context) {
-        messages.push(match &*message {
-            ChatMessage::User { text } => json!({"role": "user", "content": non_empty(text)}),
-            ChatMessage::Assistant { message } => {
-                let mut m = json!({"role": "assistant"});
-                if message.tool_calls.is_empty() {
-                    m["content"] = non_empty(&message.text).into();
-                } else {
-                    m["content"] = if message.text.is_empty() {
-                        Value::Null
-                    } else {
-                        message.text.as_str().into()
-                    };
-                    m["tool_calls"] = message
-                        .tool_calls
-                        .iter()
-                        .map(|c| {
-                            json!({
-                                "id": c.call_id,
-                                "type": "function",
-                                "function": {
-                                    "name": c.name,
-                                    "arguments": history_arguments(&c.arguments).to_string(),
-                                },
-                            })
-                        })
-                        .collect();
+    for message in context {
+        messages.push(match &**message {
+            ChatMessage::User { text } => Message::User {
+                content: non_empty(text),
+            },
+            ChatMessage::Assistant { message } if message.tool_calls.is_empty() => {
+                Message::Assistant {
+                    content: Some(non_empty(&message.text)),
+                    tool_calls: Vec::new(),
                 }
-                m
             }
+            ChatMessage::Assistant { message } => Message::Assistant {
+                content: Some(message.text.as_str()).filter(|t| !t.is_empty()),
+                tool_calls: message
+                    .tool_calls
+                    .iter()
+                    .map(|c| Call {
+                        id: &c.call_id,
+                        kind: "function",
+                        function: Function {
+                            name: &c.name,
+                            arguments: match &c.arguments {
+                                Value::Object(_) => c.arguments.to_string(),
+                                other => history_arguments(other).to_string(),
+                            },
+                        },
+                    })
+                    .collect(),
+            },
             ChatMessage::Tool {
                 call_id,
                 content,
                 is_error,
-            } => {
-                let content = match (is_error, content.is_empty()) {
-                    (true, _) => format!("{ERROR_PREFIX}{content}"),
-                    (false, true) => EMPTY_PLACEHOLDER.to_owned(),
-                    (false, false) => content.clone(),
-                };
-                json!({"role": "tool", "tool_call_id": call_id, "content": content})
-            }
+            } => Message::Tool {
+                tool_call_id: call_id,
+                content: match (is_error, content.is_empty()) {
+                    (true, _) => Cow::Owned(format!("{ERROR_PREFIX}{content}")),
+                    (false, true) => Cow::Borrowed(EMPTY_PLACEHOLDER),
+                    (false, false) => Cow::Borrowed(content.as_str()),
+                },
+            },
         });
     }
-    // The messages are moved in (`json!` would copy them all once more).
+    Body {
+        messages,
+        rest: match settings(call) {
+            Value::Object(rest) => rest,
+            _ => Map::new(),
+        },
+    }
+}
+
+/// Every field of the body but the messages.
+fn settings(call: &ModelCall<'_>) -> Value {
     let mut body = json!({
         "model": call.spec.name,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    body["messages"] = Value::Array(messages);
     let cap_key = if is_public_endpoint(call.spec.base_url.as_deref()) {
         "max_completion_tokens"
     } else {
@@ -542,6 +610,10 @@ mod tests {
                 ],
             })
         );
+        // What goes on the wire (serialized from the borrowed conversation) is that body.
+        let sent = request_json(&call_with(&spec, &context)).expect("serializes");
+        let sent: Value = serde_json::from_slice(&sent).expect("JSON");
+        assert_eq!(sent, body);
     }
 
     #[test]
