@@ -67,24 +67,34 @@ async fn held_by(h: &Harness, run: &RunId, worker: &str) -> LeaseHolder {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_agent_loop_keeps_its_lease_from_one_drive_to_the_next() {
+/// Runs an agent loop of `steps` ledger steps to its end with the default timeouts and
+/// `park_leases` as given; returns the harness, the run and the lease writes it cost.
+async fn a_loop(steps: usize, park: bool) -> (Harness, RunId, u64) {
     let h = Harness::start_with(
-        ledger_steps("mpark", 6),
+        ledger_steps("mloop", steps),
         &[Svc::Intake, Svc::Step, Svc::Tool],
-        default_leases,
+        |c| {
+            default_leases(c);
+            c.park_leases = park;
+        },
     )
     .await;
-    h.agent("parker", "mpark").await;
+    h.agent("looper", "mloop").await;
     let before = lease_writes(&h).await;
-    let run = h.submit("parker", "go", "task-park").await;
+    let run = h.submit("looper", "go", "task-loop").await;
     let state = h.wait_terminal(&run, WAIT).await;
     assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
-    assert_eq!(h.ledger().len(), 6);
+    assert_eq!(h.ledger().len(), steps);
+    let writes = lease_writes(&h).await - before;
+    (h, run, writes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_loop_keeps_its_lease_from_one_drive_to_the_next() {
+    let (h, run, writes) = a_loop(6, true).await;
     // Seven drives (one per step, each woken by the last step's tool result). Released after
     // each and taken again by the next, that is 14 writes; parked in between, the first drive
     // acquires and the last releases (the slack: a wake that came before the drive parked).
-    let writes = lease_writes(&h).await - before;
     assert!(writes <= 4, "{writes} lease writes for seven drives");
     // An ended run's lease is released at once, not parked.
     assert_eq!(h.rt.leases.holder(&run).await.expect("lease read"), None);
@@ -93,23 +103,9 @@ async fn an_agent_loop_keeps_its_lease_from_one_drive_to_the_next() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_parking_off_every_drive_takes_and_releases_the_lease() {
-    let h = Harness::start_with(
-        ledger_steps("mnopark", 3),
-        &[Svc::Intake, Svc::Step, Svc::Tool],
-        |c| {
-            default_leases(c);
-            c.park_leases = false;
-        },
-    )
-    .await;
-    h.agent("unparked", "mnopark").await;
-    let before = lease_writes(&h).await;
-    let run = h.submit("unparked", "go", "task-nopark").await;
-    let state = h.wait_terminal(&run, WAIT).await;
-    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    let (h, _, writes) = a_loop(3, false).await;
     // At least four drives (one per step; a wake that arrives during a drive makes one more),
     // each an acquire and a release.
-    let writes = lease_writes(&h).await - before;
     assert!(writes >= 8, "{writes} lease writes for four drives");
     h.shutdown().await;
 }

@@ -107,7 +107,7 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                         "type": "tool_use",
                         "id": tool_id(&c.call_id),
                         "name": c.name,
-                        "input": history_arguments(&c.arguments),
+                        "input": history_arguments(&c.arguments).into_owned(),
                     }));
                 }
             }

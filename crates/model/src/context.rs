@@ -109,10 +109,11 @@ pub fn parse_arguments(raw: &str) -> Value {
 
 /// Arguments of a past tool call as sent back to the provider: an object as is, anything else
 /// (the invalid-JSON fallback of [`parse_arguments`]) wrapped as `{"raw_arguments": value}`.
-pub(crate) fn history_arguments(arguments: &Value) -> Value {
+/// Borrowed when it is an object (the common case: nothing is copied).
+pub(crate) fn history_arguments(arguments: &Value) -> Cow<'_, Value> {
     match arguments {
-        Value::Object(_) => arguments.clone(),
-        other => serde_json::json!({ RAW_ARGUMENTS_KEY: other }),
+        Value::Object(_) => Cow::Borrowed(arguments),
+        other => Cow::Owned(serde_json::json!({ RAW_ARGUMENTS_KEY: other })),
     }
 }
 
@@ -230,7 +231,7 @@ mod tests {
             Value::String(r#"{"path":"/x"#.into())
         );
         assert_eq!(
-            history_arguments(&Value::String("{bad".into())),
+            history_arguments(&Value::String("{bad".into())).into_owned(),
             serde_json::json!({"raw_arguments": "{bad"})
         );
     }

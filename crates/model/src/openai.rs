@@ -123,10 +123,7 @@ fn body<'a>(call: &'a ModelCall<'_>, context: &'a [Cow<'_, ChatMessage>]) -> Bod
                         kind: "function",
                         function: Function {
                             name: &c.name,
-                            arguments: match &c.arguments {
-                                Value::Object(_) => c.arguments.to_string(),
-                                other => history_arguments(other).to_string(),
-                            },
+                            arguments: history_arguments(&c.arguments).to_string(),
                         },
                     })
                     .collect(),

@@ -217,9 +217,8 @@ struct Holding {
 /// between two renewals; then released. Another step worker woken for the run asks for it on
 /// `kedge.live.yield.<worker>` ([`Driver::yield_parked`]).
 struct Parked {
-    lease: Lease,
-    written: Instant,
-    hold: Hold,
+    /// With the run's announcement in the heartbeats (`hold` is set).
+    held: Holding,
     /// Tells this parking from a later one of the same run: the expiry releases only its own.
     id: u64,
 }
@@ -241,12 +240,15 @@ impl Keeper {
         let task = tokio::spawn(async move {
             let mut lease = lease;
             let mut written = written;
+            // The last renewal tried (one that failed is tried again `every` later, not at once).
+            let mut tried = written;
             loop {
                 tokio::select! {
                     _ = &mut stopped => return Some((lease, written)),
-                    _ = tokio::time::sleep_until((written + every).into()) => {}
+                    _ = tokio::time::sleep_until((tried + every).into()) => {}
                 }
                 let at = Instant::now();
+                tried = at;
                 match leases.renew(&lease).await {
                     Ok(renewed) => {
                         lease = renewed;
@@ -426,9 +428,11 @@ impl Driver {
         let refused = match self.parked.lock() {
             Ok(mut parked) if parked.len() < CACHE_RUNS => {
                 let entry = Parked {
-                    lease,
-                    written,
-                    hold,
+                    held: Holding {
+                        lease,
+                        written,
+                        hold: Some(hold),
+                    },
                     id,
                 };
                 parked.insert(run.clone(), entry);
@@ -452,7 +456,7 @@ impl Driver {
                     _ => None,
                 });
             if let Some(p) = expired {
-                driver.release(p.lease).await;
+                driver.release(p.held.lease).await;
             }
         });
     }
@@ -464,7 +468,7 @@ impl Driver {
     pub async fn yield_parked(&self, run: &RunId) -> Option<Released> {
         let p = self.parked.lock().ok().and_then(|mut p| p.remove(run))?;
         tracing::debug!(run_id = %run, "parked lease yielded to another worker");
-        self.rt.leases.release(p.lease).await.ok()
+        self.rt.leases.release(p.held.lease).await.ok()
     }
 
     /// Releases every parked lease (the service is stopping).
@@ -475,7 +479,7 @@ impl Driver {
             .map(|mut p| p.drain().map(|(_, p)| p).collect())
             .unwrap_or_default();
         for p in all {
-            self.release(p.lease).await;
+            self.release(p.held.lease).await;
         }
     }
 
@@ -785,21 +789,18 @@ impl Driver {
         // A lease this process parked after the run's last drive: taken back without a write.
         let parked = self.parked.lock().ok().and_then(|mut p| p.remove(run));
         if let Some(p) = parked {
-            if p.written.elapsed() < cfg.timeouts.lease_renew() {
-                return Ok(Some(Holding {
-                    lease: p.lease,
-                    written: p.written,
-                    hold: Some(p.hold),
-                }));
+            let held = p.held;
+            if held.written.elapsed() < cfg.timeouts.lease_renew() {
+                return Ok(Some(held));
             }
             // Its window ran out before its expiry let it go: renewed, as the keeper would.
             let at = Instant::now();
-            match self.rt.leases.renew(&p.lease).await {
+            match self.rt.leases.renew(&held.lease).await {
                 Ok(lease) => {
                     return Ok(Some(Holding {
                         lease,
                         written: at,
-                        hold: Some(p.hold),
+                        hold: held.hold,
                     }));
                 }
                 Err(LeaseError::Lost { .. }) => {}
