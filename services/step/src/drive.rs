@@ -1156,7 +1156,21 @@ impl Driver {
                     }))
                     .step(plan.step)
                     .attempt(plan.attempt);
-                    self.commit(state, w, vec![attempt]).await?;
+                    // The attempt's end is a fact whatever landed meanwhile: the cancel itself
+                    // can be stored after the read above (the watcher hears it on core NATS as
+                    // it is published), and the append then finds it and reads the run again.
+                    // Committed on that state, while this attempt is still the open one.
+                    for _ in 0..3 {
+                        if self.commit(state, w, vec![attempt.clone()]).await? {
+                            break;
+                        }
+                        let still_open = state.open_step.as_ref().is_some_and(|o| {
+                            o.request_id == plan.request_id && !o.failed
+                        });
+                        if !still_open {
+                            break;
+                        }
+                    }
                     Ok(())
                 }
                 Err(CallError::Model(e)) => {
