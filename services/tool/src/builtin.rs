@@ -26,7 +26,6 @@ use kedge_core::ids::{OperationId, RunId};
 use kedge_core::tools::ToolErrorClass;
 use rustix::fs::{Mode, OFlags, ResolveFlags};
 use serde_json::Value;
-use tokio::io::AsyncWriteExt;
 
 use crate::sandbox::{Ended, Sandbox};
 
@@ -179,31 +178,44 @@ impl Env {
 
     /// Runs a built-in tool. Errors the model should see are `Output { is_error: true }`.
     pub async fn run(&self, tool: Builtin, op: &OperationId, args: &Value) -> Output {
-        let work = self.workspace(op.run());
-        if let Err(e) = tokio::fs::create_dir_all(&work).await {
-            return Output::error(format!("cannot create the workspace: {e}"));
+        match self.dispatch(tool, op, args).await {
+            Ok(out) => out,
+            Err(msg) => Output::error(msg),
         }
-        // Absolute, as the sandbox mounts it at its own path.
-        let work = match tokio::fs::canonicalize(&work).await {
-            Ok(work) => work,
-            Err(e) => return Output::error(format!("cannot find the workspace: {e}")),
-        };
-        let result = match tool {
-            Builtin::ReadFile => self.read_file(&work, args).await,
-            Builtin::WriteFile => write_file(&work, args).await,
-            Builtin::ListFiles => list_files(&work, args).await,
-            Builtin::Shell => self.shell(&work, args).await,
+    }
+
+    async fn dispatch(
+        &self,
+        tool: Builtin,
+        op: &OperationId,
+        args: &Value,
+    ) -> Result<Output, String> {
+        let run = op.run();
+        match tool {
+            Builtin::ReadFile => self.read_file(&self.open_workspace(run).await?, args).await,
+            Builtin::WriteFile => write_file(&self.open_workspace(run).await?, args).await,
+            Builtin::ListFiles => list_files(&self.open_workspace(run).await?, args).await,
+            Builtin::Shell => self.shell(&self.open_workspace(run).await?, args).await,
             Builtin::LedgerAppend if !self.ledger => Err(
                 "tool `ledger_append` is not offered here (a test-only tool; the operator \
                  enables it with ledger_tool / KEDGE_LEDGER_TOOL=1)"
                     .to_owned(),
             ),
+            // Writes beside the workspaces: the run's is not needed.
             Builtin::LedgerAppend => self.ledger_append(op, args).await,
-        };
-        match result {
-            Ok(out) => out,
-            Err(msg) => Output::error(msg),
         }
+    }
+
+    /// The run's workspace, created if missing, as an absolute path (the sandbox mounts it at
+    /// its own path): one trip to the blocking pool.
+    async fn open_workspace(&self, run: &RunId) -> Result<PathBuf, String> {
+        let work = self.workspace(run);
+        blocking(move || {
+            std::fs::create_dir_all(&work).map_err(doing("cannot create the workspace"))?;
+            std::fs::canonicalize(&work).map_err(doing("cannot find the workspace"))
+        })
+        .await
+        .map_err(|e| e.to_string())
     }
 
     /// The precondition check of a tool: the version of what the operation would change, or
@@ -359,18 +371,21 @@ impl Env {
 
     async fn ledger_append(&self, op: &OperationId, args: &Value) -> Result<Output, String> {
         let text = str_arg(args, "text")?.replace(['\n', '\t'], " ");
-        let mut f = tokio::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.ledger())
-            .await
-            .map_err(|e| format!("cannot open the ledger: {e}"))?;
-        f.write_all(format!("{op}\t{text}\n").as_bytes())
-            .await
-            .map_err(|e| format!("cannot write the ledger: {e}"))?;
-        f.sync_data()
-            .await
-            .map_err(|e| format!("cannot sync the ledger: {e}"))?;
+        let (root, ledger, line) = (self.root.clone(), self.ledger(), format!("{op}\t{text}\n"));
+        // One trip to the blocking pool for the open, the write and the sync.
+        blocking(move || {
+            std::fs::create_dir_all(root).map_err(doing("cannot create the ledger's directory"))?;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(ledger)
+                .map_err(doing("cannot open the ledger"))?;
+            std::io::Write::write_all(&mut f, line.as_bytes())
+                .map_err(doing("cannot write the ledger"))?;
+            f.sync_data().map_err(doing("cannot sync the ledger"))
+        })
+        .await
+        .map_err(|e| e.to_string())?;
         Ok(Output::ok(format!("recorded: {text}")))
     }
 }
@@ -459,6 +474,11 @@ async fn list_files(work: &Path, args: &Value) -> Result<Output, String> {
     } else {
         names.join("\n")
     }))
+}
+
+/// What was being done, in front of an I/O error.
+fn doing(what: &'static str) -> impl FnOnce(std::io::Error) -> std::io::Error {
+    move |e| std::io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
 /// Runs blocking file work off the async threads.
@@ -728,6 +748,26 @@ mod tests {
             "{out:?}"
         );
         assert!(!env.ledger().exists(), "nothing was appended");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn the_ledger_is_written_under_a_root_not_made_yet() {
+        let dir = tmp("ledger-root");
+        let env = Env {
+            root: dir.join("not").join("yet"),
+            ..env(&dir)
+        };
+        let out = env
+            .run(
+                Builtin::LedgerAppend,
+                &op(0),
+                &serde_json::json!({"text": "paid 5"}),
+            )
+            .await;
+        assert!(!out.is_error, "{out:?}");
+        let text = std::fs::read_to_string(env.ledger()).expect("ledger");
+        assert_eq!(text, format!("{}\tpaid 5\n", op(0)));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
