@@ -775,8 +775,7 @@ fn plan(
     mut start: Vec<Draft>,
 ) -> StepPlan {
     let request_id = ModelRequestId::new(&state.run_id, step, attempt);
-    let context = state.next_context();
-    let context_digest = Digest::of(&context);
+    let (context, context_digest) = state.next_context_digested();
     start.push(
         Draft::new(Event::StepStarted(StepStarted {
             request_id: request_id.clone(),

@@ -116,20 +116,8 @@ impl Digest {
     /// `preserve_order` feature is off in this workspace), so equal values give equal digests.
     /// The serialization is hashed as it is written (the same bytes, not collected first).
     pub fn of_json(value: &serde_json::Value) -> Self {
-        /// Feeds what serde_json writes into the hash.
-        struct Hashing(Sha256);
-        impl std::io::Write for Hashing {
-            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-                self.0.update(buf);
-                Ok(buf.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
         let mut hashing = Hashing(Sha256::new());
-        // Serializing a `Value` into a writer that never fails cannot fail.
-        let _ = serde_json::to_writer(&mut hashing, value);
+        hashing.canonical(value);
         Self::of_hash(hashing.0.finalize().as_slice())
     }
 
@@ -140,6 +128,77 @@ impl Digest {
 
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// Feeds what serde_json writes into the hash.
+#[derive(Clone)]
+struct Hashing(Sha256);
+
+impl Hashing {
+    /// Hashes `value`'s canonical JSON form.
+    fn canonical(&mut self, value: &serde_json::Value) {
+        // Serializing a `Value` into a writer that never fails cannot fail.
+        let _ = serde_json::to_writer(self, value);
+    }
+}
+
+impl std::io::Write for Hashing {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// [`Digest::of`] a sequence, item by item: after items `a, b`, [`SeqDigest::digest`] is
+/// `Digest::of(&[a, b])` (the same bytes are hashed: `[`, each item's canonical form, `,`
+/// between them, `]`), and a clone goes on from there. So a sequence that only grows (a run's
+/// transcript) is hashed once over its life instead of whole at every step.
+#[derive(Clone)]
+pub struct SeqDigest {
+    hashing: Hashing,
+    items: usize,
+}
+
+impl Default for SeqDigest {
+    fn default() -> Self {
+        let mut hashing = Hashing(Sha256::new());
+        hashing.0.update(b"[");
+        Self { hashing, items: 0 }
+    }
+}
+
+impl SeqDigest {
+    /// How many items were pushed.
+    pub fn items(&self) -> usize {
+        self.items
+    }
+
+    pub fn push<T: Serialize>(&mut self, item: &T) {
+        if self.items > 0 {
+            self.hashing.0.update(b",");
+        }
+        self.hashing
+            .canonical(&serde_json::to_value(item).unwrap_or(serde_json::Value::Null));
+        self.items += 1;
+    }
+
+    /// The digest of the items pushed so far.
+    pub fn digest(&self) -> Digest {
+        let mut hash = self.hashing.0.clone();
+        hash.update(b"]");
+        Digest::of_hash(hash.finalize().as_slice())
+    }
+}
+
+impl fmt::Debug for SeqDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SeqDigest")
+            .field("items", &self.items)
+            .finish_non_exhaustive()
     }
 }
 
@@ -1335,6 +1394,26 @@ mod tests {
         for t in [T::UserMessage, T::ToolResult, T::CancelRequested, T::Nudge] {
             assert_eq!(t.kind(), EventKind::Input, "{t}");
         }
+    }
+
+    #[test]
+    fn a_sequence_digested_item_by_item_is_the_digest_of_the_whole() {
+        let items = [
+            serde_json::json!({"b": 1, "a": [1, 2]}),
+            serde_json::json!("text"),
+            serde_json::json!(null),
+        ];
+        let mut seq = SeqDigest::default();
+        assert_eq!(seq.digest(), Digest::of(&Vec::<serde_json::Value>::new()));
+        for (n, item) in items.iter().enumerate() {
+            seq.push(item);
+            assert_eq!(seq.items(), n + 1);
+            assert_eq!(seq.digest(), Digest::of(&items[..=n].to_vec()), "{n}");
+        }
+        // Taking the digest does not end the sequence.
+        let before = seq.digest();
+        seq.push(&items[0]);
+        assert_ne!(seq.digest(), before);
     }
 
     #[test]

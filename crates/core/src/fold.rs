@@ -24,9 +24,9 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::event::{
-    ApprovalRequested, AssistantMessage, Envelope, Event, EventType, Gate, OpFate, OpSummary,
-    Resolution, RunCreated, RunFailed, TimerPurpose, Timestamp, ToolCall, Usage, Verdict,
-    WaitReason,
+    ApprovalRequested, AssistantMessage, Digest, Envelope, Event, EventType, Gate, OpFate,
+    OpSummary, Resolution, RunCreated, RunFailed, SeqDigest, TimerPurpose, Timestamp, ToolCall,
+    Usage, Verdict, WaitReason,
 };
 use crate::ids::{
     ApprovalId, Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, RunId, StepNo,
@@ -356,8 +356,11 @@ pub struct RunState {
     pub step: StepNo,
     pub open_step: Option<OpenStep>,
     /// The conversation the next model call continues (user input, assistant turns, consumed
-    /// tool results and messages).
+    /// tool results and messages). Only ever appended to (the context digest hashes each
+    /// message of it once, [`RunState::next_context_digested`]).
     pub transcript: Vec<ChatMessage>,
+    /// The transcript's messages hashed so far for the context digest.
+    pub transcript_digest: TranscriptDigest,
     pub ops: BTreeMap<OperationId, ToolOp>,
     pub pending_messages: Vec<PendingInput>,
     pub questions: BTreeMap<QuestionId, QuestionState>,
@@ -389,6 +392,45 @@ pub struct RunState {
     pub turn_first_step: StepNo,
     /// The compensation the run is in or went through (`run.compensating`).
     pub compensation: Option<crate::event::RunCompensating>,
+}
+
+/// The hash state of a run's transcript so far ([`RunState::next_context_digested`]): derived
+/// from the transcript, so two states are equal whatever it holds, and a clone carries it.
+#[derive(Default)]
+pub struct TranscriptDigest(std::sync::Mutex<SeqDigest>);
+
+impl TranscriptDigest {
+    fn hashed(&self) -> SeqDigest {
+        self.0.lock().map(|d| d.clone()).unwrap_or_default()
+    }
+
+    fn keep(&self, hashed: &SeqDigest) {
+        if let Ok(mut d) = self.0.lock()
+            && hashed.items() > d.items()
+        {
+            *d = hashed.clone();
+        }
+    }
+}
+
+impl Clone for TranscriptDigest {
+    fn clone(&self) -> Self {
+        Self(std::sync::Mutex::new(self.hashed()))
+    }
+}
+
+impl PartialEq for TranscriptDigest {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for TranscriptDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("TranscriptDigest")
+            .field(&self.hashed().items())
+            .finish()
+    }
 }
 
 /// The part of a step's decision group already journaled.
@@ -542,6 +584,7 @@ impl RunState {
             transcript: vec![ChatMessage::User {
                 text: created.input.clone(),
             }],
+            transcript_digest: TranscriptDigest::default(),
             ops: BTreeMap::new(),
             pending_messages: Vec::new(),
             questions: BTreeMap::new(),
@@ -1421,6 +1464,26 @@ impl RunState {
         let mut context = self.transcript.clone();
         context.extend(self.consumable(self.last_seq));
         context
+    }
+
+    /// [`RunState::next_context`] and its digest (`Digest::of` the context, the same value):
+    /// the transcript's messages are hashed once over the run's life (kept in
+    /// [`RunState::transcript_digest`]), only what follows them at every step.
+    pub fn next_context_digested(&self) -> (Vec<ChatMessage>, Digest) {
+        let context = self.next_context();
+        let mut hashed = self.transcript_digest.hashed();
+        // Appended to only; anything else (a state built by hand) is hashed again.
+        if hashed.items() > self.transcript.len() {
+            hashed = SeqDigest::default();
+        }
+        for m in &self.transcript[hashed.items()..] {
+            hashed.push(m);
+        }
+        self.transcript_digest.keep(&hashed);
+        for m in &context[self.transcript.len()..] {
+            hashed.push(m);
+        }
+        (context, hashed.digest())
     }
 
     /// What the run waits on, derived from open work (for status reports).

@@ -241,6 +241,68 @@ fn three_steps_with_parallel_tools_succeed() {
     record_fixture("three-steps-parallel-tools", &sim);
 }
 
+/// The context digest a long-lived state gives (its transcript hashed once, only the new
+/// messages at each step: `RunState::next_context_digested`) is `Digest::of` the whole context,
+/// step after step, with messages consumed mid-run, for a clone taken mid-way, and for a state
+/// whose transcript is not the one it hashed.
+#[test]
+fn the_context_digest_of_a_state_kept_across_steps_is_the_digest_of_its_context() {
+    let mut sim = Sim::new(Budget::default());
+    let mut live = sim.state();
+    let mut folded = sim.events.len();
+    let catch_up = |live: &mut RunState, folded: &mut usize, sim: &Sim| {
+        for (seq, env) in &sim.events[*folded..] {
+            live.apply(*seq, env).expect("applies");
+        }
+        *folded = sim.events.len();
+    };
+    let check = |state: &RunState| {
+        let (context, digest) = state.next_context_digested();
+        assert_eq!(context, state.next_context());
+        assert_eq!(
+            digest,
+            Digest::of(&context),
+            "at {} messages",
+            context.len()
+        );
+        digest
+    };
+    let mut digests = Vec::new();
+    for step in 1..=4u32 {
+        catch_up(&mut live, &mut folded, &sim);
+        let digest = check(&live);
+        // A fresh fold (nothing hashed yet) plans the same digest.
+        assert_eq!(sim.expect_step().context_digest, digest);
+        digests.push(digest);
+        if step == 2 {
+            // A clone carries what was hashed, and each goes on by itself.
+            let clone = live.clone();
+            assert_eq!(check(&clone), check(&live));
+        }
+        sim.run_step(tools(&[(&format!("call_{step}"), "read_file")]));
+        let op = sim.ops_of(step).remove(0);
+        sim.result(&op, &format!("result {step}"));
+        if step % 2 == 1 {
+            // Consumed by the next step: in its context, then in the transcript.
+            sim.input(
+                Event::UserMessage(UserMessage {
+                    text: format!("and then {step}"),
+                }),
+                None,
+            );
+        }
+    }
+    catch_up(&mut live, &mut folded, &sim);
+    check(&live);
+    digests.dedup();
+    assert_eq!(digests.len(), 4, "every step's context differs");
+    // A transcript shorter than what was hashed (a state built or changed by hand) is hashed
+    // again from its start.
+    let mut cut = live.clone();
+    cut.transcript.truncate(2);
+    check(&cut);
+}
+
 /// With `KEDGE_BLESS=1`, writes a scenario's journal as a replay fixture (JSON lines of
 /// `{"seq": …, "event": <envelope>}`) with a summary of the state it must fold into. Fixtures are
 /// never rewritten silently: a changed fixture shows in review.
