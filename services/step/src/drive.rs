@@ -9,11 +9,11 @@ use kedge_core::agent::AgentDefinition;
 use kedge_core::child;
 use kedge_core::decide::{Idle, Next, StepPlan, complete_step, decide};
 use kedge_core::event::{
-    CancelRequested, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed,
-    Timestamp, ToolResult,
+    CancelRequested, Digest, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt,
+    RunFailed, Timestamp, ToolResult,
 };
 use kedge_core::fold::{ChatMessage, FoldError, RunState, ToolOp};
-use kedge_core::ids::{InputId, OperationId, RunId};
+use kedge_core::ids::{AgentName, InputId, OperationId, RunId};
 use kedge_core::machine::RunStatus;
 use kedge_core::subjects::{self, TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_core::tools::Contract;
@@ -97,7 +97,8 @@ impl DriveError {
 /// Drives runs. Cheap to clone.
 #[derive(Clone)]
 pub struct Driver {
-    rt: Runtime,
+    /// Shared: a driver is cloned per drive and per parked lease.
+    rt: Arc<Runtime>,
     model: ModelClient,
     /// Runs whose cancellation was just requested (from a core-NATS subscription on
     /// `cancel.requested` inputs); an in-flight model call of such a run is aborted.
@@ -121,7 +122,22 @@ pub struct Driver {
     /// Leases kept after drives that left their runs waiting on tools ([`Parked`]).
     parked: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Parked>>>,
     park_ids: Arc<AtomicU64>,
+    /// Agent revisions this process drove runs of, hashed once (a revision never changes).
+    revisions: Arc<std::sync::Mutex<std::collections::HashMap<(AgentName, u64), Revision>>>,
 }
+
+/// An agent revision with what each step checks and uses: its digests (against the ones its
+/// runs froze) and its tool contract.
+#[derive(Clone)]
+struct Revision {
+    def: Arc<AgentDefinition>,
+    prompt_digest: Digest,
+    tools_digest: Digest,
+    contract: Arc<Contract>,
+}
+
+/// Agent revisions kept hashed ([`Driver::definition`]); all are forgotten when it is full.
+const CACHE_REVISIONS: usize = 256;
 
 impl std::fmt::Debug for Driver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -288,7 +304,7 @@ impl Driver {
         liveness: Liveness,
     ) -> Self {
         Self {
-            rt,
+            rt: Arc::new(rt),
             model,
             cancels,
             liveness,
@@ -298,6 +314,7 @@ impl Driver {
             children: Arc::default(),
             parked: Arc::default(),
             park_ids: Arc::default(),
+            revisions: Arc::default(),
         }
     }
 
@@ -1019,7 +1036,7 @@ impl Driver {
                 Next::Finish(cut) => {
                     tracing::warn!(run_id = %run, step = %cut.step, landed = cut.landed, "finishing a step's decisions cut short");
                     let contract = match self.definition(state).await {
-                        Ok(def) => Contract::of(&def),
+                        Ok((_, contract)) => contract,
                         Err(reason) => {
                             let fail = Draft::new(Event::RunFailed(RunFailed {
                                 reason: FailureReason::Internal,
@@ -1050,8 +1067,8 @@ impl Driver {
             tracing::info_span!("step", run_id = %run, step = %plan.step, attempt = %plan.attempt);
         kedge_runtime::trace::set_parent(&span, state.bundle.traceparent.as_deref());
         async {
-            let def = match self.definition(state).await {
-                Ok(def) => def,
+            let (def, contract) = match self.definition(state).await {
+                Ok(found) => found,
                 Err(reason) => {
                     let fail = Draft::new(Event::RunFailed(RunFailed {
                         reason: FailureReason::Internal,
@@ -1064,7 +1081,6 @@ impl Driver {
             };
             // The tool contract of the run's revision: calls it refuses were not dispatched,
             // and the model reads the refusal as their result.
-            let contract = Contract::of(&def);
             let mut plan = plan;
             plan.answer_refused(&contract);
             // A worker that died after the model answered left the response behind.
@@ -1415,21 +1431,50 @@ impl Driver {
     }
 
     /// The agent definition the run froze, checked against the bundle's digests.
-    async fn definition(&self, state: &RunState) -> Result<Arc<AgentDefinition>, String> {
+    /// The run's agent revision, checked against the digests its `run.created` froze, and its
+    /// tool contract.
+    async fn definition(
+        &self,
+        state: &RunState,
+    ) -> Result<(Arc<AgentDefinition>, Arc<Contract>), String> {
         let b = &state.bundle;
-        let def = self
-            .rt
-            .agents
-            .at_revision(&b.agent, b.agent_revision)
-            .await
-            .map_err(|e| e.to_string())?;
-        if def.prompt_digest() != b.prompt_digest || def.tools_digest() != b.tools_digest {
+        let key = (b.agent.clone(), b.agent_revision);
+        let known = self
+            .revisions
+            .lock()
+            .ok()
+            .and_then(|r| r.get(&key).cloned());
+        let revision = match known {
+            Some(revision) => revision,
+            None => {
+                let def = self
+                    .rt
+                    .agents
+                    .at_revision(&b.agent, b.agent_revision)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let revision = Revision {
+                    prompt_digest: def.prompt_digest(),
+                    tools_digest: def.tools_digest(),
+                    contract: Contract::of(&def),
+                    def,
+                };
+                if let Ok(mut revisions) = self.revisions.lock() {
+                    if revisions.len() >= CACHE_REVISIONS {
+                        revisions.clear();
+                    }
+                    revisions.insert(key, revision.clone());
+                }
+                revision
+            }
+        };
+        if revision.prompt_digest != b.prompt_digest || revision.tools_digest != b.tools_digest {
             return Err(format!(
                 "agent {} revision {} no longer matches the digests frozen in run.created",
                 b.agent, b.agent_revision
             ));
         }
-        Ok(def)
+        Ok((revision.def, revision.contract))
     }
 
     async fn call_model(
