@@ -85,10 +85,10 @@ impl StepPlan {
     /// the journaled call and the run's frozen revision, so every attempt, worker and replay
     /// builds the same context.
     pub fn answer_refused(&mut self, contract: &Contract) {
-        let mut out = Vec::with_capacity(self.context.len());
-        let mut changed = false;
+        // The refusals to insert, each with the position of the turn it follows (the context is
+        // copied only when there is one: most steps have none).
+        let mut refusals: Vec<(usize, ChatMessage)> = Vec::new();
         for (i, message) in self.context.iter().enumerate() {
-            out.push(message.clone());
             let ChatMessage::Assistant { message: turn } = message else {
                 continue;
             };
@@ -109,17 +109,27 @@ impl StepPlan {
                     continue;
                 }
                 if let Err(refusal) = contract.check(call) {
-                    changed = true;
-                    out.push(ChatMessage::Tool {
-                        call_id: call.call_id.clone(),
-                        content: refusal.to_string(),
-                        is_error: true,
-                    });
+                    refusals.push((
+                        i,
+                        ChatMessage::Tool {
+                            call_id: call.call_id.clone(),
+                            content: refusal.to_string(),
+                            is_error: true,
+                        },
+                    ));
                 }
             }
         }
-        if !changed {
+        if refusals.is_empty() {
             return;
+        }
+        let mut out = Vec::with_capacity(self.context.len() + refusals.len());
+        let mut refusals = refusals.into_iter().peekable();
+        for (i, message) in std::mem::take(&mut self.context).into_iter().enumerate() {
+            out.push(message);
+            while let Some((_, refusal)) = refusals.next_if(|(at, _)| *at == i) {
+                out.push(refusal);
+            }
         }
         self.context = out;
         self.context_digest = Digest::of(&self.context);

@@ -1273,6 +1273,16 @@ fn undeclared_tools_and_invalid_arguments_are_refused_and_never_dispatched() {
     let (bad, is_error) = result("c_bad");
     assert!(is_error && bad.contains("at /path:"), "{bad}");
     assert_eq!(result("c_ok"), ("the notes".to_owned(), false));
+    // The refusals right after the turn, in call order, then the results journaled.
+    let answers: Vec<&str> = plan
+        .context
+        .iter()
+        .filter_map(|m| match m {
+            ChatMessage::Tool { call_id, .. } => Some(call_id.as_str()),
+            ChatMessage::User { .. } | ChatMessage::Assistant { .. } => None,
+        })
+        .collect();
+    assert_eq!(answers, ["c_write", "c_bad", "c_ok"]);
     // Answering again changes nothing (every worker and attempt builds the same context).
     let once = plan.clone();
     plan.answer_refused(&contract);
