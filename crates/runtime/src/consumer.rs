@@ -110,10 +110,25 @@ pub fn dead_letter_subject(consumer: &str) -> String {
     format!("agent.rejected.dead.{consumer}")
 }
 
-/// The `max_deliver` of consumer `name`'s file; `None` when unbounded (or unknown).
+/// The `max_deliver` of consumer `name`'s file; `None` when unbounded (or unknown). The files
+/// are parsed once (this is asked on every delivery).
 pub fn max_deliver(name: &str) -> Option<i64> {
-    let (_, config) = config(name, Duration::from_secs(1)).ok()?;
-    (config.max_deliver > 0).then_some(config.max_deliver)
+    static MAX_DELIVER: std::sync::OnceLock<Vec<(&'static str, Option<i64>)>> =
+        std::sync::OnceLock::new();
+    let all = MAX_DELIVER.get_or_init(|| {
+        CONSUMERS
+            .iter()
+            .map(|(_, name, _)| {
+                let max = config(name, Duration::from_secs(1))
+                    .ok()
+                    .and_then(|(_, c)| (c.max_deliver > 0).then_some(c.max_deliver));
+                (*name, max)
+            })
+            .collect()
+    });
+    all.iter()
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, max)| *max)
 }
 
 /// How many times the server delivered `msg` (1 the first time; 1 if it does not say).
@@ -345,7 +360,10 @@ mod tests {
         // Every consumer's handler gives up on the last delivery: every one has a bound.
         for (_, name, _) in CONSUMERS {
             assert!(max_deliver(name).is_some_and(|m| m > 1), "{name}");
+            let (_, c) = config(name, Duration::from_secs(1)).expect("parses");
+            assert_eq!(max_deliver(name), Some(c.max_deliver), "{name}: the file's");
         }
+        assert_eq!(max_deliver("no-such-consumer"), None);
     }
 
     #[test]
