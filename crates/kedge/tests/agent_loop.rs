@@ -67,6 +67,21 @@ async fn a_three_step_run_with_parallel_tools_succeeds_with_one_call_per_request
             .any(|r| matches!(r.envelope.event, Event::ModelAttempt(_))),
         "no model call failed"
     );
+    // Each response was stored as well as journaled (what a worker killed before its commit
+    // would have reused).
+    let mut stored = 0;
+    for r in &events {
+        if let Event::StepCompleted(c) = &r.envelope.event {
+            let kept =
+                h.rt.idempotency
+                    .stored_response(&c.request_id)
+                    .await
+                    .expect("read the stored response");
+            assert!(kept.is_some(), "response of {} not stored", c.request_id);
+            stored += 1;
+        }
+    }
+    assert_eq!(stored, 4);
     assert_eq!(h.ledger().len(), 1);
     h.shutdown().await;
 }
