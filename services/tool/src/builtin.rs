@@ -729,6 +729,16 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// One `ledger_append` of "paid 5" as operation 0.
+    async fn pay(env: &Env) -> Output {
+        env.run(
+            Builtin::LedgerAppend,
+            &op(0),
+            &serde_json::json!({"text": "paid 5"}),
+        )
+        .await
+    }
+
     #[tokio::test]
     async fn the_test_ledger_is_not_offered_unless_configured() {
         let dir = tmp("ledger-off");
@@ -736,13 +746,7 @@ mod tests {
             ledger: false,
             ..env(&dir)
         };
-        let out = env
-            .run(
-                Builtin::LedgerAppend,
-                &op(0),
-                &serde_json::json!({"text": "paid 5"}),
-            )
-            .await;
+        let out = pay(&env).await;
         assert!(
             out.is_error && out.content.contains("not offered"),
             "{out:?}"
@@ -758,13 +762,7 @@ mod tests {
             root: dir.join("not").join("yet"),
             ..env(&dir)
         };
-        let out = env
-            .run(
-                Builtin::LedgerAppend,
-                &op(0),
-                &serde_json::json!({"text": "paid 5"}),
-            )
-            .await;
+        let out = pay(&env).await;
         assert!(!out.is_error, "{out:?}");
         let text = std::fs::read_to_string(env.ledger()).expect("ledger");
         assert_eq!(text, format!("{}\tpaid 5\n", op(0)));
