@@ -208,7 +208,10 @@ async fn submit_answer_revive_list_history_and_rebuild() {
     assert_eq!(none["runs"], json!([]));
     // Pagination: one run per page, the cursor continues.
     let (_, p1) = api.get("/v1/runs?limit=1").await;
-    let cursor = p1["next_cursor"].as_str().expect("cursor").to_owned();
+    let cursor = p1["next_cursor"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a page of one of two runs has a cursor: {p1}; all: {runs:?}"))
+        .to_owned();
     let (_, p2) = api.get(&format!("/v1/runs?limit=1&cursor={cursor}")).await;
     assert_eq!(p2["next_cursor"], Value::Null);
     assert_eq!(
