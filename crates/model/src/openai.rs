@@ -24,7 +24,7 @@ use kedge_core::event::{AssistantMessage, FinishReason, ToolCall, Usage};
 use kedge_core::fold::ChatMessage;
 use kedge_core::settings::ToolChoice;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use crate::context::{EMPTY_PLACEHOLDER, history_arguments, non_empty, normalize, parse_arguments};
 use crate::error::{ErrorBody, ModelError, ModelErrorKind};
@@ -79,8 +79,9 @@ struct Function<'a> {
 #[derive(Debug, Serialize)]
 struct Body<'a> {
     messages: Vec<Message<'a>>,
+    /// An object ([`settings`]), its fields written beside `messages`.
     #[serde(flatten)]
-    rest: Map<String, Value>,
+    rest: Value,
 }
 
 /// The request body for `call`, as JSON bytes.
@@ -144,10 +145,7 @@ fn body<'a>(call: &'a ModelCall<'_>, context: &'a [Cow<'_, ChatMessage>]) -> Bod
     }
     Body {
         messages,
-        rest: match settings(call) {
-            Value::Object(rest) => rest,
-            _ => Map::new(),
-        },
+        rest: settings(call),
     }
 }
 
