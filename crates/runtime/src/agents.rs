@@ -21,7 +21,9 @@ use std::sync::{Arc, Mutex};
 use async_nats::jetstream::kv::{Operation, Store};
 use futures::TryStreamExt;
 use kedge_core::agent::{AgentDefinition, DefinitionError};
+use kedge_core::event::Digest;
 use kedge_core::ids::AgentName;
+use kedge_core::tools::Contract;
 
 /// Why an agent definition could not be stored or read.
 #[derive(Debug, thiserror::Error)]
@@ -42,8 +44,36 @@ pub enum AgentError {
     Unavailable(String),
 }
 
-/// Definitions by (name, revision); a revision never changes, so it is cached forever.
-type RevisionCache = Arc<Mutex<HashMap<(AgentName, u64), Arc<AgentDefinition>>>>;
+/// An agent revision as read, with what every step of its runs checks and uses, computed once:
+/// its digests (against the ones a run froze in `run.created`) and its tool contract.
+#[derive(Debug)]
+pub struct Revision {
+    pub def: Arc<AgentDefinition>,
+    pub prompt_digest: Digest,
+    pub tools_digest: Digest,
+    contract: std::sync::OnceLock<Arc<Contract>>,
+}
+
+impl Revision {
+    fn new(def: AgentDefinition) -> Self {
+        Self {
+            prompt_digest: def.prompt_digest(),
+            tools_digest: def.tools_digest(),
+            def: Arc::new(def),
+            contract: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The revision's tool contract ([`Contract::of`]), compiled on first use.
+    pub fn contract(&self) -> Arc<Contract> {
+        self.contract
+            .get_or_init(|| Contract::of(&self.def))
+            .clone()
+    }
+}
+
+/// Revisions by (name, revision); a revision never changes, so it is cached forever.
+type RevisionCache = Arc<Mutex<HashMap<(AgentName, u64), Arc<Revision>>>>;
 
 /// Handle on `kedge_agents`, with a cache of immutable revisions.
 #[derive(Clone)]
@@ -147,9 +177,9 @@ impl AgentStore {
             .map_err(|e| AgentError::Unavailable(e.to_string()))?;
         match entry {
             Some(e) if e.operation == Operation::Put => {
-                let def = Arc::new(Self::parse(name, e.revision, &e.value)?);
-                self.remember(name, e.revision, &def);
-                Ok((e.revision, def))
+                let revision =
+                    self.remember(name, e.revision, Self::parse(name, e.revision, &e.value)?);
+                Ok((e.revision, revision.def.clone()))
             }
             _ => Err(AgentError::NotFound(name.clone())),
         }
@@ -161,10 +191,19 @@ impl AgentStore {
         name: &AgentName,
         revision: u64,
     ) -> Result<Arc<AgentDefinition>, AgentError> {
+        Ok(self.revision(name, revision).await?.def.clone())
+    }
+
+    /// [`AgentStore::at_revision`] with the revision's digests and contract.
+    pub async fn revision(
+        &self,
+        name: &AgentName,
+        revision: u64,
+    ) -> Result<Arc<Revision>, AgentError> {
         if let Ok(cache) = self.cache.lock()
-            && let Some(def) = cache.get(&(name.clone(), revision))
+            && let Some(known) = cache.get(&(name.clone(), revision))
         {
-            return Ok(def.clone());
+            return Ok(known.clone());
         }
         // The copy (every revision but possibly the newest has one), then the key's history.
         let copy = self
@@ -182,9 +221,7 @@ impl AgentStore {
         };
         match entry {
             Some(e) if e.operation == Operation::Put => {
-                let def = Arc::new(Self::parse(name, revision, &e.value)?);
-                self.remember(name, revision, &def);
-                Ok(def)
+                Ok(self.remember(name, revision, Self::parse(name, revision, &e.value)?))
             }
             _ => Err(AgentError::NoRevision {
                 name: name.clone(),
@@ -193,10 +230,12 @@ impl AgentStore {
         }
     }
 
-    fn remember(&self, name: &AgentName, revision: u64, def: &Arc<AgentDefinition>) {
+    fn remember(&self, name: &AgentName, revision: u64, def: AgentDefinition) -> Arc<Revision> {
+        let known = Arc::new(Revision::new(def));
         if let Ok(mut cache) = self.cache.lock() {
-            cache.insert((name.clone(), revision), def.clone());
+            cache.insert((name.clone(), revision), known.clone());
         }
+        known
     }
 
     /// Every key of the bucket (agent names and revision copies).

@@ -9,11 +9,11 @@ use kedge_core::agent::AgentDefinition;
 use kedge_core::child;
 use kedge_core::decide::{Idle, Next, StepPlan, complete_step, decide};
 use kedge_core::event::{
-    CancelRequested, Digest, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt,
-    RunFailed, Timestamp, ToolResult,
+    CancelRequested, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed,
+    Timestamp, ToolResult,
 };
 use kedge_core::fold::{ChatMessage, FoldError, RunState, ToolOp};
-use kedge_core::ids::{AgentName, InputId, OperationId, RunId};
+use kedge_core::ids::{InputId, OperationId, RunId};
 use kedge_core::machine::RunStatus;
 use kedge_core::subjects::{self, TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_core::tools::Contract;
@@ -122,22 +122,7 @@ pub struct Driver {
     /// Leases kept after drives that left their runs waiting on tools ([`Parked`]).
     parked: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Parked>>>,
     park_ids: Arc<AtomicU64>,
-    /// Agent revisions this process drove runs of, hashed once (a revision never changes).
-    revisions: Arc<std::sync::Mutex<std::collections::HashMap<(AgentName, u64), Revision>>>,
 }
-
-/// An agent revision with what each step checks and uses: its digests (against the ones its
-/// runs froze) and its tool contract.
-#[derive(Clone)]
-struct Revision {
-    def: Arc<AgentDefinition>,
-    prompt_digest: Digest,
-    tools_digest: Digest,
-    contract: Arc<Contract>,
-}
-
-/// Agent revisions kept hashed ([`Driver::definition`]); all are forgotten when it is full.
-const CACHE_REVISIONS: usize = 256;
 
 impl std::fmt::Debug for Driver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -314,7 +299,6 @@ impl Driver {
             children: Arc::default(),
             parked: Arc::default(),
             park_ids: Arc::default(),
-            revisions: Arc::default(),
         }
     }
 
@@ -1430,51 +1414,26 @@ impl Driver {
         }
     }
 
-    /// The agent definition the run froze, checked against the bundle's digests.
     /// The run's agent revision, checked against the digests its `run.created` froze, and its
-    /// tool contract.
+    /// tool contract (both computed once per revision by the agent store).
     async fn definition(
         &self,
         state: &RunState,
     ) -> Result<(Arc<AgentDefinition>, Arc<Contract>), String> {
         let b = &state.bundle;
-        let key = (b.agent.clone(), b.agent_revision);
-        let known = self
-            .revisions
-            .lock()
-            .ok()
-            .and_then(|r| r.get(&key).cloned());
-        let revision = match known {
-            Some(revision) => revision,
-            None => {
-                let def = self
-                    .rt
-                    .agents
-                    .at_revision(&b.agent, b.agent_revision)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let revision = Revision {
-                    prompt_digest: def.prompt_digest(),
-                    tools_digest: def.tools_digest(),
-                    contract: Contract::of(&def),
-                    def,
-                };
-                if let Ok(mut revisions) = self.revisions.lock() {
-                    if revisions.len() >= CACHE_REVISIONS {
-                        revisions.clear();
-                    }
-                    revisions.insert(key, revision.clone());
-                }
-                revision
-            }
-        };
+        let revision = self
+            .rt
+            .agents
+            .revision(&b.agent, b.agent_revision)
+            .await
+            .map_err(|e| e.to_string())?;
         if revision.prompt_digest != b.prompt_digest || revision.tools_digest != b.tools_digest {
             return Err(format!(
                 "agent {} revision {} no longer matches the digests frozen in run.created",
                 b.agent, b.agent_revision
             ));
         }
-        Ok((revision.def, revision.contract))
+        Ok((revision.def.clone(), revision.contract()))
     }
 
     async fn call_model(

@@ -1,0 +1,61 @@
+//! An agent revision read back carries what every step of its runs checks and uses: its digests
+//! and its tool contract, computed once per revision, and an older revision keeps its own after
+//! the agent is edited.
+
+use std::sync::Arc;
+
+use kedge_core::agent::AgentDefinition;
+use kedge_core::tools::Contract;
+use kedge_journal::{LayoutOptions, ensure_layout};
+use kedge_runtime::agents::AgentStore;
+use kedge_testkit::NatsServer;
+
+fn definition(prompt: &str, tools: &[&str]) -> AgentDefinition {
+    let def = serde_json::json!({
+        "name": "rev",
+        "system_prompt": prompt,
+        "model": {"provider": "openai", "name": "gpt-mock"},
+        "tools": tools,
+    });
+    AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent")
+}
+
+#[tokio::test]
+async fn a_revision_carries_its_digests_and_one_contract() {
+    let server = NatsServer::start().await;
+    let client = async_nats::connect(server.url()).await.expect("connects");
+    ensure_layout(&client, &LayoutOptions::default())
+        .await
+        .expect("layout");
+    let js = async_nats::jetstream::new(client.clone());
+    let store = AgentStore::new(js.get_key_value("kedge_agents").await.expect("bucket"));
+    let first = definition("Be brief.", &["read_file"]);
+    let second = definition("Be thorough.", &["read_file", "write_file"]);
+    let r1 = store.put(&first).await.expect("stored");
+    let r2 = store.put(&second).await.expect("stored");
+    // A fresh store reads them from the bucket; the first read of each is cached.
+    let fresh = AgentStore::new(js.get_key_value("kedge_agents").await.expect("bucket"));
+    for (revision, def) in [(r1, &first), (r2, &second)] {
+        let got = fresh.revision(&def.name, revision).await.expect("revision");
+        assert_eq!(*got.def, *def);
+        assert_eq!(got.prompt_digest, def.prompt_digest());
+        assert_eq!(got.tools_digest, def.tools_digest());
+        let again = fresh.revision(&def.name, revision).await.expect("revision");
+        assert!(Arc::ptr_eq(&got, &again), "read once");
+        assert!(Arc::ptr_eq(&got.contract(), &again.contract()));
+        assert!(Arc::ptr_eq(&got.contract(), &Contract::of(def)));
+    }
+    assert_ne!(
+        fresh
+            .revision(&first.name, r1)
+            .await
+            .expect("r1")
+            .tools_digest,
+        fresh
+            .revision(&first.name, r2)
+            .await
+            .expect("r2")
+            .tools_digest
+    );
+    drop(server);
+}
