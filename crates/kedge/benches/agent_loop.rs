@@ -460,7 +460,7 @@ impl Broker {
     fn pids(&self) -> Vec<u32> {
         match self {
             Broker::Single(s) => s.pid().into_iter().collect(),
-            Broker::Cluster(c) => (0..3).filter_map(|n| c.pid(n)).collect(),
+            Broker::Cluster(c) => (0..NatsCluster::SIZE).filter_map(|n| c.pid(n)).collect(),
         }
     }
 }
