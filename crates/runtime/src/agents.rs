@@ -44,27 +44,42 @@ pub enum AgentError {
     Unavailable(String),
 }
 
-/// An agent revision as read, with what every step of its runs checks and uses, computed once:
-/// its digests (against the ones a run froze in `run.created`) and its tool contract.
+/// An agent revision as read, with what every step of its runs checks and uses, each computed
+/// once on first use: its digests (against the ones a run froze in `run.created`) and its tool
+/// contract.
 #[derive(Debug)]
 pub struct Revision {
     pub def: Arc<AgentDefinition>,
-    pub prompt_digest: Digest,
-    pub tools_digest: Digest,
+    /// The prompt's and the tools' digests.
+    digests: std::sync::OnceLock<(Digest, Digest)>,
     contract: std::sync::OnceLock<Arc<Contract>>,
 }
 
 impl Revision {
     fn new(def: AgentDefinition) -> Self {
         Self {
-            prompt_digest: def.prompt_digest(),
-            tools_digest: def.tools_digest(),
             def: Arc::new(def),
+            digests: std::sync::OnceLock::new(),
             contract: std::sync::OnceLock::new(),
         }
     }
 
-    /// The revision's tool contract ([`Contract::of`]), compiled on first use.
+    fn digests(&self) -> &(Digest, Digest) {
+        self.digests
+            .get_or_init(|| (self.def.prompt_digest(), self.def.tools_digest()))
+    }
+
+    /// [`AgentDefinition::prompt_digest`].
+    pub fn prompt_digest(&self) -> &Digest {
+        &self.digests().0
+    }
+
+    /// [`AgentDefinition::tools_digest`].
+    pub fn tools_digest(&self) -> &Digest {
+        &self.digests().1
+    }
+
+    /// The revision's tool contract ([`Contract::of`]).
     pub fn contract(&self) -> Arc<Contract> {
         self.contract
             .get_or_init(|| Contract::of(&self.def))

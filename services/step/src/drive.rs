@@ -1427,7 +1427,9 @@ impl Driver {
             .revision(&b.agent, b.agent_revision)
             .await
             .map_err(|e| e.to_string())?;
-        if revision.prompt_digest != b.prompt_digest || revision.tools_digest != b.tools_digest {
+        if *revision.prompt_digest() != b.prompt_digest
+            || *revision.tools_digest() != b.tools_digest
+        {
             return Err(format!(
                 "agent {} revision {} no longer matches the digests frozen in run.created",
                 b.agent, b.agent_revision
