@@ -232,6 +232,99 @@ async fn a_tool_worker_killed_after_its_side_effect_does_not_repeat_it() {
     }
 }
 
+/// The record of an operation and its `tool.result` are written together: a runner can die with
+/// the result journaled and the record still `running` (the switch leaves the record unwritten,
+/// the failpoint kills the runner before it acknowledges the request). The runner that takes the
+/// operation over finds the result in the journal, finishes the record from it and runs nothing:
+/// an idempotent tool (no confirm query) would otherwise run a second time, under a second
+/// `tool.started`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_journaled_before_its_record_is_not_run_again_by_the_taker() {
+    let script = json!({"models": {"mw": {"steps": [
+        {"text": "writing", "tool_calls": [call("write_file", json!({"path": "a.txt", "content": "alpha"}))]},
+        {"text": "written"}
+    ]}}});
+    let mut h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent("writer", "mw").await;
+    let doomed = h.spawn_process(
+        "tool",
+        "w-tool-doomed",
+        "switch:tool.record_lost,tool.after_record",
+    );
+    let run = h.submit("writer", "go", "task-record-lost").await;
+    assert!(h.wait_exit(doomed, WAIT).await, "the tool worker aborts");
+    // The run has its result already: it goes on without any tool runner.
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded);
+    let op = state.ops.keys().next().expect("one op").clone();
+    let kv =
+        h.rt.js
+            .get_key_value("kedge_idempotency")
+            .await
+            .expect("bucket");
+    let key = kedge_runtime::idempotency::IdempotencyStore::op_key(&op);
+    let record = || async {
+        let entry = kv
+            .get(key.as_str())
+            .await
+            .expect("kv get")
+            .expect("a record");
+        serde_json::from_slice::<kedge_runtime::idempotency::OpRecord>(&entry).expect("record")
+    };
+    assert_eq!(
+        record().await.state,
+        kedge_runtime::idempotency::OpState::Running,
+        "the record was left running"
+    );
+    // The request was not acknowledged: redelivered to a fresh runner, which takes the record
+    // of the gone runner over.
+    h.spawn_process("tool", "w-tool-fresh", "");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let finished = loop {
+        let rec = record().await;
+        if rec.state != kedge_runtime::idempotency::OpState::Running {
+            break rec;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the fresh runner never finished the record"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(finished.runner, "w-tool-fresh");
+    let events = h.events(&run).await;
+    let result = events
+        .iter()
+        .find_map(|r| match &r.envelope.event {
+            Event::ToolResult(t) => Some(t.clone()),
+            _ => None,
+        })
+        .expect("a tool.result");
+    assert_eq!(
+        finished.state,
+        kedge_runtime::idempotency::OpState::Done {
+            content: result.content.clone(),
+            is_error: result.is_error,
+            how: kedge_runtime::idempotency::Finished::Ran,
+        },
+        "the record is finished from the journaled result"
+    );
+    let started = events
+        .iter()
+        .filter(|r| matches!(r.envelope.event, Event::ToolStarted(_)))
+        .count();
+    assert_eq!(started, 1, "the operation ran once");
+    assert_eq!(
+        events
+            .iter()
+            .filter(|r| matches!(r.envelope.event, Event::ToolResult(_)))
+            .count(),
+        1
+    );
+    assert_schema_valid(&events);
+    h.shutdown().await;
+}
+
 /// A runner that took over an abandoned operation, confirmed it happened and recorded so, dies
 /// before journaling `outcome.confirmed`: the next taker finds the record done and journals what
 /// the first would have (how the result was learned), not a plain `tool.result`. The same holds

@@ -7,8 +7,10 @@
 //!   id) and a number of hits with [`arm_panic`]. A panic is what a bug looks like: the service
 //!   must contain it (the message is handed back, the process goes on).
 //!
-//! - A switch ([`fires`]), armed in-process with [`arm`], makes the code act as a broker that
-//!   misbehaves would make it (`step.append_past_input`: an append accepted past an input).
+//! - A switch ([`fires`]), armed in-process with [`arm`] (or for every key by
+//!   `KEDGE_FAILPOINTS=switch:<name>`), makes the code act as a broker that misbehaves or a
+//!   write lost in a crash would make it (`step.append_past_input`: an append accepted past an
+//!   input; `tool.record_lost`: an operation's record not finished beside its result).
 //!
 //! The points are named where they are hit; docs/CONFIG.md lists them. With nothing armed a hit
 //! costs an atomic load or two, and no lock.
@@ -75,6 +77,14 @@ pub fn arm(name: &str, key: &str, times: u32) {
 /// a misbehaviour that no real failure produces on demand (a broker accepting what it should
 /// refuse), so the code that must survive it can be tested.
 pub fn fires(name: &str, key: &str) -> bool {
+    // Armed for every key by the environment (`KEDGE_FAILPOINTS=switch:<name>`): for a test
+    // that runs the service as a process.
+    if armed()
+        .iter()
+        .any(|a| a.strip_prefix("switch:") == Some(name))
+    {
+        return true;
+    }
     // Nothing was ever armed in this process (every production process): no lock on the
     // paths that ask (a decision append).
     if !ARMED_IN_PROCESS.load(std::sync::atomic::Ordering::Acquire) {

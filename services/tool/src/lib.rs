@@ -905,6 +905,11 @@ async fn execute(
             revision, previous, ..
         } => {
             tracing::warn!(previous_runner = %previous, "operation left running by a runner that is gone");
+            if already_journaled(rt, op, revision, req, runner).await? {
+                tracing::info!("its result is journaled; the record is finished from it");
+                metrics::tool_operation(ToolOutcome::Stored);
+                return Ok(Handled::Stored);
+            }
             let heard = ctx.adopted.lock().ok().and_then(|mut a| a.remove(op));
             metrics::takeover(Takeover::Operation, heard.map(|at| at.elapsed()));
             // A tool its retry policy declares idempotent honours the operation id: running it
@@ -1064,16 +1069,68 @@ async fn execute(
     } else {
         Finished::Ran
     };
-    record(rt, op, revision, req, runner, &out, how).await?;
-    failpoint::hit("tool.after_record");
     let outcome = match (stopped, out.is_error) {
         (true, _) => ToolOutcome::Stopped,
         (false, true) => ToolOutcome::Failed,
         (false, false) => ToolOutcome::Succeeded,
     };
-    journal_result(rt, op, out, stopped).await?;
+    // The record and the result go out together (one round trip, not two, before the run
+    // moves on). A result journaled before its record is finished (a crash in between, or a
+    // record write that failed) leaves the record `running`; whoever takes it over reads the
+    // result from the journal before anything else ([`already_journaled`]) and never runs the
+    // operation again.
+    let (recorded, journaled) = futures::join!(
+        async {
+            if failpoint::fires("tool.record_lost", op.run().as_str()) {
+                return Ok(());
+            }
+            record(rt, op, revision, req, runner, &out, how).await
+        },
+        journal_result(rt, op, out.clone(), stopped)
+    );
+    failpoint::hit("tool.after_record");
+    journaled?;
+    if let Err(e) = recorded {
+        // The run has its result; the record is finished by the next claim of the operation.
+        tracing::warn!(error = %e, "tool.result journaled but its record not finished");
+    }
     metrics::tool_operation(outcome);
     Ok(Handled::Ran)
+}
+
+/// After a claim took an abandoned record over: the operation's result, when the journal has
+/// one. The record of an operation that ran is finished and its result journaled at once
+/// (`execute`), so a runner that died in between can leave a `running` record behind a result
+/// the run already has: the record is finished from the journal and nothing runs again.
+async fn already_journaled(
+    rt: &Runtime,
+    op: &OperationId,
+    revision: u64,
+    req: &ToolRequested,
+    runner: &str,
+) -> Result<bool, ToolError> {
+    let results = rt
+        .journal
+        .read_type(op.run(), EventType::ToolResult)
+        .await?;
+    let Some(result) = results.iter().find_map(|r| match &r.envelope.event {
+        Event::ToolResult(result) if r.envelope.op.as_ref() == Some(op) => Some(result),
+        _ => None,
+    }) else {
+        return Ok(false);
+    };
+    let how = if result.stopped {
+        Finished::Stopped
+    } else {
+        Finished::Ran
+    };
+    let out = Output {
+        content: result.content.clone(),
+        is_error: result.is_error,
+        class: None,
+    };
+    record(rt, op, revision, req, runner, &out, how).await?;
+    Ok(true)
 }
 
 /// The next attempt of dispatch `dispatch` of `op`, from the run's journaled `tool.attempt`s
