@@ -28,6 +28,7 @@
 //!   last decision sequence (the server counts it), so the writer folds it in as such
 //!   (`RunState::set_aside`).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::DeliverPolicy;
@@ -84,6 +85,16 @@ pub struct Appended {
     /// Stream sequence of the last event appended (equal to `first_seq` for one event). A group
     /// is contiguous: `last_seq - first_seq + 1` events.
     pub last_seq: u64,
+}
+
+/// The latest message of one subject ([`Journal::latest_per_subject`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Latest {
+    pub seq: u64,
+    pub subject: String,
+    pub payload: Bytes,
+    /// A KV bucket's delete or purge marker (`KV-Operation`): the entry is gone.
+    pub deleted: bool,
 }
 
 /// An event as the journal holds it.
@@ -1431,6 +1442,93 @@ impl Journal {
                 other => return other,
             }
         }
+    }
+
+    /// The latest message of each subject of `stream` under `filter` (wildcards allowed):
+    /// e.g. every entry of a KV bucket under a key prefix, for a stream that keeps one message
+    /// per subject. Read by batched direct gets in stream order, each page answered as one
+    /// snapshot of the stream: a subject written while the pages are read moves to a later
+    /// sequence, which a later page reads, so none is missed, and a subject met twice keeps
+    /// its later message. (An ephemeral consumer has no such guarantee: the pending count it
+    /// reports is kept as messages come and go, and a rewrite in between can make it say 0
+    /// while a subject is still to come.) A page that finds nothing where the one before said
+    /// more was pending came from a replica that trails: asked again, then of the leader.
+    /// Costs the messages under `filter` and those of other subjects between them.
+    pub async fn latest_per_subject(
+        &self,
+        stream: &str,
+        filter: &str,
+    ) -> Result<Vec<Latest>, JournalError> {
+        let map = |e: WireError| JournalError::from_wire("read the latest per subject", e);
+        let mut latest: HashMap<String, Latest> = HashMap::new();
+        let mut keep = |m: StoredMessage| {
+            let found = Latest {
+                seq: m.seq,
+                deleted: matches!(m.header(wire::KV_OPERATION), Some("DEL" | "PURGE")),
+                subject: m.subject,
+                payload: m.payload,
+            };
+            match latest.get(&found.subject) {
+                Some(earlier) if earlier.seq >= found.seq => {}
+                _ => {
+                    latest.insert(found.subject.clone(), found);
+                }
+            }
+        };
+        let mut from = 1u64;
+        let mut owed = false;
+        let mut stale = 0;
+        loop {
+            let mut last = None;
+            let pending = wire::direct_batch(
+                &self.inbox,
+                stream,
+                filter,
+                from,
+                READ_PAGE,
+                self.timeout,
+                |m| {
+                    last = Some(m.seq);
+                    keep(m);
+                },
+            )
+            .await
+            .map_err(map)?;
+            match last {
+                Some(seq) => {
+                    from = seq.saturating_add(1);
+                    stale = 0;
+                }
+                None if owed && stale < STALE_RETRIES => {
+                    stale += 1;
+                    tokio::time::sleep(Duration::from_millis(u64::from(stale))).await;
+                    continue;
+                }
+                None if owed => {
+                    // The leader reads on, one message at a time.
+                    loop {
+                        let q = serde_json::json!({ "seq": from, "next_by_subj": filter });
+                        let Some(m) = wire::leader_get(&self.client, stream, q, self.timeout)
+                            .await
+                            .map_err(map)?
+                        else {
+                            break;
+                        };
+                        from = m.seq.saturating_add(1);
+                        keep(m);
+                    }
+                    break;
+                }
+                None => break,
+            }
+            if pending == 0 {
+                break;
+            }
+            owed = true;
+        }
+        let mut out: Vec<Latest> = latest.into_values().collect();
+        out.sort_by_key(|l| l.seq);
+        Ok(out)
     }
 
     /// Every run in the journal (each subject `agent.run.<id>.d.run.created`), from the

@@ -28,7 +28,6 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::kv::{self, Operation};
 use async_nats::jetstream::{AckKind, Context, Message};
 use futures::StreamExt;
@@ -295,57 +294,20 @@ impl Projection {
         Ok(Some((summary, stored, known)))
     }
 
-    /// Every summary of a tenant (one pass over the bucket's keys `<tenant>.>`).
+    /// Every summary of a tenant (one pass over the bucket's keys `<tenant>.>`, by batched
+    /// direct gets: [`Journal::latest_per_subject`]). A summary rewritten meanwhile is listed
+    /// once, at its newer version; an entry that does not parse is left out.
     pub async fn list(&self, tenant: &TenantId) -> Result<Vec<RunSummary>, ProjectionError> {
         let filter = format!("$KV.{RUNS_BUCKET}.{tenant}.>");
-        let kv_err = |e: &dyn std::fmt::Display| ProjectionError::Kv(e.to_string());
-        let stream = self
-            .js
-            .get_stream_no_info(format!("KV_{RUNS_BUCKET}"))
-            .await
-            .map_err(|e| kv_err(&e))?;
-        let consumer: PullConsumer = stream
-            .create_consumer(pull::Config {
-                deliver_policy: DeliverPolicy::LastPerSubject,
-                filter_subject: filter,
-                ack_policy: AckPolicy::None,
-                inactive_threshold: Duration::from_secs(10),
-                memory_storage: true,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| kv_err(&e))?;
-        let name = consumer.cached_info().name.clone();
-        let result = async {
-            let mut out = Vec::new();
-            if consumer.cached_info().num_pending == 0 {
-                return Ok(out);
-            }
-            let mut messages = consumer.messages().await.map_err(|e| kv_err(&e))?;
-            loop {
-                let next = tokio::time::timeout(Duration::from_secs(5), messages.next())
-                    .await
-                    .map_err(|_| ProjectionError::Kv("listing timed out".into()))?;
-                let Some(msg) = next else { break };
-                let msg = msg.map_err(|e| kv_err(&e))?;
-                let pending = msg.info().map(|i| i.pending).unwrap_or(0);
-                let deleted = msg
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get("KV-Operation"))
-                    .is_some();
-                if !deleted && let Ok(s) = serde_json::from_slice::<RunSummary>(&msg.payload) {
-                    out.push(s);
-                }
-                if pending == 0 {
-                    break;
-                }
-            }
-            Ok(out)
-        }
-        .await;
-        let _ = stream.delete_consumer(&name).await;
-        result
+        let entries = self
+            .journal
+            .latest_per_subject(&format!("KV_{RUNS_BUCKET}"), &filter)
+            .await?;
+        Ok(entries
+            .iter()
+            .filter(|e| !e.deleted)
+            .filter_map(|e| serde_json::from_slice::<RunSummary>(&e.payload).ok())
+            .collect())
     }
 
     /// Removes a run's summary (rebuild, for runs no longer in the journal).
