@@ -1009,7 +1009,12 @@ impl RunState {
                 self.output = Some(s.output.clone());
                 self.validation = Some(s.validation.clone());
             }
-            Event::RunFailed(f) => self.failure = Some(f.clone()),
+            Event::RunFailed(f) => {
+                self.failure = Some(f.clone());
+                // The run's end closes the step it failed on (a refused model call, a step's
+                // attempts used up): a revived turn starts a step of its own.
+                self.open_step = None;
+            }
             Event::RunCancelled(_) => {}
             Event::UserMessage(_)
             | Event::ToolStarted(_)

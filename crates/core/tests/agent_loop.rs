@@ -2146,3 +2146,83 @@ fn an_anthropic_run_is_asked_to_answer_through_the_output_tool() {
     let text = kedge_core::fold::output_feedback(Provider::Openai, &r);
     assert!(!text.contains("`output` tool"), "{text}");
 }
+
+/// A run that ended failed with a model attempt open (a refused call, or a step's attempts
+/// exhausted) is revived by a new message into the first step of a new turn. The run's end
+/// closes the step it failed on; before, the fold kept it open and refused the revived turn's
+/// `step.started` (it expected another attempt of the failed step), and the run could not go on.
+#[test]
+fn a_run_that_failed_on_a_model_error_is_revived_into_a_new_step() {
+    let fatal = kedge_core::event::AttemptOutcome::Error {
+        class: kedge_core::event::ErrorClass::Fatal,
+        message: "400 invalid request".into(),
+        status: Some(400),
+        retry_after_ms: None,
+    };
+    let overloaded = kedge_core::event::AttemptOutcome::Error {
+        class: kedge_core::event::ErrorClass::Retryable,
+        message: "529 overloaded".into(),
+        status: Some(529),
+        retry_after_ms: None,
+    };
+    for (outcome, budget) in [
+        (fatal, Budget::default()),
+        (
+            overloaded,
+            Budget {
+                max_attempts_per_step: 1,
+                ..Budget::default()
+            },
+        ),
+    ] {
+        let mut sim = Sim::new(budget);
+        let first = sim.expect_step();
+        sim.commit(first.start.clone());
+        let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
+            request_id: first.request_id.clone(),
+            outcome: outcome.clone(),
+        }))
+        .step(first.step)
+        .attempt(first.attempt);
+        let mut drafts = vec![attempt];
+        if matches!(
+            outcome,
+            kedge_core::event::AttemptOutcome::Error {
+                class: kedge_core::event::ErrorClass::Fatal,
+                ..
+            }
+        ) {
+            // What the step service commits for a refused call.
+            drafts.push(Draft::new(Event::RunFailed(kedge_core::event::RunFailed {
+                reason: FailureReason::ModelRejected,
+                message: "400 invalid request".into(),
+                effects: Vec::new(),
+            })));
+        } else {
+            // The attempts are used up: decide ends the run.
+            sim.commit(drafts);
+            let Next::Commit(end) = decide(&sim.state()) else {
+                panic!("the run fails")
+            };
+            drafts = end;
+        }
+        sim.commit(drafts);
+        let state = sim.state();
+        assert_eq!(state.status, RunStatus::Failed);
+        assert_eq!(state.open_step, None, "the run's end closed its step");
+        sim.input(
+            Event::UserMessage(UserMessage {
+                text: "try again".into(),
+            }),
+            None,
+        );
+        let plan = sim.expect_step();
+        assert!(matches!(plan.start[0].event, Event::RunRevived(_)));
+        assert_eq!(plan.step, StepNo(2));
+        assert_eq!(plan.attempt.get(), 1);
+        sim.run_step(text("done this time"));
+        let state = sim.state();
+        assert_eq!(state.status, RunStatus::Succeeded, "{outcome:?}");
+        assert_eq!(state.turn, 2);
+    }
+}
