@@ -585,6 +585,96 @@ async fn a_message_during_a_step(model: &str, past_input: bool) {
     h.shutdown().await;
 }
 
+/// A model call that fails while a user message lands, unseen by the step's read after the
+/// failure: the attempt's end is journaled all the same (the append finds the message, reads
+/// the run again and commits on that state while the attempt is still the open one). A
+/// retryable failure (503) is recorded as `model.attempt` and retried under a new request id. A
+/// fatal one (400) ends the run (`run.failed`), and the message, which no step read, revives it
+/// into a second turn, whose first step the fold accepts. (Before, the failure went unrecorded
+/// and the refused call was made again as a second attempt of the same step.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_model_call_is_journaled_when_an_input_lands_during_it() {
+    for (model, status) in [("mr", 503), ("mx", 400)] {
+        let script = json!({"models": {model: {"steps": [
+            {"text": "answered on the second call", "delay_ms": 1000,
+             "fault": {"status": status, "times": 1}}
+        ]}}});
+        let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+        h.agent("flaky", model).await;
+        let run = h.submit("flaky", "start", "task-flaky").await;
+        h.wait_for(&run, WAIT, |s| s.open_step.is_some()).await;
+        // The message lands during the call, and the step's read after the failure misses it
+        // (as it would one stored right after that read): the append must find it.
+        kedge_runtime::failpoint::arm("step.input_after_failed_call_read", run.as_str(), 1);
+        h.input(
+            &run,
+            Event::UserMessage(UserMessage {
+                text: "are you there?".into(),
+            }),
+            "user-msg-1",
+        )
+        .await;
+        let state = h.wait_terminal(&run, WAIT).await;
+        let events = h.events(&run).await;
+        let attempts: Vec<_> = events
+            .iter()
+            .filter_map(|r| match &r.envelope.event {
+                Event::ModelAttempt(a) => Some((r.seq, a.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            attempts.len(),
+            1,
+            "{status}: the failed attempt is journaled"
+        );
+        let (attempt_seq, attempt) = &attempts[0];
+        assert!(
+            matches!(
+                attempt.outcome,
+                kedge_core::event::AttemptOutcome::Error { status: Some(s), .. } if s == status
+            ),
+            "{status}: {attempt:?}"
+        );
+        let message = events
+            .iter()
+            .find(|r| matches!(r.envelope.event, Event::UserMessage(_)))
+            .expect("the message")
+            .seq;
+        assert!(message < *attempt_seq, "the message landed during the call");
+        assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+        assert_eq!(
+            h.mock.calls().total,
+            2,
+            "{status}: one call after the failed one"
+        );
+        let failed = events
+            .iter()
+            .find(|r| matches!(r.envelope.event, Event::RunFailed(_)))
+            .map(|r| r.seq);
+        if status == 503 {
+            assert_eq!(failed, None);
+            assert_eq!(state.turn, 1, "retried within the turn");
+        } else {
+            let failed = failed.expect("the refusal ended the turn");
+            assert!(*attempt_seq < failed);
+            assert!(
+                events
+                    .iter()
+                    .any(|r| matches!(r.envelope.event, Event::RunRevived(_)) && r.seq > failed),
+                "the unread message revived the run"
+            );
+            assert_eq!(state.turn, 2);
+        }
+        let calls = h.mock.calls();
+        for (id, n) in &calls.by_request_id {
+            assert_eq!(*n, 1, "request {id} sent {n} times");
+        }
+        assert_schema_valid(&events);
+        h.shutdown().await;
+    }
+}
+
 /// `policy.<tool>.timeout_secs` lowers the tool service's limit for that tool: a `sleep 20`
 /// under a 1 s policy limit (service limit 30 s) is killed after about a second and the model
 /// is told.

@@ -13,7 +13,7 @@ use kedge_core::event::{
     Timestamp, ToolResult,
 };
 use kedge_core::fold::{ChatMessage, FoldError, RunState, ToolOp};
-use kedge_core::ids::{InputId, OperationId, RunId};
+use kedge_core::ids::{InputId, ModelRequestId, OperationId, RunId};
 use kedge_core::machine::RunStatus;
 use kedge_core::subjects::{self, TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_core::tools::Contract;
@@ -1096,9 +1096,13 @@ impl Driver {
             let result = self.call_model(state, &def, &plan).await;
             count_call(state, &result, called.elapsed());
             if result.is_err() {
-                // Read with the leader's check: what ended the call (a cancel) is in it.
+                // Read with the leader's check: what ended the call (a cancel) is in it. (A
+                // test's switch skips the read: an input that landed during the call then
+                // stands for one stored right after the read, found by the append.)
                 w.stale_through = None;
-                self.refresh(state, &mut w.skipped, None).await?;
+                if !failpoint::fires("step.input_after_failed_call_read", run.as_str()) {
+                    self.refresh(state, &mut w.skipped, None).await?;
+                }
             }
             match result {
                 Ok(response) => {
@@ -1161,13 +1165,9 @@ impl Driver {
                     // it is published), and the append then finds it and reads the run again.
                     // Committed on that state, while this attempt is still the open one.
                     for _ in 0..3 {
-                        if self.commit(state, w, vec![attempt.clone()]).await? {
-                            break;
-                        }
-                        let still_open = state.open_step.as_ref().is_some_and(|o| {
-                            o.request_id == plan.request_id && !o.failed
-                        });
-                        if !still_open {
+                        if self.commit(state, w, vec![attempt.clone()]).await?
+                            || !attempt_open(state, &plan.request_id)
+                        {
                             break;
                         }
                     }
@@ -1181,20 +1181,30 @@ impl Driver {
                     }))
                     .step(plan.step)
                     .attempt(plan.attempt);
-                    let mut drafts = vec![attempt];
-                    if e.class == ErrorClass::Fatal {
-                        drafts.push(Draft::new(Event::RunFailed(RunFailed {
-                            reason: FailureReason::ModelRejected,
-                            message: e.message.clone(),
-                            effects: Vec::new(),
-                        })));
+                    // Journaled whatever landed during the call, as for a cancelled call: an
+                    // input stored meanwhile (a user's message) makes the append read the run
+                    // again, and the attempt's end is committed on that state while it is still
+                    // the open one. Otherwise the failure would go unrecorded, its retry delay
+                    // unwaited, and a fatal refusal would not end the run but be called again.
+                    let mut committed = false;
+                    for _ in 0..3 {
+                        let mut drafts = vec![attempt.clone()];
+                        if e.class == ErrorClass::Fatal {
+                            drafts.push(Draft::new(Event::RunFailed(RunFailed {
+                                reason: FailureReason::ModelRejected,
+                                message: e.message.clone(),
+                                effects: Vec::new(),
+                            })));
+                        }
+                        // A fatal refusal ends the run: through its compensation, if its
+                        // agent compensates failures.
+                        let drafts = kedge_core::compensation::intercept(state, drafts);
+                        committed = self.commit(state, w, drafts).await?;
+                        if committed || !attempt_open(state, &plan.request_id) {
+                            break;
+                        }
                     }
-                    // A fatal refusal ends the run: through its compensation, if its agent
-                    // compensates failures.
-                    let drafts = kedge_core::compensation::intercept(state, drafts);
-                    if self.commit(state, w, drafts).await?
-                        && e.class == ErrorClass::Retryable
-                    {
+                    if committed && e.class == ErrorClass::Retryable {
                         let delay = retry_delay(
                             &e,
                             plan.attempt.get(),
@@ -1528,6 +1538,14 @@ impl Driver {
 /// The context to send the model with the sealed values of the run opened
 /// ([`kedge_runtime::seal`]); `None` when nothing in it is sealed (the plan's is sent as is).
 /// Refused when the agent marks values sensitive and this process has no seal key.
+/// Whether the run's open step is still at the attempt of `request` with no end recorded.
+fn attempt_open(state: &RunState, request: &ModelRequestId) -> bool {
+    state
+        .open_step
+        .as_ref()
+        .is_some_and(|o| o.request_id == *request && !o.failed)
+}
+
 fn open_context(
     rt: &Runtime,
     state: &RunState,
