@@ -905,13 +905,13 @@ async fn execute(
             revision, previous, ..
         } => {
             tracing::warn!(previous_runner = %previous, "operation left running by a runner that is gone");
+            let heard = ctx.adopted.lock().ok().and_then(|mut a| a.remove(op));
+            metrics::takeover(Takeover::Operation, heard.map(|at| at.elapsed()));
             if already_journaled(rt, op, revision, req, runner).await? {
                 tracing::info!("its result is journaled; the record is finished from it");
                 metrics::tool_operation(ToolOutcome::Stored);
                 return Ok(Handled::Stored);
             }
-            let heard = ctx.adopted.lock().ok().and_then(|mut a| a.remove(op));
-            metrics::takeover(Takeover::Operation, heard.map(|at| at.elapsed()));
             // A tool its retry policy declares idempotent honours the operation id: running it
             // again is the answer, with no need to ask whether it happened.
             let rerun_safe = req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
