@@ -202,7 +202,13 @@ async fn a_step_worker_killed_after_the_model_answered_costs_no_second_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_worker_killed_after_its_side_effect_does_not_repeat_it() {
-    for failpoint in ["tool.after_effect", "tool.after_record"] {
+    // After the effect; after the record and the result; after the record with the result not
+    // journaled (the next runner's claim finds the record done and journals its result).
+    for failpoint in [
+        "tool.after_effect",
+        "tool.after_record",
+        "switch:tool.result_lost,tool.after_record",
+    ] {
         let script = json!({"models": {"ml": {"steps": [
             {"text": "paying", "tool_calls": [call("ledger_append", json!({"text": "pay 5"}))]},
             {"text": "paid"}

@@ -1086,7 +1086,12 @@ async fn execute(
             }
             record(rt, op, revision, req, runner, &out, how).await
         },
-        journal_result(rt, op, out.clone(), stopped)
+        async {
+            if failpoint::fires("tool.result_lost", op.run().as_str()) {
+                return Ok(());
+            }
+            journal_result(rt, op, out.clone(), stopped).await
+        }
     );
     failpoint::hit("tool.after_record");
     journaled?;
