@@ -643,6 +643,32 @@ impl Driver {
         Ok(true)
     }
 
+    /// Commits the end of the model call `request` (the decisions `end` makes on the state):
+    /// a fact whatever landed during the call. An input the state lacks makes the append read
+    /// the run and give up; the end is then made and committed again on that state, while the
+    /// call is still the run's open attempt with no end recorded. Whether it was committed.
+    async fn commit_attempt_end(
+        &self,
+        state: &mut RunState,
+        w: &mut Writing<'_>,
+        request: &ModelRequestId,
+        end: impl Fn(&RunState) -> Vec<Draft>,
+    ) -> Result<bool, DriveError> {
+        for _ in 0..3 {
+            if self.commit(state, w, end(state)).await? {
+                return Ok(true);
+            }
+            let open = state
+                .open_step
+                .as_ref()
+                .is_some_and(|o| o.request_id == *request && !o.failed);
+            if !open {
+                break;
+            }
+        }
+        Ok(false)
+    }
+
     /// Folds in what the state lacks after appends that could not be folded in as they landed.
     async fn catch_up(&self, state: &mut RunState, w: &mut Writing<'_>) -> Result<(), DriveError> {
         if let Some(through) = w.stale_through.take() {
@@ -1160,17 +1186,12 @@ impl Driver {
                     }))
                     .step(plan.step)
                     .attempt(plan.attempt);
-                    // The attempt's end is a fact whatever landed meanwhile: the cancel itself
-                    // can be stored after the read above (the watcher hears it on core NATS as
-                    // it is published), and the append then finds it and reads the run again.
-                    // Committed on that state, while this attempt is still the open one.
-                    for _ in 0..3 {
-                        if self.commit(state, w, vec![attempt.clone()]).await?
-                            || !attempt_open(state, &plan.request_id)
-                        {
-                            break;
-                        }
-                    }
+                    // The cancel itself can be stored after the read above (the watcher hears
+                    // it on core NATS as it is published): the append then finds it.
+                    self.commit_attempt_end(state, w, &plan.request_id, |_| {
+                        vec![attempt.clone()]
+                    })
+                    .await?;
                     Ok(())
                 }
                 Err(CallError::Model(e)) => {
@@ -1181,29 +1202,24 @@ impl Driver {
                     }))
                     .step(plan.step)
                     .attempt(plan.attempt);
-                    // Journaled whatever landed during the call, as for a cancelled call: an
-                    // input stored meanwhile (a user's message) makes the append read the run
-                    // again, and the attempt's end is committed on that state while it is still
-                    // the open one. Otherwise the failure would go unrecorded, its retry delay
-                    // unwaited, and a fatal refusal would not end the run but be called again.
-                    let mut committed = false;
-                    for _ in 0..3 {
-                        let mut drafts = vec![attempt.clone()];
-                        if e.class == ErrorClass::Fatal {
-                            drafts.push(Draft::new(Event::RunFailed(RunFailed {
-                                reason: FailureReason::ModelRejected,
-                                message: e.message.clone(),
-                                effects: Vec::new(),
-                            })));
-                        }
-                        // A fatal refusal ends the run: through its compensation, if its
-                        // agent compensates failures.
-                        let drafts = kedge_core::compensation::intercept(state, drafts);
-                        committed = self.commit(state, w, drafts).await?;
-                        if committed || !attempt_open(state, &plan.request_id) {
-                            break;
-                        }
-                    }
+                    // An input stored after the read above (a user's message) makes the append
+                    // read the run again; unrecorded, the failure's retry delay would not be
+                    // waited and a refusal would be called again.
+                    let committed = self
+                        .commit_attempt_end(state, w, &plan.request_id, |state| {
+                            let mut drafts = vec![attempt.clone()];
+                            if e.class == ErrorClass::Fatal {
+                                drafts.push(Draft::new(Event::RunFailed(RunFailed {
+                                    reason: FailureReason::ModelRejected,
+                                    message: e.message.clone(),
+                                    effects: Vec::new(),
+                                })));
+                            }
+                            // A fatal refusal ends the run: through its compensation, if its
+                            // agent compensates failures.
+                            kedge_core::compensation::intercept(state, drafts)
+                        })
+                        .await?;
                     if committed && e.class == ErrorClass::Retryable {
                         let delay = retry_delay(
                             &e,
@@ -1538,14 +1554,6 @@ impl Driver {
 /// The context to send the model with the sealed values of the run opened
 /// ([`kedge_runtime::seal`]); `None` when nothing in it is sealed (the plan's is sent as is).
 /// Refused when the agent marks values sensitive and this process has no seal key.
-/// Whether the run's open step is still at the attempt of `request` with no end recorded.
-fn attempt_open(state: &RunState, request: &ModelRequestId) -> bool {
-    state
-        .open_step
-        .as_ref()
-        .is_some_and(|o| o.request_id == *request && !o.failed)
-}
-
 fn open_context(
     rt: &Runtime,
     state: &RunState,
