@@ -620,6 +620,12 @@ async fn a_failed_model_call_is_journaled_when_an_input_lands_during_it() {
             "user-msg-1",
         )
         .await;
+        // The refused run is terminal (failed) for a moment before the message revives it:
+        // wait for the run's end after the message was read.
+        h.wait_for(&run, WAIT, |s| {
+            s.status.is_terminal() && s.pending_messages.is_empty()
+        })
+        .await;
         let state = h.wait_terminal(&run, WAIT).await;
         let events = h.events(&run).await;
         let attempts: Vec<_> = events
