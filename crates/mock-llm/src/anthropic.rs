@@ -944,8 +944,8 @@ pub(crate) fn validate(body: &Value) -> Result<Parsed, ApiError> {
         check_thinking_kept(&turns)?;
     }
 
-    let input_chars = Value::Array(messages.clone()).to_string().chars().count()
-        + system.map_or(0, |s| s.to_string().chars().count());
+    let input_chars =
+        crate::reply::json_chars(messages) + system.map_or(0, crate::reply::json_chars);
     Ok(Parsed {
         model,
         stream,

@@ -171,12 +171,33 @@ pub struct CallCounts {
     pub by_model: BTreeMap<String, u64>,
 }
 
+/// A request body as received.
+#[derive(Debug, Clone)]
+enum RecordedBody {
+    /// The bytes (shared with the request, not copied).
+    Received(axum::body::Bytes),
+    /// Not read (too large, cut off): recorded as JSON `null`.
+    Unread,
+}
+
+impl RecordedBody {
+    /// The body as JSON; one that is not JSON as a JSON string of its text.
+    fn value(&self) -> Value {
+        match self {
+            RecordedBody::Received(bytes) => serde_json::from_slice(bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(bytes).into_owned())),
+            RecordedBody::Unread => Value::Null,
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     scripts: Scripts,
     counts: CallCounts,
-    /// (model, body) in arrival order.
-    requests: Vec<(String, Value)>,
+    /// (model, body) in arrival order, parsed only when asked for: a body is as long as the
+    /// conversation, and the mock's work per call should be a model's, not a copy of it.
+    requests: Vec<(String, RecordedBody)>,
     /// Calls that reached each (model, entry), for `fault.times` and `fail_times`.
     hits: HashMap<(String, Entry), u64>,
 }
@@ -235,13 +256,17 @@ impl MockLlm {
             .requests
             .iter()
             .filter(|(m, _)| m == model)
-            .map(|(_, body)| body.clone())
+            .map(|(_, body)| body.value())
             .collect()
     }
 
     /// Every (model, body) received, in order.
     pub fn all_requests(&self) -> Vec<(String, Value)> {
-        self.lock().requests.clone()
+        self.lock()
+            .requests
+            .iter()
+            .map(|(model, body)| (model.clone(), body.value()))
+            .collect()
     }
 
     /// Replaces the script and zeroes the per-entry fault counts (call counters stay).
@@ -259,7 +284,7 @@ impl MockLlm {
         state.hits.clear();
     }
 
-    fn record(&self, request_id: &str, model: &str, body: Value) {
+    fn record(&self, request_id: &str, model: &str, body: RecordedBody) {
         let mut state = self.lock();
         state.counts.total += 1;
         *state

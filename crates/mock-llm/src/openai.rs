@@ -462,7 +462,7 @@ pub(crate) fn validate(body: &Value) -> Result<Parsed, ApiError> {
         include_usage,
         thinking: false,
         cue: cue(messages, &roles),
-        input_chars: Value::Array(messages.clone()).to_string().chars().count(),
+        input_chars: crate::reply::json_chars(messages),
     })
 }
 

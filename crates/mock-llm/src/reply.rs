@@ -155,9 +155,43 @@ pub(crate) fn sse(event: Option<&str>, data: &str) -> String {
     }
 }
 
+/// Characters of `value`'s compact JSON (what `value.to_string().chars().count()` gives),
+/// counted as it is written out: no copy of the request, which grows with the conversation.
+pub(crate) fn json_chars(value: &impl serde::Serialize) -> usize {
+    /// Counts UTF-8 characters: every byte that does not continue one starts one.
+    struct Chars(usize);
+    impl std::io::Write for Chars {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.iter().filter(|b| (**b & 0xC0) != 0x80).count();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut chars = Chars(0);
+    // Writing JSON values into a counter cannot fail.
+    let _ = serde_json::to_writer(&mut chars, value);
+    chars.0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_chars_counts_what_the_compact_json_shows() {
+        let v = serde_json::json!([{"role": "user", "content": "naïve café — 東京 🦀"}, 1, null]);
+        assert_eq!(json_chars(&v), v.to_string().chars().count());
+        let items = vec![v.clone(), serde_json::json!("x")];
+        assert_eq!(
+            json_chars(&items),
+            serde_json::Value::Array(items.clone())
+                .to_string()
+                .chars()
+                .count()
+        );
+    }
 
     #[test]
     fn pieces_split_in_at_least_two_and_reassemble() {

@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use crate::error::{ApiError, ErrorClass, Provider};
 use crate::reply::{Output, new_request_id, sse};
 use crate::script::Scripts;
-use crate::{MockLlm, REQUEST_ID_HEADER, anthropic, openai};
+use crate::{MockLlm, REQUEST_ID_HEADER, RecordedBody, anthropic, openai};
 
 /// Larger bodies get a 413 in the provider's shape (Anthropic's own limit is 32 MB).
 const BODY_LIMIT: usize = 32 * 1024 * 1024;
@@ -106,7 +106,7 @@ async fn model_call(
     let bytes = match body {
         Ok(bytes) => bytes,
         Err(rejection) => {
-            st.mock.record(&client_request_id, "", Value::Null);
+            st.mock.record(&client_request_id, "", RecordedBody::Unread);
             let e = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
@@ -127,11 +127,11 @@ async fn model_call(
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_owned();
-    let recorded = match &json {
-        Ok(v) => v.clone(),
-        Err(_) => Value::String(String::from_utf8_lossy(&bytes).into_owned()),
-    };
-    st.mock.record(&client_request_id, &model, recorded);
+    st.mock.record(
+        &client_request_id,
+        &model,
+        RecordedBody::Received(bytes.clone()),
+    );
 
     if provider == Provider::Anthropic
         && let Err(e) = anthropic::check_version(&headers)
