@@ -1644,20 +1644,44 @@ impl Journal {
             if seq <= through {
                 continue;
             }
-            // The last message there is: what followed it through `target` was removed.
-            through = if last { seq.max(target) } else { seq };
-            // `agent.run.<id>.…`: anything whose third token is not a run id is not a run's.
-            if let Some(run) = msg
-                .subject
-                .as_str()
-                .split('.')
-                .nth(2)
-                .and_then(|id| id.parse::<RunId>().ok())
-            {
-                runs.insert(run);
+            through = seq;
+            runs.extend(touched_run(msg.subject.as_str()));
+            if last && seq < target {
+                // "Nothing more" before `target`: what followed was removed, or the count is
+                // short. The broker counts a new message into the consumer's pending a moment
+                // after storing it but takes a removed one out at once, so a message appended
+                // and purged meanwhile leaves the count one short: the stream says which.
+                through = self.touched_through(&mut runs, seq, target).await?;
             }
         }
         Ok((runs, through))
+    }
+
+    /// The rest of [`Journal::runs_touched_after`] from `after` through `target`, asked of the
+    /// stream's leader message by message (its next message on `agent.run.>` each time);
+    /// returns `target`. Only what the consumer's pending count left out: normally one request
+    /// that finds nothing before `target`.
+    async fn touched_through(
+        &self,
+        runs: &mut std::collections::BTreeSet<RunId>,
+        after: u64,
+        target: u64,
+    ) -> Result<u64, JournalError> {
+        let mut through = after;
+        while through < target {
+            let q = serde_json::json!({ "seq": through.saturating_add(1), "next_by_subj": "agent.run.>" });
+            match wire::leader_get(&self.client, RUNS_STREAM, q, self.timeout)
+                .await
+                .map_err(|e| JournalError::from_wire("runs touched", e))?
+            {
+                Some(m) if m.seq <= target => {
+                    through = m.seq;
+                    runs.extend(touched_run(&m.subject));
+                }
+                _ => break,
+            }
+        }
+        Ok(target)
     }
 
     /// Removes the run's journal (`agent.run.<id>.>`) from the stream, up to and including
@@ -1829,6 +1853,15 @@ fn ordered_error(e: async_nats::jetstream::consumer::pull::OrderedError) -> Jour
         | OrderedErrorKind::RequestLimitExceeded
         | OrderedErrorKind::Other => JournalError::Rejected { op, reason },
     }
+}
+
+/// The run a message on `agent.run.<id>.…` belongs to; `None` when its third token is not a run
+/// id (then it is not a run's).
+fn touched_run(subject: &str) -> Option<RunId> {
+    subject
+        .split('.')
+        .nth(2)
+        .and_then(|id| id.parse::<RunId>().ok())
 }
 
 /// Removes the messages of `stream` on subjects matching `filter` (a stream purge with a subject

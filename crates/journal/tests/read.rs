@@ -697,3 +697,51 @@ async fn the_latest_per_subject_of_hot_keys_misses_none() {
         "the keys were rewritten meanwhile"
     );
 }
+
+/// The runs touched after a sequence, listed while another run's messages are appended and
+/// purged as fast as the broker takes them: every listing has the two runs touched before it
+/// began. (The broker counts a new message into a consumer's pending count a moment after
+/// storing it but takes a purged one out at once, so for that moment the count is one short;
+/// a listing that took a pending count of 0 for "nothing more" stopped one message early and
+/// missed the last run.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runs_touched_after_a_sequence_are_all_listed_while_another_run_is_purged() {
+    let (_server, journal) = setup().await;
+    let (b, c, churned) = (new_run(), new_run(), new_run());
+    let first = journal
+        .append_input(&user_message(&b, "b"), &format!("b-{b}"))
+        .await
+        .unwrap();
+    journal
+        .append_input(&user_message(&c, "c"), &format!("c-{c}"))
+        .await
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let churn = {
+        let (journal, stop, run) = (journal.clone(), stop.clone(), churned.clone());
+        tokio::spawn(async move {
+            let mut round = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                round += 1;
+                let seq = journal
+                    .append_input(&user_message(&run, "a"), &format!("a-{run}-{round}"))
+                    .await
+                    .unwrap();
+                journal.purge_run(&run, seq).await.unwrap();
+            }
+            round
+        })
+    };
+    for listing in 0..1000 {
+        let (runs, through) = journal.runs_touched_after(first - 1).await.unwrap();
+        assert!(
+            runs.contains(&b) && runs.contains(&c),
+            "listing {listing} (through {through}): {runs:?}"
+        );
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        churn.await.unwrap() > 1,
+        "the other run was purged meanwhile"
+    );
+}
