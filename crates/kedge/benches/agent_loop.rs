@@ -1637,7 +1637,7 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
         });
     }
 
-    // The ledger_append tool itself (open, append, fdatasync: one blocking-pool hop), as the tool runs it.
+    // The ledger_append tool itself (open, append: one blocking-pool hop), as the tool runs it.
     let tool_env = kedge_tool::builtin::Env {
         root: env.config.workspace_root.join("bench-tool"),
         shell_allowlist: vec![],
@@ -1648,7 +1648,7 @@ async fn op_costs(env: &Env, sample: &RunId, iters: usize) -> (Vec<OpCost>, usiz
     };
     let trun = RunId::generate();
     out.push(OpCost {
-        name: "ledger_append tool run (open+append+fdatasync)",
+        name: "ledger_append tool run (open+append)",
         stats: time_op(iters, |i| {
             let tool_env = &tool_env;
             let trun = &trun;
@@ -2471,8 +2471,7 @@ fn print_costs(costs: &[OpCost], seq: &Collected) {
         (
             "ledger_append || tool.started input",
             1.0,
-            g("ledger_append tool run (open+append+fdatasync)")
-                .max(g("append_input (msg-id dedup)")),
+            g("ledger_append tool run (open+append)").max(g("append_input (msg-id dedup)")),
         ),
         (
             "op finish (KV update)",
