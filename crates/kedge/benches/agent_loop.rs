@@ -12,6 +12,7 @@
 //! cargo bench -p kedge --bench agent_loop -- --sustain 15        # closed-loop window, s (0: none)
 //! cargo bench -p kedge --bench agent_loop -- --cluster           # a 3-node cluster, R3 streams
 //! cargo bench -p kedge --bench agent_loop -- --no-park           # leases released after every drive
+//! cargo bench -p kedge --bench agent_loop -- --with-projector    # the projector runs too (serve all)
 //! scripts/bench-vs-restate.sh [--quick]         # Restate first, then this bench: one table, ratios
 //! ```
 //!
@@ -28,7 +29,8 @@
 //! latency) then one `ledger_append` tool call — 40 journaled actions per run — then a final text
 //! answer. Everything runs here: a nats-server of its own (kedge-testkit), the strict mock model,
 //! and intake + step + tool in this process (as the end-to-end tests run them), each service on
-//! its own connection.
+//! its own connection. The projector (the runs list's cache, `kedge_runs`) does not run unless
+//! `--with-projector` is given: the Restate peer keeps no such list.
 //!
 //! Throughput two ways: batches of 1, 16 and 64 runs submitted at once, timed until the last one
 //! ends (latency under load; a batch's ramp-up and tail run with fewer runs in flight), and a
@@ -132,6 +134,10 @@ struct Opts {
     /// `--no-park`: the step releases a run's lease after every drive (`park_leases: false`),
     /// for an A/B of parking in one build.
     no_park: bool,
+    /// `--with-projector`: the projector runs beside intake, step and tool (as in `kedge serve
+    /// all`), keeping `kedge_runs` in step with every decision; without it the runs list is
+    /// not kept, as the Restate peer keeps none.
+    projector: bool,
 }
 
 fn opts() -> Opts {
@@ -148,6 +154,7 @@ fn opts() -> Opts {
         sustain_s: 10.0,
         cluster: false,
         no_park: false,
+        projector: false,
     };
     let mut runs: Option<usize> = None;
     let mut sustain: Option<f64> = None;
@@ -188,6 +195,7 @@ fn opts() -> Opts {
             "--json" => o.json = Some(it.next().expect("--json takes a file name").into()),
             "--cluster" => o.cluster = true,
             "--no-park" => o.no_park = true,
+            "--with-projector" => o.projector = true,
             // `cargo bench` passes `--bench`; ignore it and anything else.
             _ => {}
         }
@@ -488,6 +496,7 @@ impl Env {
         extra_config: &str,
         cluster: bool,
         park: bool,
+        projector: bool,
     ) -> Env {
         let mut server_config = extra_config.to_owned();
         if let Some(pki) = tls {
@@ -526,11 +535,16 @@ impl Env {
             .expect("agent stored");
         let (stop, _) = tokio::sync::broadcast::channel(1);
         let mut services = Vec::new();
-        for (svc, worker) in [
+        let services_run = [
             ("intake", "w-intake"),
             ("step", "w-step"),
             ("tool", "w-tool"),
-        ] {
+            ("projector", "w-projector"),
+        ];
+        for (svc, worker) in services_run
+            .into_iter()
+            .filter(|(svc, _)| projector || *svc != "projector")
+        {
             let mut c = config.clone();
             c.worker_id = worker.to_owned();
             let mut rx = stop.subscribe();
@@ -542,6 +556,7 @@ impl Env {
                 let result = match svc {
                     "intake" => kedge_intake::run(rt, stop).await,
                     "step" => kedge_step::run(rt, stop).await,
+                    "projector" => kedge_bridge::projection::run_projector(rt, stop).await,
                     _ => kedge_tool::run(rt, stop).await,
                 };
                 if let Err(e) = result {
@@ -2107,7 +2122,7 @@ async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResul
     println!("================================================================================");
     let load_before = loadavg();
     println!("  load average before: {load_before}");
-    let mut env = Env::start(sync_always, None, "", o.cluster, !o.no_park).await;
+    let mut env = Env::start(sync_always, None, "", o.cluster, !o.no_park, o.projector).await;
     let pid = env.server_pids();
 
     // Warm-up: connections, HTTP pool, agent cache, consumers.
@@ -2765,6 +2780,7 @@ async fn tls_compare(o: &Opts) {
             &format!("http: \"127.0.0.1:{http_port}\"\n"),
             false,
             !o.no_park,
+            false,
         )
         .await;
         variants.push(Variant {
