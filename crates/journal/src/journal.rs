@@ -1651,37 +1651,37 @@ impl Journal {
                 // short. The broker counts a new message into the consumer's pending a moment
                 // after storing it but takes a removed one out at once, so a message appended
                 // and purged meanwhile leaves the count one short: the stream says which.
-                through = self.touched_through(&mut runs, seq, target).await?;
+                self.touched_through(&mut runs, seq, target).await?;
+                through = target;
             }
         }
         Ok((runs, through))
     }
 
-    /// The rest of [`Journal::runs_touched_after`] from `after` through `target`, asked of the
-    /// stream's leader message by message (its next message on `agent.run.>` each time);
-    /// returns `target`. Only what the consumer's pending count left out: normally one request
-    /// that finds nothing before `target`.
+    /// The runs of the rest of [`Journal::runs_touched_after`], from `after` through `target`,
+    /// asked of the stream's leader message by message (its next message on `agent.run.>` each
+    /// time). Only what the consumer's pending count left out: normally one request that finds
+    /// nothing before `target`.
     async fn touched_through(
         &self,
         runs: &mut std::collections::BTreeSet<RunId>,
-        after: u64,
+        mut after: u64,
         target: u64,
-    ) -> Result<u64, JournalError> {
-        let mut through = after;
-        while through < target {
-            let q = serde_json::json!({ "seq": through.saturating_add(1), "next_by_subj": "agent.run.>" });
+    ) -> Result<(), JournalError> {
+        while after < target {
+            let q = serde_json::json!({ "seq": after.saturating_add(1), "next_by_subj": "agent.run.>" });
             match wire::leader_get(&self.client, RUNS_STREAM, q, self.timeout)
                 .await
                 .map_err(|e| JournalError::from_wire("runs touched", e))?
             {
                 Some(m) if m.seq <= target => {
-                    through = m.seq;
+                    after = m.seq;
                     runs.extend(touched_run(&m.subject));
                 }
                 _ => break,
             }
         }
-        Ok(target)
+        Ok(())
     }
 
     /// Removes the run's journal (`agent.run.<id>.>`) from the stream, up to and including
