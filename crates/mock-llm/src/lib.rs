@@ -172,7 +172,7 @@ pub struct CallCounts {
 }
 
 /// A request body as received.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 enum RecordedBody {
     /// The bytes (shared with the request, not copied).
     Received(axum::body::Bytes),
