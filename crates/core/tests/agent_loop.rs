@@ -330,15 +330,9 @@ fn summary(state: &RunState) -> serde_json::Value {
 
 /// A replay fixture's journal: `(seq, envelope)` in order, each checked against the schema.
 fn load_fixture(path: &std::path::Path) -> Vec<(u64, Envelope)> {
-    let text = std::fs::read_to_string(path).expect("read");
-    let mut events = Vec::new();
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).expect("json line");
-        let seq = v["seq"].as_u64().expect("seq");
-        let bytes = serde_json::to_vec(&v["event"]).expect("json");
-        let env = Envelope::from_json_bytes(&bytes).expect("envelope with a valid digest");
-        assert_valid(&env);
-        events.push((seq, env));
+    let events = kedge_core::fixtures::load_journal(path);
+    for (_, env) in &events {
+        assert_valid(env);
     }
     events
 }

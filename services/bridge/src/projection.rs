@@ -806,25 +806,14 @@ mod tests {
     /// new).
     #[test]
     fn a_fold_kept_and_given_the_rest_summarizes_the_whole_journal() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../crates/core/tests/fixtures");
         let mut journals = 0;
-        for entry in std::fs::read_dir(&dir).expect("the core's fixtures") {
-            let path = entry.expect("a fixture").path();
-            if path.extension().and_then(|e| e.to_str()) != Some("jsonl") {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).expect("readable");
-            let events: Vec<Recorded> = text
-                .lines()
-                .filter(|l| !l.trim().is_empty())
-                .map(|l| {
-                    let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
-                    Recorded {
-                        seq: v["seq"].as_u64().expect("seq"),
-                        envelope: serde_json::from_value(v["event"].clone()).expect("an envelope"),
-                        msg_id: None,
-                    }
+        for (path, journal) in kedge_core::fixtures::recorded_journals() {
+            let events: Vec<Recorded> = journal
+                .into_iter()
+                .map(|(seq, envelope)| Recorded {
+                    seq,
+                    envelope,
+                    msg_id: None,
                 })
                 .collect();
             let whole = summarize(&events).expect("folds").expect("has events");
