@@ -1062,8 +1062,11 @@ pub async fn watch(
     let mut state: Option<kedge_core::RunState> = None;
     let mut streaming = false;
     loop {
+        // Biased, deltas first: a step publishes its deltas before its `step.completed` is
+        // stored, and both reach this connection in that order; an unbiased pick between the two
+        // once both are ready printed the end of the streamed text after the step's completion.
         let next = tokio::select! {
-            next = tail.next() => next,
+            biased;
             Some(d) = deltas.next(), if text => {
                 if let Some(text) = serde_json::from_slice::<serde_json::Value>(&d.payload)
                     .ok()
@@ -1082,6 +1085,7 @@ pub async fn watch(
                 send_answer(rt, run, question, text).await?;
                 continue;
             }
+            next = tail.next() => next,
         };
         let Some(next) = next else { break };
         let r = next?;
