@@ -315,3 +315,142 @@ async fn a_write_from_what_the_projector_remembers_never_overwrites_a_newer_summ
         "the newer summary stays"
     );
 }
+
+/// Counts the writes of one summary (`$KV.kedge_runs.<key>`) as they happen.
+async fn count_writes(h: &Harness, key: &str) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+    use futures::StreamExt as _;
+    let writes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut sub =
+        h.rt.client
+            .subscribe(format!("$KV.kedge_runs.{key}"))
+            .await
+            .expect("subscribe");
+    h.rt.client.flush().await.expect("flush");
+    let counted = writes.clone();
+    tokio::spawn(async move {
+        while sub.next().await.is_some() {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    writes
+}
+
+/// Waits until the run's stored summary is the fold of its journal and every delivery is
+/// acknowledged.
+async fn wait_projected(h: &Harness, run: &RunId) -> RunSummary {
+    let want = folds(h, std::slice::from_ref(run)).await[run].clone();
+    let kv = h.rt.js.get_key_value("kedge_runs").await.expect("bucket");
+    let key = kedge_bridge::projection::key(&want.tenant, run);
+    let started = Instant::now();
+    loop {
+        let stored: Option<RunSummary> = kv
+            .get(&key)
+            .await
+            .expect("kv get")
+            .and_then(|v| serde_json::from_slice(&v).ok());
+        if stored.as_ref() == Some(&want) && drained(h).await {
+            return want;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "the run was never projected through {}: stored {:?}",
+            want.seq,
+            stored.map(|s| s.seq)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A run deciding every few milliseconds (a busy agent loop) is written to the runs list at
+/// most once per `bridge.runs_list_interval_ms`, not once per decision, and the list still ends
+/// on the fold of its whole journal with every decision acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_run_is_written_at_most_once_per_interval() {
+    const INTERVAL_MS: u64 = 400;
+    const TURNS: usize = 30;
+    let h = Harness::start_with(json!({"models": {}}), &[], |c| {
+        c.bridge.runs_list_interval_ms = INTERVAL_MS;
+    })
+    .await;
+    spawn_projector(&h.config);
+    let mut chat = Chat::new();
+    let run = chat.run.clone();
+    let tenant = created().tenant;
+    let writes = count_writes(&h, &kedge_bridge::projection::key(&tenant, &run)).await;
+    let started = Instant::now();
+    for turn in 0..TURNS {
+        // About three decisions per turn, each turn well after the last one's projection
+        // would have been stored: without the interval, every turn is at least one write.
+        chat.turns(&h.rt.js, turn..turn + 1).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let written_in = started.elapsed();
+    let summary = wait_projected(&h, &run).await;
+    assert_eq!(summary.turn as usize, TURNS, "every turn is in the summary");
+    let writes = writes.load(std::sync::atomic::Ordering::SeqCst);
+    // The first decision at once, then one write per interval while decisions come, and the
+    // last after them.
+    let bound = 2 + (written_in.as_millis() as u64).div_ceil(INTERVAL_MS) as usize;
+    assert!(
+        (1..=bound).contains(&writes),
+        "{writes} writes of the summary for {TURNS} turns over {written_in:?} (at most {bound})"
+    );
+}
+
+/// A projector stopped while runs rest between projections projects what they gathered at once
+/// and returns with every delivery acknowledged: nothing is left for the ack wait, and the stop
+/// does not wait out the interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_projector_leaves_no_decision_unprojected() {
+    let interval_ms = kedge_runtime::config::MAX_RUNS_LIST_INTERVAL_MS;
+    let h = Harness::start_with(json!({"models": {}}), &[], |c| {
+        c.bridge.runs_list_interval_ms = interval_ms;
+    })
+    .await;
+    let config = common::as_kind(&h.config, Kind::Projector);
+    let rt = Runtime::connect(config).await.expect("projector runtime");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let projector = tokio::spawn(kedge_bridge::run_projector(rt, async {
+        let _ = stopped.await;
+    }));
+    let mut chats = Vec::new();
+    for _ in 0..4 {
+        let mut chat = Chat::new();
+        chat.turns(&h.rt.js, 0..1).await;
+        chats.push(chat);
+    }
+    // Each run's first decision is projected at once; the rest of its turn rests.
+    let started = Instant::now();
+    for chat in &chats {
+        let kv = h.rt.js.get_key_value("kedge_runs").await.expect("bucket");
+        let key = kedge_bridge::projection::key(&created().tenant, &chat.run);
+        while kv.get(&key).await.expect("kv get").is_none() {
+            assert!(started.elapsed() < WAIT, "a run was never first projected");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    for chat in &mut chats {
+        chat.turns(&h.rt.js, 1..2).await;
+    }
+    let (pending, unacknowledged) = left(&h).await;
+    assert!(
+        pending + unacknowledged as u64 > 0,
+        "the runs' later decisions are held while they rest"
+    );
+    let stopping = Instant::now();
+    let _ = stop.send(());
+    tokio::time::timeout(WAIT, projector)
+        .await
+        .expect("the projector stops")
+        .expect("joins")
+        .expect("stops cleanly");
+    assert!(
+        stopping.elapsed() < Duration::from_millis(interval_ms) / 2,
+        "the stop waited out the interval ({:?})",
+        stopping.elapsed()
+    );
+    assert_eq!(left(&h).await, (0, 0), "every delivery was acknowledged");
+    for chat in &chats {
+        wait_projected(&h, &chat.run).await;
+    }
+}

@@ -948,6 +948,11 @@ pub struct BridgeConfig {
     /// How long a request other than an SSE stream may take; slower ones are answered 503
     /// (`KEDGE_BRIDGE_REQUEST_TIMEOUT_MS`).
     pub request_timeout_ms: u64,
+    /// The projector rewrites a run's entry in the runs list (`kedge_runs`) at most once per
+    /// this interval while the run makes decisions (its first decision is projected at once):
+    /// the list, and the `max_active_runs` count read from it, trail a run by up to this long.
+    /// 0: every decision is projected as it is delivered (`KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS`).
+    pub runs_list_interval_ms: u64,
 }
 
 /// One bearer token of the bridge. `Debug` and `Serialize` print the token redacted.
@@ -997,6 +1002,7 @@ impl Default for BridgeConfig {
             runs_per_minute: 600,
             max_active_runs: 0,
             request_timeout_ms: 30_000,
+            runs_list_interval_ms: 250,
         }
     }
 }
@@ -1080,9 +1086,23 @@ impl BridgeConfig {
                     .into(),
             );
         }
+        if self.runs_list_interval_ms > MAX_RUNS_LIST_INTERVAL_MS {
+            // The projector holds a run's deliveries unacknowledged for the interval: well
+            // under the consumer's 30 s ack wait.
+            return invalid(
+                "bridge.runs_list_interval_ms",
+                format!(
+                    "{} is more than {MAX_RUNS_LIST_INTERVAL_MS}",
+                    self.runs_list_interval_ms
+                ),
+            );
+        }
         Ok(())
     }
 }
+
+/// The longest `bridge.runs_list_interval_ms`.
+pub const MAX_RUNS_LIST_INTERVAL_MS: u64 = 10_000;
 
 /// A configuration that cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -1296,6 +1316,9 @@ impl Config {
         }
         if let Some(v) = get("KEDGE_BRIDGE_REQUEST_TIMEOUT_MS") {
             self.bridge.request_timeout_ms = num("KEDGE_BRIDGE_REQUEST_TIMEOUT_MS", &v)?;
+        }
+        if let Some(v) = get("KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS") {
+            self.bridge.runs_list_interval_ms = num("KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS", &v)?;
         }
         if let Some(v) = get("KEDGE_RETENTION") {
             self.retention.enabled = flag("KEDGE_RETENTION", &v)?;
@@ -1657,6 +1680,19 @@ mod tests {
             c.apply_env(|k| (k == "KEDGE_BRIDGE_TOKENS").then(|| "no-tenant".into()))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn the_runs_list_interval_is_set_by_its_variable_and_bounded_by_the_ack_wait() {
+        let mut c = Config::default();
+        assert_eq!(c.bridge.runs_list_interval_ms, 250);
+        c.apply_env(|k| (k == "KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS").then(|| "0".into()))
+            .expect("applies");
+        c.check().expect("0: every decision");
+        assert_eq!(c.bridge.runs_list_interval_ms, 0);
+        c.bridge.runs_list_interval_ms = MAX_RUNS_LIST_INTERVAL_MS + 1;
+        let e = c.check().expect_err("past the bound").to_string();
+        assert!(e.contains("bridge.runs_list_interval_ms"), "{e}");
     }
 
     /// An environment of these variables only.
