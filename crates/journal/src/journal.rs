@@ -2,11 +2,14 @@
 //!
 //! Invariants this module keeps (DESIGN principles 1–3):
 //!
-//! - **One decision writer.** A decision append carries
-//!   `Nats-Expected-Last-Subject-Sequence: <expected_last>` scoped by
-//!   `Nats-Expected-Last-Subject-Sequence-Subject: agent.run.<id>.d.>`, so it lands only if no
-//!   other decision was appended since the writer last looked. Inputs (on `.i.`) never move that
-//!   sequence, so they never make a decision append fail.
+//! - **One decision writer.** A decision append carries `Nats-Expected-Last-Subject-Sequence`
+//!   scoped by `Nats-Expected-Last-Subject-Sequence-Subject: agent.run.<id>.>`: the run's last
+//!   message of any kind as the writer knows it (after checking that the run's last decision is
+//!   the one it expects), so it lands only if nothing of the run was stored since the writer
+//!   last looked. Every decision but a run's first is checked on that one subject, so that a
+//!   clustered stream's leader also refuses one while another is in flight (see `Check`). An
+//!   input that lands in between only makes a writer look again (or, for a writer whose state
+//!   is current, read it and decide again: [`JournalError::Behind`]).
 //! - **Groups are atomic.** Several decisions go out as one JetStream atomic batch: all of them
 //!   are stored, contiguously, or none.
 //! - **Retries are recognisable.** Every decision message carries a `Nats-Msg-Id` of the form
@@ -109,6 +112,33 @@ pub struct Recorded {
 
 /// The writer name of [`Journal::create_run`].
 const CREATOR: &str = "intake";
+
+/// Looks at the run's last message a plain decision append takes before giving up (each one
+/// after an input landed between the look and the append).
+const LOOK_TRIES: usize = 8;
+
+/// What a decision append's `Nats-Expected-Last-Subject-Sequence` is checked on.
+///
+/// Every decision of a run but its first is checked on the same subject, `agent.run.<id>.>`
+/// (the run's last message of any kind), because that is what keeps two writers apart on a
+/// clustered stream. Its leader checks a publish against what is applied, and refuses one
+/// while another publish *checked on the same subject string* is in flight (proposed, not yet
+/// applied: 10164), but not while one checked on another string, or not checked, is: on a
+/// three-node cluster, a decision checked on `agent.run.<id>.>` and one checked on
+/// `agent.run.<id>.d.>`, published at once with the same expected sequence, *both* landed in
+/// 299 of 300 tries (`crates/journal/tests/cluster.rs`), which is two writers deciding on the
+/// same state. An input is never checked, so an input in flight does not stop a run-wide
+/// checked append either (300 of 300 landed past one): that is why the step reads the
+/// sequences its appends stepped over (docs/ARCHITECTURE.md, "skipped").
+#[derive(Debug, Clone, Copy)]
+enum Check {
+    /// The run's last message of any kind is at this sequence (which implies its last decision).
+    RunLast(u64),
+    /// The run's last decision is at the expected sequence (`agent.run.<id>.d.>`): only for
+    /// the run's first decision ([`Journal::create_run`]), which nothing else can race (no
+    /// writer of a run exists before its `run.created`; two creations are checked alike).
+    Decisions,
+}
 
 /// The right to append one run's decisions: the single-writer rule as a type. Made only by
 /// [`crate::Lease::writer`] from a lease this process acquired (or, for benches and tests of the
@@ -646,19 +676,69 @@ impl Journal {
     /// ([`crate::Lease::writer`]); the run's first decision is [`Journal::create_run`]'s.
     ///
     /// One event is one publish; several are one atomic batch (all stored contiguously, or
-    /// none). Errors: [`JournalError::Conflict`] when another decision was appended since
-    /// `expected_last` (a zombie writer whose lease was taken over lands here);
-    /// [`JournalError::Duplicate`] when this very append (same writer, `expected_last` and number
-    /// of events) already landed, e.g. on a retry after a timeout; [`JournalError::Unavailable`]
-    /// for broker trouble (retry the same call).
+    /// none). The run's last message is first asked of the stream's leader (with its last
+    /// decision, one round trip) and the append is checked against it, as
+    /// [`Journal::append_decision_current`]'s is: every decision append of a run is checked on
+    /// the same subject, `agent.run.<id>.>`, which is what makes a clustered stream's leader
+    /// refuse one while another is in flight (see [`Check`]). An input that lands between the
+    /// look and the append only makes it look again. Errors: [`JournalError::Conflict`] when
+    /// another decision was appended since `expected_last` (a zombie writer whose lease was
+    /// taken over lands here); [`JournalError::Duplicate`] when this very append (same writer,
+    /// `expected_last` and number of events) already landed, e.g. on a retry after a timeout;
+    /// [`JournalError::Unavailable`] for broker trouble (retry the same call).
     pub async fn append_decisions(
         &self,
         writer: &DecisionWriter,
         expected_last: u64,
         events: &[Envelope],
     ) -> Result<Appended, JournalError> {
-        self.append_decisions_as(&writer.run, expected_last, None, &writer.name, events)
-            .await
+        let run = &writer.run;
+        check_group(run, &writer.name, events)?;
+        let ours = decision_msg_id(run, expected_last, events.len() - 1, &writer.name);
+        for _ in 0..LOOK_TRIES {
+            let last_of = |filter: String| {
+                let q = serde_json::json!({ "last_by_subj": filter });
+                wire::leader_get(&self.client, RUNS_STREAM, q, self.timeout)
+            };
+            let (last, last_decision) = futures::join!(
+                last_of(subjects::run_all(run)),
+                last_of(subjects::run_decisions(run))
+            );
+            let map = |e| JournalError::from_wire("look up the run's last messages", e);
+            let last_decision = last_decision.map_err(map)?;
+            if let Some(m) = &last_decision
+                && m.header(wire::MSG_ID) == Some(ours.as_str())
+            {
+                return Err(JournalError::Duplicate { seq: m.seq });
+            }
+            let actual = last_decision.map_or(0, |m| m.seq);
+            if actual != expected_last {
+                return Err(JournalError::Conflict {
+                    expected: expected_last,
+                    actual,
+                });
+            }
+            let run_last = last.map_err(map)?.map_or(0, |m| m.seq);
+            match self
+                .append_decisions_as(
+                    run,
+                    expected_last,
+                    Check::RunLast(run_last),
+                    &writer.name,
+                    events,
+                )
+                .await
+            {
+                // Something of the run landed since the look (an input, or a decision still
+                // in flight then): look again.
+                Err(JournalError::Behind { .. }) => continue,
+                other => return other,
+            }
+        }
+        Err(JournalError::Unavailable {
+            op: "append decisions",
+            reason: format!("the run's last message moved under {LOOK_TRIES} looks in a row"),
+        })
     }
 
     /// [`Journal::append_decisions`] of one decision, provided moreover that the run's last
@@ -677,10 +757,11 @@ impl Journal {
         run_last: u64,
         event: &Envelope,
     ) -> Result<Appended, JournalError> {
+        check_group(&writer.run, &writer.name, std::slice::from_ref(event))?;
         self.append_decisions_as(
             &writer.run,
             expected_last,
-            Some(run_last),
+            Check::RunLast(run_last),
             &writer.name,
             std::slice::from_ref(event),
         )
@@ -698,24 +779,30 @@ impl Journal {
                 created.event_type()
             )));
         }
+        check_group(&created.run_id, CREATOR, std::slice::from_ref(created))?;
         self.append_decisions_as(
             &created.run_id,
             0,
-            None,
+            Check::Decisions,
             CREATOR,
             std::slice::from_ref(created),
         )
         .await
     }
 
+    /// Appends a checked group (see [`Check`]); the group is checked already.
     async fn append_decisions_as(
         &self,
         run: &RunId,
         expected_last: u64,
-        run_last: Option<u64>,
+        check: Check,
         writer: &str,
         events: &[Envelope],
     ) -> Result<Appended, JournalError> {
+        let run_last = match check {
+            Check::RunLast(seq) => Some(seq),
+            Check::Decisions => None,
+        };
         let span = tracing::debug_span!(
             "append_decisions",
             run_id = %run,
@@ -737,7 +824,6 @@ impl Journal {
         writer: &str,
         events: &[Envelope],
     ) -> Result<Appended, JournalError> {
-        check_group(run, writer, events)?;
         let mut messages = Vec::with_capacity(events.len());
         for (index, envelope) in events.iter().enumerate() {
             let mut headers = HeaderMap::new();
@@ -747,8 +833,8 @@ impl Journal {
             );
             self.trace_header(&mut headers);
             if index == 0 {
-                // The run's last message when the writer knows it (it implies the last
-                // decision), else its last decision.
+                // The run's last message (it implies the last decision); the last decision
+                // only for a run's first decision (see `Check`).
                 let (seq, scope) = match run_last {
                     Some(seq) => (seq, subjects::run_all(run)),
                     None => (expected_last, subjects::run_decisions(run)),
@@ -794,10 +880,7 @@ impl Journal {
                 })
             }
             Err(err)
-                if matches!(
-                    err.api_code(),
-                    Some(codes::WRONG_LAST_SEQUENCE | codes::BATCH_DUPLICATE_MSG_ID)
-                ) =>
+                if err.is_wrong_last() || err.api_code() == Some(codes::BATCH_DUPLICATE_MSG_ID) =>
             {
                 let ours = decision_msg_id(run, expected_last, events.len() - 1, writer);
                 let outcome = self

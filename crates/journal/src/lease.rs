@@ -24,7 +24,7 @@ use kedge_core::subjects::LEASES_BUCKET;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ErrorKind;
-use crate::wire::{self, StoredMessage, WireError, codes};
+use crate::wire::{self, StoredMessage, WireError};
 
 /// How many times [`Leases::acquire`] re-reads and retries a compare-and-set lost to a race
 /// before reporting the current holder.
@@ -252,7 +252,7 @@ impl Leases {
             match self.write(run, seq, secs, Some(&value)).await {
                 Ok(revision) => return Ok(Lease::held(run, owner, revision, ttl)),
                 // Someone took it since (or the marker expired): look first.
-                Err(e) if e.api_code() == Some(codes::WRONG_LAST_SEQUENCE) => {}
+                Err(e) if e.is_wrong_last() => {}
                 Err(e) => return Err(LeaseError::wire("acquire lease", e)),
             }
         }
@@ -291,7 +291,7 @@ impl Leases {
                     tracing::debug!(run_id = %run, owner, revision, "lease acquired");
                     return Ok(Lease::held(run, owner, revision, ttl));
                 }
-                Err(e) if e.api_code() == Some(codes::WRONG_LAST_SEQUENCE) => leader = true,
+                Err(e) if e.is_wrong_last() => leader = true,
                 Err(e) => return Err(LeaseError::wire("acquire lease", e)),
             }
         }
@@ -326,7 +326,7 @@ impl Leases {
                 tracing::info!(run_id = %run, owner, revision = new, "lease taken over from a gone holder");
                 Ok(Lease::held(run, owner, new, ttl))
             }
-            Err(e) if e.api_code() == Some(codes::WRONG_LAST_SEQUENCE) => Err(LeaseError::Lost {
+            Err(e) if e.is_wrong_last() => Err(LeaseError::Lost {
                 run: run.clone(),
                 revision,
             }),
@@ -351,7 +351,7 @@ impl Leases {
                 revision,
                 ..lease.clone()
             }),
-            Err(e) if e.api_code() == Some(codes::WRONG_LAST_SEQUENCE) => Err(LeaseError::Lost {
+            Err(e) if e.is_wrong_last() => Err(LeaseError::Lost {
                 run: lease.run.clone(),
                 revision: lease.revision,
             }),
@@ -368,7 +368,7 @@ impl Leases {
                 tracing::debug!(run_id = %lease.run, owner = %lease.owner, "lease released");
                 Ok(Released { seq })
             }
-            Err(e) if e.api_code() == Some(codes::WRONG_LAST_SEQUENCE) => Err(LeaseError::Lost {
+            Err(e) if e.is_wrong_last() => Err(LeaseError::Lost {
                 run: lease.run,
                 revision: lease.revision,
             }),

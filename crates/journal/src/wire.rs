@@ -42,6 +42,9 @@ pub(crate) const UP_TO_SEQUENCE: &str = "Nats-UpTo-Sequence";
 pub(crate) mod codes {
     /// `wrong last sequence` (an expected-last-(subject-)sequence check failed).
     pub(crate) const WRONG_LAST_SEQUENCE: u64 = 10071;
+    /// `wrong last sequence` without one: in a cluster, the check's subject has a message in
+    /// flight (proposed, not yet applied) whose outcome the leader cannot know yet.
+    pub(crate) const WRONG_LAST_SEQUENCE_IN_FLIGHT: u64 = 10164;
     /// `stream not found`.
     pub(crate) const STREAM_NOT_FOUND: u64 = 10059;
     /// `no message found`.
@@ -99,6 +102,15 @@ impl WireError {
             WireError::Api(e) => Some(e.err_code),
             _ => None,
         }
+    }
+
+    /// An expected-last-(subject-)sequence check refused the publish: the sequence moved
+    /// (10071), or, in a cluster, a message on the checked subject is still in flight (10164).
+    pub(crate) fn is_wrong_last(&self) -> bool {
+        matches!(
+            self.api_code(),
+            Some(codes::WRONG_LAST_SEQUENCE | codes::WRONG_LAST_SEQUENCE_IN_FLIGHT)
+        )
     }
 
     /// Broker trouble worth retrying: timeouts, no responders, disconnections, and API errors the
