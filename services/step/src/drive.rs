@@ -145,7 +145,8 @@ struct Writing<'a> {
 /// Stream sequences a run's state stepped over without reading them: an append checked against
 /// the run's last message ([`kedge_journal::Journal::append_decision_current`]) is folded in as
 /// it lands, and the sequences between the state's last event and it are other runs' messages
-/// as far as the broker's check says. Nothing relies on that alone: the state's next read
+/// as far as the broker's check says. Nothing relies on that alone (a clustered stream's leader
+/// does not see a message of the run still in flight): the state's next read
 /// ([`Driver::refresh`]) starts at the first of them, and a message of the run found there (the
 /// broker accepted an append past it after all) makes the state be folded again from the
 /// journal, so a state never stands on a missed input.
@@ -554,11 +555,13 @@ impl Driver {
             .find(|&seq| was_skipped(skipped, seq));
         skipped.clear();
         if let Some(seq) = missed {
-            tracing::error!(
+            // A clustered stream's leader does this when the message was in flight as the
+            // append was checked (docs/ARCHITECTURE.md, "skipped"): not an error of anyone's.
+            tracing::warn!(
                 run_id = %state.run_id,
                 seq,
                 state_through = last,
-                "the broker accepted an append checked against the run's last message past a message of the run; folding the run again"
+                "an append checked against the run's last message landed past a message of the run (in flight on a clustered stream); folding the run again"
             );
             *state = self
                 .load(&state.run_id, None)
