@@ -127,12 +127,11 @@ const LOOK_TRIES: usize = 8;
 /// three-node cluster, a decision checked on `agent.run.<id>.>` and one checked on
 /// `agent.run.<id>.d.>`, published at once with the same expected sequence, *both* landed in
 /// 299 of 300 tries, which is two writers deciding on the same state; with the plain append's
-/// look first, 30 to 38 of 400. Both checked on the one subject: 0 of 1,000 sent at once, 0 to
-/// 5 of 400 with the look (`crates/journal/tests/cluster.rs`): the leader still lets a second
-/// through now and then, about as the first is applied (not explained yet), so the check is not
-/// the whole fence on a cluster (docs/ARCHITECTURE.md). An input is never checked, so an input
-/// in flight does not stop a run-wide checked append either (300 of 300 landed past one): that
-/// is why the step reads the sequences its appends stepped over ("skipped").
+/// look first, 30 to 38 of 400. Both checked on the one subject (and the plain append's two
+/// lookups asked one after the other, see [`Journal::append_decisions`]): 0 of 3,200
+/// (`crates/journal/tests/cluster.rs`). An input is never checked, so an input in flight does
+/// not stop a run-wide checked append (300 of 300 landed past one): that is why the step reads
+/// the sequences its appends stepped over (docs/ARCHITECTURE.md, "skipped").
 #[derive(Debug, Clone, Copy)]
 enum Check {
     /// The run's last message of any kind is at this sequence (which implies its last decision).
@@ -679,12 +678,12 @@ impl Journal {
     /// ([`crate::Lease::writer`]); the run's first decision is [`Journal::create_run`]'s.
     ///
     /// One event is one publish; several are one atomic batch (all stored contiguously, or
-    /// none). The run's last message is first asked of the stream's leader (with its last
-    /// decision, one round trip) and the append is checked against it, as
-    /// [`Journal::append_decision_current`]'s is: every decision append of a run is checked on
-    /// the same subject, `agent.run.<id>.>`, which is what makes a clustered stream's leader
-    /// refuse one while another is in flight (see [`Check`]). An input that lands between the
-    /// look and the append only makes it look again. Errors: [`JournalError::Conflict`] when
+    /// none). The run's last message, then its last decision, are first asked of the stream's
+    /// leader (two round trips, one after the other) and the append is checked against the
+    /// first, as [`Journal::append_decision_current`]'s is: every decision append of a run is
+    /// checked on the same subject, `agent.run.<id>.>`, which is what makes a clustered
+    /// stream's leader refuse one while another is in flight (see [`Check`]). An input that
+    /// lands between the look and the append only makes it look again. Errors: [`JournalError::Conflict`] when
     /// another decision was appended since `expected_last` (a zombie writer whose lease was
     /// taken over lands here); [`JournalError::Duplicate`] when this very append (same writer,
     /// `expected_last` and number of events) already landed, e.g. on a retry after a timeout;
@@ -703,12 +702,14 @@ impl Journal {
                 let q = serde_json::json!({ "last_by_subj": filter });
                 wire::leader_get(&self.client, RUNS_STREAM, q, self.timeout)
             };
-            let (last, last_decision) = futures::join!(
-                last_of(subjects::run_all(run)),
-                last_of(subjects::run_decisions(run))
-            );
+            // One after the other, the run's last message first: a decision stored before that
+            // answer is in the second. Asked at once, the two answers could straddle another
+            // writer's decision (its last message, and the last decision before it), and the
+            // append checked on that decision would land after it: both writers' decisions in
+            // the journal (in about 1 of 200 races on a cluster).
             let map = |e| JournalError::from_wire("look up the run's last messages", e);
-            let last_decision = last_decision.map_err(map)?;
+            let last = last_of(subjects::run_all(run)).await.map_err(map)?;
+            let last_decision = last_of(subjects::run_decisions(run)).await.map_err(map)?;
             if let Some(m) = &last_decision
                 && m.header(wire::MSG_ID) == Some(ours.as_str())
             {
@@ -721,7 +722,7 @@ impl Journal {
                     actual,
                 });
             }
-            let run_last = last.map_err(map)?.map_or(0, |m| m.seq);
+            let run_last = last.map_or(0, |m| m.seq);
             match self
                 .append_decisions_as(
                     run,
