@@ -113,10 +113,6 @@ pub struct Recorded {
 /// The writer name of [`Journal::create_run`].
 const CREATOR: &str = "intake";
 
-/// Looks at the run's last message a plain decision append takes before giving up (each one
-/// after an input landed between the look and the append).
-const LOOK_TRIES: usize = 8;
-
 /// What a decision append's `Nats-Expected-Last-Subject-Sequence` is checked on.
 ///
 /// Every decision of a run but its first is checked on the same subject, `agent.run.<id>.>`
@@ -237,6 +233,28 @@ pub fn parse_decision_msg_id(id: &str) -> Option<DecisionMsgId> {
         index: index.parse().ok()?,
         writer: writer.to_owned(),
     })
+}
+
+/// What the run's last decision (`last`, as the stream's leader has it) says of a decision
+/// append expecting `expected_last` whose last message id is `ours`: it landed already
+/// (`Duplicate`), another decision did (`Conflict`), or neither (`Ok`).
+fn judge_last_decision(
+    last: Option<&StoredMessage>,
+    expected_last: u64,
+    ours: &str,
+) -> Result<(), JournalError> {
+    match last {
+        Some(m) if m.header(wire::MSG_ID) == Some(ours) => {
+            Err(JournalError::Duplicate { seq: m.seq })
+        }
+        _ => match last.map_or(0, |m| m.seq) {
+            actual if actual == expected_last => Ok(()),
+            actual => Err(JournalError::Conflict {
+                expected: expected_last,
+                actual,
+            }),
+        },
+    }
 }
 
 /// A header-safe token: non-empty, printable ASCII without spaces.
@@ -683,7 +701,8 @@ impl Journal {
     /// first, as [`Journal::append_decision_current`]'s is: every decision append of a run is
     /// checked on the same subject, `agent.run.<id>.>`, which is what makes a clustered
     /// stream's leader refuse one while another is in flight (see [`Check`]). An input that
-    /// lands between the look and the append only makes it look again. Errors: [`JournalError::Conflict`] when
+    /// lands between the look and the append only makes it look again (for up to the
+    /// journal's request timeout of inputs in a row). Errors: [`JournalError::Conflict`] when
     /// another decision was appended since `expected_last` (a zombie writer whose lease was
     /// taken over lands here); [`JournalError::Duplicate`] when this very append (same writer,
     /// `expected_last` and number of events) already landed, e.g. on a retry after a timeout;
@@ -697,31 +716,26 @@ impl Journal {
         let run = &writer.run;
         check_group(run, &writer.name, events)?;
         let ours = decision_msg_id(run, expected_last, events.len() - 1, &writer.name);
-        for _ in 0..LOOK_TRIES {
-            let last_of = |filter: String| {
-                let q = serde_json::json!({ "last_by_subj": filter });
-                wire::leader_get(&self.client, RUNS_STREAM, q, self.timeout)
-            };
+        // Inputs landing between the look and the append (a step's parallel tools starting and
+        // answering) only make it look again, for as long as a request may take: they never
+        // conflict, and they stop.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        loop {
             // One after the other, the run's last message first: a decision stored before that
             // answer is in the second. Asked at once, the two answers could straddle another
             // writer's decision (its last message, and the last decision before it), and the
             // append checked on that decision would land after it: both writers' decisions in
             // the journal (in about 1 of 200 races on a cluster).
             let map = |e| JournalError::from_wire("look up the run's last messages", e);
-            let last = last_of(subjects::run_all(run)).await.map_err(map)?;
-            let last_decision = last_of(subjects::run_decisions(run)).await.map_err(map)?;
-            if let Some(m) = &last_decision
-                && m.header(wire::MSG_ID) == Some(ours.as_str())
-            {
-                return Err(JournalError::Duplicate { seq: m.seq });
-            }
-            let actual = last_decision.map_or(0, |m| m.seq);
-            if actual != expected_last {
-                return Err(JournalError::Conflict {
-                    expected: expected_last,
-                    actual,
-                });
-            }
+            let last = self
+                .leader_last(subjects::run_all(run))
+                .await
+                .map_err(map)?;
+            let last_decision = self
+                .leader_last(subjects::run_decisions(run))
+                .await
+                .map_err(map)?;
+            judge_last_decision(last_decision.as_ref(), expected_last, &ours)?;
             let run_last = last.map_or(0, |m| m.seq);
             match self
                 .append_decisions_as(
@@ -735,14 +749,19 @@ impl Journal {
             {
                 // Something of the run landed since the look (an input, or a decision still
                 // in flight then): look again.
-                Err(JournalError::Behind { .. }) => continue,
+                Err(JournalError::Behind { .. }) if tokio::time::Instant::now() < deadline => {}
+                Err(JournalError::Behind { .. }) => {
+                    return Err(JournalError::Unavailable {
+                        op: "append decisions",
+                        reason: format!(
+                            "the run's inputs kept landing between look and append for {:?}",
+                            self.timeout
+                        ),
+                    });
+                }
                 other => return other,
             }
         }
-        Err(JournalError::Unavailable {
-            op: "append decisions",
-            reason: format!("the run's last message moved under {LOOK_TRIES} looks in a row"),
-        })
     }
 
     /// [`Journal::append_decisions`] of one decision, provided moreover that the run's last
@@ -906,26 +925,28 @@ impl Journal {
         run_last: Option<u64>,
         our_last_msg_id: &str,
     ) -> JournalError {
-        let query = serde_json::json!({ "last_by_subj": subjects::run_decisions(run) });
-        // Checked against the run's last message: with the last decision the expected one,
-        // only inputs (or messages set aside) landed since.
-        let behind = run_last.filter(|seq| *seq >= expected_last);
-        match wire::leader_get(&self.client, RUNS_STREAM, query, self.timeout).await {
-            Ok(Some(last)) if last.header(wire::MSG_ID) == Some(our_last_msg_id) => {
-                JournalError::Duplicate { seq: last.seq }
-            }
-            Ok(last) => {
-                let actual = last.map_or(0, |m| m.seq);
-                match behind {
-                    Some(expected) if actual == expected_last => JournalError::Behind { expected },
-                    _ => JournalError::Conflict {
-                        expected: expected_last,
-                        actual,
-                    },
-                }
-            }
-            Err(e) => JournalError::from_wire("classify a rejected decision append", e),
+        let last = match self.leader_last(subjects::run_decisions(run)).await {
+            Ok(last) => last,
+            Err(e) => return JournalError::from_wire("classify a rejected decision append", e),
+        };
+        match judge_last_decision(last.as_ref(), expected_last, our_last_msg_id) {
+            Err(e) => e,
+            // Checked against the run's last message: with the last decision the expected
+            // one, only inputs (or messages set aside) landed since.
+            Ok(()) => match run_last.filter(|seq| *seq >= expected_last) {
+                Some(expected) => JournalError::Behind { expected },
+                None => JournalError::Conflict {
+                    expected: expected_last,
+                    actual: expected_last,
+                },
+            },
         }
+    }
+
+    /// The last message on `filter` (a subject of a run's tree), asked of the stream's leader.
+    async fn leader_last(&self, filter: String) -> Result<Option<StoredMessage>, WireError> {
+        let query = serde_json::json!({ "last_by_subj": filter });
+        wire::leader_get(&self.client, RUNS_STREAM, query, self.timeout).await
     }
 
     /// Appends an input (anyone may). `msg_id` deduplicates it: the same id within the

@@ -116,6 +116,49 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
     assert_eq!(group.last_seq - group.first_seq, 3);
 }
 
+/// A decision append lands while the run's inputs keep landing (a step's parallel tools
+/// starting and answering while it appends the rest of its group): inputs never conflict, so
+/// however many land between its look at the run and its append, it looks again and lands
+/// once they pause, checked on the run's last message.
+#[tokio::test]
+async fn a_decision_append_lands_through_a_burst_of_inputs() {
+    let (_server, journal) = setup().await;
+    let run = new_run();
+    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    let burst = {
+        let journal = journal.clone();
+        let run = run.clone();
+        tokio::spawn(async move {
+            let until = std::time::Instant::now() + std::time::Duration::from_millis(300);
+            let mut n = 0u32;
+            while std::time::Instant::now() < until {
+                journal
+                    .append_input(&tool_result(&run, 1, n), &format!("burst-{n}"))
+                    .await
+                    .unwrap();
+                n += 1;
+            }
+            n
+        })
+    };
+    // Appended while the burst goes on (it started first).
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    let landed = journal
+        .append_decisions(
+            &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
+            created.last_seq,
+            &[run_started(&run)],
+        )
+        .await
+        .expect("lands through the burst");
+    let inputs = burst.await.unwrap();
+    assert!(inputs > 10, "a burst ({inputs} inputs)");
+    assert_eq!(
+        journal.last_decision_seq(&run).await.unwrap(),
+        landed.last_seq
+    );
+}
+
 #[tokio::test]
 async fn an_append_checked_against_the_run_lands_only_on_its_last_message() {
     let (_server, journal) = setup().await;
