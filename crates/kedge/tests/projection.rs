@@ -285,13 +285,8 @@ async fn a_write_from_what_the_projector_remembers_never_overwrites_a_newer_summ
             .map(|v| serde_json::from_slice::<RunSummary>(&v).expect("summary"))
     };
     // The projector stored turn 0's summary (and remembers its revision).
-    let first = folds(&h, std::slice::from_ref(&run)).await[&run].clone();
+    let first = wait_projected(&h, &run).await;
     let key = kedge_bridge::projection::key(&first.tenant, &run);
-    let started = Instant::now();
-    while stored(kv.clone(), key.clone()).await.as_ref() != Some(&first) || !drained(&h).await {
-        assert!(started.elapsed() < WAIT, "turn 0 was never projected");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     // Someone else (another projector, further ahead) stores a newer summary meanwhile.
     let projection = kedge_bridge::projection::Projection::open(&h.rt)
         .await
