@@ -2430,7 +2430,9 @@ fn print_costs(costs: &[OpCost], seq: &Collected) {
     }
     let g = |name: &str| by.get(name).map_or(f64::NAN, |s| s.p50);
     // The per-loop bill on the critical path (one model action + one tool action, steady
-    // state), op by op as the services do them (the wiretap above shows the same sequence):
+    // state), op by op as the services do them (the wiretap above shows the same sequence; the
+    // model response's KV put is made only when the step's commit does not land, so it is not
+    // on it):
     let rows: Vec<(&str, f64, f64)> = vec![
         (
             "step wake: pull delivery",
@@ -2461,11 +2463,6 @@ fn print_costs(costs: &[OpCost], seq: &Collected) {
             "model HTTP call",
             1.0,
             g("model call, step-10 context (HTTP, mock)"),
-        ),
-        (
-            "KV put model response",
-            1.0,
-            g("KV put model response (store_response)"),
         ),
         (
             "group: 2 chained decision appends (checked on the run's last message)",

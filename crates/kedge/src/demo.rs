@@ -6,9 +6,10 @@
 //! terminal, or automatically after a pause) and records a side effect; it prints the journal
 //! live as a timeline and exits 0 when the run succeeded.
 //!
-//! `--crash` runs the step worker as a separate process armed to abort right after the model
-//! answers (before the step is committed), then starts a fresh worker: the run resumes from the
-//! journal and the stored response, and the model is called exactly once for every request.
+//! `--crash` runs the step worker as a separate process armed to abort right after the model's
+//! first answer is journaled (`step.completed`), before the tool calls it asks for are requested,
+//! then starts a fresh worker: the run resumes from the journal, the fresh worker finishes the
+//! step from the journaled answer, and the model is called exactly once for every request.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -104,7 +105,7 @@ pub async fn run(args: DemoArgs, base: Config) -> anyhow::Result<ExitCode> {
     let services = tokio::spawn(cli::serve(rt.clone(), in_process, stop(&stop_tx)));
     let mut worker = if args.crash {
         println!(
-            "▸ step worker runs as a separate process, armed to crash right after the model answers"
+            "▸ step worker runs as a separate process, armed to crash right after the model's answer is journaled, before its tool calls are requested"
         );
         Some(spawn_step_worker(&config, true)?)
     } else {
@@ -209,7 +210,7 @@ fn spawn_step_worker(config: &Config, crash: bool) -> anyhow::Result<std::proces
         cmd.env_remove(var);
     }
     if crash {
-        cmd.env("KEDGE_FAILPOINTS", "step.after_model_stored");
+        cmd.env("KEDGE_FAILPOINTS", "step.after_answer_committed");
     } else {
         cmd.env_remove("KEDGE_FAILPOINTS");
     }
@@ -259,7 +260,7 @@ async fn follow(
                 if let Some(w) = worker
                     && let Ok(Some(status)) = w.try_wait()
                 {
-                    println!("        ✗ step worker process exited ({status}) right after the model answered; starting a fresh one");
+                    println!("        ✗ step worker process exited ({status}) with the model's answer journaled and its tool calls not requested; starting a fresh one");
                     *worker = Some(spawn_step_worker(config, false)?);
                 }
             }

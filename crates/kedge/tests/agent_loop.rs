@@ -67,9 +67,9 @@ async fn a_three_step_run_with_parallel_tools_succeeds_with_one_call_per_request
             .any(|r| matches!(r.envelope.event, Event::ModelAttempt(_))),
         "no model call failed"
     );
-    // Each response was stored as well as journaled (what a worker killed before its commit
-    // would have reused).
-    let mut stored = 0;
+    // Each response was kept once, by the `step.completed` that committed it: none went to the
+    // idempotency bucket (the write a step that commits at once does not make).
+    let mut completed = 0;
     for r in &events {
         if let Event::StepCompleted(c) = &r.envelope.event {
             let kept =
@@ -77,11 +77,11 @@ async fn a_three_step_run_with_parallel_tools_succeeds_with_one_call_per_request
                     .stored_response(&c.request_id)
                     .await
                     .expect("read the stored response");
-            assert!(kept.is_some(), "response of {} not stored", c.request_id);
-            stored += 1;
+            assert!(kept.is_none(), "response of {} stored", c.request_id);
+            completed += 1;
         }
     }
-    assert_eq!(stored, 4);
+    assert_eq!(completed, 4);
     assert_eq!(h.ledger().len(), 1);
     h.shutdown().await;
 }
@@ -151,53 +151,78 @@ async fn early_and_duplicate_wakes_never_call_the_model_with_a_result_missing() 
     h.shutdown().await;
 }
 
+/// A step worker killed after the model answered: with the answer journaled and its tool calls
+/// not requested yet (a commit that landed at once), or with the answer stored in the
+/// idempotency bucket and nothing committed (a commit that did not land: the switch makes the
+/// step take it so). Either way the next worker completes the step from what was kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_worker_killed_after_the_model_answered_costs_no_second_call() {
-    let h0 = Harness::start(three_steps("mk"), &[Svc::Intake, Svc::Tool]).await;
-    let mut h = h0;
-    h.agent("crash", "mk").await;
-    // A separate process that aborts right after storing the model's response, before commit.
-    let doomed = h.spawn_process("step", "w-doomed", "step.after_model_stored");
-    let run = h.submit("crash", "go", "task-crash").await;
-    assert!(
-        h.wait_exit(doomed, WAIT).await,
-        "the armed worker should have aborted"
-    );
-    let after_crash = h.state(&run).await;
-    assert_eq!(
-        after_crash.status,
-        RunStatus::Running,
-        "step 1 started, not completed"
-    );
-    assert_eq!(h.mock.total_calls(), 1);
-    // A fresh worker takes over once the lease and the wake's ack wait expire.
-    h.spawn_process("step", "w-fresh", "");
-    let state = h.wait_terminal(&run, WAIT).await;
-    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
-    let calls = h.mock.calls();
-    assert_eq!(
-        calls.total, 4,
-        "4 steps, 4 model calls: the crashed step was not paid twice"
-    );
-    assert!(calls.by_request_id.values().all(|n| *n == 1), "{calls:?}");
-    let events = h.events(&run).await;
-    let first = events
-        .iter()
-        .find_map(|r| match &r.envelope.event {
-            Event::StepCompleted(c) if c.request_id.step().get() == 1 => Some(c.clone()),
-            _ => None,
-        })
-        .expect("step 1 completed");
-    assert!(
-        first.reused,
-        "step 1 was completed from the stored response"
-    );
-    assert!(
-        events.iter().any(|r| matches!(&r.envelope.event, Event::StepStarted(s) if s.request_id == first.request_id)),
-        "the attempt is in the journal"
-    );
-    assert_schema_valid(&events);
-    h.shutdown().await;
+    for (failpoint, reused) in [
+        ("step.after_answer_committed", false),
+        (
+            "switch:step.answer_not_committed,step.after_model_stored",
+            true,
+        ),
+    ] {
+        let mut h = Harness::start(three_steps("mk"), &[Svc::Intake, Svc::Tool]).await;
+        h.agent("crash", "mk").await;
+        let doomed = h.spawn_process("step", "w-doomed", failpoint);
+        let run = h.submit("crash", "go", "task-crash").await;
+        assert!(
+            h.wait_exit(doomed, WAIT).await,
+            "{failpoint}: the armed worker should have aborted"
+        );
+        let after_crash = h.state(&run).await;
+        assert_eq!(after_crash.status, RunStatus::Running, "{failpoint}");
+        assert_eq!(
+            after_crash.open_step.is_some(),
+            reused,
+            "{failpoint}: step 1 is open exactly when its answer was not committed"
+        );
+        assert!(
+            after_crash.ops.is_empty(),
+            "{failpoint}: nothing was requested"
+        );
+        assert_eq!(h.mock.total_calls(), 1);
+        // A fresh worker takes over once the lease and the wake's ack wait expire.
+        h.spawn_process("step", "w-fresh", "");
+        let state = h.wait_terminal(&run, WAIT).await;
+        assert_eq!(
+            state.status,
+            RunStatus::Succeeded,
+            "{failpoint}: {:?}",
+            state.failure
+        );
+        let calls = h.mock.calls();
+        assert_eq!(
+            calls.total, 4,
+            "{failpoint}: 4 steps, 4 model calls: the crashed step was not paid twice"
+        );
+        assert!(
+            calls.by_request_id.values().all(|n| *n == 1),
+            "{failpoint}: {calls:?}"
+        );
+        let events = h.events(&run).await;
+        let first: Vec<_> = events
+            .iter()
+            .filter_map(|r| match &r.envelope.event {
+                Event::StepCompleted(c) if c.request_id.step().get() == 1 => Some(c.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(first.len(), 1, "{failpoint}: step 1 completed once");
+        assert_eq!(
+            first[0].reused, reused,
+            "{failpoint}: completed from the stored response exactly when one was stored"
+        );
+        assert!(
+            events.iter().any(|r| matches!(&r.envelope.event, Event::StepStarted(s) if s.request_id == first[0].request_id)),
+            "{failpoint}: the attempt is in the journal"
+        );
+        assert_eq!(h.ledger().len(), 1, "{failpoint}: the tool ran once");
+        assert_schema_valid(&events);
+        h.shutdown().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

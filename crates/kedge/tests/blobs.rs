@@ -9,7 +9,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{API_KEY_VAR, Harness, Svc, assert_schema_valid};
+use common::{API_KEY_VAR, Harness, STORED_NOT_COMMITTED, Svc, assert_schema_valid};
 use kedge_core::RunStatus;
 use kedge_core::agent::AgentDefinition;
 use kedge_core::event::{Event, ToolResult};
@@ -229,7 +229,7 @@ async fn a_worker_killed_after_a_two_mib_answer_costs_no_second_call() {
     })
     .await;
     store_agent(&h, "kill", "kill", json!({})).await;
-    let doomed = h.spawn_process("step", "w-doomed", "step.after_model_stored");
+    let doomed = h.spawn_process("step", "w-doomed", STORED_NOT_COMMITTED);
     let run = h.submit("kill", "answer at length", "blobs-3").await;
     assert!(h.wait_exit(doomed, WAIT).await, "the armed worker aborts");
     assert_eq!(h.mock.total_calls(), 1);

@@ -117,7 +117,7 @@ async fn a_client_reconnecting_every_k_events_gets_each_event_once_across_a_work
         ),
     ];
     let bridge = h.spawn_process_with_env("bridge", "w-bridge-1", "", &bridge_env);
-    let crashing_step = h.spawn_process("step", "w-step-1", "step.after_model_stored");
+    let crashing_step = h.spawn_process("step", "w-step-1", "step.after_answer_committed");
     let base = format!("http://{listen}");
     let api = Api::new(&base, Some(ACME));
     // Wait for the bridge process to serve.
@@ -140,7 +140,8 @@ async fn a_client_reconnecting_every_k_events_gets_each_event_once_across_a_work
         progress.clone(),
     ));
 
-    // The step worker dies right after the model answered step 1; a new one takes over.
+    // The step worker dies right after step 1's answer is journaled, before its tool is
+    // requested; a new one takes over.
     assert!(
         h.wait_exit(crashing_step, Duration::from_secs(20)).await,
         "the step worker did not reach its failpoint"
@@ -184,11 +185,16 @@ async fn a_client_reconnecting_every_k_events_gets_each_event_once_across_a_work
     );
     // The faults really happened in the middle of the run.
     let events = h.events(&run_id).await;
-    assert!(
+    // The killed worker had journaled step 1's answer; the new one requested its tool from it.
+    let calls = h.mock.calls();
+    assert_eq!(calls.total, 7, "one model call per step: {calls:?}");
+    assert!(calls.by_request_id.values().all(|n| *n == 1), "{calls:?}");
+    assert_eq!(
         events
             .iter()
-            .any(|r| matches!(&r.envelope.event, Event::StepCompleted(c) if c.reused)),
-        "the new worker reused the stored response of the killed one"
+            .filter(|r| matches!(&r.envelope.event, Event::StepCompleted(_)))
+            .count(),
+        7
     );
     assert!(
         killed_at > 0 && killed_at < seen.ids.len(),

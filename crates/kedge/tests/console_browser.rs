@@ -29,7 +29,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use bridge_support::{ACME, ACME_READ, Api, GLOBEX, TestBridge, bridge_config, spawn_projector};
-use common::{Harness, Svc};
+use common::{Harness, STORED_NOT_COMMITTED, Svc};
 use kedge_core::RunStatus;
 use kedge_core::ids::RunId;
 use reqwest::StatusCode;
@@ -704,7 +704,7 @@ async fn a_reused_model_response_is_marked_in_the_timeline() {
     let script = json!({"models": {"r": {"steps": [{"text": "the answer", "delay_ms": 200}]}}});
     let mut h = Harness::start(script, &[Svc::Intake]).await;
     h.agent("r", "r").await;
-    let crashing = h.spawn_process("step", "w-step-1", "step.after_model_stored");
+    let crashing = h.spawn_process("step", "w-step-1", STORED_NOT_COMMITTED);
     let config = bridge_config(&h.config, "127.0.0.1:0");
     let bridge = TestBridge::start(config, "127.0.0.1:0").await;
     let base = bridge.url();

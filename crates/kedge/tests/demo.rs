@@ -49,7 +49,18 @@ fn the_demo_succeeds() {
 #[test]
 fn the_crash_demo_resumes_without_a_second_model_call() {
     let out = run_demo(&["--crash"]);
-    assert!(out.contains("REUSED stored response"), "{out}");
+    // The worker died between the step's answer and its tool requests: the fresh one requested
+    // them, from the journaled answer.
+    let crashed = out
+        .find("step worker process exited")
+        .unwrap_or_else(|| panic!("no crash: {out}"));
+    let answered = out
+        .find("step.completed")
+        .unwrap_or_else(|| panic!("{out}"));
+    let requested = out
+        .find("tool.requested")
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(answered < crashed && crashed < requested, "{out}");
     assert!(out.contains("(1.000 per step)"), "{out}");
     assert!(out.contains("✓ the run succeeded"), "{out}");
 }

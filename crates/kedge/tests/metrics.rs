@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Harness, Svc};
+use common::{Harness, STORED_NOT_COMMITTED, Svc};
 use kedge_core::RunStatus;
 use kedge_core::event::Event;
 use serde_json::json;
@@ -588,13 +588,13 @@ async fn a_standby_counts_the_takeover_its_latency_and_the_model_call_it_did_not
         h.spawn_process_with_env(
             "all",
             "w-a",
-            "step.after_model_stored",
+            STORED_NOT_COMMITTED,
             &[("KEDGE_METRICS_ADDR", addrs[0].clone())],
         ),
         h.spawn_process_with_env(
             "all",
             "w-b",
-            "step.after_model_stored",
+            STORED_NOT_COMMITTED,
             &[("KEDGE_METRICS_ADDR", addrs[1].clone())],
         ),
     ];

@@ -705,6 +705,7 @@ impl Driver {
         let settles = state.settled_by(&drafts);
         let now = Timestamp::now();
         let mut expected = state.last_decision_seq;
+        let count = drafts.len();
         for (index, draft) in drafts.into_iter().enumerate() {
             let event = Envelope::new(state.run_id.clone(), now, draft);
             let journal = &self.rt.journal;
@@ -769,6 +770,9 @@ impl Driver {
                     return Ok(false);
                 }
                 Err(e) => return Err(e.into()),
+            }
+            if index + 1 < count && matches!(event.event, Event::StepCompleted(_)) {
+                failpoint::hit("step.after_answer_committed");
             }
         }
         if let Some(on) = settles {
@@ -1139,15 +1143,57 @@ impl Driver {
                         context_digest: plan.context_digest.clone(),
                         response: response.clone(),
                     };
-                    // Inputs that arrived during the call (a cancel above all) shape the commit.
-                    // A state that holds the whole run needs no read for them: its appends are
-                    // checked against the run's last message, so one that finds an input
-                    // acknowledged meanwhile is not appended and the step is decided again on
-                    // it, reusing the stored response (`Driver::append`). A state left behind
-                    // by `step.started` is read now, with the leader's check, while the
-                    // response is stored. Nothing is committed before the response is stored:
-                    // a crash from here on never pays for it twice.
-                    let behind = w.stale_through.take().is_some();
+                    // The answer is kept the moment it returns, where it is cheapest: in the
+                    // journal, by `step.completed`, when the commit lands at once (a state that
+                    // holds the whole run, the lease still held). Inputs that arrived during the
+                    // call (a cancel above all) shape the commit, and such a state needs no read
+                    // for them: its appends are checked against the run's last message, so one
+                    // that finds an input acknowledged meanwhile is not appended. The answer is
+                    // then stored in the idempotency bucket and the step decided again on what
+                    // landed, reusing it. Either way it is durable nowhere for one round trip
+                    // (docs/ARCHITECTURE.md, "Crash windows").
+                    let behind = w.stale_through.is_some();
+                    if !behind
+                        && !*lost.borrow()
+                        && !failpoint::fires("step.answer_not_committed", run.as_str())
+                    {
+                        let drafts = complete_step(
+                            state,
+                            plan.step,
+                            plan.attempt,
+                            plan.request_id.clone(),
+                            response,
+                            false,
+                            Timestamp::now(),
+                            &contract,
+                        );
+                        let committed = self.commit(state, w, drafts).await;
+                        if let Ok(true) = committed {
+                            return Ok(());
+                        }
+                        // Not landed (the run moved on, another writer decided) or not known
+                        // to have: kept for this step's next attempt, here or elsewhere.
+                        let put = self
+                            .rt
+                            .idempotency
+                            .store_response(&plan.request_id, &stored)
+                            .await;
+                        failpoint::hit("step.after_model_stored");
+                        return match (committed, put) {
+                            (Err(e), put) => {
+                                if let Err(p) = put {
+                                    tracing::warn!(error = %p, "the uncommitted model response could not be stored either; this process keeps it");
+                                }
+                                Err(e)
+                            }
+                            (Ok(_), put) => put.map_err(DriveError::from),
+                        };
+                    }
+                    // A state left behind by `step.started` is read now, with the leader's
+                    // check, while the response is stored; a lost lease stores it for the
+                    // run's holder. Nothing is committed before the response is stored: a crash
+                    // from here on never pays for it twice.
+                    w.stale_through = None;
                     let (put, read) = futures::join!(
                         self.rt
                             .idempotency

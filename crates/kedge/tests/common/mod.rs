@@ -32,6 +32,11 @@ pub use secure::{
 
 pub const API_KEY_VAR: &str = "KEDGE_TEST_API_KEY";
 
+/// The failpoints of a step worker that dies with a model answer stored in the idempotency
+/// bucket and not committed: the switch makes it take its commit as not landed (as when the
+/// run moved on during the call), so it stores the answer, and dies right after.
+pub const STORED_NOT_COMMITTED: &str = "switch:step.answer_not_committed,step.after_model_stored";
+
 /// Tools every test agent has (their JSON Schemas are permissive on purpose).
 fn test_agent(name: &str, model: &str, base_url: &str) -> AgentDefinition {
     let tool = |n: &str| serde_json::json!({"name": n, "description": n, "parameters": {"type": "object", "properties": {}}});
@@ -231,7 +236,8 @@ impl Harness {
         }));
     }
 
-    /// Runs `kedge serve <svc>` as a separate process, with failpoints armed.
+    /// Runs `kedge serve <svc>` as a separate process, with failpoints armed (e.g.
+    /// [`STORED_NOT_COMMITTED`]).
     pub fn spawn_process(&mut self, svc: &str, worker: &str, failpoints: &str) -> usize {
         self.spawn_process_with_env(svc, worker, failpoints, &[])
     }
