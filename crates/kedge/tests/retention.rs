@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Harness, Svc};
+use common::{Harness, STORE_EVERY_ANSWER, Svc};
 use futures::StreamExt;
 use kedge_core::RunStatus;
 use kedge_core::event::Timestamp;
@@ -38,7 +38,11 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
             {"text": "never"}
         ]}
     }});
-    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    let mut h = Harness::start(script, &[Svc::Intake, Svc::Tool]).await;
+    // A step worker that takes each answer's commit as not landed, so it stores every answer
+    // in kedge_idempotency first (as when the run moves on during a model call): the purge
+    // must remove those records too.
+    h.spawn_process("step", "w-step", STORE_EVERY_ANSWER);
     h.agent("act", "act").await;
     h.agent("ask", "ask").await;
     // An input over 64 KiB: its run.created goes by reference.

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Harness, Svc};
+use common::{Harness, STORE_EVERY_ANSWER, Svc};
 use kedge_core::RunStatus;
 use kedge_core::event::Timestamp;
 use kedge_core::ids::RunId;
@@ -136,7 +136,10 @@ async fn deployment() -> (Harness, Runs) {
             {"text": "never"}
         ]}
     }});
-    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    let mut h = Harness::start(script, &[Svc::Intake, Svc::Tool]).await;
+    // A step worker that stores every answer in kedge_idempotency before committing it (as when
+    // the run moves on during a model call), so the recipe for a stored response finds one.
+    h.spawn_process("step", "w-step", STORE_EVERY_ANSWER);
     spawn(&h.config, Kind::Projector, |rt| async move {
         kedge_bridge::run_projector(rt, futures::future::pending())
             .await

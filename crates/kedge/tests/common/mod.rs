@@ -37,6 +37,11 @@ pub const API_KEY_VAR: &str = "KEDGE_TEST_API_KEY";
 /// run moved on during the call), so it stores the answer, and dies right after.
 pub const STORED_NOT_COMMITTED: &str = "switch:step.answer_not_committed,step.after_model_stored";
 
+/// The failpoint of a step worker that takes every answer's commit as not landed, so it
+/// stores each answer in the idempotency bucket and then commits it (and lives on): for tests
+/// that look at or purge stored model responses.
+pub const STORE_EVERY_ANSWER: &str = "switch:step.answer_not_committed";
+
 /// Tools every test agent has (their JSON Schemas are permissive on purpose).
 fn test_agent(name: &str, model: &str, base_url: &str) -> AgentDefinition {
     let tool = |n: &str| serde_json::json!({"name": n, "description": n, "parameters": {"type": "object", "properties": {}}});
