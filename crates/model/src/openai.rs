@@ -75,13 +75,74 @@ struct Function<'a> {
     arguments: String,
 }
 
-/// The request body: the messages, then every other field.
+/// The request body: the messages, then every other field, all borrowed from the call (no
+/// `Value` tree, no copy of the tools' schemas per step).
 #[derive(Debug, Serialize)]
 struct Body<'a> {
     messages: Vec<Message<'a>>,
-    /// An object ([`settings`]), its fields written beside `messages`.
-    #[serde(flatten)]
-    rest: Value,
+    model: &'a str,
+    stream: bool,
+    stream_options: StreamOptions,
+    /// The output cap: this on OpenAI's own endpoint, `max_tokens` on any other.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_completion_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<Tool<'a>>,
+    /// Both are refused without `tools`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parallel_tool_calls: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<f64>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    stop: &'a [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    seed: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_effort: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response_format: Option<ResponseFormat<'a>>,
+}
+
+#[derive(Debug, Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Tool<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: ToolFunction<'a>,
+}
+
+#[derive(Debug, Serialize)]
+struct ToolFunction<'a> {
+    name: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    description: &'a str,
+    parameters: &'a Value,
+}
+
+/// Not strict: strict mode accepts only a subset of JSON Schema, and Kedge validates the answer
+/// against the whole schema in any case.
+#[derive(Debug, Serialize)]
+struct ResponseFormat<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    json_schema: JsonSchemaFormat<'a>,
+}
+
+#[derive(Debug, Serialize)]
+struct JsonSchemaFormat<'a> {
+    name: &'static str,
+    schema: &'a Value,
+    strict: bool,
 }
 
 /// The request body for `call`, as JSON bytes.
@@ -143,75 +204,60 @@ fn body<'a>(call: &'a ModelCall<'_>, context: &'a [Cow<'_, ChatMessage>]) -> Bod
             },
         });
     }
-    Body {
-        messages,
-        rest: settings(call),
-    }
+    settings(call, messages)
 }
 
-/// Every field of the body but the messages.
-fn settings(call: &ModelCall<'_>) -> Value {
-    let mut body = json!({
-        "model": call.spec.name,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    let cap_key = if is_public_endpoint(call.spec.base_url.as_deref()) {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
-    };
-    body[cap_key] = call.max_output_tokens.into();
-    if !call.tools.is_empty() {
-        body["tools"] = call
-            .tools
-            .iter()
-            .map(|t| {
-                let mut function = json!({"name": t.name, "parameters": t.parameters});
-                if !t.description.is_empty() {
-                    function["description"] = t.description.clone().into();
-                }
-                json!({"type": "function", "function": function})
-            })
-            .collect();
-        // Both are refused without `tools`.
-        if let Some(choice) = crate::effective_tool_choice(call) {
-            body["tool_choice"] = match choice {
+/// The body: `messages`, then the model, the output cap, the tools and the settings.
+fn settings<'a>(call: &'a ModelCall<'_>, messages: Vec<Message<'a>>) -> Body<'a> {
+    let public = is_public_endpoint(call.spec.base_url.as_deref());
+    let cap = Some(call.max_output_tokens);
+    let s = &call.spec.settings;
+    let tools: Vec<Tool<'a>> = call
+        .tools
+        .iter()
+        .map(|t| Tool {
+            kind: "function",
+            function: ToolFunction {
+                name: &t.name,
+                description: &t.description,
+                parameters: &t.parameters,
+            },
+        })
+        .collect();
+    let with_tools = !tools.is_empty();
+    Body {
+        messages,
+        model: &call.spec.name,
+        stream: true,
+        stream_options: StreamOptions {
+            include_usage: true,
+        },
+        max_completion_tokens: cap.filter(|_| public),
+        max_tokens: cap.filter(|_| !public),
+        tools,
+        tool_choice: crate::effective_tool_choice(call)
+            .filter(|_| with_tools)
+            .map(|choice| match choice {
                 ToolChoice::Auto => "auto".into(),
                 ToolChoice::None => "none".into(),
                 ToolChoice::Required => "required".into(),
                 ToolChoice::Tool(name) => json!({"type": "function", "function": {"name": name}}),
-            };
-        }
-        if let Some(parallel) = call.spec.settings.parallel_tool_calls {
-            body["parallel_tool_calls"] = parallel.into();
-        }
+            }),
+        parallel_tool_calls: s.parallel_tool_calls.filter(|_| with_tools),
+        temperature: s.temperature,
+        top_p: s.top_p,
+        stop: &s.stop,
+        seed: s.seed,
+        reasoning_effort: s.reasoning_effort.map(|e| e.as_str()),
+        response_format: call.output_schema.map(|schema| ResponseFormat {
+            kind: "json_schema",
+            json_schema: JsonSchemaFormat {
+                name: OUTPUT_SCHEMA_NAME,
+                schema,
+                strict: false,
+            },
+        }),
     }
-    let s = &call.spec.settings;
-    if let Some(t) = s.temperature {
-        body["temperature"] = t.into();
-    }
-    if let Some(p) = s.top_p {
-        body["top_p"] = p.into();
-    }
-    if !s.stop.is_empty() {
-        body["stop"] = s.stop.clone().into();
-    }
-    if let Some(seed) = s.seed {
-        body["seed"] = seed.into();
-    }
-    if let Some(effort) = s.reasoning_effort {
-        body["reasoning_effort"] = effort.as_str().into();
-    }
-    if let Some(schema) = call.output_schema {
-        // Not strict: strict mode accepts only a subset of JSON Schema, and Kedge validates
-        // the answer against the whole schema in any case.
-        body["response_format"] = json!({
-            "type": "json_schema",
-            "json_schema": {"name": OUTPUT_SCHEMA_NAME, "schema": schema, "strict": false},
-        });
-    }
-    body
 }
 
 /// `response_format.json_schema.name` of the agent's `output_schema`.
