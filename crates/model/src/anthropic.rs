@@ -38,6 +38,7 @@
 //! cache reads and writes too (`input_tokens + cache_creation_input_tokens +
 //! cache_read_input_tokens`), since all of them are billed input.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use kedge_core::agent::OUTPUT_TOOL;
@@ -45,7 +46,7 @@ use kedge_core::decide::ModelResponse;
 use kedge_core::event::{AssistantMessage, FinishReason, ThinkingBlock, ToolCall, Usage};
 use kedge_core::fold::ChatMessage;
 use kedge_core::settings::ToolChoice;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::context::{EMPTY_PLACEHOLDER, history_arguments, normalize, parse_arguments};
@@ -68,21 +69,155 @@ enum Role {
 /// One message under construction: `tool_result` blocks are kept apart so they always come
 /// first.
 #[derive(Debug)]
-struct Turn {
+struct Turn<'a> {
     role: Role,
-    results: Vec<Value>,
-    blocks: Vec<Value>,
+    results: Vec<Content<'a>>,
+    blocks: Vec<Content<'a>>,
 }
 
-/// The request body for `call`.
+/// `cache_control: {type: ephemeral}`.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Ephemeral {
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+const EPHEMERAL: Ephemeral = Ephemeral { kind: "ephemeral" };
+
+/// A content block, borrowed from the conversation: the body is serialized straight from
+/// the run's messages ([`request_json`]), not through a `Value` tree of them per step.
+#[derive(Debug, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Content<'a> {
+    Text {
+        text: &'a str,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cache_control: Option<Ephemeral>,
+    },
+    Thinking {
+        thinking: &'a str,
+        signature: &'a str,
+    },
+    RedactedThinking {
+        data: &'a str,
+    },
+    ToolUse {
+        id: String,
+        name: &'a str,
+        input: Cow<'a, Value>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cache_control: Option<Ephemeral>,
+    },
+    ToolResult {
+        tool_use_id: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        content: Option<&'a str>,
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        is_error: bool,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        cache_control: Option<Ephemeral>,
+    },
+}
+
+impl Content<'_> {
+    /// Marks the block as the end of the cached prefix; a thinking block cannot be marked.
+    fn cache(&mut self) {
+        match self {
+            Content::Text { cache_control, .. }
+            | Content::ToolUse { cache_control, .. }
+            | Content::ToolResult { cache_control, .. } => *cache_control = Some(EPHEMERAL),
+            Content::Thinking { .. } | Content::RedactedThinking { .. } => {}
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: Vec<Content<'a>>,
+}
+
+/// `system`: the prompt, or with `cache` one text block marked as cached.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+enum System<'a> {
+    Plain(Cow<'a, str>),
+    Cached([SystemBlock<'a>; 1]),
+}
+
+#[derive(Debug, Serialize)]
+struct SystemBlock<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    text: Cow<'a, str>,
+    cache_control: Ephemeral,
+}
+
+/// A tool definition, its schema borrowed from the agent (or the `output_schema`).
+#[derive(Debug, Serialize)]
+struct Tool<'a> {
+    name: &'a str,
+    #[serde(skip_serializing_if = "str::is_empty")]
+    description: &'a str,
+    input_schema: &'a Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cache_control: Option<Ephemeral>,
+}
+
+#[derive(Debug, Serialize)]
+struct Thinking {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    budget_tokens: u32,
+}
+
+/// The request body.
+#[derive(Debug, Serialize)]
+struct Body<'a> {
+    model: &'a str,
+    max_tokens: u32,
+    stream: bool,
+    messages: Vec<Message<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    system: Option<System<'a>>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<Tool<'a>>,
+    /// Only with `tools`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    top_p: Option<f64>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    stop_sequences: &'a [String],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    thinking: Option<Thinking>,
+}
+
+/// The request body for `call`, as JSON bytes.
+pub fn request_json(call: &ModelCall<'_>) -> Result<Vec<u8>, serde_json::Error> {
+    let context = normalize(call.context);
+    serde_json::to_vec(&body(call, &context))
+}
+
+/// The request body for `call` (what [`request_json`] writes).
 pub fn request_body(call: &ModelCall<'_>) -> Value {
-    let mut turns: Vec<Turn> = Vec::with_capacity(call.context.len());
-    for message in normalize(call.context) {
-        match &*message {
+    let context = normalize(call.context);
+    serde_json::to_value(body(call, &context)).unwrap_or_default()
+}
+
+fn body<'a>(call: &'a ModelCall<'_>, context: &'a [Cow<'_, ChatMessage>]) -> Body<'a> {
+    let mut turns: Vec<Turn<'a>> = Vec::with_capacity(context.len());
+    for message in context {
+        match &**message {
             ChatMessage::User { text } => {
                 let t = turn(&mut turns, Role::User);
                 if !text.trim().is_empty() {
-                    t.blocks.push(json!({"type": "text", "text": text}));
+                    t.blocks.push(Content::Text {
+                        text,
+                        cache_control: None,
+                    });
                 }
             }
             ChatMessage::Assistant { message } => {
@@ -93,22 +228,28 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                         ThinkingBlock::Thinking {
                             thinking,
                             signature,
-                        } => json!({"type": "thinking", "thinking": thinking, "signature": signature}),
+                        } => Content::Thinking {
+                            thinking,
+                            signature,
+                        },
                         ThinkingBlock::RedactedThinking { data } => {
-                            json!({"type": "redacted_thinking", "data": data})
+                            Content::RedactedThinking { data }
                         }
                     });
                 }
                 if !message.text.trim().is_empty() {
-                    t.blocks.push(json!({"type": "text", "text": message.text}));
+                    t.blocks.push(Content::Text {
+                        text: &message.text,
+                        cache_control: None,
+                    });
                 }
                 for c in &message.tool_calls {
-                    t.blocks.push(json!({
-                        "type": "tool_use",
-                        "id": tool_id(&c.call_id),
-                        "name": c.name,
-                        "input": history_arguments(&c.arguments).into_owned(),
-                    }));
+                    t.blocks.push(Content::ToolUse {
+                        id: tool_id(&c.call_id),
+                        name: &c.name,
+                        input: history_arguments(&c.arguments),
+                        cache_control: None,
+                    });
                 }
             }
             ChatMessage::Tool {
@@ -116,85 +257,77 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
                 content,
                 is_error,
             } => {
-                let mut block = json!({"type": "tool_result", "tool_use_id": tool_id(call_id)});
-                if !content.is_empty() {
-                    block["content"] = content.as_str().into();
-                }
-                if *is_error {
-                    block["is_error"] = true.into();
-                }
-                turn(&mut turns, Role::User).results.push(block);
+                turn(&mut turns, Role::User)
+                    .results
+                    .push(Content::ToolResult {
+                        tool_use_id: tool_id(call_id),
+                        content: Some(content.as_str()).filter(|c| !c.is_empty()),
+                        is_error: *is_error,
+                        cache_control: None,
+                    });
             }
         }
     }
     let cache = call.spec.settings.cache;
-    let mut messages: Vec<Value> = turns
+    let mut messages: Vec<Message<'a>> = turns
         .into_iter()
         .map(|t| {
             let mut content = t.results;
             content.extend(t.blocks);
             if content.is_empty() {
-                content.push(json!({"type": "text", "text": EMPTY_PLACEHOLDER}));
+                content.push(Content::Text {
+                    text: EMPTY_PLACEHOLDER,
+                    cache_control: None,
+                });
             }
             let role = match t.role {
                 Role::User => "user",
                 Role::Assistant => "assistant",
             };
-            // Moved in (`json!` would copy the blocks once more).
-            let mut m = json!({"role": role});
-            m["content"] = Value::Array(content);
-            m
+            Message { role, content }
         })
         .collect();
-    if cache {
+    if cache
         // The conversation so far: the next step reads it from the cache.
-        if let Some(block) = messages
-            .last_mut()
-            .and_then(|m| m["content"].as_array_mut())
-            .and_then(|blocks| blocks.last_mut())
-            .filter(|b| !matches!(b["type"].as_str(), Some("thinking" | "redacted_thinking")))
-        {
-            block["cache_control"] = ephemeral();
-        }
+        && let Some(block) = messages.last_mut().and_then(|m| m.content.last_mut())
+    {
+        block.cache();
     }
-    let mut body = json!({
-        "model": call.spec.name,
-        "max_tokens": call.max_output_tokens,
-        "stream": true,
-    });
-    body["messages"] = Value::Array(messages);
     let output_tool = output_tool(call);
-    let system = match output_tool {
-        Some(_) if call.system.trim().is_empty() => OUTPUT_INSTRUCTION.to_owned(),
-        Some(_) => format!("{}\n\n{OUTPUT_INSTRUCTION}", call.system),
-        None => call.system.to_owned(),
+    let system: Cow<'a, str> = match output_tool {
+        Some(_) if call.system.trim().is_empty() => Cow::Borrowed(OUTPUT_INSTRUCTION),
+        Some(_) => Cow::Owned(format!("{}\n\n{OUTPUT_INSTRUCTION}", call.system)),
+        None => Cow::Borrowed(call.system),
     };
-    if !system.trim().is_empty() {
-        body["system"] = if cache {
-            json!([{"type": "text", "text": system, "cache_control": ephemeral()}])
-        } else {
-            system.into()
-        };
-    }
+    let system = if system.trim().is_empty() {
+        None
+    } else if cache {
+        Some(System::Cached([SystemBlock {
+            kind: "text",
+            text: system,
+            cache_control: EPHEMERAL,
+        }]))
+    } else {
+        Some(System::Plain(system))
+    };
     let s = &call.spec.settings;
-    let mut tools: Vec<Value> = call
+    let mut tools: Vec<Tool<'a>> = call
         .tools
         .iter()
-        .map(|t| {
-            let mut tool = json!({"name": t.name, "input_schema": t.parameters});
-            if !t.description.is_empty() {
-                tool["description"] = t.description.clone().into();
-            }
-            tool
+        .map(|t| Tool {
+            name: &t.name,
+            description: &t.description,
+            input_schema: &t.parameters,
+            cache_control: None,
         })
         .collect();
-    tools.extend(output_tool.clone());
+    tools.extend(output_tool);
+    let mut tool_choice = None;
     if !tools.is_empty() {
         if cache && let Some(last) = tools.last_mut() {
             // Caches every tool definition (they precede the system prompt in the prefix).
-            last["cache_control"] = ephemeral();
+            last.cache_control = Some(EPHEMERAL);
         }
-        body["tools"] = tools.into();
         let serial = s.parallel_tool_calls == Some(false);
         let choice = if call.tools.is_empty() {
             // Only the `output` tool: the answer is forced through it, except with extended
@@ -205,7 +338,7 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
             // The agent's own tools come first: the `output` tool is offered, never forced.
             crate::effective_tool_choice(call)
         };
-        let mut tool_choice = match choice {
+        tool_choice = match choice {
             None if serial => Some(json!({"type": "auto"})),
             None => None,
             Some(ToolChoice::Auto) => Some(json!({"type": "auto"})),
@@ -213,26 +346,29 @@ pub fn request_body(call: &ModelCall<'_>) -> Value {
             Some(ToolChoice::Required) => Some(json!({"type": "any"})),
             Some(ToolChoice::Tool(name)) => Some(json!({"type": "tool", "name": name})),
         };
-        if let Some(tc) = &mut tool_choice {
-            if serial && tc["type"] != "none" {
-                tc["disable_parallel_tool_use"] = true.into();
-            }
-            body["tool_choice"] = tc.clone();
+        if let Some(tc) = &mut tool_choice
+            && serial
+            && tc["type"] != "none"
+        {
+            tc["disable_parallel_tool_use"] = true.into();
         }
     }
-    if let Some(t) = s.temperature {
-        body["temperature"] = t.into();
+    Body {
+        model: &call.spec.name,
+        max_tokens: call.max_output_tokens,
+        stream: true,
+        messages,
+        system,
+        tools,
+        tool_choice,
+        temperature: s.temperature,
+        top_p: s.top_p,
+        stop_sequences: &s.stop,
+        thinking: s.thinking.map(|t| Thinking {
+            kind: "enabled",
+            budget_tokens: t.budget_tokens,
+        }),
     }
-    if let Some(p) = s.top_p {
-        body["top_p"] = p.into();
-    }
-    if !s.stop.is_empty() {
-        body["stop_sequences"] = s.stop.clone().into();
-    }
-    if let Some(thinking) = s.thinking {
-        body["thinking"] = json!({"type": "enabled", "budget_tokens": thinking.budget_tokens});
-    }
-    body
 }
 
 /// What the system prompt of an agent with an `output_schema` ends with.
@@ -244,18 +380,22 @@ pub const OUTPUT_INSTRUCTION: &str = "Give your final answer by calling the `out
 /// `response_format`): the schema as its input schema. `None` without a schema, or for one the
 /// API would refuse as an input schema (not `"type": "object"`; `kedge agents put` refuses
 /// those for Anthropic agents): the answer is then validated as text only.
-fn output_tool(call: &ModelCall<'_>) -> Option<Value> {
+fn output_tool<'a>(call: &'a ModelCall<'_>) -> Option<Tool<'a>> {
     let schema = call.output_schema?;
     if schema.get("type").and_then(Value::as_str) != Some("object") {
         return None;
     }
-    Some(json!({
-        "name": OUTPUT_TOOL,
-        "description": "Give your final answer: call this tool once, with your whole answer \
-                        as its input, when you have finished.",
-        "input_schema": schema,
-    }))
+    Some(Tool {
+        name: OUTPUT_TOOL,
+        description: OUTPUT_TOOL_DESCRIPTION,
+        input_schema: schema,
+        cache_control: None,
+    })
 }
+
+/// The `output` tool's description.
+const OUTPUT_TOOL_DESCRIPTION: &str = "Give your final answer: call this tool once, with your \
+     whole answer as its input, when you have finished.";
 
 /// The response with a call of the `output` tool made its answer: the call's input, as JSON,
 /// becomes the turn's text (what Kedge validates and the run's output), and the call is removed
@@ -282,12 +422,8 @@ pub fn answer_from_output_tool(mut response: ModelResponse) -> ModelResponse {
     response
 }
 
-fn ephemeral() -> Value {
-    json!({"type": "ephemeral"})
-}
-
 /// The message `role` continues: the last one when it has that role, else a new one.
-fn turn(turns: &mut Vec<Turn>, role: Role) -> &mut Turn {
+fn turn<'t, 'a>(turns: &'t mut Vec<Turn<'a>>, role: Role) -> &'t mut Turn<'a> {
     if turns.last().is_none_or(|t| t.role != role) {
         turns.push(Turn {
             role,
@@ -868,6 +1004,10 @@ mod tests {
                 ],
             })
         );
+        // What goes on the wire (serialized from the borrowed conversation) is that body.
+        let sent = request_json(&call_with(&spec, &context)).expect("serializes");
+        let sent: Value = serde_json::from_slice(&sent).expect("JSON");
+        assert_eq!(sent, body);
     }
 
     fn claude(settings: kedge_core::settings::ModelSettings) -> ModelSpec {
@@ -896,7 +1036,7 @@ mod tests {
         assert_eq!(
             body["tools"],
             json!([{"name": "output", "input_schema": schema,
-                    "description": output_tool(&call).expect("offered")["description"]}])
+                    "description": OUTPUT_TOOL_DESCRIPTION}])
         );
         assert_eq!(
             body["tool_choice"],
@@ -931,7 +1071,10 @@ mod tests {
         call.system = "";
         let body = request_body(&call);
         assert_eq!(body["tools"][0]["name"], "output");
-        assert_eq!(body["tools"][0]["cache_control"], ephemeral());
+        assert_eq!(
+            body["tools"][0]["cache_control"],
+            json!({"type": "ephemeral"})
+        );
         assert!(body.get("tool_choice").is_none(), "{body}");
         assert_eq!(body["system"][0]["text"], OUTPUT_INSTRUCTION);
         // No schema, or one that is not an object: no tool, the prompt as it was.

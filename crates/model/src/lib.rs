@@ -177,7 +177,7 @@ pub fn request_body(call: &ModelCall<'_>) -> serde_json::Value {
 fn request_json(call: &ModelCall<'_>) -> Result<Vec<u8>, ModelError> {
     match call.spec.provider {
         Provider::Openai => openai::request_json(call),
-        Provider::Anthropic => serde_json::to_vec(&anthropic::request_body(call)),
+        Provider::Anthropic => anthropic::request_json(call),
     }
     .map_err(|e| {
         ModelError::fatal(
