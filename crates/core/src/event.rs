@@ -1176,6 +1176,16 @@ macro_rules! events {
                 vec![$((EventType::$variant, schemars::schema_for!($data)),)*]
             }
 
+            /// The event of `event_type` whose `data` is `data` (an envelope's two fields).
+            fn from_parts(
+                event_type: EventType,
+                data: &serde_json::value::RawValue,
+            ) -> Result<Event, serde_json::Error> {
+                Ok(match event_type {
+                    $(EventType::$variant => Event::$variant(serde_json::from_str(data.get())?),)*
+                })
+            }
+
             /// The event's data as JSON (what the envelope's `data` holds and `digest` covers).
             pub fn data_json(&self) -> serde_json::Value {
                 let value = match self {
@@ -1338,8 +1348,44 @@ impl Envelope {
     }
 
     /// Parses an envelope and checks its digest.
+    ///
+    /// The same as deserializing an [`Envelope`], without serde's `flatten`, which buffers
+    /// every field it does not know (here `type` and the whole `data`) into a tree first: the
+    /// data is decoded by its type straight from its bytes.
     pub fn from_json_bytes(bytes: &[u8]) -> Result<Self, EnvelopeError> {
-        let env: Envelope = serde_json::from_slice(bytes)?;
+        /// An envelope on the wire, its data still raw.
+        #[derive(Deserialize)]
+        struct Wire<'a> {
+            run_id: RunId,
+            at: Timestamp,
+            #[serde(default)]
+            step: Option<StepNo>,
+            #[serde(default)]
+            attempt: Option<Attempt>,
+            #[serde(default)]
+            op: Option<OperationId>,
+            #[serde(rename = "type", borrow)]
+            event_type: Cow<'a, str>,
+            #[serde(borrow)]
+            data: &'a serde_json::value::RawValue,
+            digest: Digest,
+        }
+        let wire: Wire<'_> = serde_json::from_slice(bytes)?;
+        let event_type = wire.event_type.parse::<EventType>().map_err(|e| {
+            EnvelopeError::Json(<serde_json::Error as serde::de::Error>::custom(format!(
+                "unknown variant `{}`: {e}",
+                e.0
+            )))
+        })?;
+        let env = Envelope {
+            run_id: wire.run_id,
+            at: wire.at,
+            step: wire.step,
+            attempt: wire.attempt,
+            op: wire.op,
+            event: Event::from_parts(event_type, wire.data)?,
+            digest: wire.digest,
+        };
         env.verify_digest()?;
         Ok(env)
     }

@@ -427,7 +427,18 @@ fn check_agent(bytes: &[u8]) {
 }
 
 fn check_envelope(bytes: &[u8]) {
-    if let Ok(env) = Envelope::from_json_bytes(bytes) {
+    // The journal's decoder (no serde `flatten`, the data decoded by its type from its raw
+    // bytes) takes exactly what serde's derived one takes, and reads the same envelope.
+    let derived = serde_json::from_slice::<Envelope>(bytes)
+        .ok()
+        .filter(|e| e.verify_digest().is_ok());
+    let decoded = Envelope::from_json_bytes(bytes);
+    assert_eq!(
+        decoded.as_ref().ok(),
+        derived.as_ref(),
+        "the decoder and serde's derived one disagree: {decoded:?}"
+    );
+    if let Ok(env) = decoded {
         // A parsed envelope survives the rest of its life: serialization, subject, a fold.
         let _ = env.subject();
         let back = Envelope::from_json_bytes(&env.to_json_bytes());
@@ -815,6 +826,16 @@ fn run_journal(start: &Start, actions: &[Action], contract: &Contract) {
         }
         // After every event: the journal folds or does not, and decide answers.
         let _ = fold_and_decide(&journal);
+    }
+}
+
+/// Every fixture envelope as recorded: decoded, and alike by both decoders (`check_envelope`).
+#[test]
+fn every_fixture_envelope_decodes_alike() {
+    for env in fixture_envelopes() {
+        let bytes = to_bytes(&env);
+        assert!(Envelope::from_json_bytes(&bytes).is_ok(), "{env}");
+        check_envelope(&bytes);
     }
 }
 
