@@ -111,7 +111,7 @@
 //! | field | effect |
 //! | --- | --- |
 //! | `"delay_ms": N` | wait N ms before answering (also before a fault) |
-//! | `"chunk_delay_ms": N` | streaming: wait N ms before each SSE event |
+//! | `"chunk_delay_ms": N` | streaming: wait N ms before each SSE event, each event its own write (without it, the whole stream goes out in one write) |
 //! | `"fault": {"status": S, "retry_after_ms": N, "times": K}` | the first K calls (default 1) reaching this entry get status S (400, 401, 403, 404, 413, 429, 500, 503 or 529) with the provider's error body; with `retry_after_ms`, also `retry-after` (seconds, rounded up) and `retry-after-ms` headers |
 //! | `"hang": true` | never answer (the client must time out); released only when the server shuts down |
 //! | `"drop_after_chunks": N` | streaming: send N SSE events, then close the connection without the end of the stream (never the final chunk / `[DONE]` / `message_stop`); non-streaming: send half the JSON body, then close |
