@@ -1371,12 +1371,10 @@ impl Envelope {
             digest: Digest,
         }
         let wire: Wire<'_> = serde_json::from_slice(bytes)?;
-        let event_type = wire.event_type.parse::<EventType>().map_err(|e| {
-            EnvelopeError::Json(<serde_json::Error as serde::de::Error>::custom(format!(
-                "unknown variant `{}`: {e}",
-                e.0
-            )))
-        })?;
+        let event_type = wire
+            .event_type
+            .parse::<EventType>()
+            .map_err(|e| EnvelopeError::Json(<serde_json::Error as serde::de::Error>::custom(e)))?;
         let env = Envelope {
             run_id: wire.run_id,
             at: wire.at,
