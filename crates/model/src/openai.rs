@@ -204,11 +204,12 @@ fn body<'a>(call: &'a ModelCall<'_>, context: &'a [Cow<'_, ChatMessage>]) -> Bod
             },
         });
     }
-    settings(call, messages)
+    assemble(call, messages)
 }
 
-/// The body: `messages`, then the model, the output cap, the tools and the settings.
-fn settings<'a>(call: &'a ModelCall<'_>, messages: Vec<Message<'a>>) -> Body<'a> {
+/// The body around `messages`: the model, the output cap, the tools and the settings, all
+/// borrowed from `call`.
+fn assemble<'a>(call: &'a ModelCall<'_>, messages: Vec<Message<'a>>) -> Body<'a> {
     let public = is_public_endpoint(call.spec.base_url.as_deref());
     let cap = Some(call.max_output_tokens);
     let s = &call.spec.settings;
