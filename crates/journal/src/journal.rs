@@ -90,6 +90,44 @@ pub struct Appended {
     pub last_seq: u64,
 }
 
+/// Where an input landed ([`Journal::append_input_after`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InputAppended {
+    pub seq: u64,
+    /// It was stored with the run-wide check on the sequence asked for: nothing of the run
+    /// lies between that message and this one (see [`Journal::read_chained`]).
+    pub chained: bool,
+}
+
+/// A message of a run as a consumer of the journal stream delivered it (the step's wake):
+/// its stream sequence, subject, stored headers and payload.
+#[derive(Debug, Clone, Copy)]
+pub struct Delivered<'a> {
+    pub seq: u64,
+    pub subject: &'a str,
+    pub headers: Option<&'a HeaderMap>,
+    pub payload: &'a Bytes,
+}
+
+/// The sequence a stored message of `run` was checked on run-wide: its
+/// `Nats-Expected-Last-Subject-Sequence`, when its `-Subject` is the run's whole tree. The
+/// broker stores a message so checked only if the run's last message then was at that
+/// sequence, and keeps the headers with it, so whoever reads the message reads the check.
+fn checked_after(headers: Option<&HeaderMap>, run: &RunId) -> Option<u64> {
+    let headers = headers?;
+    let scope = headers
+        .get(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT)?
+        .as_str();
+    if scope != subjects::run_all(run) {
+        return None;
+    }
+    headers
+        .get(wire::EXPECTED_LAST_SUBJECT_SEQ)?
+        .as_str()
+        .parse()
+        .ok()
+}
+
 /// The latest message of one subject ([`Journal::latest_per_subject`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Latest {
@@ -957,11 +995,28 @@ impl Journal {
         envelope: &Envelope,
         msg_id: &str,
     ) -> Result<u64, JournalError> {
+        Ok(self.append_input_after(envelope, msg_id, None).await?.seq)
+    }
+
+    /// [`Journal::append_input`], first checked run-wide on `after` when given: stored so only
+    /// if the run's last message is at `after` (the message the appender acts on, e.g. the
+    /// tool service's `tool.requested`). The stored check is a link the step service reads the
+    /// run by ([`Journal::read_chained`]). When the check fails (something of the run landed
+    /// since), the input is appended without it at once: an input never waits on the run.
+    /// `chained` says which. (A retry of an input that landed fails the check, then is
+    /// recognised by `msg_id`: [`JournalError::Duplicate`].)
+    pub async fn append_input_after(
+        &self,
+        envelope: &Envelope,
+        msg_id: &str,
+        after: Option<u64>,
+    ) -> Result<InputAppended, JournalError> {
         let span = tracing::debug_span!(
             "append_input",
             run_id = %envelope.run_id,
             event_type = %envelope.event_type(),
-            msg_id
+            msg_id,
+            after
         );
         async {
             if envelope.kind() != EventKind::Input {
@@ -975,19 +1030,44 @@ impl Journal {
             headers.insert(wire::MSG_ID, msg_id);
             self.trace_header(&mut headers);
             let payload = self.stored_form(envelope).await?;
-            let ack = wire::publish(
-                &self.client,
-                envelope.subject(),
-                headers,
-                payload,
-                self.timeout,
-            )
-            .await
-            .map_err(|e| JournalError::from_wire("append input", e))?;
+            let plain = headers.clone();
+            let publish = |headers| {
+                wire::publish(
+                    &self.client,
+                    envelope.subject(),
+                    headers,
+                    payload.clone(),
+                    self.timeout,
+                )
+            };
+            let map = |e| JournalError::from_wire("append input", e);
+            let mut chained = false;
+            let ack = match after {
+                Some(after) => {
+                    headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ, after.to_string().as_str());
+                    let scope = subjects::run_all(&envelope.run_id);
+                    headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT, scope.as_str());
+                    match publish(headers).await {
+                        Ok(ack) => {
+                            chained = true;
+                            ack
+                        }
+                        Err(e) if e.is_wrong_last() => {
+                            tracing::debug!(error = %e, "the run moved on; appended unchained");
+                            publish(plain).await.map_err(map)?
+                        }
+                        Err(e) => return Err(map(e)),
+                    }
+                }
+                None => publish(plain).await.map_err(map)?,
+            };
             if ack.duplicate {
                 Err(JournalError::Duplicate { seq: ack.seq })
             } else {
-                Ok(ack.seq)
+                Ok(InputAppended {
+                    seq: ack.seq,
+                    chained,
+                })
             }
         }
         .instrument(span)
@@ -1039,6 +1119,52 @@ impl Journal {
             Some(through),
         )
         .await
+    }
+
+    /// The run's events after `after` through the delivered message `wake`, read by sequence,
+    /// when the two links of a chain hold: `wake` was stored checked run-wide on the run's last
+    /// message being some `prev`, and `prev` (read by its sequence: one direct get, no subject
+    /// walk and no count of what matches) checked on it being `after`. Then, as far as the
+    /// broker's checks say, `prev` and `wake` are the run's only messages in `(after, wake]`
+    /// (the tool service chains `tool.started` on the `tool.requested` it runs and
+    /// `tool.result` on that). `None` when a link is missing or does not fit, when either
+    /// message is not a well-formed event held inline, or when the replica that answered has
+    /// not stored `prev` yet: read the usual way. The caller notes the sequences stepped over,
+    /// as after its own checked appends (the same trust in the same check).
+    pub async fn read_chained(
+        &self,
+        run: &RunId,
+        after: u64,
+        wake: Delivered<'_>,
+    ) -> Result<Option<ReadPage>, JournalError> {
+        let Some(prev) = checked_after(wake.headers, run) else {
+            return Ok(None);
+        };
+        if prev <= after || prev >= wake.seq {
+            return Ok(None);
+        }
+        let stored = wire::direct_seq(&self.client, RUNS_STREAM, prev, self.timeout)
+            .await
+            .map_err(|e| JournalError::from_wire("read a chained message", e))?;
+        let Some(stored) =
+            stored.filter(|m| m.seq == prev && checked_after(Some(&m.headers), run) == Some(after))
+        else {
+            return Ok(None);
+        };
+        let delivered = StoredMessage {
+            seq: wake.seq,
+            subject: wake.subject.to_owned(),
+            headers: wake.headers.cloned().unwrap_or_default(),
+            payload: wake.payload.clone(),
+        };
+        let mut page = ReadPage::default();
+        for m in [stored, delivered] {
+            match decode(run, m) {
+                Decoded::Event(r) => page.events.push(r),
+                Decoded::Skip | Decoded::SetAside(_) | Decoded::ByReference(_) => return Ok(None),
+            }
+        }
+        Ok(Some(page))
     }
 
     /// The first `max` of the run's events after `after` (all of them if fewer), in order, and

@@ -357,6 +357,27 @@ pub(crate) async fn direct_last(
     parse_direct(msg)
 }
 
+/// Direct get of the message at sequence `seq` (`None` when there is none, or the replica that
+/// answered has not stored it yet). Answered like [`direct_last`], from the store by sequence:
+/// no subject walk.
+pub(crate) async fn direct_seq(
+    client: &Client,
+    stream: &str,
+    seq: u64,
+    timeout: Duration,
+) -> Result<Option<StoredMessage>, WireError> {
+    let body = format!("{{\"seq\":{seq}}}");
+    let msg = request(
+        client,
+        format!("{API_PREFIX}.DIRECT.GET.{stream}"),
+        None,
+        body.into(),
+        timeout,
+    )
+    .await?;
+    parse_direct(msg)
+}
+
 /// Batched direct get: up to `batch` messages matching `subject` from sequence `from` on,
 /// handed to `each` as they arrive (the caller's work on one overlaps the server sending the
 /// next), followed by an end-of-batch status (204) whose `Nats-Num-Pending` is returned: the

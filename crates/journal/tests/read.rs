@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use futures::StreamExt;
 use kedge_core::{Envelope, EventKind, RunId};
-use kedge_journal::{ErrorKind, Journal, JournalError, Recorded};
+use kedge_journal::{DecisionWriter, Delivered, ErrorKind, Journal, JournalError, Recorded};
 
 /// Writes a run of `n` decisions and inputs (groups included), interleaved with another run's
 /// events; returns what was written with its sequences.
@@ -506,6 +506,153 @@ async fn a_read_through_a_known_sequence_returns_the_run_up_to_it_and_after() {
         .await
         .unwrap();
     assert_eq!(page.events.len(), 10);
+}
+
+/// The message at `seq` as a consumer of the stream delivers it: its stored headers with it.
+async fn stored(
+    js: &async_nats::jetstream::Context,
+    seq: u64,
+) -> async_nats::jetstream::message::StreamMessage {
+    let stream = js.get_stream("KEDGE_RUNS").await.unwrap();
+    stream.direct_get(seq).await.unwrap()
+}
+
+fn delivered(m: &async_nats::jetstream::message::StreamMessage) -> Delivered<'_> {
+    Delivered {
+        seq: m.sequence,
+        subject: m.subject.as_str(),
+        headers: Some(&m.headers),
+        payload: &m.payload,
+    }
+}
+
+#[tokio::test]
+async fn a_chain_of_run_wide_checks_is_read_by_sequence_and_nothing_else_is() {
+    let (server, journal) = setup().await;
+    let js = async_nats::jetstream::new(server.client().await);
+    let run = new_run();
+    let other = new_run();
+    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    let writer = DecisionWriter::unfenced(&run, "step");
+    let requested = journal
+        .append_decisions(&writer, created.last_seq, &[tool_requested(&run, 1, 0)])
+        .await
+        .unwrap()
+        .last_seq;
+    // Other runs' messages between the links are stepped over.
+    journal
+        .append_input(&user_message(&other, "x"), "o-1")
+        .await
+        .unwrap();
+    let started = journal
+        .append_input_after(&tool_started(&run, 1, 0), "s-1", Some(requested))
+        .await
+        .unwrap();
+    assert!(started.chained, "the request is the run's last message");
+    journal
+        .append_input(&user_message(&other, "x"), "o-2")
+        .await
+        .unwrap();
+    let result = journal
+        .append_input_after(&tool_result(&run, 1, 0), "r-1", Some(started.seq))
+        .await
+        .unwrap();
+    assert!(result.chained);
+    let wake = stored(&js, result.seq).await;
+    let page = journal
+        .read_chained(&run, requested, delivered(&wake))
+        .await
+        .unwrap()
+        .expect("the two links hold");
+    let got: Vec<(u64, Envelope)> = page
+        .events
+        .into_iter()
+        .map(|r| (r.seq, r.envelope))
+        .collect();
+    let read = journal.read(&run, requested).await.unwrap();
+    let want: Vec<(u64, Envelope)> = read.into_iter().map(|r| (r.seq, r.envelope)).collect();
+    assert_eq!(got, want, "exactly what a batched read returns");
+    // From anywhere but the chain's start, nothing is read by it.
+    for after in [0, created.last_seq, started.seq, result.seq] {
+        assert!(
+            journal
+                .read_chained(&run, after, delivered(&wake))
+                .await
+                .unwrap()
+                .is_none(),
+            "after {after}"
+        );
+    }
+    // A retry of a chained input that landed is recognised by its msg id.
+    let again = journal
+        .append_input_after(&tool_started(&run, 1, 0), "s-1", Some(requested))
+        .await;
+    assert!(
+        matches!(again, Err(JournalError::Duplicate { seq }) if seq == started.seq),
+        "{again:?}"
+    );
+
+    // Something of the run lands after the next request: its tool.started goes out unchained,
+    // and the result chained on that is not read by sequence.
+    let requested = journal
+        .append_decisions(&writer, requested, &[tool_requested(&run, 2, 0)])
+        .await
+        .unwrap()
+        .last_seq;
+    journal
+        .append_input(&user_message(&run, "meanwhile"), "u-1")
+        .await
+        .unwrap();
+    let started = journal
+        .append_input_after(&tool_started(&run, 2, 0), "s-2", Some(requested))
+        .await
+        .unwrap();
+    assert!(!started.chained);
+    let result = journal
+        .append_input_after(&tool_result(&run, 2, 0), "r-2", Some(started.seq))
+        .await
+        .unwrap();
+    assert!(result.chained);
+    let wake = stored(&js, result.seq).await;
+    for after in [requested, requested + 1] {
+        assert!(
+            journal
+                .read_chained(&run, after, delivered(&wake))
+                .await
+                .unwrap()
+                .is_none(),
+            "after {after}"
+        );
+    }
+
+    // A link checked on a narrower subject than the run's (the broker takes it: it is that
+    // subject's last message) is no link.
+    let forged = tool_result(&run, 2, 1);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        "Nats-Expected-Last-Subject-Sequence",
+        result.seq.to_string().as_str(),
+    );
+    headers.insert(
+        "Nats-Expected-Last-Subject-Sequence-Subject",
+        forged.subject().as_str(),
+    );
+    let payload = journal.stored_form(&forged).await.unwrap();
+    let seq = js
+        .publish_with_headers(format!("agent.run.{run}.i.tool.result"), headers, payload)
+        .await
+        .unwrap()
+        .await
+        .unwrap()
+        .sequence;
+    let wake = stored(&js, seq).await;
+    assert!(
+        journal
+            .read_chained(&run, started.seq, delivered(&wake))
+            .await
+            .unwrap()
+            .is_none()
+    );
 }
 
 #[tokio::test]

@@ -457,6 +457,12 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         "the second call took the mock's 3 s"
     );
     assert_eq!(get(&after, "kedge_model_responses_reused_total", &[]), 0.0);
+    // The tool's result woke the run, and the step read it and its tool.started by the links the
+    // tool service wrote (by sequence), not by a batched read of the run's subjects.
+    assert_eq!(
+        get(&after, "kedge_step_reads_total", &[("how", "chained")]),
+        1.0
+    );
     assert_eq!(
         get(&after, "kedge_dead_letters_total", &[("consumer", "step")]),
         0.0

@@ -75,6 +75,8 @@ metrics_table! {
         "Runs this step process moved into `status` (running, waiting_tool, waiting_user, waiting_approval, waiting_external, cancelling, unknown, succeeded, failed, cancelled): the decisions it journaled.";
     STEPS_COMPLETED = "kedge_steps_completed_total", Counter, [],
         "Steps this process completed (step.completed journaled), reused responses included.";
+    STEP_READS = "kedge_step_reads_total", Counter, ["how"],
+        "Reads of what landed on a run since the step's state of it, by how: chained (the two messages the tool service linked with run-wide checks, read by sequence), batched (a batched direct get of the run's subjects).";
     MODEL_CALLS = "kedge_model_calls_total", Counter, ["outcome"],
         "Model call attempts by outcome: ok, error, cancelled.";
     MODEL_ERRORS = "kedge_model_errors_total", Counter, ["class", "kind"],
@@ -371,6 +373,22 @@ pub fn decision(event: &Event) {
         Event::RunCancelled(_) => transition("cancelled"),
         _ => {}
     }
+}
+
+/// How the step read what landed on a run ([`STEP_READS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepRead {
+    Chained,
+    Batched,
+}
+
+/// The step read a run's new messages `how`.
+pub fn step_read(how: StepRead) {
+    let how = match how {
+        StepRead::Chained => "chained",
+        StepRead::Batched => "batched",
+    };
+    counter!(STEP_READS, "how" => how).increment(1);
 }
 
 /// How a model call attempt ended.

@@ -17,14 +17,16 @@ use kedge_core::ids::{InputId, ModelRequestId, OperationId, RunId};
 use kedge_core::machine::RunStatus;
 use kedge_core::subjects::{self, TOOL_INSPECT, TargetAnswer, TargetQuery};
 use kedge_core::tools::Contract;
-use kedge_journal::{DecisionWriter, ErrorKind, JournalError, Lease, LeaseError, Released};
+use kedge_journal::{
+    DecisionWriter, Delivered, ErrorKind, JournalError, Lease, LeaseError, Released,
+};
 use kedge_model::{Delta, ModelCall, ModelClient, ModelError};
 use kedge_runtime::Runtime;
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::failpoint;
 use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
 use kedge_runtime::liveness::{Hold, Liveness};
-use kedge_runtime::metrics::{self, ModelOutcome, Takeover};
+use kedge_runtime::metrics::{self, ModelOutcome, StepRead, Takeover};
 use kedge_runtime::seal::{self, SealError};
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
@@ -151,6 +153,23 @@ struct Writing<'a> {
 /// broker accepted an append past it after all) makes the state be folded again from the
 /// journal, so a state never stands on a missed input.
 type Skipped = Vec<(u64, u64)>;
+
+/// Most skipped ranges a state may carry into a chained read ([`Driver::refresh`]); with more,
+/// the run is read the batched way, which checks and clears them. A chained agent-loop step
+/// notes about five (its three appends and the two links), so this is about 25 steps.
+const CHAINED_SKIPPED_MAX: usize = 128;
+
+/// The wake `msg` as the journal reads it, when it is the message `through` names (a drive
+/// that absorbed later wakes reads through the newest of them instead).
+fn delivered(msg: &Message, through: Option<u64>) -> Option<Delivered<'_>> {
+    let seq = msg.info().ok()?.stream_sequence;
+    (Some(seq) == through).then(|| Delivered {
+        seq,
+        subject: msg.subject.as_str(),
+        headers: msg.headers.as_ref(),
+        payload: &msg.payload,
+    })
+}
 
 /// Whether `seq` is one the state stepped over.
 fn was_skipped(skipped: &Skipped, seq: u64) -> bool {
@@ -341,7 +360,10 @@ impl Driver {
         // stale by another holder's appends meets the concurrency check and is read again.
         let (lease, state) = match looked {
             Some(state) => (self.acquire(run).await, Ok(Some(state))),
-            None => futures::join!(self.acquire(run), self.read_state(run, through)),
+            None => {
+                let wake = msg.as_deref().and_then(|m| delivered(m, through));
+                futures::join!(self.acquire(run), self.read_state(run, through, wake))
+            }
         };
         let holding = match lease {
             Ok(Some(holding)) => holding,
@@ -531,13 +553,41 @@ impl Driver {
     /// starts at the first of them (the run's own appends since are passed over) and a message
     /// of the run found in one makes the state be folded again from the whole journal; either
     /// way they are checked and cleared.
+    ///
+    /// With the `wake` being handled (the message `through` names), the run is first read by
+    /// its chain ([`kedge_journal::Journal::read_chained`]: a tool's result linked to its
+    /// `tool.started`, linked to the state's last event, by the broker's run-wide checks): two
+    /// messages by sequence instead of a batched read of the run's subjects from the first
+    /// skipped sequence. The sequences the links step over are noted as skipped, like those of
+    /// the state's own appends, and checked by the next batched read, which comes at the latest
+    /// once [`CHAINED_SKIPPED_MAX`] ranges are noted.
     async fn refresh(
         &self,
         state: &mut RunState,
         skipped: &mut Skipped,
         through: Option<u64>,
+        wake: Option<Delivered<'_>>,
     ) -> Result<(), DriveError> {
         let last = state.last_seq;
+        if let Some(wake) = wake.filter(|w| w.seq > last && skipped.len() < CHAINED_SKIPPED_MAX)
+            && let Some(page) = self
+                .rt
+                .journal
+                .read_chained(&state.run_id, last, wake)
+                .await?
+        {
+            metrics::step_read(StepRead::Chained);
+            let mut before = last;
+            for r in &page.events {
+                if r.seq > before.saturating_add(1) {
+                    skipped.push((before + 1, r.seq - 1));
+                }
+                before = r.seq;
+            }
+            fold_merged(state, page.events.iter(), &[])?;
+            return Ok(());
+        }
+        metrics::step_read(StepRead::Batched);
         let (after, through) = match skipped.first() {
             // Through the state's last event at least: it is an acknowledged event of the run.
             Some(&(first, _)) => (
@@ -675,7 +725,8 @@ impl Driver {
     /// Folds in what the state lacks after appends that could not be folded in as they landed.
     async fn catch_up(&self, state: &mut RunState, w: &mut Writing<'_>) -> Result<(), DriveError> {
         if let Some(through) = w.stale_through.take() {
-            self.refresh(state, &mut w.skipped, Some(through)).await?;
+            self.refresh(state, &mut w.skipped, Some(through), None)
+                .await?;
         }
         Ok(())
     }
@@ -726,7 +777,7 @@ impl Driver {
             if let Err(JournalError::Behind { .. }) = result {
                 if index == 0 {
                     tracing::debug!(run_id = %state.run_id, "the run moved on; reading it and deciding again");
-                    self.refresh(state, &mut w.skipped, None).await?;
+                    self.refresh(state, &mut w.skipped, None, None).await?;
                     return Ok(false);
                 }
                 // The same message id: an earlier attempt that landed is recognised.
@@ -961,7 +1012,7 @@ impl Driver {
         run: &RunId,
         through: Option<u64>,
     ) -> Result<Option<RunState>, DriveError> {
-        let Some(state) = self.read_state(run, through).await? else {
+        let Some(state) = self.read_state(run, through, None).await? else {
             return Ok(None);
         };
         let tending = state.bundle.parent.is_some()
@@ -982,11 +1033,13 @@ impl Driver {
         &self,
         run: &RunId,
         through: Option<u64>,
+        wake: Option<Delivered<'_>>,
     ) -> Result<Option<RunState>, DriveError> {
         let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
         match cached {
             Some((mut state, mut skipped)) => {
-                self.refresh(&mut state, &mut skipped, through).await?;
+                self.refresh(&mut state, &mut skipped, through, wake)
+                    .await?;
                 Ok(Some(state))
             }
             None => self.load(run, through).await,
@@ -1134,7 +1187,7 @@ impl Driver {
                 // stands for one stored right after the read, found by the append.)
                 w.stale_through = None;
                 if !failpoint::fires("step.input_after_failed_call_read", run.as_str()) {
-                    self.refresh(state, &mut w.skipped, None).await?;
+                    self.refresh(state, &mut w.skipped, None, None).await?;
                 }
             }
             match result {
@@ -1200,7 +1253,7 @@ impl Driver {
                             .store_response(&plan.request_id, &stored),
                         async {
                             if behind {
-                                self.refresh(state, &mut w.skipped, None).await
+                                self.refresh(state, &mut w.skipped, None, None).await
                             } else {
                                 Ok(())
                             }

@@ -452,6 +452,8 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
         stream: info.stream,
         seq: info.stream_sequence,
     });
+    // Verified below to be the request's place in the journal: `tool.started` is chained on it.
+    let requested_at = stored.as_ref().map(|s| s.seq);
     let (op, req) =
         match verify::delivered(msg.subject.as_str(), stored, msg.headers.as_ref(), envelope) {
             Ok(checked) => checked,
@@ -501,7 +503,7 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
     };
     // A panic while handling it (a bug) is contained: it counts as a failed delivery (handed
     // back, and a dead letter at the last one); the service and its other operations go on.
-    let result = AssertUnwindSafe(execute(ctx, &op, &req, looked).instrument(span))
+    let result = AssertUnwindSafe(execute(ctx, &op, &req, looked, requested_at).instrument(span))
         .catch_unwind()
         .await
         .unwrap_or_else(|panic| {
@@ -688,7 +690,7 @@ async fn resolve(ctx: &Ctx, claimed: Envelope) -> Result<Vec<u8>, serde_json::Er
         );
     }
     tracing::Span::current().record("tool", req.tool.as_str());
-    match execute(ctx, &op, &req, None).await {
+    match execute(ctx, &op, &req, None, None).await {
         Ok(handled) => {
             tracing::info!(?handled, "resolved at the reconciler's request");
             serde_json::to_vec(&handled)
@@ -714,7 +716,7 @@ async fn adopt(ctx: &Ctx, op: OperationId, kept: u32) {
         if handled_by_step(&req.tool) {
             return;
         }
-        match execute(ctx, &op, &req, None).await {
+        match execute(ctx, &op, &req, None, None).await {
             Ok(Handled::Busy { retry_in_ms } | Handled::Retrying { retry_in_ms, .. }) => {
                 tracing::info!(retry_in_ms, "adopted operation not due yet; kept until then");
                 let wait = Duration::from_millis(retry_in_ms.max(1));
@@ -736,6 +738,7 @@ async fn execute(
     op: &OperationId,
     req: &ToolRequested,
     looked: Option<Look>,
+    requested_at: Option<u64>,
 ) -> Result<Handled, ToolError> {
     let (rt, env) = (&ctx.rt, &ctx.env);
     let runner = &rt.config.worker_id;
@@ -991,7 +994,15 @@ async fn execute(
     let limited = env.for_request(req);
     // Sensitive arguments are journaled sealed; the tool gets them in clear.
     let arguments = open_arguments(rt, op.run(), &req.arguments);
-    let (started, ran) = futures::join!(rt.journal.append_input(&started, key.as_str()), async {
+    // Chained (checked run-wide) on the request when this is its first attempt: the run's last
+    // message then, unless something landed since (another tool of the step, an input), in
+    // which case it goes out unchained at once. `tool.result` is chained on it in turn, and the
+    // step reads the run by those links ([`kedge_journal::Journal::read_chained`]).
+    let chain_on = requested_at.filter(|_| attempt == 1);
+    let appended = rt
+        .journal
+        .append_input_after(&started, key.as_str(), chain_on);
+    let (started, ran) = futures::join!(appended, async {
         let began = std::time::Instant::now();
         let ran = match &arguments {
             Ok(arguments) => target.run(&limited, &ctx.mcp, op, arguments, stop).await,
@@ -1004,13 +1015,16 @@ async fn execute(
         ran
     });
     ctx.running.unregister(op);
-    if let Err(e) = started
-        && !matches!(e, JournalError::Duplicate { .. })
-    {
-        // The tool ran: its record and result still go in (and a failure there is retried;
-        // the record then answers without running it again).
-        tracing::warn!(error = %e, "tool.started not journaled");
-    }
+    let chained = match started {
+        Ok(started) => started.chained.then_some(started.seq),
+        Err(JournalError::Duplicate { .. }) => None,
+        Err(e) => {
+            // The tool ran: its record and result still go in (and a failure there is retried;
+            // the record then answers without running it again).
+            tracing::warn!(error = %e, "tool.started not journaled");
+            None
+        }
+    };
     failpoint::hit("tool.after_effect");
     let (out, stopped) = match ran {
         Ran::Done { out, stopped } => (out, stopped),
@@ -1090,7 +1104,7 @@ async fn execute(
             if failpoint::fires("tool.result_lost", op.run().as_str()) {
                 return Ok(());
             }
-            journal_result(rt, op, out.clone(), stopped).await
+            journal_result_after(rt, op, out.clone(), stopped, chained).await
         }
     );
     failpoint::hit("tool.after_record");
@@ -1216,6 +1230,7 @@ async fn journal_moved(
         op,
         Event::TargetMoved(moved),
         InputId::target_moved(op, dispatch),
+        None,
     )
     .await
 }
@@ -1319,6 +1334,7 @@ async fn journal_confirmed(rt: &Runtime, op: &OperationId, out: Output) -> Resul
         op,
         Event::OutcomeConfirmed(confirmed),
         InputId::tool_result(op),
+        None,
     )
     .await
 }
@@ -1336,6 +1352,7 @@ async fn journal_ambiguous(
         op,
         Event::OutcomeAmbiguous(ambiguous),
         InputId::outcome_ambiguous(op, dispatch),
+        None,
     )
     .await
 }
@@ -1347,27 +1364,53 @@ async fn journal_result(
     out: Output,
     stopped: bool,
 ) -> Result<(), ToolError> {
+    journal_result_after(rt, op, out, stopped, None).await
+}
+
+/// [`journal_result`], checked run-wide on `after` (the operation's `tool.started`, when that
+/// was chained on its `tool.requested`): the link the step reads the run by
+/// ([`kedge_journal::Journal::read_chained`]).
+async fn journal_result_after(
+    rt: &Runtime,
+    op: &OperationId,
+    out: Output,
+    stopped: bool,
+    after: Option<u64>,
+) -> Result<(), ToolError> {
     let result = ToolResult {
         content: out.content,
         is_error: out.is_error,
         stopped,
     };
-    journal_input(rt, op, Event::ToolResult(result), InputId::tool_result(op)).await
+    journal_input(
+        rt,
+        op,
+        Event::ToolResult(result),
+        InputId::tool_result(op),
+        after,
+    )
+    .await
 }
 
-/// Journals an input about `op` under the msg id `key`; a repeat (same key) is a no-op.
+/// Journals an input about `op` under the msg id `key` (checked run-wide on `after` when
+/// given, see [`kedge_journal::Journal::append_input_after`]); a repeat (same key) is a no-op.
 async fn journal_input(
     rt: &Runtime,
     op: &OperationId,
     event: Event,
     key: InputId,
+    after: Option<u64>,
 ) -> Result<(), ToolError> {
     let env = Envelope::new(
         op.run().clone(),
         Timestamp::now(),
         Draft::new(event).step(op.step()).op(op.clone()),
     );
-    match rt.journal.append_input(&env, key.as_str()).await {
+    match rt
+        .journal
+        .append_input_after(&env, key.as_str(), after)
+        .await
+    {
         Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
         Err(e) => Err(e.into()),
     }

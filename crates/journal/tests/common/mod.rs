@@ -5,7 +5,7 @@
 
 use kedge_core::event::{
     AssistantMessage, Digest, FinishReason, RunCreated, RunStarted, StepCompleted, Timestamp,
-    ToolRequested, ToolResult, Usage, UserMessage,
+    ToolRequested, ToolResult, ToolStarted, Usage, UserMessage,
 };
 use kedge_core::ids::ModelRequestId;
 use kedge_core::{Attempt, Draft, Envelope, Event, OperationId, RunId, StepNo};
@@ -104,6 +104,18 @@ pub fn user_message(run: &RunId, text: &str) -> Envelope {
     env(
         run,
         Draft::new(Event::UserMessage(UserMessage { text: text.into() })),
+    )
+}
+
+pub fn tool_started(run: &RunId, step: u32, index: u32) -> Envelope {
+    env(
+        run,
+        Draft::new(Event::ToolStarted(ToolStarted {
+            runner: "runner-1".into(),
+            attempt: 1,
+        }))
+        .step(StepNo(step))
+        .op(OperationId::new(run, StepNo(step), index)),
     )
 }
 
