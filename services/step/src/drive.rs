@@ -171,6 +171,14 @@ fn delivered(msg: &Message, through: Option<u64>) -> Option<Delivered<'_>> {
     })
 }
 
+/// A run's state as read for a drive, with the sequences it stepped over.
+struct Read {
+    state: RunState,
+    skipped: Skipped,
+    /// Brought up to date by its chain ([`Driver::refresh`]).
+    chained: bool,
+}
+
 /// Whether `seq` is one the state stepped over.
 fn was_skipped(skipped: &Skipped, seq: u64) -> bool {
     skipped
@@ -358,8 +366,15 @@ impl Driver {
         // The lease and the run's state are fetched at once (one round trip instead of two on
         // the way to the next decision). Reading without the lease is harmless: a state made
         // stale by another holder's appends meets the concurrency check and is read again.
-        let (lease, state) = match looked {
-            Some(state) => (self.acquire(run).await, Ok(Some(state))),
+        let (lease, read) = match looked {
+            Some(state) => (
+                self.acquire(run).await,
+                Ok(Some(Read {
+                    state,
+                    skipped: Skipped::new(),
+                    chained: false,
+                })),
+            ),
             None => {
                 let wake = msg.as_deref().and_then(|m| delivered(m, through));
                 futures::join!(self.acquire(run), self.read_state(run, through, wake))
@@ -369,11 +384,30 @@ impl Driver {
             Ok(Some(holding)) => holding,
             other => {
                 // Not ours to drive now: what was read stays good for the next drive here.
-                if let Ok(Some(state)) = state {
-                    self.keep(state, Skipped::new());
+                if let Ok(Some(read)) = read {
+                    self.keep(read.state, read.skipped);
                 }
                 return other.map(|_| Outcome::Busy);
             }
+        };
+        // A state brought up to date by its chain, under a lease not taken back from this
+        // process's parking: another worker may have held the run since this process last did,
+        // woken by an input that a link stepped over (in flight on a clustered stream as it was
+        // checked) and left the run as it was. What the links stepped over is read now, as the
+        // net would later.
+        let (state, skipped) = match read {
+            Ok(Some(mut read)) if read.chained && holding.hold.is_none() => {
+                match self
+                    .refresh(&mut read.state, &mut read.skipped, through, None)
+                    .await
+                {
+                    Ok(_) => (Ok(Some(read.state)), read.skipped),
+                    Err(e) => (Err(e), Skipped::new()),
+                }
+            }
+            Ok(Some(read)) => (Ok(Some(read.state)), read.skipped),
+            Ok(None) => (Ok(None), Skipped::new()),
+            Err(e) => (Err(e), Skipped::new()),
         };
         // Announced in this process's heartbeats while held: if it dies, a standby adopts the
         // run as soon as the broker says it is gone.
@@ -387,7 +421,7 @@ impl Driver {
         let mut w = Writing {
             writer: &writer,
             stale_through: None,
-            skipped: Skipped::new(),
+            skipped,
         };
         let keeper = Keeper::start(&self.rt, holding.lease, holding.written, msg);
         let mut lost = keeper.lost.clone();
@@ -567,7 +601,7 @@ impl Driver {
         skipped: &mut Skipped,
         through: Option<u64>,
         wake: Option<Delivered<'_>>,
-    ) -> Result<(), DriveError> {
+    ) -> Result<bool, DriveError> {
         let last = state.last_seq;
         if let Some(wake) = wake.filter(|w| w.seq > last && skipped.len() < CHAINED_SKIPPED_MAX)
             && let Some(page) = self
@@ -585,7 +619,7 @@ impl Driver {
                 before = r.seq;
             }
             fold_merged(state, page.events.iter(), &[])?;
-            return Ok(());
+            return Ok(true);
         }
         metrics::step_read(StepRead::Batched);
         let (after, through) = match skipped.first() {
@@ -617,7 +651,7 @@ impl Driver {
                 .load(&state.run_id, None)
                 .await?
                 .ok_or(DriveError::NoRun)?;
-            return Ok(());
+            return Ok(false);
         }
         let set_aside: Vec<kedge_journal::SetAside> = page
             .set_aside
@@ -632,7 +666,7 @@ impl Driver {
         if !set_aside.is_empty() {
             self.record_set_aside(&state.run_id, &set_aside).await;
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Records messages set aside from a run's journal where operators see them, once each:
@@ -1012,7 +1046,7 @@ impl Driver {
         run: &RunId,
         through: Option<u64>,
     ) -> Result<Option<RunState>, DriveError> {
-        let Some(state) = self.read_state(run, through, None).await? else {
+        let Some(Read { state, .. }) = self.read_state(run, through, None).await? else {
             return Ok(None);
         };
         let tending = state.bundle.parent.is_some()
@@ -1027,22 +1061,32 @@ impl Driver {
         Ok(Some(state))
     }
 
-    /// The run's state: the one cached from this process's last drive, brought up to date, or
-    /// the whole journal folded. `None` for a run with no `run.created`.
+    /// The run's state: the one cached from this process's last drive, brought up to date
+    /// (by the `wake`'s chain when it holds, see [`Driver::refresh`]), or the whole journal
+    /// folded. `None` for a run with no `run.created`.
     async fn read_state(
         &self,
         run: &RunId,
         through: Option<u64>,
         wake: Option<Delivered<'_>>,
-    ) -> Result<Option<RunState>, DriveError> {
+    ) -> Result<Option<Read>, DriveError> {
         let cached = self.cache.lock().ok().and_then(|mut c| c.remove(run));
         match cached {
             Some((mut state, mut skipped)) => {
-                self.refresh(&mut state, &mut skipped, through, wake)
+                let chained = self
+                    .refresh(&mut state, &mut skipped, through, wake)
                     .await?;
-                Ok(Some(state))
+                Ok(Some(Read {
+                    state,
+                    skipped,
+                    chained,
+                }))
             }
-            None => self.load(run, through).await,
+            None => Ok(self.load(run, through).await?.map(|state| Read {
+                state,
+                skipped: Skipped::new(),
+                chained: false,
+            })),
         }
     }
 
@@ -1253,7 +1297,7 @@ impl Driver {
                             .store_response(&plan.request_id, &stored),
                         async {
                             if behind {
-                                self.refresh(state, &mut w.skipped, None, None).await
+                                self.refresh(state, &mut w.skipped, None, None).await.map(|_| ())
                             } else {
                                 Ok(())
                             }
