@@ -151,7 +151,7 @@ async fn a_parked_lease_goes_to_another_step_worker_that_asks_for_it() {
     let liveness = rt.liveness().await.expect("liveness");
     let (cancels, _) = tokio::sync::broadcast::channel(16);
     let other = Driver::new(rt, ModelClient::new(), cancels, liveness);
-    let outcome = other.drive(&run, None, None).await.expect("drive");
+    let outcome = other.drive(&run, None, None, None).await.expect("drive");
     assert_eq!(outcome, Outcome::Idle);
     // It parked the lease in turn.
     let taken = held_by(&h, &run, "w-other-step").await;

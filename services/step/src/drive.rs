@@ -346,12 +346,15 @@ impl Driver {
     ///
     /// `through` is the stream sequence of the newest wake being handled (an event of the run
     /// the broker has acknowledged): the run is read up to it without asking the stream leader
-    /// where the run ends. `None` (an adopted run) reads with the leader's check.
+    /// where the run ends. `None` (an adopted run) reads with the leader's check. `absorbed`:
+    /// that newest wake, when it is not `msg` but one a drive in progress absorbed (its chain
+    /// may be read, see [`Driver::refresh`]).
     pub async fn drive(
         &self,
         run: &RunId,
         msg: Option<Arc<Message>>,
         through: Option<u64>,
+        absorbed: Option<Arc<Message>>,
     ) -> Result<Outcome, DriveError> {
         let cfg = &self.rt.config;
         // A wake from a backlog (a fresh process catching up, a redelivery) is looked at before
@@ -376,7 +379,10 @@ impl Driver {
                 })),
             ),
             None => {
-                let wake = msg.as_deref().and_then(|m| delivered(m, through));
+                let wake = absorbed
+                    .as_deref()
+                    .or(msg.as_deref())
+                    .and_then(|m| delivered(m, through));
                 futures::join!(self.acquire(run), self.read_state(run, through, wake))
             }
         };

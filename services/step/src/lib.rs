@@ -65,8 +65,17 @@ const FAIL_MAX: Duration = Duration::from_secs(60);
 const CONSUMER: &str = "step";
 
 /// Per-run bookkeeping of this process: whether more wakes arrived during the drive, and the
-/// newest stream sequence among them (0: one without a sequence, read with the leader's check).
-type Active = Arc<Mutex<HashMap<RunId, Option<u64>>>>;
+/// newest of them ([`Absorbed`]).
+type Active = Arc<Mutex<HashMap<RunId, Option<Absorbed>>>>;
+
+/// The newest wake a drive in progress absorbed: its stream sequence (0: one without a
+/// sequence, read with the leader's check) and the message (acknowledged already), whose
+/// chain the re-drive may read instead of the run's subjects
+/// ([`kedge_journal::Journal::read_chained`]).
+struct Absorbed {
+    through: u64,
+    wake: Option<Arc<Message>>,
+}
 
 /// The stream sequence of a wake (an acknowledged event of its run).
 fn wake_seq(msg: &Message) -> Option<u64> {
@@ -210,17 +219,26 @@ impl Drives {
     async fn start(&self, run_id: RunId, msg: Option<Message>, slot: Option<consumer::Slot>) {
         // Whether a drive of this run is already in progress here (then it absorbs this wake).
         let seq = msg.as_ref().and_then(wake_seq);
+        let msg = msg.map(Arc::new);
         let absorbed = match self.active.lock() {
             Ok(mut map) => match map.get_mut(&run_id) {
                 Some(dirty) => {
                     // The re-drive must read through the newest absorbed wake (0 when one has
                     // no sequence: then the leader is asked).
-                    let newest = match (*dirty, seq) {
+                    let newest = match (dirty.as_ref().map(|d| d.through), seq) {
                         (Some(0), _) | (_, None) => 0,
                         (Some(a), Some(b)) => a.max(b),
                         (None, Some(b)) => b,
                     };
-                    *dirty = Some(newest);
+                    let wake = if newest > 0 && seq == Some(newest) {
+                        msg.clone()
+                    } else {
+                        dirty.take().and_then(|d| d.wake)
+                    };
+                    *dirty = Some(Absorbed {
+                        through: newest,
+                        wake: wake.filter(|_| newest > 0),
+                    });
                     true
                 }
                 None => {
@@ -245,12 +263,13 @@ impl Drives {
             None => self.workers.slot().await,
         };
         self.workers.run(slot, async move {
-                let msg = msg.map(Arc::new);
                 let mut through = seq;
+                let mut latest = None;
                 let result = loop {
                     // A panic in a drive (a bug) is contained: this run's wake is handed back
                     // (bounded, like any failure), the process and its other drives go on.
-                    let result = AssertUnwindSafe(driver.drive(&run_id, msg.clone(), through))
+                    let drive = driver.drive(&run_id, msg.clone(), through, latest.take());
+                    let result = AssertUnwindSafe(drive)
                         .catch_unwind()
                         .await
                         .unwrap_or_else(|panic| {
@@ -261,7 +280,9 @@ impl Drives {
                     let again = match active.lock() {
                         Ok(mut map) => match map.get_mut(&run_id) {
                             Some(dirty) if dirty.is_some() && result.is_ok() => {
-                                through = dirty.take().filter(|seq| *seq > 0);
+                                let absorbed = dirty.take();
+                                through = absorbed.as_ref().map(|a| a.through).filter(|seq| *seq > 0);
+                                latest = absorbed.and_then(|a| a.wake);
                                 true
                             }
                             _ => {
