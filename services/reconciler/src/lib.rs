@@ -381,7 +381,9 @@ async fn check(
             ),
         })),
     );
-    let key = kedge_core::ids::InputId::nudge(run, state.last_seq);
+    // Keyed by the last event the quiet verdict stands on, not the state's: a replica whose
+    // read came after another's nudge landed (the nudge its last event) would key a second one.
+    let key = kedge_core::ids::InputId::nudge(run, last.seq);
     match rt.journal.append_input(&nudge, key.as_str()).await {
         Ok(_) => {
             tracing::info!(run_id = %run, status = %state.status, "nudged a stalled run");
