@@ -242,21 +242,36 @@ impl Leases {
         ttl: Duration,
         hint: Option<Released>,
     ) -> Result<Lease, LeaseError> {
-        if let Some(Released { seq }) = hint {
-            let secs = ttl_secs(ttl)?;
-            check_owner(owner)?;
-            let value = LeaseValue {
-                owner: owner.to_owned(),
-                ttl_secs: secs,
-            };
-            match self.write(run, seq, secs, Some(&value)).await {
-                Ok(revision) => return Ok(Lease::held(run, owner, revision, ttl)),
-                // Someone took it since (or the marker expired): look first.
-                Err(e) if e.is_wrong_last() => {}
-                Err(e) => return Err(LeaseError::wire("acquire lease", e)),
-            }
+        if let Some(hint) = hint
+            && let Some(lease) = self.retake(run, owner, ttl, hint).await?
+        {
+            return Ok(lease);
         }
         self.acquire(run, owner, ttl).await
+    }
+
+    /// Takes the lease over the release marker `hint` (what `owner`'s own
+    /// [`Leases::release`] returned), in one compare-and-set: `None` when the marker is not the
+    /// lease's last write any more (someone took the lease since, or the marker expired). A
+    /// lease so taken was held by nobody else between the release and now.
+    pub async fn retake(
+        &self,
+        run: &RunId,
+        owner: &str,
+        ttl: Duration,
+        hint: Released,
+    ) -> Result<Option<Lease>, LeaseError> {
+        let secs = ttl_secs(ttl)?;
+        check_owner(owner)?;
+        let value = LeaseValue {
+            owner: owner.to_owned(),
+            ttl_secs: secs,
+        };
+        match self.write(run, hint.seq, secs, Some(&value)).await {
+            Ok(revision) => Ok(Some(Lease::held(run, owner, revision, ttl))),
+            Err(e) if e.is_wrong_last() => Ok(None),
+            Err(e) => Err(LeaseError::wire("acquire lease", e)),
+        }
     }
 
     /// Takes the lease on `run` for `owner` if nobody holds it (never used, expired or released).

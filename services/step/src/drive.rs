@@ -237,6 +237,9 @@ struct Holding {
     written: Instant,
     /// The run's announcement in the heartbeats, kept from a parked holding.
     hold: Option<Hold>,
+    /// Nobody else held the lease since this process last did: taken back from its parking or
+    /// over its own release marker.
+    continuous: bool,
 }
 
 /// A lease kept after a drive that left its run waiting on its tools (the agent loop's next
@@ -396,13 +399,12 @@ impl Driver {
                 return other.map(|_| Outcome::Busy);
             }
         };
-        // A state brought up to date by its chain, under a lease not taken back from this
-        // process's parking: another worker may have held the run since this process last did,
-        // woken by an input that a link stepped over (in flight on a clustered stream as it was
-        // checked) and left the run as it was. What the links stepped over is read now, as the
-        // net would later.
+        // A state brought up to date by its chain, under a lease another worker may have held
+        // since this process last did: that worker may have been woken by an input a link
+        // stepped over (in flight on a clustered stream as it was checked) and left the run as
+        // it was. What the links stepped over is read now, as the net would later.
         let (state, skipped) = match read {
-            Ok(Some(mut read)) if read.chained && holding.hold.is_none() => {
+            Ok(Some(mut read)) if read.chained && !holding.continuous => {
                 match self
                     .refresh(&mut read.state, &mut read.skipped, through, None)
                     .await
@@ -496,6 +498,7 @@ impl Driver {
                         lease,
                         written,
                         hold: Some(hold),
+                        continuous: true,
                     },
                     id,
                 };
@@ -926,6 +929,7 @@ impl Driver {
                         lease,
                         written: at,
                         hold: held.hold,
+                        continuous: true,
                     }));
                 }
                 Err(LeaseError::Lost { .. }) => {}
@@ -940,14 +944,25 @@ impl Driver {
                 lease,
                 written: at,
                 hold: None,
+                continuous: false,
             })
         };
-        match self
-            .rt
-            .leases
-            .acquire_after(run, &cfg.worker_id, ttl, hint)
-            .await
+        // Over this process's own release marker: nobody held it in between.
+        if let Some(hint) = hint
+            && let Some(lease) = self
+                .rt
+                .leases
+                .retake(run, &cfg.worker_id, ttl, hint)
+                .await?
         {
+            return Ok(Some(Holding {
+                lease,
+                written: at,
+                hold: None,
+                continuous: true,
+            }));
+        }
+        match self.rt.leases.acquire(run, &cfg.worker_id, ttl).await {
             Ok(lease) => Ok(fresh(lease)),
             // Held by a process that is gone (the broker has no connection for it), or by this
             // process itself (one drive per run per process, so such a lease is left over from
@@ -1034,6 +1049,7 @@ impl Driver {
                 lease,
                 written: at,
                 hold: None,
+                continuous: false,
             })),
             Err(LeaseError::Held { .. } | LeaseError::Lost { .. }) => Ok(None),
             Err(e) => Err(e.into()),
