@@ -346,15 +346,7 @@ pub(crate) async fn direct_last(
     timeout: Duration,
 ) -> Result<Option<StoredMessage>, WireError> {
     let body = serde_json::json!({ "last_by_subj": subject }).to_string();
-    let msg = request(
-        client,
-        format!("{API_PREFIX}.DIRECT.GET.{stream}"),
-        None,
-        body.into(),
-        timeout,
-    )
-    .await?;
-    parse_direct(msg)
+    direct_one(client, stream, body, timeout).await
 }
 
 /// Direct get of the message at sequence `seq` (`None` when there is none, or the replica that
@@ -366,15 +358,18 @@ pub(crate) async fn direct_seq(
     seq: u64,
     timeout: Duration,
 ) -> Result<Option<StoredMessage>, WireError> {
-    let body = format!("{{\"seq\":{seq}}}");
-    let msg = request(
-        client,
-        format!("{API_PREFIX}.DIRECT.GET.{stream}"),
-        None,
-        body.into(),
-        timeout,
-    )
-    .await?;
+    direct_one(client, stream, format!("{{\"seq\":{seq}}}"), timeout).await
+}
+
+/// One direct get of one message by the request `body`.
+async fn direct_one(
+    client: &Client,
+    stream: &str,
+    body: String,
+    timeout: Duration,
+) -> Result<Option<StoredMessage>, WireError> {
+    let subject = format!("{API_PREFIX}.DIRECT.GET.{stream}");
+    let msg = request(client, subject, None, body.into(), timeout).await?;
     parse_direct(msg)
 }
 
