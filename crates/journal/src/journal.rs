@@ -1030,7 +1030,6 @@ impl Journal {
             headers.insert(wire::MSG_ID, msg_id);
             self.trace_header(&mut headers);
             let payload = self.stored_form(envelope).await?;
-            let plain = headers.clone();
             let publish = |headers| {
                 wire::publish(
                     &self.client,
@@ -1041,25 +1040,22 @@ impl Journal {
                 )
             };
             let map = |e| JournalError::from_wire("append input", e);
-            let mut chained = false;
-            let ack = match after {
+            let (ack, chained) = match after {
+                None => (publish(headers).await.map_err(map)?, false),
                 Some(after) => {
-                    headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ, after.to_string().as_str());
+                    let mut checked = headers.clone();
+                    checked.insert(wire::EXPECTED_LAST_SUBJECT_SEQ, after.to_string().as_str());
                     let scope = subjects::run_all(&envelope.run_id);
-                    headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT, scope.as_str());
-                    match publish(headers).await {
-                        Ok(ack) => {
-                            chained = true;
-                            ack
-                        }
+                    checked.insert(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT, scope.as_str());
+                    match publish(checked).await {
+                        Ok(ack) => (ack, true),
                         Err(e) if e.is_wrong_last() => {
                             tracing::debug!(error = %e, "the run moved on; appended unchained");
-                            publish(plain).await.map_err(map)?
+                            (publish(headers).await.map_err(map)?, false)
                         }
                         Err(e) => return Err(map(e)),
                     }
                 }
-                None => publish(plain).await.map_err(map)?,
             };
             if ack.duplicate {
                 Err(JournalError::Duplicate { seq: ack.seq })

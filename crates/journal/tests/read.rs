@@ -526,6 +526,20 @@ fn delivered(m: &async_nats::jetstream::message::StreamMessage) -> Delivered<'_>
     }
 }
 
+/// Whether `wake` is read by its chain from `after`.
+async fn reads_by_chain(
+    journal: &Journal,
+    run: &RunId,
+    after: u64,
+    wake: &async_nats::jetstream::message::StreamMessage,
+) -> bool {
+    journal
+        .read_chained(run, after, delivered(wake))
+        .await
+        .unwrap()
+        .is_some()
+}
+
 #[tokio::test]
 async fn a_chain_of_run_wide_checks_is_read_by_sequence_and_nothing_else_is() {
     let (server, journal) = setup().await;
@@ -575,11 +589,7 @@ async fn a_chain_of_run_wide_checks_is_read_by_sequence_and_nothing_else_is() {
     // From anywhere but the chain's start, nothing is read by it.
     for after in [0, created.last_seq, started.seq, result.seq] {
         assert!(
-            journal
-                .read_chained(&run, after, delivered(&wake))
-                .await
-                .unwrap()
-                .is_none(),
+            !reads_by_chain(&journal, &run, after, &wake).await,
             "after {after}"
         );
     }
@@ -616,11 +626,7 @@ async fn a_chain_of_run_wide_checks_is_read_by_sequence_and_nothing_else_is() {
     let wake = stored(&js, result.seq).await;
     for after in [requested, requested + 1] {
         assert!(
-            journal
-                .read_chained(&run, after, delivered(&wake))
-                .await
-                .unwrap()
-                .is_none(),
+            !reads_by_chain(&journal, &run, after, &wake).await,
             "after {after}"
         );
     }
@@ -646,13 +652,7 @@ async fn a_chain_of_run_wide_checks_is_read_by_sequence_and_nothing_else_is() {
         .unwrap()
         .sequence;
     let wake = stored(&js, seq).await;
-    assert!(
-        journal
-            .read_chained(&run, started.seq, delivered(&wake))
-            .await
-            .unwrap()
-            .is_none()
-    );
+    assert!(!reads_by_chain(&journal, &run, started.seq, &wake).await);
 }
 
 #[tokio::test]
