@@ -15,6 +15,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+/// The allocator the `kedge` binary runs with (its main.rs): a read costs here what it costs there.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -145,13 +149,45 @@ fn input(run: &RunId, i: usize) -> Envelope {
 }
 
 #[derive(Default)]
-struct Table(Vec<(String, Vec<Duration>)>);
+struct Table(Vec<(String, Timed)>);
+
+/// Latency samples, with the CPU each operation cost when it was measured.
+struct Timed {
+    samples: Vec<Duration>,
+    /// Milliseconds of CPU per operation: this process, the nats-server.
+    cpu: Option<(f64, f64)>,
+}
+
+impl From<Vec<Duration>> for Timed {
+    fn from(samples: Vec<Duration>) -> Self {
+        Self { samples, cpu: None }
+    }
+}
+
+/// CPU time (user + system) a process has spent so far, in ms, from `/proc/<pid>/stat` (in
+/// clock ticks of 10 ms, Linux's USER_HZ): `None` off Linux.
+fn cpu_ms(pid: &str) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name's closing parenthesis: the state (field 3), ... utime (14), stime (15).
+    let fields: Vec<&str> = stat
+        .get(stat.rfind(')')? + 2..)?
+        .split_whitespace()
+        .collect();
+    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+    Some(ticks * 10.0)
+}
+
+/// This process's and the nats-server's CPU so far.
+fn cpu_now(server: Option<u32>) -> Option<(f64, f64)> {
+    Some((cpu_ms("self")?, cpu_ms(&server?.to_string())?))
+}
 
 impl Table {
-    fn add(&mut self, name: &str, mut samples: Vec<Duration>) {
-        samples.sort();
+    fn add(&mut self, name: &str, timed: impl Into<Timed>) {
+        let mut timed = timed.into();
+        timed.samples.sort();
         eprintln!("  measured {name}");
-        self.0.push((name.to_owned(), samples));
+        self.0.push((name.to_owned(), timed));
     }
 
     fn print(&self) {
@@ -165,17 +201,25 @@ impl Table {
         }
         let pct = |s: &[Duration], p: f64| s[((s.len() as f64 * p) as usize).min(s.len() - 1)];
         println!(
-            "| {:<46} | {:>10} | {:>10} | {:>7} |",
-            "operation", "p50", "p99", "n"
+            "| {:<46} | {:>10} | {:>10} | {:>7} | {:>21} |",
+            "operation", "p50", "p99", "n", "CPU ms/op: bench + server"
         );
-        println!("|{:-<48}|{:->12}|{:->12}|{:->9}|", "", "", "", "");
-        for (name, s) in &self.0 {
+        println!(
+            "|{:-<48}|{:->12}|{:->12}|{:->9}|{:->23}|",
+            "", "", "", "", ""
+        );
+        for (name, t) in &self.0 {
+            let cpu = t
+                .cpu
+                .map(|(client, server)| format!("{client:.3} + {server:.3}"))
+                .unwrap_or_default();
             println!(
-                "| {:<46} | {:>10} | {:>10} | {:>7} |",
+                "| {:<46} | {:>10} | {:>10} | {:>7} | {:>21} |",
                 name,
-                fmt(pct(s, 0.50)),
-                fmt(pct(s, 0.99)),
-                s.len()
+                fmt(pct(&t.samples, 0.50)),
+                fmt(pct(&t.samples, 0.99)),
+                t.samples.len(),
+                cpu
             );
         }
     }
@@ -650,7 +694,9 @@ async fn check_pages(journal: &Journal, run: &RunId, page: usize) {
 }
 
 /// Times `reads` calls of `f`, cycling over `runs`.
-async fn time_reads<F, Fut>(runs: &[RunId], reads: usize, mut f: F) -> Vec<Duration>
+/// Times `reads` calls of `f`, one at a time, cycling over `runs` (each called once first, not
+/// timed), and the CPU they cost this process and the nats-server (`server`'s pid).
+async fn time_reads<F, Fut>(server: Option<u32>, runs: &[RunId], reads: usize, mut f: F) -> Timed
 where
     F: FnMut(RunId) -> Fut,
     Fut: std::future::Future<Output = ()>,
@@ -658,14 +704,19 @@ where
     for run in runs {
         f(run.clone()).await;
     }
-    let mut out = Vec::with_capacity(reads);
+    let mut samples = Vec::with_capacity(reads);
+    let before = cpu_now(server);
     for i in 0..reads {
         let run = runs[i % runs.len()].clone();
         let t = Instant::now();
         f(run).await;
-        out.push(t.elapsed());
+        samples.push(t.elapsed());
     }
-    out
+    let per = |a: f64, b: f64| (b - a) / reads.max(1) as f64;
+    let cpu = before
+        .zip(cpu_now(server))
+        .map(|((c0, s0), (c1, s1))| (per(c0, c1), per(s0, s1)));
+    Timed { samples, cpu }
 }
 
 /// `--history`: for each level N (cumulative), fills the stream with filler runs up to N runs
@@ -679,6 +730,7 @@ where
 /// `last_event` and of `run_ids` (every run: the reconciler's old scan).
 async fn history(args: Args) {
     let server = NatsServer::start().await;
+    let pid = server.pid();
     let client = server.client().await;
     let report = ensure_layout(&client, &LayoutOptions::default())
         .await
@@ -742,7 +794,7 @@ async fn history(args: Args) {
         }
         kinds.push(("spread", &spread));
         for (kind, runs) in kinds {
-            let s = time_reads(runs, args.reads, |run| {
+            let s = time_reads(pid, runs, args.reads, |run| {
                 let journal = journal.clone();
                 async move {
                     assert_eq!(journal.read(&run, 0).await.unwrap().len(), 50);
@@ -751,13 +803,13 @@ async fn history(args: Args) {
             .await;
             table.add(&format!("N={level} read {kind} 50-event run"), s);
             let raw = &raw;
-            let s = time_reads(runs, args.reads, |run| async move {
+            let s = time_reads(pid, runs, args.reads, |run| async move {
                 assert_eq!(wildcard_read(raw, &run).await, 50);
             })
             .await;
             table.add(&format!("N={level}   same, before (wildcard_read)"), s);
         }
-        let s = time_reads(&spread, args.reads / 4, |run| {
+        let s = time_reads(pid, &spread, args.reads / 4, |run| {
             let journal = journal.clone();
             async move {
                 let mut after = 0;
@@ -775,7 +827,7 @@ async fn history(args: Args) {
         })
         .await;
         table.add(&format!("N={level} read spread run in pages of 20"), s);
-        let s = time_reads(&compact, args.reads, |run| {
+        let s = time_reads(pid, &compact, args.reads, |run| {
             let journal = journal.clone();
             async move {
                 assert!(journal.last_event(&run).await.unwrap().is_some());
@@ -783,7 +835,7 @@ async fn history(args: Args) {
         })
         .await;
         table.add(&format!("N={level} last_event (recent run)"), s);
-        let s = time_reads(&old, args.reads, |run| {
+        let s = time_reads(pid, &old, args.reads, |run| {
             let journal = journal.clone();
             async move {
                 assert!(journal.last_event(&run).await.unwrap().is_some());
@@ -791,7 +843,7 @@ async fn history(args: Args) {
         })
         .await;
         table.add(&format!("N={level} last_event (old run)"), s);
-        let s = time_reads(&old[..1], 3, |_| {
+        let s = time_reads(pid, &old[..1], 3, |_| {
             let journal = journal.clone();
             async move {
                 assert_eq!(journal.run_ids().await.unwrap().len(), level);
@@ -815,7 +867,7 @@ async fn history(args: Args) {
             woken.insert(run.clone(), (last, wake));
         }
         let woken = &woken;
-        let s = time_reads(&sleepers, args.reads, |run| {
+        let s = time_reads(pid, &sleepers, args.reads, |run| {
             let journal = journal.clone();
             async move {
                 let (after, wake) = woken[&run];
@@ -828,7 +880,7 @@ async fn history(args: Args) {
             &format!("N={level} wake of an old run: read_through its fold"),
             s,
         );
-        let s = time_reads(&sleepers, args.reads, |run| {
+        let s = time_reads(pid, &sleepers, args.reads, |run| {
             let journal = journal.clone();
             async move {
                 let (after, _) = woken[&run];
