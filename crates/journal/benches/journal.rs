@@ -166,17 +166,10 @@ impl From<Vec<Duration>> for Timed {
     }
 }
 
-/// CPU time (user + system) a process has spent so far, in ms, from `/proc/<pid>/stat` (in
-/// clock ticks of 10 ms, Linux's USER_HZ): `None` off Linux.
+/// CPU time a process has spent so far, in ms (clock ticks of 10 ms, Linux's USER_HZ): `None`
+/// off Linux.
 fn cpu_ms(pid: &str) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // After the command name's closing parenthesis: the state (field 3), ... utime (14), stime (15).
-    let fields: Vec<&str> = stat
-        .get(stat.rfind(')')? + 2..)?
-        .split_whitespace()
-        .collect();
-    let ticks = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
-    Some(ticks * 10.0)
+    kedge_testkit::cpu_ticks(&format!("/proc/{pid}/stat")).map(|ticks| ticks as f64 * 10.0)
 }
 
 /// This process's and the nats-server's CPU so far.

@@ -254,7 +254,7 @@ fn dt_ms(later: OffsetDateTime, earlier: OffsetDateTime) -> f64 {
 const TICK_MS: f64 = 10.0;
 
 fn cpu_ticks(pid: u32) -> Option<u64> {
-    cpu_ticks_at(&format!("/proc/{pid}/stat"))
+    kedge_testkit::cpu_ticks(&format!("/proc/{pid}/stat"))
 }
 
 /// The threads serving the mock model ([`start_mock`]): their CPU is the model's, counted
@@ -262,14 +262,7 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
 static MOCK_THREADS: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
 fn thread_ticks(tid: u32) -> Option<u64> {
-    cpu_ticks_at(&format!("/proc/self/task/{tid}/stat"))
-}
-
-fn cpu_ticks_at(path: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let rest = &text[text.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+    kedge_testkit::cpu_ticks(&format!("/proc/self/task/{tid}/stat"))
 }
 
 fn mock_ticks() -> u64 {

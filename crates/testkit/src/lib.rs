@@ -74,6 +74,19 @@ pub fn nats_server_binary() -> PathBuf {
     PathBuf::from("nats-server")
 }
 
+/// CPU time (user + system) a process or thread has spent, in clock ticks (`getconf CLK_TCK`,
+/// 100 on Linux), from its `stat` file: `/proc/<pid>/stat`, `/proc/self/stat`,
+/// `/proc/self/task/<tid>/stat`. `None` when it cannot be read (another OS, a process gone).
+/// For the benches' CPU accounting.
+pub fn cpu_ticks(stat_path: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(stat_path).ok()?;
+    // The fields after the command name (which may hold spaces and parentheses) start at field
+    // 3; utime is field 14 and stime 15.
+    let rest = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
 /// A free TCP port on 127.0.0.1 (bind `:0`, read the port, drop the listener).
 ///
 /// Someone else may take the port before the server binds it; the start functions notice and
@@ -792,5 +805,26 @@ fn tail(path: &Path) -> String {
         "(empty or missing)".to_owned()
     } else {
         text.trim_end().to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_ticks;
+
+    #[test]
+    fn cpu_ticks_are_utime_plus_stime_whatever_the_command_name() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("stat");
+        // Fields 4..=13, then utime (14) = 7 and stime (15) = 5, then more.
+        std::fs::write(
+            &path,
+            "4242 (a (weird) name) S 1 2 3 4 5 6 7 8 9 10 7 5 0 0 20 0 1\n",
+        )
+        .expect("write");
+        assert_eq!(cpu_ticks(path.to_str().expect("utf-8 path")), Some(12));
+        std::fs::write(&path, "4242 (short) S 1 2").expect("write");
+        assert_eq!(cpu_ticks(path.to_str().expect("utf-8 path")), None);
+        assert_eq!(cpu_ticks("/nonexistent/stat"), None);
     }
 }

@@ -86,16 +86,10 @@ pub fn read_proc(pid: u32) -> Proc {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may contain spaces) start at field 3.
-    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let num = |i: usize| fields.get(i).and_then(|v| v.parse().ok()).unwrap_or(0u64);
     Proc {
         rss_kb: field("VmRSS:"),
         threads: field("Threads:"),
-        // utime is field 14, stime 15 (1-based); `fields[0]` is field 3.
-        cpu_ticks: num(11) + num(12),
+        cpu_ticks: kedge_testkit::cpu_ticks(&format!("/proc/{pid}/stat")).unwrap_or(0),
     }
 }
 
