@@ -820,6 +820,8 @@ async fn execute(
             async {
                 match looked {
                     Some(looked) => looked,
+                    // A compensation's cancel check would be ignored (below): not made.
+                    None if req.compensates.is_some() => Look::default(),
                     None => look(ctx, op, req, false).await.unwrap_or_default(),
                 }
             }
