@@ -394,20 +394,22 @@ if rounds > 1 and restate:
         rl, rt, rk = load(f"restate-latency{sfx}.json"), load(f"restate-throughput{sfx}.json"), load(f"kedge{sfx}.json")
         default = [m for m in (rk or {}).get("modes", []) if not m["sync_always"]]
         if rl and rt and default:
-            per_round.append((r, restate_col(rl, rt), kedge_col(default[0])))
+            # The load average at the end of each turn: the peer's throughput run, Kedge's run.
+            ends = (rt["cpu"]["loadavg_end"][0], default[0]["loadavg_after"].split()[0])
+            per_round.append((r, restate_col(rl, rt), kedge_col(default[0]), ends))
     print()
     print(f"  Rounds ({len(per_round)} of {rounds} complete), alternating: Restate, then Kedge default sync;"
           " each cell Restate / Kedge = ratio.")
     print("  The goals are judged on the median ratio (round 1 is the table above).")
     cw = 28
-    print(f"  {'':<{w0}}" + "".join(f" {'round ' + str(r):>{cw}}" for r, _, _ in per_round)
+    print(f"  {'':<{w0}}" + "".join(f" {'round ' + str(r):>{cw}}" for r, _, _, _ in per_round)
           + f" {'median':>7} {'goal':<14}")
     for key, label, d, goal in rows:
         if key == "action_p99":
             continue
         line = f"  {label:<{w0}}"
         ratios = []
-        for _, rc, kc in per_round:
+        for _, rc, kc, _ in per_round:
             a, b = rc.get(key), kc.get(key)
             ratio = b / a if a and b is not None else None
             if ratio is not None:
@@ -420,12 +422,8 @@ if rounds > 1 and restate:
             ok = med <= k if op == "<=" else med >= k
             g = f"{op}{k}x {'met' if ok else 'NOT met'}"
         print(line + f" {f(med, 2):>7} {g:<14}")
-    ends = []
-    for r, _, kc in per_round:
-        sfx = "" if r == 1 else f"-r{r}"
-        peer_end = load(f"restate-throughput{sfx}.json")["cpu"]["loadavg_end"][0]
-        ends.append(f"round {r}: Restate {peer_end}, Kedge {kc['mode']['loadavg_after'].split()[0]}")
-    print("  1-minute load average at the end of each turn: " + "; ".join(ends))
+    print("  1-minute load average at the end of each turn: "
+          + "; ".join(f"round {r}: Restate {p}, Kedge {k}" for r, _, _, (p, k) in per_round))
 
 # The per-action bill.
 print()

@@ -166,10 +166,9 @@ impl From<Vec<Duration>> for Timed {
     }
 }
 
-/// CPU time a process has spent so far, in ms (clock ticks of 10 ms, Linux's USER_HZ): `None`
-/// off Linux.
+/// CPU time a process has spent so far, in ms: `None` off Linux.
 fn cpu_ms(pid: &str) -> Option<f64> {
-    kedge_testkit::cpu_ticks(&format!("/proc/{pid}/stat")).map(|ticks| ticks as f64 * 10.0)
+    kedge_testkit::cpu_ms(&format!("/proc/{pid}/stat"))
 }
 
 /// This process's and the nats-server's CPU so far.
@@ -688,7 +687,6 @@ async fn check_pages(journal: &Journal, run: &RunId, page: usize) {
     assert_eq!(paged, whole);
 }
 
-/// Times `reads` calls of `f`, cycling over `runs`.
 /// Times `reads` calls of `f`, one at a time, cycling over `runs` (each called once first, not
 /// timed), and the CPU they cost this process and the nats-server (`server`'s pid).
 async fn time_reads<F, Fut>(server: Option<u32>, runs: &[RunId], reads: usize, mut f: F) -> Timed

@@ -249,9 +249,12 @@ fn dt_ms(later: OffsetDateTime, earlier: OffsetDateTime) -> f64 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// CPU accounting (/proc/<pid>/stat, utime + stime, in clock ticks of 10 ms)
+// CPU accounting (/proc/<pid>/stat, utime + stime, in clock ticks)
 
-const TICK_MS: f64 = 10.0;
+/// Milliseconds per clock tick.
+fn tick_ms() -> f64 {
+    1e3 / kedge_testkit::clock_ticks()
+}
 
 fn cpu_ticks(pid: u32) -> Option<u64> {
     kedge_testkit::cpu_ticks(&format!("/proc/{pid}/stat"))
@@ -323,14 +326,14 @@ fn cpu_since(from: CpuMark, server_pids: &[u32]) -> (f64, f64) {
     let me = now.me.saturating_sub(from.me);
     let mock = now.mock.saturating_sub(from.mock);
     (
-        (now.server.saturating_sub(from.server)) as f64 * TICK_MS,
-        me.saturating_sub(mock) as f64 * TICK_MS,
+        (now.server.saturating_sub(from.server)) as f64 * tick_ms(),
+        me.saturating_sub(mock) as f64 * tick_ms(),
     )
 }
 
 /// CPU milliseconds of the mock model's thread since `from`.
 fn mock_cpu_since(from: CpuMark) -> f64 {
-    mock_ticks().saturating_sub(from.mock) as f64 * TICK_MS
+    mock_ticks().saturating_sub(from.mock) as f64 * tick_ms()
 }
 
 // ---------------------------------------------------------------------------------------------

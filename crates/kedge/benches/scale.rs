@@ -597,7 +597,7 @@ async fn bench(o: Opts) {
     let dir = tempfile::tempdir().unwrap();
     let rt = writer_runtime(&server, dir.path()).await;
     let nats_pid = server.pid().unwrap();
-    let ticks = clock_ticks();
+    let ticks = kedge_testkit::clock_ticks();
     println!(
         "scale bench: levels {:?}, {} reads per line, idle window {:?}, kedge serve {}",
         o.levels,

@@ -119,7 +119,7 @@ struct Sample {
 
 /// An idle window of `window` over both processes.
 async fn measure(kedge: u32, nats: u32, window: Duration) -> (Sample, Sample) {
-    let ticks = clock_ticks();
+    let ticks = kedge_testkit::clock_ticks();
     let (k0, n0) = (read_proc(kedge), read_proc(nats));
     let t0 = Instant::now();
     tokio::time::sleep(window).await;

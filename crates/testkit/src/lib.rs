@@ -87,6 +87,27 @@ pub fn cpu_ticks(stat_path: &str) -> Option<u64> {
     Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
 }
 
+/// Clock ticks per second (`getconf CLK_TCK`; 100 when it cannot be asked), asked once: the unit
+/// of [`cpu_ticks`].
+pub fn clock_ticks() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|s| s.trim().parse().ok())
+            .filter(|t: &f64| *t > 0.0)
+            .unwrap_or(100.0)
+    })
+}
+
+/// [`cpu_ticks`] in milliseconds.
+pub fn cpu_ms(stat_path: &str) -> Option<f64> {
+    cpu_ticks(stat_path).map(|ticks| ticks as f64 * 1e3 / clock_ticks())
+}
+
 /// A free TCP port on 127.0.0.1 (bind `:0`, read the port, drop the listener).
 ///
 /// Someone else may take the port before the server binds it; the start functions notice and

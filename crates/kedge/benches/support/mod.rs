@@ -4,7 +4,7 @@
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::process::{Child, Command};
+use std::process::Child;
 
 use kedge_core::event::RunCreated;
 
@@ -91,17 +91,6 @@ pub fn read_proc(pid: u32) -> Proc {
         threads: field("Threads:"),
         cpu_ticks: kedge_testkit::cpu_ticks(&format!("/proc/{pid}/stat")).unwrap_or(0),
     }
-}
-
-/// Clock ticks per second (`getconf CLK_TCK`).
-pub fn clock_ticks() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 /// Kills a process this bench started and reaps it.
