@@ -103,15 +103,46 @@ impl Tenant {
 
     /// Submits a task as a JetStream publish to `agent.task.<agent>`; the gateway's PubAck.
     async fn submit(&self, agent: &str, input: &str, key: &str) -> Value {
+        self.submit_task(json!({"agent": agent, "input": input}), key)
+            .await
+    }
+
+    /// Submits `task` (its `agent` names the subject) as a JetStream publish; the gateway's PubAck.
+    async fn submit_task(&self, task: Value, key: &str) -> Value {
+        let agent = task["agent"].as_str().expect("the task names its agent");
         let mut headers = HeaderMap::new();
         headers.insert("Nats-Msg-Id", key);
-        let body = json!({"agent": agent, "input": input}).to_string();
+        let body = task.to_string();
         let reply = self
             .client
             .request_with_headers(format!("agent.task.{agent}"), headers, body.into())
             .await
             .expect("the task is acknowledged");
         serde_json::from_slice(&reply.payload).expect("a PubAck")
+    }
+
+    /// For [`Tenant::follow`]: answers "yes" to each question `run` asks, as it is asked.
+    fn answering(&self, run: &str) -> impl FnMut(&Value) + use<> {
+        let (client, run) = (self.client.clone(), run.to_owned());
+        move |e| {
+            if e["type"] == "question.asked" {
+                let q = e["data"]["question_id"]
+                    .as_str()
+                    .expect("question id")
+                    .to_owned();
+                let client = client.clone();
+                let run = run.clone();
+                tokio::spawn(async move {
+                    client
+                        .request(
+                            format!("kedge.runs.{run}.answer.{q}"),
+                            json!({"answer": "yes"}).to_string().into(),
+                        )
+                        .await
+                        .expect("answered")
+                });
+            }
+        }
     }
 
     /// Follows a run from `after` until the gateway ends the stream; the events and why it ended.
@@ -218,27 +249,7 @@ async fn a_tenant_runs_an_agent_end_to_end_over_nats_alone() {
     assert_eq!(again["duplicate"], true);
 
     // Follow live: answer the question as soon as it is asked; the stream ends when the run does.
-    let (live, why) = acme
-        .follow(&run, 0, |e| {
-            if e["type"] == "question.asked" {
-                let q = e["data"]["question_id"]
-                    .as_str()
-                    .expect("question id")
-                    .to_owned();
-                let client = acme.client.clone();
-                let run = run.clone();
-                tokio::spawn(async move {
-                    client
-                        .request(
-                            format!("kedge.runs.{run}.answer.{q}"),
-                            json!({"answer": "yes"}).to_string().into(),
-                        )
-                        .await
-                        .expect("answered")
-                });
-            }
-        })
-        .await;
+    let (live, why) = acme.follow(&run, 0, acme.answering(&run)).await;
     assert_eq!(why, "finished");
     let types: Vec<&str> = live.iter().filter_map(|e| e["type"].as_str()).collect();
     assert_eq!(types.first(), Some(&"run.created"));
@@ -325,6 +336,34 @@ async fn a_tenant_runs_an_agent_end_to_end_over_nats_alone() {
     });
     assert_eq!(approver_name.as_deref(), Some("acme/acme-alice"));
     assert_eq!(h.ledger().len(), 1);
+}
+
+/// A client that follows its run at once may be early: the gateway's answer to a task says it is
+/// stored, and intake makes the run a moment later. The follow waits for the run, then streams it
+/// to its end; a run that never comes is refused as not found.
+#[tokio::test]
+async fn a_follow_sent_before_intake_made_the_run_waits_for_it() {
+    let Some(h) = harness().await else { return };
+    let acme = Tenant::connect(&h, TENANTS[0].1).await;
+    let run = RunId::generate().to_string();
+    let ((live, why), ack) = tokio::join!(acme.follow(&run, 0, acme.answering(&run)), async {
+        // The follow goes out first.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        acme.submit_task(
+            json!({"agent": "asker", "input": "go", "run_id": run}),
+            "acme-early-1",
+        )
+        .await
+    });
+    assert_eq!(run_id(&ack), run, "{ack}");
+    assert_eq!(why, "finished", "{live:?}");
+    let types: Vec<&str> = live.iter().filter_map(|e| e["type"].as_str()).collect();
+    assert_eq!(types.first(), Some(&"run.created"), "{types:?}");
+    assert_eq!(types.last(), Some(&"run.succeeded"), "{types:?}");
+
+    let (events, why) = acme.follow(&RunId::generate().to_string(), 0, |_| {}).await;
+    assert!(events.is_empty());
+    assert_eq!(why, "error 404", "a run that never comes");
 }
 
 #[tokio::test]

@@ -12,7 +12,7 @@
 //! | `agent.task.<agent>` (a JetStream-style publish, `Nats-Msg-Id` = idempotency key) | the task | a PubAck `{stream, seq, duplicate}` plus `run_id`; or `{"error": {code, description}}` |
 //! | `kedge.runs.<run>` | – | the run view (status, waits, usage, result) |
 //! | `kedge.runs.<run>.history` | `{"after": N, "limit": M}` | `{"events": […], "more": bool}` |
-//! | `kedge.runs.<run>.follow` | `{"after": N}` | one message per public event (header `Kedge-Seq`), then an empty message with `Kedge-End: finished \| timeout \| error` |
+//! | `kedge.runs.<run>.follow` | `{"after": N}` | one message per public event (header `Kedge-Seq`), then an empty message with `Kedge-End: finished \| timeout \| error`; a run not made yet (its task just acknowledged) is waited for up to [`PENDING_RUN_WAIT`] |
 //! | `kedge.runs.<run>.message` | `{"text", "key"?}` | `{"seq", "duplicate"}` |
 //! | `kedge.runs.<run>.answer.<question>` | `{"answer"}` | `{"seq", "duplicate"}` |
 //! | `kedge.runs.<run>.cancel` | `{"reason"?}` | `{"seq", "duplicate"}` |
@@ -54,6 +54,11 @@ pub const MAX_IN_FLIGHT: usize = 1024;
 /// How long one follow request streams before it ends with `Kedge-End: timeout` (the client
 /// asks again from its last `Kedge-Seq`). Under the server's default response threshold.
 pub const FOLLOW_FOR: Duration = Duration::from_secs(60);
+
+/// How long a follow waits for a run not made yet (its task just acknowledged) before it is
+/// refused as not found (see [`owned_or_pending`]).
+pub const PENDING_RUN_WAIT: Duration = Duration::from_secs(3);
+
 /// Follows one tenant may have open on one gateway process at once (each holds a request slot
 /// for up to [`FOLLOW_FOR`]): one tenant cannot take every slot from the others.
 pub const MAX_FOLLOWS_PER_TENANT: usize = 64;
@@ -475,6 +480,45 @@ impl Drop for FollowSlot {
     }
 }
 
+/// The tenant's run's events for a follow, waiting up to [`PENDING_RUN_WAIT`] for a run that is
+/// not there yet: the answer to `agent.task.<agent>` says the task is stored, and intake makes
+/// its run a moment later, so a client that follows the run at once may be early. The run's
+/// first message ends the wait (it is read again then, once). Not found only after the whole
+/// wait, whatever the reason (no such run, another tenant's, intake refused the task): how long
+/// a refusal takes says nothing about another tenant's runs.
+async fn owned_or_pending(
+    rt: &Runtime,
+    tenant: &TenantId,
+    run: &RunId,
+) -> Result<Vec<kedge_journal::Recorded>, Refusal> {
+    let deadline = tokio::time::Instant::now() + PENDING_RUN_WAIT;
+    let refusal = match inputs::owned_run(rt, tenant, run).await {
+        Err(r @ Refusal::NotFound { .. }) => r,
+        found => return found,
+    };
+    let mut tail = Box::pin(rt.journal.tail(run, 0));
+    let appeared = tokio::time::timeout_at(deadline, async {
+        loop {
+            match tail.next().await {
+                Some(Ok(_)) => return true,
+                // Broker trouble: the tail recreates itself and goes on.
+                Some(Err(e)) => tracing::debug!(error = %e, "follow: waiting for the run"),
+                None => return false,
+            }
+        }
+    })
+    .await;
+    drop(tail);
+    if appeared == Ok(true) {
+        match inputs::owned_run(rt, tenant, run).await {
+            Err(Refusal::NotFound { .. }) => {}
+            found => return found,
+        }
+    }
+    tokio::time::sleep_until(deadline).await;
+    Err(refusal)
+}
+
 async fn follow(rt: &Runtime, msg: &async_nats::Message, tenant: &TenantId, run: &RunId) {
     let Some(to) = msg.reply.clone() else { return };
     let Some(_slot) = FollowSlot::take(tenant) else {
@@ -490,7 +534,7 @@ async fn follow(rt: &Runtime, msg: &async_nats::Message, tenant: &TenantId, run:
             return reply_error(rt, msg, r.status(), "invalid", Some("body"), &r.to_string()).await;
         }
     };
-    let mut events = match inputs::owned_run(rt, tenant, run).await {
+    let mut events = match owned_or_pending(rt, tenant, run).await {
         Ok(e) => e,
         Err(r) => {
             let (kind, field) = refusal_parts(&r);
