@@ -22,14 +22,18 @@
 //! | --- | --- |
 //! | `POST /v1/chat/completions` | OpenAI; needs `Authorization: Bearer <non-empty>` (else 401) |
 //! | `POST /v1/messages` | Anthropic; needs `x-api-key` (else 401) and `anthropic-version` (else 400) |
-//! | `GET /_mock/calls` | `{"total": N, "by_request_id": {"req_…": n}, "by_model": {"m": n}}` |
+//! | `GET /_mock/calls` | `{"total": N, "by_request_id": {"req_…": n}, "by_model": {"m": n}, "troubled": N}` |
 //! | `GET /_mock/requests?model=M` | the JSON bodies received for model `M`, in order (all models without `model`) |
 //! | `PUT /_mock/scripts` | replace the script (JSON body as below); 204, or 400 `{"error": {"message", "path"}}` |
-//! | `POST /_mock/reset` | zero the counters, forget the recorded bodies and fault counts (the script stays); 204 |
+//! | `PUT /_mock/trouble` | put an outage in front of model calls (JSON body as in [A provider's bad day](#a-providers-bad-day)), replacing any other; 204, or 400 `{"error": {"message", "path"}}` |
+//! | `GET /_mock/trouble` | the trouble in effect, as it was put (`null` when none, or once its `for_ms` has passed) |
+//! | `DELETE /_mock/trouble` | end the trouble (if any); 204 |
+//! | `POST /_mock/reset` | zero the counters (`troubled` too), forget the recorded bodies, fault counts and rate-limit windows (the script and the trouble stay); 204 |
 //!
 //! Every call that passes authentication is counted (under the `X-Kedge-Request-Id` header's
 //! value, `""` without it, and under its `model`) and its body recorded, **including calls then
-//! rejected** by validation: a rejected call is still a call Kedge made.
+//! rejected** by validation or a rate limit, or answered with a trouble: a rejected call is still
+//! a call Kedge made. `troubled` counts the calls answered with a trouble, once more.
 //!
 //! # What is rejected
 //!
@@ -82,6 +86,8 @@
 //! # Script format
 //!
 //! JSON, keyed by the request's `model`. Unknown fields are refused; errors name the JSON path.
+//! A model has `steps`, `rules` and `default` (all optional), and may have `limits` and a
+//! `context_window`:
 //!
 //! ```json
 //! { "models": { "mock-demo": {
@@ -92,9 +98,38 @@
 //!       {"text": "All done."}
 //!     ],
 //!     "rules": [ {"when_last_user_contains": "tides", "respond": {"text": "High tide at noon."}} ],
-//!     "default": {"text": "ok"}
+//!     "default": {"text": "ok"},
+//!     "limits": {"requests_per_minute": 20, "tokens_per_minute": 4000},
+//!     "context_window": 2000
 //! } } }
 //! ```
+//!
+//! **Limits and context window.** Tokens here are the request's *input* tokens, as `usage`
+//! counts them (see [Responses](#responses)); `max_tokens` is not counted. Both are checked after
+//! validation and the model lookup, before the script is consulted (so a refused call reaches no
+//! entry and counts toward no `fault.times`):
+//!
+//! | field | effect |
+//! | --- | --- |
+//! | `"context_window": N` | a request of more than N input tokens gets a 400: OpenAI `{"error": {"message": "This model's maximum context length is N tokens. However, your messages resulted in M tokens. Please reduce the length of the messages.", "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}`; Anthropic `invalid_request_error` "prompt is too long: M tokens > N maximum" |
+//! | `"limits": {"requests_per_minute": N, "tokens_per_minute": M}` | either or both (each at least 1), per model over a **sliding** 60 s window shared by both wire formats: a call is admitted when one more request and its input tokens fit under the limits of the calls admitted in the last 60 s. Refused calls take nothing from the window |
+//!
+//! A model with `limits` sends the rate-limit headers on every response to a call that reached
+//! the limit check, with the true remaining counts after the call, for the limits it has: OpenAI
+//! `x-ratelimit-limit-requests`, `x-ratelimit-remaining-requests`, `x-ratelimit-reset-requests`
+//! and the same for `-tokens` (reset as a Go duration: `20ms`, `1.5s`, `1m0s`); Anthropic
+//! `anthropic-ratelimit-requests-limit` / `-remaining` / `-reset` and the same for `-tokens-` and
+//! `-input-tokens-` (reset an RFC 3339 UTC time, whole seconds). Reset is when the window is empty
+//! again (60 s after the newest admitted call). A call over a limit gets a 429 with these
+//! headers, `retry-after` (seconds, rounded up) and `retry-after-ms` saying when enough of the
+//! window has slid out for it, and the real body. For model `M`: OpenAI `{"error": {"message":
+//! "Rate limit reached for M in organization org-mock on requests per min (RPM): Limit N, Used N,
+//! Requested 1. Please try again in 59.98s. …", "type": "requests", "param": null, "code":
+//! "rate_limit_exceeded"}}` (`tokens per min (TPM)` and `"type": "tokens"` for the token limit);
+//! Anthropic `rate_limit_error` "This request would exceed the rate limit for your organization of
+//! N requests per minute (model: M). …" (or `input tokens per minute`). A call with more input
+//! tokens than `tokens_per_minute` can never fit: a 429 ("Request too large for M …" at OpenAI)
+//! without `retry-after`. Replacing the script or resetting empties the windows.
 //!
 //! **Which entry answers.** `rules` first, in order: a rule matches when all its conditions hold
 //! for the last message — `when_last_user_contains` (the last message is a user message whose
@@ -135,27 +170,80 @@
 //! `message_delta`, `message_stop`. Usage is deterministic: input tokens = characters of the
 //! compact JSON of `messages` (plus `system`) / 4 + 1; output tokens = characters of the text,
 //! tool names and argument JSON / 4 + 1.
+//!
+//! # A provider's bad day
+//!
+//! `PUT /_mock/trouble` (or [`MockLlm::set_trouble`]) puts an outage in front of every model call
+//! of both wire formats until `DELETE /_mock/trouble` (`set_trouble(None)`) or its `for_ms`
+//! ends it. The body (unknown fields refused, errors name the field):
+//!
+//! | field | meaning |
+//! | --- | --- |
+//! | `"kind"` | required: `unavailable`, `overloaded`, `rate_limited`, `reset` or `stream_cut`, below |
+//! | `"status": S` | `unavailable` only: 500, 502, 503 or 504 instead of the default, for both formats |
+//! | `"models": ["m", …]` | only calls whose `model` is one of these (at least one; default: every call) |
+//! | `"for_ms": N` | ends by itself N ms (at least 1) after the PUT |
+//! | `"retry_after_ms": N` | `unavailable`, `overloaded`, `rate_limited` only (at most a day): also `retry-after` (seconds, rounded up) and `retry-after-ms` headers; without it, no `retry-after` header at all |
+//!
+//! | kind | OpenAI call | Anthropic call |
+//! | --- | --- | --- |
+//! | `unavailable` | 503 `{"error": {"message": "The server is overloaded or not ready yet.", "type": "server_error", "param": null, "code": null}}` (500 "The server had an error while processing your request. Sorry about that!", 502 "Bad gateway.", 504 "Gateway timeout." with `status`) | 500 `{"type": "error", "error": {"type": "api_error", "message": "Internal server error"}, "request_id": "req_…"}` (502 "Bad gateway", 503 "Service unavailable", 504 "Gateway timeout" with `status`) |
+//! | `overloaded` | 503 as above (OpenAI has no 529) | 529 `{"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}, "request_id": "req_…"}` |
+//! | `rate_limited` | 429 `{"error": {"message": "Rate limit reached for M in organization org-mock on requests per min (RPM): …", "type": "requests", "param": null, "code": "rate_limit_exceeded"}}` | 429 `{"type": "error", "error": {"type": "rate_limit_error", "message": "Number of request tokens has exceeded your per-minute rate limit …"}, "request_id": "req_…"}` |
+//! | `reset` | the connection is reset (TCP RST) before any byte of a response: the client sees a connection error, no status | same |
+//! | `stream_cut` | streaming: 200, the headers and at most the opening chunk (role, empty content), then the connection closes: no content, no final chunk, no `[DONE]`; non-streaming: 200 and half the JSON body, then the close | streaming: 200, the headers and at most `message_start`, then the close; non-streaming: as OpenAI |
+//!
+//! A `rate_limited` 429 carries the rate-limit headers above with remaining 0, the limits the
+//! model's `limits` give (else 50 requests and 30000 tokens), and as reset its `retry_after_ms`,
+//! else the time left of its `for_ms`, at most a minute.
+//!
+//! **Where it strikes.** Authentication comes first (a call without a key gets its 401, is not
+//! counted and is not troubled); the call is then counted and recorded as usual. Every kind but
+//! `stream_cut` answers right away, whatever the body (an invalid request or an unknown model
+//! in trouble gets the outage, not its 400 / 404). `stream_cut` is the model failing while it
+//! answers, so it strikes only calls that pass validation, the model lookup, the context window
+//! and the limits (an admitted call counts in its model's window). A troubled call reaches no
+//! script entry and waits no `delay_ms`. `troubled` in `GET /_mock/calls`
+//! ([`MockLlm::troubled_calls`]) counts the calls answered with a trouble; `POST /_mock/reset`
+//! zeroes it but does not end the trouble.
+//!
+//! `reset` needs the connection: [`serve`] and [`MockHandle`] accept through a listener whose
+//! connections a handler can reset. On a [`MockLlm::router`] mounted in another server, the
+//! response body fails before its first byte instead, and hyper closes the connection without
+//! sending anything (a close rather than a RST, still a connection error to the client).
+//!
+//! In Rust: [`Trouble::new`]`(`[`TroubleKind`]`)` with [`Trouble::with_status`],
+//! [`Trouble::for_models`], [`Trouble::lasting`], [`Trouble::with_retry_after`] (each
+//! validating, as the endpoint does), or [`Trouble::from_json`]; then [`MockLlm::set_trouble`],
+//! [`MockLlm::trouble`], [`MockLlm::troubled_calls`] (the same on [`MockHandle`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use serde::Serialize;
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
+use tokio::time::Instant;
 
 mod anthropic;
+mod conn;
 mod error;
+mod limits;
 mod openai;
 mod reply;
 mod script;
 mod server;
+mod trouble;
 
 pub use script::{ScriptError, Scripts};
+pub use trouble::{Trouble, TroubleError, TroubleKind, UNAVAILABLE_STATUSES};
 
-use script::{Cue, Entry, Response};
+use limits::{Refusal, Window};
+use script::{Cue, Entry, Limits, Response};
 
 /// The header carrying Kedge's request id; calls are counted per value.
 pub const REQUEST_ID_HEADER: &str = "x-kedge-request-id";
@@ -169,6 +257,8 @@ pub struct CallCounts {
     pub by_request_id: BTreeMap<String, u64>,
     /// Per request `model` (`""` when the body has none).
     pub by_model: BTreeMap<String, u64>,
+    /// The calls answered with a trouble (also counted above).
+    pub troubled: u64,
 }
 
 /// A request body as received.
@@ -200,6 +290,55 @@ struct State {
     requests: Vec<(String, RecordedBody)>,
     /// Calls that reached each (model, entry), for `fault.times` and `fail_times`.
     hits: HashMap<(String, Entry), u64>,
+    /// The trouble in effect, if any.
+    trouble: Option<ActiveTrouble>,
+    /// The calls each model with `limits` admitted in the last minute.
+    windows: HashMap<String, Window>,
+}
+
+impl State {
+    /// The trouble in effect at `now`; one whose time is up is forgotten.
+    fn trouble_at(&mut self, now: Instant) -> Option<&ActiveTrouble> {
+        if self
+            .trouble
+            .as_ref()
+            .is_some_and(|t| t.until.is_some_and(|until| now >= until))
+        {
+            self.trouble = None;
+        }
+        self.trouble.as_ref()
+    }
+}
+
+/// A trouble and when it ends by itself (`None`: when ended, or never representable).
+#[derive(Debug, Clone)]
+struct ActiveTrouble {
+    trouble: Trouble,
+    until: Option<Instant>,
+}
+
+/// What a model call in trouble gets: the trouble, and (for `rate_limited`) the headers'
+/// reset and the limits to report.
+#[derive(Debug, Clone)]
+pub(crate) struct TroubleNow {
+    pub(crate) trouble: Trouble,
+    /// When the trouble's 429 says the limit resets: its `retry_after_ms`, else the time left
+    /// of its `for_ms`, at most a minute (a minute when it has neither).
+    pub(crate) reset: Duration,
+    pub(crate) limits: Option<Limits>,
+}
+
+/// How the scripted limits of a model take a call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Admission {
+    /// The model is not in the script.
+    UnknownModel,
+    /// More input tokens than its `context_window`.
+    TooLong { window: u64 },
+    /// Under its limits (or it has none): the quotas to report, if it has limits.
+    Admitted(Option<limits::Usage>),
+    /// Over a limit.
+    Limited(Refusal),
 }
 
 /// The mock's shared state: script, counters, recorded requests. Cheap to clone (shared).
@@ -220,7 +359,8 @@ impl MockLlm {
     }
 
     /// The routes, for mounting in another server. Calls that `hang` there wait until the
-    /// client goes away; [`serve`] releases them at shutdown.
+    /// client goes away ([`serve`] releases them at shutdown), and a `reset` trouble closes the
+    /// connection instead of resetting it (see [A provider's bad day](crate#a-providers-bad-day)).
     pub fn router(&self) -> axum::Router {
         server::router(self.clone(), None)
     }
@@ -269,19 +409,96 @@ impl MockLlm {
             .collect()
     }
 
-    /// Replaces the script and zeroes the per-entry fault counts (call counters stay).
+    /// Replaces the script and zeroes the per-entry fault counts and the rate-limit windows
+    /// (call counters stay).
     pub fn set_scripts(&self, scripts: Scripts) {
         let mut state = self.lock();
         state.scripts = scripts;
         state.hits.clear();
+        state.windows.clear();
     }
 
-    /// Zeroes the counters, forgets recorded bodies and fault counts; the script stays.
+    /// Zeroes the counters (`troubled` included), forgets recorded bodies, fault counts and
+    /// rate-limit windows; the script and the trouble stay.
     pub fn reset(&self) {
         let mut state = self.lock();
         state.counts = CallCounts::default();
         state.requests.clear();
         state.hits.clear();
+        state.windows.clear();
+    }
+
+    /// Puts `trouble` in front of every model call (the ones for its `models`), replacing any
+    /// other; `None` ends it. Its `for_ms` counts from now.
+    pub fn set_trouble(&self, trouble: Option<Trouble>) {
+        let now = Instant::now();
+        self.lock().trouble = trouble.map(|trouble| ActiveTrouble {
+            until: trouble.for_duration().and_then(|d| now.checked_add(d)),
+            trouble,
+        });
+    }
+
+    /// The trouble in effect (`None` once ended or its time is up).
+    pub fn trouble(&self) -> Option<Trouble> {
+        self.lock()
+            .trouble_at(Instant::now())
+            .map(|t| t.trouble.clone())
+    }
+
+    /// The calls answered with a trouble since the last reset.
+    pub fn troubled_calls(&self) -> u64 {
+        self.lock().counts.troubled
+    }
+
+    /// The trouble a call for `model` is in now, if any.
+    pub(crate) fn trouble_for(&self, model: &str) -> Option<TroubleNow> {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let active = state.trouble_at(now)?.clone();
+        if !active.trouble.applies_to(model) {
+            return None;
+        }
+        let left = active
+            .until
+            .map_or(limits::WINDOW, |until| until.saturating_duration_since(now))
+            .min(limits::WINDOW);
+        Some(TroubleNow {
+            reset: active.trouble.retry_after().unwrap_or(left),
+            limits: state.scripts.model(model).and_then(|m| m.limits),
+            trouble: active.trouble,
+        })
+    }
+
+    /// Counts a call answered with a trouble.
+    pub(crate) fn note_troubled(&self) {
+        self.lock().counts.troubled += 1;
+    }
+
+    /// Checks a call of `input_tokens` for `model` against its `context_window` and `limits`,
+    /// and counts it in the model's window when admitted.
+    pub(crate) fn admit(&self, model: &str, input_tokens: u64) -> Admission {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let Some(script) = state.scripts.model(model) else {
+            return Admission::UnknownModel;
+        };
+        if let Some(window) = script.context_window
+            && input_tokens > window
+        {
+            return Admission::TooLong { window };
+        }
+        let Some(limits) = script.limits else {
+            return Admission::Admitted(None);
+        };
+        match state
+            .windows
+            .entry(model.to_owned())
+            .or_default()
+            .admit(&limits, input_tokens, now)
+        {
+            Ok(usage) => Admission::Admitted(Some(usage)),
+            Err(refusal) => Admission::Limited(refusal),
+        }
     }
 
     fn record(&self, request_id: &str, model: &str, body: RecordedBody) {
@@ -319,12 +536,13 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let (release_tx, release_rx) = watch::channel(false);
-    let app = server::router(mock, Some(release_rx));
+    let app = server::router(mock, Some(release_rx))
+        .into_make_service_with_connect_info::<conn::ConnReset>();
     let signal = async move {
         shutdown.await;
         let _ = release_tx.send(true);
     };
-    axum::serve(listener, app)
+    axum::serve(conn::ResettableListener(listener), app)
         .with_graceful_shutdown(signal)
         .await
 }
@@ -410,6 +628,21 @@ impl MockHandle {
     /// See [`MockLlm::reset`].
     pub fn reset(&self) {
         self.mock.reset();
+    }
+
+    /// See [`MockLlm::set_trouble`].
+    pub fn set_trouble(&self, trouble: Option<Trouble>) {
+        self.mock.set_trouble(trouble);
+    }
+
+    /// See [`MockLlm::trouble`].
+    pub fn trouble(&self) -> Option<Trouble> {
+        self.mock.trouble()
+    }
+
+    /// See [`MockLlm::troubled_calls`].
+    pub fn troubled_calls(&self) -> u64 {
+        self.mock.troubled_calls()
     }
 }
 

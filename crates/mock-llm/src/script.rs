@@ -97,6 +97,62 @@ pub(crate) struct ModelScript {
     pub(crate) rules: Vec<Rule>,
     #[serde(default)]
     pub(crate) default: Option<Response>,
+    /// Per-minute request and input-token limits, over a sliding 60 s window.
+    #[serde(default)]
+    pub(crate) limits: Option<Limits>,
+    /// The most input tokens a request may carry (the crate's estimate), else a 400.
+    #[serde(default, deserialize_with = "context_window")]
+    pub(crate) context_window: Option<u64>,
+}
+
+fn context_window<'de, D: serde::Deserializer<'de>>(de: D) -> Result<Option<u64>, D::Error> {
+    match u64::deserialize(de)? {
+        0 => Err(serde::de::Error::custom(
+            "`context_window` must be at least 1 token",
+        )),
+        n => Ok(Some(n)),
+    }
+}
+
+/// A model's rate limits: calls and input tokens per minute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "RawLimits")]
+pub(crate) struct Limits {
+    pub(crate) requests_per_minute: Option<u64>,
+    pub(crate) tokens_per_minute: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    #[serde(default)]
+    requests_per_minute: Option<u64>,
+    #[serde(default)]
+    tokens_per_minute: Option<u64>,
+}
+
+impl TryFrom<RawLimits> for Limits {
+    type Error = String;
+
+    fn try_from(raw: RawLimits) -> Result<Limits, String> {
+        if raw.requests_per_minute.is_none() && raw.tokens_per_minute.is_none() {
+            return Err(
+                "`limits` needs `requests_per_minute` and/or `tokens_per_minute` (leave it out \
+                 for no limit)"
+                    .into(),
+            );
+        }
+        if raw.requests_per_minute == Some(0) || raw.tokens_per_minute == Some(0) {
+            return Err(
+                "a limit must be at least 1 (to refuse every call, use the trouble endpoint)"
+                    .into(),
+            );
+        }
+        Ok(Limits {
+            requests_per_minute: raw.requests_per_minute,
+            tokens_per_minute: raw.tokens_per_minute,
+        })
+    }
 }
 
 /// Which entry of a model's script answered: faults are counted per (model, entry).
@@ -472,6 +528,33 @@ mod tests {
         assert!(e.message().contains("at least 1"), "{e}");
         let e = err(r#"{"models":{"m":{"rules":[{"respond":{"text":"a"}}]}}}"#);
         assert_eq!(e.path(), "models.m.rules[0]", "{e}");
+    }
+
+    #[test]
+    fn limits_and_context_window_are_checked() {
+        let s = Scripts::from_json(
+            r#"{"models":{"m":{"limits":{"requests_per_minute":2},"context_window":100}}}"#,
+        )
+        .expect("valid");
+        let m = s.model("m").expect("model");
+        assert_eq!(m.context_window, Some(100));
+        assert_eq!(
+            m.limits,
+            Some(Limits {
+                requests_per_minute: Some(2),
+                tokens_per_minute: None
+            })
+        );
+        let e = err(r#"{"models":{"m":{"limits":{}}}}"#);
+        assert_eq!(e.path(), "models.m.limits", "{e}");
+        let e = err(r#"{"models":{"m":{"limits":{"tokens_per_minute":0}}}}"#);
+        assert!(e.message().contains("at least 1"), "{e}");
+        let e = err(r#"{"models":{"m":{"limits":{"requests_per_min":5}}}}"#);
+        assert_eq!(e.path(), "models.m.limits.requests_per_min", "{e}");
+        let e = err(r#"{"models":{"m":{"context_window":0}}}"#);
+        assert_eq!(e.path(), "models.m.context_window", "{e}");
+        let e = err(r#"{"models":{"m":{"context_window":-5}}}"#);
+        assert_eq!(e.path(), "models.m.context_window", "{e}");
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! The HTTP shell: routes, the request pipeline, faults and streaming bodies.
 //!
-//! Pipeline of a model call: auth (401, not counted) → count and record → body parse →
-//! (Anthropic) version header → validation (400) → model lookup (404) → choose the script entry
-//! and count the hit → `delay_ms` → `fault` → `hang` → answer (JSON, or SSE with
+//! Pipeline of a model call: auth (401, not counted) → count and record → trouble other than
+//! `stream_cut` (the provider is down whatever is asked) → body parse → (Anthropic) version
+//! header → validation (400) → model lookup (404) → `context_window` (400) → `limits` (429;
+//! admitted calls carry the rate-limit headers from here on) → `stream_cut` trouble → choose the
+//! script entry and count the hit → `delay_ms` → `fault` → `hang` → answer (JSON, or SSE with
 //! `stream_error` / `drop_after_chunks`).
 
 use std::io;
@@ -10,8 +12,10 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::body::{Body, Bytes};
+use axum::extract::connect_info::ConnectInfo;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Query, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Json, Response};
 use axum::routing::{get, post, put};
@@ -19,10 +23,13 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use crate::conn::ConnReset;
 use crate::error::{ApiError, ErrorClass, Provider};
-use crate::reply::{Output, new_request_id, sse};
-use crate::script::Scripts;
-use crate::{MockLlm, REQUEST_ID_HEADER, RecordedBody, anthropic, openai};
+use crate::limits::{self, Quota, Refusal, Usage};
+use crate::reply::{Output, Parsed, new_request_id, sse, tokens};
+use crate::script::{Response as Scripted, Scripts};
+use crate::trouble::{Trouble, TroubleKind};
+use crate::{Admission, MockLlm, REQUEST_ID_HEADER, RecordedBody, TroubleNow, anthropic, openai};
 
 /// Larger bodies get a 413 in the provider's shape (Anthropic's own limit is 32 MB).
 const BODY_LIMIT: usize = 32 * 1024 * 1024;
@@ -58,37 +65,61 @@ pub(crate) fn router(mock: MockLlm, release: Option<watch::Receiver<bool>>) -> R
         .route("/_mock/calls", get(calls))
         .route("/_mock/requests", get(requests))
         .route("/_mock/scripts", put(put_scripts))
+        .route(
+            "/_mock/trouble",
+            get(get_trouble).put(put_trouble).delete(delete_trouble),
+        )
         .route("/_mock/reset", post(reset))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(AppState { mock, release })
 }
 
+/// The connection's reset flag, when the router is served by [`crate::serve`].
+struct Conn(Option<ConnReset>);
+
+impl<S: Send + Sync> FromRequestParts<S> for Conn {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Conn, Self::Rejection> {
+        Ok(Conn(
+            parts
+                .extensions
+                .get::<ConnectInfo<ConnReset>>()
+                .map(|info| info.0.clone()),
+        ))
+    }
+}
+
 async fn openai_call(
     State(st): State<AppState>,
+    conn: Conn,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    model_call(Provider::OpenAi, st, headers, body).await
+    model_call(Provider::OpenAi, st, conn, headers, body).await
 }
 
 async fn anthropic_call(
     State(st): State<AppState>,
+    conn: Conn,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    model_call(Provider::Anthropic, st, headers, body).await
+    model_call(Provider::Anthropic, st, conn, headers, body).await
 }
 
 async fn model_call(
     provider: Provider,
     st: AppState,
+    conn: Conn,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let request_id = new_request_id();
-    let reply = Reply {
+    let mut reply = Reply {
         provider,
         request_id: &request_id,
+        extra: HeaderMap::new(),
     };
     let auth = match provider {
         Provider::OpenAi => openai::check_auth(&headers),
@@ -103,36 +134,51 @@ async fn model_call(
         .unwrap_or_default()
         .to_owned();
 
-    let bytes = match body {
-        Ok(bytes) => bytes,
+    let (bytes, json, model) = match body {
+        Ok(bytes) => {
+            let json = serde_json::from_slice::<Value>(&bytes);
+            let model = json
+                .as_ref()
+                .ok()
+                .and_then(|v| v.get("model"))
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned();
+            st.mock.record(
+                &client_request_id,
+                &model,
+                RecordedBody::Received(bytes.clone()),
+            );
+            (Ok(bytes), json, model)
+        }
         Err(rejection) => {
             st.mock.record(&client_request_id, "", RecordedBody::Unread);
-            let e = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    ErrorClass::RequestTooLarge,
-                    "Request exceeds the maximum allowed number of bytes.",
-                )
-            } else {
-                ApiError::invalid(rejection.body_text())
-            };
-            return reply.error(&e, None);
+            (Err(rejection), Ok(Value::Null), String::new())
         }
     };
-    let json = serde_json::from_slice::<Value>(&bytes);
-    let model = json
-        .as_ref()
-        .ok()
-        .and_then(|v| v.get("model"))
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_owned();
-    st.mock.record(
-        &client_request_id,
-        &model,
-        RecordedBody::Received(bytes.clone()),
-    );
 
+    // A `stream_cut` strikes later, once the call is accepted.
+    let trouble = st.mock.trouble_for(&model);
+    if let Some(t) = &trouble
+        && let Some(response) = reply.trouble(t, &model, conn)
+    {
+        st.mock.note_troubled();
+        tracing::debug!(provider = provider.name(), model, client_request_id, trouble = %t.trouble.kind(), "mock-llm in trouble");
+        return response;
+    }
+
+    if let Err(rejection) = bytes {
+        let e = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                ErrorClass::RequestTooLarge,
+                "Request exceeds the maximum allowed number of bytes.",
+            )
+        } else {
+            ApiError::invalid(rejection.body_text())
+        };
+        return reply.error(&e, None);
+    }
     if provider == Provider::Anthropic
         && let Err(e) = anthropic::check_version(&headers)
     {
@@ -156,7 +202,60 @@ async fn model_call(
             return reply.error(&e, None);
         }
     };
+
+    let input_tokens = tokens(parsed.input_chars);
+    match st.mock.admit(&parsed.model, input_tokens) {
+        Admission::UnknownModel => {
+            let e = match provider {
+                Provider::OpenAi => openai::model_not_found(&parsed.model),
+                Provider::Anthropic => anthropic::model_not_found(&parsed.model),
+            };
+            return reply.error(&e, None);
+        }
+        Admission::TooLong { window } => {
+            return reply.error(
+                &ApiError::context_too_long(provider, window, input_tokens),
+                None,
+            );
+        }
+        Admission::Limited(Refusal {
+            exceeded,
+            usage,
+            retry_after,
+        }) => {
+            reply.extra = limits::headers(provider, &usage);
+            let retry_in = retry_after.map(limits::go_duration);
+            let e = ApiError::over_limit(
+                provider,
+                &parsed.model,
+                exceeded,
+                input_tokens,
+                retry_in.as_deref(),
+            );
+            let retry_after_ms = retry_after.map(|d| duration_ms(d).max(1));
+            return reply.error(&e, retry_after_ms);
+        }
+        Admission::Admitted(Some(usage)) => {
+            reply.extra = limits::headers(provider, &usage);
+        }
+        Admission::Admitted(None) => {}
+    }
+
+    if trouble.is_some() {
+        // A `stream_cut`: the answer starts, then the connection goes.
+        st.mock.note_troubled();
+        tracing::debug!(
+            provider = provider.name(),
+            model,
+            client_request_id,
+            trouble = "stream_cut",
+            "mock-llm in trouble"
+        );
+        return reply.stream_cut(&parsed);
+    }
+
     let Some((entry, response, hit)) = st.mock.choose(&parsed.model, &parsed.cue) else {
+        // The script was replaced since the model was looked up.
         let e = match provider {
             Provider::OpenAi => openai::model_not_found(&parsed.model),
             Provider::Anthropic => anthropic::model_not_found(&parsed.model),
@@ -281,9 +380,86 @@ fn frames_body(frames: Vec<Bytes>, delay: Duration, cut: bool) -> Body {
 struct Reply<'a> {
     provider: Provider,
     request_id: &'a str,
+    /// Headers every response to this call carries (the rate-limit headers).
+    extra: HeaderMap,
 }
 
 impl Reply<'_> {
+    /// The answer to a call in trouble, before its body is looked at; `None` for a
+    /// `stream_cut`, which strikes only once the call is accepted.
+    fn trouble(&self, t: &TroubleNow, model: &str, conn: Conn) -> Option<Response> {
+        let provider = self.provider;
+        let retry_after_ms = t.trouble.retry_after_ms();
+        let response = match t.trouble.kind() {
+            TroubleKind::Unavailable => self.error(
+                &ApiError::unavailable(t.trouble.status(), provider),
+                retry_after_ms,
+            ),
+            TroubleKind::Overloaded => self.error(&ApiError::overloaded(provider), retry_after_ms),
+            TroubleKind::RateLimited => {
+                let quota = |limit: u64| Quota {
+                    limit,
+                    remaining: 0,
+                    reset: t.reset,
+                };
+                let limits = t.limits.as_ref();
+                let requests = limits
+                    .and_then(|l| l.requests_per_minute)
+                    .unwrap_or(limits::TROUBLE_REQUESTS_LIMIT);
+                let tokens = limits
+                    .and_then(|l| l.tokens_per_minute)
+                    .unwrap_or(limits::TROUBLE_TOKENS_LIMIT);
+                let usage = Usage {
+                    requests: Some(quota(requests)),
+                    tokens: Some(quota(tokens)),
+                };
+                let e = ApiError::trouble_rate_limited(
+                    provider,
+                    model,
+                    requests,
+                    &limits::go_duration(t.reset),
+                );
+                let mut response = self.error(&e, retry_after_ms);
+                response
+                    .headers_mut()
+                    .extend(limits::headers(provider, &usage));
+                response
+            }
+            TroubleKind::Reset => reset_connection(conn),
+            TroubleKind::StreamCut => return None,
+        };
+        Some(response)
+    }
+
+    /// A `stream_cut`: 200 and the headers, the stream's opening event at most (OpenAI's role
+    /// chunk, Anthropic's `message_start`), then the connection closes; a non-streaming call
+    /// gets half its JSON body, then the close.
+    fn stream_cut(&self, parsed: &Parsed) -> Response {
+        let out = Output::generate(self.provider, parsed, &Scripted::plain_ok());
+        if !parsed.stream {
+            let body = match self.provider {
+                Provider::OpenAi => openai::completion(&out),
+                Provider::Anthropic => anthropic::message(&out),
+            };
+            let mut bytes = body.to_string().into_bytes();
+            bytes.truncate(bytes.len() / 2);
+            let body = frames_body(vec![Bytes::from(bytes)], Duration::ZERO, true);
+            return self.with_headers(StatusCode::OK, "application/json", body, None);
+        }
+        let mut frames = match self.provider {
+            Provider::OpenAi => openai::stream_frames(&out, parsed.include_usage),
+            Provider::Anthropic => anthropic::stream_frames(&out),
+        };
+        frames.truncate(1);
+        let frames = frames.into_iter().map(Bytes::from).collect();
+        self.with_headers(
+            StatusCode::OK,
+            "text/event-stream; charset=utf-8",
+            frames_body(frames, Duration::ZERO, true),
+            None,
+        )
+    }
+
     fn error(&self, e: &ApiError, retry_after_ms: Option<u64>) -> Response {
         let body = e.body(self.provider, self.request_id).to_string();
         self.with_headers(
@@ -323,6 +499,7 @@ impl Reply<'_> {
         if let Ok(v) = HeaderValue::from_str(self.request_id) {
             headers.insert(id_header, v);
         }
+        headers.extend(self.extra.clone());
         if let Some(ms) = retry_after_ms {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(ms.div_ceil(1000)));
             headers.insert("retry-after-ms", HeaderValue::from(ms));
@@ -358,12 +535,74 @@ async fn put_scripts(State(st): State<AppState>, body: String) -> Response {
             st.mock.set_scripts(scripts);
             StatusCode::NO_CONTENT.into_response()
         }
-        Err(e) => (
-            StatusCode::BAD_REQUEST,
-            Json(json!({"error": {"message": e.to_string(), "path": e.path()}})),
-        )
-            .into_response(),
+        Err(e) => control_error(&e.to_string(), e.path()),
     }
+}
+
+/// Closes the connection without a response. Served by [`crate::serve`], the connection is
+/// reset before a byte of the response leaves (see `conn`); mounted elsewhere (no reset flag),
+/// the body fails before its first byte, which makes hyper drop the connection without sending
+/// what it buffered.
+fn reset_connection(conn: Conn) -> Response {
+    match conn.0 {
+        Some(flag) => {
+            flag.reset();
+            // Never sent: writing it is what finds the connection reset.
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
+        }
+        None => {
+            let fail = futures::stream::once(async {
+                Err::<Bytes, _>(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    "mock-llm: connection reset by trouble",
+                ))
+            });
+            Body::from_stream(fail).into_response()
+        }
+    }
+}
+
+fn duration_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// 400 `{"error": {"message", "path"}}`, as for a refused script.
+fn control_error(message: &str, path: &str) -> Response {
+    control_error_status(StatusCode::BAD_REQUEST, message, path)
+}
+
+fn control_error_status(status: StatusCode, message: &str, path: &str) -> Response {
+    (
+        status,
+        Json(json!({"error": {"message": message, "path": path}})),
+    )
+        .into_response()
+}
+
+async fn get_trouble(State(st): State<AppState>) -> Json<Option<Trouble>> {
+    Json(st.mock.trouble())
+}
+
+async fn put_trouble(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        // Too large (413) or not read: the same shape as the other refusals.
+        Err(rejection) => {
+            return control_error_status(rejection.status(), &rejection.body_text(), "");
+        }
+    };
+    match Trouble::from_slice(&body) {
+        Ok(trouble) => {
+            st.mock.set_trouble(Some(trouble));
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => control_error(&e.to_string(), e.path()),
+    }
+}
+
+async fn delete_trouble(State(st): State<AppState>) -> StatusCode {
+    st.mock.set_trouble(None);
+    StatusCode::NO_CONTENT
 }
 
 async fn reset(State(st): State<AppState>) -> StatusCode {

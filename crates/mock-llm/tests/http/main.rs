@@ -1,10 +1,14 @@
 //! The mock over real HTTP (reqwest against an in-process `MockHandle`): strictness in both
-//! formats, scripted conversations streamed and not, faults, counters and control endpoints.
+//! formats, scripted conversations streamed and not, faults, counters and control endpoints;
+//! `trouble` puts outages, rate limits and context windows in front of it.
 
 use std::time::{Duration, Instant};
 
 use kedge_mock_llm::{MockHandle, Scripts};
 use serde_json::{Value, json};
+
+/// A provider's bad day: the trouble endpoint, rate limits and context windows.
+mod trouble;
 
 const DEMO: &str = r#"{ "models": {
   "mock-demo": {
@@ -963,7 +967,8 @@ async fn counts_per_request_id_and_control_endpoints() {
         .expect("json");
     assert_eq!(
         calls,
-        json!({"total": 5, "by_request_id": {"": 1, "req_a": 3, "req_b": 1}, "by_model": {"mock-demo": 5}})
+        json!({"total": 5, "by_request_id": {"": 1, "req_a": 3, "req_b": 1}, "by_model": {"mock-demo": 5},
+               "troubled": 0})
     );
     let requests: Value = http
         .get(format!(
