@@ -290,6 +290,7 @@ pub fn result(child: &RunState) -> Option<ToolResult> {
         | RunStatus::WaitingUser
         | RunStatus::WaitingApproval
         | RunStatus::WaitingExternal
+        | RunStatus::WaitingProvider
         | RunStatus::Cancelling
         | RunStatus::Compensating
         | RunStatus::Unknown => None,

@@ -58,6 +58,8 @@ pub enum Idle {
     },
     /// An ambiguous operation waits for a person.
     Unknown,
+    /// The model provider is in trouble: the fleet releases the run when it may call again.
+    WaitingProvider,
 }
 
 /// A model call to make.
@@ -75,6 +77,9 @@ pub struct StepPlan {
     pub context_digest: Digest,
     /// Decisions to journal (as one group) before calling the model.
     pub start: Vec<Draft>,
+    /// The fleet released this attempt from a wait on the provider (`Some(probe)`): it may
+    /// call an endpoint whose breaker holds the runs that were not released.
+    pub released: Option<bool>,
 }
 
 impl StepPlan {
@@ -240,9 +245,49 @@ fn decide_base(state: &RunState) -> Next {
             budget,
             vec![Draft::new(Event::RunStarted(RunStarted {}))],
         ),
+        RunStatus::WaitingProvider => match (&state.open_step, &state.provider) {
+            (Some(open), Some(wait)) => {
+                let timer = TimerId::for_provider_wait(&state.run_id, open.step);
+                if state.timers.get(&timer).is_some_and(|t| t.fired) {
+                    return fail(
+                        FailureReason::ProviderUnavailable,
+                        format!(
+                            "step {}: the model provider ({}) was {} from {} to {}; its last error: {}",
+                            open.step,
+                            wait.endpoint,
+                            wait.trouble,
+                            wait.since,
+                            wait.give_up_at,
+                            wait.message
+                        ),
+                    );
+                }
+                match wait.released {
+                    Some(probe) => {
+                        let mut p = plan(state, open.step, open.attempt.next(), None, vec![]);
+                        p.released = Some(probe);
+                        Next::Step(Box::new(p))
+                    }
+                    None => Next::Idle(Idle::WaitingProvider),
+                }
+            }
+            // Not what the writer journals (the fold keeps both from `provider.waiting`):
+            // the step goes on as a running one would.
+            _ => match &state.open_step {
+                Some(open) => Next::Step(Box::new(plan(
+                    state,
+                    open.step,
+                    open.attempt.next(),
+                    None,
+                    vec![],
+                ))),
+                None => new_step(state, budget, vec![]),
+            },
+        },
         RunStatus::Running => match &state.open_step {
             Some(open) => {
-                if open.attempt.get() >= budget.max_attempts_per_step {
+                // Attempts that met provider trouble, or were held, spend nothing.
+                if open.spent() >= budget.max_attempts_per_step {
                     return fail(
                         FailureReason::AttemptsExhausted,
                         format!(
@@ -391,6 +436,76 @@ pub fn model_retry_delay(
     retry_after
         .unwrap_or_else(|| MODEL_BACKOFF.delay(attempt, draw))
         .min(max)
+}
+
+/// Provider trouble met by an attempt, for [`wait_on_provider`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TroubleMet {
+    /// What the attempt's `model.attempt` records (an error with `trouble`, or `held`).
+    pub outcome: crate::event::AttemptOutcome,
+    pub trouble: crate::event::Trouble,
+    /// The endpoint as operators know it (provider, base URL, key variable).
+    pub endpoint: String,
+    pub message: String,
+}
+
+/// The decisions that end attempt `attempt` of the open step when it met provider trouble or
+/// the fleet's breaker held it: its `model.attempt` (spending nothing), the bound on the
+/// step's wait the first time the step waits (a durable timer at `since + provider_wait`),
+/// and `provider.waiting`. A step that waits again keeps its first wait's `since`, so the
+/// bound holds for the step however often it is released and meets the trouble again. With a
+/// cancel requested, only the attempt: the next decision cancels.
+pub fn wait_on_provider(
+    state: &RunState,
+    request_id: &ModelRequestId,
+    met: TroubleMet,
+    now: Timestamp,
+    provider_wait: std::time::Duration,
+) -> Vec<Draft> {
+    let (step, attempt) = (request_id.step(), request_id.attempt());
+    let mut drafts = vec![
+        Draft::new(Event::ModelAttempt(crate::event::ModelAttempt {
+            request_id: request_id.clone(),
+            outcome: met.outcome,
+        }))
+        .step(step)
+        .attempt(attempt),
+    ];
+    if state.cancel_requested.is_some() {
+        return drafts;
+    }
+    let since = state
+        .provider
+        .as_ref()
+        .filter(|w| w.step == step)
+        .map_or(now, |w| w.since);
+    let mut give_up_at = since.saturating_add(provider_wait);
+    if let Some(secs) = state.bundle.budget.deadline_secs {
+        let deadline = state
+            .created_at
+            .saturating_add(std::time::Duration::from_secs(secs));
+        give_up_at = give_up_at.min(deadline);
+    }
+    let timer_id = TimerId::for_provider_wait(&state.run_id, step);
+    if !state.timers.contains_key(&timer_id) {
+        drafts.push(Draft::new(Event::TimerScheduled(TimerScheduled {
+            timer_id,
+            fire_at: give_up_at,
+            purpose: TimerPurpose::ProviderWait { step },
+        })));
+    }
+    drafts.push(
+        Draft::new(Event::ProviderWaiting(crate::event::ProviderWaiting {
+            endpoint: met.endpoint,
+            trouble: met.trouble,
+            message: met.message,
+            since,
+            give_up_at,
+        }))
+        .step(step)
+        .attempt(attempt),
+    );
+    drafts
 }
 
 /// What an approval request carries from the policy that held its operation back.
@@ -803,6 +918,7 @@ fn plan(
         context,
         context_digest,
         start,
+        released: None,
     }
 }
 

@@ -404,6 +404,35 @@ pub enum ErrorClass {
     Fatal,
 }
 
+/// Trouble on the provider's side: not the request's fault, and not the answer's. A call that
+/// meets it spends none of the step's `max_attempts_per_step`; the run waits on the provider
+/// (`provider.waiting`) until the fleet releases it (docs/ARCHITECTURE.md, "Provider
+/// trouble").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Trouble {
+    /// 5xx, 529, a connection refused or reset, a timeout before the first byte, a stream cut
+    /// before any content.
+    Unavailable,
+    /// 429 (other than a quota that waiting does not restore).
+    RateLimited,
+}
+
+impl Trouble {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trouble::Unavailable => "unavailable",
+            Trouble::RateLimited => "rate_limited",
+        }
+    }
+}
+
+impl fmt::Display for Trouble {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// The outcome of one model call attempt that did not produce a committed step.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
@@ -415,11 +444,30 @@ pub enum AttemptOutcome {
         status: Option<u16>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         retry_after_ms: Option<u64>,
+        /// Set when the error is the provider's trouble: the attempt is not spent. Absent in
+        /// journals written before it existed, where every error attempt counts.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trouble: Option<Trouble>,
     },
+    /// The request was not sent: the fleet's breaker for the model endpoint was open (it is
+    /// failing, and only its probes go out). Not spent.
+    Held { endpoint: String, reason: String },
     /// The worker lost its lease while the model ran; the call was aborted.
     LeaseLost,
     /// The run's cancellation was requested while the model ran; the call was aborted.
     Cancelled,
+}
+
+impl AttemptOutcome {
+    /// Whether the attempt spends nothing of `max_attempts_per_step`: it met provider trouble
+    /// or was never sent.
+    pub fn is_free(&self) -> bool {
+        match self {
+            AttemptOutcome::Error { trouble, .. } => trouble.is_some(),
+            AttemptOutcome::Held { .. } => true,
+            AttemptOutcome::LeaseLost | AttemptOutcome::Cancelled => false,
+        }
+    }
 }
 
 /// What a waiting run waits on.
@@ -474,6 +522,11 @@ pub enum TimerPurpose {
     CallbackExpiry {
         key: CallbackKey,
     },
+    /// The bound on a step's wait for its model provider (`provider_wait`): the run fails if it
+    /// is still waiting on the provider for this step when it fires.
+    ProviderWait {
+        step: StepNo,
+    },
 }
 
 /// Whether a run's output passed its validation. Reported apart from the run's status
@@ -506,6 +559,9 @@ pub enum FailureReason {
     /// fail`, or `retry` once its retries are used up); the message names the errors by JSON
     /// path.
     InvalidOutput,
+    /// The model provider stayed unavailable (or over its rate limit) for the step's whole
+    /// `provider_wait`; the message names the endpoint and its last error.
+    ProviderUnavailable,
 }
 
 /// An approver's verdict.
@@ -888,6 +944,24 @@ pub struct RunWaiting {
     pub on: WaitReason,
 }
 
+/// The step's model call met provider trouble, or was held because the fleet knows its
+/// endpoint is failing: the run waits on the provider, holding nothing, until the fleet
+/// releases it (`provider.released`) or the wait's bound passes. Journaled once per wait, not
+/// per request: the fleet's probes, not each run, find out when the endpoint is back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ProviderWaiting {
+    /// The endpoint, as operators know it: provider, base URL and key variable (never a key).
+    pub endpoint: String,
+    pub trouble: Trouble,
+    /// The last error (or why the call was held).
+    pub message: String,
+    /// When this step first waited on the provider (kept across the waits of one step).
+    pub since: Timestamp,
+    /// When the step gives up waiting: `since` + `provider_wait`, or the run's deadline if
+    /// sooner (its own timer).
+    pub give_up_at: Timestamp,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct RunCancelling {
     pub reason: String,
@@ -1097,6 +1171,16 @@ pub struct Nudge {
     pub reason: String,
 }
 
+/// The fleet lets a run waiting on its provider call again: the endpoint is back (the runs are
+/// released at a bounded rate, oldest first), or this run is the one probe the fleet sends to a
+/// failing endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ProviderReleased {
+    /// This run's call is the fleet's probe of an endpoint that is still failing.
+    #[serde(default)]
+    pub probe: bool,
+}
+
 /// Whether an event is written by the run's single decision writer or by anyone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
@@ -1222,6 +1306,7 @@ events! {
     Decision RunCancelled(RunCancelled) = "run.cancelled";
     Decision RunGated(RunGated) = "run.gated";
     Decision RunCompensating(RunCompensating) = "run.compensating";
+    Decision ProviderWaiting(ProviderWaiting) = "provider.waiting";
     Input UserMessage(UserMessage) = "user.message";
     Input ToolStarted(ToolStarted) = "tool.started";
     Input ToolResult(ToolResult) = "tool.result";
@@ -1237,6 +1322,7 @@ events! {
     Input OutcomeResolved(OutcomeResolved) = "outcome.resolved";
     Input TargetMoved(TargetMoved) = "target.moved";
     Input Nudge(Nudge) = "nudge";
+    Input ProviderReleased(ProviderReleased) = "provider.released";
 }
 
 impl Event {

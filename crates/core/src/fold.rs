@@ -121,7 +121,8 @@ pub fn waits_on(event: &Event) -> Option<WaitReason> {
             }
             TimerPurpose::RunDeadline
             | TimerPurpose::ApprovalExpiry { .. }
-            | TimerPurpose::QuestionTimeout { .. } => None,
+            | TimerPurpose::QuestionTimeout { .. }
+            | TimerPurpose::ProviderWait { .. } => None,
         },
         Event::RunCreated(_)
         | Event::RunStarted(_)
@@ -157,7 +158,9 @@ pub fn waits_on(event: &Event) -> Option<WaitReason> {
         | Event::OutcomeAmbiguous(_)
         | Event::OutcomeResolved(_)
         | Event::TargetMoved(_)
-        | Event::Nudge(_) => None,
+        | Event::Nudge(_)
+        | Event::ProviderWaiting(_)
+        | Event::ProviderReleased(_) => None,
     }
 }
 
@@ -272,6 +275,32 @@ pub struct OpenStep {
     pub context_digest: crate::event::Digest,
     /// The attempt ended with a recorded error (so there is no stored response to reuse).
     pub failed: bool,
+    /// Attempts of this step that ended in provider trouble or were held by the fleet's
+    /// breaker (`model.attempt` with `trouble`, or `held`): they spend nothing of
+    /// `max_attempts_per_step`.
+    pub free: u32,
+}
+
+impl OpenStep {
+    /// The attempts of this step that count against `max_attempts_per_step`.
+    pub fn spent(&self) -> u32 {
+        self.attempt.get().saturating_sub(self.free)
+    }
+}
+
+/// A step's wait on its model provider (`provider.waiting`): kept until the step completes or
+/// the run fails, so every wait of one step keeps the first one's `since`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProviderWait {
+    pub step: StepNo,
+    pub endpoint: String,
+    pub trouble: crate::event::Trouble,
+    pub message: String,
+    pub since: Timestamp,
+    pub give_up_at: Timestamp,
+    /// The fleet released the run (`provider.released`, `Some(probe)`) since it last began
+    /// waiting.
+    pub released: Option<bool>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -392,6 +421,8 @@ pub struct RunState {
     pub turn_first_step: StepNo,
     /// The compensation the run is in or went through (`run.compensating`).
     pub compensation: Option<crate::event::RunCompensating>,
+    /// The current step's wait on its model provider, if it met provider trouble.
+    pub provider: Option<ProviderWait>,
 }
 
 /// The hash state of a run's transcript so far ([`RunState::next_context_digested`]): derived
@@ -604,6 +635,7 @@ impl RunState {
             gates: Gates::NONE,
             turn_first_step: StepNo(1),
             compensation: None,
+            provider: None,
         })
     }
 
@@ -747,10 +779,20 @@ impl RunState {
                     request_id: started.request_id.clone(),
                     context_digest: started.context_digest.clone(),
                     failed: false,
+                    free: self
+                        .open_step
+                        .as_ref()
+                        .filter(|o| o.step == step)
+                        .map_or(0, |o| o.free),
                 });
             }
             Event::ModelAttempt(attempt) => match &mut self.open_step {
-                Some(open) if open.request_id == attempt.request_id => open.failed = true,
+                Some(open) if open.request_id == attempt.request_id => {
+                    open.failed = true;
+                    if attempt.outcome.is_free() {
+                        open.free = open.free.saturating_add(1);
+                    }
+                }
                 _ => {
                     return Err(Self::inconsistent(
                         seq,
@@ -771,6 +813,7 @@ impl RunState {
                     }
                 }
                 self.open_step = None;
+                self.provider = None;
                 self.usage.add(done.usage);
                 self.transcript.push(ChatMessage::Assistant {
                     message: done.message.clone(),
@@ -1014,8 +1057,28 @@ impl RunState {
                 // The run's end closes the step it failed on (a refused model call, a step's
                 // attempts used up): a revived turn starts a step of its own.
                 self.open_step = None;
+                self.provider = None;
             }
             Event::RunCancelled(_) => {}
+            Event::ProviderWaiting(w) => {
+                // Journaled right after the attempt that met the trouble (or was held).
+                let Some(open) = self.open_step.as_ref().filter(|o| o.failed) else {
+                    return Err(Self::inconsistent(
+                        seq,
+                        env,
+                        "provider.waiting for a step whose attempt did not end",
+                    ));
+                };
+                self.provider = Some(ProviderWait {
+                    step: open.step,
+                    endpoint: w.endpoint.clone(),
+                    trouble: w.trouble,
+                    message: w.message.clone(),
+                    since: w.since,
+                    give_up_at: w.give_up_at,
+                    released: None,
+                });
+            }
             Event::UserMessage(_)
             | Event::ToolStarted(_)
             | Event::ToolResult(_)
@@ -1030,7 +1093,8 @@ impl RunState {
             | Event::OutcomeAmbiguous(_)
             | Event::OutcomeResolved(_)
             | Event::TargetMoved(_)
-            | Event::Nudge(_) => {
+            | Event::Nudge(_)
+            | Event::ProviderReleased(_) => {
                 return Err(Self::inconsistent(seq, env, "input on a decision path"));
             }
         }
@@ -1292,7 +1356,10 @@ impl RunState {
                                 }
                             }
                         }
-                        TimerPurpose::RunDeadline | TimerPurpose::ApprovalExpiry { .. } => {}
+                        // Acted on by the decision (a wait on the provider that outlasted it).
+                        TimerPurpose::RunDeadline
+                        | TimerPurpose::ApprovalExpiry { .. }
+                        | TimerPurpose::ProviderWait { .. } => {}
                     }
                     true
                 }
@@ -1331,6 +1398,17 @@ impl RunState {
                 _ => false,
             },
             Event::Nudge(_) => !self.status.is_terminal(),
+            // Counts once per wait: a second release (a releaser repeating itself) changes
+            // nothing, and one that comes after the run moved on is ignored.
+            Event::ProviderReleased(r) => match &mut self.provider {
+                Some(wait)
+                    if self.status == RunStatus::WaitingProvider && wait.released.is_none() =>
+                {
+                    wait.released = Some(r.probe);
+                    true
+                }
+                _ => false,
+            },
             Event::RunCreated(_)
             | Event::RunStarted(_)
             | Event::StepStarted(_)
@@ -1354,7 +1432,8 @@ impl RunState {
             | Event::RunFailed(_)
             | Event::RunCancelled(_)
             | Event::RunGated(_)
-            | Event::RunCompensating(_) => false,
+            | Event::RunCompensating(_)
+            | Event::ProviderWaiting(_) => false,
         }
     }
 
@@ -1498,7 +1577,9 @@ impl RunState {
             RunStatus::WaitingUser => Some(WaitReason::User),
             RunStatus::WaitingApproval => Some(WaitReason::Approval),
             RunStatus::WaitingExternal => Some(WaitReason::External),
-            RunStatus::Queued
+            // Shown apart, with the wait's details ([`RunState::provider`]).
+            RunStatus::WaitingProvider
+            | RunStatus::Queued
             | RunStatus::Running
             | RunStatus::Cancelling
             | RunStatus::Compensating

@@ -438,6 +438,12 @@ impl TimerId {
         Self(format!("{}deadline_{}", Self::PREFIX, run.body()))
     }
 
+    /// The bound on step `step`'s wait for its model provider: derived, so every wait of the
+    /// step (and a retried commit) names the same timer.
+    pub fn for_provider_wait(run: &RunId, step: StepNo) -> Self {
+        Self(format!("{}provider_{}_{step}", Self::PREFIX, run.body()))
+    }
+
     /// The expiry timer of an approval request.
     pub fn for_approval(approval: &ApprovalId) -> Self {
         Self(format!("{}{}", Self::PREFIX, approval.body()))
@@ -680,6 +686,12 @@ impl InputId {
     /// The reconciler's nudge of a stalled run, once per last event it saw.
     pub fn nudge(run: &RunId, last_seq: u64) -> InputId {
         InputId(format!("nudge:{run}:{last_seq}"))
+    }
+    /// The fleet's release of a run from its wait on the provider: once per wait (`since`:
+    /// the wait's registration, a revision of the fleet's wait list), so a releaser that
+    /// repeats itself after a crash releases nothing twice.
+    pub fn provider_released(run: &RunId, since: u64) -> InputId {
+        InputId(format!("provider.released:{run}:{since}"))
     }
     /// An operator's retry of a run whose wake became dead letter `dead_seq`
     /// (`kedge dead retry`).

@@ -39,6 +39,10 @@ pub enum RunStatus {
     WaitingUser,
     WaitingApproval,
     WaitingExternal,
+    /// The step's model call met provider trouble (an outage, a rate limit): the run waits,
+    /// holding nothing, until the fleet releases it (`provider.released`) or the wait's bound
+    /// passes (docs/ARCHITECTURE.md, "Provider trouble").
+    WaitingProvider,
     Cancelling,
     /// The run is ending (cancelled or failed) and its agent compensates: the compensations of
     /// its effects run one at a time, newest first; then `run.cancelled` or `run.failed`.
@@ -58,6 +62,7 @@ impl RunStatus {
         RunStatus::WaitingUser,
         RunStatus::WaitingApproval,
         RunStatus::WaitingExternal,
+        RunStatus::WaitingProvider,
         RunStatus::Cancelling,
         RunStatus::Compensating,
         RunStatus::Unknown,
@@ -75,6 +80,7 @@ impl RunStatus {
             | RunStatus::WaitingUser
             | RunStatus::WaitingApproval
             | RunStatus::WaitingExternal
+            | RunStatus::WaitingProvider
             | RunStatus::Cancelling
             | RunStatus::Compensating
             | RunStatus::Unknown => false,
@@ -89,6 +95,7 @@ impl RunStatus {
             RunStatus::WaitingUser => "waiting_user",
             RunStatus::WaitingApproval => "waiting_approval",
             RunStatus::WaitingExternal => "waiting_external",
+            RunStatus::WaitingProvider => "waiting_provider",
             RunStatus::Cancelling => "cancelling",
             RunStatus::Compensating => "compensating",
             RunStatus::Unknown => "unknown",
@@ -139,12 +146,12 @@ pub struct Transition {
 
 use RunStatus::{
     Cancelled as X, Cancelling as C, Compensating as K, Failed as F, Queued as Q, Running as R,
-    Succeeded as S, Unknown as U, WaitingApproval as WA, WaitingExternal as WE, WaitingTool as WT,
-    WaitingUser as WU,
+    Succeeded as S, Unknown as U, WaitingApproval as WA, WaitingExternal as WE,
+    WaitingProvider as WP, WaitingTool as WT, WaitingUser as WU,
 };
 
 const WAITING_OR_RUNNING: &[RunStatus] = &[R, WT, WU, WA, WE];
-const LIVE: &[RunStatus] = &[Q, R, WT, WU, WA, WE, U];
+const LIVE: &[RunStatus] = &[Q, R, WT, WU, WA, WE, WP, U];
 
 /// The transition table. One row per decision type; inputs have no rows (they never change
 /// status).
@@ -159,10 +166,11 @@ pub const TRANSITIONS: &[Transition] = &[
         from: &[Q],
         to: Target::To(R),
     },
-    // A step starts when the run is running (a new attempt) or was waiting and is woken.
+    // A step starts when the run is running (a new attempt) or was waiting and is woken (a
+    // run waiting on its provider: released by the fleet).
     Transition {
         event: EventType::StepStarted,
-        from: WAITING_OR_RUNNING,
+        from: &[R, WT, WU, WA, WE, WP],
         to: Target::To(R),
     },
     Transition {
@@ -236,7 +244,7 @@ pub const TRANSITIONS: &[Transition] = &[
     },
     Transition {
         event: EventType::RunUnknown,
-        from: &[R, WT, WU, WA, WE, C],
+        from: &[R, WT, WU, WA, WE, WP, C],
         to: Target::To(U),
     },
     Transition {
@@ -259,7 +267,7 @@ pub const TRANSITIONS: &[Transition] = &[
     // compensations are settled.
     Transition {
         event: EventType::RunFailed,
-        from: &[Q, R, WT, WU, WA, WE, U, K],
+        from: &[Q, R, WT, WU, WA, WE, WP, U, K],
         to: Target::To(F),
     },
     // `unknown` reaches `cancelled` when a person resolves the last ambiguous operation of a
@@ -272,15 +280,22 @@ pub const TRANSITIONS: &[Transition] = &[
     // A run that ends (cancel, failure) with effects its agent compensates.
     Transition {
         event: EventType::RunCompensating,
-        from: &[Q, R, WT, WU, WA, WE, C, U],
+        from: &[Q, R, WT, WU, WA, WE, WP, C, U],
         to: Target::To(K),
     },
     // A version gate's marker: bookkeeping, journaled in a decision group of a live run (right
     // after the group's first decision, which has left any terminal status).
     Transition {
         event: EventType::RunGated,
-        from: &[Q, R, WT, WU, WA, WE, C, K, U],
+        from: &[Q, R, WT, WU, WA, WE, WP, C, K, U],
         to: Target::Stay,
+    },
+    // A model call met provider trouble (or was held by the fleet's breaker): the run waits on
+    // the provider; a release or the wait's bound starts the next step's attempt, or ends it.
+    Transition {
+        event: EventType::ProviderWaiting,
+        from: &[R],
+        to: Target::To(WP),
     },
 ];
 

@@ -94,7 +94,8 @@ pub fn check(events: &[(u64, Envelope)], contract: &Contract) -> Result<Checked,
         }
         if expected.is_empty() {
             let take = markers_after(&rest[i + 1..]);
-            expected = group_decided(&base, &since, *seq, env, contract, take)?.into();
+            expected =
+                group_decided(&base, &since, (*seq, env), &rest[i + 1..], contract, take)?.into();
             checked.groups += 1;
         }
         let Some(want) = expected.pop_front() else {
@@ -138,8 +139,8 @@ fn markers_after(after: &[(u64, Envelope)]) -> Gates {
 fn group_decided(
     base: &RunState,
     since: &[(u64, &Envelope)],
-    seq: u64,
-    next: &Envelope,
+    (seq, next): (u64, &Envelope),
+    after: &[(u64, Envelope)],
     contract: &Contract,
     take: Gates,
 ) -> Result<Vec<Draft>, Divergence> {
@@ -152,7 +153,7 @@ fn group_decided(
     }
     let mut first_error = None;
     for state in states.iter().rev() {
-        match group_at(state, seq, next, contract, take) {
+        match group_at(state, (seq, next), after, contract, take) {
             Ok(group) => match group.first() {
                 Some(first) => match compare(seq, first.clone(), next) {
                     Ok(()) => return Ok(group),
@@ -180,8 +181,8 @@ fn group_decided(
 /// taking the gates in `take` for the first time (and those the run marked before).
 fn group_at(
     state: &RunState,
-    seq: u64,
-    next: &Envelope,
+    (seq, next): (u64, &Envelope),
+    after: &[(u64, Envelope)],
     contract: &Contract,
     take: Gates,
 ) -> Result<Vec<Draft>, Divergence> {
@@ -206,6 +207,29 @@ fn group_at(
                     next.at,
                     contract,
                     take,
+                ));
+            }
+            // Provider trouble (or a call held by the fleet's breaker): the wait that follows
+            // is the code's, its endpoint, error and bound (`provider_wait`, configuration)
+            // are facts of the `provider.waiting` recorded with it.
+            Event::ModelAttempt(attempt)
+                if next.attempt == Some(open.attempt)
+                    && let Some(w) = recorded_wait(after) =>
+            {
+                let met = crate::decide::TroubleMet {
+                    outcome: attempt.outcome.clone(),
+                    trouble: w.trouble,
+                    endpoint: w.endpoint.clone(),
+                    message: w.message.clone(),
+                };
+                let bound =
+                    std::time::Duration::try_from(w.give_up_at.0 - w.since.0).unwrap_or_default();
+                return Ok(crate::decide::wait_on_provider(
+                    state,
+                    &attempt.request_id,
+                    met,
+                    next.at,
+                    bound,
                 ));
             }
             Event::ModelAttempt(attempt) if next.attempt == Some(open.attempt) => {
@@ -249,6 +273,20 @@ fn group_at(
     }
 }
 
+/// The `provider.waiting` of the group a `model.attempt` begins (`after`: what follows the
+/// attempt in the journal; the group is the attempt, the wait's bound timer the first time a
+/// step waits, and the wait).
+fn recorded_wait(after: &[(u64, Envelope)]) -> Option<&crate::event::ProviderWaiting> {
+    after
+        .iter()
+        .filter(|(_, e)| e.kind() == EventKind::Decision)
+        .take(2)
+        .find_map(|(_, e)| match &e.event {
+            Event::ProviderWaiting(w) => Some(w),
+            _ => None,
+        })
+}
+
 /// Compares one decision the code makes with the recorded one.
 fn compare(seq: u64, want: Draft, found: &Envelope) -> Result<(), Divergence> {
     let mut want = Envelope::new(found.run_id.clone(), found.at, want);
@@ -283,14 +321,14 @@ fn comparable(env: &Envelope) -> Value {
     v
 }
 
-/// Makes instants computed from the clock (`*_at` fields) equal when they are within
-/// [`CLOCK_SLACK_SECS`] of each other.
+/// Makes instants computed from the clock (`*_at` fields, and a wait's `since`) equal when
+/// they are within [`CLOCK_SLACK_SECS`] of each other.
 fn align_instants(expected: &mut Value, recorded: &mut Value) {
     match (expected, recorded) {
         (Value::Object(e), Value::Object(r)) => {
             for (key, ev) in e.iter_mut() {
                 let Some(rv) = r.get_mut(key) else { continue };
-                if key.ends_with("_at")
+                if (key.ends_with("_at") || key == "since")
                     && let (Some(a), Some(b)) = (instant(ev), instant(rv))
                     && (a.0 - b.0).whole_seconds().abs() <= CLOCK_SLACK_SECS
                 {

@@ -13,6 +13,8 @@ pub const LEASES_BUCKET: &str = "kedge_leases";
 pub const IDEMPOTENCY_BUCKET: &str = "kedge_idempotency";
 pub const RUNS_BUCKET: &str = "kedge_runs";
 pub const AGENTS_BUCKET: &str = "kedge_agents";
+/// The fleet's view of each model endpoint: breakers, waiting runs, releasers.
+pub const PROVIDERS_BUCKET: &str = "kedge_providers";
 pub const BLOBS_BUCKET: &str = "kedge_blobs";
 
 /// Core-NATS request subject where the reconciler sends the `tool.requested` envelope of an

@@ -545,6 +545,7 @@ fn attempts_are_capped_and_errors_are_not_reused() {
                 message: "529 overloaded".into(),
                 status: Some(529),
                 retry_after_ms: None,
+                trouble: None,
             },
         }))
         .step(first.step)
@@ -2152,12 +2153,15 @@ fn a_run_that_failed_on_a_model_error_is_revived_into_a_new_step() {
         message: "400 invalid request".into(),
         status: Some(400),
         retry_after_ms: None,
+        trouble: None,
     };
     let overloaded = kedge_core::event::AttemptOutcome::Error {
         class: kedge_core::event::ErrorClass::Retryable,
         message: "529 overloaded".into(),
         status: Some(529),
         retry_after_ms: None,
+        // A journal from before provider trouble was told apart: the attempt counts.
+        trouble: None,
     };
     for (outcome, budget) in [
         (fatal, Budget::default()),
@@ -2219,4 +2223,270 @@ fn a_run_that_failed_on_a_model_error_is_revived_into_a_new_step() {
         assert_eq!(state.status, RunStatus::Succeeded, "{outcome:?}");
         assert_eq!(state.turn, 2);
     }
+}
+
+/// What the step service journals when the plan's attempt meets provider trouble.
+fn meet_trouble(sim: &mut Sim, plan: &StepPlan, trouble: kedge_core::event::Trouble) {
+    let state = sim.state();
+    let met = kedge_core::decide::TroubleMet {
+        outcome: kedge_core::event::AttemptOutcome::Error {
+            class: kedge_core::event::ErrorClass::Retryable,
+            message: "HTTP 503 server_error".into(),
+            status: Some(503),
+            retry_after_ms: None,
+            trouble: Some(trouble),
+        },
+        trouble,
+        endpoint: "openai http://127.0.0.1:1/v1 (OPENAI_API_KEY)".into(),
+        message: "HTTP 503 server_error".into(),
+    };
+    let drafts = kedge_core::decide::wait_on_provider(
+        &state,
+        &plan.request_id,
+        met,
+        Timestamp::now(),
+        std::time::Duration::from_secs(3600),
+    );
+    sim.commit(drafts);
+}
+
+fn released(sim: &mut Sim, probe: bool) -> u64 {
+    sim.input(
+        Event::ProviderReleased(kedge_core::event::ProviderReleased { probe }),
+        None,
+    )
+}
+
+/// An outage of any length spends none of a step's attempts: each try that meets the trouble
+/// (or is held by the fleet's breaker) leaves the run waiting on its provider, idle, until the
+/// fleet releases it; the step's first wait's `since` and its one bound timer hold for every
+/// later wait of the step.
+#[test]
+fn provider_trouble_spends_no_attempt_and_the_run_waits_until_the_fleet_releases_it() {
+    let budget = Budget {
+        max_attempts_per_step: 2,
+        ..Budget::default()
+    };
+    let mut sim = Sim::new(budget);
+    let first = sim.expect_step();
+    assert_eq!(first.released, None);
+    sim.commit(first.start.clone());
+    meet_trouble(&mut sim, &first, kedge_core::event::Trouble::Unavailable);
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::WaitingProvider);
+    let wait = state.provider.clone().expect("the wait is folded");
+    assert_eq!(wait.released, None);
+    assert!(matches!(decide(&state), Next::Idle(Idle::WaitingProvider)));
+    // A nudge or a user message does not release it.
+    sim.input(
+        Event::UserMessage(UserMessage {
+            text: "still there?".into(),
+        }),
+        None,
+    );
+    assert!(matches!(
+        decide(&sim.state()),
+        Next::Idle(Idle::WaitingProvider)
+    ));
+    let mut attempts = vec![first.attempt.get()];
+    for i in 0..10 {
+        let probe = i % 2 == 0;
+        released(&mut sim, probe);
+        // A second release of the same wait (a releaser repeating itself) changes nothing.
+        released(&mut sim, !probe);
+        let plan = sim.expect_step();
+        assert_eq!(plan.released, Some(probe));
+        sim.commit(plan.start.clone());
+        if plan.attempt.get() == 3 {
+            // Held by the breaker: not sent, and not spent either.
+            let state = sim.state();
+            let met = kedge_core::decide::TroubleMet {
+                outcome: kedge_core::event::AttemptOutcome::Held {
+                    endpoint: wait.endpoint.clone(),
+                    reason: "not sent: failing".into(),
+                },
+                trouble: kedge_core::event::Trouble::Unavailable,
+                endpoint: wait.endpoint.clone(),
+                message: "not sent: failing".into(),
+            };
+            let drafts = kedge_core::decide::wait_on_provider(
+                &state,
+                &plan.request_id,
+                met,
+                Timestamp::now(),
+                std::time::Duration::from_secs(3600),
+            );
+            assert!(
+                !drafts
+                    .iter()
+                    .any(|d| matches!(d.event, Event::TimerScheduled(_))),
+                "one bound per step"
+            );
+            sim.commit(drafts);
+        } else {
+            meet_trouble(&mut sim, &plan, kedge_core::event::Trouble::RateLimited);
+        }
+        let state = sim.state();
+        assert_eq!(state.status, RunStatus::WaitingProvider);
+        assert_eq!(state.provider.as_ref().map(|p| p.since), Some(wait.since));
+        attempts.push(plan.attempt.get());
+    }
+    assert_eq!(attempts, (1..=11).collect::<Vec<u32>>());
+    let timers = sim
+        .state()
+        .timers
+        .values()
+        .filter(|t| {
+            matches!(
+                t.purpose,
+                kedge_core::event::TimerPurpose::ProviderWait { .. }
+            )
+        })
+        .count();
+    assert_eq!(timers, 1);
+    // The provider is back: the released attempt answers and the message sent meanwhile is in
+    // its context.
+    released(&mut sim, false);
+    let plan = sim.run_step(text("back again"));
+    assert!(
+        plan.context
+            .iter()
+            .any(|m| matches!(m, ChatMessage::User { text } if text == "still there?"))
+    );
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    assert_eq!(state.provider, None);
+    // A release that comes after the run moved on is ignored.
+    let ignored = state.ignored_inputs;
+    released(&mut sim, false);
+    assert_eq!(sim.state().ignored_inputs, ignored + 1);
+}
+
+/// Provider trouble and real failures mix: only the real ones (old journals' errors, crashes,
+/// bad answers) count against `max_attempts_per_step`.
+#[test]
+fn only_attempts_that_were_not_provider_trouble_count_against_the_cap() {
+    let budget = Budget {
+        max_attempts_per_step: 2,
+        ..Budget::default()
+    };
+    let mut sim = Sim::new(budget);
+    let first = sim.expect_step();
+    sim.commit(first.start.clone());
+    meet_trouble(&mut sim, &first, kedge_core::event::Trouble::Unavailable);
+    released(&mut sim, false);
+    let second = sim.expect_step();
+    sim.commit(second.start.clone());
+    // A broken stream after content began: spent.
+    sim.commit(vec![
+        Draft::new(Event::ModelAttempt(ModelAttempt {
+            request_id: second.request_id.clone(),
+            outcome: kedge_core::event::AttemptOutcome::Error {
+                class: kedge_core::event::ErrorClass::Retryable,
+                message: "stream broke".into(),
+                status: None,
+                retry_after_ms: None,
+                trouble: None,
+            },
+        }))
+        .step(second.step)
+        .attempt(second.attempt),
+    ]);
+    let state = sim.state();
+    assert_eq!(state.open_step.as_ref().map(|o| o.spent()), Some(1));
+    // One spent of two: the step goes on.
+    let third = sim.expect_step();
+    sim.commit(third.start.clone());
+    sim.commit(vec![
+        Draft::new(Event::ModelAttempt(ModelAttempt {
+            request_id: third.request_id.clone(),
+            outcome: kedge_core::event::AttemptOutcome::LeaseLost,
+        }))
+        .step(third.step)
+        .attempt(third.attempt),
+    ]);
+    match decide(&sim.state()) {
+        Next::Commit(drafts) => assert!(matches!(
+            &drafts[0].event,
+            Event::RunFailed(f) if f.reason == FailureReason::AttemptsExhausted
+        )),
+        other => panic!("expected the run to fail, got {other:?}"),
+    }
+}
+
+/// The bound on a step's wait fires (a durable timer): the run fails naming the provider and
+/// its last error. A cancel while waiting cancels at once.
+#[test]
+fn a_wait_on_the_provider_ends_at_its_bound_or_a_cancel() {
+    let mut sim = Sim::new(Budget::default());
+    let first = sim.expect_step();
+    sim.commit(first.start.clone());
+    meet_trouble(&mut sim, &first, kedge_core::event::Trouble::Unavailable);
+    let state = sim.state();
+    let (timer_id, fire_at) = state
+        .timers
+        .iter()
+        .find(|(_, t)| {
+            t.purpose == kedge_core::event::TimerPurpose::ProviderWait { step: first.step }
+        })
+        .map(|(id, t)| (id.clone(), t.fire_at))
+        .expect("the bound is scheduled");
+    assert_eq!(Some(fire_at), state.provider.as_ref().map(|p| p.give_up_at));
+    let mut cancelled = Sim {
+        run: sim.run.clone(),
+        events: sim.events.clone(),
+        seq: sim.seq,
+    };
+    sim.input(
+        Event::TimerFired(kedge_core::event::TimerFired { timer_id }),
+        None,
+    );
+    let Next::Commit(drafts) = decide(&sim.state()) else {
+        panic!("the run fails")
+    };
+    sim.commit(drafts);
+    let state = sim.state();
+    assert_eq!(state.status, RunStatus::Failed);
+    let failure = state.failure.expect("failure");
+    assert_eq!(failure.reason, FailureReason::ProviderUnavailable);
+    assert!(
+        failure.message.contains("openai http://127.0.0.1:1/v1")
+            && failure.message.contains("HTTP 503 server_error"),
+        "{}",
+        failure.message
+    );
+
+    cancelled.input(
+        Event::CancelRequested(CancelRequested {
+            reason: "enough".into(),
+            by: None,
+        }),
+        None,
+    );
+    let Next::Commit(drafts) = decide(&cancelled.state()) else {
+        panic!("the run cancels")
+    };
+    cancelled.commit(drafts);
+    assert_eq!(cancelled.state().status, RunStatus::Cancelled);
+}
+
+/// A deadline sooner than `provider_wait` bounds the wait instead.
+#[test]
+fn a_runs_deadline_bounds_its_wait_on_the_provider() {
+    let budget = Budget {
+        deadline_secs: Some(60),
+        ..Budget::default()
+    };
+    let mut sim = Sim::new(budget);
+    let first = sim.expect_step();
+    sim.commit(first.start.clone());
+    meet_trouble(&mut sim, &first, kedge_core::event::Trouble::Unavailable);
+    let state = sim.state();
+    let wait = state.provider.expect("waiting");
+    assert_eq!(
+        wait.give_up_at,
+        state
+            .created_at
+            .saturating_add(std::time::Duration::from_secs(60))
+    );
 }

@@ -81,6 +81,10 @@ pub const LAYOUT: &[(&str, &str)] = &[
         include_str!("../../../nats/kv/kedge_runs.json"),
     ),
     (
+        "KV_kedge_providers",
+        include_str!("../../../nats/kv/kedge_providers.json"),
+    ),
+    (
         "KV_kedge_agents",
         include_str!("../../../nats/kv/kedge_agents.json"),
     ),

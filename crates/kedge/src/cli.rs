@@ -179,6 +179,14 @@ pub enum Command {
     /// The configured MCP servers (`mcp_servers`).
     #[command(subcommand)]
     Mcp(McpCmd),
+    /// The fleet's view of each model endpoint (kedge_providers): its breaker (closed, open:
+    /// only probes go out, recovering: the waiting runs are being released), since when, the
+    /// last error, the next probe and how many runs wait on it.
+    Providers {
+        /// `text` (a table, default) or `json` (one array).
+        #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
+        output: Output,
+    },
     /// Write the secured nats-server configuration (accounts, least-privilege users, one account
     /// per tenant) and each kind's nkey; see docs/SECURITY.md.
     NatsConfig(crate::nats_config::NatsConfigArgs),
@@ -387,6 +395,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Demo(args) => crate::demo::run(args, config).await,
         Command::Dead(cmd) => dead(&Runtime::connect_existing(config).await?, cmd).await,
+        Command::Providers { output } => {
+            providers(&Runtime::connect_existing(config).await?, output).await
+        }
         Command::Runs(RunsCmd::Rebuild) => {
             let rt = Runtime::connect_existing(config).await?;
             let report = kedge_bridge::rebuild(&rt).await?;
@@ -660,6 +671,46 @@ async fn dead_letters(rt: &Runtime) -> anyhow::Result<Vec<(u64, serde_json::Valu
             Err(e) => return Err(e).context("read dead letters"),
         }
     }
+}
+
+/// `kedge providers`: each model endpoint the fleet knows, from kedge_providers.
+async fn providers(rt: &Runtime, output: Output) -> anyhow::Result<ExitCode> {
+    let view = rt.providers().await?.snapshot();
+    if output != Output::Text {
+        let items: Vec<serde_json::Value> = view
+            .iter()
+            .map(|(id, b, waiting)| {
+                serde_json::json!({"id": id, "breaker": b, "waiting_runs": waiting})
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&items)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if view.is_empty() {
+        println!("no model endpoint has met trouble");
+    }
+    for (id, b, waiting) in &view {
+        println!("{} [{id}]", b.endpoint);
+        let since = b
+            .opened_at
+            .map(|t| format!(" since {t}"))
+            .unwrap_or_default();
+        let next = match (b.state, b.next_probe_at) {
+            (kedge_runtime::provider::BreakerState::Open, Some(at)) => {
+                format!(", next probe at {at} ({} sent)", b.probes)
+            }
+            _ => String::new(),
+        };
+        println!(
+            "  {}{since}{next}; {waiting} run(s) waiting",
+            b.state.as_str()
+        );
+        if !b.last_error.is_empty() {
+            let trouble = b.trouble.map(|t| format!("{t}: ")).unwrap_or_default();
+            println!("  last trouble: {trouble}{}", b.last_error);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn dead(rt: &Runtime, cmd: DeadCmd) -> anyhow::Result<ExitCode> {
@@ -1225,6 +1276,16 @@ fn answer_lines(
     view: &kedge_runtime::view::RunView,
     events: &[kedge_journal::Recorded],
 ) -> Vec<String> {
+    if let Some(p) = &view.provider {
+        return vec![
+            format!(
+                "waiting on its model provider {} ({}) since {}; gives up at {}",
+                p.endpoint, p.trouble, p.since, p.give_up_at
+            ),
+            format!("  last error: {}", p.last_error),
+            "  the fleet releases it when the endpoint answers again (`kedge providers` shows the next probe)".into(),
+        ];
+    }
     let Some(w) = &view.waiting else {
         return Vec::new();
     };

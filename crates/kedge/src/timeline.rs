@@ -45,8 +45,16 @@ pub fn line(r: &Recorded) -> String {
             s.request_id
         ),
         Event::ModelAttempt(a) => match &a.outcome {
+            AttemptOutcome::Error {
+                trouble: Some(trouble),
+                message,
+                ..
+            } => format!("provider {trouble} (not spent): {}", clip(message, 80)),
             AttemptOutcome::Error { class, message, .. } => {
                 format!("{class:?} error: {}", clip(message, 80))
+            }
+            AttemptOutcome::Held { endpoint, .. } => {
+                format!("not sent: {endpoint} is failing (not spent)")
             }
             AttemptOutcome::LeaseLost => "lease lost; call aborted".into(),
             AttemptOutcome::Cancelled => "cancel requested; call aborted".into(),
@@ -86,6 +94,16 @@ pub fn line(r: &Recorded) -> String {
         Event::ChildStarted(c) => format!("child run {} of {}", c.child, c.agent),
         Event::QuestionAnswered(a) => format!("{} “{}”", a.question_id, a.answer),
         Event::RunWaiting(w) => format!("on {:?}", w.on).to_lowercase(),
+        Event::ProviderWaiting(w) => format!(
+            "on {} ({}) since {}, gives up at {}: {}",
+            w.endpoint,
+            w.trouble,
+            w.since,
+            w.give_up_at,
+            clip(&w.message, 60)
+        ),
+        Event::ProviderReleased(r) if r.probe => "released as the fleet's probe".into(),
+        Event::ProviderReleased(_) => "released: the provider is back".into(),
         // A version gate's marker: this run takes the gate's new branch from here on.
         Event::RunGated(g) => format!(
             "gate {} taken",

@@ -14,11 +14,23 @@
 //!   only when its type names a request problem (`invalid_request_error`, `authentication_error`,
 //!   `permission_error`, `not_found_error`, `request_too_large`, …); otherwise (overloaded,
 //!   rate limit, `api_error`, `server_error`, unknown) retryable.
+//!
+//! Provider trouble ([`ModelError::trouble`]), which spends none of a step's attempts: the
+//! run waits on the provider instead (docs/ARCHITECTURE.md, "Provider trouble"):
+//! - *rate limited*: HTTP 429, except OpenAI's `insufficient_quota` (a billing problem that
+//!   waiting does not mend: fatal), and a `rate_limit_error` inside a stream;
+//! - *unavailable*: HTTP 408, 529 and every 5xx except 501; a connection refused or reset; a
+//!   timeout before the response headers; a stream that breaks, stalls or ends before any
+//!   content; an `overloaded_error`, `api_error` or `server_error` inside a stream before any
+//!   content.
+//!
+//! Everything else retryable (a stream cut after content began, undecodable data) spends an
+//! attempt, like a crash.
 
 use std::fmt;
 use std::time::{Duration, SystemTime};
 
-use kedge_core::event::{AttemptOutcome, ErrorClass};
+use kedge_core::event::{AttemptOutcome, ErrorClass, Trouble};
 use reqwest::header::HeaderMap;
 use serde::Deserialize;
 
@@ -77,6 +89,8 @@ pub struct ModelError {
     /// How long the provider asked us to wait (`retry-after-ms`, else `retry-after`).
     pub retry_after: Option<Duration>,
     pub message: String,
+    /// Set when the failure is the provider's trouble, not the request's or the answer's.
+    pub trouble: Option<Trouble>,
 }
 
 impl ModelError {
@@ -93,6 +107,7 @@ impl ModelError {
             status: None,
             retry_after: None,
             message: message.into(),
+            trouble: None,
         }
     }
 
@@ -117,7 +132,31 @@ impl ModelError {
             retry_after_ms: self
                 .retry_after
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            trouble: self.trouble,
         }
+    }
+
+    /// Classifies the error as provider trouble (see the module docs); `content_seen`: the
+    /// stream had begun to carry the answer when it failed.
+    pub(crate) fn with_trouble(mut self, content_seen: bool) -> Self {
+        self.trouble = match (self.class, self.kind) {
+            (ErrorClass::Fatal, _) => None,
+            (ErrorClass::Retryable, ModelErrorKind::Status) => match self.status {
+                Some(429) => Some(Trouble::RateLimited),
+                _ => Some(Trouble::Unavailable),
+            },
+            (ErrorClass::Retryable, ModelErrorKind::Connect) => Some(Trouble::Unavailable),
+            (
+                ErrorClass::Retryable,
+                ModelErrorKind::Timeout | ModelErrorKind::StreamEnded | ModelErrorKind::Provider,
+            ) if self.message.contains("rate_limit_error") => Some(Trouble::RateLimited),
+            (
+                ErrorClass::Retryable,
+                ModelErrorKind::Timeout | ModelErrorKind::StreamEnded | ModelErrorKind::Provider,
+            ) if !content_seen => Some(Trouble::Unavailable),
+            (ErrorClass::Retryable, _) => None,
+        };
+        self
     }
 
     /// The error for a non-success HTTP response, from its status, headers and body.
@@ -127,9 +166,15 @@ impl ModelError {
         body: &[u8],
         now: SystemTime,
     ) -> Self {
-        let class = status_class(status);
+        let mut class = status_class(status);
         let message = match serde_json::from_slice::<ErrorEnvelope>(body) {
-            Ok(ErrorEnvelope { error: Some(e) }) => format!("HTTP {status} {}", e.describe()),
+            Ok(ErrorEnvelope { error: Some(e) }) => {
+                // Out of credit, not over a rate: waiting does not mend it.
+                if e.code_str().as_deref() == Some("insufficient_quota") {
+                    class = ErrorClass::Fatal;
+                }
+                format!("HTTP {status} {}", e.describe())
+            }
             _ => {
                 let text = String::from_utf8_lossy(body);
                 let text = text.trim();
@@ -146,6 +191,7 @@ impl ModelError {
             status: Some(status),
             retry_after: retry_after(headers, now),
             message,
+            trouble: None,
         }
     }
 
@@ -417,7 +463,80 @@ mod tests {
                 message: "bad key <redacted> given".into(),
                 status: None,
                 retry_after_ms: Some(1500),
+                trouble: None,
             }
         );
+    }
+
+    fn status_error(status: u16, body: &str) -> ModelError {
+        ModelError::from_response(
+            status,
+            &HeaderMap::new(),
+            body.as_bytes(),
+            SystemTime::now(),
+        )
+    }
+
+    #[test]
+    fn provider_trouble_is_told_from_the_requests_fault_and_a_bad_answer() {
+        let trouble = |e: ModelError, seen: bool| e.with_trouble(seen).trouble;
+        for s in [500, 502, 503, 504, 529, 408] {
+            assert_eq!(
+                trouble(status_error(s, ""), false),
+                Some(Trouble::Unavailable),
+                "{s}"
+            );
+        }
+        assert_eq!(
+            trouble(
+                status_error(429, r#"{"error":{"code":"rate_limit_exceeded"}}"#),
+                false
+            ),
+            Some(Trouble::RateLimited)
+        );
+        // Out of credit: waiting does not mend it.
+        let quota = status_error(
+            429,
+            r#"{"error":{"code":"insufficient_quota","message":"x"}}"#,
+        );
+        assert_eq!(quota.class, ErrorClass::Fatal);
+        assert_eq!(trouble(quota, false), None);
+        for s in [400, 401, 403, 404, 413, 501] {
+            assert_eq!(trouble(status_error(s, ""), false), None, "{s}");
+        }
+        let connect = ModelError::retryable(ModelErrorKind::Connect, "connection refused");
+        assert_eq!(trouble(connect.clone(), true), Some(Trouble::Unavailable));
+        // Before any content: the provider's; after it: a spent attempt.
+        for kind in [ModelErrorKind::StreamEnded, ModelErrorKind::Timeout] {
+            let e = ModelError::retryable(kind, "stream broke");
+            assert_eq!(
+                trouble(e.clone(), false),
+                Some(Trouble::Unavailable),
+                "{kind}"
+            );
+            assert_eq!(trouble(e, true), None, "{kind}");
+        }
+        let overloaded = ModelError::from_stream_error(&ErrorBody {
+            kind: Some("overloaded_error".into()),
+            message: Some("Overloaded".into()),
+            code: None,
+        });
+        assert_eq!(
+            trouble(overloaded.clone(), false),
+            Some(Trouble::Unavailable)
+        );
+        assert_eq!(trouble(overloaded, true), None);
+        let limited = ModelError::from_stream_error(&ErrorBody {
+            kind: Some("rate_limit_error".into()),
+            message: None,
+            code: None,
+        });
+        assert_eq!(trouble(limited, true), Some(Trouble::RateLimited));
+        let protocol = ModelError::retryable(ModelErrorKind::Protocol, "undecodable");
+        assert_eq!(trouble(protocol, false), None);
+        let outcome = status_error(503, "")
+            .with_trouble(false)
+            .to_attempt_outcome();
+        assert!(outcome.is_free());
     }
 }

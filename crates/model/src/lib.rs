@@ -283,10 +283,15 @@ impl ModelClient {
         );
         async {
             let started = Instant::now();
-            let result = self
-                .run(call, on_delta)
-                .await
-                .map_err(|e| e.scrub(call.api_key));
+            // Whether the answer had begun to arrive: a failure before it is the provider's
+            // trouble, one after it spends an attempt (see [`ModelError::trouble`]).
+            let mut content_seen = false;
+            let mut seen = |d: Delta| {
+                content_seen |= !matches!(&d, Delta::Text(t) if t.is_empty());
+                on_delta(d);
+            };
+            let result = self.run(call, &mut seen).await;
+            let result = result.map_err(|e| e.scrub(call.api_key).with_trouble(content_seen));
             let elapsed_ms = started.elapsed().as_millis() as u64;
             match &result {
                 Ok(r) => tracing::debug!(

@@ -105,6 +105,83 @@ pub struct Config {
     /// The retention policy (`kedge serve retention`) and the tool hosts' sweep of purged runs'
     /// workspaces. Off by default: see [`RetentionConfig`] and docs/CONFIG.md "Retention".
     pub retention: RetentionConfig,
+    /// How the fleet rides out a model provider's outages and rate limits
+    /// ([`crate::provider`], docs/CONFIG.md "Provider trouble").
+    pub providers: ProviderConfig,
+}
+
+/// How the fleet rides out a model provider's trouble ([`crate::provider`]): the shared
+/// breaker per endpoint, its probes, the rate the waiting runs are released at, and how long a
+/// step waits before its run fails.
+///
+/// Durations are written with a unit, as in [`RetentionConfig`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProviderConfig {
+    /// How long one step waits on its provider before the run fails naming the provider and
+    /// its last error (`KEDGE_PROVIDER_WAIT`; default `24h`; the run's deadline, when sooner,
+    /// ends the wait first).
+    #[serde(with = "duration_text")]
+    pub wait: std::time::Duration,
+    /// Provider failures in a row (no success between them, from any process) that open an
+    /// endpoint's breaker (`KEDGE_PROVIDER_OPEN_AFTER`; default 3). A 429 opens it at once.
+    pub open_after: u32,
+    /// How long an open breaker waits before the fleet's first probe, and after each failed
+    /// probe the wait doubles up to `max_probe_interval` (`KEDGE_PROVIDER_PROBE_INTERVAL`;
+    /// default `5s`). A `retry-after` longer than it is waited instead.
+    #[serde(with = "duration_text")]
+    pub probe_interval: std::time::Duration,
+    /// The longest wait between two probes (`KEDGE_PROVIDER_MAX_PROBE_INTERVAL`; default `60s`).
+    #[serde(with = "duration_text")]
+    pub max_probe_interval: std::time::Duration,
+    /// Runs released per second per endpoint once it is back (`KEDGE_PROVIDER_RELEASE_PER_SECOND`;
+    /// default 20): the recovery is not a thundering herd.
+    pub release_per_second: u32,
+}
+
+impl Default for ProviderConfig {
+    fn default() -> Self {
+        Self {
+            wait: std::time::Duration::from_secs(24 * 3600),
+            open_after: 3,
+            probe_interval: std::time::Duration::from_secs(5),
+            max_probe_interval: std::time::Duration::from_secs(60),
+            release_per_second: 20,
+        }
+    }
+}
+
+impl ProviderConfig {
+    fn check(&self) -> Result<(), ConfigError> {
+        let invalid = |reason: String| {
+            Err(ConfigError::Invalid {
+                field: "providers",
+                reason,
+            })
+        };
+        if self.wait < std::time::Duration::from_secs(1) {
+            return invalid("wait must be at least 1s".into());
+        }
+        if !(1..=1000).contains(&self.open_after) {
+            return invalid(format!(
+                "open_after {} is not between 1 and 1000",
+                self.open_after
+            ));
+        }
+        if self.probe_interval < std::time::Duration::from_millis(100) {
+            return invalid("probe_interval must be at least 100ms".into());
+        }
+        if self.max_probe_interval < self.probe_interval {
+            return invalid("max_probe_interval must be at least probe_interval".into());
+        }
+        if !(1..=10_000).contains(&self.release_per_second) {
+            return invalid(format!(
+                "release_per_second {} is not between 1 and 10000",
+                self.release_per_second
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The retention policy: what `kedge serve retention` purges, and how often ([`crate::retention`]).
@@ -363,6 +440,7 @@ impl Default for Config {
             otlp_endpoint: None,
             seal_key: None,
             retention: RetentionConfig::default(),
+            providers: ProviderConfig::default(),
         }
     }
 }
@@ -422,6 +500,7 @@ impl std::fmt::Debug for Config {
             otlp_endpoint,
             seal_key,
             retention,
+            providers,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
         let api_keys: Vec<&String> = api_keys.keys().collect();
@@ -449,6 +528,7 @@ impl std::fmt::Debug for Config {
             .field("otlp_endpoint", &otlp_endpoint.as_deref().map(redact_url))
             .field("seal_key", seal_key)
             .field("retention", retention)
+            .field("providers", providers)
             .finish()
     }
 }
@@ -1341,6 +1421,27 @@ impl Config {
                 *field = parse_duration(&v).map_err(|reason| ConfigError::Env { var, reason })?;
             }
         }
+        if let Some(v) = get("KEDGE_PROVIDER_OPEN_AFTER") {
+            self.providers.open_after = num("KEDGE_PROVIDER_OPEN_AFTER", &v)?;
+        }
+        if let Some(v) = get("KEDGE_PROVIDER_RELEASE_PER_SECOND") {
+            self.providers.release_per_second = num("KEDGE_PROVIDER_RELEASE_PER_SECOND", &v)?;
+        }
+        for (var, field) in [
+            ("KEDGE_PROVIDER_WAIT", &mut self.providers.wait),
+            (
+                "KEDGE_PROVIDER_PROBE_INTERVAL",
+                &mut self.providers.probe_interval,
+            ),
+            (
+                "KEDGE_PROVIDER_MAX_PROBE_INTERVAL",
+                &mut self.providers.max_probe_interval,
+            ),
+        ] {
+            if let Some(v) = get(var) {
+                *field = parse_duration(&v).map_err(|reason| ConfigError::Env { var, reason })?;
+            }
+        }
         let t = &mut self.timeouts;
         for (var, field) in [
             ("KEDGE_LEASE_TTL_MS", &mut t.lease_ttl_ms),
@@ -1406,6 +1507,7 @@ impl Config {
         }
         self.bridge.check()?;
         self.retention.check()?;
+        self.providers.check()?;
         if let Some(addr) = &self.metrics_addr {
             let port = addr
                 .rsplit_once(':')

@@ -38,6 +38,7 @@ pub mod idempotency;
 pub mod inputs;
 pub mod liveness;
 pub mod metrics;
+pub mod provider;
 pub mod retention;
 pub mod seal;
 pub mod secure;
@@ -102,6 +103,9 @@ pub struct Runtime {
     /// This process's failure detector, started by the first service that needs it
     /// ([`Runtime::liveness`]) and shared by the others.
     liveness: Arc<tokio::sync::OnceCell<liveness::Liveness>>,
+    /// This process's view of the fleet's model endpoints, opened by the first service that
+    /// needs it ([`Runtime::providers`]) and shared by the others.
+    providers: Arc<tokio::sync::OnceCell<provider::Providers>>,
 }
 
 impl Runtime {
@@ -120,6 +124,22 @@ impl Runtime {
             })
             .await
             .cloned()
+    }
+
+    /// The fleet's view of each model endpoint ([`provider::Providers`]: breakers, waiting
+    /// runs), opened and watched on first use.
+    pub async fn providers(&self) -> Result<provider::Providers, RuntimeError> {
+        self.providers
+            .get_or_try_init(|| {
+                provider::Providers::open(
+                    self.js.clone(),
+                    self.config.providers.clone(),
+                    &self.config.worker_id,
+                )
+            })
+            .await
+            .cloned()
+            .map_err(|e| RuntimeError::broker("open kedge_providers", e))
     }
 
     /// Connects ([`connect_client`]: credentials, TLS, inbox prefix from `config.nats`), checks
@@ -194,6 +214,7 @@ impl Runtime {
             client,
             config: Arc::new(config),
             liveness: Arc::default(),
+            providers: Arc::default(),
         })
     }
 }

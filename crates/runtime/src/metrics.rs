@@ -72,7 +72,7 @@ metrics_table! {
     TASKS_REJECTED = "kedge_tasks_rejected_total", Counter, [],
         "Tasks this intake rejected (recorded on agent.rejected.<agent>).";
     RUN_TRANSITIONS = "kedge_run_transitions_total", Counter, ["status"],
-        "Runs this step process moved into `status` (running, waiting_tool, waiting_user, waiting_approval, waiting_external, cancelling, unknown, succeeded, failed, cancelled): the decisions it journaled.";
+        "Runs this step process moved into `status` (running, waiting_tool, waiting_user, waiting_approval, waiting_external, waiting_provider, cancelling, unknown, succeeded, failed, cancelled): the decisions it journaled.";
     STEPS_COMPLETED = "kedge_steps_completed_total", Counter, [],
         "Steps this process completed (step.completed journaled), reused responses included.";
     STEP_READS = "kedge_step_reads_total", Counter, ["how"],
@@ -121,6 +121,14 @@ metrics_table! {
         "Nudges this reconciler journaled: kind=stalled (a quiet run with work), kind=resolve (an operation stuck in running).";
     SSE_CONNECTIONS = "kedge_sse_connections", Gauge, [],
         "Open SSE connections of this bridge.";
+    PROVIDER_WAITS = "kedge_provider_waits_total", Counter, ["trouble"],
+        "Runs this step process put to wait on their model provider (provider.waiting), by trouble: unavailable, rate_limited (the call met it), held (not sent: the endpoint's breaker was open).";
+    PROVIDER_RELEASES = "kedge_provider_releases_total", Counter, ["kind"],
+        "Runs this process released from a wait on the provider (provider.released), by kind: probe (the one call the fleet sends to a failing endpoint), release (the endpoint is back).";
+    PROVIDER_WAITING_RUNS = "kedge_provider_waiting_runs", Gauge, [],
+        "Runs waiting on their model provider, fleet-wide, as this process's view of the kedge_providers bucket has them.";
+    PROVIDER_BREAKERS_OPEN = "kedge_provider_breakers_open", Gauge, [],
+        "Model endpoints whose fleet-wide breaker is open (failing: only probes go out), as this process sees them.";
 }
 
 /// Upper bounds of every histogram's buckets, in seconds (a model call may take minutes).
@@ -342,6 +350,7 @@ fn transition(status: &'static str) {
             "waiting_user",
             "waiting_approval",
             "waiting_external",
+            "waiting_provider",
             "cancelling",
             "unknown",
             "succeeded",
@@ -371,8 +380,42 @@ pub fn decision(event: &Event) {
         Event::RunSucceeded(_) => transition("succeeded"),
         Event::RunFailed(_) => transition("failed"),
         Event::RunCancelled(_) => transition("cancelled"),
+        Event::ProviderWaiting(_) => transition("waiting_provider"),
         _ => {}
     }
+}
+
+/// Why a run waits on its provider ([`PROVIDER_WAITS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProviderWait {
+    Unavailable,
+    RateLimited,
+    Held,
+}
+
+/// A run was put to wait on its provider.
+pub fn provider_wait(why: ProviderWait) {
+    match why {
+        ProviderWait::Unavailable => counter!(PROVIDER_WAITS, "trouble" => "unavailable"),
+        ProviderWait::RateLimited => counter!(PROVIDER_WAITS, "trouble" => "rate_limited"),
+        ProviderWait::Held => counter!(PROVIDER_WAITS, "trouble" => "held"),
+    }
+    .increment(1);
+}
+
+/// A run was released from its wait on the provider (`probe`: as the fleet's probe).
+pub fn provider_released(probe: bool) {
+    if probe {
+        counter!(PROVIDER_RELEASES, "kind" => "probe").increment(1);
+    } else {
+        counter!(PROVIDER_RELEASES, "kind" => "release").increment(1);
+    }
+}
+
+/// The fleet's provider trouble as this process sees it: runs waiting, breakers open.
+pub fn provider_view(waiting: usize, open: usize) {
+    gauge!(PROVIDER_WAITING_RUNS).set(waiting as f64);
+    gauge!(PROVIDER_BREAKERS_OPEN).set(open as f64);
 }
 
 /// How the step read what landed on a run ([`STEP_READS`]).

@@ -64,7 +64,9 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::OutcomeResolved
         | EventType::TargetMoved
         | EventType::RunGated
-        | EventType::RunCompensating => true,
+        | EventType::RunCompensating
+        | EventType::ProviderWaiting
+        | EventType::ProviderReleased => true,
         EventType::Nudge => false,
     }
 }
@@ -122,6 +124,11 @@ pub struct RunView {
     pub last_seq: u64,
     pub current_step: Option<CurrentStep>,
     pub waiting: Option<Waiting>,
+    /// While the run waits on its model provider (`waiting_provider`): since when, on which
+    /// endpoint, its last error and when the wait gives up. The next try is the fleet's to
+    /// decide (`kedge providers` shows each endpoint's next probe).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<ProviderView>,
     pub usage: UsageView,
     pub budget: Budget,
     /// The business result of a succeeded run, with its own validation status.
@@ -135,6 +142,15 @@ pub struct RunView {
     pub effects: Vec<kedge_core::event::OpSummary>,
     pub metadata: serde_json::Map<String, serde_json::Value>,
     pub links: Links,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProviderView {
+    pub endpoint: String,
+    pub trouble: kedge_core::event::Trouble,
+    pub since: Timestamp,
+    pub last_error: String,
+    pub give_up_at: Timestamp,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -323,6 +339,17 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
             .collect(),
         children: Vec::new(),
     });
+    let provider = state
+        .provider
+        .as_ref()
+        .filter(|_| state.status == RunStatus::WaitingProvider)
+        .map(|w| ProviderView {
+            endpoint: w.endpoint.clone(),
+            trouble: w.trouble,
+            since: w.since,
+            last_error: w.message.clone(),
+            give_up_at: w.give_up_at,
+        });
     let result = match (&state.output, state.status) {
         (Some(output), RunStatus::Succeeded) => Some(ResultView {
             output: output.clone(),
@@ -343,6 +370,7 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
         last_seq: state.last_seq,
         current_step,
         waiting,
+        provider,
         usage: UsageView {
             currency: state.bundle.model.currency().map(str::to_owned),
             ..state.usage.into()

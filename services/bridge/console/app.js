@@ -18,7 +18,8 @@
   const LONG_TIMELINE = 200;
   const STATUSES = [
     "queued", "running", "waiting_tool", "waiting_user", "waiting_approval",
-    "waiting_external", "cancelling", "compensating", "succeeded", "failed", "cancelled", "unknown",
+    "waiting_external", "waiting_provider", "cancelling", "compensating", "succeeded", "failed",
+    "cancelled", "unknown",
   ];
   // Every public journal event type (docs/API.md, "Which events are public").
   const EVENT_TYPES = [
@@ -29,7 +30,8 @@
     "run.cancelling", "run.unknown", "run.resumed", "run.revived", "run.succeeded",
     "run.failed", "run.cancelled", "user.message", "cancel.requested", "outcome.confirmed",
     "outcome.not_found", "outcome.ambiguous", "outcome.resolved", "target.moved",
-    "tool.attempt", "output.rejected", "run.gated", "run.compensating",
+    "tool.attempt", "output.rejected", "run.gated", "run.compensating", "provider.waiting",
+    "provider.released",
   ];
 
   // ------------------------------------------------------------------------------------------
@@ -350,6 +352,13 @@
       case "succeeded": return "Succeeded" + (view.finished ? "." : "; a new message is about to start a new turn.");
       case "failed": return "Failed" + (view.failure ? ": " + view.failure.reason + " — " + view.failure.message : ".");
       case "unknown": return "Stopped on an operation whose outcome is ambiguous: resolve it below.";
+      case "waiting_provider": {
+        const p = view.provider;
+        if (!p) return "Waiting on the model provider.";
+        return "Waiting on the model provider " + p.endpoint + " (" + p.trouble.replace(/_/g, " ") + ") since " +
+          fmtTime(p.since) + ": " + p.last_error + ". The fleet releases the run when the provider answers again; " +
+          "it gives up at " + fmtTime(p.give_up_at) + " (" + fmtIn(p.give_up_at) + ").";
+      }
       default: return explainWait(view) || view.status;
     }
   }
@@ -762,8 +771,10 @@
         case "model.attempt": {
           if (ev.step) { const s = stepCard(ev.step); if (s.live) { s.live.remove(); s.live = null; } }
           const o = d.outcome === "error"
-            ? h("span", { class: "attempt-error" }, (d.class || "") + " error" + (d.status ? " (HTTP " + d.status + ")" : "") + ": " + d.message + (d.retry_after_ms ? "; retry after " + d.retry_after_ms + " ms" : ""))
-            : h("span", { class: "attempt-error" }, d.outcome === "lease_lost" ? "aborted: the worker lost its lease" : "aborted: cancellation requested");
+            ? h("span", { class: "attempt-error" }, (d.trouble ? "provider " + d.trouble.replace(/_/g, " ") + " (not spent)" : (d.class || "") + " error") + (d.status ? " (HTTP " + d.status + ")" : "") + ": " + d.message + (d.retry_after_ms ? "; retry after " + d.retry_after_ms + " ms" : ""))
+            : d.outcome === "held"
+              ? h("span", { class: "attempt-error" }, "not sent: " + d.endpoint + " is failing (not spent)")
+              : h("span", { class: "attempt-error" }, d.outcome === "lease_lost" ? "aborted: the worker lost its lease" : "aborted: cancellation requested");
           return place(ev, row(ev, "Attempt " + (ev.attempt || "?") + " did not complete", o));
         }
         case "step.completed": {
@@ -835,6 +846,12 @@
           return place(ev, row(ev, "Callback received", h("pre", {}, pretty(d.payload))));
         case "run.waiting":
           return place(ev, row(ev, "Waiting", WAIT_WORDS[d.on] || d.on));
+        case "provider.waiting":
+          return place(ev, row(ev, "Waiting on the model provider", h("span", {},
+            d.endpoint + " (" + d.trouble.replace(/_/g, " ") + ") since " + fmtTime(d.since) + ": " + d.message +
+            "; gives up at " + fmtTime(d.give_up_at))));
+        case "provider.released":
+          return place(ev, row(ev, d.probe ? "Released as the fleet's probe" : "Released: the provider answers again"));
         case "run.gated":
           // A version gate's marker: from here on this run takes the gate's new branch (a step
           // that calls tools journals no run.waiting; the run view says what it waits on).

@@ -7,10 +7,10 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{AckKind, Message};
 use kedge_core::agent::AgentDefinition;
 use kedge_core::child;
-use kedge_core::decide::{Idle, Next, StepPlan, complete_step, decide};
+use kedge_core::decide::{Idle, Next, StepPlan, TroubleMet, complete_step, decide};
 use kedge_core::event::{
-    CancelRequested, Draft, Envelope, ErrorClass, Event, FailureReason, ModelAttempt, RunFailed,
-    Timestamp, ToolResult,
+    AttemptOutcome, CancelRequested, Draft, Envelope, ErrorClass, Event, FailureReason,
+    ModelAttempt, RunFailed, Timestamp, ToolResult, Trouble,
 };
 use kedge_core::fold::{ChatMessage, FoldError, RunState, ToolOp};
 use kedge_core::ids::{InputId, ModelRequestId, OperationId, RunId};
@@ -27,6 +27,7 @@ use kedge_runtime::failpoint;
 use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
 use kedge_runtime::liveness::{Hold, Liveness};
 use kedge_runtime::metrics::{self, ModelOutcome, StepRead, Takeover};
+use kedge_runtime::provider::{Endpoint, Gate, ProviderError, Providers, TroubleReport, Waiter};
 use kedge_runtime::seal::{self, SealError};
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
@@ -63,6 +64,8 @@ pub enum DriveError {
     Idempotency(#[from] IdempotencyError),
     #[error(transparent)]
     Agent(#[from] AgentError),
+    #[error(transparent)]
+    Provider(#[from] ProviderError),
     #[error("the run has no events")]
     NoRun,
     #[error("lost the lease while the model ran")]
@@ -85,6 +88,7 @@ impl DriveError {
             DriveError::Lease(LeaseError::Unavailable { .. }) | DriveError::LeaseLost => true,
             DriveError::Idempotency(IdempotencyError::Unavailable(_)) => true,
             DriveError::Agent(AgentError::Unavailable(_)) => true,
+            DriveError::Provider(ProviderError::Unavailable(_)) => true,
             DriveError::NoRun => true,
             DriveError::Precondition { .. } => true,
             DriveError::Lease(_)
@@ -1153,6 +1157,13 @@ impl Driver {
         lost: &mut watch::Receiver<bool>,
     ) -> Result<Idle, DriveError> {
         let run = state.run_id.clone();
+        // Waiting on its provider, not released: the wait's record is the fleet's to remove
+        // when it releases the run, this drive's when the run stops waiting otherwise.
+        let waited = state.status == RunStatus::WaitingProvider
+            && state
+                .provider
+                .as_ref()
+                .is_some_and(|p| p.released.is_none());
         loop {
             if *lost.borrow() {
                 return Err(DriveError::LeaseLost);
@@ -1161,6 +1172,7 @@ impl Driver {
                 Next::Idle(why) => {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
                     self.tend_children(state).await?;
+                    self.tend_provider_wait(state, waited).await?;
                     return Ok(why);
                 }
                 Next::Commit(drafts) => {
@@ -1244,9 +1256,48 @@ impl Driver {
                 return Ok(());
             }
             failpoint::hit("step.after_step_started");
+            // The fleet's breaker of the model endpoint (docs/ARCHITECTURE.md "Provider
+            // trouble"): a failing endpoint gets the fleet's probes, not every run's retry.
+            let providers = self.providers().await?;
+            let endpoint = Endpoint::new(&state.bundle.model, &kedge_model::api_key_env(&def));
+            if let Gate::Hold { reason, trouble } = providers.gate(&endpoint, plan.released) {
+                tracing::debug!(endpoint = %endpoint.label, "model call held: its endpoint is failing");
+                let met = TroubleMet {
+                    outcome: AttemptOutcome::Held {
+                        endpoint: endpoint.label.clone(),
+                        reason: reason.clone(),
+                    },
+                    trouble,
+                    endpoint: endpoint.label.clone(),
+                    message: reason,
+                };
+                let wait = ProviderTrouble {
+                    providers: &providers,
+                    endpoint: &endpoint,
+                    met,
+                    retry_after: None,
+                    why: metrics::ProviderWait::Held,
+                };
+                return self.wait_on_provider(state, w, &plan, wait).await;
+            }
             let called = std::time::Instant::now();
             let result = self.call_model(state, &def, &plan).await;
             count_call(state, &result, called.elapsed());
+            match &result {
+                Ok(_) => providers.report_success(&endpoint).await,
+                Err(CallError::Model(e)) => {
+                    if let Some(trouble) = e.trouble {
+                        let report = TroubleReport {
+                            trouble,
+                            message: e.message.clone(),
+                            retry_after: e.retry_after,
+                            probe: plan.released == Some(true),
+                        };
+                        providers.report_trouble(&endpoint, &report).await;
+                    }
+                }
+                Err(CallError::Cancelled) => {}
+            }
             if result.is_err() {
                 // Read with the leader's check: what ended the call (a cancel) is in it. (A
                 // test's switch skips the read: an input that landed during the call then
@@ -1362,6 +1413,26 @@ impl Driver {
                     .await?;
                     Ok(())
                 }
+                Err(CallError::Model(e)) if e.trouble.is_some() => {
+                    tracing::info!(error = %e, endpoint = %endpoint.label, "model provider trouble; the run waits on it");
+                    let trouble = e.trouble.unwrap_or(Trouble::Unavailable);
+                    let wait = ProviderTrouble {
+                        providers: &providers,
+                        endpoint: &endpoint,
+                        met: TroubleMet {
+                            outcome: e.to_attempt_outcome(),
+                            trouble,
+                            endpoint: endpoint.label.clone(),
+                            message: e.message.clone(),
+                        },
+                        retry_after: e.retry_after,
+                        why: match trouble {
+                            Trouble::Unavailable => metrics::ProviderWait::Unavailable,
+                            Trouble::RateLimited => metrics::ProviderWait::RateLimited,
+                        },
+                    };
+                    self.wait_on_provider(state, w, &plan, wait).await
+                }
                 Err(CallError::Model(e)) => {
                     tracing::warn!(error = %e, "model call failed");
                     let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
@@ -1402,6 +1473,106 @@ impl Driver {
         }
         .instrument(span)
         .await
+    }
+
+    /// This process's view of the fleet's model endpoints.
+    async fn providers(&self) -> Result<Providers, DriveError> {
+        self.rt
+            .providers()
+            .await
+            .map_err(|e| DriveError::Provider(ProviderError::Unavailable(e.to_string())))
+    }
+
+    /// Puts the run to wait on its provider after the plan's attempt met trouble or was held:
+    /// the wait is recorded in the fleet's list first (the releaser finds it there), with the
+    /// run's own backoff (growing with the step's waits, or the provider's `retry-after`);
+    /// then `model.attempt` and `provider.waiting` are journaled
+    /// ([`kedge_core::decide::wait_on_provider`]). The lease is let go when the drive ends: the
+    /// run holds nothing while it waits.
+    async fn wait_on_provider(
+        &self,
+        state: &mut RunState,
+        w: &mut Writing<'_>,
+        plan: &StepPlan,
+        trouble: ProviderTrouble<'_>,
+    ) -> Result<(), DriveError> {
+        let waits = state
+            .open_step
+            .as_ref()
+            .map_or(0, |o| o.free)
+            .saturating_add(1);
+        let backoff = kedge_core::decide::model_retry_delay(
+            waits,
+            trouble.retry_after,
+            self.rt.config.timeouts.max_retry_delay(),
+            kedge_runtime::jitter_draw(),
+        );
+        let now = Timestamp::now();
+        let since = state
+            .provider
+            .as_ref()
+            .filter(|p| p.step == plan.step)
+            .map_or(now, |p| p.since);
+        let waiter = Waiter {
+            run_id: state.run_id.clone(),
+            tenant: state.bundle.tenant.clone(),
+            since,
+            not_before: now.saturating_add(backoff),
+        };
+        trouble.providers.wait(trouble.endpoint, &waiter).await?;
+        let bound = self.rt.config.providers.wait;
+        let met = trouble.met;
+        let committed = self
+            .commit_attempt_end(state, w, &plan.request_id, |state| {
+                kedge_core::decide::wait_on_provider(
+                    state,
+                    &plan.request_id,
+                    met.clone(),
+                    now,
+                    bound,
+                )
+            })
+            .await?;
+        if committed && state.status == RunStatus::WaitingProvider {
+            metrics::provider_wait(trouble.why);
+        } else {
+            // Not waiting after all (a cancel came first): the record would only cost a probe.
+            trouble
+                .providers
+                .forget(trouble.endpoint, &state.run_id)
+                .await;
+        }
+        Ok(())
+    }
+
+    /// Keeps the fleet's list of runs waiting on a provider true to the journal at the end of
+    /// a drive: a run that waits has its record (written again if it was lost), a run that
+    /// stopped waiting other than by a release (cancelled, failed, its wait's bound passed)
+    /// has it removed. `waited`: the run was waiting, unreleased, when the drive began.
+    async fn tend_provider_wait(&self, state: &RunState, waited: bool) -> Result<(), DriveError> {
+        let waiting = state.status == RunStatus::WaitingProvider;
+        if !waiting && !waited {
+            return Ok(());
+        }
+        let Ok((def, _)) = self.definition(state).await else {
+            return Ok(());
+        };
+        let endpoint = Endpoint::new(&state.bundle.model, &kedge_model::api_key_env(&def));
+        let providers = self.providers().await?;
+        match &state.provider {
+            Some(wait) if waiting && wait.released.is_none() => {
+                let waiter = Waiter {
+                    run_id: state.run_id.clone(),
+                    tenant: state.bundle.tenant.clone(),
+                    since: wait.since,
+                    not_before: Timestamp::now(),
+                };
+                providers.ensure_waiting(&endpoint, &waiter).await?;
+            }
+            _ if !waiting => providers.forget(&endpoint, &state.run_id).await,
+            _ => {}
+        }
+        Ok(())
     }
 
     /// What an idle run owes its child runs, and a child its parent (docs/ARCHITECTURE.md
@@ -1806,6 +1977,16 @@ fn seal_response(
 enum CallError {
     Model(ModelError),
     Cancelled,
+}
+
+/// A step's model call that met provider trouble (or was held), for
+/// [`Driver::wait_on_provider`].
+struct ProviderTrouble<'a> {
+    providers: &'a Providers,
+    endpoint: &'a Endpoint,
+    met: TroubleMet,
+    retry_after: Option<Duration>,
+    why: metrics::ProviderWait,
 }
 
 /// The wait before the next attempt: the provider's `retry-after` if given, else exponential

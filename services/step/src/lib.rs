@@ -156,6 +156,13 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         js: rt.js.clone(),
     };
     let yields = answer_yields(&rt, drives.driver.clone()).await?;
+    // Releases the runs waiting on a model provider when the fleet may call it again
+    // (docs/ARCHITECTURE.md "Provider trouble"); one process per endpoint does, by its lead.
+    let releaser = tokio::spawn(
+        rt.providers()
+            .await?
+            .run_releaser(rt.journal.clone(), std::future::pending::<()>()),
+    );
     tracing::info!(worker = %rt.config.worker_id, "step service started");
     tokio::pin!(shutdown);
     loop {
@@ -199,6 +206,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     consumer::hand_back(messages, CONSUMER).await;
     drives.workers.drain().await;
     yields.abort();
+    releaser.abort();
     drives.driver.release_parked().await;
     tracing::info!("step service stopped");
     Ok(())
