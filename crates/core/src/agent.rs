@@ -75,6 +75,14 @@ pub struct AgentDefinition {
     /// answer): `none` (default) or `compensate`.
     #[serde(default, skip_serializing_if = "OnEnd::is_none")]
     pub on_failure: OnEnd,
+    /// How the conversation is kept within the model's context window (docs/CONFIG.md "The
+    /// context window"): `window_tokens`, `strategy` (`trim`, default, or `fail`),
+    /// `keep_last_turns`.
+    #[serde(
+        default,
+        skip_serializing_if = "crate::context::ContextSettings::is_default"
+    )]
+    pub context: crate::context::ContextSettings,
 }
 
 /// What a run that ends early (cancelled, failed) does with the effects of its turn.
@@ -536,6 +544,9 @@ impl AgentDefinition {
             && let Err(reason) = crate::tools::check_schema(schema)
         {
             return err("output_schema".into(), &reason);
+        }
+        if let Err((field, reason)) = self.context.check() {
+            return err(field.into(), &reason);
         }
         if let Some(n) = self.output_retries {
             if self.on_invalid_output != OnInvalidOutput::Retry {

@@ -1171,6 +1171,32 @@ pub struct Nudge {
     pub reason: String,
 }
 
+/// The model's context is compacted from the next step on (docs/ARCHITECTURE.md "The context
+/// window"): tool results elided and turns left out, as [`crate::context::apply`] reads them.
+/// The journal keeps the whole conversation; only what the model reads changes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ContextCompacted {
+    /// The transcript is kept verbatim from this message on (1: no turn left out).
+    pub keep_from: u32,
+    /// Transcript indexes of tool results elided, ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub elided: Vec<u32>,
+    /// The estimated tokens of the context before, and the budget it had to fit.
+    pub estimated_tokens: u64,
+    pub budget_tokens: u64,
+    pub cause: CompactionCause,
+}
+
+/// Why a context was compacted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CompactionCause {
+    /// The estimate of the next request did not fit the model's window.
+    Estimate,
+    /// The provider refused the last request as too long (`context_length_exceeded`).
+    TooLong,
+}
+
 /// The fleet lets a run waiting on its provider call again: the endpoint is back (the runs are
 /// released at a bounded rate, oldest first), or this run is the one probe the fleet sends to a
 /// failing endpoint.
@@ -1307,6 +1333,7 @@ events! {
     Decision RunGated(RunGated) = "run.gated";
     Decision RunCompensating(RunCompensating) = "run.compensating";
     Decision ProviderWaiting(ProviderWaiting) = "provider.waiting";
+    Decision ContextCompacted(ContextCompacted) = "context.compacted";
     Input UserMessage(UserMessage) = "user.message";
     Input ToolStarted(ToolStarted) = "tool.started";
     Input ToolResult(ToolResult) = "tool.result";

@@ -160,7 +160,8 @@ pub fn waits_on(event: &Event) -> Option<WaitReason> {
         | Event::TargetMoved(_)
         | Event::Nudge(_)
         | Event::ProviderWaiting(_)
-        | Event::ProviderReleased(_) => None,
+        | Event::ProviderReleased(_)
+        | Event::ContextCompacted(_) => None,
     }
 }
 
@@ -423,6 +424,9 @@ pub struct RunState {
     pub compensation: Option<crate::event::RunCompensating>,
     /// The current step's wait on its model provider, if it met provider trouble.
     pub provider: Option<ProviderWait>,
+    /// What of the transcript the model reads, once the context was compacted
+    /// (`context.compacted`, [`crate::context`]).
+    pub compaction: Option<crate::context::Compaction>,
 }
 
 /// The hash state of a run's transcript so far ([`RunState::next_context_digested`]): derived
@@ -636,6 +640,7 @@ impl RunState {
             turn_first_step: StepNo(1),
             compensation: None,
             provider: None,
+            compaction: None,
         })
     }
 
@@ -1079,6 +1084,12 @@ impl RunState {
                     released: None,
                 });
             }
+            Event::ContextCompacted(c) => {
+                let compaction = self.checked_compaction(c).map_err(|why| {
+                    Self::inconsistent(seq, env, format!("context.compacted: {why}"))
+                })?;
+                self.compaction = Some(compaction);
+            }
             Event::UserMessage(_)
             | Event::ToolStarted(_)
             | Event::ToolResult(_)
@@ -1433,7 +1444,8 @@ impl RunState {
             | Event::RunCancelled(_)
             | Event::RunGated(_)
             | Event::RunCompensating(_)
-            | Event::ProviderWaiting(_) => false,
+            | Event::ProviderWaiting(_)
+            | Event::ContextCompacted(_) => false,
         }
     }
 
@@ -1543,11 +1555,53 @@ impl RunState {
         out
     }
 
-    /// The model context of a step that starts now: the transcript plus everything consumable.
+    /// The model context of a step that starts now: the transcript (as a compaction in force
+    /// leaves it, [`crate::context::apply`]) plus everything consumable.
     pub fn next_context(&self) -> Vec<ChatMessage> {
-        let mut context = self.transcript.clone();
+        let mut context = match &self.compaction {
+            Some(c) => crate::context::apply(&self.transcript, Some(c)),
+            None => self.transcript.clone(),
+        };
         context.extend(self.consumable(self.last_seq));
         context
+    }
+
+    /// A `context.compacted` checked against the transcript: it only grows what is left out,
+    /// keeps the task, starts what it keeps at a turn (never at a tool result, whose call would
+    /// be left out) and elides only tool results.
+    fn checked_compaction(
+        &self,
+        c: &crate::event::ContextCompacted,
+    ) -> Result<crate::context::Compaction, String> {
+        let len = self.transcript.len();
+        let keep_from = usize::try_from(c.keep_from).map_err(|_| "keep_from too large")?;
+        if keep_from == 0 || keep_from > len {
+            return Err(format!("keep_from {keep_from} is outside 1..={len}"));
+        }
+        if keep_from > 1 && !matches!(self.transcript[keep_from], ChatMessage::Assistant { .. }) {
+            return Err(format!("keep_from {keep_from} is not the start of a turn"));
+        }
+        let before = self.compaction.as_ref().map_or(1, |c| c.keep_from);
+        if keep_from < before {
+            return Err(format!(
+                "keep_from {keep_from} is before the last one, {before}"
+            ));
+        }
+        let mut elided = Vec::with_capacity(c.elided.len());
+        for e in &c.elided {
+            let i = usize::try_from(*e).map_err(|_| "an elided index is too large")?;
+            let is_result = self
+                .transcript
+                .get(i)
+                .is_some_and(|m| matches!(m, ChatMessage::Tool { .. }));
+            if i < keep_from || !is_result || elided.last().is_some_and(|l| *l >= i) {
+                return Err(format!(
+                    "elided {i} is not a kept tool result in ascending order"
+                ));
+            }
+            elided.push(i);
+        }
+        Ok(crate::context::Compaction { keep_from, elided })
     }
 
     /// [`RunState::next_context`] and its digest (`Digest::of` the context, the same value):
@@ -1555,6 +1609,11 @@ impl RunState {
     /// [`RunState::transcript_digest`]), only what follows them at every step.
     pub fn next_context_digested(&self) -> (Vec<ChatMessage>, Digest) {
         let context = self.next_context();
+        // A compacted context is not the transcript's prefix: hashed whole.
+        if self.compaction.is_some() {
+            let digest = Digest::of(&context);
+            return (context, digest);
+        }
         let mut hashed = self.transcript_digest.hashed();
         // Appended to only; anything else (a state built by hand) is hashed again.
         if hashed.items() > self.transcript.len() {

@@ -23,6 +23,7 @@ pub mod agent;
 pub mod child;
 pub mod compensation;
 pub mod config;
+pub mod context;
 pub mod decide;
 pub mod event;
 #[cfg(any(test, feature = "test-util"))]

@@ -297,6 +297,13 @@ pub const TRANSITIONS: &[Transition] = &[
         from: &[R],
         to: Target::To(WP),
     },
+    // Bookkeeping before a step (or after an attempt the provider refused as too long): what
+    // the model reads of the conversation from now on.
+    Transition {
+        event: EventType::ContextCompacted,
+        from: &[R, WT, WU, WA, WE, WP],
+        to: Target::Stay,
+    },
 ];
 
 /// The row for a decision type; `None` for inputs.

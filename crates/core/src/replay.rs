@@ -232,6 +232,19 @@ fn group_at(
                     bound,
                 ));
             }
+            // A request the provider refused as too long, and the compaction the step made of
+            // it (its choice of what to take out is a fact, as the estimate's is).
+            Event::ModelAttempt(_)
+                if next.attempt == Some(open.attempt)
+                    && let Some(compacted) = recorded_compaction(after) =>
+            {
+                return Ok(vec![
+                    Draft::new(next.event.clone())
+                        .step(open.step)
+                        .attempt(open.attempt),
+                    Draft::new(compacted.clone()),
+                ]);
+            }
             Event::ModelAttempt(attempt) if next.attempt == Some(open.attempt) => {
                 let mut group = vec![
                     Draft::new(next.event.clone())
@@ -254,6 +267,10 @@ fn group_at(
             }
             _ => {}
         }
+    }
+    // A compaction before a step: what the step service estimated is a fact.
+    if let Event::ContextCompacted(_) = &next.event {
+        return Ok(vec![Draft::new(next.event.clone())]);
     }
     match decide(state) {
         Next::Commit(drafts) => Ok(drafts),
@@ -285,6 +302,15 @@ fn recorded_wait(after: &[(u64, Envelope)]) -> Option<&crate::event::ProviderWai
             Event::ProviderWaiting(w) => Some(w),
             _ => None,
         })
+}
+
+/// The `context.compacted` right after a `model.attempt` (`after`: what follows it).
+fn recorded_compaction(after: &[(u64, Envelope)]) -> Option<&Event> {
+    after
+        .iter()
+        .find(|(_, e)| e.kind() == EventKind::Decision)
+        .map(|(_, e)| &e.event)
+        .filter(|e| matches!(e, Event::ContextCompacted(_)))
 }
 
 /// Compares one decision the code makes with the recorded one.

@@ -2490,3 +2490,66 @@ fn a_runs_deadline_bounds_its_wait_on_the_provider() {
             .saturating_add(std::time::Duration::from_secs(60))
     );
 }
+
+/// A `context.compacted` changes what the model reads from the next step on, and one that
+/// would break the conversation (a tool result cut from its call, the task left out, a step
+/// back) does not fold.
+#[test]
+fn a_compaction_changes_what_the_model_reads_and_a_broken_one_does_not_fold() {
+    let mut sim = Sim::new(Budget {
+        max_steps: 50,
+        ..Budget::default()
+    });
+    for i in 0..6 {
+        sim.run_step(tools(&[(&format!("c{i}"), "read_file")]));
+        let op = sim.ops_of(sim.state().step.get())[0].clone();
+        sim.result(&op, &"x".repeat(2000));
+    }
+    let state = sim.state();
+    let full = state.next_context();
+    let compacted = |keep_from: u32, elided: Vec<u32>| {
+        Draft::new(Event::ContextCompacted(
+            kedge_core::event::ContextCompacted {
+                keep_from,
+                elided,
+                estimated_tokens: 4000,
+                budget_tokens: 2000,
+                cause: kedge_core::event::CompactionCause::Estimate,
+            },
+        ))
+    };
+    // transcript: 0 task, then (assistant, tool) per step: assistants at 1, 3, 5, …
+    for (keep_from, elided) in [(2, vec![]), (0, vec![]), (3, vec![1]), (3, vec![6, 4])] {
+        let mut bad = Sim {
+            run: sim.run.clone(),
+            events: sim.events.clone(),
+            seq: sim.seq,
+        };
+        bad.push(compacted(keep_from, elided.clone()));
+        let folded = fold(bad.events.iter().map(|(s, e)| (*s, e)));
+        assert!(
+            folded.is_err(),
+            "keep_from {keep_from} elided {elided:?} folded"
+        );
+    }
+    sim.commit(vec![compacted(5, vec![6])]);
+    let state = sim.state();
+    let seen = state.next_context();
+    assert!(matches!(&seen[0], ChatMessage::User { text } if text == "research kedging"));
+    assert!(matches!(&seen[1], ChatMessage::User { text } if text.contains("4 earlier messages")));
+    assert!(
+        matches!(&seen[3], ChatMessage::Tool { content, .. } if content.starts_with(kedge_core::context::ELIDED))
+    );
+    assert_eq!(seen.len(), full.len() - 4 + 1);
+    let plan = sim.expect_step();
+    assert_eq!(plan.context, seen);
+    assert_eq!(plan.context_digest, Digest::of(&seen));
+    // A later compaction may only leave out more.
+    let mut back = Sim {
+        run: sim.run.clone(),
+        events: sim.events.clone(),
+        seq: sim.seq,
+    };
+    back.push(compacted(3, vec![]));
+    assert!(fold(back.events.iter().map(|(s, e)| (*s, e))).is_err());
+}

@@ -102,6 +102,14 @@ pub fn line(r: &Recorded) -> String {
             w.give_up_at,
             clip(&w.message, 60)
         ),
+        Event::ContextCompacted(c) => format!(
+            "for the model's window ({:?}): kept from message {}, {} result(s) elided; ~{} tokens for {}",
+            c.cause,
+            c.keep_from,
+            c.elided.len(),
+            c.estimated_tokens,
+            c.budget_tokens
+        ),
         Event::ProviderReleased(r) if r.probe => "released as the fleet's probe".into(),
         Event::ProviderReleased(_) => "released: the provider is back".into(),
         // A version gate's marker: this run takes the gate's new branch from here on.

@@ -126,6 +126,39 @@ pub(crate) fn non_empty(text: &str) -> &str {
     }
 }
 
+/// Kedge's default context window (tokens) of a model it knows by name, for an agent whose
+/// `context.window_tokens` is not set; `None` for a model it does not know (then the context is
+/// compacted only when the provider says a request is too long). Conservative: the smallest
+/// window the providers document for the family.
+pub fn known_window(spec: &kedge_core::event::ModelSpec) -> Option<u32> {
+    const KNOWN: &[(&str, u32)] = &[
+        ("gpt-4.1", 1_047_576),
+        ("gpt-5", 400_000),
+        ("gpt-4o", 128_000),
+        ("gpt-4-turbo", 128_000),
+        ("o1", 128_000),
+        ("o3", 200_000),
+        ("o4-mini", 200_000),
+        ("gpt-3.5-turbo", 16_385),
+        ("claude-", 200_000),
+    ];
+    let name = spec.name.to_ascii_lowercase();
+    KNOWN
+        .iter()
+        .find(|(prefix, _)| name.starts_with(prefix))
+        .map(|(_, window)| *window)
+}
+
+/// The estimated tokens of what every request of an agent sends besides the conversation:
+/// its system prompt and its tools' names, descriptions and schemas.
+pub fn overhead_tokens(system: &str, tools: &[kedge_core::agent::ToolSpec]) -> u64 {
+    let tools: u64 = tools
+        .iter()
+        .map(|t| kedge_core::context::estimate_text(&serde_json::to_string(t).unwrap_or_default()))
+        .sum();
+    kedge_core::context::estimate_text(system) + tools
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,5 +267,16 @@ mod tests {
             history_arguments(&Value::String("{bad".into())).into_owned(),
             serde_json::json!({"raw_arguments": "{bad"})
         );
+    }
+
+    #[test]
+    fn known_models_have_a_window_and_unknown_ones_none() {
+        let spec = |name: &str| -> kedge_core::event::ModelSpec {
+            serde_json::from_value(serde_json::json!({"provider": "openai", "name": name}))
+                .expect("spec")
+        };
+        assert_eq!(known_window(&spec("gpt-4o-mini")), Some(128_000));
+        assert_eq!(known_window(&spec("claude-sonnet-4-5")), Some(200_000));
+        assert_eq!(known_window(&spec("my-local-model")), None);
     }
 }

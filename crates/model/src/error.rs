@@ -136,6 +136,37 @@ impl ModelError {
         }
     }
 
+    /// Whether the provider refused the request as longer than the model's context window
+    /// (OpenAI `context_length_exceeded`, Anthropic "prompt is too long").
+    pub fn is_too_long(&self) -> bool {
+        self.class == ErrorClass::Fatal
+            && (self.message.contains("context_length_exceeded")
+                || self.message.contains("prompt is too long")
+                || self.message.contains("maximum context length"))
+    }
+
+    /// The window a too-long refusal names, when it does ("maximum context length is N
+    /// tokens", "… > N maximum").
+    pub fn window_named(&self) -> Option<u64> {
+        let m = &self.message;
+        let after = |marker: &str| {
+            m.find(marker).and_then(|at| {
+                m[at + marker.len()..]
+                    .split(|c: char| !c.is_ascii_digit())
+                    .find(|t| !t.is_empty())
+                    .and_then(|t| t.parse().ok())
+            })
+        };
+        after("maximum context length is ").or_else(|| {
+            let at = m.find(" maximum")?;
+            m[..at]
+                .rsplit(|c: char| !c.is_ascii_digit())
+                .find(|t| !t.is_empty())?
+                .parse()
+                .ok()
+        })
+    }
+
     /// Classifies the error as provider trouble (see the module docs); `content_seen`: the
     /// stream had begun to carry the answer when it failed.
     pub(crate) fn with_trouble(mut self, content_seen: bool) -> Self {
@@ -475,6 +506,28 @@ mod tests {
             body.as_bytes(),
             SystemTime::now(),
         )
+    }
+
+    #[test]
+    fn a_too_long_refusal_is_recognised_with_the_window_it_names() {
+        let openai = status_error(
+            400,
+            r#"{"error":{"message":"This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.","type":"invalid_request_error","param":"messages","code":"context_length_exceeded"}}"#,
+        );
+        assert!(openai.is_too_long());
+        assert_eq!(openai.window_named(), Some(8192));
+        let anthropic = status_error(
+            400,
+            r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 250000 tokens > 200000 maximum"}}"#,
+        );
+        assert!(anthropic.is_too_long());
+        assert_eq!(anthropic.window_named(), Some(200_000));
+        let other = status_error(
+            400,
+            r#"{"error":{"message":"bad role","type":"invalid_request_error"}}"#,
+        );
+        assert!(!other.is_too_long());
+        assert_eq!(other.window_named(), None);
     }
 
     #[test]

@@ -66,7 +66,8 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::RunGated
         | EventType::RunCompensating
         | EventType::ProviderWaiting
-        | EventType::ProviderReleased => true,
+        | EventType::ProviderReleased
+        | EventType::ContextCompacted => true,
         EventType::Nudge => false,
     }
 }

@@ -31,7 +31,7 @@
     "run.failed", "run.cancelled", "user.message", "cancel.requested", "outcome.confirmed",
     "outcome.not_found", "outcome.ambiguous", "outcome.resolved", "target.moved",
     "tool.attempt", "output.rejected", "run.gated", "run.compensating", "provider.waiting",
-    "provider.released",
+    "provider.released", "context.compacted",
   ];
 
   // ------------------------------------------------------------------------------------------
@@ -850,6 +850,11 @@
           return place(ev, row(ev, "Waiting on the model provider", h("span", {},
             d.endpoint + " (" + d.trouble.replace(/_/g, " ") + ") since " + fmtTime(d.since) + ": " + d.message +
             "; gives up at " + fmtTime(d.give_up_at))));
+        case "context.compacted":
+          return place(ev, row(ev, "Context compacted for the model's window", h("span", {},
+            (d.keep_from > 1 ? (d.keep_from - 1) + " earlier messages left out, " : "") +
+            (d.elided || []).length + " tool result(s) elided (" + d.cause.replace(/_/g, " ") + "; ~" +
+            d.estimated_tokens + " tokens for a budget of " + d.budget_tokens + "). The journal keeps them all.")));
         case "provider.released":
           return place(ev, row(ev, d.probe ? "Released as the fleet's probe" : "Released: the provider answers again"));
         case "run.gated":

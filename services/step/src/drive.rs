@@ -1250,6 +1250,14 @@ impl Driver {
                 self.commit(state, w, drafts).await?;
                 return Ok(());
             }
+            // The model's context window (docs/ARCHITECTURE.md "The context window"): a
+            // conversation that would not fit is compacted first, a decision of its own; the
+            // step is then decided again on the compacted context.
+            if let Some(compacted) = compaction(state, &def, None) {
+                tracing::info!("compacting the model's context to fit its window");
+                self.commit(state, w, vec![compacted]).await?;
+                return Ok(());
+            }
             // Not caught up if behind: the call needs only the plan and the bundle, and the
             // journal is read right after it.
             if !self.append(state, w, plan.start.clone()).await? {
@@ -1447,7 +1455,15 @@ impl Driver {
                     let committed = self
                         .commit_attempt_end(state, w, &plan.request_id, |state| {
                             let mut drafts = vec![attempt.clone()];
-                            if e.class == ErrorClass::Fatal {
+                            // Too long for the model's window: compacted, and the step tried
+                            // again (an attempt spent), while anything is left to take out.
+                            let compacted = e
+                                .is_too_long()
+                                .then(|| compaction(state, &def, Some(&e)))
+                                .flatten();
+                            if let Some(compacted) = compacted {
+                                drafts.push(compacted);
+                            } else if e.class == ErrorClass::Fatal {
                                 drafts.push(Draft::new(Event::RunFailed(RunFailed {
                                     reason: FailureReason::ModelRejected,
                                     message: e.message.clone(),
@@ -1977,6 +1993,69 @@ fn seal_response(
 enum CallError {
     Model(ModelError),
     Cancelled,
+}
+
+/// The `context.compacted` that brings the run's next model request within its model's window
+/// ([`kedge_core::context::compaction`]), or `None` when it fits, the window is not known,
+/// nothing more may be taken out, or the agent's `context.strategy` is `fail`. `refused`: the
+/// provider refused the last request as too long; the conversation is then brought to half its
+/// estimate (the estimate undercounted), or within the window the refusal names.
+fn compaction(
+    state: &RunState,
+    def: &AgentDefinition,
+    refused: Option<&ModelError>,
+) -> Option<Draft> {
+    use kedge_core::context::{self, ContextStrategy};
+    if def.context.strategy == ContextStrategy::Fail {
+        return None;
+    }
+    // A compaction keeps the status: not in a run that has not started a turn (it has no turn
+    // to leave out) or one a new message is reviving (its refusal compacts it, once running).
+    if !matches!(
+        state.status,
+        RunStatus::Running
+            | RunStatus::WaitingTool
+            | RunStatus::WaitingUser
+            | RunStatus::WaitingApproval
+            | RunStatus::WaitingExternal
+            | RunStatus::WaitingProvider
+    ) {
+        return None;
+    }
+    let overhead = kedge_model::context::overhead_tokens(&def.system_prompt, &def.tools)
+        .saturating_add(u64::from(def.max_output_tokens));
+    let window = def
+        .context
+        .window_tokens
+        .or_else(|| kedge_model::context::known_window(&state.bundle.model))
+        .map(u64::from);
+    let pending = state.consumable(state.last_seq);
+    let estimated: u64 = context::apply(&state.transcript, state.compaction.as_ref())
+        .iter()
+        .chain(&pending)
+        .map(context::estimate)
+        .sum();
+    let budget = match refused {
+        None => window?.saturating_sub(overhead),
+        Some(e) => {
+            let named = e.window_named().or(window).unwrap_or(u64::MAX);
+            (estimated / 2).min(named.saturating_sub(overhead))
+        }
+    };
+    let c = context::compaction(state, &pending, budget, def.context.keep_last_turns)?;
+    let index = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
+    Some(Draft::new(Event::ContextCompacted(
+        kedge_core::event::ContextCompacted {
+            keep_from: index(c.keep_from),
+            elided: c.elided.into_iter().map(index).collect(),
+            estimated_tokens: estimated,
+            budget_tokens: budget,
+            cause: match refused {
+                None => kedge_core::event::CompactionCause::Estimate,
+                Some(_) => kedge_core::event::CompactionCause::TooLong,
+            },
+        },
+    )))
 }
 
 /// A step's model call that met provider trouble (or was held), for
