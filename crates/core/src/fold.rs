@@ -1063,6 +1063,13 @@ impl RunState {
                 // attempts used up): a revived turn starts a step of its own.
                 self.open_step = None;
                 self.provider = None;
+                // A turn that ended before its first step (a message revived a run whose
+                // budget was spent, and it failed again at once) answered the messages that
+                // revived it: they are not pending any more, or every drive would revive and
+                // fail the run again, without end.
+                if self.step < self.turn_first_step {
+                    self.pending_messages.clear();
+                }
             }
             Event::RunCancelled(_) => {}
             Event::ProviderWaiting(w) => {

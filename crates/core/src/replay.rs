@@ -10,7 +10,8 @@
 //! and compares what it decides with the decisions actually recorded next, field by field.
 //!
 //! What the code does not decide is taken from the journal as a fact: the model's response (in
-//! `step.completed`) and a failed model call's outcome (`model.attempt`), inputs of any kind, and
+//! `step.completed`) and a failed model call's outcome (`model.attempt`), a compaction of the
+//! model's context (`context.compacted`, which may cut a group short), inputs of any kind, and
 //! the target version a tool runner reported for an approval request. Instants the code computes
 //! from the clock (`fire_at`, `expires_at`) are compared with a tolerance ([`CLOCK_SLACK_SECS`]),
 //! since the recorded group was decided a moment before its envelopes were stamped.
@@ -90,6 +91,17 @@ pub fn check(events: &[(u64, Envelope)], contract: &Contract) -> Result<Checked,
         if env.kind() == EventKind::Input {
             state.apply(*seq, env)?;
             since.push((*seq, env));
+            continue;
+        }
+        // A compaction of the model's context is the step service's (its estimate of the
+        // window, or the provider's refusal of a request as too long): a fact, like a model's
+        // answer. It may cut a group short (a revival's, a refused attempt's failure), and
+        // what follows it is decided again from the state it leaves.
+        if let Event::ContextCompacted(_) = &env.event {
+            expected.clear();
+            state.apply(*seq, env)?;
+            base = state.clone();
+            since.clear();
             continue;
         }
         if expected.is_empty() {
@@ -232,19 +244,6 @@ fn group_at(
                     bound,
                 ));
             }
-            // A request the provider refused as too long, and the compaction the step made of
-            // it (its choice of what to take out is a fact, as the estimate's is).
-            Event::ModelAttempt(_)
-                if next.attempt == Some(open.attempt)
-                    && let Some(compacted) = recorded_compaction(after) =>
-            {
-                return Ok(vec![
-                    Draft::new(next.event.clone())
-                        .step(open.step)
-                        .attempt(open.attempt),
-                    Draft::new(compacted.clone()),
-                ]);
-            }
             Event::ModelAttempt(attempt) if next.attempt == Some(open.attempt) => {
                 let mut group = vec![
                     Draft::new(next.event.clone())
@@ -267,10 +266,6 @@ fn group_at(
             }
             _ => {}
         }
-    }
-    // A compaction before a step: what the step service estimated is a fact.
-    if let Event::ContextCompacted(_) = &next.event {
-        return Ok(vec![Draft::new(next.event.clone())]);
     }
     match decide(state) {
         Next::Commit(drafts) => Ok(drafts),
@@ -302,15 +297,6 @@ fn recorded_wait(after: &[(u64, Envelope)]) -> Option<&crate::event::ProviderWai
             Event::ProviderWaiting(w) => Some(w),
             _ => None,
         })
-}
-
-/// The `context.compacted` right after a `model.attempt` (`after`: what follows it).
-fn recorded_compaction(after: &[(u64, Envelope)]) -> Option<&Event> {
-    after
-        .iter()
-        .find(|(_, e)| e.kind() == EventKind::Decision)
-        .map(|(_, e)| &e.event)
-        .filter(|e| matches!(e, Event::ContextCompacted(_)))
 }
 
 /// Compares one decision the code makes with the recorded one.

@@ -37,6 +37,8 @@ fn assert_valid(env: &Envelope) {
 }
 
 /// An in-memory journal: sequence numbers grow across all of a run's events as in the stream.
+/// A clone is a fork of the run.
+#[derive(Clone)]
 struct Sim {
     run: RunId,
     events: Vec<(u64, Envelope)>,
@@ -2077,11 +2079,7 @@ fn a_rejection_cut_short_is_finished_the_same_way_and_replays_deterministically(
         &contract,
     );
     assert_eq!(rejected(&group).retry, 2);
-    let mut cut = Sim {
-        run: sim.run.clone(),
-        events: sim.events.clone(),
-        seq: sim.seq,
-    };
+    let mut cut = sim.clone();
     cut.commit(group[..1].to_vec());
     let Next::Finish(c) = decide(&cut.state()) else {
         panic!("finish expected")
@@ -2432,11 +2430,7 @@ fn a_wait_on_the_provider_ends_at_its_bound_or_a_cancel() {
         .map(|(id, t)| (id.clone(), t.fire_at))
         .expect("the bound is scheduled");
     assert_eq!(Some(fire_at), state.provider.as_ref().map(|p| p.give_up_at));
-    let mut cancelled = Sim {
-        run: sim.run.clone(),
-        events: sim.events.clone(),
-        seq: sim.seq,
-    };
+    let mut cancelled = sim.clone();
     sim.input(
         Event::TimerFired(kedge_core::event::TimerFired { timer_id }),
         None,
@@ -2520,11 +2514,7 @@ fn a_compaction_changes_what_the_model_reads_and_a_broken_one_does_not_fold() {
     };
     // transcript: 0 task, then (assistant, tool) per step: assistants at 1, 3, 5, …
     for (keep_from, elided) in [(2, vec![]), (0, vec![]), (3, vec![1]), (3, vec![6, 4])] {
-        let mut bad = Sim {
-            run: sim.run.clone(),
-            events: sim.events.clone(),
-            seq: sim.seq,
-        };
+        let mut bad = sim.clone();
         bad.push(compacted(keep_from, elided.clone()));
         let folded = fold(bad.events.iter().map(|(s, e)| (*s, e)));
         assert!(
@@ -2545,11 +2535,45 @@ fn a_compaction_changes_what_the_model_reads_and_a_broken_one_does_not_fold() {
     assert_eq!(plan.context, seen);
     assert_eq!(plan.context_digest, Digest::of(&seen));
     // A later compaction may only leave out more.
-    let mut back = Sim {
-        run: sim.run.clone(),
-        events: sim.events.clone(),
-        seq: sim.seq,
-    };
+    let mut back = sim.clone();
     back.push(compacted(3, vec![]));
     assert!(fold(back.events.iter().map(|(s, e)| (*s, e))).is_err());
+}
+
+/// A message to a finished run whose budget is spent revives it and fails it again, once: the
+/// failure answers the message. (It used to stay pending, and every drive revived and failed
+/// the run again, in a loop that wrote to the journal without end.)
+#[test]
+fn a_message_to_a_run_whose_budget_is_spent_fails_it_once() {
+    let mut sim = Sim::new(Budget {
+        max_steps: 1,
+        ..Budget::default()
+    });
+    sim.run_step(text("done"));
+    sim.input(
+        Event::UserMessage(UserMessage {
+            text: "more".into(),
+        }),
+        None,
+    );
+    let Next::Commit(drafts) = decide(&sim.state()) else {
+        panic!("the run is revived and fails")
+    };
+    assert!(matches!(drafts[0].event, Event::RunRevived(_)));
+    assert!(matches!(&drafts[1].event, Event::RunFailed(f) if f.reason == FailureReason::MaxSteps));
+    sim.commit(drafts);
+    assert!(matches!(decide(&sim.state()), Next::Idle(Idle::Terminal)));
+    // A later message revives it again, and it fails again, once.
+    sim.input(
+        Event::UserMessage(UserMessage {
+            text: "and more".into(),
+        }),
+        None,
+    );
+    let Next::Commit(drafts) = decide(&sim.state()) else {
+        panic!("revived again")
+    };
+    sim.commit(drafts);
+    assert!(matches!(decide(&sim.state()), Next::Idle(Idle::Terminal)));
+    assert_eq!(sim.state().turn, 3);
 }

@@ -191,3 +191,64 @@ async fn with_strategy_fail_a_context_over_the_window_fails_the_run() {
     assert!(compactions(&h.events(&run).await).is_empty());
     h.shutdown().await;
 }
+
+/// A chat: every message revives the run for one more turn. The conversation the model reads
+/// stays within its window (the revival's step is compacted like any other), every turn is
+/// answered, and nothing is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_chat_stays_within_the_models_window_turn_after_turn() {
+    let long_answer = "Kedging moves a ship by its anchor. ".repeat(8);
+    let script = serde_json::json!({"models": {
+        "mc": {"context_window": 1200, "default": {"text": long_answer}}
+    }});
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
+    h.agent_edited("chat", "mc", |d| {
+        d.max_output_tokens = 64;
+        d.budget.max_steps = 1000;
+        d.tools.clear();
+        d.context = serde_json::from_value(
+            serde_json::json!({"window_tokens": 1100, "keep_last_turns": 2}),
+        )
+        .expect("context settings");
+    })
+    .await;
+    let run = h.submit("chat", "tell me about kedging", "chat-1").await;
+    h.wait_terminal(&run, Duration::from_secs(30)).await;
+    let turns = 30;
+    for turn in 2..=turns {
+        h.input(
+            &run,
+            Event::UserMessage(kedge_core::event::UserMessage {
+                text: format!("and then? ({turn})"),
+            }),
+            &format!("chat-{turn}"),
+        )
+        .await;
+        let state = h
+            .wait_for(&run, Duration::from_secs(30), |s| {
+                s.turn == turn && s.status.is_terminal()
+            })
+            .await;
+        assert_eq!(
+            state.status,
+            RunStatus::Succeeded,
+            "turn {turn}: {:?}",
+            state.failure
+        );
+    }
+    let events = h.events(&run).await;
+    let compacted = compactions(&events);
+    assert!(!compacted.is_empty(), "the chat outgrew the window");
+    let refused = events
+        .iter()
+        .filter(|r| matches!(r.envelope.event, Event::ModelAttempt(_)))
+        .count();
+    assert_eq!(refused, 0, "no request over the window was sent");
+    assert_no_answer_bought_twice(&h, &events);
+    h.check_replay(
+        &run,
+        "a-long-chat-stays-within-the-models-window-turn-after-turn",
+    )
+    .await;
+    h.shutdown().await;
+}

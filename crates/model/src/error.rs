@@ -137,12 +137,17 @@ impl ModelError {
     }
 
     /// Whether the provider refused the request as longer than the model's context window
-    /// (OpenAI `context_length_exceeded`, Anthropic "prompt is too long").
+    /// (OpenAI `context_length_exceeded`, Anthropic "prompt is too long", llama.cpp's server
+    /// `exceed_context_size_error`).
     pub fn is_too_long(&self) -> bool {
-        self.class == ErrorClass::Fatal
-            && (self.message.contains("context_length_exceeded")
-                || self.message.contains("prompt is too long")
-                || self.message.contains("maximum context length"))
+        const SAID: &[&str] = &[
+            "context_length_exceeded",
+            "prompt is too long",
+            "maximum context length",
+            "exceed_context_size_error",
+            "exceeds the available context size",
+        ];
+        self.class == ErrorClass::Fatal && SAID.iter().any(|s| self.message.contains(s))
     }
 
     /// The window a too-long refusal names, when it does ("maximum context length is N
@@ -522,6 +527,11 @@ mod tests {
         );
         assert!(anthropic.is_too_long());
         assert_eq!(anthropic.window_named(), Some(200_000));
+        let llama = status_error(
+            400,
+            r#"{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it","type":"exceed_context_size_error","n_prompt_tokens":600,"n_ctx":512}}"#,
+        );
+        assert!(llama.is_too_long());
         let other = status_error(
             400,
             r#"{"error":{"message":"bad role","type":"invalid_request_error"}}"#,

@@ -1254,8 +1254,20 @@ impl Driver {
             // conversation that would not fit is compacted first, a decision of its own; the
             // step is then decided again on the compacted context.
             if let Some(compacted) = compaction(state, &def, None) {
-                tracing::info!("compacting the model's context to fit its window");
-                self.commit(state, w, vec![compacted]).await?;
+                if state.status.is_terminal() {
+                    // A revival: its first decisions alone, so that the compaction lands in
+                    // the running run they leave (the step is decided again after it).
+                    let revival: Vec<Draft> = plan
+                        .start
+                        .iter()
+                        .take_while(|d| !matches!(d.event, Event::StepStarted(_)))
+                        .cloned()
+                        .collect();
+                    self.commit(state, w, revival).await?;
+                } else {
+                    tracing::info!("compacting the model's context to fit its window");
+                    self.commit(state, w, vec![compacted]).await?;
+                }
                 return Ok(());
             }
             // Not caught up if behind: the call needs only the plan and the bundle, and the
@@ -2006,20 +2018,18 @@ fn compaction(
     refused: Option<&ModelError>,
 ) -> Option<Draft> {
     use kedge_core::context::{self, ContextStrategy};
-    if def.context.strategy == ContextStrategy::Fail {
-        return None;
-    }
-    // A compaction keeps the status: not in a run that has not started a turn (it has no turn
-    // to leave out) or one a new message is reviving (its refusal compacts it, once running).
-    if !matches!(
-        state.status,
-        RunStatus::Running
-            | RunStatus::WaitingTool
-            | RunStatus::WaitingUser
-            | RunStatus::WaitingApproval
-            | RunStatus::WaitingExternal
-            | RunStatus::WaitingProvider
-    ) {
+    // A run that has not started has no turn to leave out; a cancelling or compensating one
+    // calls no model.
+    if def.context.strategy == ContextStrategy::Fail
+        || matches!(
+            state.status,
+            RunStatus::Queued
+                | RunStatus::Cancelling
+                | RunStatus::Compensating
+                | RunStatus::Unknown
+                | RunStatus::Cancelled
+        )
+    {
         return None;
     }
     let overhead = kedge_model::context::overhead_tokens(&def.system_prompt, &def.tools)
