@@ -592,8 +592,9 @@ mod tests {
                 "{kind}"
             );
         }
-        // Of inputs, the step appends only those two: a child's result and the cancel a
-        // cancelling parent sends its children.
+        // Of inputs, the step appends only these three: a child's result, the cancel a
+        // cancelling parent sends its children, and the fleet's release of a run waiting on
+        // its model provider.
         let step_inputs: Vec<String> = allowed(Kind::Step, "publish")
             .into_iter()
             .filter(|s| s.contains(".i."))
@@ -602,9 +603,17 @@ mod tests {
             step_inputs,
             vec![
                 "agent.run.*.i.cancel.requested".to_owned(),
+                "agent.run.*.i.provider.released".to_owned(),
                 "agent.run.*.i.tool.result".to_owned()
             ]
         );
+        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
+            assert_eq!(
+                may(kind, "agent.run.*.i.provider.released"),
+                matches!(kind, Kind::Step | Kind::Operator | Kind::All),
+                "{kind}"
+            );
+        }
     }
 
     #[test]

@@ -1524,17 +1524,24 @@ impl Driver {
         plan: &StepPlan,
         trouble: ProviderTrouble<'_>,
     ) -> Result<(), DriveError> {
-        let waits = state
-            .open_step
-            .as_ref()
-            .map_or(0, |o| o.free)
-            .saturating_add(1);
-        let backoff = kedge_core::decide::model_retry_delay(
-            waits,
-            trouble.retry_after,
-            self.rt.config.timeouts.max_retry_delay(),
-            kedge_runtime::jitter_draw(),
-        );
+        // While the endpoint's breaker is open the fleet decides when the run goes again (its
+        // probes, then the release); only a run that meets trouble on an endpoint the fleet
+        // finds healthy (a request the provider chokes on) waits out its own growing backoff.
+        let backoff = if trouble.providers.breaker(trouble.endpoint).lets(None) {
+            let waits = state
+                .open_step
+                .as_ref()
+                .map_or(0, |o| o.free)
+                .saturating_add(1);
+            kedge_core::decide::model_retry_delay(
+                waits,
+                trouble.retry_after,
+                self.rt.config.timeouts.max_retry_delay(),
+                kedge_runtime::jitter_draw(),
+            )
+        } else {
+            Duration::ZERO
+        };
         let now = Timestamp::now();
         let since = state
             .provider
