@@ -14,7 +14,7 @@
 //! `overloaded`, `rate_limited`, `reset`, `stream_cut`: the mock's trouble kinds), `--rpm RPM`
 //! (none: the model's `requests_per_minute` from the recovery on), `--cap-secs S` (T + 300: the
 //! longest wait for the runs to end after the recovery), `--steps N` (1: `kedge serve all`
-//! processes), `--probe-interval D` (`5s`), `--max-probe-interval D` (`60s`),
+//! processes), `--probe-interval D` (`1s`), `--max-probe-interval D` (`2s`),
 //! `--release-per-second N` (20) — the last three passed as `KEDGE_PROVIDER_PROBE_INTERVAL`,
 //! `KEDGE_PROVIDER_MAX_PROBE_INTERVAL`, `KEDGE_PROVIDER_RELEASE_PER_SECOND` to every serve
 //! process —, `--logs DIR` (keep the processes' logs there), `--log FILTER` (their `KEDGE_LOG`,
@@ -61,9 +61,10 @@
 //! release rate / RPM allows; no 429 caused by the release.
 //!
 //! Read R → next call with the probe in mind: after R the breaker is still open until its next
-//! probe, which comes up to the probe interval reached by then (doubling from `probe_interval`
-//! to `max_probe_interval`) after R; the release rate cannot account for that wait, hence the
-//! second set of figures, from the first release after R.
+//! probe, which comes up to the probe interval reached by then after R (doubling from
+//! `probe_interval` to `max_probe_interval`, and past it in a long outage to 1/300 of its length
+//! so far, docs/CONFIG.md); the release rate cannot account for that wait, hence the second set
+//! of figures, from the first release after R.
 //!
 //! Every wait is capped; the child processes are killed by pid when the bench ends, panics or is
 //! interrupted (a guard), and the temporary directory (store, workspaces, script, logs unless
@@ -140,8 +141,8 @@ fn opts() -> Opts {
         rpm: None,
         cap: Duration::ZERO,
         steps: 1,
-        probe_interval: "5s".into(),
-        max_probe_interval: "60s".into(),
+        probe_interval: "1s".into(),
+        max_probe_interval: "2s".into(),
         release_per_second: 20,
         logs: None,
         log_filter: "warn".into(),

@@ -128,10 +128,13 @@ pub struct ProviderConfig {
     pub open_after: u32,
     /// How long an open breaker waits before the fleet's first probe, and after each failed
     /// probe the wait doubles up to `max_probe_interval` (`KEDGE_PROVIDER_PROBE_INTERVAL`;
-    /// default `5s`). A `retry-after` longer than it is waited instead.
+    /// default `1s`). A `retry-after` longer than it is waited instead.
     #[serde(with = "duration_text")]
     pub probe_interval: std::time::Duration,
-    /// The longest wait between two probes (`KEDGE_PROVIDER_MAX_PROBE_INTERVAL`; default `60s`).
+    /// The longest wait between two probes (`KEDGE_PROVIDER_MAX_PROBE_INTERVAL`; default `2s`):
+    /// at most one request every 2 s reaches a failing endpoint from the whole fleet, and its
+    /// recovery is noticed within 2 s. In a long outage the wait grows past it, to 1/300 of the
+    /// outage's length so far (at most a minute: [`crate::provider::probe_ceiling`]).
     #[serde(with = "duration_text")]
     pub max_probe_interval: std::time::Duration,
     /// Runs released per second per endpoint once it is back (`KEDGE_PROVIDER_RELEASE_PER_SECOND`;
@@ -144,8 +147,8 @@ impl Default for ProviderConfig {
         Self {
             wait: std::time::Duration::from_secs(24 * 3600),
             open_after: 3,
-            probe_interval: std::time::Duration::from_secs(5),
-            max_probe_interval: std::time::Duration::from_secs(60),
+            probe_interval: std::time::Duration::from_secs(1),
+            max_probe_interval: std::time::Duration::from_secs(2),
             release_per_second: 20,
         }
     }

@@ -177,7 +177,7 @@ impl Breaker {
             BreakerState::Recovering => b.open(now, c.probe_interval.max(wait_asked), false),
             BreakerState::Open if report.probe => {
                 let doubled = Duration::from_millis(self.probe_interval_ms.saturating_mul(2))
-                    .clamp(c.probe_interval, c.max_probe_interval);
+                    .clamp(c.probe_interval, probe_ceiling(self.opened_at, now, c));
                 b.open(now, doubled.max(wait_asked), true);
             }
             // A call that was in flight when it opened: only a longer wait asked counts.
@@ -214,6 +214,24 @@ impl Breaker {
         Some(b)
     }
 }
+
+/// The longest wait between two probes of an endpoint open since `opened_at`:
+/// `max_probe_interval`, or, in a long outage, 1/[`PROBE_SHARE`] of how long it has been open
+/// (up to [`LONGEST_PROBE_WAIT`]). Recovery is noticed within a small share of the outage's
+/// length, and a run that waits through a day-long outage alone is not probed (and its journal
+/// not grown) every few seconds all day.
+pub fn probe_ceiling(opened_at: Option<Timestamp>, now: Timestamp, c: &ProviderConfig) -> Duration {
+    let open_for = opened_at
+        .and_then(|at| Duration::try_from(now.0 - at.0).ok())
+        .unwrap_or_default();
+    c.max_probe_interval
+        .max((open_for / PROBE_SHARE).min(LONGEST_PROBE_WAIT))
+}
+
+/// A long outage's probes come at most every 1/PROBE_SHARE of its length so far.
+pub const PROBE_SHARE: u32 = 300;
+/// The longest wait between two probes, however long the outage.
+pub const LONGEST_PROBE_WAIT: Duration = Duration::from_secs(60);
 
 /// What one call's trouble tells the breaker.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -842,10 +860,18 @@ impl Providers {
                 let order = release_order(waiters.iter().map(|(w, _)| w), now);
                 match state {
                     BreakerState::Open => {
-                        let Some(first) = order.first() else { continue };
+                        // The probe goes to the run that has waited longest since it last
+                        // began to wait (the lowest revision): a run probed in vain waits again
+                        // under a new one, so the probes take turns among the waiting runs.
+                        let Some(probe) = order
+                            .iter()
+                            .min_by_key(|w| revisions.get(&w.run_id).copied().unwrap_or_default())
+                        else {
+                            continue;
+                        };
                         if self.claim_probe(&id).await {
-                            let rev = revisions.get(&first.run_id).copied().unwrap_or_default();
-                            if let Err(e) = self.release(&journal, &id, first, rev, true).await {
+                            let rev = revisions.get(&probe.run_id).copied().unwrap_or_default();
+                            if let Err(e) = self.release(&journal, &id, probe, rev, true).await {
                                 tracing::warn!(error = %e, "could not release the probe run");
                             }
                         }
@@ -1042,13 +1068,37 @@ mod tests {
             b = b.on_trouble(&report(Trouble::Unavailable, true, None), at(now), &c);
             waits.push(b.probe_interval_ms / 1000);
         }
-        assert_eq!(waits, vec![10, 20, 40, 60, 60, 60]);
+        // From 1 s, doubling up to 2 s; the outage is 600 s old by the last probe, so its
+        // ceiling is still 2 s.
+        assert_eq!(waits, vec![2, 2, 2, 2, 2, 2]);
         assert_eq!(b.opened_at, opened, "still the same outage");
         let before = b.next_probe_at;
         let in_flight = b.on_trouble(&report(Trouble::Unavailable, false, None), at(now), &c);
         assert_eq!(in_flight.next_probe_at, before);
         let asked = b.on_trouble(&report(Trouble::RateLimited, false, Some(600)), at(now), &c);
         assert_eq!(asked.next_probe_at, Some(at(now + 600)));
+    }
+
+    #[test]
+    fn probes_slow_down_in_proportion_to_a_long_outage_up_to_a_minute() {
+        let c = ProviderConfig::default();
+        let opened = Some(at(0));
+        assert_eq!(probe_ceiling(opened, at(10), &c), c.max_probe_interval);
+        assert_eq!(probe_ceiling(opened, at(3000), &c), Duration::from_secs(10));
+        assert_eq!(probe_ceiling(opened, at(86_400), &c), LONGEST_PROBE_WAIT);
+        // A long outage's failed probes double the wait up to that ceiling.
+        let mut b = Breaker::closed(&endpoint(), at(0)).on_trouble(
+            &report(Trouble::RateLimited, false, None),
+            at(0),
+            &c,
+        );
+        for _ in 0..10 {
+            b = b.on_trouble(&report(Trouble::Unavailable, true, None), at(6000), &c);
+        }
+        assert_eq!(b.probe_interval_ms, 20_000);
+        // A probe the provider asked to put off longer waits as asked.
+        let asked = b.on_trouble(&report(Trouble::RateLimited, true, Some(300)), at(6000), &c);
+        assert_eq!(asked.probe_interval_ms, 300_000);
     }
 
     #[test]
