@@ -147,7 +147,14 @@ async fn runs_in_flight_ride_out_an_outage_of_every_kind_through_one_fleet_break
     let kinds: Vec<(&str, Trouble)> = vec![
         ("outage", Trouble::new(TroubleKind::Unavailable)),
         ("outage-anthropic", Trouble::new(TroubleKind::Overloaded)),
-        ("outage", Trouble::new(TroubleKind::RateLimited)),
+        // Without retry-after, the rate-limit headers say when the limit resets: the end of
+        // this outage (a limit that resets later is waited for, as the provider asks).
+        (
+            "outage",
+            Trouble::new(TroubleKind::RateLimited)
+                .lasting(outage())
+                .expect("a length"),
+        ),
         (
             "outage",
             Trouble::new(TroubleKind::RateLimited)

@@ -225,7 +225,13 @@ impl ModelError {
             class,
             kind: ModelErrorKind::Status,
             status: Some(status),
-            retry_after: retry_after(headers, now),
+            retry_after: retry_after(headers, now).or_else(|| {
+                // A 429 without `retry-after`: when the exhausted limit resets, from the
+                // providers' rate-limit headers.
+                (status == 429)
+                    .then(|| rate_limit_reset(headers, now))
+                    .flatten()
+            }),
             message,
             trouble: None,
         }
@@ -373,6 +379,80 @@ pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
+/// When an exhausted rate limit resets, from the providers' rate-limit headers: OpenAI's
+/// `x-ratelimit-reset-{requests,tokens}` (a duration such as `6s`, `1m0s`, `20ms`) and
+/// Anthropic's `anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-reset` (an
+/// RFC 3339 time), for each limit whose `…-remaining` is 0; the latest of them.
+pub fn rate_limit_reset(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    let exhausted = |remaining: &str| header(remaining).is_some_and(|v| v == "0");
+    let mut latest: Option<Duration> = None;
+    let mut consider = |d: Option<Duration>| {
+        if let Some(d) = d {
+            latest = Some(latest.map_or(d, |l| l.max(d)));
+        }
+    };
+    for limit in ["requests", "tokens"] {
+        if exhausted(&format!("x-ratelimit-remaining-{limit}")) {
+            consider(header(&format!("x-ratelimit-reset-{limit}")).and_then(parse_go_duration));
+        }
+    }
+    for limit in ["requests", "tokens", "input-tokens", "output-tokens"] {
+        if exhausted(&format!("anthropic-ratelimit-{limit}-remaining")) {
+            consider(
+                header(&format!("anthropic-ratelimit-{limit}-reset"))
+                    .and_then(|v| {
+                        time::OffsetDateTime::parse(
+                            v,
+                            &time::format_description::well_known::Rfc3339,
+                        )
+                        .ok()
+                    })
+                    .map(|at| {
+                        SystemTime::from(at)
+                            .duration_since(now)
+                            .unwrap_or(Duration::ZERO)
+                    }),
+            );
+        }
+    }
+    latest
+}
+
+/// A duration as OpenAI's rate-limit headers write it: numbers with units `h`, `m`, `s`, `ms`
+/// (`1m0s`, `6s`, `20ms`, `0.5s`).
+fn parse_go_duration(text: &str) -> Option<Duration> {
+    let mut total = 0.0_f64;
+    let mut rest = text;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let split = rest.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+        let (number, tail) = rest.split_at(split);
+        let value: f64 = number.parse().ok()?;
+        let (scale, tail) = if let Some(t) = tail.strip_prefix("ms") {
+            (0.001, t)
+        } else if let Some(t) = tail.strip_prefix('h') {
+            (3600.0, t)
+        } else if let Some(t) = tail.strip_prefix('m') {
+            (60.0, t)
+        } else if let Some(t) = tail.strip_prefix('s') {
+            (1.0, t)
+        } else {
+            return None;
+        };
+        total += value * scale;
+        rest = tail;
+    }
+    Duration::try_from_secs_f64(total).ok()
+}
+
 fn parse_non_negative(s: &str) -> Option<f64> {
     s.parse::<f64>().ok().filter(|v| v.is_finite() && *v >= 0.0)
 }
@@ -398,6 +478,56 @@ mod tests {
         for s in [400, 401, 403, 404, 413, 422, 501] {
             assert_eq!(status_class(s), ErrorClass::Fatal, "{s}");
         }
+    }
+
+    #[test]
+    fn a_429_without_retry_after_waits_for_the_exhausted_limit_to_reset() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let openai = headers(&[
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-reset-requests", "1m30s"),
+            ("x-ratelimit-remaining-tokens", "100"),
+            ("x-ratelimit-reset-tokens", "5m0s"),
+        ]);
+        let e = ModelError::from_response(429, &openai, b"", now);
+        assert_eq!(e.retry_after, Some(Duration::from_secs(90)));
+        assert_eq!(parse_go_duration("20ms"), Some(Duration::from_millis(20)));
+        assert_eq!(
+            parse_go_duration("1h2m3.5s"),
+            Some(Duration::from_millis(3_723_500))
+        );
+        assert_eq!(parse_go_duration("soon"), None);
+        let at = time::OffsetDateTime::from(now + Duration::from_secs(42))
+            .format(&time::format_description::well_known::Rfc3339)
+            .expect("format");
+        let anthropic = headers(&[
+            ("anthropic-ratelimit-tokens-remaining", "0"),
+            ("anthropic-ratelimit-tokens-reset", at.as_str()),
+        ]);
+        let e = ModelError::from_response(429, &anthropic, b"", now);
+        assert_eq!(e.retry_after, Some(Duration::from_secs(42)));
+        // A retry-after wins; nothing exhausted says nothing; only a 429 reads them.
+        let both = headers(&[
+            ("retry-after", "3"),
+            ("x-ratelimit-remaining-requests", "0"),
+            ("x-ratelimit-reset-requests", "1m0s"),
+        ]);
+        assert_eq!(
+            ModelError::from_response(429, &both, b"", now).retry_after,
+            Some(Duration::from_secs(3))
+        );
+        let fine = headers(&[
+            ("x-ratelimit-remaining-requests", "10"),
+            ("x-ratelimit-reset-requests", "1m0s"),
+        ]);
+        assert_eq!(
+            ModelError::from_response(429, &fine, b"", now).retry_after,
+            None
+        );
+        assert_eq!(
+            ModelError::from_response(503, &openai, b"", now).retry_after,
+            None
+        );
     }
 
     #[test]
