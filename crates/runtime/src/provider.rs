@@ -784,16 +784,11 @@ impl Providers {
         self.remove(id, &waiter.run_id, Some(revision)).await
     }
 
-    /// Releases waiting runs until `shutdown`: every [`TICK`], for each endpoint with runs
+    /// Releases waiting runs, until its task is aborted: every [`TICK`], for each endpoint with runs
     /// waiting whose lead this process holds, the probe due (open) or the next runs at
     /// `release_per_second` (closed, recovering). Runs in every step process; the leads keep
     /// it to one releaser per endpoint.
-    pub async fn run_releaser(
-        self,
-        journal: Journal,
-        shutdown: impl std::future::Future<Output = ()>,
-    ) {
-        tokio::pin!(shutdown);
+    pub async fn run_releaser(self, journal: Journal) {
         let mut ticker = tokio::time::interval(TICK);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Release credit per endpoint, refilled at `release_per_second` (burst: one tick's
@@ -802,10 +797,7 @@ impl Providers {
         let rate = f64::from(self.inner.config.release_per_second);
         let burst = (rate * TICK.as_secs_f64()).max(1.0);
         loop {
-            tokio::select! {
-                _ = &mut shutdown => return,
-                _ = ticker.tick() => {}
-            }
+            ticker.tick().await;
             let (endpoints, recovering_idle, waiting, open) = {
                 let view = self.lock();
                 let endpoints: Vec<String> = view

@@ -2039,13 +2039,17 @@ fn compaction(
     {
         return None;
     }
-    let overhead = kedge_model::context::overhead_tokens(&def.system_prompt, &def.tools)
-        .saturating_add(u64::from(def.max_output_tokens));
     let window = def
         .context
         .window_tokens
         .or_else(|| kedge_model::context::known_window(&state.bundle.model))
         .map(u64::from);
+    // An unknown window is compacted only on the provider's refusal: no estimate per step.
+    if window.is_none() && refused.is_none() {
+        return None;
+    }
+    let overhead = kedge_model::context::overhead_tokens(&def.system_prompt, &def.tools)
+        .saturating_add(u64::from(def.max_output_tokens));
     let pending = state.consumable(state.last_seq);
     let estimated: u64 = context::apply(&state.transcript, state.compaction.as_ref())
         .iter()

@@ -158,11 +158,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let yields = answer_yields(&rt, drives.driver.clone()).await?;
     // Releases the runs waiting on a model provider when the fleet may call it again
     // (docs/ARCHITECTURE.md "Provider trouble"); one process per endpoint does, by its lead.
-    let releaser = tokio::spawn(
-        rt.providers()
-            .await?
-            .run_releaser(rt.journal.clone(), std::future::pending::<()>()),
-    );
+    let releaser = tokio::spawn(rt.providers().await?.run_releaser(rt.journal.clone()));
     tracing::info!(worker = %rt.config.worker_id, "step service started");
     tokio::pin!(shutdown);
     loop {
