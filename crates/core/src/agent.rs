@@ -83,6 +83,45 @@ pub struct AgentDefinition {
         skip_serializing_if = "crate::context::ContextSettings::is_default"
     )]
     pub context: crate::context::ContextSettings,
+    /// Other models the run's steps call while `model`'s endpoint has been failing for longer
+    /// than `fallback_after_secs`, in order (docs/ARCHITECTURE.md "Provider trouble"): the first
+    /// whose endpoint is not failing answers; `model` is called again once it is back. Each is
+    /// checked by the operator's model policy like `model`; with `budget.max_cost` each needs a
+    /// price in the same currency. At most [`MAX_FALLBACKS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallbacks: Vec<FallbackModel>,
+    /// How long `model`'s endpoint must have been failing before a step falls back (default
+    /// 30; 0 falls back at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 86400))]
+    pub fallback_after_secs: Option<u64>,
+}
+
+/// Most fallback models an agent may list.
+pub const MAX_FALLBACKS: usize = 3;
+/// `fallback_after_secs` when an agent with fallbacks leaves it out.
+pub const DEFAULT_FALLBACK_AFTER_SECS: u64 = 30;
+
+/// A model a step falls back to while the agent's own model is unavailable: a model spec (its
+/// provider, name, base URL, settings and price) and the variable holding its key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct FallbackModel {
+    #[serde(flatten)]
+    pub model: ModelSpec,
+    /// Environment variable holding its API key (default `OPENAI_API_KEY` or
+    /// `ANTHROPIC_API_KEY` by provider).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+}
+
+impl AgentDefinition {
+    /// How long the model's endpoint must have been failing before a step falls back.
+    pub fn fallback_after(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(
+            self.fallback_after_secs
+                .unwrap_or(DEFAULT_FALLBACK_AFTER_SECS),
+        )
+    }
 }
 
 /// What a run that ends early (cancelled, failed) does with the effects of its turn.
@@ -673,6 +712,72 @@ impl AgentDefinition {
                 "needs model.price to count what the run costs",
             );
         }
+        self.check_fallbacks(&tool_names)
+    }
+
+    /// The fallback models: each checked as `model` is, and priced like it when the run's cost
+    /// is counted.
+    fn check_fallbacks(&self, tool_names: &[&str]) -> Result<(), DefinitionError> {
+        let err = |field: String, reason: String| Err(DefinitionError { field, reason });
+        if self.fallbacks.len() > MAX_FALLBACKS {
+            return err(
+                "fallbacks".into(),
+                format!("at most {MAX_FALLBACKS} fallback models"),
+            );
+        }
+        if self.fallbacks.is_empty() && self.fallback_after_secs.is_some() {
+            return err("fallback_after_secs".into(), "only with fallbacks".into());
+        }
+        in_range(
+            "fallback_after_secs",
+            self.fallback_after_secs.unwrap_or_default(),
+            0,
+            86_400,
+        )?;
+        for (i, f) in self.fallbacks.iter().enumerate() {
+            let m = &f.model;
+            if m.name.trim().is_empty() {
+                return err(format!("fallbacks[{i}].name"), "must not be empty".into());
+            }
+            crate::settings::check(
+                m.provider,
+                &m.settings,
+                m.price.as_ref(),
+                self.max_output_tokens,
+                tool_names,
+            )
+            .map_err(|(field, reason)| DefinitionError {
+                field: format!("fallbacks[{i}].{field}"),
+                reason,
+            })?;
+            if self.budget.max_cost.is_some() && m.currency() != self.model.currency() {
+                return err(
+                    format!("fallbacks[{i}].price"),
+                    "with budget.max_cost every fallback needs a price in model.price's currency"
+                        .into(),
+                );
+            }
+            if let Some(schema) = &self.output_schema
+                && m.provider == crate::event::Provider::Anthropic
+                && (schema.get("type").and_then(|t| t.as_str()) != Some("object")
+                    || tool_names.contains(&OUTPUT_TOOL))
+            {
+                return err(
+                    format!("fallbacks[{i}].provider"),
+                    "an Anthropic model answers an output_schema through its `output` tool: the \
+                     schema must have \"type\": \"object\" and no tool may be named `output`"
+                        .into(),
+                );
+            }
+            if f.api_key_env.as_deref().is_some_and(|k| {
+                k.is_empty() || !k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            }) {
+                return err(
+                    format!("fallbacks[{i}].api_key_env"),
+                    "must be an environment variable name ([A-Za-z0-9_]+)".into(),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -1015,6 +1120,67 @@ mod tests {
             v[field] = value;
             let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err(name);
             assert_eq!(e.field, name);
+        }
+    }
+
+    #[test]
+    fn fallback_models_are_checked_like_the_model_and_name_the_field_at_fault() {
+        let with = |extra: serde_json::Value| {
+            let mut v = def();
+            for (k, x) in extra.as_object().expect("object") {
+                v[k] = x.clone();
+            }
+            AgentDefinition::parse(v.to_string().as_bytes())
+        };
+        let claude = serde_json::json!({"provider": "anthropic", "name": "claude", "api_key_env": "TEAM_KEY"});
+        let d = with(serde_json::json!({"fallbacks": [claude], "fallback_after_secs": 5}))
+            .expect("a fallback");
+        assert_eq!(d.fallbacks[0].model.name, "claude");
+        assert_eq!(d.fallbacks[0].api_key_env.as_deref(), Some("TEAM_KEY"));
+        assert_eq!(d.fallback_after(), std::time::Duration::from_secs(5));
+        let d = with(serde_json::json!({"fallbacks": [claude]})).expect("the default wait");
+        assert_eq!(
+            d.fallback_after(),
+            std::time::Duration::from_secs(DEFAULT_FALLBACK_AFTER_SECS)
+        );
+        let priced = serde_json::json!({"provider": "openai", "name": "m", "price": {"input_per_mtok": 1, "output_per_mtok": 1}});
+        for (extra, field) in [
+            (
+                serde_json::json!({"fallback_after_secs": 5}),
+                "fallback_after_secs",
+            ),
+            (
+                serde_json::json!({"fallbacks": [claude, claude, claude, claude]}),
+                "fallbacks",
+            ),
+            (
+                serde_json::json!({"fallbacks": [claude], "fallback_after_secs": 100000}),
+                "fallback_after_secs",
+            ),
+            (
+                serde_json::json!({"fallbacks": [{"provider": "anthropic", "name": " "}]}),
+                "fallbacks[0].name",
+            ),
+            (
+                serde_json::json!({"fallbacks": [{"provider": "anthropic", "name": "c", "settings": {"seed": 1}}]}),
+                "fallbacks[0].settings.seed",
+            ),
+            (
+                serde_json::json!({"fallbacks": [{"provider": "openai", "name": "c", "api_key_env": "a-b"}]}),
+                "fallbacks[0].api_key_env",
+            ),
+            // Counting the cost needs every model priced in one currency.
+            (
+                serde_json::json!({"model": priced, "budget": {"max_steps": 5, "max_tokens": 1000, "max_attempts_per_step": 3, "max_cost": 1.0}, "fallbacks": [claude]}),
+                "fallbacks[0].price",
+            ),
+            (
+                serde_json::json!({"fallbacks": [claude], "output_schema": {"type": "array"}}),
+                "fallbacks[0].provider",
+            ),
+        ] {
+            let e = with(extra.clone()).expect_err("refused");
+            assert_eq!(e.field, field, "{extra}: {}", e.reason);
         }
     }
 

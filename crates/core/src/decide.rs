@@ -906,6 +906,7 @@ fn plan(
             request_id: request_id.clone(),
             context_digest: context_digest.clone(),
             inputs_through: state.last_seq,
+            model: None,
         }))
         .step(step)
         .attempt(attempt),
@@ -976,12 +977,16 @@ pub fn complete_step_gated(
     contract: &Contract,
     take: Gates,
 ) -> Vec<Draft> {
-    // What the step cost, at the run's frozen price (recomputed from the tokens, so a step
-    // finished by another worker records the same).
+    // What the step cost, at the frozen price of the model that answered (the run's, or the
+    // fallback its attempt's `step.started` names), recomputed from the tokens, so a step
+    // finished by another worker records the same.
+    let fallback = state.open_step.as_ref().and_then(|o| o.model.as_ref());
+    let price = fallback.unwrap_or(&state.bundle.model).price.as_ref();
     let response = ModelResponse {
-        usage: response.usage.priced(state.bundle.model.price.as_ref()),
+        usage: response.usage.priced(price),
         ..response
     };
+    let model = fallback.map(|m| m.name.clone());
     if let Some(reason) = &state.cancel_requested {
         // The answer is recorded (it was paid for) but nothing it asks for is dispatched.
         let mut drafts = vec![
@@ -992,6 +997,7 @@ pub fn complete_step_gated(
                 finish: response.finish,
                 reused,
                 follows: None,
+                model: model.clone(),
             }))
             .step(step)
             .attempt(attempt),
@@ -1168,6 +1174,7 @@ pub fn complete_step_gated(
             finish: response.finish,
             reused,
             follows,
+            model,
         }))
         .step(step)
         .attempt(attempt),

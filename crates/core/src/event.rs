@@ -776,7 +776,7 @@ pub struct ParentLink {
 pub struct RunStarted {}
 
 /// Intent before effect: journaled before the model is called.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct StepStarted {
     pub request_id: ModelRequestId,
     /// Digest of the exact context sent to the model.
@@ -784,6 +784,10 @@ pub struct StepStarted {
     /// The journal sequence of the last input the context includes. Inputs after it (even if they
     /// land before this event) belong to the next step.
     pub inputs_through: u64,
+    /// The model this attempt calls when it is not the run's own: one of the agent's
+    /// `fallbacks`, while the run's model is unavailable. Its price counts the step's cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelSpec>,
 }
 
 /// A model attempt that did not complete the step (error or lost lease).
@@ -810,6 +814,10 @@ pub struct StepCompleted {
     /// that ends with its own settling decision (`run.waiting`, `run.succeeded`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub follows: Option<u32>,
+    /// The model that answered, when it was not the run's own (a fallback, named by its
+    /// attempt's `step.started`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]

@@ -268,7 +268,7 @@ pub struct ToolOp {
 }
 
 /// The step whose `step.started` has no `step.completed` yet.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct OpenStep {
     pub step: StepNo,
     pub attempt: Attempt,
@@ -280,9 +280,16 @@ pub struct OpenStep {
     /// breaker (`model.attempt` with `trouble`, or `held`): they spend nothing of
     /// `max_attempts_per_step`.
     pub free: u32,
+    /// The model its latest attempt calls when not the run's own (a fallback).
+    pub model: Option<crate::event::ModelSpec>,
 }
 
 impl OpenStep {
+    /// The model the step's latest attempt calls: a fallback, or the run's own.
+    pub fn model<'a>(&'a self, run: &'a crate::event::RunCreated) -> &'a crate::event::ModelSpec {
+        self.model.as_ref().unwrap_or(&run.model)
+    }
+
     /// The attempts of this step that count against `max_attempts_per_step`.
     pub fn spent(&self) -> u32 {
         self.attempt.get().saturating_sub(self.free)
@@ -789,6 +796,7 @@ impl RunState {
                         .as_ref()
                         .filter(|o| o.step == step)
                         .map_or(0, |o| o.free),
+                    model: started.model.clone(),
                 });
             }
             Event::ModelAttempt(attempt) => match &mut self.open_step {

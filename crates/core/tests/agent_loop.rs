@@ -631,6 +631,72 @@ fn max_cost_is_enforced_like_tokens_at_the_frozen_price() {
 }
 
 #[test]
+fn a_step_a_fallback_answered_is_priced_and_named_as_that_models_and_replays() {
+    let mut sim = Sim::new(Budget {
+        max_cost: Some(10.0),
+        ..Budget::default()
+    });
+    // The shell names the fallback in the attempt's `step.started`.
+    let mut fallback = sim.state().bundle.model.clone();
+    fallback.name = "the-fallback".into();
+    fallback.price = Some(kedge_core::event::Price {
+        input_per_mtok: 2000.0,
+        output_per_mtok: 8000.0,
+        currency: "EUR".into(),
+    });
+    let mut plan = sim.expect_step();
+    for d in &mut plan.start {
+        if let Event::StepStarted(started) = &mut d.event {
+            started.model = Some(fallback.clone());
+        }
+    }
+    sim.commit(plan.start.clone());
+    let state = sim.state();
+    assert_eq!(
+        state
+            .open_step
+            .as_ref()
+            .map(|o| o.model(&state.bundle).name.as_str()),
+        Some("the-fallback")
+    );
+    let drafts = complete_step(
+        &state,
+        plan.step,
+        plan.attempt,
+        plan.request_id.clone(),
+        tools(&[("call_1", "read_file")]),
+        false,
+        Timestamp::now(),
+        &Default::default(),
+    );
+    sim.commit(drafts);
+    // 10 input and 5 output tokens at the fallback's 2000 and 8000 EUR per million (the run's
+    // own model would have cost half).
+    let cost = sim.state().usage.cost.expect("priced");
+    assert!((cost - 0.06).abs() < 1e-12, "{cost}");
+    let named = sim.events.iter().find_map(|(_, e)| match &e.event {
+        Event::StepCompleted(done) => Some(done.model.clone()),
+        _ => None,
+    });
+    assert_eq!(named, Some(Some("the-fallback".to_owned())));
+    // The next step is the run's own model's again unless the shell says otherwise.
+    let op = sim.ops_of(1).remove(0);
+    sim.result(&op, "x");
+    let next = sim.run_step(text("done"));
+    assert!(next.start.iter().all(|d| !matches!(
+        &d.event,
+        Event::StepStarted(s) if s.model.is_some()
+    )));
+    let done = sim.events.iter().rev().find_map(|(_, e)| match &e.event {
+        Event::StepCompleted(c) => Some(c.clone()),
+        _ => None,
+    });
+    assert_eq!(done.and_then(|c| c.model), None);
+    // Replay takes the fallback named in `step.started` as a fact.
+    kedge_core::replay::check(&sim.events, &Default::default()).expect("replays");
+}
+
+#[test]
 fn ask_user_waits_for_the_answer_which_becomes_the_tool_result() {
     let mut sim = Sim::new(Budget::default());
     sim.run_step(tools(&[("call_q", "ask_user"), ("call_r", "read_file")]));

@@ -113,6 +113,7 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
             finish: FinishReason::ToolCalls,
             reused: false,
             follows: None,
+            model: None,
         }))
         .step(StepNo(step)),
     )];

@@ -2304,6 +2304,7 @@ mod tests {
                 ),
                 context_digest: kedge_core::event::Digest::of_bytes(b"c"),
                 inputs_through: 0,
+                model: None,
             })),
         );
         let mut value: serde_json::Value =

@@ -12,7 +12,9 @@
 //!
 //! Options: `--runs N` (500), `--outage-secs T` (60), `--kind K` (`unavailable`; also
 //! `overloaded`, `rate_limited`, `reset`, `stream_cut`: the mock's trouble kinds), `--rpm RPM`
-//! (none: the model's `requests_per_minute` from the recovery on), `--cap-secs S` (T + 300: the
+//! (none: the model's `requests_per_minute` from the recovery on, and the fleet's
+//! `KEDGE_PROVIDER_LIMITS`), `--learn` (with `--rpm`: the fleet is not told the limit and keeps
+//! to the one the mock's rate-limit headers name), `--cap-secs S` (T + 300: the
 //! longest wait for the runs to end after the recovery), `--steps N` (1: `kedge serve all`
 //! processes), `--probe-interval D` (`1s`), `--max-probe-interval D` (`2s`),
 //! `--release-per-second N` (20) — the last three passed as `KEDGE_PROVIDER_PROBE_INTERVAL`,
@@ -118,6 +120,7 @@ struct Opts {
     outage: Duration,
     kind: String,
     rpm: Option<u32>,
+    learn: bool,
     cap: Duration,
     steps: usize,
     probe_interval: String,
@@ -139,6 +142,7 @@ fn opts() -> Opts {
         outage: Duration::from_secs(60),
         kind: "unavailable".into(),
         rpm: None,
+        learn: false,
         cap: Duration::ZERO,
         steps: 1,
         probe_interval: "1s".into(),
@@ -168,6 +172,7 @@ fn opts() -> Opts {
                 i += 1;
                 o.rpm = Some(value(i).parse().expect("--rpm RPM"));
             }
+            "--learn" => o.learn = true,
             "--cap-secs" => {
                 i += 1;
                 cap = Some(Duration::from_secs_f64(
@@ -664,6 +669,12 @@ async fn bench(o: Opts) {
             ),
         ]
         .into_iter()
+        .chain(o.rpm.filter(|_| !o.learn).map(|rpm| {
+            (
+                "KEDGE_PROVIDER_LIMITS",
+                json!([{"requests_per_minute": rpm}]).to_string(),
+            )
+        }))
         .map(|(k, v)| (k.to_owned(), v))
         .collect();
         children.spawn(&id, &["serve", "all"], &env, false);

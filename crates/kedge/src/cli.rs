@@ -675,7 +675,9 @@ async fn dead_letters(rt: &Runtime) -> anyhow::Result<Vec<(u64, serde_json::Valu
 
 /// `kedge providers`: each model endpoint the fleet knows, from kedge_providers.
 async fn providers(rt: &Runtime, output: Output) -> anyhow::Result<ExitCode> {
-    let view = rt.providers().await?.snapshot();
+    let providers = rt.providers().await?;
+    let view = providers.snapshot();
+    let paces = providers.paces();
     if output != Output::Text {
         let items: Vec<serde_json::Value> = view
             .iter()
@@ -683,11 +685,22 @@ async fn providers(rt: &Runtime, output: Output) -> anyhow::Result<ExitCode> {
                 serde_json::json!({"id": id, "breaker": b, "waiting_runs": waiting})
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&items)?);
+        let out = serde_json::json!({"endpoints": items, "rate_limits": paces});
+        println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(ExitCode::SUCCESS);
     }
     if view.is_empty() {
         println!("no model endpoint has met trouble");
+    }
+    for p in &paces {
+        println!(
+            "{} model {}: keeps to {} (configured: {}; named by the provider: {})",
+            p.endpoint,
+            p.model,
+            p.limits(),
+            p.configured,
+            p.learned
+        );
     }
     for (id, b, waiting) in &view {
         println!("{} [{id}]", b.endpoint);
@@ -1034,6 +1047,14 @@ async fn agents(rt: Runtime, cmd: AgentsCmd) -> anyhow::Result<ExitCode> {
                     def.model.base_url.as_deref(),
                 )
                 .map_err(|e| anyhow::anyhow!("{}: {e}", def.name))?;
+            for (i, f) in def.fallbacks.iter().enumerate() {
+                rt.config
+                    .check_model(
+                        &kedge_model::fallback_key_env(f),
+                        f.model.base_url.as_deref(),
+                    )
+                    .map_err(|e| anyhow::anyhow!("{}: fallbacks[{i}]: {e}", def.name))?;
+            }
             let revision = rt.agents.put(&def).await?;
             println!("{} revision {revision}", def.name);
         }

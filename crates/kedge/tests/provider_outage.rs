@@ -364,3 +364,230 @@ async fn a_run_started_while_its_endpoint_is_failing_is_held_without_a_request()
     }
     h.shutdown().await;
 }
+
+/// Four steps answered at once, on a model the mock limits to `rpm` requests a minute.
+fn limited_script(rpm: u64) -> serde_json::Value {
+    let step = serde_json::json!({"tool_calls": [{"name": "list_files", "arguments": {}}]});
+    serde_json::json!({"models": {
+        "mx": {"limits": {"requests_per_minute": rpm}, "steps": [step, step, step, {"text": "done"}]},
+    }})
+}
+
+/// The shortest time `calls` calls can take under a limit of `rpm` a minute, less the second's
+/// worth that may go at once.
+fn paced_for(calls: u64, rpm: u64) -> Duration {
+    Duration::from_secs_f64(calls.saturating_sub(rpm / 60 + 1) as f64 * 60.0 / rpm as f64)
+}
+
+const LIMIT_RPM: u64 = 600;
+const LIMITED_RUNS: usize = 30;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_step_processes_keep_to_one_configured_rate_limit_and_queue_the_rest() {
+    let mut h = Harness::start_with(
+        limited_script(LIMIT_RPM),
+        &[Svc::Intake, Svc::Tool, Svc::Timer],
+        |c| {
+            tune(c);
+            c.providers.limits = vec![kedge_runtime::config::EndpointLimit {
+                provider: None,
+                base_url: None,
+                key_var: Some(API_KEY_VAR.into()),
+                requests_per_minute: Some(LIMIT_RPM),
+                tokens_per_minute: None,
+            }];
+        },
+    )
+    .await;
+    // Two step processes: one pace between them.
+    h.spawn_service(Svc::Step, "w-step-a");
+    h.spawn_service(Svc::Step, "w-step-b");
+    h.agent("limited", "mx").await;
+    let began = Instant::now();
+    let runs = submit_many(&h, "limited", "rpm", LIMITED_RUNS).await;
+    all_succeed(&h, &runs, "under a rate limit").await;
+    let took = began.elapsed();
+    let calls = h.mock.mock().calls().total;
+    assert_eq!(calls, 4 * LIMITED_RUNS as u64, "one call per step");
+    // Unpaced, the 120 calls go in a second or two; the fleet's pace spreads them over what the
+    // limit allows, and the provider never refuses one.
+    let least = paced_for(calls, LIMIT_RPM);
+    assert!(
+        took >= least,
+        "{calls} calls in {took:?}: faster than {LIMIT_RPM} a minute allows ({least:?})"
+    );
+    assert_eq!(h.mock.mock().calls().limited, 0, "no call over the limit");
+    // Runs over the limit waited their turn, visibly, on the provider (not in a worker slot).
+    let mut queued = 0;
+    for run in &runs {
+        queued += h
+            .events(run)
+            .await
+            .iter()
+            .filter(|r| {
+                matches!(
+                    &r.envelope.event,
+                    kedge_core::event::Event::ProviderWaiting(w)
+                        if w.trouble == kedge_core::event::Trouble::RateLimited
+                            && w.message.contains("its turn")
+                )
+            })
+            .count();
+    }
+    assert!(queued > 0, "no run waited its turn");
+    eprintln!("{calls} calls in {took:?} (least {least:?}); {queued} waits for a turn");
+    // An operator sees the limit the fleet keeps to (a watch of kedge_providers, which the
+    // operator user may make on a secured broker).
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kedge"))
+        .arg("providers")
+        .env("KEDGE_NATS_URL", h.nats.url())
+        .env_remove("KEDGE_CONFIG")
+        .envs(common::kind_env(
+            &h.config,
+            kedge_runtime::secure::Kind::Operator,
+        ))
+        .output()
+        .expect("kedge providers");
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && shown.contains(&format!("keeps to {LIMIT_RPM} requests per minute")),
+        "{shown}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_fleet_keeps_to_the_rate_limit_the_provider_names_in_its_headers() {
+    // Nothing configured: the mock's rate-limit headers name its limit.
+    let h = Harness::start_with(
+        limited_script(LIMIT_RPM),
+        &[Svc::Intake, Svc::Step, Svc::Tool, Svc::Timer],
+        tune,
+    )
+    .await;
+    h.agent("limited", "mx").await;
+    let began = Instant::now();
+    let runs = submit_many(&h, "limited", "learned", LIMITED_RUNS).await;
+    all_succeed(&h, &runs, "under a learned rate limit").await;
+    let took = began.elapsed();
+    let calls = h.mock.mock().calls().total;
+    // The first calls may all go before the first answer names the limit.
+    let least = paced_for(calls - LIMITED_RUNS as u64, LIMIT_RPM);
+    assert!(
+        took >= least,
+        "{calls} calls in {took:?}: the learned limit was not kept to ({least:?})"
+    );
+    assert_eq!(h.mock.mock().calls().limited, 0);
+    h.shutdown().await;
+}
+
+/// The same four steps on two models: `mx` (the agent's own, OpenAI wire format) and `fx` (its
+/// fallback, Anthropic's wire format at the same mock: another endpoint).
+fn fallback_script() -> serde_json::Value {
+    let step = serde_json::json!({"tool_calls": [{"name": "list_files", "arguments": {}}], "delay_ms": 50});
+    let steps = serde_json::json!([step, step, step, {"text": "done", "delay_ms": 50}]);
+    serde_json::json!({"models": {"mx": {"steps": steps}, "fx": {"steps": steps}}})
+}
+
+/// The model that answered each step of `run` (`None`: the run's own), from its journal.
+async fn answered_by(h: &Harness, run: &RunId) -> Vec<Option<String>> {
+    h.events(run)
+        .await
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            kedge_core::event::Event::StepCompleted(c) => Some(c.model.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fallback_model_answers_after_fallback_after_and_the_primary_again_once_it_is_back() {
+    let h = Harness::start_with(
+        fallback_script(),
+        &[Svc::Intake, Svc::Step, Svc::Tool, Svc::Timer],
+        tune,
+    )
+    .await;
+    let base = h.mock.base_url();
+    h.agent_edited("falls-back", "mx", |d| {
+        d.model.price = Some(kedge_core::settings::Price {
+            input_per_mtok: 1.0,
+            output_per_mtok: 1.0,
+            currency: "USD".into(),
+        });
+        d.budget.max_cost = Some(100.0);
+        d.fallback_after_secs = Some(1);
+        d.fallbacks = vec![
+            serde_json::from_value(serde_json::json!({
+                "provider": "anthropic", "name": "fx", "base_url": base,
+                "api_key_env": API_KEY_VAR,
+                "price": {"input_per_mtok": 1000.0, "output_per_mtok": 1000.0}
+            }))
+            .expect("a fallback"),
+        ];
+    })
+    .await;
+    // The agent's own model is down for the whole first half.
+    h.mock.set_trouble(Some(
+        Trouble::new(TroubleKind::Unavailable)
+            .for_models(["mx"])
+            .expect("a model"),
+    ));
+    let during = submit_many(&h, "falls-back", "down", 10).await;
+    for run in &during {
+        let state = h.wait_terminal(run, WAIT).await;
+        assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+        let by = answered_by(&h, run).await;
+        assert_eq!(by.len(), 4, "one answer per step");
+        assert!(
+            by.iter().all(|m| m.as_deref() == Some("fx")),
+            "every step answered by the fallback while the model is down: {by:?}"
+        );
+        // The cost is the fallback's: 1000 per million tokens, not the run's model's 1.
+        let events = h.events(run).await;
+        for r in &events {
+            if let kedge_core::event::Event::StepCompleted(c) = &r.envelope.event {
+                let tokens = (c.usage.input_tokens + c.usage.output_tokens) as f64;
+                let cost = c.usage.cost.expect("priced");
+                assert!(
+                    (cost - tokens * 1000.0 / 1e6).abs() < 1e-9,
+                    "cost {cost} for {tokens} tokens"
+                );
+            }
+        }
+        h.check_replay(run, "fallback-model-answers").await;
+    }
+    let counts = h.mock.mock().calls();
+    assert_eq!(
+        counts.by_model.get("fx").copied(),
+        Some(40),
+        "no step's answer bought twice: {counts:?}"
+    );
+    // The agent's own model was tried first: the fallback answers only once it has been
+    // failing for `fallback_after_secs`.
+    assert!(
+        counts.by_model.get("mx").is_some_and(|n| *n >= 3),
+        "{counts:?}"
+    );
+    // The model is back: the fleet's probe (a run's call, since none waits) finds it, and the
+    // runs after it are answered by the agent's own model again.
+    h.mock.set_trouble(None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for i in 0.. {
+        let run = h.submit("falls-back", "go", &format!("back-{i}")).await;
+        h.wait_terminal(&run, WAIT).await;
+        if answered_by(&h, &run).await.iter().all(Option::is_none) {
+            h.check_replay(&run, "fallback-model-back").await;
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the agent's own model was not used again after it came back"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    h.shutdown().await;
+}

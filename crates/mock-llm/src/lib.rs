@@ -22,7 +22,7 @@
 //! | --- | --- |
 //! | `POST /v1/chat/completions` | OpenAI; needs `Authorization: Bearer <non-empty>` (else 401) |
 //! | `POST /v1/messages` | Anthropic; needs `x-api-key` (else 401) and `anthropic-version` (else 400) |
-//! | `GET /_mock/calls` | `{"total": N, "by_request_id": {"req_…": n}, "by_model": {"m": n}, "troubled": N}` |
+//! | `GET /_mock/calls` | `{"total": N, "by_request_id": {"req_…": n}, "by_model": {"m": n}, "troubled": N, "limited": N}` |
 //! | `GET /_mock/requests?model=M` | the JSON bodies received for model `M`, in order (all models without `model`) |
 //! | `PUT /_mock/scripts` | replace the script (JSON body as below); 204, or 400 `{"error": {"message", "path"}}` |
 //! | `PUT /_mock/trouble` | put an outage in front of model calls (JSON body as in [A provider's bad day](#a-providers-bad-day)), replacing any other; 204, or 400 `{"error": {"message", "path"}}` |
@@ -33,7 +33,8 @@
 //! Every call that passes authentication is counted (under the `X-Kedge-Request-Id` header's
 //! value, `""` without it, and under its `model`) and its body recorded, **including calls then
 //! rejected** by validation or a rate limit, or answered with a trouble: a rejected call is still
-//! a call Kedge made. `troubled` counts the calls answered with a trouble, once more.
+//! a call Kedge made. `troubled` counts the calls answered with a trouble, once more; `limited`
+//! the calls refused with 429 for going over their model's `limits`.
 //!
 //! # What is rejected
 //!
@@ -259,6 +260,8 @@ pub struct CallCounts {
     pub by_model: BTreeMap<String, u64>,
     /// The calls answered with a trouble (also counted above).
     pub troubled: u64,
+    /// The calls refused with 429 for going over the script's `limits` (also counted above).
+    pub limited: u64,
 }
 
 /// A request body as received.
@@ -472,6 +475,11 @@ impl MockLlm {
     /// Counts a call answered with a trouble.
     pub(crate) fn note_troubled(&self) {
         self.lock().counts.troubled += 1;
+    }
+
+    /// Counts a call refused for going over its model's `limits`.
+    pub(crate) fn note_limited(&self) {
+        self.lock().counts.limited += 1;
     }
 
     /// Checks a call of `input_tokens` for `model` against its `context_window` and `limits`,

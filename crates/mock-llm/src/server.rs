@@ -223,6 +223,7 @@ async fn model_call(
             usage,
             retry_after,
         }) => {
+            st.mock.note_limited();
             reply.extra = limits::headers(provider, &usage);
             let retry_in = retry_after.map(limits::go_duration);
             let e = ApiError::over_limit(

@@ -424,6 +424,38 @@ pub fn rate_limit_reset(headers: &HeaderMap, now: SystemTime) -> Option<Duration
     latest
 }
 
+/// The rate limits a provider says it enforces on the caller, from its response headers:
+/// OpenAI's `x-ratelimit-limit-{requests,tokens}` and Anthropic's
+/// `anthropic-ratelimit-requests-limit` and `anthropic-ratelimit-input-tokens-limit` (else
+/// `-tokens-limit`). Both are per minute. Kedge paces its calls by input tokens, which is what
+/// Anthropic's input-token limit counts (OpenAI also counts the requested output tokens).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RateLimits {
+    pub requests_per_minute: Option<u64>,
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl RateLimits {
+    /// The limits the headers name; `None` when they name none.
+    pub fn from_headers(headers: &HeaderMap) -> Option<RateLimits> {
+        let number = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|n| *n > 0)
+        };
+        let limits = RateLimits {
+            requests_per_minute: number("x-ratelimit-limit-requests")
+                .or_else(|| number("anthropic-ratelimit-requests-limit")),
+            tokens_per_minute: number("x-ratelimit-limit-tokens")
+                .or_else(|| number("anthropic-ratelimit-input-tokens-limit"))
+                .or_else(|| number("anthropic-ratelimit-tokens-limit")),
+        };
+        (limits != RateLimits::default()).then_some(limits)
+    }
+}
+
 /// A duration as OpenAI's rate-limit headers write it: numbers with units `h`, `m`, `s`, `ms`
 /// (`1m0s`, `6s`, `20ms`, `0.5s`).
 fn parse_go_duration(text: &str) -> Option<Duration> {
@@ -461,6 +493,41 @@ fn parse_non_negative(s: &str) -> Option<f64> {
 mod tests {
     use super::*;
     use reqwest::header::HeaderValue;
+
+    #[test]
+    fn rate_limits_in_each_providers_headers() {
+        let openai = headers(&[
+            ("x-ratelimit-limit-requests", "1500"),
+            ("x-ratelimit-limit-tokens", "40000"),
+            ("x-ratelimit-remaining-requests", "1499"),
+        ]);
+        assert_eq!(
+            RateLimits::from_headers(&openai),
+            Some(RateLimits {
+                requests_per_minute: Some(1500),
+                tokens_per_minute: Some(40000),
+            })
+        );
+        let anthropic = headers(&[
+            ("anthropic-ratelimit-requests-limit", "50"),
+            ("anthropic-ratelimit-tokens-limit", "90000"),
+            ("anthropic-ratelimit-input-tokens-limit", "30000"),
+        ]);
+        assert_eq!(
+            RateLimits::from_headers(&anthropic),
+            Some(RateLimits {
+                requests_per_minute: Some(50),
+                tokens_per_minute: Some(30000),
+            })
+        );
+        // Nothing named, a zero or garbage: nothing learned.
+        assert_eq!(RateLimits::from_headers(&headers(&[])), None);
+        let bad = headers(&[
+            ("x-ratelimit-limit-requests", "0"),
+            ("x-ratelimit-limit-tokens", "lots"),
+        ]);
+        assert_eq!(RateLimits::from_headers(&bad), None);
+    }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -41,7 +41,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 pub use context::{EMPTY_PLACEHOLDER, MISSING_RESULT, parse_arguments};
-pub use error::{ModelError, ModelErrorKind, retry_after, status_class};
+pub use error::{ModelError, ModelErrorKind, RateLimits, retry_after, status_class};
 pub use kedge_core::event::ErrorClass;
 
 /// The header that carries the model request id.
@@ -98,6 +98,9 @@ pub enum Delta {
     /// The model started a tool call (its arguments are not streamed). `call_id` may be empty
     /// on an OpenAI-compatible server that sends the name before the id.
     ToolCall { call_id: String, name: String },
+    /// The rate limits the provider's response headers name (before any content, on an error
+    /// response too): what the fleet paces the endpoint's calls by when it is not configured.
+    Limits(RateLimits),
 }
 
 /// The environment variable that holds the agent's API key: its `api_key_env`, else
@@ -106,6 +109,14 @@ pub fn api_key_env(def: &AgentDefinition) -> String {
     def.api_key_env
         .clone()
         .unwrap_or_else(|| default_api_key_env(def.model.provider).to_owned())
+}
+
+/// The environment variable that holds a fallback model's API key: its `api_key_env`, else
+/// the provider's conventional one.
+pub fn fallback_key_env(f: &kedge_core::agent::FallbackModel) -> String {
+    f.api_key_env
+        .clone()
+        .unwrap_or_else(|| default_api_key_env(f.model.provider).to_owned())
 }
 
 /// The agent's API key from the environment variable [`api_key_env`] names; `None` when it is
@@ -287,7 +298,11 @@ impl ModelClient {
             // trouble, one after it spends an attempt (see [`ModelError::trouble`]).
             let mut content_seen = false;
             let mut seen = |d: Delta| {
-                content_seen |= !matches!(&d, Delta::Text(t) if t.is_empty());
+                content_seen |= match &d {
+                    Delta::Text(t) => !t.is_empty(),
+                    Delta::ToolCall { .. } => true,
+                    Delta::Limits(_) => false,
+                };
                 on_delta(d);
             };
             let result = self.run(call, &mut seen).await;
@@ -341,6 +356,9 @@ impl ModelClient {
             Ok(Ok(r)) => r,
         };
 
+        if let Some(limits) = error::RateLimits::from_headers(response.headers()) {
+            on_delta(Delta::Limits(limits));
+        }
         let status = response.status();
         if !status.is_success() {
             let headers = response.headers().clone();

@@ -140,6 +140,43 @@ pub struct ProviderConfig {
     /// Runs released per second per endpoint once it is back (`KEDGE_PROVIDER_RELEASE_PER_SECOND`;
     /// default 20): the recovery is not a thundering herd.
     pub release_per_second: u32,
+    /// Rate limits the fleet keeps to per endpoint, across every step process
+    /// (`KEDGE_PROVIDER_LIMITS`, a JSON array; default none): the first entry that matches a
+    /// call's endpoint applies. A limit a provider names in its rate-limit headers is kept to as
+    /// well, and the lower of the two wins. See [`EndpointLimit`].
+    pub limits: Vec<EndpointLimit>,
+}
+
+/// A rate limit the fleet keeps to on the endpoints it matches: every field given must equal
+/// the endpoint's (`base_url` compared without a trailing `/`; a spec without a base URL has
+/// the provider's default, matched by `"default"`); none given matches every endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EndpointLimit {
+    #[serde(default)]
+    pub provider: Option<kedge_core::event::Provider>,
+    #[serde(default)]
+    pub base_url: Option<String>,
+    #[serde(default)]
+    pub key_var: Option<String>,
+    /// Requests per minute, from the whole fleet.
+    #[serde(default)]
+    pub requests_per_minute: Option<u64>,
+    /// Input tokens per minute (as estimated before the call), from the whole fleet.
+    #[serde(default)]
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl EndpointLimit {
+    /// Whether the limit applies to calls to `spec`'s endpoint with the key in `key_var`.
+    pub fn matches(&self, spec: &kedge_core::event::ModelSpec, key_var: &str) -> bool {
+        let trim = |u: &str| u.trim_end_matches('/').to_owned();
+        self.provider.is_none_or(|p| p == spec.provider)
+            && self.key_var.as_deref().is_none_or(|k| k == key_var)
+            && self.base_url.as_deref().is_none_or(|want| {
+                trim(want) == trim(spec.base_url.as_deref().unwrap_or("default"))
+            })
+    }
 }
 
 impl Default for ProviderConfig {
@@ -150,6 +187,7 @@ impl Default for ProviderConfig {
             probe_interval: std::time::Duration::from_secs(1),
             max_probe_interval: std::time::Duration::from_secs(2),
             release_per_second: 20,
+            limits: Vec::new(),
         }
     }
 }
@@ -183,7 +221,26 @@ impl ProviderConfig {
                 self.release_per_second
             ));
         }
+        for (i, l) in self.limits.iter().enumerate() {
+            if l.requests_per_minute.is_none() && l.tokens_per_minute.is_none() {
+                return invalid(format!(
+                    "limits[{i}] names neither requests_per_minute nor tokens_per_minute"
+                ));
+            }
+            if l.requests_per_minute == Some(0) || l.tokens_per_minute == Some(0) {
+                return invalid(format!("limits[{i}]: a limit must be at least 1"));
+            }
+        }
         Ok(())
+    }
+
+    /// The configured limit of calls to `spec`'s endpoint with the key in `key_var`.
+    pub fn limit_for(
+        &self,
+        spec: &kedge_core::event::ModelSpec,
+        key_var: &str,
+    ) -> Option<&EndpointLimit> {
+        self.limits.iter().find(|l| l.matches(spec, key_var))
     }
 }
 
@@ -1427,6 +1484,12 @@ impl Config {
         if let Some(v) = get("KEDGE_PROVIDER_OPEN_AFTER") {
             self.providers.open_after = num("KEDGE_PROVIDER_OPEN_AFTER", &v)?;
         }
+        if let Some(v) = get("KEDGE_PROVIDER_LIMITS") {
+            self.providers.limits = serde_json::from_str(&v).map_err(|e| ConfigError::Env {
+                var: "KEDGE_PROVIDER_LIMITS",
+                reason: format!("not a JSON array of endpoint limits: {e}"),
+            })?;
+        }
         if let Some(v) = get("KEDGE_PROVIDER_RELEASE_PER_SECOND") {
             self.providers.release_per_second = num("KEDGE_PROVIDER_RELEASE_PER_SECOND", &v)?;
         }
@@ -1624,6 +1687,58 @@ mod tests {
         assert_eq!(
             format_duration(std::time::Duration::from_millis(1500)),
             "1500ms"
+        );
+    }
+
+    #[test]
+    fn endpoint_limits_match_by_the_fields_they_name() {
+        use kedge_core::event::{ModelSpec, Provider};
+        let mut c = Config::default();
+        c.apply_env(|k| {
+            (k == "KEDGE_PROVIDER_LIMITS").then(|| {
+                r#"[{"base_url": "http://mock:9/v1/", "requests_per_minute": 1500},
+                    {"provider": "anthropic", "key_var": "TEAM_KEY", "tokens_per_minute": 40000}]"#
+                    .into()
+            })
+        })
+        .expect("applies");
+        c.check().expect("valid");
+        let spec = |provider, base_url: Option<&str>| ModelSpec {
+            provider,
+            name: "m".into(),
+            base_url: base_url.map(str::to_owned),
+            settings: Default::default(),
+            price: None,
+        };
+        let p = &c.providers;
+        let mock = spec(Provider::Openai, Some("http://mock:9/v1"));
+        assert_eq!(
+            p.limit_for(&mock, "ANY")
+                .and_then(|l| l.requests_per_minute),
+            Some(1500)
+        );
+        let team = spec(Provider::Anthropic, None);
+        assert_eq!(
+            p.limit_for(&team, "TEAM_KEY")
+                .and_then(|l| l.tokens_per_minute),
+            Some(40000)
+        );
+        assert!(p.limit_for(&team, "OTHER_KEY").is_none());
+        assert!(
+            p.limit_for(&spec(Provider::Openai, None), "TEAM_KEY")
+                .is_none()
+        );
+        // A limit of nothing, or of zero, is refused; so is a body that is not a list.
+        for bad in [r#"[{"base_url": "x"}]"#, r#"[{"requests_per_minute": 0}]"#] {
+            let mut c = Config::default();
+            c.apply_env(|k| (k == "KEDGE_PROVIDER_LIMITS").then(|| bad.into()))
+                .expect("parses");
+            assert!(c.check().is_err(), "{bad}");
+        }
+        assert!(
+            Config::default()
+                .apply_env(|k| (k == "KEDGE_PROVIDER_LIMITS").then(|| "{}".into()))
+                .is_err()
         );
     }
 

@@ -122,9 +122,9 @@ metrics_table! {
     SSE_CONNECTIONS = "kedge_sse_connections", Gauge, [],
         "Open SSE connections of this bridge.";
     PROVIDER_WAITS = "kedge_provider_waits_total", Counter, ["trouble"],
-        "Runs this step process put to wait on their model provider (provider.waiting), by trouble: unavailable, rate_limited (the call met it), held (not sent: the endpoint's breaker was open).";
+        "Runs this step process put to wait on their model provider (provider.waiting), by trouble: unavailable, rate_limited (the call met it), held (not sent: the endpoint's breaker was open), queued (waiting its turn under the model's rate limit).";
     PROVIDER_RELEASES = "kedge_provider_releases_total", Counter, ["kind"],
-        "Runs this process released from a wait on the provider (provider.released), by kind: probe (the one call the fleet sends to a failing endpoint), release (the endpoint is back).";
+        "Runs this process released from a wait on the provider (provider.released), by kind: probe (the one call the fleet sends to a failing endpoint), release (the endpoint is back, or the run's turn under a rate limit came).";
     PROVIDER_WAITING_RUNS = "kedge_provider_waiting_runs", Gauge, [],
         "Runs waiting on their model provider, fleet-wide, as this process's view of the kedge_providers bucket has them.";
     PROVIDER_BREAKERS_OPEN = "kedge_provider_breakers_open", Gauge, [],
@@ -391,6 +391,8 @@ pub enum ProviderWait {
     Unavailable,
     RateLimited,
     Held,
+    /// Waiting its turn under the endpoint's rate limits.
+    Queued,
 }
 
 /// A run was put to wait on its provider.
@@ -399,6 +401,7 @@ pub fn provider_wait(why: ProviderWait) {
         ProviderWait::Unavailable => counter!(PROVIDER_WAITS, "trouble" => "unavailable"),
         ProviderWait::RateLimited => counter!(PROVIDER_WAITS, "trouble" => "rate_limited"),
         ProviderWait::Held => counter!(PROVIDER_WAITS, "trouble" => "held"),
+        ProviderWait::Queued => counter!(PROVIDER_WAITS, "trouble" => "queued"),
     }
     .increment(1);
 }

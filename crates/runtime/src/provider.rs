@@ -13,6 +13,12 @@
 //! - `wait.<endpoint>.<run_id>`: a run waiting on the endpoint ([`Waiter`]), written by the run's
 //!   step before it journals `provider.waiting`; removed by the releaser after it journals the
 //!   run's `provider.released`, with a delete marker that expires by itself.
+//! - `pace.<endpoint>`: the endpoint's rate limits and the fleet's pace under them
+//!   ([`pace::Pace`]): a call reserves its slot by compare-and-set before it goes, waiting in
+//!   place for a slot within [`IN_PLACE`]; a call whose slot is further away, or that finds
+//!   runs already waiting their turn, joins them (`wait.…`), and the releaser lets them go as
+//!   the pace allows. The limits are the operator's (`providers.limits`) and those the provider
+//!   names in its rate-limit headers, the lower of each.
 //! - `lead.<endpoint>`: which step process releases the endpoint's runs ([`Lead`]), taken and
 //!   renewed by compare-and-set, for [`LEAD_FOR`] at a time: a releaser that dies is replaced
 //!   within that.
@@ -43,15 +49,25 @@ use serde::{Deserialize, Serialize};
 use crate::config::ProviderConfig;
 use crate::metrics;
 
+pub mod pace;
+
+pub use pace::{Limits, Pace};
+
 /// How long a releaser holds an endpoint's lead before it must renew it.
 pub const LEAD_FOR: Duration = Duration::from_secs(3);
 /// How often the releaser looks at the endpoints with waiting runs.
 const TICK: Duration = Duration::from_millis(100);
+/// The longest a call waits in place (holding its run's lease) for its slot under the
+/// endpoint's rate limits; a call whose slot is further away waits its turn in the queue.
+pub const IN_PLACE: Duration = Duration::from_millis(500);
 /// How long a released wait's delete marker stays (then the key is gone).
 const MARKER_TTL_SECS: u64 = 60;
 /// Compare-and-set attempts on a breaker before a report is given up (the next call reports
 /// again).
 const CAS_ATTEMPTS: usize = 4;
+/// Compare-and-set attempts on a pace before a call waits its turn in the queue instead (every
+/// call of a limited endpoint writes its pace, so several processes contend for it).
+const PACE_ATTEMPTS: usize = 8;
 
 /// A model endpoint: what the fleet shares a breaker and a wait list for. Two agents with the
 /// same provider, base URL and key variable share it; the key itself never enters it.
@@ -79,6 +95,19 @@ impl Endpoint {
             .take(16)
             .collect();
         Endpoint { id, label }
+    }
+
+    /// The key token of the pace of `model`'s calls to this endpoint: providers count rate
+    /// limits per model.
+    pub fn pace_id(&self, model: &str) -> String {
+        let digest = kedge_core::event::Digest::of_bytes(model.as_bytes());
+        let model: String = digest
+            .as_str()
+            .trim_start_matches("sha256:")
+            .chars()
+            .take(16)
+            .collect();
+        format!("{}.{model}", self.id)
     }
 }
 
@@ -253,6 +282,94 @@ pub struct Waiter {
     pub since: Timestamp,
     /// Not released before this (the run's own backoff, or the provider's `retry-after`).
     pub not_before: Timestamp,
+    /// The pace the call keeps to ([`Endpoint::pace_id`]) when it waits its turn under rate
+    /// limits: its release reserves the call's slot there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pace: Option<String>,
+    /// The call's input tokens, as estimated (what its slot takes from the token limit).
+    #[serde(default)]
+    pub tokens: u64,
+    /// The endpoints of the run's fallback models ([`Endpoint::id`]), in order: while this
+    /// endpoint has been failing for `fallback_after_ms`, the run is released to the first of
+    /// them that is not.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallbacks: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_after_ms: Option<u64>,
+}
+
+impl Waiter {
+    /// Whether the run may be released to a fallback now: its endpoint (`primary`) has been
+    /// failing for its `fallback_after`, and one of its fallbacks' breakers lets calls go.
+    fn may_fall_back(
+        &self,
+        primary: &Breaker,
+        breakers: &HashMap<String, (Breaker, u64)>,
+        now: Timestamp,
+    ) -> bool {
+        let Some(after) = self.fallback_after_ms.map(Duration::from_millis) else {
+            return false;
+        };
+        failing_long_enough(primary, after, now)
+            && self
+                .fallbacks
+                .iter()
+                .any(|id| breakers.get(id).is_none_or(|(b, _)| b.lets(None)))
+    }
+}
+
+/// Whether `primary` has been failing (open) for at least `after`.
+fn failing_long_enough(primary: &Breaker, after: Duration, now: Timestamp) -> bool {
+    primary.state == BreakerState::Open
+        && primary
+            .opened_at
+            .is_some_and(|at| now >= at.saturating_add(after))
+}
+
+/// Where a call goes ([`route`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// To the run's own model (`probe`: as the fleet's probe of its failing endpoint).
+    Primary { probe: bool },
+    /// To the run's fallback model of this index.
+    Fallback(usize),
+    /// Nowhere yet: the run's model's endpoint is failing and no fallback may answer.
+    Hold { reason: String, trouble: Trouble },
+}
+
+/// Where a call goes, from the breakers: the run's own model unless its endpoint's breaker
+/// holds the call (`released`: the run's release, `Some(true)` for the probe); then, once that
+/// endpoint has been failing for `fallback_after`, the first fallback whose breaker lets calls
+/// go (none known: closed); else nowhere.
+pub fn route(
+    primary: &Breaker,
+    fallbacks: &[Breaker],
+    fallback_after: Duration,
+    released: Option<bool>,
+    now: Timestamp,
+) -> Route {
+    if primary.lets(released) {
+        return Route::Primary {
+            probe: released == Some(true),
+        };
+    }
+    if failing_long_enough(primary, fallback_after, now)
+        && let Some(i) = fallbacks.iter().position(|b| b.lets(None))
+    {
+        return Route::Fallback(i);
+    }
+    let next = primary
+        .next_probe_at
+        .map_or_else(String::new, |at| format!("; next probe at {at}"));
+    Route::Hold {
+        reason: format!(
+            "not sent: {} is failing since {}{next}; last error: {}",
+            primary.endpoint,
+            primary.opened_at.unwrap_or(primary.updated_at),
+            primary.last_error
+        ),
+        trouble: primary.trouble.unwrap_or(Trouble::Unavailable),
+    }
 }
 
 /// Who releases an endpoint's runs, as stored at `lead.<endpoint>`.
@@ -303,15 +420,13 @@ fn unavailable(e: impl std::fmt::Display) -> ProviderError {
     ProviderError::Unavailable(e.to_string())
 }
 
-/// Where a call stands with its endpoint's breaker.
+/// Where a call stands with its endpoint's rate limits ([`Providers::admit`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Gate {
-    Go,
-    /// Not sent: the endpoint is failing and this call is not the fleet's probe.
-    Hold {
-        reason: String,
-        trouble: Trouble,
-    },
+pub enum Admit {
+    /// Its slot is this far away: wait, then call.
+    After(Duration),
+    /// No slot within [`IN_PLACE`], or runs already wait their turn: the run joins them.
+    Queue { reason: String },
 }
 
 #[derive(Debug, Default)]
@@ -319,6 +434,7 @@ struct View {
     breakers: HashMap<String, (Breaker, u64)>,
     waiters: HashMap<String, BTreeMap<RunId, (Waiter, u64)>>,
     leads: HashMap<String, (Lead, u64)>,
+    paces: HashMap<String, (pace::Pace, u64)>,
 }
 
 /// The shell over `kedge_providers`: a live view of the bucket (one KV watch per process), the
@@ -355,6 +471,10 @@ fn wait_key(id: &str, run: &RunId) -> String {
 
 fn lead_key(id: &str) -> String {
     format!("lead.{id}")
+}
+
+fn pace_key(id: &str) -> String {
+    format!("pace.{id}")
 }
 
 impl Providers {
@@ -473,25 +593,30 @@ impl Providers {
         out
     }
 
-    /// Whether a call to `endpoint` may go out now (`released`: the run's release, when the
-    /// fleet released it: `Some(true)` for the probe).
-    pub fn gate(&self, endpoint: &Endpoint, released: Option<bool>) -> Gate {
-        let b = self.breaker(endpoint);
-        if b.lets(released) {
-            return Gate::Go;
+    /// Where a call of a run whose model is at `primary` goes now ([`route`]; `released`: the
+    /// run's release, `Some(true)` for the probe). A call that would go to a fallback while
+    /// `primary`'s probe is due claims the probe and goes to `primary` instead: with every run
+    /// on its fallback and none waiting, the calls themselves find out when it is back.
+    pub async fn route(
+        &self,
+        primary: &Endpoint,
+        fallbacks: &[Endpoint],
+        fallback_after: Duration,
+        released: Option<bool>,
+    ) -> Route {
+        let breakers: Vec<Breaker> = fallbacks.iter().map(|e| self.breaker(e)).collect();
+        let now = Timestamp::now();
+        let r = route(
+            &self.breaker(primary),
+            &breakers,
+            fallback_after,
+            released,
+            now,
+        );
+        if matches!(r, Route::Fallback(_)) && self.claim_probe(&primary.id).await {
+            return Route::Primary { probe: true };
         }
-        let next = b
-            .next_probe_at
-            .map_or_else(String::new, |at| format!("; next probe at {at}"));
-        Gate::Hold {
-            reason: format!(
-                "not sent: {} is failing since {}{next}; last error: {}",
-                b.endpoint,
-                b.opened_at.unwrap_or(b.updated_at),
-                b.last_error
-            ),
-            trouble: b.trouble.unwrap_or(Trouble::Unavailable),
-        }
+        r
     }
 
     /// Reports a call that succeeded (a write only when the breaker was not closed and clean).
@@ -573,6 +698,178 @@ impl Providers {
                 }
             }
         }
+    }
+
+    /// Every pace (a model's rate limits at an endpoint, and the fleet's next slot), as this
+    /// process sees them (for `kedge providers`).
+    pub fn paces(&self) -> Vec<Pace> {
+        let mut out: Vec<Pace> = self.lock().paces.values().map(|(p, _)| p.clone()).collect();
+        out.sort_by(|a, b| (&a.endpoint, &a.model).cmp(&(&b.endpoint, &b.model)));
+        out
+    }
+
+    /// The rate limits `model`'s calls to the endpoint keep to: `configured` (this process's
+    /// `providers.limits`) and those the provider named, the lower of each.
+    pub fn limits(&self, endpoint: &Endpoint, model: &str, configured: Limits) -> Limits {
+        let learned = self
+            .lock()
+            .paces
+            .get(&endpoint.pace_id(model))
+            .map(|(p, _)| p.learned)
+            .unwrap_or_default();
+        configured.lower(learned)
+    }
+
+    /// Takes the call's slot under the rate limits of `model` at the endpoint: how long to
+    /// wait for it, or that the run waits its turn in the queue (runs already wait there, or
+    /// the slot is more than [`IN_PLACE`] away). A call with no limit goes at once, and costs
+    /// no round trip.
+    pub async fn admit(
+        &self,
+        endpoint: &Endpoint,
+        model: &str,
+        configured: Limits,
+        tokens: u64,
+    ) -> Admit {
+        let limits = self.limits(endpoint, model, configured);
+        if limits.is_none() {
+            return Admit::After(Duration::ZERO);
+        }
+        let queued = self
+            .lock()
+            .waiters
+            .get(&endpoint.id)
+            .map_or(0, BTreeMap::len);
+        if queued > 0 {
+            return Admit::Queue {
+                reason: format!(
+                    "waiting its turn behind {queued} run(s) at {} (limit {limits})",
+                    endpoint.label
+                ),
+            };
+        }
+        let reserved = self
+            .change_pace(
+                &endpoint.pace_id(model),
+                (&endpoint.label, model),
+                Some(configured),
+                |p, now| match p.reserve(now, tokens, IN_PLACE) {
+                    Ok((wait, next)) => (Ok(wait), Some(next)),
+                    Err(far) => (Err(far), None),
+                },
+            )
+            .await;
+        match reserved {
+            Some(Ok(wait)) => Admit::After(wait),
+            Some(Err(far)) => Admit::Queue {
+                reason: format!(
+                    "waiting its turn at {}: the next slot under its limit ({limits}) is {} ms away",
+                    endpoint.label,
+                    far.as_millis()
+                ),
+            },
+            None => Admit::Queue {
+                reason: format!(
+                    "waiting its turn at {}: its pace could not be read or changed",
+                    endpoint.label
+                ),
+            },
+        }
+    }
+
+    /// Records the limits the provider named in a response's headers (a write only when they
+    /// changed).
+    pub async fn learn(&self, endpoint: &Endpoint, model: &str, learned: Limits) {
+        let id = endpoint.pace_id(model);
+        let known = self.lock().paces.get(&id).map(|(p, _)| p.learned);
+        if known == Some(learned) {
+            return;
+        }
+        self.change_pace(&id, (&endpoint.label, model), None, |p, now| {
+            if p.learned == learned {
+                return ((), None);
+            }
+            let mut next = p.clone();
+            next.learned = learned;
+            next.updated_at = now;
+            tracing::info!(endpoint = %endpoint.label, %learned, "the provider names its rate limits");
+            ((), Some(next))
+        })
+        .await;
+    }
+
+    /// Applies `f` to a pace by compare-and-set: what `f` says, once its change is written (or
+    /// it changes nothing); `None` when the bucket cannot be read or written, or other processes
+    /// won every try. `configured`: this process's configured limits, written into the record
+    /// (the releaser reads them there).
+    async fn change_pace<T>(
+        &self,
+        id: &str,
+        (label, model): (&str, &str),
+        configured: Option<Limits>,
+        mut f: impl FnMut(&Pace, Timestamp) -> (T, Option<Pace>),
+    ) -> Option<T> {
+        let key = pace_key(id);
+        // The first try trusts the view; a conflict reads the record itself.
+        let mut current = self.lock().paces.get(id).cloned().map(Some);
+        for _ in 0..PACE_ATTEMPTS {
+            let found = match current.take() {
+                Some(found) => found,
+                None => match self.inner.kv.entry(key.clone()).await {
+                    Ok(e) => e.filter(|e| e.operation == kv::Operation::Put).map(|e| {
+                        let p = serde_json::from_slice::<Pace>(&e.value)
+                            .unwrap_or_else(|_| Pace::new(label, model, Timestamp::now()));
+                        (p, e.revision)
+                    }),
+                    Err(e) => {
+                        tracing::warn!(endpoint = %label, error = %e, "cannot read the endpoint's pace");
+                        return None;
+                    }
+                },
+            };
+            let now = Timestamp::now();
+            let (mut pace, revision) = match found {
+                Some((p, rev)) => (p, Some(rev)),
+                None => (Pace::new(label, model, now), None),
+            };
+            let reconfigured = configured.is_some_and(|c| c != pace.configured);
+            if let Some(c) = configured {
+                pace.configured = c;
+            }
+            let (verdict, next) = f(&pace, now);
+            let next = match next {
+                Some(next) => next,
+                None if reconfigured => pace,
+                None => return Some(verdict),
+            };
+            let Ok(bytes) = serde_json::to_vec(&next) else {
+                return None;
+            };
+            let written = match revision {
+                Some(r) => self
+                    .inner
+                    .kv
+                    .update(&key, bytes.into(), r)
+                    .await
+                    .map_err(|e| e.to_string()),
+                None => self
+                    .inner
+                    .kv
+                    .create(&key, bytes.into())
+                    .await
+                    .map_err(|e| e.to_string()),
+            };
+            match written {
+                Ok(rev) => {
+                    self.lock().paces.insert(id.to_owned(), (next, rev));
+                    return Some(verdict);
+                }
+                Err(e) => {
+                    tracing::debug!(endpoint = %label, error = %e, "pace changed concurrently; reading it again");
+                }
+            }
+        }
+        None
     }
 
     /// Records `waiter` as waiting on `endpoint` (before its `provider.waiting` is journaled):
@@ -784,6 +1081,70 @@ impl Providers {
         self.remove(id, &waiter.run_id, Some(revision)).await
     }
 
+    /// The first `most` of `order` whose calls have a slot within the next tick under their
+    /// pace, which is reserved for them (one compare-and-set per pace; a pace that another
+    /// process changed meanwhile lets none of its runs go this tick). Runs waiting with no pace
+    /// (trouble, not a rate limit) need no slot.
+    async fn reserve_turns<'w>(&self, order: Vec<&'w Waiter>, most: usize) -> Vec<&'w Waiter> {
+        let now = Timestamp::now();
+        let mut paces: HashMap<String, Option<(Pace, u64)>> = HashMap::new();
+        let mut chosen: Vec<(&Waiter, Option<&str>)> = Vec::new();
+        for w in order {
+            if chosen.len() >= most {
+                break;
+            }
+            let Some(pid) = w.pace.as_deref() else {
+                chosen.push((w, None));
+                continue;
+            };
+            let entry = paces
+                .entry(pid.to_owned())
+                .or_insert_with(|| self.lock().paces.get(pid).cloned());
+            match entry {
+                // No pace recorded: nothing to keep to.
+                None => chosen.push((w, None)),
+                Some((pace, _)) => {
+                    if let Ok((_, next)) = pace.reserve(now, w.tokens, TICK) {
+                        *pace = next;
+                        chosen.push((w, Some(pid)));
+                    }
+                }
+            }
+        }
+        let mut refused: Vec<String> = Vec::new();
+        for (pid, found) in paces {
+            let Some((pace, rev)) = found else { continue };
+            let unchanged = self
+                .lock()
+                .paces
+                .get(&pid)
+                .is_some_and(|(p, r)| *r == rev && *p == pace);
+            if unchanged {
+                continue;
+            }
+            let written = match serde_json::to_vec(&pace) {
+                Ok(bytes) => self
+                    .inner
+                    .kv
+                    .update(pace_key(&pid), bytes.into(), rev)
+                    .await
+                    .ok(),
+                Err(_) => None,
+            };
+            match written {
+                Some(rev) => {
+                    self.lock().paces.insert(pid, (pace, rev));
+                }
+                None => refused.push(pid),
+            }
+        }
+        chosen
+            .into_iter()
+            .filter(|(_, pid)| pid.is_none_or(|p| !refused.iter().any(|r| r == p)))
+            .map(|(w, _)| w)
+            .collect()
+    }
+
     /// Releases waiting runs, until its task is aborted: every [`TICK`], for each endpoint with runs
     /// waiting whose lead this process holds, the probe due (open) or the next runs at
     /// `release_per_second` (closed, recovering). Runs in every step process; the leads keep
@@ -834,55 +1195,76 @@ impl Providers {
                     continue;
                 }
                 let now = Timestamp::now();
-                let (state, waiters) = {
+                let (breaker, waiters, breakers) = {
                     let view = self.lock();
-                    let state = view
-                        .breakers
-                        .get(&id)
-                        .map_or(BreakerState::Closed, |(b, _)| b.state);
+                    let breaker = view.breakers.get(&id).map(|(b, _)| b.clone());
                     let waiters: Vec<(Waiter, u64)> = view
                         .waiters
                         .get(&id)
                         .map(|w| w.values().cloned().collect())
                         .unwrap_or_default();
-                    (state, waiters)
+                    // The fallbacks' breakers, for the runs that may fall back.
+                    let breakers = if breaker
+                        .as_ref()
+                        .is_some_and(|b| b.state == BreakerState::Open)
+                        && waiters.iter().any(|(w, _)| !w.fallbacks.is_empty())
+                    {
+                        view.breakers.clone()
+                    } else {
+                        HashMap::new()
+                    };
+                    (breaker, waiters, breakers)
                 };
                 let revisions: HashMap<&RunId, u64> =
                     waiters.iter().map(|(w, rev)| (&w.run_id, *rev)).collect();
                 let order = release_order(waiters.iter().map(|(w, _)| w), now);
-                match state {
-                    BreakerState::Open => {
+                let c = credit.entry(id.clone()).or_insert(burst);
+                *c = (*c + rate * TICK.as_secs_f64()).min(burst.max(1.0));
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let most = c.max(0.0).floor() as usize;
+                let released: Vec<&Waiter> = match &breaker {
+                    Some(b) if b.state == BreakerState::Open => {
                         // The probe goes to the run that has waited longest since it last
                         // began to wait (the lowest revision): a run probed in vain waits again
-                        // under a new one, so the probes take turns among the waiting runs.
-                        let Some(probe) = order
+                        // under a new one, so the probes take turns among the waiting runs. A
+                        // run that may fall back is not probed with: it goes to its fallback,
+                        // and its call there probes the endpoint when the probe is due
+                        // ([`Providers::route`]).
+                        let probe = order
                             .iter()
+                            .filter(|w| !w.may_fall_back(b, &breakers, now))
                             .min_by_key(|w| revisions.get(&w.run_id).copied().unwrap_or_default())
-                        else {
-                            continue;
-                        };
-                        if self.claim_probe(&id).await {
+                            .copied();
+                        if let Some(probe) = probe
+                            && self.claim_probe(&id).await
+                        {
                             let rev = revisions.get(&probe.run_id).copied().unwrap_or_default();
                             if let Err(e) = self.release(&journal, &id, probe, rev, true).await {
                                 tracing::warn!(error = %e, "could not release the probe run");
                             }
                         }
+                        // Runs that may fall back go, at the release rate, to their fallback.
+                        order
+                            .into_iter()
+                            .filter(|w| {
+                                probe.is_none_or(|p| p.run_id != w.run_id)
+                                    && w.may_fall_back(b, &breakers, now)
+                            })
+                            .take(most)
+                            .collect()
                     }
-                    BreakerState::Closed | BreakerState::Recovering => {
-                        let c = credit.entry(id.clone()).or_insert(burst);
-                        *c = (*c + rate * TICK.as_secs_f64()).min(burst.max(1.0));
-                        for w in order {
-                            if *c < 1.0 {
-                                break;
-                            }
-                            let rev = revisions.get(&w.run_id).copied().unwrap_or_default();
-                            match self.release(&journal, &id, w, rev, false).await {
-                                Ok(()) => *c -= 1.0,
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "could not release a run waiting on its provider");
-                                    break;
-                                }
-                            }
+                    _ => self.reserve_turns(order, most).await,
+                };
+                for w in released {
+                    if *c < 1.0 {
+                        break;
+                    }
+                    let rev = revisions.get(&w.run_id).copied().unwrap_or_default();
+                    match self.release(&journal, &id, w, rev, false).await {
+                        Ok(()) => *c -= 1.0,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not release a run waiting on its provider");
+                            break;
                         }
                     }
                 }
@@ -907,6 +1289,20 @@ fn apply_entry(view: &mut View, entry: kv::Entry) {
                 }
                 None => {
                     view.breakers.remove(id);
+                }
+            }
+        }
+        (Some("pace"), Some(endpoint), Some(model)) => {
+            let id = format!("{endpoint}.{model}");
+            match put
+                .then(|| serde_json::from_slice::<pace::Pace>(&entry.value).ok())
+                .flatten()
+            {
+                Some(p) => {
+                    view.paces.insert(id, (p, entry.revision));
+                }
+                None => {
+                    view.paces.remove(&id);
                 }
             }
         }
@@ -1116,6 +1512,10 @@ mod tests {
             tenant: tenant.parse().expect("tenant"),
             since: at(since),
             not_before: at(not_before),
+            pace: None,
+            tokens: 0,
+            fallbacks: Vec::new(),
+            fallback_after_ms: None,
         }
     }
 
@@ -1143,5 +1543,133 @@ mod tests {
             "a run whose own wait is not over stays"
         );
         assert_eq!(release_order(ws.iter(), at(100)).len(), ws.len());
+    }
+    #[test]
+    fn the_view_holds_every_kind_of_record_the_bucket_has() {
+        let entry = |key: &str, value: Vec<u8>, put: bool| kv::Entry {
+            bucket: PROVIDERS_BUCKET.into(),
+            key: key.into(),
+            value: value.into(),
+            revision: 7,
+            delta: 0,
+            created: time::OffsetDateTime::UNIX_EPOCH,
+            operation: if put {
+                kv::Operation::Put
+            } else {
+                kv::Operation::Delete
+            },
+            seen_current: true,
+        };
+        let e = endpoint();
+        let pid = e.pace_id("gpt-x");
+        assert_eq!(pid.split('.').count(), 2, "endpoint, then model");
+        let mut pace = Pace::new(&e.label, "gpt-x", at(0));
+        pace.learned.requests_per_minute = Some(60);
+        let mut view = View::default();
+        apply_entry(
+            &mut view,
+            entry(
+                &format!("pace.{pid}"),
+                serde_json::to_vec(&pace).expect("json"),
+                true,
+            ),
+        );
+        apply_entry(
+            &mut view,
+            entry(
+                &breaker_key(&e.id),
+                serde_json::to_vec(&Breaker::closed(&e, at(0))).expect("json"),
+                true,
+            ),
+        );
+        let w = waiter("run_a", "t", 0, 0);
+        apply_entry(
+            &mut view,
+            entry(
+                &wait_key(&e.id, &w.run_id),
+                serde_json::to_vec(&w).expect("json"),
+                true,
+            ),
+        );
+        assert_eq!(view.paces.get(&pid).map(|(p, r)| (p, *r)), Some((&pace, 7)));
+        assert!(view.breakers.contains_key(&e.id));
+        assert_eq!(view.waiters.get(&e.id).map(BTreeMap::len), Some(1));
+        // A record that does not parse, or a delete, leaves nothing behind.
+        apply_entry(
+            &mut view,
+            entry(&format!("pace.{pid}"), b"{".to_vec(), true),
+        );
+        apply_entry(
+            &mut view,
+            entry(&wait_key(&e.id, &w.run_id), Vec::new(), false),
+        );
+        assert!(view.paces.is_empty());
+        assert_eq!(view.waiters.get(&e.id).map(BTreeMap::len), Some(0));
+    }
+    #[test]
+    fn a_call_goes_to_the_runs_model_then_after_fallback_after_to_the_first_fallback_not_failing() {
+        let c = ProviderConfig::default();
+        let closed = Breaker::closed(&endpoint(), at(0));
+        let mut open = closed.clone();
+        for i in 0..c.open_after {
+            open = open.on_trouble(&report(Trouble::Unavailable, false, None), at(i.into()), &c);
+        }
+        assert_eq!(open.state, BreakerState::Open);
+        let opened = open.opened_at.expect("opened");
+        let after = Duration::from_secs(30);
+        let falls = [open.clone(), closed.clone()];
+        // The run's own model, while it answers.
+        assert_eq!(
+            route(&closed, &falls, after, None, at(100)),
+            Route::Primary { probe: false }
+        );
+        // Failing, but not for long enough: held.
+        let soon = opened.saturating_add(Duration::from_secs(29));
+        assert!(matches!(
+            route(&open, &falls, after, None, soon),
+            Route::Hold {
+                trouble: Trouble::Unavailable,
+                ..
+            }
+        ));
+        // Long enough: the first fallback whose endpoint is not failing.
+        let later = opened.saturating_add(after);
+        assert_eq!(route(&open, &falls, after, None, later), Route::Fallback(1));
+        // The fleet's probe goes to the run's own model, whatever the fallbacks.
+        assert_eq!(
+            route(&open, &falls, after, Some(true), later),
+            Route::Primary { probe: true }
+        );
+        // Every fallback failing too, or none: held.
+        assert!(matches!(
+            route(&open, &[open.clone()], after, None, later),
+            Route::Hold { .. }
+        ));
+        assert!(matches!(
+            route(&open, &[], after, None, later),
+            Route::Hold { .. }
+        ));
+        // Back (a probe succeeded): the run's own model again.
+        let recovering = open.on_success(later).expect("recovering");
+        assert_eq!(
+            route(&recovering, &falls, after, None, later),
+            Route::Primary { probe: false }
+        );
+        // A waiting run may be released to its fallback on the same terms.
+        let mut w = waiter("run_a", "t", 0, 0);
+        w.fallbacks = vec!["f1".into()];
+        w.fallback_after_ms = Some(30_000);
+        let mut breakers = HashMap::new();
+        assert!(
+            w.may_fall_back(&open, &breakers, later),
+            "no breaker: closed"
+        );
+        assert!(!w.may_fall_back(&open, &breakers, soon));
+        breakers.insert("f1".to_owned(), (open.clone(), 1));
+        assert!(
+            !w.may_fall_back(&open, &breakers, later),
+            "its fallback is failing too"
+        );
+        assert!(!waiter("run_b", "t", 0, 0).may_fall_back(&open, &HashMap::new(), later));
     }
 }

@@ -27,7 +27,9 @@ use kedge_runtime::failpoint;
 use kedge_runtime::idempotency::{IdempotencyError, StoredResponse};
 use kedge_runtime::liveness::{Hold, Liveness};
 use kedge_runtime::metrics::{self, ModelOutcome, StepRead, Takeover};
-use kedge_runtime::provider::{Endpoint, Gate, ProviderError, Providers, TroubleReport, Waiter};
+use kedge_runtime::provider::{
+    Admit, Endpoint, Limits, ProviderError, Providers, Route, TroubleReport, Waiter,
+};
 use kedge_runtime::seal::{self, SealError};
 use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
@@ -1270,50 +1272,136 @@ impl Driver {
                 }
                 return Ok(());
             }
+            // Where the call goes (docs/ARCHITECTURE.md "Provider trouble"): the run's model
+            // unless the fleet's breaker of its endpoint holds it (a failing endpoint gets the
+            // fleet's probes, not every run's retry); a fallback once that endpoint has been
+            // failing for `fallback_after_secs`. A fallback is named in the attempt's
+            // `step.started`.
+            let providers = self.providers().await?;
+            let primary = Called::primary(state, &def);
+            let fallbacks: Vec<Called> = def
+                .fallbacks
+                .iter()
+                .map(Called::fallback)
+                .collect();
+            let fallback_endpoints: Vec<Endpoint> =
+                fallbacks.iter().map(|c| c.endpoint.clone()).collect();
+            let route = providers
+                .route(
+                    &primary.endpoint,
+                    &fallback_endpoints,
+                    def.fallback_after(),
+                    plan.released,
+                )
+                .await;
+            let (called, probe) = match &route {
+                Route::Fallback(i) => match fallbacks.get(*i) {
+                    Some(f) => (f, false),
+                    None => (&primary, false),
+                },
+                Route::Primary { probe } => (&primary, *probe),
+                Route::Hold { .. } => (&primary, false),
+            };
+            if let Route::Fallback(_) = route {
+                tracing::info!(model = %called.spec.name, endpoint = %called.endpoint.label, "the run's model is unavailable; calling its fallback");
+                for d in &mut plan.start {
+                    if let Event::StepStarted(started) = &mut d.event {
+                        started.model = Some(called.spec.clone());
+                    }
+                }
+            }
+            // The rate limits the fleet keeps to for the called model at its endpoint; a run
+            // that waits (its turn, or out trouble) on its own model is released into a slot
+            // under that model's.
+            let turn = called.turn(&self.rt.config, &providers, &def, &plan.context);
+            let waits_with = primary.turn(&self.rt.config, &providers, &def, &plan.context);
+            let queue = WaitList {
+                providers: &providers,
+                endpoint: &primary.endpoint,
+                turn: waits_with,
+                fallbacks: &fallback_endpoints,
+                fallback_after: (!def.fallbacks.is_empty()).then(|| def.fallback_after()),
+            };
             // Not caught up if behind: the call needs only the plan and the bundle, and the
             // journal is read right after it.
             if !self.append(state, w, plan.start.clone()).await? {
                 return Ok(());
             }
             failpoint::hit("step.after_step_started");
-            // The fleet's breaker of the model endpoint (docs/ARCHITECTURE.md "Provider
-            // trouble"): a failing endpoint gets the fleet's probes, not every run's retry.
-            let providers = self.providers().await?;
-            let endpoint = Endpoint::new(&state.bundle.model, &kedge_model::api_key_env(&def));
-            if let Gate::Hold { reason, trouble } = providers.gate(&endpoint, plan.released) {
-                tracing::debug!(endpoint = %endpoint.label, "model call held: its endpoint is failing");
+            if let Route::Hold { reason, trouble, .. } = route {
+                tracing::debug!(endpoint = %primary.endpoint.label, "model call held: its endpoint is failing");
                 let met = TroubleMet {
                     outcome: AttemptOutcome::Held {
-                        endpoint: endpoint.label.clone(),
+                        endpoint: primary.endpoint.label.clone(),
                         reason: reason.clone(),
                     },
                     trouble,
-                    endpoint: endpoint.label.clone(),
+                    endpoint: primary.endpoint.label.clone(),
                     message: reason,
                 };
                 let wait = ProviderTrouble {
-                    providers: &providers,
-                    endpoint: &endpoint,
+                    queue,
+                    called: &primary.endpoint,
                     met,
                     retry_after: None,
                     why: metrics::ProviderWait::Held,
                 };
                 return self.wait_on_provider(state, w, &plan, wait).await;
             }
-            let called = std::time::Instant::now();
-            let result = self.call_model(state, &def, &plan).await;
-            count_call(state, &result, called.elapsed());
+            // A run released to its own model had its slot reserved by its release.
+            let reserved = plan.released.is_some() && std::ptr::eq(called, &primary);
+            if let Some(t) = turn.as_ref().filter(|_| !reserved) {
+                match providers
+                    .admit(&called.endpoint, &called.spec.name, t.configured, t.tokens)
+                    .await
+                {
+                    Admit::After(wait) => tokio::time::sleep(wait).await,
+                    Admit::Queue { reason } => {
+                        tracing::debug!(endpoint = %called.endpoint.label, %reason, "model call waits its turn");
+                        let wait = ProviderTrouble {
+                            queue,
+                            called: &called.endpoint,
+                            met: TroubleMet {
+                                outcome: AttemptOutcome::Held {
+                                    endpoint: called.endpoint.label.clone(),
+                                    reason: reason.clone(),
+                                },
+                                trouble: Trouble::RateLimited,
+                                endpoint: called.endpoint.label.clone(),
+                                message: reason,
+                            },
+                            retry_after: None,
+                            why: metrics::ProviderWait::Queued,
+                        };
+                        return self.wait_on_provider(state, w, &plan, wait).await;
+                    }
+                }
+            }
+            let endpoint = &called.endpoint;
+            let called_at = std::time::Instant::now();
+            let mut learned = None;
+            let result = self
+                .call_model(state, &def, called, &plan, &mut learned)
+                .await;
+            count_call(&called.spec, &result, called_at.elapsed());
+            if let Some(l) = learned {
+                let learned = Limits {
+                    requests_per_minute: l.requests_per_minute,
+                    tokens_per_minute: l.tokens_per_minute,
+                };
+                providers.learn(endpoint, &called.spec.name, learned).await;
+            }
             match &result {
-                Ok(_) => providers.report_success(&endpoint).await,
+                Ok(_) => providers.report_success(endpoint).await,
                 Err(CallError::Model(e)) => {
                     if let Some(trouble) = e.trouble {
                         let report = TroubleReport {
                             trouble,
                             message: e.message.clone(),
                             retry_after: e.retry_after,
-                            probe: plan.released == Some(true),
+                            probe,
                         };
-                        providers.report_trouble(&endpoint, &report).await;
+                        providers.report_trouble(endpoint, &report).await;
                     }
                 }
                 Err(CallError::Cancelled) => {}
@@ -1437,8 +1525,8 @@ impl Driver {
                     tracing::info!(error = %e, endpoint = %endpoint.label, "model provider trouble; the run waits on it");
                     let trouble = e.trouble.unwrap_or(Trouble::Unavailable);
                     let wait = ProviderTrouble {
-                        providers: &providers,
-                        endpoint: &endpoint,
+                        queue,
+                        called: endpoint,
                         met: TroubleMet {
                             outcome: e.to_attempt_outcome(),
                             trouble,
@@ -1526,8 +1614,11 @@ impl Driver {
     ) -> Result<(), DriveError> {
         // While the endpoint's breaker is open the fleet decides when the run goes again (its
         // probes, then the release); only a run that meets trouble on an endpoint the fleet
-        // finds healthy (a request the provider chokes on) waits out its own growing backoff.
-        let backoff = if trouble.providers.breaker(trouble.endpoint).lets(None) {
+        // finds healthy (a request the provider chokes on) waits out its own growing backoff,
+        // and a run waiting its turn under a rate limit waits for its turn alone.
+        let queue = &trouble.queue;
+        let queued = trouble.why == metrics::ProviderWait::Queued;
+        let backoff = if !queued && queue.providers.breaker(trouble.called).lets(None) {
             let waits = state
                 .open_step
                 .as_ref()
@@ -1548,13 +1639,8 @@ impl Driver {
             .as_ref()
             .filter(|p| p.step == plan.step)
             .map_or(now, |p| p.since);
-        let waiter = Waiter {
-            run_id: state.run_id.clone(),
-            tenant: state.bundle.tenant.clone(),
-            since,
-            not_before: now.saturating_add(backoff),
-        };
-        trouble.providers.wait(trouble.endpoint, &waiter).await?;
+        let waiter = queue.waiter(state, since, now.saturating_add(backoff));
+        queue.providers.wait(queue.endpoint, &waiter).await?;
         let bound = self.rt.config.providers.wait;
         let met = trouble.met;
         let committed = self
@@ -1572,10 +1658,7 @@ impl Driver {
             metrics::provider_wait(trouble.why);
         } else {
             // Not waiting after all (a cancel came first): the record would only cost a probe.
-            trouble
-                .providers
-                .forget(trouble.endpoint, &state.run_id)
-                .await;
+            queue.providers.forget(queue.endpoint, &state.run_id).await;
         }
         Ok(())
     }
@@ -1592,19 +1675,26 @@ impl Driver {
         let Ok((def, _)) = self.definition(state).await else {
             return Ok(());
         };
-        let endpoint = Endpoint::new(&state.bundle.model, &kedge_model::api_key_env(&def));
         let providers = self.providers().await?;
+        let primary = Called::primary(state, &def);
         match &state.provider {
             Some(wait) if waiting && wait.released.is_none() => {
-                let waiter = Waiter {
-                    run_id: state.run_id.clone(),
-                    tenant: state.bundle.tenant.clone(),
-                    since: wait.since,
-                    not_before: Timestamp::now(),
+                let fallbacks: Vec<Endpoint> = def
+                    .fallbacks
+                    .iter()
+                    .map(|f| Called::fallback(f).endpoint)
+                    .collect();
+                let queue = WaitList {
+                    providers: &providers,
+                    endpoint: &primary.endpoint,
+                    turn: primary.turn(&self.rt.config, &providers, &def, &[]),
+                    fallbacks: &fallbacks,
+                    fallback_after: (!def.fallbacks.is_empty()).then(|| def.fallback_after()),
                 };
-                providers.ensure_waiting(&endpoint, &waiter).await?;
+                let waiter = queue.waiter(state, wait.since, Timestamp::now());
+                providers.ensure_waiting(&primary.endpoint, &waiter).await?;
             }
-            _ if !waiting => providers.forget(&endpoint, &state.run_id).await,
+            _ if !waiting => providers.forget(&primary.endpoint, &state.run_id).await,
             _ => {}
         }
         Ok(())
@@ -1842,21 +1932,22 @@ impl Driver {
         &self,
         state: &RunState,
         def: &AgentDefinition,
+        called: &Called,
         plan: &StepPlan,
+        learned: &mut Option<kedge_model::RateLimits>,
     ) -> Result<kedge_core::decide::ModelResponse, CallError> {
         // The operator's model policy, at run time too: a definition stored around
         // `kedge agents put` still cannot send the conversation or a key elsewhere.
-        let key_var = kedge_model::api_key_env(def);
         self.rt
             .config
-            .check_model(&key_var, state.bundle.model.base_url.as_deref())
+            .check_model(&called.key_var, called.spec.base_url.as_deref())
             .map_err(|reason| CallError::Model(ModelError::refused_by_policy(reason)))?;
-        let api_key = self.rt.config.api_key(&key_var);
+        let api_key = self.rt.config.api_key(&called.key_var);
         // Sensitive values are sealed in the journal; the model reads them in clear.
         let context = open_context(&self.rt, state, def, &plan.context)
             .map_err(|e| CallError::Model(ModelError::refused_by_policy(e.to_string())))?;
         let call = ModelCall {
-            spec: &state.bundle.model,
+            spec: &called.spec,
             api_key: api_key.as_deref(),
             system: &def.system_prompt,
             tools: &def.tools,
@@ -1885,10 +1976,12 @@ impl Driver {
                     .await;
             }
         });
-        let mut on_delta = |d: Delta| {
-            if let Delta::Text(t) = d {
+        let mut on_delta = |d: Delta| match d {
+            Delta::Text(t) => {
                 let _ = tx.send(t);
             }
+            Delta::Limits(l) => *learned = Some(l),
+            _ => {}
         };
         let mut cancels = self.cancels.subscribe();
         let run = state.run_id.clone();
@@ -2079,14 +2172,132 @@ fn compaction(
     )))
 }
 
-/// A step's model call that met provider trouble (or was held), for
+/// A step's model call that met provider trouble (or was held, or waits its turn), for
 /// [`Driver::wait_on_provider`].
 struct ProviderTrouble<'a> {
-    providers: &'a Providers,
-    endpoint: &'a Endpoint,
+    /// Where the run waits.
+    queue: WaitList<'a>,
+    /// The endpoint the call went to (or would have): the run's model's, or a fallback's.
+    called: &'a Endpoint,
     met: TroubleMet,
     retry_after: Option<Duration>,
     why: metrics::ProviderWait,
+}
+
+/// Where a run waits on its provider: always the wait list of its own model's endpoint (the
+/// releaser of that endpoint lets it go: to its own model, or to a fallback), with what its
+/// release needs to know.
+struct WaitList<'a> {
+    providers: &'a Providers,
+    endpoint: &'a Endpoint,
+    /// The run's place under its own model's rate limits, when it has any.
+    turn: Option<Turn>,
+    fallbacks: &'a [Endpoint],
+    fallback_after: Option<Duration>,
+}
+
+impl WaitList<'_> {
+    fn waiter(&self, state: &RunState, since: Timestamp, not_before: Timestamp) -> Waiter {
+        Waiter {
+            run_id: state.run_id.clone(),
+            tenant: state.bundle.tenant.clone(),
+            since,
+            not_before,
+            pace: self.turn.as_ref().map(|t| t.pace.clone()),
+            tokens: self.turn.as_ref().map_or(0, |t| t.tokens),
+            fallbacks: self.fallbacks.iter().map(|e| e.id.clone()).collect(),
+            fallback_after_ms: self
+                .fallback_after
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        }
+    }
+}
+
+/// A model a step may call: the run's own (frozen in `run.created`) or one of its agent's
+/// fallbacks, with the variable holding its key and its endpoint.
+struct Called {
+    spec: kedge_core::event::ModelSpec,
+    key_var: String,
+    endpoint: Endpoint,
+}
+
+impl Called {
+    fn primary(state: &RunState, def: &AgentDefinition) -> Called {
+        let key_var = kedge_model::api_key_env(def);
+        Called {
+            endpoint: Endpoint::new(&state.bundle.model, &key_var),
+            spec: state.bundle.model.clone(),
+            key_var,
+        }
+    }
+
+    fn fallback(f: &kedge_core::agent::FallbackModel) -> Called {
+        let key_var = kedge_model::fallback_key_env(f);
+        Called {
+            endpoint: Endpoint::new(&f.model, &key_var),
+            spec: f.model.clone(),
+            key_var,
+        }
+    }
+
+    /// The call's place under the model's rate limits at its endpoint (configured, or named
+    /// by the provider), when it has any.
+    fn turn(
+        &self,
+        config: &kedge_runtime::config::Config,
+        providers: &Providers,
+        def: &AgentDefinition,
+        context: &[ChatMessage],
+    ) -> Option<Turn> {
+        let configured = configured_limits(config, &self.spec, &self.key_var);
+        let limits = providers.limits(&self.endpoint, &self.spec.name, configured);
+        (!limits.is_none()).then(|| Turn {
+            pace: self.endpoint.pace_id(&self.spec.name),
+            configured,
+            tokens: if limits.tokens_per_minute.is_some() {
+                request_tokens(def, context)
+            } else {
+                0
+            },
+        })
+    }
+}
+
+/// A call's place under the rate limits of its model at its endpoint: the pace its slot is
+/// reserved on, the limits this process is configured with, and its input tokens as estimated.
+#[derive(Debug, Clone)]
+struct Turn {
+    pace: String,
+    configured: Limits,
+    tokens: u64,
+}
+
+/// The limits this process's configuration (`providers.limits`) sets for calls to `spec`'s
+/// endpoint with the key in `key_var`.
+fn configured_limits(
+    config: &kedge_runtime::config::Config,
+    spec: &kedge_core::event::ModelSpec,
+    key_var: &str,
+) -> Limits {
+    config
+        .providers
+        .limit_for(spec, key_var)
+        .map(|l| Limits {
+            requests_per_minute: l.requests_per_minute,
+            tokens_per_minute: l.tokens_per_minute,
+        })
+        .unwrap_or_default()
+}
+
+/// A request's input tokens, as estimated before it is sent: the system prompt, the tools and
+/// the context ([`kedge_core::context::estimate`]).
+fn request_tokens(def: &AgentDefinition, context: &[ChatMessage]) -> u64 {
+    kedge_model::context::overhead_tokens(&def.system_prompt, &def.tools).saturating_add(
+        context
+            .iter()
+            .map(kedge_core::context::estimate)
+            .sum::<u64>(),
+    )
 }
 
 /// The wait before the next attempt: the provider's `retry-after` if given, else exponential
@@ -2097,9 +2308,9 @@ fn retry_delay(e: &ModelError, attempt: u32, max: Duration) -> Duration {
 }
 
 /// Counts a model call attempt: its outcome and duration, an error's class and kind, an
-/// answer's tokens and cost at the run's frozen price.
+/// answer's tokens and cost at the frozen price of the model that answered.
 fn count_call(
-    state: &RunState,
+    model: &kedge_core::event::ModelSpec,
     result: &Result<kedge_core::decide::ModelResponse, CallError>,
     took: Duration,
 ) {
@@ -2107,7 +2318,7 @@ fn count_call(
         Ok(response) => {
             metrics::model_call(ModelOutcome::Ok, took);
             let usage = &response.usage;
-            let price = state.bundle.model.price.as_ref();
+            let price = model.price.as_ref();
             let cost = price.map(|p| (p.cost(usage), p.currency.as_str()));
             metrics::model_usage(usage.input_tokens, usage.output_tokens, cost);
         }

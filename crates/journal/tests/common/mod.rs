@@ -65,6 +65,7 @@ pub fn step_completed(run: &RunId, step: u32) -> Envelope {
             finish: FinishReason::ToolCalls,
             reused: false,
             follows: None,
+            model: None,
         }))
         .step(StepNo(step)),
     )
