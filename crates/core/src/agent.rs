@@ -76,7 +76,7 @@ pub struct AgentDefinition {
     #[serde(default, skip_serializing_if = "OnEnd::is_none")]
     pub on_failure: OnEnd,
     /// How the conversation is kept within the model's context window (docs/CONFIG.md "The
-    /// context window"): `window_tokens`, `strategy` (`trim`, default, or `fail`),
+    /// context window"): `window_tokens`, `strategy` (`trim`, default, `summarize` or `fail`),
     /// `keep_last_turns`.
     #[serde(
         default,

@@ -1182,7 +1182,7 @@ pub struct Nudge {
 /// The model's context is compacted from the next step on (docs/ARCHITECTURE.md "The context
 /// window"): tool results elided and turns left out, as [`crate::context::apply`] reads them.
 /// The journal keeps the whole conversation; only what the model reads changes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ContextCompacted {
     /// The transcript is kept verbatim from this message on (1: no turn left out).
     pub keep_from: u32,
@@ -1193,6 +1193,26 @@ pub struct ContextCompacted {
     pub estimated_tokens: u64,
     pub budget_tokens: u64,
     pub cause: CompactionCause,
+    /// With `context.strategy: summarize`: the model's summary of everything the compaction
+    /// leaves out (an earlier summary included), which the model reads in their place.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<CompactionSummary>,
+    /// Tool results longer than this many characters reach the model cut to it, with a note
+    /// (results too big for the window on their own); at least 256, and never raised by a
+    /// later compaction. Absent: the cut in force, if any, stays.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_result_chars: Option<u32>,
+}
+
+/// A summary of the turns a compaction leaves out, written by the run's model in a call of
+/// its own ([`crate::context::summary_request_id`]: stored and reused after a crash like any
+/// answer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct CompactionSummary {
+    pub text: String,
+    pub request_id: ModelRequestId,
+    /// What the call cost: counted in the run's usage and budget like a step's.
+    pub usage: Usage,
 }
 
 /// Why a context was compacted.

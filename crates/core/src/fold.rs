@@ -1103,6 +1103,9 @@ impl RunState {
                 let compaction = self.checked_compaction(c).map_err(|why| {
                     Self::inconsistent(seq, env, format!("context.compacted: {why}"))
                 })?;
+                if let Some(summary) = &c.summary {
+                    self.usage.add(summary.usage);
+                }
                 self.compaction = Some(compaction);
             }
             Event::UserMessage(_)
@@ -1577,7 +1580,10 @@ impl RunState {
             Some(c) => crate::context::apply(&self.transcript, Some(c)),
             None => self.transcript.clone(),
         };
-        context.extend(self.consumable(self.last_seq));
+        context.extend(crate::context::cut_pending(
+            self.consumable(self.last_seq),
+            self.compaction.as_ref(),
+        ));
         context
     }
 
@@ -1616,7 +1622,49 @@ impl RunState {
             }
             elided.push(i);
         }
-        Ok(crate::context::Compaction { keep_from, elided })
+        let summary = match &c.summary {
+            // Only results elided: the summary of the turns left out still stands.
+            None if keep_from == before => self.compaction.as_ref().and_then(|c| c.summary.clone()),
+            None => None,
+            Some(_) if keep_from == 1 => return Err("a summary of nothing left out".into()),
+            Some(s) if s.text.trim().is_empty() => return Err("an empty summary".into()),
+            Some(s) if s.text.chars().count() > crate::context::MAX_SUMMARY_CHARS => {
+                return Err(format!(
+                    "a summary longer than {} characters",
+                    crate::context::MAX_SUMMARY_CHARS
+                ));
+            }
+            Some(s)
+                if s.request_id.run() != &self.run_id
+                    || s.request_id.attempt().get() < crate::context::SUMMARY_ATTEMPTS =>
+            {
+                return Err("a summary's request id is not this run's summary request".into());
+            }
+            Some(s) => Some(s.text.clone()),
+        };
+        let previous_cut = self.compaction.as_ref().and_then(|c| c.max_result_chars);
+        let max_result_chars = match c.max_result_chars {
+            None => previous_cut,
+            Some(n) => {
+                let n = usize::try_from(n).map_err(|_| "max_result_chars too large")?;
+                if n < crate::context::MIN_RESULT_CHARS {
+                    return Err(format!(
+                        "max_result_chars {n} is under {}",
+                        crate::context::MIN_RESULT_CHARS
+                    ));
+                }
+                if previous_cut.is_some_and(|p| n > p) {
+                    return Err(format!("max_result_chars {n} raises the cut in force"));
+                }
+                Some(n)
+            }
+        };
+        Ok(crate::context::Compaction {
+            keep_from,
+            elided,
+            summary,
+            max_result_chars,
+        })
     }
 
     /// [`RunState::next_context`] and its digest (`Digest::of` the context, the same value):

@@ -2575,6 +2575,8 @@ fn a_compaction_changes_what_the_model_reads_and_a_broken_one_does_not_fold() {
                 estimated_tokens: 4000,
                 budget_tokens: 2000,
                 cause: kedge_core::event::CompactionCause::Estimate,
+                summary: None,
+                max_result_chars: None,
             },
         ))
     };
@@ -2604,6 +2606,136 @@ fn a_compaction_changes_what_the_model_reads_and_a_broken_one_does_not_fold() {
     let mut back = sim.clone();
     back.push(compacted(3, vec![]));
     assert!(fold(back.events.iter().map(|(s, e)| (*s, e))).is_err());
+}
+
+/// Under `summarize` the model reads its summary where the turns were left out; the summary's
+/// call counts in the run's usage; a compaction that only elides more keeps it, one that leaves
+/// out more without a new one drops it; a summary that is not the run's, or empty, or of
+/// nothing, does not fold.
+#[test]
+fn a_summary_stands_for_the_turns_left_out_and_counts_in_the_usage() {
+    let mut sim = Sim::new(Budget {
+        max_steps: 50,
+        ..Budget::default()
+    });
+    for i in 0..6 {
+        sim.run_step(tools(&[(&format!("c{i}"), "read_file")]));
+        let op = sim.ops_of(sim.state().step.get())[0].clone();
+        sim.result(&op, &"x".repeat(2000));
+    }
+    let before = sim.state().usage;
+    let run = sim.run.clone();
+    let summary = |text: &str, keep_from: usize| kedge_core::event::CompactionSummary {
+        text: text.into(),
+        request_id: kedge_core::context::summary_request_id(&run, StepNo(7), keep_from),
+        usage: kedge_core::event::Usage {
+            input_tokens: 300,
+            output_tokens: 20,
+            ..Default::default()
+        },
+    };
+    let compacted =
+        |keep_from: u32, elided: Vec<u32>, s: Option<kedge_core::event::CompactionSummary>| {
+            Draft::new(Event::ContextCompacted(
+                kedge_core::event::ContextCompacted {
+                    keep_from,
+                    elided,
+                    estimated_tokens: 4000,
+                    budget_tokens: 2000,
+                    cause: kedge_core::event::CompactionCause::Estimate,
+                    summary: s,
+                    max_result_chars: None,
+                },
+            ))
+        };
+    let other: RunId = "run_other".parse().expect("run id");
+    let foreign = kedge_core::event::CompactionSummary {
+        request_id: kedge_core::context::summary_request_id(&other, StepNo(7), 5),
+        ..summary("S", 5)
+    };
+    let a_step = kedge_core::event::CompactionSummary {
+        request_id: kedge_core::ids::ModelRequestId::new(&run, StepNo(7), kedge_core::Attempt(1)),
+        ..summary("S", 5)
+    };
+    for bad in [
+        compacted(1, vec![2], Some(summary("S", 1))),
+        compacted(5, vec![], Some(summary("  ", 5))),
+        compacted(5, vec![], Some(foreign)),
+        compacted(5, vec![], Some(a_step)),
+    ] {
+        let mut b = sim.clone();
+        b.push(bad);
+        assert!(fold(b.events.iter().map(|(s, e)| (*s, e))).is_err());
+    }
+    sim.commit(vec![compacted(5, vec![], Some(summary("THE SUMMARY", 5)))]);
+    let state = sim.state();
+    let seen = state.next_context();
+    assert!(matches!(&seen[1], ChatMessage::User { text }
+        if text.contains("4 earlier messages") && text.ends_with("THE SUMMARY")));
+    assert_eq!(state.usage.input_tokens, before.input_tokens + 300);
+    assert_eq!(state.usage.output_tokens, before.output_tokens + 20);
+    // Only results elided: the summary stands.
+    sim.commit(vec![compacted(5, vec![6], None)]);
+    assert!(
+        matches!(&sim.state().next_context()[1], ChatMessage::User { text } if text.ends_with("THE SUMMARY"))
+    );
+    // More left out without a new summary: the plain note.
+    sim.commit(vec![compacted(7, vec![], None)]);
+    assert!(
+        matches!(&sim.state().next_context()[1], ChatMessage::User { text }
+        if text.contains("left out") && !text.contains("THE SUMMARY"))
+    );
+    // What a summary call reads: the part left out as the model reads it now, then the ask.
+    let asked = kedge_core::context::summary_context(&sim.state(), 9);
+    assert!(
+        matches!(asked.last(), Some(ChatMessage::User { text }) if text == kedge_core::context::SUMMARY_ASK)
+    );
+    assert!(matches!(&asked[1], ChatMessage::User { text } if text.contains("left out")));
+}
+
+/// A cut of the results (`max_result_chars`) reaches the results the next step consumes too,
+/// stays in force, and is never raised or set under the shortest cut.
+#[test]
+fn a_cut_of_the_results_reaches_the_next_steps_results_and_only_ever_lowers() {
+    let mut sim = Sim::new(Budget {
+        max_steps: 50,
+        ..Budget::default()
+    });
+    for i in 0..3 {
+        sim.run_step(tools(&[(&format!("c{i}"), "read_file")]));
+        let op = sim.ops_of(sim.state().step.get())[0].clone();
+        sim.result(&op, &"x".repeat(5000));
+    }
+    let cut = |max: u32| {
+        Draft::new(Event::ContextCompacted(
+            kedge_core::event::ContextCompacted {
+                keep_from: 1,
+                elided: vec![],
+                estimated_tokens: 4000,
+                budget_tokens: 2000,
+                cause: kedge_core::event::CompactionCause::Estimate,
+                summary: None,
+                max_result_chars: Some(max),
+            },
+        ))
+    };
+    let mut under = sim.clone();
+    under.push(cut(100));
+    assert!(fold(under.events.iter().map(|(s, e)| (*s, e))).is_err());
+    sim.commit(vec![cut(1000)]);
+    let seen = sim.state().next_context();
+    // The last result is not in the transcript yet (the next step consumes it): cut all the same.
+    let cuts = seen
+        .iter()
+        .filter(|m| matches!(m, ChatMessage::Tool { content, .. } if content.contains("[cut to 1000 of 5000 characters")))
+        .count();
+    assert_eq!(cuts, 3);
+    let plan = sim.expect_step();
+    assert_eq!(plan.context, seen);
+    let mut raised = sim.clone();
+    raised.push(cut(2000));
+    assert!(fold(raised.events.iter().map(|(s, e)| (*s, e))).is_err());
+    sim.commit(vec![cut(500)]);
 }
 
 /// A message to a finished run whose budget is spent revives it and fails it again, once: the

@@ -252,3 +252,93 @@ async fn a_long_chat_stays_within_the_models_window_turn_after_turn() {
     .await;
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_strategy_summarize_the_model_reads_a_summary_of_what_was_left_out() {
+    let mut script = script();
+    // The summary call's last message asks for the summary.
+    script["models"]["mw"]["rules"]
+        .as_array_mut()
+        .expect("rules")
+        .insert(
+            0,
+            serde_json::json!({
+                "when_last_user_contains": "Summarize the conversation above",
+                "respond": {"text": "SUMMARY: the agent listed the files many times; nothing changed."}
+            }),
+        );
+    let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
+    agent(
+        &h,
+        "summarizes",
+        serde_json::json!({"window_tokens": 900, "keep_last_turns": 4, "strategy": "summarize"}),
+    )
+    .await;
+    let run = h
+        .submit(
+            "summarizes",
+            "list the files, again and again",
+            "summarize-1",
+        )
+        .await;
+    h.wait_for(&run, Duration::from_secs(120), |s| {
+        s.step.get() >= 60 || s.status.is_terminal()
+    })
+    .await;
+    h.input(
+        &run,
+        Event::UserMessage(kedge_core::event::UserMessage {
+            text: "finish now".into(),
+        }),
+        "finish-summarize",
+    )
+    .await;
+    let state = h.wait_terminal(&run, Duration::from_secs(60)).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    let events = h.events(&run).await;
+    let compacted = compactions(&events);
+    let summaries: Vec<&kedge_core::event::CompactionSummary> = compacted
+        .iter()
+        .filter_map(|c| c.summary.as_ref())
+        .collect();
+    assert!(
+        summaries.len() >= 2,
+        "{} of {} compactions summarized",
+        summaries.len(),
+        compacted.len()
+    );
+    // Each summary was bought once, under its own request id.
+    let counts = h.mock.mock().calls();
+    for s in &summaries {
+        assert_eq!(
+            counts.by_request_id.get(&s.request_id.to_string()).copied(),
+            Some(1),
+            "{}",
+            s.request_id
+        );
+        assert!(s.usage.input_tokens > 0);
+    }
+    assert_no_answer_bought_twice(&h, &events);
+    // The run's usage counts the summaries' tokens too.
+    let steps_input: u64 = events
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            Event::StepCompleted(c) => Some(c.usage.input_tokens),
+            _ => None,
+        })
+        .sum();
+    let summaries_input: u64 = summaries.iter().map(|s| s.usage.input_tokens).sum();
+    assert_eq!(state.usage.input_tokens, steps_input + summaries_input);
+    // The model reads the summary where the left-out turns were.
+    let bodies = h.mock.mock().requests("mw");
+    let last = bodies.last().expect("a request");
+    let messages = last["messages"].as_array().expect("messages");
+    assert!(
+        messages.iter().any(|m| m["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("SUMMARY: the agent listed"))),
+        "the summary stands for what was left out: {messages:?}"
+    );
+    h.check_replay(&run, "context-summarized").await;
+    h.shutdown().await;
+}

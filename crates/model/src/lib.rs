@@ -98,8 +98,8 @@ pub enum Delta {
     /// The model started a tool call (its arguments are not streamed). `call_id` may be empty
     /// on an OpenAI-compatible server that sends the name before the id.
     ToolCall { call_id: String, name: String },
-    /// The rate limits the provider's response headers name (before any content, on an error
-    /// response too): what the fleet paces the endpoint's calls by when it is not configured.
+    /// The rate limits the headers of a successful response name (before any content): what
+    /// the fleet paces the endpoint's calls by, with any it is configured with.
     Limits(RateLimits),
 }
 
@@ -356,10 +356,14 @@ impl ModelClient {
             Ok(Ok(r)) => r,
         };
 
-        if let Some(limits) = error::RateLimits::from_headers(response.headers()) {
+        let status = response.status();
+        // Learned from answers only: a refusal's headers may describe a quota or a trouble
+        // rather than the limit the calls keep to (and the refusal itself is waited out).
+        if status.is_success()
+            && let Some(limits) = error::RateLimits::from_headers(response.headers())
+        {
             on_delta(Delta::Limits(limits));
         }
-        let status = response.status();
         if !status.is_success() {
             let headers = response.headers().clone();
             let body = match tokio::time::timeout_at(deadline, response.bytes()).await {

@@ -315,6 +315,56 @@ async fn rate_limits_are_retryable_with_the_providers_delay() {
 }
 
 #[tokio::test]
+async fn an_answer_names_the_rate_limits_in_each_providers_headers_and_a_refusal_does_not() {
+    for provider in PROVIDERS {
+        let mock = mock(json!({"models": {"m": {
+            "limits": {"requests_per_minute": 2, "tokens_per_minute": 40000},
+            "steps": [{"text": "ok"}]
+        }}}))
+        .await;
+        let spec = spec(&mock, provider, "m");
+        let tools = tools();
+        let learned = |id: ModelRequestId| {
+            let spec = spec.clone();
+            let tools = tools.clone();
+            async move {
+                let context = user("hi");
+                let call = ModelCall {
+                    spec: &spec,
+                    api_key: Some("test-key"),
+                    system: "s",
+                    tools: &tools,
+                    context: &context,
+                    request_id: &id,
+                    max_output_tokens: 64,
+                    output_schema: None,
+                    timeout: SECS_5,
+                };
+                let mut seen = None;
+                let r = ModelClient::new()
+                    .complete(&call, &mut |d| {
+                        if let Delta::Limits(l) = d {
+                            seen = Some(l);
+                        }
+                    })
+                    .await;
+                (r.is_ok(), seen)
+            }
+        };
+        let (ok, seen) = learned(request_id(1, 1)).await;
+        assert!(ok);
+        let seen = seen.expect("limits named");
+        assert_eq!(seen.requests_per_minute, Some(2), "{provider:?}");
+        assert_eq!(seen.tokens_per_minute, Some(40000), "{provider:?}");
+        let _ = learned(request_id(1, 2)).await;
+        // Over the limit: a 429, whose headers teach nothing.
+        let (ok, seen) = learned(request_id(1, 3)).await;
+        assert!(!ok);
+        assert_eq!(seen, None, "{provider:?}");
+    }
+}
+
+#[tokio::test]
 async fn overload_and_server_errors_are_retryable() {
     for (provider, status) in [
         (Provider::Anthropic, 529),

@@ -1255,7 +1255,7 @@ impl Driver {
             // The model's context window (docs/ARCHITECTURE.md "The context window"): a
             // conversation that would not fit is compacted first, a decision of its own; the
             // step is then decided again on the compacted context.
-            if let Some(compacted) = compaction(state, &def, None) {
+            if let Some(mut compacted) = compaction(state, &def, None) {
                 if state.status.is_terminal() {
                     // A revival: its first decisions alone, so that the compaction lands in
                     // the running run they leave (the step is decided again after it).
@@ -1268,7 +1268,15 @@ impl Driver {
                     self.commit(state, w, revival).await?;
                 } else {
                     tracing::info!("compacting the model's context to fit its window");
-                    self.commit(state, w, vec![compacted]).await?;
+                    let before = state.compaction.as_ref().map_or(1, |c| c.keep_from);
+                    let keep_from = usize::try_from(compacted.keep_from).unwrap_or(usize::MAX);
+                    if def.context.strategy == kedge_core::context::ContextStrategy::Summarize
+                        && keep_from > before
+                    {
+                        compacted.summary = self.summarize(state, &def, plan.step, keep_from).await;
+                    }
+                    let draft = Draft::new(Event::ContextCompacted(compacted));
+                    self.commit(state, w, vec![draft]).await?;
                 }
                 return Ok(());
             }
@@ -1562,7 +1570,7 @@ impl Driver {
                                 .then(|| compaction(state, &def, Some(&e)))
                                 .flatten();
                             if let Some(compacted) = compacted {
-                                drafts.push(compacted);
+                                drafts.push(Draft::new(Event::ContextCompacted(compacted)));
                             } else if e.class == ErrorClass::Fatal {
                                 drafts.push(Draft::new(Event::RunFailed(RunFailed {
                                     reason: FailureReason::ModelRejected,
@@ -1589,6 +1597,121 @@ impl Driver {
         }
         .instrument(span)
         .await
+    }
+
+    /// The run's model's summary of the turns a compaction keeping the transcript from
+    /// `keep_from` leaves out (`context.strategy: summarize`, docs/ARCHITECTURE.md "The context
+    /// window"): a call of its own, under a request id fixed by the step and `keep_from`, whose
+    /// answer is stored before it is journaled and reused after a crash. `None` (the compaction
+    /// then trims) when the call is not made or fails: the run's model's endpoint is failing,
+    /// the agent marks values sensitive (a summary would journal them in clear), or the model
+    /// answers with no text. Never a reason to fail the run.
+    async fn summarize(
+        &self,
+        state: &RunState,
+        def: &AgentDefinition,
+        step: kedge_core::StepNo,
+        keep_from: usize,
+    ) -> Option<kedge_core::event::CompactionSummary> {
+        use kedge_core::context;
+        if def.marks_sensitive() {
+            return None;
+        }
+        let request_id = context::summary_request_id(&state.run_id, step, keep_from);
+        let messages = context::summary_context(state, keep_from);
+        let digest = kedge_core::event::Digest::of(&messages);
+        let primary = Called::primary(state, def);
+        let stored = match self.rt.idempotency.stored_response(&request_id).await {
+            Ok(found) => found.filter(|s| s.context_digest == digest),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for a stored summary; trimming instead");
+                return None;
+            }
+        };
+        let response = match stored {
+            Some(stored) => {
+                tracing::info!(request_id = %request_id, "reusing the stored summary");
+                stored.response
+            }
+            None => {
+                let providers = self.providers().await.ok()?;
+                if !providers.breaker(&primary.endpoint).lets(None) {
+                    return None;
+                }
+                self.rt
+                    .config
+                    .check_model(&primary.key_var, primary.spec.base_url.as_deref())
+                    .ok()?;
+                let api_key = self.rt.config.api_key(&primary.key_var);
+                let call = ModelCall {
+                    spec: &primary.spec,
+                    api_key: api_key.as_deref(),
+                    system: context::SUMMARY_SYSTEM,
+                    // The conversation holds tool calls; a provider wants their tools declared.
+                    tools: &def.tools,
+                    context: &messages,
+                    request_id: &request_id,
+                    max_output_tokens: def.max_output_tokens,
+                    output_schema: None,
+                    timeout: self.rt.config.timeouts.model_timeout(),
+                };
+                let called_at = std::time::Instant::now();
+                let result = self
+                    .model
+                    .complete(&call, &mut |_| {})
+                    .await
+                    .map_err(CallError::Model);
+                count_call(&primary.spec, &result, called_at.elapsed());
+                let response = match result {
+                    Ok(r) => r,
+                    Err(CallError::Model(e)) => {
+                        if let Some(trouble) = e.trouble {
+                            let report = TroubleReport {
+                                trouble,
+                                message: e.message.clone(),
+                                retry_after: e.retry_after,
+                                probe: false,
+                            };
+                            providers.report_trouble(&primary.endpoint, &report).await;
+                        }
+                        tracing::warn!(error = %e, "the summary call failed; trimming instead");
+                        return None;
+                    }
+                    Err(CallError::Cancelled) => return None,
+                };
+                let stored = StoredResponse {
+                    context_digest: digest,
+                    response: response.clone(),
+                };
+                // Stored before it is journaled: a crash in between reuses it.
+                if let Err(e) = self
+                    .rt
+                    .idempotency
+                    .store_response(&request_id, &stored)
+                    .await
+                {
+                    tracing::warn!(error = %e, "the summary could not be stored; trimming instead");
+                    return None;
+                }
+                response
+            }
+        };
+        let text: String = response
+            .message
+            .text
+            .trim()
+            .chars()
+            .take(context::MAX_SUMMARY_CHARS)
+            .collect();
+        if text.is_empty() {
+            tracing::warn!("the summary call answered no text; trimming instead");
+            return None;
+        }
+        Some(kedge_core::event::CompactionSummary {
+            text,
+            request_id,
+            usage: response.usage.priced(primary.spec.price.as_ref()),
+        })
     }
 
     /// This process's view of the fleet's model endpoints.
@@ -2116,7 +2239,7 @@ fn compaction(
     state: &RunState,
     def: &AgentDefinition,
     refused: Option<&ModelError>,
-) -> Option<Draft> {
+) -> Option<kedge_core::event::ContextCompacted> {
     use kedge_core::context::{self, ContextStrategy};
     // A run that has not started has no turn to leave out; a cancelling or compensating one
     // calls no model.
@@ -2144,11 +2267,7 @@ fn compaction(
     let overhead = kedge_model::context::overhead_tokens(&def.system_prompt, &def.tools)
         .saturating_add(u64::from(def.max_output_tokens));
     let pending = state.consumable(state.last_seq);
-    let estimated: u64 = context::apply(&state.transcript, state.compaction.as_ref())
-        .iter()
-        .chain(&pending)
-        .map(context::estimate)
-        .sum();
+    let estimated = context::context_tokens(&state.transcript, &pending, state.compaction.as_ref());
     let budget = match refused {
         None => window?.saturating_sub(overhead),
         Some(e) => {
@@ -2158,18 +2277,21 @@ fn compaction(
     };
     let c = context::compaction(state, &pending, budget, def.context.keep_last_turns)?;
     let index = |i: usize| u32::try_from(i).unwrap_or(u32::MAX);
-    Some(Draft::new(Event::ContextCompacted(
-        kedge_core::event::ContextCompacted {
-            keep_from: index(c.keep_from),
-            elided: c.elided.into_iter().map(index).collect(),
-            estimated_tokens: estimated,
-            budget_tokens: budget,
-            cause: match refused {
-                None => kedge_core::event::CompactionCause::Estimate,
-                Some(_) => kedge_core::event::CompactionCause::TooLong,
-            },
+    Some(kedge_core::event::ContextCompacted {
+        keep_from: index(c.keep_from),
+        elided: c.elided.into_iter().map(index).collect(),
+        estimated_tokens: estimated,
+        budget_tokens: budget,
+        cause: match refused {
+            None => kedge_core::event::CompactionCause::Estimate,
+            Some(_) => kedge_core::event::CompactionCause::TooLong,
         },
-    )))
+        summary: None,
+        max_result_chars: c
+            .max_result_chars
+            .filter(|n| state.compaction.as_ref().and_then(|p| p.max_result_chars) != Some(*n))
+            .map(index),
+    })
 }
 
 /// A step's model call that met provider trouble (or was held, or waits its turn), for
