@@ -47,6 +47,12 @@ pub struct Timeouts {
     /// process's connection closes, so the others find it gone and adopt its runs and
     /// operations (docs/ARCHITECTURE.md "Takeover").
     pub drain_ms: u64,
+    /// How long a process whose connection to the broker dropped may still deliver what its
+    /// model call in flight received: a step worker that takes a run over from a worker found
+    /// gone waits this long (from when that worker was last heard) for the interrupted
+    /// attempt's answer to be stored, before it calls the model again (docs/ARCHITECTURE.md
+    /// "Takeover"). A run between steps is taken over at once.
+    pub reconnect_grace_ms: u64,
 }
 
 impl Default for Timeouts {
@@ -64,6 +70,7 @@ impl Default for Timeouts {
             heartbeat_ms: 100,
             suspect_after_ms: 350,
             drain_ms: 20_000,
+            reconnect_grace_ms: 15_000,
         }
     }
 }
@@ -114,6 +121,11 @@ impl Timeouts {
     }
     pub fn drain(&self) -> Duration {
         Duration::from_millis(self.drain_ms)
+    }
+    /// The reconnect grace, never longer than a model call may take (its answer cannot come
+    /// later than that).
+    pub fn reconnect_grace(&self) -> Duration {
+        Duration::from_millis(self.reconnect_grace_ms.min(self.model_timeout_ms))
     }
 
     /// Checks every relation; the first broken one is returned.

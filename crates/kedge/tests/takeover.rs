@@ -94,8 +94,12 @@ async fn harness(script: serde_json::Value, in_process: &[Svc]) -> Harness {
     h
 }
 
+/// The reconnect grace the standby gives a holder killed mid model call (its answer might
+/// still come, had it only lost its connection): short here, so the test does not wait 15 s.
+const GRACE_MS: &str = "2000";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_killed_mid_model_call_is_replaced_by_the_standby_at_once() {
+async fn a_worker_killed_mid_model_call_is_replaced_by_the_standby_after_the_reconnect_grace() {
     let script = json!({"models": {"slow": {"steps": [
         {"text": "thinking", "delay_ms": 3000},
     ]}}});
@@ -104,9 +108,10 @@ async fn a_worker_killed_mid_model_call_is_replaced_by_the_standby_at_once() {
     // Two workers, both up and hearing each other; whichever takes the run is killed the
     // moment its `step.started` is journaled (the worst moment: nothing but the lease and the
     // heartbeat announce that it holds the run).
+    let grace = [("KEDGE_RECONNECT_GRACE_MS", GRACE_MS.to_owned())];
     let workers = [
-        ("w-a", h.spawn_process("all", "w-a", "")),
-        ("w-b", h.spawn_process("all", "w-b", "")),
+        ("w-a", h.spawn_process_with_env("all", "w-a", "", &grace)),
+        ("w-b", h.spawn_process_with_env("all", "w-b", "", &grace)),
     ];
     for (w, _) in workers {
         heartbeat_of(&h, w).await;

@@ -1522,6 +1522,7 @@ impl Config {
             ("KEDGE_HEARTBEAT_MS", &mut t.heartbeat_ms),
             ("KEDGE_SUSPECT_AFTER_MS", &mut t.suspect_after_ms),
             ("KEDGE_DRAIN_MS", &mut t.drain_ms),
+            ("KEDGE_RECONNECT_GRACE_MS", &mut t.reconnect_grace_ms),
         ] {
             if let Some(v) = get(var) {
                 *field = num(var, &v)?;

@@ -338,6 +338,15 @@ impl Liveness {
                     .saturating_add(self.inner.suspect_after.saturating_mul(SHARED_ID_SILENCE))
     }
 
+    /// When this process last heard `worker`'s heartbeat (`None`: never, or long forgotten).
+    pub fn last_heard(&self, worker: &str) -> Option<Instant> {
+        self.inner
+            .peers
+            .lock()
+            .ok()
+            .and_then(|peers| peers.get(worker).map(|p| p.seen))
+    }
+
     /// Whether `worker` is gone: this process itself never is; one whose heartbeat arrived
     /// within `suspect_after` is alive without asking; any other is pinged.
     pub async fn is_gone(&self, worker: &str) -> bool {

@@ -101,6 +101,8 @@ metrics_table! {
         "Leases (kind=run) and operation records (kind=operation) this process took over from a holder that is gone.";
     TAKEOVER_SECONDS = "kedge_takeover_seconds", Histogram, ["kind"],
         "From the gone holder's last heartbeat to the takeover here (takeovers that follow a worker death this process heard).";
+    INTERRUPTED_ANSWERS = "kedge_interrupted_answers_total", Counter, ["result"],
+        "Model attempts a gone holder left unfinished whose answer this step process waited for (within reconnect_grace), by result: reused (stored by the holder, or committed by it), none (the next attempt calls the model).";
     CONSUMER_DELIVERIES = "kedge_consumer_deliveries_total", Counter, ["consumer"],
         "Messages this process received from each durable consumer.";
     CONSUMER_REDELIVERIES = "kedge_consumer_redeliveries_total", Counter, ["consumer"],
@@ -575,6 +577,16 @@ pub enum Takeover {
     Run,
     /// A tool operation's record.
     Operation,
+}
+
+/// A step process waited for the answer of an attempt a gone holder left unfinished
+/// (`reused`: it came, stored or committed by that holder).
+pub fn interrupted_answer(reused: bool) {
+    if reused {
+        counter!(INTERRUPTED_ANSWERS, "result" => "reused").increment(1);
+    } else {
+        counter!(INTERRUPTED_ANSWERS, "result" => "none").increment(1);
+    }
 }
 
 /// This process took over a lease or a record from a holder that is gone; `since` is how long

@@ -31,9 +31,13 @@
 //! itself dies without running `Drop` (SIGKILL, abort), a small watchdog process per server kills
 //! the server when the test process's end of a pipe closes.
 //!
+//! Network faults between one process and its server (a reset, a few seconds of loss, a silent
+//! partition) come from [`proxy::TcpProxy`], a TCP proxy the process connects through.
+//!
 //! [`kill -9`]: NatsServer::kill9
 
 pub mod fixtures;
+pub mod proxy;
 pub mod tls;
 
 use std::fs::{File, OpenOptions};

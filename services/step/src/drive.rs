@@ -124,6 +124,10 @@ pub struct Driver {
     /// Runs adopted from a worker found gone, and when that worker was last heard: the
     /// takeover's latency ([`metrics::TAKEOVER_SECONDS`]) once the lease is taken.
     adopted: Arc<std::sync::Mutex<std::collections::HashMap<RunId, std::time::Instant>>>,
+    /// Runs this process took over from a worker found gone, and when that worker was last
+    /// heard: an attempt it left unfinished may still have its answer stored within
+    /// `reconnect_grace` of then ([`Driver::await_interrupted_answer`]).
+    taken_from: Arc<std::sync::Mutex<std::collections::HashMap<RunId, std::time::Instant>>>,
     /// Child runs this process made sure exist (their `run.created` is journaled): not written
     /// again on the parent's next drives.
     children: Arc<std::sync::Mutex<std::collections::HashSet<RunId>>>,
@@ -248,6 +252,21 @@ struct Holding {
     continuous: bool,
 }
 
+/// What became of an attempt a gone holder left unfinished
+/// ([`Driver::await_interrupted_answer`]).
+enum Interrupted {
+    /// Its answer, stored: reused.
+    Answer(StoredResponse),
+    /// The run moved on meanwhile (its holder came back and committed): decided again.
+    Moved,
+    /// No answer within the grace (or no reason to wait): the next attempt calls the model.
+    NoAnswer,
+}
+
+/// How often the stored answer of an interrupted attempt is looked for
+/// ([`Driver::await_interrupted_answer`]).
+const INTERRUPTED_POLL: Duration = Duration::from_millis(200);
+
 /// A lease kept after a drive that left its run waiting on its tools (the agent loop's next
 /// drive follows in milliseconds): that drive takes it back without a write, instead of a
 /// release now and an acquire then. Parked at most until the lease's next renewal was due
@@ -333,6 +352,7 @@ impl Driver {
             cache: Arc::default(),
             released: Arc::default(),
             adopted: Arc::default(),
+            taken_from: Arc::default(),
             children: Arc::default(),
             parked: Arc::default(),
             park_ids: Arc::default(),
@@ -989,6 +1009,19 @@ impl Driver {
                         tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
                         let heard = self.adopted.lock().ok().and_then(|mut a| a.remove(run));
                         metrics::takeover(Takeover::Run, heard.map(|at| at.elapsed()));
+                        // Its model call in flight may still deliver (a dropped connection is
+                        // not a dead process): remembered for `await_interrupted_answer`.
+                        if owner != cfg.worker_id {
+                            let last = heard
+                                .or_else(|| self.liveness.last_heard(&owner))
+                                .unwrap_or_else(std::time::Instant::now);
+                            if let Ok(mut taken) = self.taken_from.lock() {
+                                if taken.len() >= CACHE_RUNS {
+                                    taken.clear();
+                                }
+                                taken.insert(run.clone(), last);
+                            }
+                        }
                         Ok(fresh(lease))
                     }
                     // Our own parked lease, released by its expiry meanwhile: taken afresh.
@@ -1233,10 +1266,21 @@ impl Driver {
             // and the model reads the refusal as their result.
             let mut plan = plan;
             plan.answer_refused(&contract);
-            // A worker that died after the model answered left the response behind.
-            if let Some((request, digest)) = &plan.unfinished
-                && let Some(stored) = self.rt.idempotency.stored_response(request).await?
-                && stored.context_digest == *digest
+            // A worker that died after the model answered left the response behind; one whose
+            // connection dropped mid call may still store it, within the reconnect grace.
+            let interrupted = match &plan.unfinished {
+                Some((request, digest)) => {
+                    self.await_interrupted_answer(state, request, digest, lost)
+                        .await?
+                }
+                None => Interrupted::NoAnswer,
+            };
+            if let Interrupted::Moved = interrupted {
+                // Decided again from what the run is now.
+                return Ok(());
+            }
+            if let Some((request, _)) = &plan.unfinished
+                && let Interrupted::Answer(stored) = interrupted
             {
                 tracing::info!(request_id = %request, "reusing the stored model response");
                 let drafts = complete_step(
@@ -1459,11 +1503,7 @@ impl Driver {
                         }
                         // Not landed (the run moved on, another writer decided) or not known
                         // to have: kept for this step's next attempt, here or elsewhere.
-                        let put = self
-                            .rt
-                            .idempotency
-                            .store_response(&plan.request_id, &stored)
-                            .await;
+                        let put = self.store_answer(&plan.request_id, &stored).await;
                         failpoint::hit("step.after_model_stored");
                         return match (committed, put) {
                             (Err(e), put) => {
@@ -1481,9 +1521,7 @@ impl Driver {
                     // from here on never pays for it twice.
                     w.stale_through = None;
                     let (put, read) = futures::join!(
-                        self.rt
-                            .idempotency
-                            .store_response(&plan.request_id, &stored),
+                        self.store_answer(&plan.request_id, &stored),
                         async {
                             if behind {
                                 self.refresh(state, &mut w.skipped, None, None).await.map(|_| ())
@@ -1712,6 +1750,98 @@ impl Driver {
             request_id,
             usage: response.usage.priced(primary.spec.price.as_ref()),
         })
+    }
+
+    /// The stored answer of the attempt `request` (with the context `digest`) that a holder
+    /// of the run left unfinished. When this process took the run over from a worker found
+    /// gone, that worker may only have lost its broker connection: its call may still answer
+    /// and be stored as soon as it reconnects (docs/ARCHITECTURE.md "Takeover"). So until
+    /// `reconnect_grace` after the worker was last heard, the answer is waited for (the record
+    /// read every [`INTERRUPTED_POLL`]); the wait ends early when the run moves on (the worker
+    /// came back and committed it) or this process loses the lease. `None`: no answer to reuse,
+    /// the next attempt calls the model.
+    async fn await_interrupted_answer(
+        &self,
+        state: &mut RunState,
+        request: &kedge_core::ids::ModelRequestId,
+        digest: &kedge_core::event::Digest,
+        lost: &mut watch::Receiver<bool>,
+    ) -> Result<Interrupted, DriveError> {
+        let stored = |s: Option<StoredResponse>| s.filter(|s| s.context_digest == *digest);
+        if let Some(found) = stored(self.rt.idempotency.stored_response(request).await?) {
+            return Ok(Interrupted::Answer(found));
+        }
+        let heard = self
+            .taken_from
+            .lock()
+            .ok()
+            .and_then(|t| t.get(&state.run_id).copied());
+        let Some(until) = heard.map(|h| h + self.rt.config.timeouts.reconnect_grace()) else {
+            return Ok(Interrupted::NoAnswer);
+        };
+        if std::time::Instant::now() >= until {
+            return Ok(Interrupted::NoAnswer);
+        }
+        tracing::info!(request_id = %request, "waiting for the interrupted attempt's answer before calling the model again");
+        let started = std::time::Instant::now();
+        let seq = state.last_seq;
+        let found = loop {
+            if *lost.borrow() {
+                return Err(DriveError::LeaseLost);
+            }
+            let wait =
+                INTERRUPTED_POLL.min(until.saturating_duration_since(std::time::Instant::now()));
+            if wait.is_zero() {
+                break Interrupted::NoAnswer;
+            }
+            tokio::time::sleep(wait).await;
+            if let Some(found) = stored(self.rt.idempotency.stored_response(request).await?) {
+                break Interrupted::Answer(found);
+            }
+            // The worker came back and committed its answer itself: the run moved on.
+            let mut skipped = Skipped::default();
+            self.refresh(state, &mut skipped, None, None).await?;
+            if state.last_seq != seq {
+                break Interrupted::Moved;
+            }
+        };
+        if let Ok(mut t) = self.taken_from.lock() {
+            t.remove(&state.run_id);
+        }
+        let answered = !matches!(found, Interrupted::NoAnswer);
+        metrics::interrupted_answer(answered);
+        tracing::info!(request_id = %request, answered, waited_ms = started.elapsed().as_millis() as u64, "done waiting for the interrupted attempt's answer");
+        Ok(found)
+    }
+
+    /// Stores a model's answer for the step's next holder. When the broker cannot be reached
+    /// (this process's connection dropped), the answer is not given up: it is stored again in
+    /// the background, for `reconnect_grace` after the first try, so that a worker that took
+    /// the run over meanwhile finds it instead of paying for the call again
+    /// ([`Driver::await_interrupted_answer`]). The first try's error is returned.
+    async fn store_answer(
+        &self,
+        request: &kedge_core::ids::ModelRequestId,
+        stored: &StoredResponse,
+    ) -> Result<(), IdempotencyError> {
+        let first = self.rt.idempotency.store_response(request, stored).await;
+        if let Err(e) = &first {
+            tracing::warn!(request_id = %request, error = %e, "cannot store the model's answer now; trying again in the background");
+            let store = self.rt.idempotency.clone();
+            let (request, stored) = (request.clone(), stored.clone());
+            let until = std::time::Instant::now() + self.rt.config.timeouts.reconnect_grace();
+            tokio::spawn(async move {
+                while std::time::Instant::now() < until {
+                    tokio::time::sleep(INTERRUPTED_POLL).await;
+                    if store.store_response(&request, &stored).await.is_ok() {
+                        tracing::info!(request_id = %request, "the model's answer is stored for the run's holder");
+                        return;
+                    }
+                }
+                tracing::warn!(request_id = %request, "gave up storing the model's answer: the broker stayed out of reach");
+            });
+        }
+        first
     }
 
     /// This process's view of the fleet's model endpoints.

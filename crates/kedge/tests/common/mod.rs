@@ -103,6 +103,7 @@ pub fn fast_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
     t.tool_ack_wait_ms = 2_000;
     t.stall_after_ms = 10_000;
     t.max_retry_delay_ms = 500;
+    t.reconnect_grace_ms = 2_000;
     config.check().expect("valid test config");
     config
 }
@@ -211,6 +212,12 @@ impl Harness {
 
     /// Runs a service in this process as worker `worker` (its own connection and runtime).
     pub fn spawn_service(&mut self, svc: Svc, worker: &str) {
+        self.spawn_service_with(svc, worker, |_| {});
+    }
+
+    /// [`Harness::spawn_service`] with its configuration changed by `edit` (e.g. its NATS URL
+    /// pointed at a proxy).
+    pub fn spawn_service_with(&mut self, svc: Svc, worker: &str, edit: impl FnOnce(&mut Config)) {
         let kind = match svc {
             Svc::Intake => Kind::Intake,
             Svc::Step => Kind::Step,
@@ -221,6 +228,7 @@ impl Harness {
         };
         let mut config = as_kind(&self.config, kind);
         config.worker_id = worker.to_owned();
+        edit(&mut config);
         let mut rx = self.stop.subscribe();
         self.services.push(tokio::spawn(async move {
             let rt = Runtime::connect(config).await.expect("service runtime");
@@ -273,6 +281,7 @@ impl Harness {
             .env("KEDGE_TOOL_GRACE_MS", t.tool_grace_ms.to_string())
             .env("KEDGE_TOOL_ACK_WAIT_MS", t.tool_ack_wait_ms.to_string())
             .env("KEDGE_STALL_AFTER_MS", t.stall_after_ms.to_string())
+            .env("KEDGE_RECONNECT_GRACE_MS", t.reconnect_grace_ms.to_string())
             .env("KEDGE_FAILPOINTS", failpoints)
             .env("KEDGE_LOG", "warn")
             .stdin(Stdio::null());

@@ -968,7 +968,7 @@ async fn counts_per_request_id_and_control_endpoints() {
     assert_eq!(
         calls,
         json!({"total": 5, "by_request_id": {"": 1, "req_a": 3, "req_b": 1}, "by_model": {"mock-demo": 5},
-               "troubled": 0})
+               "troubled": 0, "limited": 0})
     );
     let requests: Value = http
         .get(format!(

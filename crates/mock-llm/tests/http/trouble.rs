@@ -417,7 +417,7 @@ async fn models_filter_for_ms_counter_reset_and_delete() {
     assert_eq!(
         calls,
         json!({"total": 3, "by_request_id": {"": 1, "req_1": 2},
-               "by_model": {"mock-a": 1, "mock-b": 2}, "troubled": 1})
+               "by_model": {"mock-a": 1, "mock-b": 2}, "troubled": 1, "limited": 0})
     );
     // Troubled calls are recorded like the others.
     assert_eq!(mock.requests("mock-a"), vec![oa("mock-a")]);
@@ -716,8 +716,10 @@ async fn requests_per_minute_refuses_the_call_over_the_limit() {
     let (_, body) = json_of(resp).await;
     assert_eq!(body["error"]["type"], "rate_limit_error");
 
-    // Refused calls are calls (counted), but not troubled ones; another model is unaffected.
+    // Refused calls are calls (counted), but not troubled ones (`limited` counts them); another
+    // model is unaffected.
     assert_eq!((mock.total_calls(), mock.troubled_calls()), (4, 0));
+    assert_eq!(mock.mock().calls().limited, 2);
     assert_eq!(
         openai(&mock, None, &oa("mock-a")).await.status().as_u16(),
         200
