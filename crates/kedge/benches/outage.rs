@@ -79,7 +79,7 @@ use support::{run_bench, writer_runtime};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -249,13 +249,7 @@ impl Children {
         } else {
             log.try_clone().expect("clone the log file")
         };
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kedge"));
-        cmd.args(args);
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("KEDGE_") {
-                cmd.env_remove(k);
-            }
-        }
+        let mut cmd = support::kedge_command(args);
         cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(stdout)

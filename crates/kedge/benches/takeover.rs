@@ -66,6 +66,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "support/mod.rs"]
+mod support;
+
 use futures::StreamExt;
 use kedge_core::agent::AgentDefinition;
 use kedge_core::event::{OutcomeResolved, Resolution, Timestamp};
@@ -215,14 +218,8 @@ impl Fleet {
         self.generation[slot] += 1;
         let id = format!("bench-{}-{}", ["a", "b"][slot], self.generation[slot]);
         let log = std::fs::File::create(self.log_dir.join(format!("{id}.log"))).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kedge"));
-        cmd.args(["serve", "all"]);
         // The default configuration: nothing of the bench's own environment leaks in.
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("KEDGE_") {
-                cmd.env_remove(k);
-            }
-        }
+        let mut cmd = support::kedge_command(&["serve", "all"]);
         cmd.env("KEDGE_CONFIG", &self.config_file)
             .env("KEDGE_NATS_URL", &self.nats_url)
             .env("KEDGE_WORKER_ID", &id)

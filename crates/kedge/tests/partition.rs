@@ -120,12 +120,7 @@ async fn partition_matrix() {
         h.config.timeouts = kedge_core::config::Timeouts::default();
         h.agent("slow", "slow").await;
         let proxy = TcpProxy::start(upstream(&h)).await.expect("proxy");
-        let cut = h.spawn_process_with_env(
-            "step",
-            "w-cut",
-            "",
-            &[("KEDGE_NATS_URL", proxy.url())],
-        );
+        let cut = h.spawn_process_with_env("step", "w-cut", "", &[("KEDGE_NATS_URL", proxy.url())]);
         let run = h.submit("slow", "go", "matrix").await;
         h.wait_for(&run, Duration::from_secs(30), |s| s.open_step.is_some())
             .await;

@@ -1,10 +1,11 @@
-//! What the benches that fill the journal and watch a `kedge serve all` process share: a run's
-//! `run.created` as the core would freeze it, the JetStream API by hand, and /proc figures.
+//! What the benches that fill the journal and watch `kedge serve` processes share: a run's
+//! `run.created` as the core would freeze it, the JetStream API by hand, /proc figures, and the
+//! `kedge` command with none of the bench's own `KEDGE_*` variables.
 //! Included with `#[path]`; not a bench target of its own.
 
 #![allow(dead_code, clippy::unwrap_used)]
 
-use std::process::Child;
+use std::process::{Child, Command};
 
 use kedge_core::event::RunCreated;
 
@@ -97,4 +98,17 @@ pub fn read_proc(pid: u32) -> Proc {
 pub fn stop(mut child: Child) {
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// `kedge <args>` (the binary under test) with no `KEDGE_*` variable of the bench's own
+/// environment: the process's configuration is what the bench gives it, as a user's would be.
+pub fn kedge_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kedge"));
+    cmd.args(args);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("KEDGE_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
 }
