@@ -934,3 +934,77 @@ async fn an_mcp_operation_cut_off_after_its_effect_is_confirmed_by_the_servers_s
     assert_eq!(pays, 1, "the effect happened once");
     h.shutdown().await;
 }
+
+/// A runner killed in the middle of a remote call whose server goes on with it (the effect
+/// lands two seconds after the call arrived, after the runner is gone): the standby does not
+/// run the operation again while that first attempt may still take effect. It waits for the
+/// attempt's deadline (`tool_timeout + tool_grace` from the claim), then asks the server, which
+/// by then has the effect: confirmed, once. Taken over at once, the standby would have found
+/// nothing yet ("not found") and paid a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_call_cut_off_with_its_runner_is_not_run_again_while_it_may_still_land() {
+    let state = tempfile::tempdir().expect("dir");
+    let server = flaky(state.path(), &[("FLAKY_STATUS", "1")]);
+    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
+    let mut h = Harness::start_with(
+        json!({"models": {"mp": {"steps": [
+            {"text": "paying", "tool_calls": [call("flaky__pay_slowly", "invoice-9")]},
+            {"text": "paid"}
+        ]}}}),
+        &[Svc::Intake, Svc::Step],
+        |c| {
+            c.timeouts.tool_timeout_ms = 4_000;
+            c.timeouts.tool_grace_ms = 1_000;
+            c.timeouts.tool_ack_wait_ms = 8_000;
+        },
+    )
+    .await;
+    let def = json!({
+        "name": "slow-payer",
+        "system_prompt": "remote call test",
+        "model": {"provider": "openai", "name": "mp", "base_url": format!("{}/v1", h.mock.base_url())},
+        "api_key_env": API_KEY_VAR,
+        "tools": [{"name": "flaky__pay_slowly"}],
+    });
+    let def = AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent");
+    h.rt.agents.put(&def).await.expect("agent stored");
+    let env = [("KEDGE_MCP_SERVERS", servers)];
+    let doomed = h.spawn_process_with_env("tool", "w-doomed", "", &env);
+    let run = h.submit("slow-payer", "go", "slow-pay").await;
+    // The call reached the server …
+    let deadline = std::time::Instant::now() + WAIT;
+    while !lines(state.path(), "calls")
+        .iter()
+        .any(|l| l.starts_with("pay_slowly\t"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the call never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // … a standby hears the runner's heartbeats, and the runner is killed before the effect.
+    h.spawn_process_with_env("tool", "w-standby", "", &env);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    h.kill9(doomed);
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    let events = h.events(&run).await;
+    let op = only_op(&run, &events);
+    assert_eq!(
+        done.ops[&op].result.clone().expect("a result").content,
+        "paid invoice-9"
+    );
+    let effects = lines(state.path(), "done")
+        .into_iter()
+        .filter(|l| l.starts_with(&format!("{op}\t")))
+        .count();
+    assert_eq!(effects, 1, "the effect happened once");
+    assert!(
+        events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeConfirmed(_))),
+        "the server's record answered"
+    );
+    h.shutdown().await;
+}

@@ -30,7 +30,9 @@
 //!
 //! [`Pool::call`] sends `tools/call` with the caller's operation id in the request's `_meta`
 //! under `"kedge/operation_id"` ([`OPERATION_ID_META_KEY`]), so a server that cares can
-//! deduplicate a retried operation. It then waits for the first of:
+//! deduplicate a retried operation, and the call's deadline (RFC 3339) under `"kedge/deadline"`
+//! ([`DEADLINE_META_KEY`]), after which the server should not start it. It then waits for the
+//! first of:
 //!
 //! - the answer → [`Outcome::Completed`]. A tool's own failure (`isError: true`) and a JSON-RPC
 //!   error answer (e.g. `-32602` unknown tool from the Python servers; the Node servers answer
@@ -78,4 +80,6 @@ mod pool;
 pub use config::{ServerConfig, StdioSandbox};
 pub use error::McpError;
 pub use launch::{Direct, Launch, Launcher, direct_command};
-pub use pool::{DEFAULT_CONNECT_TIMEOUT, OPERATION_ID_META_KEY, Outcome, Pool, ToolInfo};
+pub use pool::{
+    DEADLINE_META_KEY, DEFAULT_CONNECT_TIMEOUT, OPERATION_ID_META_KEY, Outcome, Pool, ToolInfo,
+};

@@ -23,6 +23,12 @@ use crate::{Direct, Launcher, McpError, ServerConfig, content};
 /// The `_meta` key that carries the caller's operation id on every `tools/call`.
 pub const OPERATION_ID_META_KEY: &str = "kedge/operation_id";
 
+/// The `_meta` key that carries the call's deadline (an RFC 3339 time): when the caller stops
+/// waiting for it. A server that has not started the operation by then should not start it:
+/// a runner that took the operation over re-runs it only once the deadline (and a grace) has
+/// passed without a result (docs/API.md "Status queries for MCP tools").
+pub const DEADLINE_META_KEY: &str = "kedge/deadline";
+
 /// Default bound on starting a server and its `initialize` handshake, and on `tools/list`.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -291,6 +297,12 @@ impl Pool {
 
             let mut meta = Map::new();
             meta.insert(OPERATION_ID_META_KEY.to_owned(), Value::from(operation_id));
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Ok(at) = (time::OffsetDateTime::now_utc() + left)
+                .format(&time::format_description::well_known::Rfc3339)
+            {
+                meta.insert(DEADLINE_META_KEY.to_owned(), Value::from(at));
+            }
             let mut params =
                 CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments.clone());
             params.meta = Some(RequestMetaObject::from(meta));

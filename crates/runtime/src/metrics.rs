@@ -103,6 +103,8 @@ metrics_table! {
         "From the gone holder's last heartbeat to the takeover here (takeovers that follow a worker death this process heard).";
     INTERRUPTED_ANSWERS = "kedge_interrupted_answers_total", Counter, ["result"],
         "Model attempts a gone holder left unfinished whose answer this step process waited for (within reconnect_grace), by result: reused (stored by the holder, or committed by it), none (the next attempt calls the model).";
+    REMOTE_CALLS_WAITED = "kedge_remote_calls_waited_total", Counter, [],
+        "Claims of an MCP operation whose runner is gone that this tool process put back until the first attempt's deadline (the remote call may still take effect).";
     CONSUMER_DELIVERIES = "kedge_consumer_deliveries_total", Counter, ["consumer"],
         "Messages this process received from each durable consumer.";
     CONSUMER_REDELIVERIES = "kedge_consumer_redeliveries_total", Counter, ["consumer"],
@@ -587,6 +589,12 @@ pub fn interrupted_answer(reused: bool) {
     } else {
         counter!(INTERRUPTED_ANSWERS, "result" => "none").increment(1);
     }
+}
+
+/// A claim of an MCP operation whose runner is gone was put back until its first attempt's
+/// deadline.
+pub fn remote_call_waited() {
+    counter!(REMOTE_CALLS_WAITED).increment(1);
 }
 
 /// This process took over a lease or a record from a holder that is gone; `since` is how long

@@ -836,8 +836,24 @@ async fn execute(
     tracing::Span::current().record("attempt", attempt);
     let mut claim = claim?;
     // Held by a runner that is gone (the broker has no connection for it): abandoned now,
-    // whatever the record's age.
-    if let Claim::Held { runner: holder, .. } = &claim
+    // whatever the record's age; unless the runner's call went to an MCP server, where it may
+    // still take effect (a dropped connection, or a dead runner's call the server goes on
+    // with): such an operation is taken over only once its first attempt's deadline
+    // (`tool_timeout + tool_grace` from its claim) has passed, and then the confirm query
+    // decides (docs/ARCHITECTURE.md "Takeover"). A tool that honours the operation id may be
+    // run again at once.
+    let may_still_land = matches!(target, Target::Mcp { .. })
+        && !req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
+    if let Claim::Held {
+        runner: holder,
+        retry_in,
+    } = &claim
+        && may_still_land
+        && ctx.liveness.is_gone(holder).await
+    {
+        tracing::info!(runner = %holder, retry_in_ms = retry_in.as_millis() as u64, "the runner of this remote call is gone, but the call may still take effect: waiting for its deadline");
+        metrics::remote_call_waited();
+    } else if let Claim::Held { runner: holder, .. } = &claim
         && ctx.liveness.is_gone(holder).await
     {
         claim = rt
