@@ -1008,3 +1008,86 @@ async fn a_remote_call_cut_off_with_its_runner_is_not_run_again_while_it_may_sti
     );
     h.shutdown().await;
 }
+
+/// A runner whose broker connection drops for 8 s in the middle of a remote call,
+/// on a server with no status query: the call finishes meanwhile, and the runner journals its
+/// result once it is back. The standby that found it gone waits for the call's deadline
+/// instead of asking the server (which could only say "ambiguous": a person), and finds the
+/// result: no person, one effect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_back_from_a_dropped_connection_journals_its_result_and_nobody_is_asked() {
+    let state = tempfile::tempdir().expect("dir");
+    let server = flaky(state.path(), &[]);
+    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
+    let mut h = Harness::start_with(
+        json!({"models": {"mp": {"steps": [
+            {"text": "paying", "tool_calls": [call("flaky__pay_slowly", "invoice-11")]},
+            {"text": "paid"}
+        ]}}}),
+        &[Svc::Intake, Svc::Step],
+        |c| {
+            c.timeouts.tool_timeout_ms = 15_000;
+            c.timeouts.tool_grace_ms = 2_000;
+            c.timeouts.tool_ack_wait_ms = 20_000;
+        },
+    )
+    .await;
+    let def = json!({
+        "name": "cut-payer",
+        "system_prompt": "dropped connection test",
+        "model": {"provider": "openai", "name": "mp", "base_url": format!("{}/v1", h.mock.base_url())},
+        "api_key_env": API_KEY_VAR,
+        "tools": [{"name": "flaky__pay_slowly"}],
+    });
+    let def = AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent");
+    h.rt.agents.put(&def).await.expect("agent stored");
+    let proxy = kedge_testkit::proxy::TcpProxy::start(std::net::SocketAddr::from((
+        [127, 0, 0, 1],
+        h.nats.port(),
+    )))
+    .await
+    .expect("proxy");
+    let env = [("KEDGE_MCP_SERVERS", servers.clone())];
+    let via_proxy = [
+        ("KEDGE_MCP_SERVERS", servers),
+        ("KEDGE_NATS_URL", proxy.url()),
+    ];
+    h.spawn_process_with_env("tool", "w-cut", "", &via_proxy);
+    let run = h.submit("cut-payer", "go", "cut-pay").await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while !lines(state.path(), "calls")
+        .iter()
+        .any(|l| l.starts_with("pay_slowly\t"))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the call never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.spawn_process_with_env("tool", "w-standby", "", &env);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Longer than a publish waits for its acknowledgement: the runner's first try to journal
+    // the result fails, and it keeps trying.
+    proxy.reset_for(Duration::from_secs(8));
+    let done = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);
+    let events = h.events(&run).await;
+    let op = only_op(&run, &events);
+    assert_eq!(
+        done.ops[&op].result.clone().expect("a result").content,
+        "paid invoice-11"
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeAmbiguous(_))),
+        "nobody had to decide"
+    );
+    let effects = lines(state.path(), "done")
+        .into_iter()
+        .filter(|l| l.starts_with(&format!("{op}\t")))
+        .count();
+    assert_eq!(effects, 1, "the effect happened once");
+    h.shutdown().await;
+}

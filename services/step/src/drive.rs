@@ -1503,7 +1503,11 @@ impl Driver {
                         }
                         // Not landed (the run moved on, another writer decided) or not known
                         // to have: kept for this step's next attempt, here or elsewhere.
-                        let put = self.store_answer(&plan.request_id, &stored).await;
+                        let put = self
+                            .rt
+                            .idempotency
+                            .store_response(&plan.request_id, &stored)
+                            .await;
                         failpoint::hit("step.after_model_stored");
                         return match (committed, put) {
                             (Err(e), put) => {
@@ -1521,7 +1525,9 @@ impl Driver {
                     // from here on never pays for it twice.
                     w.stale_through = None;
                     let (put, read) = futures::join!(
-                        self.store_answer(&plan.request_id, &stored),
+                        self.rt
+                            .idempotency
+                            .store_response(&plan.request_id, &stored),
                         async {
                             if behind {
                                 self.refresh(state, &mut w.skipped, None, None).await.map(|_| ())
@@ -1812,36 +1818,6 @@ impl Driver {
         metrics::interrupted_answer(answered);
         tracing::info!(request_id = %request, answered, waited_ms = started.elapsed().as_millis() as u64, "done waiting for the interrupted attempt's answer");
         Ok(found)
-    }
-
-    /// Stores a model's answer for the step's next holder. When the broker cannot be reached
-    /// (this process's connection dropped), the answer is not given up: it is stored again in
-    /// the background, for `reconnect_grace` after the first try, so that a worker that took
-    /// the run over meanwhile finds it instead of paying for the call again
-    /// ([`Driver::await_interrupted_answer`]). The first try's error is returned.
-    async fn store_answer(
-        &self,
-        request: &kedge_core::ids::ModelRequestId,
-        stored: &StoredResponse,
-    ) -> Result<(), IdempotencyError> {
-        let first = self.rt.idempotency.store_response(request, stored).await;
-        if let Err(e) = &first {
-            tracing::warn!(request_id = %request, error = %e, "cannot store the model's answer now; trying again in the background");
-            let store = self.rt.idempotency.clone();
-            let (request, stored) = (request.clone(), stored.clone());
-            let until = std::time::Instant::now() + self.rt.config.timeouts.reconnect_grace();
-            tokio::spawn(async move {
-                while std::time::Instant::now() < until {
-                    tokio::time::sleep(INTERRUPTED_POLL).await;
-                    if store.store_response(&request, &stored).await.is_ok() {
-                        tracing::info!(request_id = %request, "the model's answer is stored for the run's holder");
-                        return;
-                    }
-                }
-                tracing::warn!(request_id = %request, "gave up storing the model's answer: the broker stayed out of reach");
-            });
-        }
-        first
     }
 
     /// This process's view of the fleet's model endpoints.
