@@ -1365,8 +1365,13 @@ impl Driver {
             // The rate limits the fleet keeps to for the called model at its endpoint; a run
             // that waits (its turn, or out trouble) on its own model is released into a slot
             // under that model's.
-            let turn = called.turn(&self.rt.config, &providers, &def, &plan.context);
+            let to_fallback = matches!(route, Route::Fallback(_));
             let waits_with = primary.turn(&self.rt.config, &providers, &def, &plan.context);
+            let turn = if to_fallback {
+                called.turn(&self.rt.config, &providers, &def, &plan.context)
+            } else {
+                waits_with.clone()
+            };
             let queue = WaitList {
                 providers: &providers,
                 endpoint: &primary.endpoint,
@@ -1401,7 +1406,7 @@ impl Driver {
                 return self.wait_on_provider(state, w, &plan, wait).await;
             }
             // A run released to its own model had its slot reserved by its release.
-            let reserved = plan.released.is_some() && std::ptr::eq(called, &primary);
+            let reserved = plan.released.is_some() && !to_fallback;
             if let Some(t) = turn.as_ref().filter(|_| !reserved) {
                 match providers
                     .admit(&called.endpoint, &called.spec.name, t.configured, t.tokens)
@@ -1446,13 +1451,7 @@ impl Driver {
             match &result {
                 Ok(_) => providers.report_success(endpoint).await,
                 Err(CallError::Model(e)) => {
-                    if let Some(trouble) = e.trouble {
-                        let report = TroubleReport {
-                            trouble,
-                            message: e.message.clone(),
-                            retry_after: e.retry_after,
-                            probe,
-                        };
+                    if let Some(report) = trouble_report(e, probe) {
                         providers.report_trouble(endpoint, &report).await;
                     }
                 }
@@ -1647,9 +1646,10 @@ impl Driver {
     /// `keep_from` leaves out (`context.strategy: summarize`, docs/ARCHITECTURE.md "The context
     /// window"): a call of its own, under a request id fixed by the step and `keep_from`, whose
     /// answer is stored before it is journaled and reused after a crash. `None` (the compaction
-    /// then trims) when the call is not made or fails: the run's model's endpoint is failing,
-    /// the agent marks values sensitive (a summary would journal them in clear), or the model
-    /// answers with no text. Never a reason to fail the run.
+    /// then trims) when the call is not made or fails: the run's model's endpoint is failing or
+    /// its rate limit has no slot for it soon, the agent marks values sensitive (a summary would
+    /// journal them in clear), or the model answers with no text. Never a reason to fail the
+    /// run.
     async fn summarize(
         &self,
         state: &RunState,
@@ -1682,6 +1682,22 @@ impl Driver {
                 if !providers.breaker(&primary.endpoint).lets(None) {
                     return None;
                 }
+                // The model's rate limits hold for this call too; over them, it trims instead
+                // of waiting its turn.
+                if let Some(t) = primary.turn(&self.rt.config, &providers, def, &messages) {
+                    let admitted = providers
+                        .admit(
+                            &primary.endpoint,
+                            &primary.spec.name,
+                            t.configured,
+                            t.tokens,
+                        )
+                        .await;
+                    match admitted {
+                        Admit::After(wait) => tokio::time::sleep(wait).await,
+                        Admit::Queue { .. } => return None,
+                    }
+                }
                 self.rt
                     .config
                     .check_model(&primary.key_var, primary.spec.base_url.as_deref())
@@ -1707,15 +1723,12 @@ impl Driver {
                     .map_err(CallError::Model);
                 count_call(&primary.spec, &result, called_at.elapsed());
                 let response = match result {
-                    Ok(r) => r,
+                    Ok(r) => {
+                        providers.report_success(&primary.endpoint).await;
+                        r
+                    }
                     Err(CallError::Model(e)) => {
-                        if let Some(trouble) = e.trouble {
-                            let report = TroubleReport {
-                                trouble,
-                                message: e.message.clone(),
-                                retry_after: e.retry_after,
-                                probe: false,
-                            };
+                        if let Some(report) = trouble_report(&e, false) {
                             providers.report_trouble(&primary.endpoint, &report).await;
                         }
                         tracing::warn!(error = %e, "the summary call failed; trimming instead");
@@ -2498,6 +2511,17 @@ struct Turn {
     pace: String,
     configured: Limits,
     tokens: u64,
+}
+
+/// What a failed call tells its endpoint's breaker (`probe`: the call was the fleet's probe);
+/// `None` for a failure that is not the provider's trouble.
+fn trouble_report(e: &ModelError, probe: bool) -> Option<TroubleReport> {
+    e.trouble.map(|trouble| TroubleReport {
+        trouble,
+        message: e.message.clone(),
+        retry_after: e.retry_after,
+        probe,
+    })
 }
 
 /// The limits this process's configuration (`providers.limits`) sets for calls to `spec`'s
