@@ -87,28 +87,28 @@ impl Endpoint {
         };
         let base = spec.base_url.as_deref().unwrap_or("default");
         let label = format!("{provider} {base} ({key_var})");
-        let digest = kedge_core::event::Digest::of_bytes(label.as_bytes());
-        let id = digest
-            .as_str()
-            .trim_start_matches("sha256:")
-            .chars()
-            .take(16)
-            .collect();
-        Endpoint { id, label }
+        Endpoint {
+            id: key_token(&label),
+            label,
+        }
     }
 
     /// The key token of the pace of `model`'s calls to this endpoint: providers count rate
     /// limits per model.
     pub fn pace_id(&self, model: &str) -> String {
-        let digest = kedge_core::event::Digest::of_bytes(model.as_bytes());
-        let model: String = digest
-            .as_str()
-            .trim_start_matches("sha256:")
-            .chars()
-            .take(16)
-            .collect();
-        format!("{}.{model}", self.id)
+        format!("{}.{}", self.id, key_token(model))
     }
+}
+
+/// 16 hex digits of `text`'s SHA-256: a KV key token for a name that may hold any character.
+fn key_token(text: &str) -> String {
+    let digest = kedge_core::event::Digest::of_bytes(text.as_bytes());
+    digest
+        .as_str()
+        .trim_start_matches("sha256:")
+        .chars()
+        .take(16)
+        .collect()
 }
 
 /// Where an endpoint's breaker stands.
@@ -619,6 +619,31 @@ impl Providers {
         r
     }
 
+    /// Writes `value` at `key` by compare-and-set: over `revision`, or as a new key when there
+    /// is none. The new revision, or why not (another process wrote it first, the broker).
+    async fn write(
+        &self,
+        key: &str,
+        value: &impl Serialize,
+        revision: Option<u64>,
+    ) -> Result<u64, String> {
+        let bytes = bytes::Bytes::from(serde_json::to_vec(value).map_err(|e| e.to_string())?);
+        match revision {
+            Some(r) => self
+                .inner
+                .kv
+                .update(key, bytes, r)
+                .await
+                .map_err(|e| e.to_string()),
+            None => self
+                .inner
+                .kv
+                .create(key, bytes)
+                .await
+                .map_err(|e| e.to_string()),
+        }
+    }
+
     /// Reports a call that succeeded (a write only when the breaker was not closed and clean).
     pub async fn report_success(&self, endpoint: &Endpoint) {
         self.change(endpoint, |b, now| b.on_success(now)).await;
@@ -665,25 +690,7 @@ impl Providers {
                 None => (Breaker::closed(endpoint, now), None),
             };
             let Some(next) = f(&breaker, now) else { return };
-            let bytes = match serde_json::to_vec(&next) {
-                Ok(b) => bytes::Bytes::from(b),
-                Err(_) => return,
-            };
-            let written = match revision {
-                Some(r) => self
-                    .inner
-                    .kv
-                    .update(&key, bytes, r)
-                    .await
-                    .map_err(|e| e.to_string()),
-                None => self
-                    .inner
-                    .kv
-                    .create(&key, bytes)
-                    .await
-                    .map_err(|e| e.to_string()),
-            };
-            match written {
+            match self.write(&key, &next, revision).await {
                 Ok(rev) => {
                     if next.state != breaker.state {
                         tracing::info!(endpoint = %endpoint.label, from = breaker.state.as_str(), to = next.state.as_str(), error = %next.last_error, "model endpoint breaker");
@@ -842,24 +849,7 @@ impl Providers {
                 None if reconfigured => pace,
                 None => return Some(verdict),
             };
-            let Ok(bytes) = serde_json::to_vec(&next) else {
-                return None;
-            };
-            let written = match revision {
-                Some(r) => self
-                    .inner
-                    .kv
-                    .update(&key, bytes.into(), r)
-                    .await
-                    .map_err(|e| e.to_string()),
-                None => self
-                    .inner
-                    .kv
-                    .create(&key, bytes.into())
-                    .await
-                    .map_err(|e| e.to_string()),
-            };
-            match written {
+            match self.write(&key, &next, revision).await {
                 Ok(rev) => {
                     self.lock().paces.insert(id.to_owned(), (next, rev));
                     return Some(verdict);
@@ -970,24 +960,7 @@ impl Providers {
             worker: self.inner.worker.clone(),
             until: now.saturating_add(LEAD_FOR),
         };
-        let Ok(bytes) = serde_json::to_vec(&lead) else {
-            return false;
-        };
-        let written = match revision {
-            Some(r) => self
-                .inner
-                .kv
-                .update(lead_key(id), bytes.into(), r)
-                .await
-                .map_err(|e| e.to_string()),
-            None => self
-                .inner
-                .kv
-                .create(lead_key(id), bytes.into())
-                .await
-                .map_err(|e| e.to_string()),
-        };
-        match written {
+        match self.write(&lead_key(id), &lead, revision).await {
             Ok(rev) => {
                 self.lock().leads.insert(id.to_owned(), (lead, rev));
                 true
@@ -1013,15 +986,7 @@ impl Providers {
         next.next_probe_at = Some(now.saturating_add(interval));
         next.probes = next.probes.saturating_add(1);
         next.updated_at = now;
-        let Ok(bytes) = serde_json::to_vec(&next) else {
-            return false;
-        };
-        match self
-            .inner
-            .kv
-            .update(breaker_key(id), bytes.into(), rev)
-            .await
-        {
+        match self.write(&breaker_key(id), &next, Some(rev)).await {
             Ok(rev) => {
                 self.lock().breakers.insert(id.to_owned(), (next, rev));
                 true
@@ -1042,15 +1007,7 @@ impl Providers {
         next.state = BreakerState::Closed;
         next.failures = 0;
         next.updated_at = Timestamp::now();
-        let Ok(bytes) = serde_json::to_vec(&next) else {
-            return;
-        };
-        if let Ok(rev) = self
-            .inner
-            .kv
-            .update(breaker_key(id), bytes.into(), rev)
-            .await
-        {
+        if let Ok(rev) = self.write(&breaker_key(id), &next, Some(rev)).await {
             tracing::info!(endpoint = %next.endpoint, "model endpoint recovered; breaker closed");
             self.lock().breakers.insert(id.to_owned(), (next, rev));
         }
@@ -1122,20 +1079,11 @@ impl Providers {
             if unchanged {
                 continue;
             }
-            let written = match serde_json::to_vec(&pace) {
-                Ok(bytes) => self
-                    .inner
-                    .kv
-                    .update(pace_key(&pid), bytes.into(), rev)
-                    .await
-                    .ok(),
-                Err(_) => None,
-            };
-            match written {
-                Some(rev) => {
+            match self.write(&pace_key(&pid), &pace, Some(rev)).await {
+                Ok(rev) => {
                     self.lock().paces.insert(pid, (pace, rev));
                 }
-                None => refused.push(pid),
+                Err(_) => refused.push(pid),
             }
         }
         chosen
