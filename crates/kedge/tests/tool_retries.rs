@@ -92,6 +92,34 @@ async fn store_agent(h: &Harness, name: &str, model: &str, policy: Value) {
     h.rt.agents.put(&def).await.expect("agent stored");
 }
 
+/// Stores agent `name` on model `mp` with the one flaky tool `tool` and no policy.
+async fn store_one_tool_agent(h: &Harness, name: &str, tool: &str) {
+    let def = json!({
+        "name": name,
+        "system_prompt": "status test",
+        "model": {"provider": "openai", "name": "mp", "base_url": format!("{}/v1", h.mock.base_url())},
+        "api_key_env": API_KEY_VAR,
+        "tools": [{"name": tool}],
+    });
+    let def = AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent");
+    h.rt.agents.put(&def).await.expect("agent stored");
+}
+
+/// Waits until the flaky server has received a call of `tool`.
+async fn call_arrived(state: &Path, tool: &str) {
+    let deadline = std::time::Instant::now() + WAIT;
+    while !lines(state, "calls")
+        .iter()
+        .any(|l| l.starts_with(&format!("{tool}\t")))
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the call never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn call(name: &str, key: &str) -> Value {
     json!({"name": name, "arguments": {"key": key}})
 }
@@ -888,15 +916,7 @@ async fn an_mcp_operation_cut_off_after_its_effect_is_confirmed_by_the_servers_s
         },
     )
     .await;
-    let def = json!({
-        "name": "payer",
-        "system_prompt": "status test",
-        "model": {"provider": "openai", "name": "mp", "base_url": format!("{}/v1", h.mock.base_url())},
-        "api_key_env": API_KEY_VAR,
-        "tools": [{"name": "flaky__pay"}],
-    });
-    let def = AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent");
-    h.rt.agents.put(&def).await.expect("agent stored");
+    store_one_tool_agent(&h, "payer", "flaky__pay").await;
     let env = [("KEDGE_MCP_SERVERS", servers)];
     // Dies after the tool answered, before its result is journaled.
     let doomed = h.spawn_process_with_env("tool", "w-doomed", "tool.after_effect", &env);
@@ -959,30 +979,12 @@ async fn a_remote_call_cut_off_with_its_runner_is_not_run_again_while_it_may_sti
         },
     )
     .await;
-    let def = json!({
-        "name": "slow-payer",
-        "system_prompt": "remote call test",
-        "model": {"provider": "openai", "name": "mp", "base_url": format!("{}/v1", h.mock.base_url())},
-        "api_key_env": API_KEY_VAR,
-        "tools": [{"name": "flaky__pay_slowly"}],
-    });
-    let def = AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent");
-    h.rt.agents.put(&def).await.expect("agent stored");
+    store_one_tool_agent(&h, "slow-payer", "flaky__pay_slowly").await;
     let env = [("KEDGE_MCP_SERVERS", servers)];
     let doomed = h.spawn_process_with_env("tool", "w-doomed", "", &env);
     let run = h.submit("slow-payer", "go", "slow-pay").await;
     // The call reached the server …
-    let deadline = std::time::Instant::now() + WAIT;
-    while !lines(state.path(), "calls")
-        .iter()
-        .any(|l| l.starts_with("pay_slowly\t"))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the call never arrived"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    call_arrived(state.path(), "pay_slowly").await;
     // … a standby hears the runner's heartbeats, and the runner is killed before the effect.
     h.spawn_process_with_env("tool", "w-standby", "", &env);
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -1032,15 +1034,7 @@ async fn a_runner_back_from_a_dropped_connection_journals_its_result_and_nobody_
         },
     )
     .await;
-    let def = json!({
-        "name": "cut-payer",
-        "system_prompt": "dropped connection test",
-        "model": {"provider": "openai", "name": "mp", "base_url": format!("{}/v1", h.mock.base_url())},
-        "api_key_env": API_KEY_VAR,
-        "tools": [{"name": "flaky__pay_slowly"}],
-    });
-    let def = AgentDefinition::parse(def.to_string().as_bytes()).expect("valid agent");
-    h.rt.agents.put(&def).await.expect("agent stored");
+    store_one_tool_agent(&h, "cut-payer", "flaky__pay_slowly").await;
     let proxy = kedge_testkit::proxy::TcpProxy::start(std::net::SocketAddr::from((
         [127, 0, 0, 1],
         h.nats.port(),
@@ -1054,17 +1048,7 @@ async fn a_runner_back_from_a_dropped_connection_journals_its_result_and_nobody_
     ];
     h.spawn_process_with_env("tool", "w-cut", "", &via_proxy);
     let run = h.submit("cut-payer", "go", "cut-pay").await;
-    let deadline = std::time::Instant::now() + WAIT;
-    while !lines(state.path(), "calls")
-        .iter()
-        .any(|l| l.starts_with("pay_slowly\t"))
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the call never arrived"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    call_arrived(state.path(), "pay_slowly").await;
     h.spawn_process_with_env("tool", "w-standby", "", &env);
     tokio::time::sleep(Duration::from_millis(700)).await;
     // Longer than a publish waits for its acknowledgement: the runner's first try to journal
