@@ -2551,6 +2551,19 @@ fn a_runs_deadline_bounds_its_wait_on_the_provider() {
     );
 }
 
+/// A `context.compacted` by estimate keeping the transcript from `keep_from`, with `elided`.
+fn compaction(keep_from: u32, elided: Vec<u32>) -> kedge_core::event::ContextCompacted {
+    kedge_core::event::ContextCompacted {
+        keep_from,
+        elided,
+        estimated_tokens: 4000,
+        budget_tokens: 2000,
+        cause: kedge_core::event::CompactionCause::Estimate,
+        summary: None,
+        max_result_chars: None,
+    }
+}
+
 /// A `context.compacted` changes what the model reads from the next step on, and one that
 /// would break the conversation (a tool result cut from its call, the task left out, a step
 /// back) does not fold.
@@ -2568,17 +2581,7 @@ fn a_compaction_changes_what_the_model_reads_and_a_broken_one_does_not_fold() {
     let state = sim.state();
     let full = state.next_context();
     let compacted = |keep_from: u32, elided: Vec<u32>| {
-        Draft::new(Event::ContextCompacted(
-            kedge_core::event::ContextCompacted {
-                keep_from,
-                elided,
-                estimated_tokens: 4000,
-                budget_tokens: 2000,
-                cause: kedge_core::event::CompactionCause::Estimate,
-                summary: None,
-                max_result_chars: None,
-            },
-        ))
+        Draft::new(Event::ContextCompacted(compaction(keep_from, elided)))
     };
     // transcript: 0 task, then (assistant, tool) per step: assistants at 1, 3, 5, …
     for (keep_from, elided) in [(2, vec![]), (0, vec![]), (3, vec![1]), (3, vec![6, 4])] {
@@ -2638,13 +2641,8 @@ fn a_summary_stands_for_the_turns_left_out_and_counts_in_the_usage() {
         |keep_from: u32, elided: Vec<u32>, s: Option<kedge_core::event::CompactionSummary>| {
             Draft::new(Event::ContextCompacted(
                 kedge_core::event::ContextCompacted {
-                    keep_from,
-                    elided,
-                    estimated_tokens: 4000,
-                    budget_tokens: 2000,
-                    cause: kedge_core::event::CompactionCause::Estimate,
                     summary: s,
-                    max_result_chars: None,
+                    ..compaction(keep_from, elided)
                 },
             ))
         };
@@ -2709,13 +2707,8 @@ fn a_cut_of_the_results_reaches_the_next_steps_results_and_only_ever_lowers() {
     let cut = |max: u32| {
         Draft::new(Event::ContextCompacted(
             kedge_core::event::ContextCompacted {
-                keep_from: 1,
-                elided: vec![],
-                estimated_tokens: 4000,
-                budget_tokens: 2000,
-                cause: kedge_core::event::CompactionCause::Estimate,
-                summary: None,
                 max_result_chars: Some(max),
+                ..compaction(1, vec![])
             },
         ))
     };
