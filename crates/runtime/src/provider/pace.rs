@@ -18,6 +18,9 @@ use serde::{Deserialize, Serialize};
 /// How far ahead of its slot time a call may go: calls arriving together after a quiet spell
 /// go at once, up to about a second's worth.
 pub const BURST: Duration = Duration::from_secs(1);
+/// The furthest ahead a pace's next time can be when the fleet keeps it (a minute's interval
+/// past a reservation, with room); further is taken for a broken record.
+const MOST_AHEAD: Duration = Duration::from_secs(180);
 /// The share the pace keeps below the limit (see the module's text).
 const MARGIN: f64 = 0.02;
 
@@ -120,12 +123,18 @@ impl Pace {
         max_wait: Duration,
     ) -> Result<(Duration, Pace), Duration> {
         let limits = self.limits();
+        // A pace kept by the fleet is never further ahead than about a minute (one interval past
+        // the furthest slot reserved); one that is (a clock that jumped, a record written by
+        // hand or broken) would hold every call of the model: it starts again from now.
+        let sane = |at: Timestamp| if until(now, at) > MOST_AHEAD { now } else { at };
+        let (next_request_at, next_token_at) =
+            (sane(self.next_request_at), sane(self.next_token_at));
         let mut slot = now;
         if limits.requests_per_minute.is_some() {
-            slot = slot.max(self.next_request_at.saturating_add_signed(-burst()));
+            slot = slot.max(next_request_at.saturating_add_signed(-burst()));
         }
         if limits.tokens_per_minute.is_some() {
-            slot = slot.max(self.next_token_at.saturating_add_signed(-burst()));
+            slot = slot.max(next_token_at.saturating_add_signed(-burst()));
         }
         let wait = until(now, slot);
         if wait > max_wait {
@@ -134,13 +143,13 @@ impl Pace {
         let mut next = self.clone();
         next.updated_at = now;
         if let Some(rpm) = limits.requests_per_minute {
-            next.next_request_at = self.next_request_at.max(slot).saturating_add(interval(rpm));
+            next.next_request_at = next_request_at.max(slot).saturating_add(interval(rpm));
         }
         if let Some(tpm) = limits.tokens_per_minute {
             let per_token = interval(tpm);
             #[allow(clippy::cast_precision_loss)]
             let cost = per_token.mul_f64(tokens.min(tpm) as f64);
-            next.next_token_at = self.next_token_at.max(slot).saturating_add(cost);
+            next.next_token_at = next_token_at.max(slot).saturating_add(cost);
         }
         Ok((wait, next))
     }
@@ -275,6 +284,20 @@ mod tests {
         // Within the wait asked for, the same call gets its slot.
         let (wait, _) = full.reserve(at_ms(0), 1, far).expect("a slot");
         assert_eq!(wait, far);
+    }
+
+    #[test]
+    fn a_pace_far_in_the_future_holds_no_call() {
+        let mut p = pace(Some(60), None);
+        p.next_request_at = at_ms(3_600_000);
+        let (wait, next) = p
+            .reserve(at_ms(0), 1, Duration::ZERO)
+            .expect("a broken record starts again from now");
+        assert_eq!(wait, Duration::ZERO);
+        assert!(next.next_request_at < at_ms(70_000));
+        // A pace a minute ahead is the fleet's own: kept to.
+        p.next_request_at = at_ms(60_000);
+        assert!(p.reserve(at_ms(0), 1, Duration::ZERO).is_err());
     }
 
     #[test]
