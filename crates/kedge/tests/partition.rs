@@ -65,6 +65,15 @@ async fn cut_mid_call(outage: Duration) -> (u64, u64, RunStatus, Duration) {
         h.mock.calls_for(&first.to_string()),
         h.mock.calls_for(&second.to_string()),
     );
+    // The cut-off worker, whose lease was taken while it was away, committed nothing: the
+    // standby completed the step from the answer it stored (one writer of decisions).
+    let reused = events
+        .iter()
+        .any(|r| matches!(&r.envelope.event, Event::StepCompleted(c) if c.reused));
+    assert!(
+        reused,
+        "the step was completed by the standby, from the stored answer"
+    );
     h.shutdown().await;
     (calls.0, calls.1, state.status, took)
 }

@@ -1435,6 +1435,7 @@ impl Driver {
                 }
             }
             let endpoint = &called.endpoint;
+            let connects = self.connects();
             let called_at = std::time::Instant::now();
             let mut learned = None;
             let result = self
@@ -1472,6 +1473,14 @@ impl Driver {
                         context_digest: plan.context_digest.clone(),
                         response: response.clone(),
                     };
+                    // This process's broker connection dropped during the call (or is down
+                    // now): the run may have been taken over meanwhile, and a standby waiting
+                    // for this answer appends nothing that would fence a commit. The answer is
+                    // stored first (once the broker is back), then the lease read: a lease
+                    // taken leaves the answer to its holder and commits nothing.
+                    let cut_off = self.connects() != connects
+                        || self.rt.client.connection_state()
+                            != async_nats::connection::State::Connected;
                     // The answer is kept the moment it returns, where it is cheapest: in the
                     // journal, by `step.completed`, when the commit lands at once (a state that
                     // holds the whole run, the lease still held). Inputs that arrived during the
@@ -1483,6 +1492,7 @@ impl Driver {
                     // (docs/ARCHITECTURE.md, "Crash windows").
                     let behind = w.stale_through.is_some();
                     if !behind
+                        && !cut_off
                         && !*lost.borrow()
                         && !failpoint::fires("step.answer_not_committed", run.as_str())
                     {
@@ -1537,7 +1547,7 @@ impl Driver {
                     );
                     put?;
                     failpoint::hit("step.after_model_stored");
-                    if *lost.borrow() {
+                    if *lost.borrow() || (cut_off && !self.still_holds(&run).await) {
                         // Stored: the run's holder now reuses it instead of paying again.
                         tracing::warn!("lease lost during the model call; its response is stored for the next holder");
                         return Err(DriveError::LeaseLost);
@@ -1831,6 +1841,24 @@ impl Driver {
         metrics::interrupted_answer(answered);
         tracing::info!(request_id = %request, answered, waited_ms = started.elapsed().as_millis() as u64, "done waiting for the interrupted attempt's answer");
         Ok(found)
+    }
+
+    /// How many times this process's broker connection was made (it grows on a reconnect).
+    fn connects(&self) -> u64 {
+        self.rt
+            .client
+            .statistics()
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether this process still holds `run`'s lease, as the broker has it (an answer the
+    /// lease cannot be read for is not committed: it is stored for whoever holds the run).
+    async fn still_holds(&self, run: &RunId) -> bool {
+        match self.rt.leases.holder(run).await {
+            Ok(Some(h)) => h.owner == self.rt.config.worker_id,
+            Ok(None) | Err(_) => false,
+        }
     }
 
     /// This process's view of the fleet's model endpoints.
