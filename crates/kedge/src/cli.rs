@@ -1603,6 +1603,7 @@ mod tests {
             name: name.into(),
             description: Some(format!("does {name}")),
             input_schema: serde_json::json!({"type": "object"}),
+            meta: None,
         };
         let specs = mcp_tool_specs(
             "time",

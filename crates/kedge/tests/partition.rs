@@ -1,12 +1,16 @@
 //! A dropped broker connection is not a dead process (docs/ARCHITECTURE.md "Takeover"): a step
 //! worker cut from the broker for a few seconds in the middle of a model call still delivers
 //! the answer it received, and the standby that took the run over reuses it instead of paying
-//! for the call again. The cut is a TCP proxy between the worker and nats-server
-//! (`kedge_testkit::proxy`).
+//! for the call again; a tool worker cut in the middle of a remote call (a real MCP server on
+//! the official Python SDK, over Streamable HTTP, `fixtures/effects-mcp-server.py`) has its
+//! effect happen once and nobody asked. The cut is a TCP proxy between the worker and
+//! nats-server (`kedge_testkit::proxy`).
 
 mod common;
 
 use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Harness, Svc};
@@ -162,4 +166,220 @@ async fn partition_matrix() {
         assert_eq!(state.status, RunStatus::Succeeded, "{fault:?}");
         h.shutdown().await;
     }
+}
+
+/// The remote MCP server of the tool tests: `fixtures/effects-mcp-server.py` on the official
+/// Python SDK, over Streamable HTTP, its state in a temporary directory; killed when dropped.
+struct EffectsServer {
+    child: Child,
+    state: tempfile::TempDir,
+    port: u16,
+}
+
+/// What the server's status query (`kedge_status`) knows.
+#[derive(Debug, Clone, Copy)]
+enum StatusKind {
+    /// No status query at all.
+    None,
+    /// Only calls it completed (a call in flight is `not_found`), as most services.
+    Completed,
+    /// Calls in flight too (`in_flight`), declared in the tool's `_meta`.
+    InFlight,
+}
+
+impl EffectsServer {
+    async fn start(status: StatusKind) -> EffectsServer {
+        let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.tools/bin/mcp-python");
+        assert!(
+            python.is_file(),
+            "{} is missing: run `bash scripts/mcp-servers.sh` from the repo root",
+            python.display()
+        );
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/effects-mcp-server.py");
+        let state = tempfile::tempdir().expect("state dir");
+        let port = kedge_testkit::free_port();
+        let mode = match status {
+            StatusKind::None => "none",
+            StatusKind::Completed => "completed",
+            StatusKind::InFlight => "in_flight",
+        };
+        let child = Command::new(python)
+            .arg(script)
+            .arg(port.to_string())
+            .arg(state.path())
+            .arg(mode)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the effects server");
+        let server = EffectsServer { child, state, port };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+            assert!(Instant::now() < deadline, "the effects server never listened");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        server
+    }
+
+    /// `{"effects": {"url": …}}`, for a tool service's `mcp_servers`.
+    fn servers(&self) -> std::collections::BTreeMap<String, kedge_mcp::ServerConfig> {
+        std::collections::BTreeMap::from([(
+            "effects".to_owned(),
+            kedge_mcp::ServerConfig::http(format!("http://127.0.0.1:{}/mcp", self.port)),
+        )])
+    }
+
+    fn lines(&self, file: &str) -> Vec<String> {
+        std::fs::read_to_string(self.state.path().join(file))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Waits until a call of `slow_effect` reached the server.
+    async fn call_arrived(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.lines("calls").is_empty() {
+            assert!(Instant::now() < deadline, "the call never reached the server");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// How many times the effect of `op` happened.
+    fn effects_of(&self, op: &kedge_core::ids::OperationId) -> usize {
+        let prefix = format!("{op}\t");
+        self.lines("done").iter().filter(|l| l.starts_with(&prefix)).count()
+    }
+}
+
+impl Drop for EffectsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What became of one remote call cut off from the broker with its runner.
+struct RemoteCut {
+    status: RunStatus,
+    effects: usize,
+    asked_a_person: bool,
+    confirmed_by_status: bool,
+    /// The operation's result, as the run has it.
+    result: Option<String>,
+    took: Duration,
+}
+
+/// One run whose only tool call (`effects__slow_effect`, 2 s at the server) is cut from the
+/// broker at the tool worker running it 0.7 s after it reached the server, for `outage`; a
+/// standby tool worker is connected directly. The call's deadline is `tool_timeout` 6 s + a
+/// grace of 2 s.
+async fn cut_mid_remote_call(status: StatusKind, outage: Duration) -> RemoteCut {
+    let server = EffectsServer::start(status).await;
+    let mut h = Harness::start(
+        serde_json::json!({"models": {"mp": {"steps": [
+            {"tool_calls": [{"name": "effects__slow_effect", "arguments": {"key": "invoice-1"}}]},
+            {"text": "paid"}
+        ]}}}),
+        &[Svc::Intake, Svc::Step],
+    )
+    .await;
+    h.config.timeouts.tool_timeout_ms = 6_000;
+    h.config.timeouts.tool_grace_ms = 2_000;
+    h.config.timeouts.tool_ack_wait_ms = 20_000;
+    h.agent_with_tools("payer", "mp", &["effects__slow_effect"]).await;
+    let proxy = TcpProxy::start(upstream(&h)).await.expect("proxy");
+    let (via_proxy, servers) = (proxy.url(), server.servers());
+    let cut_servers = servers.clone();
+    h.spawn_service_with(Svc::Tool, "w-cut", move |c| {
+        c.nats_urls = vec![via_proxy];
+        c.mcp_servers = cut_servers;
+    });
+    let run = h.submit("payer", "go", "remote-cut").await;
+    server.call_arrived().await;
+    h.spawn_service_with(Svc::Tool, "w-standby", move |c| c.mcp_servers = servers);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let cut_at = Instant::now();
+    proxy.reset_for(outage);
+    let state = h.wait_terminal(&run, Duration::from_secs(90)).await;
+    let took = cut_at.elapsed();
+    let events = h.events(&run).await;
+    let op = events
+        .iter()
+        .find_map(|r| match &r.envelope.event {
+            Event::ToolRequested(_) => r.envelope.op.clone(),
+            _ => None,
+        })
+        .expect("the tool was requested");
+    let cut = RemoteCut {
+        status: state.status,
+        effects: server.effects_of(&op),
+        asked_a_person: events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeAmbiguous(_))),
+        confirmed_by_status: events
+            .iter()
+            .any(|r| matches!(r.envelope.event, Event::OutcomeConfirmed(_))),
+        result: state
+            .ops
+            .get(&op)
+            .and_then(|o| o.result.as_ref())
+            .map(|r| r.content.clone()),
+        took,
+    };
+    h.shutdown().await;
+    cut
+}
+
+/// A tool worker cut from the broker for 5 s in the middle of a remote call that takes 2 s at
+/// its server: the standby that finds it gone runs nothing again. On a server whose status
+/// query knows only completed calls, it waits for the call's deadline, by which time the runner
+/// is back and has journaled its result; on one that reports calls in flight, it asks at once,
+/// hears "in flight", asks again, and journals the server's answer as soon as the effect
+/// landed, before the runner is back. One effect, no person, either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reset_mid_remote_call_runs_it_once_and_asks_nobody() {
+    for status in [StatusKind::Completed, StatusKind::InFlight] {
+        let cut = cut_mid_remote_call(status, Duration::from_secs(5)).await;
+        eprintln!(
+            "reset of 5 s mid remote call, status query {status:?}: {} effect(s), person asked: {}, confirmed by status: {}; {} {:?} after the cut",
+            cut.effects, cut.asked_a_person, cut.confirmed_by_status, cut.status, cut.took
+        );
+        assert_eq!(cut.status, RunStatus::Succeeded, "{status:?}");
+        assert_eq!(cut.effects, 1, "{status:?}: the effect happened once");
+        assert!(!cut.asked_a_person, "{status:?}: nobody was asked");
+        assert_eq!(cut.result.as_deref(), Some("effect invoice-1"), "{status:?}");
+        if let StatusKind::InFlight = status {
+            assert!(
+                cut.confirmed_by_status,
+                "a server that sees calls in flight answers the standby before the runner is back"
+            );
+        }
+    }
+}
+
+/// A reset longer than the call's deadline, on a server with no status query: the standby takes
+/// the operation over at the deadline and, unable to know, leaves it `ambiguous`; the runner
+/// comes back holding the result, which is journaled as the operation's outcome, and the run
+/// goes on with no person.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_late_result_wins_over_a_person() {
+    let cut = cut_mid_remote_call(StatusKind::None, Duration::from_secs(14)).await;
+    eprintln!(
+        "reset of 14 s mid remote call, no status query: {} effect(s), person asked: {}; {} {:?} after the cut",
+        cut.effects, cut.asked_a_person, cut.status, cut.took
+    );
+    assert!(
+        cut.asked_a_person,
+        "at the deadline the outcome could not be known"
+    );
+    assert_eq!(cut.status, RunStatus::Succeeded, "nobody resolved it");
+    assert_eq!(cut.effects, 1, "the effect happened once");
+    assert_eq!(
+        cut.result.as_deref(),
+        Some("effect invoice-1"),
+        "the runner's result is the operation's outcome"
+    );
 }

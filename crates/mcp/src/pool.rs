@@ -44,6 +44,10 @@ pub struct ToolInfo {
     pub description: Option<String>,
     /// JSON Schema of its arguments (an object schema).
     pub input_schema: Value,
+    /// The tool's `_meta` as the server lists it (e.g. `"kedge/sees_in_flight"` on a status
+    /// tool, docs/API.md "Status queries for MCP tools"); `None` when it has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub meta: Option<Map<String, Value>>,
 }
 
 /// How a call ended, when the pool could tell.
@@ -193,6 +197,7 @@ impl Pool {
                                 name: tool.name.into_owned(),
                                 description: tool.description.map(|d| d.into_owned()),
                                 input_schema: Value::Object((*tool.input_schema).clone()),
+                                meta: tool.meta.map(|m| m.0),
                             })
                             .collect());
                     }

@@ -559,6 +559,7 @@ pub fn tool_retried(class: ToolErrorClass) {
 pub enum ConfirmResult {
     Confirmed,
     NotFound,
+    InFlight,
     Ambiguous,
 }
 
@@ -567,6 +568,7 @@ pub fn confirm_query(result: ConfirmResult) {
     match result {
         ConfirmResult::Confirmed => counter!(CONFIRM_QUERIES, "result" => "confirmed"),
         ConfirmResult::NotFound => counter!(CONFIRM_QUERIES, "result" => "not_found"),
+        ConfirmResult::InFlight => counter!(CONFIRM_QUERIES, "result" => "in_flight"),
         ConfirmResult::Ambiguous => counter!(CONFIRM_QUERIES, "result" => "ambiguous"),
     }
     .increment(1);

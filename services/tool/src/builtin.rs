@@ -71,6 +71,9 @@ pub enum Confirm {
     Confirmed(Output),
     /// It did not happen: running it again is safe.
     NotFound,
+    /// It is still running where it runs (a status query that sees calls in flight said so):
+    /// ask again later; running it again now could double it.
+    InFlight,
     /// Cannot tell.
     Ambiguous(String),
 }

@@ -139,6 +139,14 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 /// gone, attempts are bounded), so this is only a backstop.
 const MAX_KEPT: u32 = 1_000;
 
+/// How long a runner keeps trying to journal a result it holds while the broker is unreachable
+/// ([`keep_trying`]), and how often.
+const HELD_RESULT_KEPT_FOR: Duration = Duration::from_secs(600);
+const HELD_RESULT_RETRY: Duration = Duration::from_secs(1);
+
+/// How often a confirm query that answered "still in flight" is asked again.
+const IN_FLIGHT_POLL: Duration = Duration::from_millis(500);
+
 /// The stop signal of one running operation.
 type StopSignal = (OperationId, watch::Sender<bool>);
 
@@ -842,6 +850,8 @@ async fn execute(
     // (`tool_timeout + tool_grace` from its claim) has passed, and then the confirm query
     // decides (docs/ARCHITECTURE.md "Takeover"). A tool that honours the operation id may be
     // run again at once.
+    // A server whose status query sees calls in flight is asked at once instead: its
+    // `in_flight` is waited out below, and its `not_found` means the call never arrived.
     let may_still_land = matches!(target, Target::Mcp { .. })
         && !req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
     if let Claim::Held {
@@ -850,6 +860,7 @@ async fn execute(
     } = &claim
         && may_still_land
         && ctx.liveness.is_gone(holder).await
+        && !target.sees_in_flight(&ctx.mcp).await
     {
         tracing::info!(runner = %holder, retry_in_ms = retry_in.as_millis() as u64, "the runner of this remote call is gone, but the call may still take effect: waiting for its deadline");
         metrics::remote_call_waited();
@@ -939,14 +950,8 @@ async fn execute(
             let confirm = if rerun_safe {
                 None
             } else {
-                target.confirm(env, &ctx.mcp, op).await
+                settled_confirm(ctx, &target, op, abandoned_after).await
             };
-            match &confirm {
-                Some(Confirm::Confirmed(_)) => metrics::confirm_query(ConfirmResult::Confirmed),
-                Some(Confirm::NotFound) => metrics::confirm_query(ConfirmResult::NotFound),
-                Some(Confirm::Ambiguous(_)) => metrics::confirm_query(ConfirmResult::Ambiguous),
-                None => {}
-            }
             match confirm {
                 None | Some(Confirm::NotFound) => revision,
                 Some(Confirm::Confirmed(out)) => {
@@ -956,9 +961,14 @@ async fn execute(
                     metrics::tool_operation(ToolOutcome::Confirmed);
                     return Ok(Handled::Confirmed);
                 }
-                Some(Confirm::Ambiguous(detail)) => {
+                Some(unsettled @ (Confirm::Ambiguous(_) | Confirm::InFlight)) => {
                     // Never retried automatically: the run waits in `unknown` for a person
-                    // (`outcome.resolved`).
+                    // (`outcome.resolved`). (`settled_confirm` has waited an in-flight call out
+                    // already, up to its bound.)
+                    let detail = match unsettled {
+                        Confirm::Ambiguous(detail) => detail,
+                        _ => "its server still reports the call in flight".to_owned(),
+                    };
                     journal_ambiguous(rt, op, req.redispatch, detail).await?;
                     metrics::tool_operation(ToolOutcome::Ambiguous);
                     return Ok(Handled::Ambiguous);
@@ -1122,7 +1132,10 @@ async fn execute(
             if failpoint::fires("tool.result_lost", op.run().as_str()) {
                 return Ok(());
             }
-            journal_result_after(rt, op, out.clone(), stopped, chained).await
+            keep_trying(ctx, "its result", || {
+                journal_result_after(rt, op, out.clone(), stopped, chained)
+            })
+            .await
         }
     );
     failpoint::hit("tool.after_record");
@@ -1133,6 +1146,44 @@ async fn execute(
     }
     metrics::tool_operation(outcome);
     Ok(Handled::Ran)
+}
+
+/// The confirm query of an operation taken over from a gone runner, asked again while the
+/// target answers that the call is still in flight (every [`IN_FLIGHT_POLL`], up to `bound`:
+/// the first attempt's deadline and grace, counted again from now). Still in flight after
+/// that, it is a question for a person, as a call whose server cannot tell. Each answer is
+/// counted in `kedge_confirm_queries_total`.
+async fn settled_confirm(
+    ctx: &Ctx,
+    target: &Target,
+    op: &OperationId,
+    bound: Duration,
+) -> Option<Confirm> {
+    let until = tokio::time::Instant::now() + bound;
+    loop {
+        let confirm = target.confirm(&ctx.env, &ctx.mcp, op).await;
+        match &confirm {
+            Some(Confirm::Confirmed(_)) => metrics::confirm_query(ConfirmResult::Confirmed),
+            Some(Confirm::NotFound) => metrics::confirm_query(ConfirmResult::NotFound),
+            Some(Confirm::InFlight) => metrics::confirm_query(ConfirmResult::InFlight),
+            Some(Confirm::Ambiguous(_)) => metrics::confirm_query(ConfirmResult::Ambiguous),
+            None => {}
+        }
+        if !matches!(confirm, Some(Confirm::InFlight)) {
+            return confirm;
+        }
+        if tokio::time::Instant::now() + IN_FLIGHT_POLL > until {
+            return Some(Confirm::Ambiguous(ctx.env.truncate(format!(
+                "its server still reports the call in flight {} s after it was taken over",
+                bound.as_secs()
+            ))));
+        }
+        tracing::info!(
+            "the call is still in flight where it runs; asking again in {} ms",
+            IN_FLIGHT_POLL.as_millis()
+        );
+        tokio::time::sleep(IN_FLIGHT_POLL).await;
+    }
 }
 
 /// After a claim took an abandoned record over: the operation's result, when the journal has
@@ -1336,6 +1387,42 @@ async fn record(
         )
         .await?;
     Ok(())
+}
+
+/// Runs `write` (journaling something this runner holds and nobody else can have, e.g. the
+/// result of a call it made) until it is not refused for broker trouble: every second for up to
+/// [`HELD_RESULT_KEPT_FOR`], or until the service stops. A runner cut from the broker (a reset,
+/// a partition) thus journals its result once it is back, however long its writes failed
+/// meanwhile; an operation a standby took over meanwhile and left unresolved (waiting for the
+/// call's deadline, or `ambiguous`) gets it as its outcome, and the run goes on with no person
+/// (docs/ARCHITECTURE.md "Takeover").
+async fn keep_trying<F, Fut>(ctx: &Ctx, what: &str, mut write: F) -> Result<(), ToolError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), ToolError>>,
+{
+    let until = tokio::time::Instant::now() + HELD_RESULT_KEPT_FOR;
+    let mut failed = 0u32;
+    loop {
+        let e = match write().await {
+            Err(ToolError::Journal(e)) if e.is_retryable() => e,
+            done => {
+                if failed > 0 {
+                    tracing::info!(tries = failed + 1, "journaled {what} once the broker was back");
+                }
+                return done;
+            }
+        };
+        failed += 1;
+        if tokio::time::Instant::now() + HELD_RESULT_RETRY > until || *ctx.stopping.borrow() {
+            tracing::error!(error = %e, tries = failed, "gave up journaling {what}");
+            return Err(e.into());
+        }
+        if failed == 1 {
+            tracing::warn!(error = %e, "cannot journal {what}; trying again every second while the broker is unreachable");
+        }
+        tokio::time::sleep(HELD_RESULT_RETRY).await;
+    }
 }
 
 /// Journals the result a confirm query found, as `outcome.confirmed` (the history says how it

@@ -55,6 +55,28 @@ impl Target {
         }
     }
 
+    /// Whether this tool's confirm query sees calls in flight, so that its `not_found` means
+    /// "never arrived, and never will take effect" even while a gone runner's call might still
+    /// be on its way: an MCP server declares it with `"kedge/sees_in_flight": true` in its
+    /// status tool's `_meta` (docs/API.md "For MCP server authors"). Such an operation is asked
+    /// about at once when its runner is gone, instead of after the call's deadline.
+    pub async fn sees_in_flight(&self, mcp: &Pool) -> bool {
+        let Target::Mcp { server, .. } = self else {
+            return false;
+        };
+        match mcp.tools(server).await {
+            Ok(tools) => tools.iter().any(|t| {
+                t.name == MCP_STATUS_TOOL
+                    && t.meta
+                        .as_ref()
+                        .and_then(|m| m.get(SEES_IN_FLIGHT_META_KEY))
+                        .and_then(Value::as_bool)
+                        == Some(true)
+            }),
+            Err(_) => false,
+        }
+    }
+
     /// The precondition check (see [`Env::target_version`]); MCP tools have none.
     pub async fn version(&self, env: &Env, run: &RunId, args: &Value) -> Option<String> {
         match self {
@@ -163,8 +185,13 @@ async fn stop_requested(stop: &mut watch::Receiver<bool>) {
 /// The tool an MCP server may offer to answer Kedge's confirm query (docs/ARCHITECTURE.md,
 /// "Status queries for MCP tools"): called with `{"operation_id": "op_…", "tool": "<name>"}`, it
 /// answers one text item holding `{"status": "confirmed", "content": "…", "is_error": false}`,
-/// `{"status": "not_found"}` or `{"status": "ambiguous", "detail": "…"}`.
+/// `{"status": "not_found"}`, `{"status": "in_flight"}` or `{"status": "ambiguous", "detail": "…"}`.
 pub const MCP_STATUS_TOOL: &str = "kedge_status";
+
+/// The key in [`MCP_STATUS_TOOL`]'s `_meta` by which a server declares that its status query
+/// sees calls in flight (answers `in_flight` for a call it is still running, so `not_found`
+/// means the call never arrived): see [`Target::sees_in_flight`].
+pub const SEES_IN_FLIGHT_META_KEY: &str = "kedge/sees_in_flight";
 
 /// Asks `server`'s [`MCP_STATUS_TOOL`] what became of operation `op` of `tool`, whose runner
 /// died with the call in flight. Anything but a well-formed answer (no such tool, an error, a
@@ -219,6 +246,7 @@ async fn mcp_status(env: &Env, mcp: &Pool, server: &str, tool: &str, op: &Operat
             class: None,
         }),
         Some(StatusAnswer::NotFound) => Confirm::NotFound,
+        Some(StatusAnswer::InFlight) => Confirm::InFlight,
         Some(StatusAnswer::Ambiguous { detail }) => ambiguous(format!(
             "its server cannot tell whether it took effect: {detail}"
         )),
@@ -239,6 +267,7 @@ enum StatusAnswer {
         is_error: bool,
     },
     NotFound,
+    InFlight,
     Ambiguous {
         #[serde(default)]
         detail: String,
@@ -272,6 +301,10 @@ mod tests {
             Some(StatusAnswer::NotFound)
         );
         assert_eq!(
+            parse_status(r#"{"status": "in_flight"}"#),
+            Some(StatusAnswer::InFlight)
+        );
+        assert_eq!(
             parse_status(r#"{"status": "ambiguous", "detail": "in flight"}"#),
             Some(StatusAnswer::Ambiguous {
                 detail: "in flight".into()
@@ -281,6 +314,7 @@ mod tests {
             "",
             "confirmed",
             r#"{"status": "done"}"#,
+            r#"{"status": "inflight"}"#,
             r#"{"status": "confirmed"}"#,
             r#"["not_found"]"#,
         ] {
