@@ -195,7 +195,8 @@ impl EffectsServer {
             "{} is missing: run `bash scripts/mcp-servers.sh` from the repo root",
             python.display()
         );
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/effects-mcp-server.py");
+        let script =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/effects-mcp-server.py");
         let state = tempfile::tempdir().expect("state dir");
         let port = kedge_testkit::free_port();
         let mode = match status {
@@ -215,8 +216,14 @@ impl EffectsServer {
             .expect("start the effects server");
         let server = EffectsServer { child, state, port };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-            assert!(Instant::now() < deadline, "the effects server never listened");
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the effects server never listened"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         server
@@ -242,7 +249,10 @@ impl EffectsServer {
     async fn call_arrived(&self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         while self.lines("calls").is_empty() {
-            assert!(Instant::now() < deadline, "the call never reached the server");
+            assert!(
+                Instant::now() < deadline,
+                "the call never reached the server"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -250,7 +260,10 @@ impl EffectsServer {
     /// How many times the effect of `op` happened.
     fn effects_of(&self, op: &kedge_core::ids::OperationId) -> usize {
         let prefix = format!("{op}\t");
-        self.lines("done").iter().filter(|l| l.starts_with(&prefix)).count()
+        self.lines("done")
+            .iter()
+            .filter(|l| l.starts_with(&prefix))
+            .count()
     }
 }
 
@@ -269,14 +282,17 @@ struct RemoteCut {
     confirmed_by_status: bool,
     /// The operation's result, as the run has it.
     result: Option<String>,
+    /// The cut runner's `kedge_fenced_writes_total{what="op_record"}` after the run (`None`
+    /// when it could not be scraped: killed).
+    fenced_records: Option<f64>,
     took: Duration,
 }
 
-/// One run whose only tool call (`effects__slow_effect`, 2 s at the server) is cut from the
-/// broker at the tool worker running it 0.7 s after it reached the server, for `outage`; a
+/// One run whose only tool call (`effects__slow_effect`, 2 s at the server) meets `fault` at the
+/// tool worker running it (a `kedge serve tool` process) 0.7 s after it reached the server; a
 /// standby tool worker is connected directly. The call's deadline is `tool_timeout` 6 s + a
 /// grace of 2 s.
-async fn cut_mid_remote_call(status: StatusKind, outage: Duration) -> RemoteCut {
+async fn cut_mid_remote_call(status: StatusKind, fault: Fault) -> RemoteCut {
     let server = EffectsServer::start(status).await;
     let mut h = Harness::start(
         serde_json::json!({"models": {"mp": {"steps": [
@@ -289,20 +305,41 @@ async fn cut_mid_remote_call(status: StatusKind, outage: Duration) -> RemoteCut 
     h.config.timeouts.tool_timeout_ms = 6_000;
     h.config.timeouts.tool_grace_ms = 2_000;
     h.config.timeouts.tool_ack_wait_ms = 20_000;
-    h.agent_with_tools("payer", "mp", &["effects__slow_effect"]).await;
+    h.agent_with_tools("payer", "mp", &["effects__slow_effect"])
+        .await;
     let proxy = TcpProxy::start(upstream(&h)).await.expect("proxy");
-    let (via_proxy, servers) = (proxy.url(), server.servers());
-    let cut_servers = servers.clone();
-    h.spawn_service_with(Svc::Tool, "w-cut", move |c| {
-        c.nats_urls = vec![via_proxy];
-        c.mcp_servers = cut_servers;
-    });
+    let servers = server.servers();
+    let metrics_addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").to_string()
+    };
+    let cut = h.spawn_process_with_env(
+        "tool",
+        "w-cut",
+        "",
+        &[
+            ("KEDGE_METRICS_ADDR", metrics_addr.clone()),
+            ("KEDGE_NATS_URL", proxy.url()),
+            (
+                "KEDGE_MCP_SERVERS",
+                serde_json::to_string(&servers).expect("JSON"),
+            ),
+        ],
+    );
     let run = h.submit("payer", "go", "remote-cut").await;
     server.call_arrived().await;
     h.spawn_service_with(Svc::Tool, "w-standby", move |c| c.mcp_servers = servers);
     tokio::time::sleep(Duration::from_millis(700)).await;
     let cut_at = Instant::now();
-    proxy.reset_for(outage);
+    match fault {
+        Fault::Kill => h.kill9(cut),
+        Fault::Reset(d) => proxy.reset_for(d),
+        Fault::Silent(d) => {
+            proxy.blackhole(true);
+            tokio::time::sleep(d).await;
+            proxy.blackhole(false);
+        }
+    }
     let state = h.wait_terminal(&run, Duration::from_secs(90)).await;
     let took = cut_at.elapsed();
     let events = h.events(&run).await;
@@ -327,10 +364,28 @@ async fn cut_mid_remote_call(status: StatusKind, outage: Duration) -> RemoteCut 
             .get(&op)
             .and_then(|o| o.result.as_ref())
             .map(|r| r.content.clone()),
+        fenced_records: fenced_records(&metrics_addr).await,
         took,
     };
     h.shutdown().await;
     cut
+}
+
+/// `kedge_fenced_writes_total{what="op_record"}` of the process serving metrics at `addr`.
+async fn fenced_records(addr: &str) -> Option<f64> {
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    Some(
+        text.lines()
+            .find(|l| l.starts_with(r#"kedge_fenced_writes_total{what="op_record"}"#))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0),
+    )
 }
 
 /// A tool worker cut from the broker for 5 s in the middle of a remote call that takes 2 s at
@@ -342,7 +397,7 @@ async fn cut_mid_remote_call(status: StatusKind, outage: Duration) -> RemoteCut 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_reset_mid_remote_call_runs_it_once_and_asks_nobody() {
     for status in [StatusKind::Completed, StatusKind::InFlight] {
-        let cut = cut_mid_remote_call(status, Duration::from_secs(5)).await;
+        let cut = cut_mid_remote_call(status, Fault::Reset(Duration::from_secs(5))).await;
         eprintln!(
             "reset of 5 s mid remote call, status query {status:?}: {} effect(s), person asked: {}, confirmed by status: {}; {} {:?} after the cut",
             cut.effects, cut.asked_a_person, cut.confirmed_by_status, cut.status, cut.took
@@ -350,7 +405,11 @@ async fn a_reset_mid_remote_call_runs_it_once_and_asks_nobody() {
         assert_eq!(cut.status, RunStatus::Succeeded, "{status:?}");
         assert_eq!(cut.effects, 1, "{status:?}: the effect happened once");
         assert!(!cut.asked_a_person, "{status:?}: nobody was asked");
-        assert_eq!(cut.result.as_deref(), Some("effect invoice-1"), "{status:?}");
+        assert_eq!(
+            cut.result.as_deref(),
+            Some("effect invoice-1"),
+            "{status:?}"
+        );
         if let StatusKind::InFlight = status {
             assert!(
                 cut.confirmed_by_status,
@@ -360,13 +419,34 @@ async fn a_reset_mid_remote_call_runs_it_once_and_asks_nobody() {
     }
 }
 
+/// A runner killed -9 in the middle of a remote call, on a server whose status query reports
+/// calls in flight: the standby asks at once (no wait for the call's deadline), hears "in
+/// flight" while the server finishes the dead runner's call, and journals the server's answer:
+/// one effect, nobody asked, the run done well before the deadline (8 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_remote_call_of_a_killed_runner_is_answered_by_a_status_query_that_sees_it_in_flight() {
+    let cut = cut_mid_remote_call(StatusKind::InFlight, Fault::Kill).await;
+    eprintln!(
+        "kill -9 mid remote call, status query InFlight: {} effect(s), person asked: {}; {} {:?} after the kill",
+        cut.effects, cut.asked_a_person, cut.status, cut.took
+    );
+    assert_eq!(cut.status, RunStatus::Succeeded);
+    assert_eq!(cut.effects, 1, "the effect happened once");
+    assert!(!cut.asked_a_person, "nobody was asked");
+    assert!(
+        cut.confirmed_by_status,
+        "the server's answer is the outcome"
+    );
+    assert_eq!(cut.result.as_deref(), Some("effect invoice-1"));
+}
+
 /// A reset longer than the call's deadline, on a server with no status query: the standby takes
 /// the operation over at the deadline and, unable to know, leaves it `ambiguous`; the runner
 /// comes back holding the result, which is journaled as the operation's outcome, and the run
 /// goes on with no person.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_late_result_wins_over_a_person() {
-    let cut = cut_mid_remote_call(StatusKind::None, Duration::from_secs(14)).await;
+    let cut = cut_mid_remote_call(StatusKind::None, Fault::Reset(Duration::from_secs(14))).await;
     eprintln!(
         "reset of 14 s mid remote call, no status query: {} effect(s), person asked: {}; {} {:?} after the cut",
         cut.effects, cut.asked_a_person, cut.status, cut.took
@@ -381,5 +461,10 @@ async fn a_late_result_wins_over_a_person() {
         cut.result.as_deref(),
         Some("effect invoice-1"),
         "the runner's result is the operation's outcome"
+    );
+    assert_eq!(
+        cut.fenced_records,
+        Some(1.0),
+        "the runner's record write, refused (the operation was taken over), is counted"
     );
 }

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::kv::{Operation, Store};
+use async_nats::jetstream::kv::{Operation, Store, UpdateErrorKind};
 use bytes::Bytes;
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::Digest;
@@ -468,8 +468,12 @@ impl IdempotencyStore {
         self.kv
             .update(Self::op_key(op), bytes, revision)
             .await
-            .map_err(|_| IdempotencyError::Raced {
-                key: Self::op_key(op),
+            .map_err(|e| match e.kind() {
+                // Someone else wrote the record since `revision` (took it over, finished it).
+                UpdateErrorKind::WrongLastRevision => IdempotencyError::Raced {
+                    key: Self::op_key(op),
+                },
+                _ => unavailable(&e),
             })
     }
 

@@ -96,7 +96,7 @@ metrics_table! {
     TOOL_CALL_SECONDS = "kedge_tool_call_seconds", Histogram, [],
         "Duration of tool attempts (the tool running, not the bookkeeping).";
     CONFIRM_QUERIES = "kedge_confirm_queries_total", Counter, ["result"],
-        "Confirm queries of operations abandoned by a runner, by result: confirmed, not_found, ambiguous.";
+        "Confirm queries of operations abandoned by a runner, by result: confirmed, not_found, in_flight, ambiguous.";
     TAKEOVERS = "kedge_takeovers_total", Counter, ["kind"],
         "Leases (kind=run) and operation records (kind=operation) this process took over from a holder that is gone.";
     TAKEOVER_SECONDS = "kedge_takeover_seconds", Histogram, ["kind"],
@@ -105,6 +105,8 @@ metrics_table! {
         "Model attempts a gone holder left unfinished whose answer this step process waited for (within reconnect_grace), by result: reused (stored by the holder, or committed by it), none (the next attempt calls the model).";
     REMOTE_CALLS_WAITED = "kedge_remote_calls_waited_total", Counter, [],
         "Claims of an MCP operation whose runner is gone that this tool process put back until the first attempt's deadline (the remote call may still take effect).";
+    FENCED_WRITES = "kedge_fenced_writes_total", Counter, ["what"],
+        "Writes of this process refused, or withheld, because another process took its work over meanwhile (back from a dropped connection, say): decision (a step's commit: the run's lease or journal moved on), lease (a renewal: the lease was taken), op_record (a tool operation's record: taken over).";
     CONSUMER_DELIVERIES = "kedge_consumer_deliveries_total", Counter, ["consumer"],
         "Messages this process received from each durable consumer.";
     CONSUMER_REDELIVERIES = "kedge_consumer_redeliveries_total", Counter, ["consumer"],
@@ -591,6 +593,27 @@ pub fn interrupted_answer(reused: bool) {
     } else {
         counter!(INTERRUPTED_ANSWERS, "result" => "none").increment(1);
     }
+}
+
+/// What a fenced write was about ([`fenced_write`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fenced {
+    /// A step's decisions: the run's lease was lost, or its journal moved on.
+    Decision,
+    /// A lease renewal: the lease was taken.
+    Lease,
+    /// A tool operation's record: taken over.
+    OpRecord,
+}
+
+/// A write of this process was refused or withheld because another process took its work over.
+pub fn fenced_write(what: Fenced) {
+    let what = match what {
+        Fenced::Decision => "decision",
+        Fenced::Lease => "lease",
+        Fenced::OpRecord => "op_record",
+    };
+    counter!(FENCED_WRITES, "what" => what).increment(1);
 }
 
 /// A claim of an MCP operation whose runner is gone was put back until its first attempt's

@@ -317,7 +317,8 @@ impl Keeper {
                         tracing::warn!(run_id = %lease.run, error = %e, "lease renewal failed; will try again");
                     }
                     Err(e) => {
-                        tracing::warn!(run_id = %lease.run, error = %e, "lease lost");
+                        tracing::warn!(run_id = %lease.run, error = %e, "lease lost; giving the run up");
+                        metrics::fenced_write(metrics::Fenced::Lease);
                         let _ = lost_tx.send(true);
                         return None;
                     }
@@ -881,6 +882,7 @@ impl Driver {
                 }
                 Err(JournalError::Conflict { expected, actual }) => {
                     tracing::warn!(run_id = %state.run_id, expected, actual, "decision conflict; re-reading");
+                    metrics::fenced_write(metrics::Fenced::Decision);
                     w.stale_through = None;
                     w.skipped.clear();
                     *state = self
@@ -1549,7 +1551,8 @@ impl Driver {
                     failpoint::hit("step.after_model_stored");
                     if *lost.borrow() || (cut_off && !self.still_holds(&run).await) {
                         // Stored: the run's holder now reuses it instead of paying again.
-                        tracing::warn!("lease lost during the model call; its response is stored for the next holder");
+                        tracing::warn!("lease lost during the model call; gave the step up (its response is stored for the next holder, nothing committed)");
+                        metrics::fenced_write(metrics::Fenced::Decision);
                         return Err(DriveError::LeaseLost);
                     }
                     read?;

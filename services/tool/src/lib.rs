@@ -437,6 +437,17 @@ enum ToolError {
     Panicked(String),
 }
 
+impl ToolError {
+    /// Broker trouble: the same write may succeed later.
+    fn is_retryable(&self) -> bool {
+        match self {
+            ToolError::Journal(e) => e.is_retryable(),
+            ToolError::Idempotency(e) => matches!(e, IdempotencyError::Unavailable(_)),
+            ToolError::Panicked(_) => false,
+        }
+    }
+}
+
 /// Handles a delivered request; `kept`: how many times this delivery was kept already.
 async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
     // A request whose data is held by reference (large arguments) is read back whole.
@@ -1126,7 +1137,10 @@ async fn execute(
             if failpoint::fires("tool.record_lost", op.run().as_str()) {
                 return Ok(());
             }
-            record(rt, op, revision, req, runner, &out, how).await
+            keep_trying(ctx, "its record", || {
+                record(rt, op, revision, req, runner, &out, how)
+            })
+            .await
         },
         async {
             if failpoint::fires("tool.result_lost", op.run().as_str()) {
@@ -1140,9 +1154,19 @@ async fn execute(
     );
     failpoint::hit("tool.after_record");
     journaled?;
-    if let Err(e) = recorded {
+    match recorded {
+        Ok(()) => {}
+        // Taken over while this runner was away (a dropped connection outlasted the call's
+        // deadline): the result is journaled all the same (the same msg id as anything the
+        // taker journals: at most one lands), and the taker's record stands.
+        Err(ToolError::Idempotency(IdempotencyError::Raced { .. })) => {
+            tracing::warn!(
+                "the operation was taken over while its call ran; its record is the taker's (the result is journaled)"
+            );
+            metrics::fenced_write(metrics::Fenced::OpRecord);
+        }
         // The run has its result; the record is finished by the next claim of the operation.
-        tracing::warn!(error = %e, "tool.result journaled but its record not finished");
+        Err(e) => tracing::warn!(error = %e, "tool.result journaled but its record not finished"),
     }
     metrics::tool_operation(outcome);
     Ok(Handled::Ran)
@@ -1389,8 +1413,8 @@ async fn record(
     Ok(())
 }
 
-/// Runs `write` (journaling something this runner holds and nobody else can have, e.g. the
-/// result of a call it made) until it is not refused for broker trouble: every second for up to
+/// Runs `write` (journaling or recording something this runner holds and nobody else can have,
+/// e.g. the result of a call it made) until it is not refused for broker trouble: every second for up to
 /// [`HELD_RESULT_KEPT_FOR`], or until the service stops. A runner cut from the broker (a reset,
 /// a partition) thus journals its result once it is back, however long its writes failed
 /// meanwhile; an operation a standby took over meanwhile and left unresolved (waiting for the
@@ -1405,21 +1429,21 @@ where
     let mut failed = 0u32;
     loop {
         let e = match write().await {
-            Err(ToolError::Journal(e)) if e.is_retryable() => e,
+            Err(e) if e.is_retryable() => e,
             done => {
                 if failed > 0 {
-                    tracing::info!(tries = failed + 1, "journaled {what} once the broker was back");
+                    tracing::info!(tries = failed + 1, "wrote {what} once the broker was back");
                 }
                 return done;
             }
         };
         failed += 1;
         if tokio::time::Instant::now() + HELD_RESULT_RETRY > until || *ctx.stopping.borrow() {
-            tracing::error!(error = %e, tries = failed, "gave up journaling {what}");
-            return Err(e.into());
+            tracing::error!(error = %e, tries = failed, "gave up writing {what}");
+            return Err(e);
         }
         if failed == 1 {
-            tracing::warn!(error = %e, "cannot journal {what}; trying again every second while the broker is unreachable");
+            tracing::warn!(error = %e, "cannot write {what}; trying again every second while the broker is unreachable");
         }
         tokio::time::sleep(HELD_RESULT_RETRY).await;
     }
