@@ -535,6 +535,7 @@ async fn chaos(runs: usize, concurrent: usize, seed: u64) -> Chaos {
         &[Svc::Intake],
     )
     .await;
+    h.replies_cut_off = true;
     // The defaults, but for a tool deadline the test can wait out (6 s + 2 s).
     h.config.timeouts = kedge_core::config::Timeouts {
         model_timeout_ms: 30_000,

@@ -861,35 +861,59 @@ async fn execute(
     // (`tool_timeout + tool_grace` from its claim) has passed, and then the confirm query
     // decides (docs/ARCHITECTURE.md "Takeover"). A tool that honours the operation id may be
     // run again at once.
-    // A server whose status query sees calls in flight is asked at once instead: its
-    // `in_flight` is waited out below, and its `not_found` means the call never arrived.
+    // A server whose status query sees calls in flight is asked at once instead, without
+    // taking the operation over: `confirmed` is taken over and used; `in_flight` is asked again
+    // shortly; anything else waits for the deadline like any remote call (a `not_found` may be
+    // a call still on its way to the server).
     let may_still_land = matches!(target, Target::Mcp { .. })
         && !req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
-    if let Claim::Held {
-        runner: holder,
-        retry_in,
-    } = &claim
-        && may_still_land
-        && ctx.liveness.is_gone(holder).await
-        && !target.sees_in_flight(&ctx.mcp).await
-    {
-        tracing::info!(runner = %holder, retry_in_ms = retry_in.as_millis() as u64, "the runner of this remote call is gone, but the call may still take effect: waiting for its deadline");
-        metrics::remote_call_waited();
-    } else if let Claim::Held { runner: holder, .. } = &claim
-        && ctx.liveness.is_gone(holder).await
-    {
-        claim = rt
-            .idempotency
-            .claim_from(
-                op,
-                &req.args_digest,
-                runner,
-                code,
-                claim_dispatch(req.redispatch, 1, retried),
-                abandoned_after,
-                Some(holder.as_str()),
-            )
-            .await?;
+    let gone_holder = match &claim {
+        Claim::Held { runner: holder, .. } if ctx.liveness.is_gone(holder).await => {
+            Some(holder.clone())
+        }
+        _ => None,
+    };
+    let mut early = None;
+    if let Some(holder) = gone_holder {
+        let take_over = !may_still_land
+            || {
+                if target.sees_in_flight(&ctx.mcp).await {
+                    early = target.confirm(env, &ctx.mcp, op).await;
+                    early.as_ref().inspect(|c| count_confirm(c));
+                }
+                match (&early, &mut claim) {
+                    (Some(Confirm::Confirmed(_)), _) => true,
+                    (Some(Confirm::InFlight), Claim::Held { retry_in, .. }) => {
+                        tracing::info!(runner = %holder, "the runner of this remote call is gone, and its server is still running the call: asking again shortly");
+                        metrics::remote_call_waited();
+                        *retry_in = IN_FLIGHT_POLL;
+                        false
+                    }
+                    (_, claim) => {
+                        let retry_in = match claim {
+                            Claim::Held { retry_in, .. } => retry_in.as_millis() as u64,
+                            _ => 0,
+                        };
+                        tracing::info!(runner = %holder, retry_in_ms = retry_in, "the runner of this remote call is gone, but the call may still take effect: waiting for its deadline");
+                        metrics::remote_call_waited();
+                        false
+                    }
+                }
+            };
+        if take_over {
+            claim = rt
+                .idempotency
+                .claim_from(
+                    op,
+                    &req.args_digest,
+                    runner,
+                    code,
+                    claim_dispatch(req.redispatch, 1, retried),
+                    abandoned_after,
+                    Some(holder.as_str()),
+                )
+                .await?;
+        }
     }
     let revision = match claim {
         Claim::Fresh { revision } => revision,
@@ -958,10 +982,11 @@ async fn execute(
             // A tool its retry policy declares idempotent honours the operation id: running it
             // again is the answer, with no need to ask whether it happened.
             let rerun_safe = req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
-            let confirm = if rerun_safe {
-                None
-            } else {
-                settled_confirm(ctx, &target, op, abandoned_after).await
+            let confirm = match early {
+                _ if rerun_safe => None,
+                // Asked just before the takeover.
+                Some(confirmed @ Confirm::Confirmed(_)) => Some(confirmed),
+                _ => settled_confirm(ctx, &target, op, abandoned_after).await,
             };
             match confirm {
                 None | Some(Confirm::NotFound) => revision,
@@ -1172,6 +1197,16 @@ async fn execute(
     Ok(Handled::Ran)
 }
 
+/// Counts a confirm query's answer in `kedge_confirm_queries_total`.
+fn count_confirm(confirm: &Confirm) {
+    metrics::confirm_query(match confirm {
+        Confirm::Confirmed(_) => ConfirmResult::Confirmed,
+        Confirm::NotFound => ConfirmResult::NotFound,
+        Confirm::InFlight => ConfirmResult::InFlight,
+        Confirm::Ambiguous(_) => ConfirmResult::Ambiguous,
+    });
+}
+
 /// The confirm query of an operation taken over from a gone runner, asked again while the
 /// target answers that the call is still in flight (every [`IN_FLIGHT_POLL`], up to `bound`:
 /// the first attempt's deadline and grace, counted again from now). Still in flight after
@@ -1186,13 +1221,7 @@ async fn settled_confirm(
     let until = tokio::time::Instant::now() + bound;
     loop {
         let confirm = target.confirm(&ctx.env, &ctx.mcp, op).await;
-        match &confirm {
-            Some(Confirm::Confirmed(_)) => metrics::confirm_query(ConfirmResult::Confirmed),
-            Some(Confirm::NotFound) => metrics::confirm_query(ConfirmResult::NotFound),
-            Some(Confirm::InFlight) => metrics::confirm_query(ConfirmResult::InFlight),
-            Some(Confirm::Ambiguous(_)) => metrics::confirm_query(ConfirmResult::Ambiguous),
-            None => {}
-        }
+        confirm.as_ref().inspect(|c| count_confirm(c));
         if !matches!(confirm, Some(Confirm::InFlight)) {
             return confirm;
         }
