@@ -469,6 +469,88 @@ async fn a_late_result_wins_over_a_person() {
     );
 }
 
+/// A runner cut from the broker mid remote call, and killed -9 while it still could not
+/// journal the result it received: the result was kept on its disk, and a tool process started
+/// again on the same workspace root journals it. The standby had left the operation `ambiguous`
+/// (no status query, the call's deadline passed); the held result resolves it, with no person.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_result_held_by_a_killed_runner_is_journaled_by_its_restart() {
+    let server = EffectsServer::start(StatusKind::None).await;
+    let mut h = Harness::start(
+        serde_json::json!({"models": {"mp": {"steps": [
+            {"tool_calls": [{"name": "effects__slow_effect", "arguments": {"key": "invoice-1"}}]},
+            {"text": "paid"}
+        ]}}}),
+        &[Svc::Intake, Svc::Step],
+    )
+    .await;
+    h.replies_cut_off = true;
+    h.config.timeouts.tool_timeout_ms = 6_000;
+    h.config.timeouts.tool_grace_ms = 2_000;
+    h.config.timeouts.tool_ack_wait_ms = 20_000;
+    h.agent_with_tools("payer", "mp", &["effects__slow_effect"])
+        .await;
+    let proxy = TcpProxy::start(upstream(&h)).await.expect("proxy");
+    let servers = serde_json::to_string(&server.servers()).expect("JSON");
+    let env = |url: String| {
+        [
+            ("KEDGE_NATS_URL", url),
+            ("KEDGE_MCP_SERVERS", servers.clone()),
+        ]
+    };
+    let cut = h.spawn_process_with_env("tool", "w-cut", "", &env(proxy.url()));
+    let run = h.submit("payer", "go", "held-result").await;
+    server.call_arrived().await;
+    let standby_servers = server.servers();
+    h.spawn_service_with(Svc::Tool, "w-standby", move |c| {
+        c.mcp_servers = standby_servers
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    proxy.reset_for(Duration::from_secs(60));
+    // The effect lands 1.3 s later; the runner, cut off, keeps the result on its disk.
+    let held = h.config.workspace_root.join(".kedge-held");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir(&held).map_or(0, |d| d.count()) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the result was never kept on disk"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.kill9(cut);
+    // The standby waits for the call's deadline, then cannot know: a person would be asked.
+    h.wait_for(&run, Duration::from_secs(60), |s| {
+        s.status == RunStatus::Unknown
+    })
+    .await;
+    h.spawn_process_with_env("tool", "w-restarted", "", &env(h.nats.url()));
+    let state = h.wait_terminal(&run, Duration::from_secs(60)).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "nobody resolved it");
+    let events = h.events(&run).await;
+    let op = events
+        .iter()
+        .find_map(|r| match &r.envelope.event {
+            Event::ToolRequested(_) => r.envelope.op.clone(),
+            _ => None,
+        })
+        .expect("the tool was requested");
+    assert_eq!(server.effects_of(&op), 1, "the effect happened once");
+    assert_eq!(
+        state.ops[&op].result.as_ref().map(|r| r.content.as_str()),
+        Some("effect invoice-1"),
+        "the held result is the operation's outcome"
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::fs::read_dir(&held).map_or(0, |d| d.count()) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the held result was not let go once journaled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    h.shutdown().await;
+}
+
 /// A small deterministic random source for the chaos run (seeded, printed, replayable with
 /// `KEDGE_CHAOS_SEED`).
 struct Dice(u64);

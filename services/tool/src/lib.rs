@@ -61,6 +61,7 @@
 //! timer, and the answer or the timer's firing is the operation's result.
 
 pub mod builtin;
+pub mod held;
 pub mod sandbox;
 pub mod target;
 pub mod verify;
@@ -209,6 +210,8 @@ struct Ctx {
     stopping: watch::Receiver<bool>,
     /// One clone per kept request (the service waits for them on shutdown).
     keeping: Arc<()>,
+    /// Results not journaled yet, kept on this host's disk ([`held`]).
+    held: held::HeldResults,
 }
 
 /// Work kept for a while ([`keep`]) and handed back to the service's loop, with how many times
@@ -330,8 +333,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         again,
         stopping,
         keeping: Arc::new(()),
+        held: held::HeldResults::new(&rt.config.workspace_root),
         rt: rt.clone(),
     });
+    // Results an earlier process on this workspace root held and could not journal.
+    tokio::spawn(redeliver_held(ctx.clone()));
     let workers = consumer::Workers::new(rt.config.tool_concurrency);
     // Workspaces of purged runs (retention): this host's own sweep.
     let sweeper = tokio::spawn(workspaces::sweeper(
@@ -1162,7 +1168,7 @@ async fn execute(
             if failpoint::fires("tool.record_lost", op.run().as_str()) {
                 return Ok(());
             }
-            keep_trying(ctx, "its record", || {
+            keep_trying(ctx, "its record", None, || {
                 record(rt, op, revision, req, runner, &out, how)
             })
             .await
@@ -1171,7 +1177,13 @@ async fn execute(
             if failpoint::fires("tool.result_lost", op.run().as_str()) {
                 return Ok(());
             }
-            keep_trying(ctx, "its result", || {
+            let held = held::HeldResult {
+                op: op.clone(),
+                content: out.content.clone(),
+                is_error: out.is_error,
+                stopped,
+            };
+            keep_trying(ctx, "its result", Some(&held), || {
                 journal_result_after(rt, op, out.clone(), stopped, chained)
             })
             .await
@@ -1448,14 +1460,27 @@ async fn record(
 /// a partition) thus journals its result once it is back, however long its writes failed
 /// meanwhile; an operation a standby took over meanwhile and left unresolved (waiting for the
 /// call's deadline, or `ambiguous`) gets it as its outcome, and the run goes on with no person
-/// (docs/ARCHITECTURE.md "Takeover").
-async fn keep_trying<F, Fut>(ctx: &Ctx, what: &str, mut write: F) -> Result<(), ToolError>
+/// (docs/ARCHITECTURE.md "Takeover"). A result (`hold`) is also kept on disk while it is not
+/// written, from the start when the broker is out of reach already ([`held`]): a restarted
+/// runner journals it.
+async fn keep_trying<F, Fut>(
+    ctx: &Ctx,
+    what: &str,
+    hold: Option<&held::HeldResult>,
+    mut write: F,
+) -> Result<(), ToolError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<(), ToolError>>,
 {
     let until = tokio::time::Instant::now() + HELD_RESULT_KEPT_FOR;
     let mut failed = 0u32;
+    let mut on_disk = false;
+    let cut_off = ctx.rt.client.connection_state() != async_nats::connection::State::Connected;
+    if let Some(hold) = hold.filter(|_| cut_off) {
+        ctx.held.keep(hold).await;
+        on_disk = true;
+    }
     loop {
         let e = match write().await {
             Err(e) if e.is_retryable() => e,
@@ -1463,9 +1488,16 @@ where
                 if failed > 0 {
                     tracing::info!(tries = failed + 1, "wrote {what} once the broker was back");
                 }
+                if let Some(hold) = hold.filter(|_| on_disk && done.is_ok()) {
+                    ctx.held.release(&hold.op).await;
+                }
                 return done;
             }
         };
+        if let Some(hold) = hold.filter(|_| !on_disk) {
+            ctx.held.keep(hold).await;
+            on_disk = true;
+        }
         failed += 1;
         if tokio::time::Instant::now() + HELD_RESULT_RETRY > until || *ctx.stopping.borrow() {
             tracing::error!(error = %e, tries = failed, "gave up writing {what}");
@@ -1475,6 +1507,34 @@ where
             tracing::warn!(error = %e, "cannot write {what}; trying again every second while the broker is unreachable");
         }
         tokio::time::sleep(HELD_RESULT_RETRY).await;
+    }
+}
+
+/// Journals the results an earlier process on this workspace root held and could not journal
+/// (killed or stopped while cut from the broker), as their runner would have, then forgets them.
+/// A result the fold no longer needs (the operation resolved meanwhile) is a no-op input.
+async fn redeliver_held(ctx: Arc<Ctx>) {
+    for held in ctx.held.all().await {
+        let out = Output {
+            content: held.content.clone(),
+            is_error: held.is_error,
+            class: None,
+        };
+        let rt = &ctx.rt;
+        let op = &held.op;
+        match keep_trying(&ctx, "a held result", None, || {
+            journal_result(rt, op, out.clone(), held.stopped)
+        })
+        .await
+        {
+            Ok(()) => {
+                tracing::info!(%op, "journaled a result an earlier process held");
+                ctx.held.release(op).await;
+            }
+            Err(e) => {
+                tracing::warn!(%op, error = %e, "cannot journal a held result; kept for the next start")
+            }
+        }
     }
 }
 
