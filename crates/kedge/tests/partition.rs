@@ -830,3 +830,244 @@ async fn random_cuts_and_kills_double_nothing_and_ask_nobody() {
         "no model call after an answer for its step was received"
     );
 }
+
+/// The minority side of a partition: a step worker connected only to one node of a 3-node R3
+/// cluster, cut from the other two for 5 s in the middle of a model call (its client stays
+/// connected to its node: no dropped connection, only a broker that cannot reach a quorum).
+/// Its heartbeats stop reaching the majority side, so a standby there finds it gone and takes
+/// the run over; the worker receives its answer while cut off and stores it once its node
+/// rejoins, within the reconnect grace, and the standby reuses it: the call is billed once, the
+/// run succeeds, and each step is committed once. Default step timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_on_the_minority_side_of_a_cluster_partition_is_billed_once() {
+    use kedge_runtime::{Config, Runtime};
+    // The services run in this process: their logs go to the test's output (RUST_LOG).
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let cluster = kedge_testkit::NatsCluster::start_cuttable(Default::default()).await;
+    let mock = kedge_mock_llm::MockHandle::start(
+        kedge_mock_llm::Scripts::from_value(script(2500)).expect("script"),
+    )
+    .await;
+    let ws = tempfile::tempdir().expect("workspace");
+    let config = |node: usize, worker: &str| {
+        let mut c = Config {
+            nats_urls: vec![cluster.url(node)],
+            replicas: 3,
+            workspace_root: ws.path().to_owned(),
+            worker_id: worker.to_owned(),
+            ..Config::default()
+        };
+        c.timeouts.model_timeout_ms = 30_000;
+        // A delivery lost in a consumer leader change is redelivered after the ack wait (the
+        // tool's default is 90 s): shortened so the run ends within the test's bound.
+        c.timeouts.tool_timeout_ms = 6_000;
+        c.timeouts.tool_grace_ms = 2_000;
+        c.timeouts.tool_ack_wait_ms = 10_000;
+        c.api_keys
+            .insert(common::API_KEY_VAR.into(), "test-key".into());
+        c.check().expect("valid config");
+        c
+    };
+    // A new cluster's streams may still be electing their leaders: the layout is retried.
+    let mut tries = 0;
+    let rt = loop {
+        match Runtime::connect(config(0, "w-test")).await {
+            Ok(rt) => {
+                // An R3 stream of the test's own, written through the minority node below.
+                let made = rt
+                    .js
+                    .get_or_create_stream(async_nats::jetstream::stream::Config {
+                        name: "PROBE".into(),
+                        subjects: vec!["probe.>".into()],
+                        num_replicas: 3,
+                        ..Default::default()
+                    })
+                    .await;
+                match made {
+                    Ok(_) => break rt,
+                    Err(e) => eprintln!("probe stream not made yet: {e}"),
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) if tries < 20 => {
+                tries += 1;
+                eprintln!("runtime not ready yet: {e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("runtime: {e}"),
+        }
+    };
+    let agent = serde_json::json!({
+        "name": "slow",
+        "system_prompt": "test agent",
+        "model": {"provider": "openai", "name": "slow", "base_url": format!("{}/v1", mock.base_url())},
+        "api_key_env": common::API_KEY_VAR,
+        "tools": [{"name": "list_files", "description": "list", "parameters": {"type": "object", "properties": {}}}],
+    });
+    rt.agents
+        .put(
+            &kedge_core::agent::AgentDefinition::parse(agent.to_string().as_bytes())
+                .expect("agent"),
+        )
+        .await
+        .expect("agent stored");
+    let (stop, _) = tokio::sync::broadcast::channel::<()>(1);
+    let spawn = |svc: Svc, config: Config| {
+        let mut rx = stop.subscribe();
+        tokio::spawn(async move {
+            let rt = Runtime::connect(config).await.expect("service runtime");
+            let stop = async move {
+                let _ = rx.recv().await;
+            };
+            match svc {
+                Svc::Intake => kedge_intake::run(rt, stop).await,
+                Svc::Step => kedge_step::run(rt, stop).await,
+                Svc::Tool => kedge_tool::run(rt, stop).await,
+                other => panic!("not used here: {other:?}"),
+            }
+            .expect("service ran");
+        })
+    };
+    let mut services = vec![
+        spawn(Svc::Intake, config(0, "w-intake")),
+        spawn(Svc::Tool, config(1, "w-tool")),
+        spawn(Svc::Step, config(2, "w-minor")),
+    ];
+    let task = kedge_core::task::TaskSubmission {
+        agent: "slow".parse().expect("agent name"),
+        input: "go".into(),
+        run_id: None,
+        budget: None,
+        metadata: Default::default(),
+    };
+    let submission = kedge_intake::Submission {
+        task: &task,
+        key: "minority",
+        tenant: "acme",
+        caller: Some("test"),
+    };
+    // Intake answers once its consumer is in place on the new cluster: asked again until then.
+    let mut asked = 0;
+    let run = loop {
+        match kedge_intake::submit(&rt.client, &submission, Duration::from_secs(10)).await {
+            Ok(kedge_intake::Answer::Accepted { run_id }) => break run_id,
+            Ok(kedge_intake::Answer::Rejected { error }) => panic!("rejected: {error}"),
+            Err(e) if asked < 6 => {
+                asked += 1;
+                eprintln!("intake not answering yet: {e}");
+            }
+            Err(e) => panic!("intake never answered: {e}"),
+        }
+    };
+    let state = |rt: &Runtime, run: &kedge_core::ids::RunId| {
+        let (rt, run) = (rt.clone(), run.clone());
+        async move {
+            // A read the cluster cannot answer yet (a leader being elected) is asked again.
+            loop {
+                match rt.journal.read(&run, 0).await {
+                    Ok(events) => {
+                        let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))
+                            .expect("journal folds");
+                        return (events, state);
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+            }
+        }
+    };
+    // The minority worker starts the call (it is the only step worker yet) …
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while state(&rt, &run).await.1.open_step.is_none() {
+        assert!(Instant::now() < deadline, "step 1 never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // … a standby joins on the majority side, and hears its heartbeats name the run …
+    services.push(spawn(Svc::Step, config(0, "w-standby")));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    // … and the worker's node is cut from the other two.
+    cluster.cut_off(2, Duration::from_secs(5));
+    // The cut is real: a write through the minority node reaches no quorum.
+    let probe = async_nats::jetstream::new(
+        async_nats::connect(cluster.url(2))
+            .await
+            .expect("probe client"),
+    );
+    let written = tokio::time::timeout(Duration::from_secs(3), async {
+        probe.publish("probe.minority", "x".into()).await?.await
+    })
+    .await;
+    assert!(
+        !matches!(written, Ok(Ok(_))),
+        "a write through the minority node was acknowledged: the cut did not hold"
+    );
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let (events, end) = loop {
+        let (events, s) = state(&rt, &run).await;
+        if s.status.is_terminal() {
+            break (events, s);
+        }
+        if Instant::now() >= deadline {
+            for name in ["tool", "step"] {
+                if let Ok(mut c) = rt
+                    .js
+                    .get_consumer_from_stream::<async_nats::jetstream::consumer::pull::Config, _, _>(
+                        name,
+                        "KEDGE_RUNS",
+                    )
+                    .await
+                {
+                    eprintln!("consumer {name}: {:?}", c.info().await);
+                }
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the run did not finish: {}\n{}",
+            s.status,
+            events
+                .iter()
+                .map(|r| format!("{} {} {}", r.seq, r.envelope.at, r.envelope.event_type()))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let first =
+        kedge_core::ids::ModelRequestId::new(&run, kedge_core::StepNo(1), kedge_core::Attempt(1));
+    let second =
+        kedge_core::ids::ModelRequestId::new(&run, kedge_core::StepNo(1), kedge_core::Attempt(2));
+    let calls = (
+        mock.calls_for(&first.to_string()),
+        mock.calls_for(&second.to_string()),
+    );
+    eprintln!(
+        "minority cut of 5 s mid call: attempt 1 called {}×, attempt 2 {}×; {}",
+        calls.0, calls.1, end.status
+    );
+    assert_eq!(
+        end.status,
+        RunStatus::Succeeded,
+        "{:?}\n{}",
+        end.failure,
+        events
+            .iter()
+            .map(|r| format!("{} {}", r.seq, r.envelope.event_type()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(calls, (1, 0), "the call was billed once");
+    // One writer: the step completed once, by the standby from the stored answer or by the
+    // worker itself when its node rejoined before the standby acted.
+    let completed = events
+        .iter()
+        .filter(|r| matches!(&r.envelope.event, Event::StepCompleted(_)))
+        .count();
+    assert_eq!(completed, 2, "each step completed once");
+    let _ = stop.send(());
+    for s in services {
+        let _ = tokio::time::timeout(Duration::from_secs(30), s).await;
+    }
+}

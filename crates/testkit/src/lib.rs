@@ -275,10 +275,21 @@ impl Drop for NatsServer {
 ///
 /// Nodes are numbered 0, 1, 2 (server names `n1`, `n2`, `n3`). Killed on drop; the temporary
 /// directory is deleted unless the thread is panicking.
-#[derive(Debug)]
 pub struct NatsCluster {
     nodes: Vec<Node>,
     tmp: Option<TempDir>,
+    /// With [`NatsCluster::start_cuttable`]: the proxy each route connection from node `from`
+    /// to node `to` goes through, as `((from, to), proxy)`. Empty otherwise.
+    links: Vec<((usize, usize), proxy::TcpProxy)>,
+}
+
+impl std::fmt::Debug for NatsCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsCluster")
+            .field("nodes", &self.nodes)
+            .field("links", &self.links.len())
+            .finish()
+    }
 }
 
 impl NatsCluster {
@@ -301,6 +312,57 @@ impl NatsCluster {
     /// # Panics
     /// As [`NatsCluster::start`].
     pub async fn start_with(opts: ServerOptions) -> NatsCluster {
+        Self::start_inner(opts, false).await
+    }
+
+    /// Like [`NatsCluster::start_with`], with every route connection between two nodes going
+    /// through a [`proxy::TcpProxy`] of its own (one per direction a route is dialed in), so a
+    /// node can be cut from the other two ([`NatsCluster::cut_off`], [`NatsCluster::isolate`])
+    /// while its clients stay connected to it: the minority side of a partition. Each node
+    /// dials the others only through those proxies, and advertises a route address nothing
+    /// listens on, so no node learns a direct way to another by gossip.
+    ///
+    /// # Panics
+    /// As [`NatsCluster::start`].
+    pub async fn start_cuttable(opts: ServerOptions) -> NatsCluster {
+        Self::start_inner(opts, true).await
+    }
+
+    /// Resets every route connection of `node` and refuses new ones for `d`: the node is cut
+    /// from the other two (which stay connected to each other) and rejoins after `d`.
+    ///
+    /// # Panics
+    /// If the cluster was not started with [`NatsCluster::start_cuttable`].
+    pub fn cut_off(&self, node: usize, d: Duration) {
+        for proxy in self.links_of(node) {
+            proxy.reset_for(d);
+        }
+    }
+
+    /// Turns a silent partition of `node` from the other two on or off (route bytes held, the
+    /// connections kept: [`proxy::TcpProxy::blackhole`]).
+    ///
+    /// # Panics
+    /// As [`NatsCluster::cut_off`].
+    pub fn isolate(&self, node: usize, on: bool) {
+        for proxy in self.links_of(node) {
+            proxy.blackhole(on);
+        }
+    }
+
+    fn links_of(&self, node: usize) -> Vec<&proxy::TcpProxy> {
+        assert!(
+            !self.links.is_empty(),
+            "the cluster's routes are not cuttable: start it with NatsCluster::start_cuttable"
+        );
+        self.links
+            .iter()
+            .filter(|((from, to), _)| *from == node || *to == node)
+            .map(|(_, proxy)| proxy)
+            .collect()
+    }
+
+    async fn start_inner(opts: ServerOptions, cuttable: bool) -> NatsCluster {
         let tmp = tempfile::Builder::new()
             .prefix("kedge-nats-cluster-")
             .tempdir()
@@ -322,16 +384,45 @@ impl NatsCluster {
         let mut cluster = NatsCluster {
             nodes,
             tmp: Some(tmp),
+            links: Vec::new(),
         };
         let mut attempt = 1;
         loop {
-            let ports = free_ports(2 * Self::SIZE);
-            let routes: Vec<u16> = ports[Self::SIZE..].to_vec();
+            let ports = free_ports(3 * Self::SIZE);
+            let routes: Vec<u16> = ports[Self::SIZE..2 * Self::SIZE].to_vec();
+            // Route addresses nothing listens on, advertised by the cuttable cluster's nodes.
+            let nowhere: Vec<u16> = ports[2 * Self::SIZE..].to_vec();
+            cluster.links.clear();
+            if cuttable {
+                for from in 0..Self::SIZE {
+                    for to in (0..Self::SIZE).filter(|to| *to != from) {
+                        let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], routes[to]));
+                        let proxy = proxy::TcpProxy::start(upstream)
+                            .await
+                            .expect("a route proxy");
+                        cluster.links.push(((from, to), proxy));
+                    }
+                }
+            }
             for (i, node) in cluster.nodes.iter_mut().enumerate() {
                 node.port = ports[i];
-                node.cluster = Some(ClusterPorts {
-                    listen: routes[i],
-                    routes: routes.clone(),
+                node.cluster = Some(if cuttable {
+                    ClusterPorts {
+                        listen: routes[i],
+                        routes: cluster
+                            .links
+                            .iter()
+                            .filter(|((from, _), _)| *from == i)
+                            .map(|(_, proxy)| proxy.addr().port())
+                            .collect(),
+                        advertise: Some(nowhere[i]),
+                    }
+                } else {
+                    ClusterPorts {
+                        listen: routes[i],
+                        routes: routes.clone(),
+                        advertise: None,
+                    }
                 });
             }
             for node in &mut cluster.nodes {
@@ -485,6 +576,8 @@ fn keep_evidence_if_panicking(tmp: &mut Option<TempDir>, what: &str, nodes: &[&N
 struct ClusterPorts {
     listen: u16,
     routes: Vec<u16>,
+    /// The route address the node tells the others about (`cluster.advertise`), if not its own.
+    advertise: Option<u16>,
 }
 
 /// One nats-server: its config inputs, files, and running process if any.
@@ -571,9 +664,13 @@ impl Node {
         conf.push_str("}\n");
         if let Some(cluster) = &self.cluster {
             conf.push_str(&format!(
-                "cluster {{\n  name: kedge-test\n  listen: 127.0.0.1:{}\n  routes: [\n",
+                "cluster {{\n  name: kedge-test\n  listen: 127.0.0.1:{}\n",
                 cluster.listen
             ));
+            if let Some(advertise) = cluster.advertise {
+                conf.push_str(&format!("  advertise: 127.0.0.1:{advertise}\n"));
+            }
+            conf.push_str("  routes: [\n");
             for port in &cluster.routes {
                 conf.push_str(&format!("    nats-route://127.0.0.1:{port}\n"));
             }

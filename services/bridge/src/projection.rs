@@ -440,10 +440,7 @@ pub async fn run_projector(
         stopping,
     });
     let consumer = consumer::durable(&rt.js, PROJECTOR, Duration::from_secs(30)).await?;
-    let mut messages = consumer
-        .messages()
-        .await
-        .map_err(|e| RuntimeError::broker("projector consumer", e))?;
+    let mut messages = consumer::Deliveries::open(consumer, PROJECTOR).await?;
     // Every handler and resting run holds a clone; all are gone once every delivery taken is
     // settled.
     let (held, mut all_settled) = mpsc::channel::<()>(1);
@@ -452,7 +449,7 @@ pub async fn run_projector(
     loop {
         let (slot, msg) = tokio::select! {
             _ = &mut shutdown => break,
-            next = workers.next(&mut messages, PROJECTOR) => match next {
+            next = workers.next(&mut messages) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -482,7 +479,7 @@ pub async fn run_projector(
         let held = held.clone();
         workers.run(slot, async move { projector.project_run(run, held).await });
     }
-    consumer::hand_back(messages, PROJECTOR).await;
+    consumer::hand_back(messages).await;
     // Resting runs are projected at once, with what they hold.
     let _ = stop.send(true);
     drop(held);

@@ -1220,7 +1220,7 @@ impl Driver {
                 }
                 Next::Finish(cut) => {
                     tracing::warn!(run_id = %run, step = %cut.step, landed = cut.landed, "finishing a step's decisions cut short");
-                    let contract = match self.definition(state).await {
+                    let contract = match self.definition(state).await? {
                         Ok((_, contract)) => contract,
                         Err(reason) => {
                             let fail = Draft::new(Event::RunFailed(RunFailed {
@@ -1252,7 +1252,7 @@ impl Driver {
             tracing::info_span!("step", run_id = %run, step = %plan.step, attempt = %plan.attempt);
         kedge_runtime::trace::set_parent(&span, state.bundle.traceparent.as_deref());
         async {
-            let (def, contract) = match self.definition(state).await {
+            let (def, contract) = match self.definition(state).await? {
                 Ok(found) => found,
                 Err(reason) => {
                     let fail = Draft::new(Event::RunFailed(RunFailed {
@@ -1945,7 +1945,7 @@ impl Driver {
         if !waiting && !waited {
             return Ok(());
         }
-        let Ok((def, _)) = self.definition(state).await else {
+        let Ok((def, _)) = self.definition(state).await? else {
             return Ok(());
         };
         let providers = self.providers().await?;
@@ -2179,26 +2179,29 @@ impl Driver {
 
     /// The run's agent revision, checked against the digests its `run.created` froze, and its
     /// tool contract (both computed once per revision by the agent store).
+    /// The run's agent revision and its tool contract; `Ok(Err(reason))` when the run cannot
+    /// go on with it (gone, corrupt, or no longer what `run.created` froze: the run fails),
+    /// `Err` when `kedge_agents` cannot be read now (broker trouble, a stream leader being
+    /// elected: the drive is tried again, the run does not fail).
     async fn definition(
         &self,
         state: &RunState,
-    ) -> Result<(Arc<AgentDefinition>, Arc<Contract>), String> {
+    ) -> Result<Result<(Arc<AgentDefinition>, Arc<Contract>), String>, DriveError> {
         let b = &state.bundle;
-        let revision = self
-            .rt
-            .agents
-            .revision(&b.agent, b.agent_revision)
-            .await
-            .map_err(|e| e.to_string())?;
+        let revision = match self.rt.agents.revision(&b.agent, b.agent_revision).await {
+            Ok(revision) => revision,
+            Err(e @ AgentError::Unavailable(_)) => return Err(e.into()),
+            Err(e) => return Ok(Err(e.to_string())),
+        };
         if *revision.prompt_digest() != b.prompt_digest
             || *revision.tools_digest() != b.tools_digest
         {
-            return Err(format!(
+            return Ok(Err(format!(
                 "agent {} revision {} no longer matches the digests frozen in run.created",
                 b.agent, b.agent_revision
-            ));
+            )));
         }
-        Ok((revision.def.clone(), revision.contract()))
+        Ok(Ok((revision.def.clone(), revision.contract())))
     }
 
     async fn call_model(
