@@ -31,17 +31,24 @@ fn upstream(h: &Harness) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], h.nats.port()))
 }
 
-/// Runs one run whose first model call (2.5 s) is cut from the broker `cut` after it began,
-/// for `outage`, at the worker driving it; a standby step worker is connected directly.
-/// Returns how many times each attempt of step 1 reached the model, and the run's end.
-async fn cut_mid_call(outage: Duration) -> (u64, u64, RunStatus, Duration) {
-    let mut h = Harness::start(script(2500), &[Svc::Intake, Svc::Tool]).await;
-    // The default grace (the test harness's is shorter).
+/// A harness with intake and tool services, the agent `slow` whose first step's answer takes
+/// `delay_ms`, the default reconnect grace (the harness's is shorter), and a proxy to the broker
+/// for the step workers a test cuts.
+async fn slow_model_behind_a_proxy(delay_ms: u64) -> (Harness, TcpProxy) {
+    let mut h = Harness::start(script(delay_ms), &[Svc::Intake, Svc::Tool]).await;
     h.config.timeouts.model_timeout_ms = 30_000;
     h.config.timeouts.reconnect_grace_ms =
         kedge_core::config::Timeouts::default().reconnect_grace_ms;
     h.agent("slow", "slow").await;
     let proxy = TcpProxy::start(upstream(&h)).await.expect("proxy");
+    (h, proxy)
+}
+
+/// Runs one run whose first model call (2.5 s) is cut from the broker `cut` after it began,
+/// for `outage`, at the worker driving it; a standby step worker is connected directly.
+/// Returns how many times each attempt of step 1 reached the model, and the run's end.
+async fn cut_mid_call(outage: Duration) -> (u64, u64, RunStatus, Duration) {
+    let (mut h, proxy) = slow_model_behind_a_proxy(2500).await;
     let via_proxy = proxy.url();
     h.spawn_service_with(Svc::Step, "w-cut", |c| c.nats_urls = vec![via_proxy]);
     let run = h.submit("slow", "go", "cut-1").await;
@@ -98,6 +105,85 @@ async fn a_reset_of_a_few_seconds_mid_model_call_bills_the_call_once() {
     }
 }
 
+/// A reset of 2 s at the moment a step's decisions are committed (the model's answer comes
+/// 1 s after `step.started`; the cut falls from 150 ms before to 150 ms after it, across the
+/// atomic group of `step.completed` and `tool.requested`), and, apart, at the standby instead of
+/// the worker: each time the group lands whole and once, the call is billed once, and the run
+/// succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cut_at_a_step_groups_commit_or_at_the_standby_leaves_one_whole_group_and_one_bill() {
+    // (offset from the answer in ms, whether the standby is the one cut)
+    let cases = [
+        (-150, false),
+        (-40, false),
+        (0, false),
+        (15, false),
+        (40, false),
+        (150, false),
+        (0, true),
+    ];
+    for (offset, standby_cut) in cases {
+        let (mut h, proxy) = slow_model_behind_a_proxy(1000).await;
+        let via_proxy = proxy.url();
+        let (worker, standby) = if standby_cut {
+            ("w-direct", "w-cut-standby")
+        } else {
+            ("w-cut", "w-standby")
+        };
+        let proxied = via_proxy.clone();
+        h.spawn_service_with(Svc::Step, worker, move |c| {
+            if !standby_cut {
+                c.nats_urls = vec![proxied];
+            }
+        });
+        let run = h.submit("slow", "go", "commit-cut").await;
+        h.wait_for(&run, Duration::from_secs(20), |s| s.open_step.is_some())
+            .await;
+        let started = Instant::now();
+        h.spawn_service_with(Svc::Step, standby, move |c| {
+            if standby_cut {
+                c.nats_urls = vec![via_proxy];
+            }
+        });
+        let at = Duration::from_millis((1000 + offset) as u64);
+        tokio::time::sleep(at.saturating_sub(started.elapsed())).await;
+        proxy.reset_for(Duration::from_secs(2));
+        let state = h.wait_terminal(&run, Duration::from_secs(90)).await;
+        let events = h.events(&run).await;
+        let count = |kind: &str| {
+            events
+                .iter()
+                .filter(|r| r.envelope.event_type().to_string() == kind)
+                .count()
+        };
+        let billed = step_one_calls(&h);
+        eprintln!(
+            "cut {offset:+} ms from the answer ({}): step 1 billed {billed}×, {} step.completed, {} tool.requested; {}",
+            if standby_cut {
+                "the standby"
+            } else {
+                "the worker"
+            },
+            count("step.completed"),
+            count("tool.requested"),
+            state.status
+        );
+        assert_eq!(state.status, RunStatus::Succeeded, "{offset} {standby_cut}");
+        assert_eq!(billed, 1, "{offset} {standby_cut}: billed once");
+        assert_eq!(
+            count("step.completed"),
+            2,
+            "{offset} {standby_cut}: each step once"
+        );
+        assert_eq!(
+            count("tool.requested"),
+            1,
+            "{offset} {standby_cut}: the group once"
+        );
+        h.shutdown().await;
+    }
+}
+
 /// A fault between a step worker and the broker, mid model call.
 #[derive(Debug, Clone, Copy)]
 enum Fault {
@@ -107,6 +193,32 @@ enum Fault {
     Reset(Duration),
     /// Packets dropped for this long, the connection kept.
     Silent(Duration),
+}
+
+impl Fault {
+    /// Strikes process `child` of `h` (behind `proxy`); a silent partition returns once healed.
+    async fn strike(self, h: &mut Harness, child: usize, proxy: &TcpProxy) {
+        match self {
+            Fault::Kill => h.kill9(child),
+            Fault::Reset(d) => proxy.reset_for(d),
+            Fault::Silent(d) => {
+                proxy.blackhole(true);
+                tokio::time::sleep(d).await;
+                proxy.blackhole(false);
+            }
+        }
+    }
+}
+
+/// How many times step 1 of any run reached the mock model (every attempt).
+fn step_one_calls(h: &Harness) -> u64 {
+    h.mock
+        .calls()
+        .by_request_id
+        .iter()
+        .filter(|(id, _)| id.contains("_1_"))
+        .map(|(_, n)| *n)
+        .sum()
 }
 
 /// `KEDGE_PARTITION_MATRIX=1`: measures each fault of the matrix (kill -9; a reset of 1, 5 and
@@ -140,25 +252,10 @@ async fn partition_matrix() {
         h.spawn_process("step", "w-standby", "");
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let at = Instant::now();
-        match fault {
-            Fault::Kill => h.kill9(cut),
-            Fault::Reset(d) => proxy.reset_for(d),
-            Fault::Silent(d) => {
-                proxy.blackhole(true);
-                tokio::time::sleep(d).await;
-                proxy.blackhole(false);
-            }
-        }
+        fault.strike(&mut h, cut, &proxy).await;
         let state = h.wait_terminal(&run, Duration::from_secs(120)).await;
         let took = at.elapsed();
-        let calls: u64 = h
-            .mock
-            .calls()
-            .by_request_id
-            .iter()
-            .filter(|(id, _)| id.contains("_1_"))
-            .map(|(_, n)| *n)
-            .sum();
+        let calls = step_one_calls(&h);
         eprintln!(
             "PARTITION {fault:?}: step 1 reached the model {calls}×; {} {took:?} after the fault",
             state.status
@@ -331,15 +428,7 @@ async fn cut_mid_remote_call(status: StatusKind, fault: Fault) -> RemoteCut {
     h.spawn_service_with(Svc::Tool, "w-standby", move |c| c.mcp_servers = servers);
     tokio::time::sleep(Duration::from_millis(700)).await;
     let cut_at = Instant::now();
-    match fault {
-        Fault::Kill => h.kill9(cut),
-        Fault::Reset(d) => proxy.reset_for(d),
-        Fault::Silent(d) => {
-            proxy.blackhole(true);
-            tokio::time::sleep(d).await;
-            proxy.blackhole(false);
-        }
-    }
+    fault.strike(&mut h, cut, &proxy).await;
     let state = h.wait_terminal(&run, Duration::from_secs(90)).await;
     let took = cut_at.elapsed();
     let events = h.events(&run).await;
