@@ -86,68 +86,18 @@ pub async fn durable(
     Ok(consumer)
 }
 
-/// A durable consumer's deliveries to this process: its pull stream, and the consumer to open
-/// it again from. A pull request lives in the consumer's leader; when the leader moves (a node
-/// failed, or was cut from its cluster), the new one knows nothing of it, and the client would
-/// not ask again before the request's expiry (35 s): no work would reach this process
-/// meanwhile. So a stream whose heartbeats stop is opened again at once, which pulls anew
-/// (docs/ARCHITECTURE.md "Takeover").
-pub struct Deliveries {
-    consumer: PullConsumer,
-    stream: pull::Stream,
-    name: &'static str,
-}
-
-impl std::fmt::Debug for Deliveries {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Deliveries")
-            .field("consumer", &self.name)
-            .finish()
-    }
-}
-
-impl Deliveries {
-    /// Starts pulling from `consumer` (named `name` in logs and metrics).
-    pub async fn open(
-        consumer: PullConsumer,
-        name: &'static str,
-    ) -> Result<Deliveries, RuntimeError> {
-        let stream = consumer
-            .messages()
-            .await
-            .map_err(|e| RuntimeError::broker(format!("{name} consumer"), e))?;
-        Ok(Deliveries {
-            consumer,
-            stream,
-            name,
-        })
-    }
-}
-
-/// The next message a consumer delivers; hiccups (a reconnect, an error status) are logged and
-/// skipped, and missed heartbeats pull anew ([`Deliveries`]). `None` once the stream has ended.
-/// Cancel-safe (for `select!`).
-pub async fn next_message(deliveries: &mut Deliveries) -> Option<async_nats::jetstream::Message> {
+/// The next message a consumer delivers; hiccups (missed heartbeats, a reconnect) are logged
+/// and skipped. `None` once the stream has ended. Cancel-safe (for `select!`).
+pub async fn next_message(
+    messages: &mut pull::Stream,
+    consumer: &str,
+) -> Option<async_nats::jetstream::Message> {
     use futures::StreamExt as _;
-    let consumer = deliveries.name;
     loop {
-        match deliveries.stream.next().await {
+        match messages.next().await {
             Some(Ok(msg)) => {
-                crate::metrics::delivered(consumer, self::deliveries(&msg));
+                crate::metrics::delivered(consumer, deliveries(&msg));
                 return Some(msg);
-            }
-            Some(Err(e)) if e.kind() == pull::MessagesErrorKind::MissingHeartbeat => {
-                tracing::warn!(
-                    consumer,
-                    "the consumer's heartbeats stopped (its leader moved?); pulling anew"
-                );
-                match deliveries.consumer.messages().await {
-                    Ok(stream) => deliveries.stream = stream,
-                    Err(e) => {
-                        tracing::warn!(consumer, error = %e, "cannot pull anew yet");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                }
             }
             Some(Err(e)) => tracing::warn!(consumer, error = %e, "consumer hiccup"),
             None => return None,
@@ -270,8 +220,7 @@ const HAND_BACK_FOR: Duration = Duration::from_secs(2);
 /// pull request finds no interest) is dropped before any NAK: a handed-back message cannot be
 /// delivered to this process again and bounce here, burning the consumer's `max_deliver`.
 /// Bounded by [`HAND_BACK_FOR`]. Returns how many messages were handed back.
-pub async fn hand_back(deliveries: Deliveries) -> usize {
-    let (mut messages, consumer) = (deliveries.stream, deliveries.name);
+pub async fn hand_back(mut messages: pull::Stream, consumer: &str) -> usize {
     use futures::StreamExt as _;
     let until = tokio::time::Instant::now() + HAND_BACK_FOR;
     let mut pulled = Vec::new();
@@ -365,10 +314,11 @@ impl Workers {
     /// `None` once the stream has ended.
     pub async fn next(
         &self,
-        deliveries: &mut Deliveries,
+        messages: &mut pull::Stream,
+        consumer: &str,
     ) -> Option<(Slot, async_nats::jetstream::Message)> {
         let slot = self.slot().await;
-        let msg = next_message(deliveries).await?;
+        let msg = next_message(messages, consumer).await?;
         Some((slot, msg))
     }
 

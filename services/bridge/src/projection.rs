@@ -440,7 +440,10 @@ pub async fn run_projector(
         stopping,
     });
     let consumer = consumer::durable(&rt.js, PROJECTOR, Duration::from_secs(30)).await?;
-    let mut messages = consumer::Deliveries::open(consumer, PROJECTOR).await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("projector consumer", e))?;
     // Every handler and resting run holds a clone; all are gone once every delivery taken is
     // settled.
     let (held, mut all_settled) = mpsc::channel::<()>(1);
@@ -449,7 +452,7 @@ pub async fn run_projector(
     loop {
         let (slot, msg) = tokio::select! {
             _ = &mut shutdown => break,
-            next = workers.next(&mut messages) => match next {
+            next = workers.next(&mut messages, PROJECTOR) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -479,7 +482,7 @@ pub async fn run_projector(
         let held = held.clone();
         workers.run(slot, async move { projector.project_run(run, held).await });
     }
-    consumer::hand_back(messages).await;
+    consumer::hand_back(messages, PROJECTOR).await;
     // Resting runs are projected at once, with what they hold.
     let _ = stop.send(true);
     drop(held);

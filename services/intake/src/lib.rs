@@ -67,7 +67,10 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 /// Runs intake until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let consumer = consumer::durable(&rt.js, CONSUMER, Duration::from_secs(30)).await?;
-    let mut messages = consumer::Deliveries::open(consumer, CONSUMER).await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("intake consumer", e))?;
     let workers = consumer::Workers::new(64);
     serve_callbacks(&rt).await?;
     tracing::info!(worker = %rt.config.worker_id, "intake service started");
@@ -75,7 +78,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     loop {
         let (slot, msg) = tokio::select! {
             _ = &mut shutdown => break,
-            next = workers.next(&mut messages) => match next {
+            next = workers.next(&mut messages, CONSUMER) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -99,7 +102,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 }
             });
     }
-    consumer::hand_back(messages).await;
+    consumer::hand_back(messages, CONSUMER).await;
     workers.drain().await;
     tracing::info!("intake service stopped");
     Ok(())

@@ -141,7 +141,10 @@ async fn answer_yields(
 /// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let consumer = consumer::durable(&rt.js, CONSUMER, rt.config.timeouts.step_ack_wait()).await?;
-    let mut messages = consumer::Deliveries::open(consumer, CONSUMER).await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("step consumer", e))?;
     let (cancels, _) = tokio::sync::broadcast::channel(1024);
     watch_cancels(&rt, cancels.clone()).await?;
     let liveness = rt.liveness().await?;
@@ -182,7 +185,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 }
                 continue;
             }
-            next = drives.workers.next(&mut messages) => match next {
+            next = drives.workers.next(&mut messages, CONSUMER) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -196,7 +199,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         drives.start(parsed.run_id, Some(msg), Some(slot)).await;
     }
     // Drain: hand back the wakes pulled and not started, then wait for every in-flight drive.
-    consumer::hand_back(messages).await;
+    consumer::hand_back(messages, CONSUMER).await;
     drives.workers.drain().await;
     yields.abort();
     releaser.abort();

@@ -110,8 +110,14 @@ const RETRY_DELAY: Duration = Duration::from_secs(1);
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let scheduled = consumer::durable(&rt.js, SCHEDULED_CONSUMER, ACK_WAIT).await?;
     let fired = consumer::durable(&rt.js, FIRED_CONSUMER, ACK_WAIT).await?;
-    let mut scheduled = consumer::Deliveries::open(scheduled, SCHEDULED_CONSUMER).await?;
-    let mut fired = consumer::Deliveries::open(fired, FIRED_CONSUMER).await?;
+    let mut scheduled = scheduled
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("timer consumer", e))?;
+    let mut fired = fired
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("timer-fired consumer", e))?;
     let workers = consumer::Workers::new(CONCURRENCY);
     tracing::info!(worker = %rt.config.worker_id, "timer service started");
     tokio::pin!(shutdown);
@@ -123,11 +129,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         };
         let (msg, kind) = tokio::select! {
             _ = &mut shutdown => break None,
-            next = consumer::next_message(&mut scheduled) => match next {
+            next = consumer::next_message(&mut scheduled, SCHEDULED_CONSUMER) => match next {
                 Some(msg) => (msg, Kind::Scheduled),
                 None => break Some(SCHEDULED_CONSUMER),
             },
-            next = consumer::next_message(&mut fired) => match next {
+            next = consumer::next_message(&mut fired, FIRED_CONSUMER) => match next {
                 Some(msg) => (msg, Kind::Fired),
                 None => break Some(FIRED_CONSUMER),
             },
@@ -152,8 +158,8 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 settle(&rt, kind.consumer(), &msg, verdict).await;
             });
     };
-    consumer::hand_back(scheduled).await;
-    consumer::hand_back(fired).await;
+    consumer::hand_back(scheduled, SCHEDULED_CONSUMER).await;
+    consumer::hand_back(fired, FIRED_CONSUMER).await;
     workers.drain().await;
     match ended {
         None => {

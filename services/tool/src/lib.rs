@@ -310,7 +310,10 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             }
         }
     });
-    let mut messages = consumer::Deliveries::open(consumer, CONSUMER).await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("tool consumer", e))?;
     // Kept requests come back here; the service's stop hands them back to the broker.
     let (again, mut kept) = mpsc::unbounded_channel::<Again>();
     let (stop, stopping) = watch::channel(false);
@@ -401,7 +404,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 }
                 continue;
             }
-            next = workers.next(&mut messages) => match next {
+            next = workers.next(&mut messages, CONSUMER) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -409,7 +412,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         let ctx = ctx.clone();
         workers.run(slot, async move { handle(&ctx, msg, 0).await });
     }
-    consumer::hand_back(messages).await;
+    consumer::hand_back(messages, CONSUMER).await;
     // Kept requests go back to the broker with the rest of their wait (a handler that keeps one
     // from now on hands it back at once), as do those waiting to be handled anew.
     let _ = stop.send(true);
