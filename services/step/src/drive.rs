@@ -2178,11 +2178,10 @@ impl Driver {
     }
 
     /// The run's agent revision, checked against the digests its `run.created` froze, and its
-    /// tool contract (both computed once per revision by the agent store).
-    /// The run's agent revision and its tool contract; `Ok(Err(reason))` when the run cannot
-    /// go on with it (gone, corrupt, or no longer what `run.created` froze: the run fails),
-    /// `Err` when `kedge_agents` cannot be read now (broker trouble, a stream leader being
-    /// elected: the drive is tried again, the run does not fail).
+    /// tool contract (both computed once per revision by the agent store). `Ok(Err(reason))`
+    /// when the run cannot go on with it (gone, corrupt, or no longer what `run.created` froze:
+    /// the run fails); `Err` when `kedge_agents` cannot be read now (broker trouble, a stream
+    /// leader being elected: the drive is tried again, the run does not fail).
     async fn definition(
         &self,
         state: &RunState,

@@ -5,7 +5,7 @@
 //! (`keep_trying` in the service). The result is written here too — when the broker is out of
 //! reach as the result arrives, or once a write of it has failed — so that a runner killed or
 //! restarted meanwhile still delivers it: a tool service starting on the same workspace root
-//! journals every result it finds here ([`HeldResults::redeliver`]), under the operation's own
+//! journals every result it finds here (`redeliver_held` in the service), under the operation's own
 //! msg id (at most one outcome lands) and only as an input the fold accepts for an operation
 //! with no result yet. The file goes once the result is in the journal.
 //!

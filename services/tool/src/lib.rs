@@ -1455,8 +1455,8 @@ async fn record(
 }
 
 /// Runs `write` (journaling or recording something this runner holds and nobody else can have,
-/// e.g. the result of a call it made) until it is not refused for broker trouble: every second for up to
-/// [`HELD_RESULT_KEPT_FOR`], or until the service stops. A runner cut from the broker (a reset,
+/// e.g. the result of a call it made) until it is not refused for broker trouble: every second
+/// for up to [`HELD_RESULT_KEPT_FOR`], or until the service stops. A runner cut from the broker (a reset,
 /// a partition) thus journals its result once it is back, however long its writes failed
 /// meanwhile; an operation a standby took over meanwhile and left unresolved (waiting for the
 /// call's deadline, or `ambiguous`) gets it as its outcome, and the run goes on with no person
