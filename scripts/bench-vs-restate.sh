@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Restate and Kedge side by side, in one sitting (issue 11, "Cost per action"): one command that
+# Restate and Kedge side by side, in one sitting: one command that
 # measures the Restate peer right before Kedge's agent_loop bench on the same machine and prints
 # both with the ratios Kedge / Restate, the goals marked met or not, and the per-action bill
 # (broker operations by kind, CPU ms per action split by process).
@@ -372,7 +372,7 @@ for key, label, d, goal in rows:
             line += f" {f(r, 2):>6} {g:<14}"
     print(line)
 print()
-print("  ratio = Kedge / Restate. Goals (issue 11): action p50 and run p50 <= 0.8x Restate's,")
+print("  ratio = Kedge / Restate. Goals: action p50 and run p50 <= 0.8x Restate's,")
 print("  actions/s at 64 runs >= 1.25x; `sync_interval: always` (fsync before every ack) beside them.")
 if restate:
     print(f"  Restate: step overhead = step call latency - step body (latency mode, {lat['workflows']} workflows);"

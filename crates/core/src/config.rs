@@ -1,4 +1,4 @@
-//! Timeouts and their relations, in one place (DESIGN.md "Timeouts", seed 004 难点 6).
+//! Timeouts and their relations, in one place (docs/CONFIG.md, "Timeouts and their relations").
 //!
 //! Every timeout of the runtime is a field here; [`Timeouts::check`] refuses a configuration that
 //! breaks a relation, naming the relation. Services call it when they load their configuration,

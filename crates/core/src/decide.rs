@@ -3,7 +3,7 @@
 //! The step service loops: fold the journal, [`decide`], carry out the answer (commit decisions, or
 //! call the model and then commit [`complete_step`]'s decisions), fold again, until [`Next::Idle`].
 //! Duplicate and early wakes land on `Idle`: the model is never called while a tool result is
-//! missing (seed 004, 难点 4).
+//! missing (docs/ARCHITECTURE.md, "The step service").
 
 use crate::agent::{DEFAULT_APPROVAL_TTL_SECS, OnInvalidOutput};
 use crate::event::{

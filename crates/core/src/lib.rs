@@ -16,7 +16,7 @@
 //! - [`settings`]: model settings (sampling, tool choice, thinking, caching) and prices.
 //! - [`schema`]: the JSON Schemas under `schemas/`, generated from these types.
 //!
-//! Invariant: a run's state is a function of its journal alone (DESIGN principle 1); everything
+//! Invariant: a run's state is a function of its journal alone (principle 1); everything
 //! time- or configuration-dependent arrives as a recorded event or in the frozen run bundle.
 
 pub mod agent;

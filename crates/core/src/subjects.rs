@@ -1,4 +1,4 @@
-//! The broker layout's names: streams, buckets and subjects (DESIGN.md, "Broker layout").
+//! The broker layout's names: streams, buckets and subjects (docs/ARCHITECTURE.md, "The journal").
 //!
 //! Every service builds subjects through these functions, so the layout is stated once.
 

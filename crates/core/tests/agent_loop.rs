@@ -1201,7 +1201,7 @@ fn operations_without_an_outcome_past_the_cutoff_are_stuck_but_questions_never_a
 }
 
 // ---------------------------------------------------------------------------------------------
-// The tool contract (issue 10, item 1): only declared tools run, with arguments their schema
+// The tool contract: only declared tools run, with arguments their schema
 // accepts; any other call is answered with the refusal and nothing is dispatched.
 // ---------------------------------------------------------------------------------------------
 
@@ -1620,7 +1620,7 @@ fn a_final_answer_is_validated_against_the_output_schema() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-tool retry policy (issue 12, item 3): the policy rides on every dispatch, a failed attempt
+// Per-tool retry policy: the policy rides on every dispatch, a failed attempt
 // (`tool.attempt`) is not a result, and the model reads the one result of the last attempt.
 // ---------------------------------------------------------------------------------------------
 
@@ -1937,7 +1937,7 @@ fn a_run_cancelled_between_attempts_is_cancelled_at_once_listing_the_operation_f
 }
 
 // ---------------------------------------------------------------------------------------------
-// Structured output, `on_invalid_output: retry` (issue 12, item 1): an invalid final answer is
+// Structured output, `on_invalid_output: retry`: an invalid final answer is
 // sent back with its errors (`output.rejected`), a bounded number of times per turn.
 // ---------------------------------------------------------------------------------------------
 

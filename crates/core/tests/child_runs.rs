@@ -1,4 +1,4 @@
-//! Child runs (`run_agent`, issue 12 item 4) through `fold` and `decide` alone: the link a step
+//! Child runs (`run_agent`) through `fold` and `decide` alone: the link a step
 //! journals, the verdicts on hostile calls, the child's bundle and budget, the result a child
 //! gives its parent, and a cancel that waits for the children.
 

@@ -11,7 +11,7 @@
 //! throughput.
 //!
 //! `--history LEVELS` measures instead what reading one run costs as the stream fills up with
-//! other runs (issue 11, "scale with history"); see [`history`]. Its table adds the CPU each read
+//! other runs; see [`history`]. Its table adds the CPU each read
 //! cost this process and the nats-server (from /proc, per read over the line's reads): on a
 //! shared host the latency moves with other work, the CPU much less.
 

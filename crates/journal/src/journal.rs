@@ -1,6 +1,6 @@
 //! The journal: appends, reads and tails of a run's events in `KEDGE_RUNS`.
 //!
-//! Invariants this module keeps (DESIGN principles 1–3):
+//! Invariants this module keeps (principles 1–3):
 //!
 //! - **One decision writer.** A decision append carries `Nats-Expected-Last-Subject-Sequence`
 //!   scoped by `Nats-Expected-Last-Subject-Sequence-Subject: agent.run.<id>.>`: the run's last
@@ -1194,7 +1194,7 @@ impl Journal {
 
     /// [`Journal::read_at_most`] over `filter`, a subject filter inside the run's tree.
     ///
-    /// Cost does not grow with the stream's history (issue 11; `cargo bench -p kedge-journal
+    /// Cost does not grow with the stream's history (`cargo bench -p kedge-journal
     /// --bench journal -- --history 1000,10000,100000`). A batched direct get asks the server
     /// for the next `batch` messages matching the filter; when fewer match, it looks for the one
     /// after the last match, and for a wildcard filter on a stream with many subjects (more than

@@ -12,7 +12,7 @@
 //!   fencing token.
 //! - [`error`]: [`JournalError`] and the [`ErrorKind`] callers branch on.
 //!
-//! Invariants (DESIGN principles 1–3): a run's journal is the subject tree `agent.run.<id>.>` of
+//! Invariants (principles 1–3): a run's journal is the subject tree `agent.run.<id>.>` of
 //! the one stream `KEDGE_RUNS`; the stream sequence is the event's number; a decision lands only
 //! if the run's last decision is the one its writer saw; a group of decisions lands whole or not
 //! at all; an input with a given `Nats-Msg-Id` is stored once. Nothing here panics on data from

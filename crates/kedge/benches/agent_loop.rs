@@ -16,7 +16,7 @@
 //! scripts/bench-vs-restate.sh [--quick]         # Restate first, then this bench: one table, ratios
 //! ```
 //!
-//! **Side by side with Restate** (issue 11): `scripts/bench-vs-restate.sh` runs the Restate peer
+//! **Side by side with Restate**: `scripts/bench-vs-restate.sh` runs the Restate peer
 //! (`../shared/peers/restate`, installed once from the npm registry into `.tools/restate-peer/`)
 //! right before this bench, in the same sitting, then prints one table — Restate, Kedge with
 //! default sync, Kedge with `sync_interval: always` — of action p50/p99, run p50, actions/s at 64
@@ -58,7 +58,7 @@
 //!   model serves on a thread of its own, whose CPU is printed apart and left out of the
 //!   process's (a model's work: the Restate peer's `llm` step is a canned answer).
 //!
-//! `--tls-compare` measures the cost of TLS instead (issue 9): two environments side by side, one
+//! `--tls-compare` measures the cost of TLS instead: two environments side by side, one
 //! over plain TCP and one where every Kedge connection (runtime, services, watcher) speaks TLS
 //! with a client certificate to a server that verifies it (a CA and both certificates generated
 //! here with rcgen, as kedge-runtime's connect tests do). The same sequential runs and

@@ -1,4 +1,4 @@
-//! Retention keeps the broker and the reconciler flat (issue 13, item 3): many runs flow through
+//! Retention keeps the broker and the reconciler flat: many runs flow through
 //! the journal while the retention policy purges those past the horizon; the journal's bytes on
 //! disk, the other buckets, the tool workspaces and the per-pass work of the reconciler and of
 //! retention stay the same whatever the number of runs that went through.

@@ -1,4 +1,4 @@
-//! Scale with history (issue 11, goal 3): what one run, one reconciler scan and one fresh
+//! Scale with history: what one run, one reconciler scan and one fresh
 //! `kedge serve all` cost as the journal fills up with runs.
 //!
 //! ```text

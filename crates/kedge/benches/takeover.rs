@@ -1,5 +1,5 @@
 //! Takeover: how long a run stands still after the process driving it is killed -9, with a
-//! standby replica running and the *default* configuration (issue 11, goal 1). Black-box: real
+//! standby replica running and the *default* configuration. Black-box: real
 //! processes, observed only through the journal, the lease bucket and the mock model's counters.
 //!
 //! ```text

@@ -1,4 +1,4 @@
-//! Waiting holds nothing (DESIGN principle 7): what N runs waiting on a durable timer cost a
+//! Waiting holds nothing (principle 7): what N runs waiting on a durable timer cost a
 //! `kedge serve all` process and nats-server, as N grows.
 //!
 //! ```text

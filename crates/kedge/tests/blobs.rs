@@ -1,4 +1,4 @@
-//! Large payloads by reference through the real services (issue 13, item 1): a 2 MiB model
+//! Large payloads by reference through the real services: a 2 MiB model
 //! response (a `write_file` call carrying 2 MiB) and a 10 MiB tool output (`cat` of that file
 //! five times, under the agent's `policy.shell.max_output_bytes`) go through a run end to end.
 //! The model reads the whole output in its next context, the journal holds every event whole

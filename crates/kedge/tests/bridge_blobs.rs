@@ -1,4 +1,4 @@
-//! A large task input over HTTP (issue 13, item 1): its `run.created` is journaled by
+//! A large task input over HTTP: its `run.created` is journaled by
 //! reference, `/history` and SSE show it whole, and `GET /v1/runs/{id}/blobs/{digest}` serves
 //! the blob to the run's tenant only, and only a blob the run refers to.
 

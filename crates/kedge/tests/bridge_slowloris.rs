@@ -1,8 +1,7 @@
-//! The bridge's header-read timeout (issue 10, "the bridge has header-read and request
-//! timeouts"): a client that opens a connection and sends half a request line, or trickles its
-//! headers a byte at a time, is disconnected once the timeout passes (so is a kept-alive
-//! connection left idle); normal requests are still answered. Raw TCP, so the test sees exactly
-//! what the server does with the socket.
+//! The bridge's header-read timeout: a client that opens a connection and sends half a request
+//! line, or trickles its headers a byte at a time, is disconnected once the timeout passes (so is
+//! a kept-alive connection left idle); normal requests are still answered. Raw TCP, so the test
+//! sees exactly what the server does with the socket.
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! Child runs (`run_agent`, issue 12 item 4) through the services: a parent's `run_agent` call
+//! Child runs (`run_agent`) through the services: a parent's `run_agent` call
 //! starts a child run on the mock model, the child's answer (validated against its
 //! `output_schema`) is the parent's tool result, a child that needs a person shows in the
 //! parent's waiting view, a cancel of the parent cancels the child and waits for it, and hostile

@@ -1,4 +1,4 @@
-//! The CLI against a server it did not set up (issue 14): commands that read or send to a
+//! The CLI against a server it did not set up: commands that read or send to a
 //! deployment never create the broker layout, and `kedge watch` on a run that does not exist
 //! says so instead of waiting forever.
 

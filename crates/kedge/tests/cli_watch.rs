@@ -1,4 +1,4 @@
-//! `kedge watch` as an operator runs it (issue 14, item 5): every line carries the time since
+//! `kedge watch` as an operator runs it: every line carries the time since
 //! the run was created, and the model's text streams in while the step thinks.
 
 mod common;

@@ -1,4 +1,4 @@
-//! compose.yaml's topology as processes (issue 14, item 1): what `docker compose up` would run,
+//! compose.yaml's topology as processes: what `docker compose up` would run,
 //! without a container engine, and the faults a deployment meets.
 //!
 //! Read from compose.yaml itself: its services, their commands, replicas and environment

@@ -1,6 +1,6 @@
 //! Every consumer gives up on a message that always fails after a bounded number of deliveries
 //! with backoff, and what it gave up on is a dead letter on `agent.rejected.dead.<consumer>`
-//! (issue 10, "never a silent loop"): here the timer service's two consumers and the projector
+//! (never a silent loop): here the timer service's two consumers and the projector
 //! (the step's and intake's are in `hostile.rs`). A failure is injected as a panic at the
 //! handler's failpoint, so each test also shows the panic is contained.
 

@@ -1,4 +1,4 @@
-//! compose.yaml, checked without a container engine (issue 14, item 1): it is valid against the
+//! compose.yaml, checked without a container engine: it is valid against the
 //! compose-spec JSON Schema (vendored as deploy/compose-spec.json); every Kedge service kind runs
 //! in a container of its own, step and tool with replicas, and nothing else is served; every
 //! `kedge` command in it parses with Kedge's own CLI and loads its configuration with Kedge's own

@@ -1,4 +1,4 @@
-//! A tool runner executes nothing the journal did not decide (DESIGN principle 10), whoever
+//! A tool runner executes nothing the journal did not decide (principle 10), whoever
 //! asks: a forged `kedge.tool.resolve` request (an operation never journaled, on a run that
 //! exists or not; a journaled operation with other arguments or another dispatch) and a forged
 //! `tool.requested` published straight onto a decision subject (its envelope or operation of

@@ -1,4 +1,4 @@
-//! Liveness, readiness and a bounded drain of `kedge serve` (issue 14, item 4): `/readyz` says
+//! Liveness, readiness and a bounded drain of `kedge serve`: `/readyz` says
 //! ready only when the process is connected with its consumers bound, and says why not while the
 //! broker is away; `/healthz` answers throughout; SIGTERM ends the process within its drain time.
 

@@ -1,4 +1,4 @@
-//! Hostile and broken input end to end (issue 10, item 4): garbage on a run's subjects is set
+//! Hostile and broken input end to end: garbage on a run's subjects is set
 //! aside and recorded while the run goes on; a panic in a drive is contained; intake answers
 //! what it cannot do as a rejection instead of retrying it forever.
 

@@ -218,7 +218,7 @@ async fn cancel_mid_mcp_call_sends_the_server_a_cancel_for_that_request() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Sandboxed MCP stdio servers (issue 10, item 2): a server whose configuration has "sandbox" is
+// Sandboxed MCP stdio servers: a server whose configuration has "sandbox" is
 // confined by the tool service's sandbox (bubblewrap). The server is `fixtures/probe-mcp-server.js`
 // (plain Node, no packages: the same `node` the reference servers' launchers run).
 

@@ -1,4 +1,4 @@
-//! The Prometheus endpoint of `kedge serve` (issue 14, item 2), scraped over HTTP like Prometheus
+//! The Prometheus endpoint of `kedge serve`, scraped over HTTP like Prometheus
 //! does: a `kedge serve all` process with `KEDGE_METRICS_ADDR` runs a run with a tool call and a
 //! slow model step; the scrape taken while the model is still answering shows the first step,
 //! its tool operation and its tokens counted, the one after the run shows the run succeeded;

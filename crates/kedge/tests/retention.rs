@@ -1,4 +1,4 @@
-//! Retention (issue 13, item 3): `kedge runs purge` removes a finished run's journal, idempotency
+//! Retention: `kedge runs purge` removes a finished run's journal, idempotency
 //! records, lease and projection entry, archives its journal first when asked, never touches a
 //! run that is not finished, and is idempotent; only the admin's credentials may purge.
 

@@ -1,4 +1,4 @@
-//! The retention policy applied by a service (issue 13, item 3): `kedge serve retention`
+//! The retention policy applied by a service: `kedge serve retention`
 //! (`kedge_reconciler::retention`) purges a finished run past the horizon everywhere (journal,
 //! idempotency records, lease, projection, and the tool host removes its workspace), never
 //! touches an unfinished run, and two replicas at once do it once in effect; agent revisions stay

@@ -1,5 +1,5 @@
 //! docs/RUNBOOK.md's `nats` CLI inspections, done against a real deployment by a NATS client that
-//! is not Kedge's own (issue 14, item 6): `scripts/runbook_check.py` (nats-py, installed into
+//! is not Kedge's own: `scripts/runbook_check.py` (nats-py, installed into
 //! `.tools/nats-py` by `scripts/setup.sh --tests`) reads every `nats …` recipe from the runbook
 //! itself and does what each read-only one does; this test makes runs whose traces those recipes
 //! must find (one succeeded with a tool call, one failed, one waiting for the user's answer, one

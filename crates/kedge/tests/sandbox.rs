@@ -1,4 +1,4 @@
-//! The sandbox is the boundary (issue 10, item 2): allowlisted commands whose options name files
+//! The sandbox is the boundary: allowlisted commands whose options name files
 //! or programs outside the run's workspace read, write and run nothing there; the file tools do
 //! not follow symlinks out of it; endless output is cut while it is read; a command's stray
 //! children die with it at the timeout. End to end: the mock model calls the tools of a real tool

@@ -1,4 +1,4 @@
-//! Sensitive values (issue 13, item 2) through the real services: an agent marks its task's
+//! Sensitive values through the real services: an agent marks its task's
 //! `input` and `metadata.account` and `write_file`'s `content` sensitive. The model reads the
 //! input and its own tool call in clear, the tool writes the clear content, and no stream of the
 //! broker (journal, idempotency records, blobs, projection, rejections, tasks, timers) holds

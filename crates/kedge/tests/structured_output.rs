@@ -1,4 +1,4 @@
-//! Structured output (issue 12, item 1), through the services: an agent's `output_schema` goes
+//! Structured output, through the services: an agent's `output_schema` goes
 //! to the model as OpenAI `response_format` or as Anthropic's `output` tool (the strict mock
 //! checks both), the final answer is validated against the schema of the run's revision, and the
 //! run view reports `valid` or `invalid {errors}`; with `on_invalid_output: fail` an invalid

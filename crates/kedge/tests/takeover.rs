@@ -1,4 +1,4 @@
-//! Takeover by the failure detector (issue 11, goal 1), with the DEFAULT timeouts (lease 15 s,
+//! Takeover by the failure detector, with the DEFAULT timeouts (lease 15 s,
 //! step ack wait 30 s, tool ack wait 90 s, abandonment 70 s): a standby takes over a run whose
 //! worker was killed -9 mid model call, or an operation whose runner was killed mid tool call,
 //! as soon as the broker says the process is gone — long before any of those timeouts could

@@ -1,4 +1,4 @@
-//! The agent definition is the tool contract (issue 10, item 1), end to end: a model that calls
+//! The agent definition is the tool contract, end to end: a model that calls
 //! a tool its agent does not declare, or a declared one with arguments its schema refuses, gets
 //! a readable error result for that call and nothing runs; a task whose numbers are out of range
 //! is rejected naming the field (item 4).

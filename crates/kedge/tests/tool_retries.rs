@@ -1,4 +1,4 @@
-//! Per-tool retry policy through the services (issue 12, item 3): an MCP tool that fails
+//! Per-tool retry policy through the services: an MCP tool that fails
 //! transiently is tried again within one operation, every attempt journaled under the same
 //! operation id, and the model reads one result; an error without a retryable class goes to the
 //! model at once; the per-attempt time limit stops an attempt and the next one runs; when the

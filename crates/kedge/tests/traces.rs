@@ -1,4 +1,4 @@
-//! One trace from submit to result (issue 14, item 3): `kedge serve all` (and `kedge serve
+//! One trace from submit to result: `kedge serve all` (and `kedge serve
 //! bridge`) processes with `KEDGE_OTLP_ENDPOINT` export their spans over OTLP/HTTP (JSON) to a
 //! collector stand-in in this test. A task submitted with a W3C `traceparent`, over NATS or to the
 //! bridge, yields the intake, drive, step and tool spans of its run (and the bridge's submit span)

@@ -193,7 +193,7 @@ async fn an_ambiguous_operation_left_by_an_earlier_build_is_resolved_and_run_on_
     h.shutdown().await;
 }
 
-/// An operation left `running` by an earlier build whose runner died (issue 13, item 6): this
+/// An operation left `running` by an earlier build whose runner died: this
 /// build's runner takes it over and asks the tool's status query about the earlier build's
 /// operation id (the built-in ledger's, by operation id). `confirmed`: the earlier effect's
 /// result is journaled (`outcome.confirmed`) and nothing runs again; `not_found`: this runner

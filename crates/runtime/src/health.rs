@@ -1,4 +1,4 @@
-//! Liveness and readiness of a `kedge serve` process (issue 14, item 4), served beside
+//! Liveness and readiness of a `kedge serve` process, served beside
 //! `/metrics` on `metrics_addr`:
 //!
 //! - `GET /healthz`: 200 while the process runs (its event loop answers).

@@ -2,10 +2,10 @@
 //!
 //! - `model.<request_id>`: the model's response, stored the moment it returns, with the digest
 //!   of the context it answered. A worker that takes over an unfinished step reuses it instead of
-//!   calling the model again (DESIGN principle 4).
+//!   calling the model again (principle 4).
 //! - `op.<operation_id>`: a tool operation's record: argument digest, runner, and result once
 //!   done. Same id + same digest returns the stored result; same id + different digest is a
-//!   conflict (DESIGN principle 5). Claims and completions are compare-and-set on the KV revision.
+//!   conflict (principle 5). Claims and completions are compare-and-set on the KV revision.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -1,4 +1,4 @@
-//! Retention: removing what a finished run left behind (issue 13, item 3).
+//! Retention: removing what a finished run left behind.
 //!
 //! [`purge_run`] removes one run's data from every place Kedge keeps it, after checking from the
 //! journal itself (not the projection, a cache) that the run is finished — ended, with nothing

@@ -1,5 +1,5 @@
 //! Sensitive values: sealed with the operator's key before they are journaled, opened only
-//! where they are used (issue 13, item 2; the argument is in docs/SECURITY.md).
+//! where they are used (the argument is in docs/SECURITY.md).
 //!
 //! An agent marks task fields (`sensitive_task_fields`: `input`, `metadata.<key>`) and tool
 //! parameters (`policy.<tool>.sensitive`) sensitive. Their values are replaced, before anything

@@ -1,6 +1,6 @@
 //! `GET /v1/runs/{id}/events`: a run's public events as Server-Sent Events, resumable.
 //!
-//! The SSE stream is an observation channel, not a store (seed 000): every event it sends was
+//! The SSE stream is an observation channel, not a store (principle 9): every event it sends was
 //! journaled first, its `id:` is the journal sequence, and a client that reconnects with
 //! `Last-Event-ID` (or `?after=`) continues right after the last event it saw, from any bridge.
 //!

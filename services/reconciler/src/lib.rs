@@ -1,4 +1,5 @@
-//! The reconciler: the last line of recovery (seed 004, section 七, layer ③).
+//! The reconciler: the last line of recovery, after redelivery by the consumers and takeover by
+//! the failure detector (docs/ARCHITECTURE.md, "Takeover: the failure detector").
 //!
 //! Every `stall_after / 2` it scans the runs that are not settled and nudges each run that
 //! should be progressing and is not: its last event is older than `stall_after`, nobody holds its

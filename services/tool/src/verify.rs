@@ -1,4 +1,4 @@
-//! A tool runner executes nothing the journal did not decide (DESIGN principle 10: "nothing is
+//! A tool runner executes nothing the journal did not decide (principle 10: "nothing is
 //! executed that the run's single writer did not journal, whoever asks").
 //!
 //! Three ways reach a tool runner, and each is checked before anything runs, is confirm-queried

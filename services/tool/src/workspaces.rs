@@ -1,4 +1,4 @@
-//! Removing the workspaces of purged runs (retention, issue 13 item 3).
+//! Removing the workspaces of purged runs (retention).
 //!
 //! A run's workspace (`<workspace_root>/<run_id>/`) is on the host of the tool service that ran
 //! its tools, which may not be the host that purges the run. So each tool service sweeps its own
