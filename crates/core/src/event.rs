@@ -530,7 +530,7 @@ pub enum TimerPurpose {
 }
 
 /// Whether a run's output passed its validation. Reported apart from the run's status
-/// (principle 9).
+/// (docs/ARCHITECTURE.md, principle 9).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum OutputValidation {
