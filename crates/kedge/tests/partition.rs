@@ -371,6 +371,28 @@ impl Drop for EffectsServer {
     }
 }
 
+/// The effects server with `status`, a harness (intake, step) whose agent `payer` calls its
+/// `slow_effect` once (a tool deadline of 6 s + 2 s), and a proxy to the broker for the tool
+/// worker a test cuts.
+async fn remote_payer(status: StatusKind) -> (EffectsServer, Harness, TcpProxy) {
+    let server = EffectsServer::start(status).await;
+    let mut h = Harness::start(
+        serde_json::json!({"models": {"mp": {"steps": [
+            {"tool_calls": [{"name": "effects__slow_effect", "arguments": {"key": "invoice-1"}}]},
+            {"text": "paid"}
+        ]}}}),
+        &[Svc::Intake, Svc::Step],
+    )
+    .await;
+    h.config.timeouts.tool_timeout_ms = 6_000;
+    h.config.timeouts.tool_grace_ms = 2_000;
+    h.config.timeouts.tool_ack_wait_ms = 20_000;
+    h.agent_with_tools("payer", "mp", &["effects__slow_effect"])
+        .await;
+    let proxy = TcpProxy::start(upstream(&h)).await.expect("proxy");
+    (server, h, proxy)
+}
+
 /// What became of one remote call cut off from the broker with its runner.
 struct RemoteCut {
     status: RunStatus,
@@ -390,21 +412,7 @@ struct RemoteCut {
 /// standby tool worker is connected directly. The call's deadline is `tool_timeout` 6 s + a
 /// grace of 2 s.
 async fn cut_mid_remote_call(status: StatusKind, fault: Fault) -> RemoteCut {
-    let server = EffectsServer::start(status).await;
-    let mut h = Harness::start(
-        serde_json::json!({"models": {"mp": {"steps": [
-            {"tool_calls": [{"name": "effects__slow_effect", "arguments": {"key": "invoice-1"}}]},
-            {"text": "paid"}
-        ]}}}),
-        &[Svc::Intake, Svc::Step],
-    )
-    .await;
-    h.config.timeouts.tool_timeout_ms = 6_000;
-    h.config.timeouts.tool_grace_ms = 2_000;
-    h.config.timeouts.tool_ack_wait_ms = 20_000;
-    h.agent_with_tools("payer", "mp", &["effects__slow_effect"])
-        .await;
-    let proxy = TcpProxy::start(upstream(&h)).await.expect("proxy");
+    let (server, mut h, proxy) = remote_payer(status).await;
     let servers = server.servers();
     let metrics_addr = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -564,22 +572,8 @@ async fn a_late_result_wins_over_a_person() {
 /// (no status query, the call's deadline passed); the held result resolves it, with no person.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_result_held_by_a_killed_runner_is_journaled_by_its_restart() {
-    let server = EffectsServer::start(StatusKind::None).await;
-    let mut h = Harness::start(
-        serde_json::json!({"models": {"mp": {"steps": [
-            {"tool_calls": [{"name": "effects__slow_effect", "arguments": {"key": "invoice-1"}}]},
-            {"text": "paid"}
-        ]}}}),
-        &[Svc::Intake, Svc::Step],
-    )
-    .await;
+    let (server, mut h, proxy) = remote_payer(StatusKind::None).await;
     h.replies_cut_off = true;
-    h.config.timeouts.tool_timeout_ms = 6_000;
-    h.config.timeouts.tool_grace_ms = 2_000;
-    h.config.timeouts.tool_ack_wait_ms = 20_000;
-    h.agent_with_tools("payer", "mp", &["effects__slow_effect"])
-        .await;
-    let proxy = TcpProxy::start(upstream(&h)).await.expect("proxy");
     let servers = serde_json::to_string(&server.servers()).expect("JSON");
     let env = |url: String| {
         [
