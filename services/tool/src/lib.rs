@@ -883,10 +883,8 @@ async fn execute(
     if let Some(holder) = gone_holder {
         let take_over = !may_still_land
             || {
-                if target.sees_in_flight(&ctx.mcp).await {
-                    early = target.confirm(env, &ctx.mcp, op).await;
-                    early.as_ref().inspect(|c| count_confirm(c));
-                }
+                early = target.early_confirm(env, &ctx.mcp, op).await;
+                early.as_ref().inspect(|c| count_confirm(c));
                 match (&early, &mut claim) {
                     (Some(Confirm::Confirmed(_)), _) => true,
                     (Some(Confirm::InFlight), Claim::Held { retry_in, .. }) => {

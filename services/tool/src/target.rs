@@ -55,26 +55,27 @@ impl Target {
         }
     }
 
-    /// Whether this tool's confirm query sees calls in flight, so that its `not_found` means
-    /// "never arrived, and never will take effect" even while a gone runner's call might still
-    /// be on its way: an MCP server declares it with `"kedge/sees_in_flight": true` in its
-    /// status tool's `_meta` (docs/API.md "For MCP server authors"). Such an operation is asked
-    /// about at once when its runner is gone, instead of after the call's deadline.
-    pub async fn sees_in_flight(&self, mcp: &Pool) -> bool {
-        let Target::Mcp { server, .. } = self else {
-            return false;
+    /// The confirm query asked before the call's deadline, when the tool's server can answer it
+    /// then: its status tool sees calls in flight (`"kedge/sees_in_flight": true` in the status
+    /// tool's `_meta`, docs/API.md "For MCP server authors"). `None` for any other target, or a
+    /// server that does not declare it (or cannot be listed): the deadline is waited for.
+    pub async fn early_confirm(&self, env: &Env, mcp: &Pool, op: &OperationId) -> Option<Confirm> {
+        let Target::Mcp { server, tool } = self else {
+            return None;
         };
-        match mcp.tools(server).await {
-            Ok(tools) => tools.iter().any(|t| {
-                t.name == MCP_STATUS_TOOL
-                    && t.meta
-                        .as_ref()
-                        .and_then(|m| m.get(SEES_IN_FLIGHT_META_KEY))
-                        .and_then(Value::as_bool)
-                        == Some(true)
-            }),
-            Err(_) => false,
+        let tools = mcp.tools(server).await.ok()?;
+        let declares = tools.iter().any(|t| {
+            t.name == MCP_STATUS_TOOL
+                && t.meta
+                    .as_ref()
+                    .and_then(|m| m.get(SEES_IN_FLIGHT_META_KEY))
+                    .and_then(Value::as_bool)
+                    == Some(true)
+        });
+        if !declares {
+            return None;
         }
+        Some(ask_status(env, mcp, server, tool, op).await)
     }
 
     /// The precondition check (see [`Env::target_version`]); MCP tools have none.
@@ -189,8 +190,8 @@ async fn stop_requested(stop: &mut watch::Receiver<bool>) {
 pub const MCP_STATUS_TOOL: &str = "kedge_status";
 
 /// The key in [`MCP_STATUS_TOOL`]'s `_meta` by which a server declares that its status query
-/// sees calls in flight (answers `in_flight` for a call it is still running, so `not_found`
-/// means the call never arrived): see [`Target::sees_in_flight`].
+/// sees calls in flight (answers `in_flight` for a call it is still running): see
+/// [`Target::early_confirm`].
 pub const SEES_IN_FLIGHT_META_KEY: &str = "kedge/sees_in_flight";
 
 /// Asks `server`'s [`MCP_STATUS_TOOL`] what became of operation `op` of `tool`, whose runner
@@ -199,11 +200,7 @@ pub const SEES_IN_FLIGHT_META_KEY: &str = "kedge/sees_in_flight";
 /// decides, as without the convention. The server's `content` is cut like any tool output.
 async fn mcp_status(env: &Env, mcp: &Pool, server: &str, tool: &str, op: &OperationId) -> Confirm {
     // What the server says is journaled (outcome.ambiguous): cut like any tool output.
-    let ambiguous = |why: String| {
-        Confirm::Ambiguous(env.truncate(format!(
-            "the MCP call `{tool}` on `{server}` was cut off with its runner, and {why}"
-        )))
-    };
+    let ambiguous = |why: String| cut_off_ambiguous(env, server, tool, why);
     match mcp.tools(server).await {
         Ok(tools) if tools.iter().any(|t| t.name == MCP_STATUS_TOOL) => {}
         Ok(_) => {
@@ -213,6 +210,20 @@ async fn mcp_status(env: &Env, mcp: &Pool, server: &str, tool: &str, op: &Operat
         }
         Err(e) => return ambiguous(format!("its status could not be asked: {e}")),
     }
+    ask_status(env, mcp, server, tool, op).await
+}
+
+/// What a person is told when the confirm query could not settle a cut-off MCP call.
+fn cut_off_ambiguous(env: &Env, server: &str, tool: &str, why: String) -> Confirm {
+    Confirm::Ambiguous(env.truncate(format!(
+        "the MCP call `{tool}` on `{server}` was cut off with its runner, and {why}"
+    )))
+}
+
+/// Calls `server`'s [`MCP_STATUS_TOOL`] (known to be offered) about operation `op` of `tool`, and
+/// reads its answer (see [`mcp_status`]).
+async fn ask_status(env: &Env, mcp: &Pool, server: &str, tool: &str, op: &OperationId) -> Confirm {
+    let ambiguous = |why: String| cut_off_ambiguous(env, server, tool, why);
     let mut arguments = serde_json::Map::new();
     arguments.insert("operation_id".into(), Value::from(op.to_string()));
     arguments.insert("tool".into(), Value::from(tool));
