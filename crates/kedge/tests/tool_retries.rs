@@ -105,6 +105,44 @@ async fn store_one_tool_agent(h: &Harness, name: &str, tool: &str) {
     h.rt.agents.put(&def).await.expect("agent stored");
 }
 
+/// The flaky server (with `env`) and a harness (intake, step) whose agent `agent` makes one
+/// call of `call` = (tool, key), then answers; the tool timeouts are `(timeout, grace, ack
+/// wait)` in ms. Returns the server's state directory, the `KEDGE_MCP_SERVERS` value for tool
+/// processes, and the harness.
+async fn payer(
+    env: &[(&str, &str)],
+    agent: &str,
+    call_of: (&str, &str),
+    (timeout, grace, ack_wait): (u64, u64, u64),
+) -> (tempfile::TempDir, String, Harness) {
+    let state = tempfile::tempdir().expect("dir");
+    let server = flaky(state.path(), env);
+    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
+    let h = Harness::start_with(
+        json!({"models": {"mp": {"steps": [
+            {"text": "paying", "tool_calls": [call(call_of.0, call_of.1)]},
+            {"text": "paid"}
+        ]}}}),
+        &[Svc::Intake, Svc::Step],
+        |c| {
+            c.timeouts.tool_timeout_ms = timeout;
+            c.timeouts.tool_grace_ms = grace;
+            c.timeouts.tool_ack_wait_ms = ack_wait;
+        },
+    )
+    .await;
+    store_one_tool_agent(&h, agent, call_of.0).await;
+    (state, servers, h)
+}
+
+/// How many times the flaky server's effect (`pay`, `pay_slowly`) of `op` happened.
+fn effects_of(state: &Path, op: &OperationId) -> usize {
+    lines(state, "done")
+        .into_iter()
+        .filter(|l| l.starts_with(&format!("{op}\t")))
+        .count()
+}
+
 /// Waits until the flaky server has received a call of `tool`.
 async fn call_arrived(state: &Path, tool: &str) {
     let deadline = std::time::Instant::now() + WAIT;
@@ -900,23 +938,13 @@ fn the_documented_retry_fields_defaults_and_ranges_match_the_schema_and_the_code
 /// the run to a person. The result is the server's, the effect happened once, and the run goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mcp_operation_cut_off_after_its_effect_is_confirmed_by_the_servers_status_tool() {
-    let state = tempfile::tempdir().expect("dir");
-    let server = flaky(state.path(), &[("FLAKY_STATUS", "1")]);
-    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
-    let mut h = Harness::start_with(
-        json!({"models": {"mp": {"steps": [
-            {"text": "paying", "tool_calls": [call("flaky__pay", "invoice-7")]},
-            {"text": "paid"}
-        ]}}}),
-        &[Svc::Intake, Svc::Step],
-        |c| {
-            c.timeouts.tool_timeout_ms = 10_000;
-            c.timeouts.tool_grace_ms = 2_000;
-            c.timeouts.tool_ack_wait_ms = 15_000;
-        },
+    let (state, servers, mut h) = payer(
+        &[("FLAKY_STATUS", "1")],
+        "payer",
+        ("flaky__pay", "invoice-7"),
+        (10_000, 2_000, 15_000),
     )
     .await;
-    store_one_tool_agent(&h, "payer", "flaky__pay").await;
     let env = [("KEDGE_MCP_SERVERS", servers)];
     // Dies after the tool answered, before its result is journaled.
     let doomed = h.spawn_process_with_env("tool", "w-doomed", "tool.after_effect", &env);
@@ -963,23 +991,13 @@ async fn an_mcp_operation_cut_off_after_its_effect_is_confirmed_by_the_servers_s
 /// nothing yet ("not found") and paid a second time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_call_cut_off_with_its_runner_is_not_run_again_while_it_may_still_land() {
-    let state = tempfile::tempdir().expect("dir");
-    let server = flaky(state.path(), &[("FLAKY_STATUS", "1")]);
-    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
-    let mut h = Harness::start_with(
-        json!({"models": {"mp": {"steps": [
-            {"text": "paying", "tool_calls": [call("flaky__pay_slowly", "invoice-9")]},
-            {"text": "paid"}
-        ]}}}),
-        &[Svc::Intake, Svc::Step],
-        |c| {
-            c.timeouts.tool_timeout_ms = 4_000;
-            c.timeouts.tool_grace_ms = 1_000;
-            c.timeouts.tool_ack_wait_ms = 8_000;
-        },
+    let (state, servers, mut h) = payer(
+        &[("FLAKY_STATUS", "1")],
+        "slow-payer",
+        ("flaky__pay_slowly", "invoice-9"),
+        (4_000, 1_000, 8_000),
     )
     .await;
-    store_one_tool_agent(&h, "slow-payer", "flaky__pay_slowly").await;
     let env = [("KEDGE_MCP_SERVERS", servers)];
     let doomed = h.spawn_process_with_env("tool", "w-doomed", "", &env);
     let run = h.submit("slow-payer", "go", "slow-pay").await;
@@ -997,11 +1015,7 @@ async fn a_remote_call_cut_off_with_its_runner_is_not_run_again_while_it_may_sti
         done.ops[&op].result.clone().expect("a result").content,
         "paid invoice-9"
     );
-    let effects = lines(state.path(), "done")
-        .into_iter()
-        .filter(|l| l.starts_with(&format!("{op}\t")))
-        .count();
-    assert_eq!(effects, 1, "the effect happened once");
+    assert_eq!(effects_of(state.path(), &op), 1, "the effect happened once");
     assert!(
         events
             .iter()
@@ -1018,23 +1032,13 @@ async fn a_remote_call_cut_off_with_its_runner_is_not_run_again_while_it_may_sti
 /// result: no person, one effect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_back_from_a_dropped_connection_journals_its_result_and_nobody_is_asked() {
-    let state = tempfile::tempdir().expect("dir");
-    let server = flaky(state.path(), &[]);
-    let servers = serde_json::to_string(&json!({ "flaky": server })).expect("JSON");
-    let mut h = Harness::start_with(
-        json!({"models": {"mp": {"steps": [
-            {"text": "paying", "tool_calls": [call("flaky__pay_slowly", "invoice-11")]},
-            {"text": "paid"}
-        ]}}}),
-        &[Svc::Intake, Svc::Step],
-        |c| {
-            c.timeouts.tool_timeout_ms = 15_000;
-            c.timeouts.tool_grace_ms = 2_000;
-            c.timeouts.tool_ack_wait_ms = 20_000;
-        },
+    let (state, servers, mut h) = payer(
+        &[],
+        "cut-payer",
+        ("flaky__pay_slowly", "invoice-11"),
+        (15_000, 2_000, 20_000),
     )
     .await;
-    store_one_tool_agent(&h, "cut-payer", "flaky__pay_slowly").await;
     let proxy = kedge_testkit::proxy::TcpProxy::start(std::net::SocketAddr::from((
         [127, 0, 0, 1],
         h.nats.port(),
@@ -1068,10 +1072,6 @@ async fn a_runner_back_from_a_dropped_connection_journals_its_result_and_nobody_
             .any(|r| matches!(r.envelope.event, Event::OutcomeAmbiguous(_))),
         "nobody had to decide"
     );
-    let effects = lines(state.path(), "done")
-        .into_iter()
-        .filter(|l| l.starts_with(&format!("{op}\t")))
-        .count();
-    assert_eq!(effects, 1, "the effect happened once");
+    assert_eq!(effects_of(state.path(), &op), 1, "the effect happened once");
     h.shutdown().await;
 }
