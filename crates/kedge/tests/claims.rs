@@ -28,8 +28,13 @@ async fn held_taken_over_once_and_released() {
     ));
     // Young: a live runner.
     match ids.claim(&op, &d, "b", 0, LONG).await.expect("claim") {
-        Claim::Held { runner, retry_in } => {
+        Claim::Held {
+            runner,
+            retry_in,
+            dispatch,
+        } => {
             assert_eq!(runner, "a");
+            assert_eq!(dispatch, 0);
             assert!(retry_in <= LONG && retry_in > LONG - Duration::from_secs(60));
         }
         other => panic!("held expected: {other:?}"),
@@ -104,9 +109,20 @@ async fn a_later_attempt_never_supersedes_a_running_one() {
             .expect("claim"),
         Claim::Held { .. }
     ));
-    // Its runner gone: taken over, but asked about first (not a superseded dispatch).
+    // Its runner gone: superseded without a confirm query (attempt 2 is claimed only once the
+    // journal holds attempt 1's failure; its runner died before giving the record back).
     assert!(matches!(
         ids.claim_from(&op, &d, "b", second, base, LONG, Some("a"))
+            .await
+            .expect("claim"),
+        Claim::TakenOver {
+            redispatched: true,
+            ..
+        }
+    ));
+    // The same attempt of a gone runner is taken over, but asked about first.
+    assert!(matches!(
+        ids.claim_from(&op, &d, "c", second, base, LONG, Some("b"))
             .await
             .expect("claim"),
         Claim::TakenOver {

@@ -5,7 +5,8 @@
 //! attempts run out the model reads the last error; a connection lost mid-call is retried only
 //! for a tool declared idempotent (otherwise it is an ambiguous outcome for a person), and so is
 //! an attempt whose runner was killed mid-call; a cancelled
-//! run does not wait out a backoff; the wait survives the runner that started it (kill -9). The
+//! run does not wait out a backoff; the wait survives the runner that started it (kill -9), also
+//! one killed before giving its failed attempt's record back. The
 //! tool is `fixtures/flaky-mcp-server.js` (plain Node), which fails on purpose and records every
 //! start and call in files.
 
@@ -686,6 +687,23 @@ async fn a_cancelled_run_does_not_wait_for_an_operation_between_attempts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wait_between_attempts_survives_its_runner() {
+    next_attempt_after_its_runner_is_killed(false).await;
+}
+
+/// The runner killed after journaling its failed attempt and before giving the operation's
+/// record back: the record still says `running` under the first attempt, and the next attempt
+/// supersedes it when due (the journal says the first one ended), without waiting out its
+/// deadline or asking anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_killed_before_giving_back_its_failed_attempt_does_not_hold_the_next() {
+    next_attempt_after_its_runner_is_killed(true).await;
+}
+
+/// A flaky call failing its first attempt on runner `w-first`, killed -9 before the second is
+/// due; with `record_left_running`, the record is put back to `running` as a runner killed
+/// between journaling the failure and releasing the record leaves it. The second attempt runs
+/// on `w-second` when due, and the run succeeds with one effect.
+async fn next_attempt_after_its_runner_is_killed(record_left_running: bool) {
     let state = tempfile::tempdir().expect("dir");
     let steps = json!([
         {"text": "fetching", "tool_calls": [call("flaky__fetch", "k")]},
@@ -725,6 +743,22 @@ async fn the_wait_between_attempts_survives_its_runner() {
     .await;
     // The runner that failed the first attempt is gone before the second is due.
     h.kill9(first);
+    if record_left_running {
+        let kv =
+            h.rt.js
+                .get_key_value("kedge_idempotency")
+                .await
+                .expect("bucket");
+        let op = only_op(&run, &h.events(&run).await);
+        let key = kedge_runtime::idempotency::IdempotencyStore::op_key(&op);
+        let entry = kv.get(&key).await.expect("read").expect("a record");
+        let mut record: Value = serde_json::from_slice(&entry).expect("JSON record");
+        assert_eq!(record["runner"], "w-first");
+        record["state"] = json!("running");
+        kv.put(&key, serde_json::to_vec(&record).expect("JSON").into())
+            .await
+            .expect("record written");
+    }
     h.spawn_process_with_env("tool", "w-second", "", &[("KEDGE_MCP_SERVERS", servers)]);
     let done = h.wait_terminal(&run, WAIT).await;
     assert_eq!(done.status, RunStatus::Succeeded, "{:?}", done.failure);

@@ -87,8 +87,13 @@ pub enum Claim {
         redispatched: bool,
     },
     /// A live runner holds it (its record is younger than the abandonment age): ask again after
-    /// `retry_in`.
-    Held { runner: String, retry_in: Duration },
+    /// `retry_in`. `dispatch` is the number the holder claimed it under (under a retry policy,
+    /// its attempt's: `kedge_core::tools::claim_dispatch`).
+    Held {
+        runner: String,
+        retry_in: Duration,
+        dispatch: u32,
+    },
     /// The operation already ran to completion: use this result, do not run it again.
     Done {
         content: String,
@@ -366,8 +371,9 @@ impl IdempotencyStore {
     /// takers one wins; whether the operation happened is for the confirm query to say.
     ///
     /// A `running` record is superseded without being abandoned only when its number is below
-    /// `supersedes_below` (an earlier dispatch; [`IdempotencyStore::claim`] passes `dispatch`),
-    /// and only then without a confirm query (`redispatched`).
+    /// `supersedes_below` (an earlier dispatch; [`IdempotencyStore::claim`] passes `dispatch`);
+    /// an abandoned one below `dispatch` (an earlier attempt whose failure the journal holds) is
+    /// superseded too. Either is taken without a confirm query (`redispatched`).
     #[allow(clippy::too_many_arguments)]
     pub async fn claim_from(
         &self,
@@ -429,13 +435,18 @@ impl IdempotencyStore {
                     let age = Duration::try_from(time::OffsetDateTime::now_utc() - since)
                         .unwrap_or_default();
                     let holder_gone = gone.is_some_and(|g| g == rec.runner);
-                    // Only an earlier dispatch is superseded while it runs (an earlier attempt
-                    // of this one still running is held, or abandoned like any other).
-                    let redispatched = rec.dispatch < supersedes_below;
-                    if !redispatched && !holder_gone && age < abandoned_after {
+                    let abandoned = holder_gone || age >= abandoned_after;
+                    // Only an earlier dispatch is superseded while it runs. An earlier attempt
+                    // of this one still running is held; once abandoned it is superseded too:
+                    // the caller claims a later attempt only because the journal holds the
+                    // earlier one's failure (its runner died before giving the record back).
+                    let redispatched =
+                        rec.dispatch < supersedes_below || (abandoned && rec.dispatch < dispatch);
+                    if !redispatched && !abandoned {
                         return Ok(Claim::Held {
                             runner: rec.runner,
                             retry_in: abandoned_after - age,
+                            dispatch: rec.dispatch,
                         });
                     }
                     match self.replace(op, rev, &mine(OpState::Running)).await {

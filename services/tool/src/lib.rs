@@ -871,17 +871,25 @@ async fn execute(
     // taking the operation over: `confirmed` is taken over and used; `in_flight` is asked again
     // shortly; anything else waits for the deadline like any remote call (a `not_found` may be
     // a call still on its way to the server).
-    let may_still_land = matches!(target, Target::Mcp { .. })
-        && !req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
+    // Under a retry policy, a gone runner's record of an earlier attempt whose failure the
+    // journal already holds (the runner died between journaling it and giving its record
+    // back) is finished: the attempt due now supersedes it, with nothing to ask.
     let gone_holder = match &claim {
-        Claim::Held { runner: holder, .. } if ctx.liveness.is_gone(holder).await => {
-            Some(holder.clone())
+        Claim::Held {
+            runner: holder,
+            dispatch,
+            ..
+        } if ctx.liveness.is_gone(holder).await => {
+            Some((holder.clone(), retried && *dispatch < code))
         }
         _ => None,
     };
+    let may_still_land = matches!(target, Target::Mcp { .. })
+        && !req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
     let mut early = None;
-    if let Some(holder) = gone_holder {
-        let take_over = !may_still_land
+    if let Some((holder, attempt_finished)) = gone_holder {
+        let take_over = attempt_finished
+            || !may_still_land
             || {
                 early = target.early_confirm(env, &ctx.mcp, op).await;
                 early.as_ref().inspect(|c| count_confirm(c));
@@ -957,7 +965,9 @@ async fn execute(
             metrics::tool_operation(ToolOutcome::Conflict);
             return Ok(Handled::Conflict);
         }
-        Claim::Held { runner, retry_in } => {
+        Claim::Held {
+            runner, retry_in, ..
+        } => {
             tracing::info!(%runner, "held by a live runner");
             return Ok(Handled::Busy {
                 retry_in_ms: u64::try_from(retry_in.as_millis())
