@@ -1,21 +1,163 @@
-//! The broker layout's names: streams, buckets and subjects (docs/ARCHITECTURE.md, "The journal").
-//!
-//! Every service builds subjects through these functions, so the layout is stated once.
+//! The registry of the broker layout: every stream, bucket, durable consumer and subject
+//! grammar Kedge uses, built and parsed here and nowhere else (docs/ARCHITECTURE.md, "The
+//! journal" and "The broker layout"). A test (`crates/core/tests/layout_names.rs`) fails when a
+//! product source file outside this module spells one of these names.
 
 use crate::event::{EventKind, EventType};
-use crate::ids::{AgentName, RunId, TenantId};
+use crate::ids::{AgentName, ApprovalId, QuestionId, RunId, TenantId, TimerId};
 
 /// Task intake stream (work-queue retention), subjects `agent.task.>`.
 pub const TASKS_STREAM: &str = "KEDGE_TASKS";
 /// The journal stream (limits retention, file storage), subjects `agent.run.>`.
 pub const RUNS_STREAM: &str = "KEDGE_RUNS";
-pub const LEASES_BUCKET: &str = "kedge_leases";
-pub const IDEMPOTENCY_BUCKET: &str = "kedge_idempotency";
-pub const RUNS_BUCKET: &str = "kedge_runs";
-pub const AGENTS_BUCKET: &str = "kedge_agents";
-/// The fleet's view of each model endpoint: breakers, waiting runs, releasers.
-pub const PROVIDERS_BUCKET: &str = "kedge_providers";
-pub const BLOBS_BUCKET: &str = "kedge_blobs";
+/// Durable timers (limits retention, message schedules): `kedge.timer.sched.<run>.<timer>` and
+/// `kedge.timer.fired.<run>.<timer>` (see [`timer_scheduled`]).
+pub const TIMERS_STREAM: &str = "KEDGE_TIMERS";
+/// What was set aside (30 days): refused tasks `agent.rejected.<agent>`, journal messages that
+/// failed their checks `agent.rejected.journal.<run>.<seq>`, dead letters
+/// `agent.rejected.dead.<consumer>`.
+pub const REJECTIONS_STREAM: &str = "KEDGE_REJECTIONS";
+/// A key-value bucket's name and the name of the stream behind it (`KV_<bucket>`), each
+/// spelled once.
+macro_rules! bucket {
+    ($(#[$doc:meta])* $bucket:ident, $stream:ident, $name:literal, $prefix:literal) => {
+        $(#[$doc])*
+        pub const $bucket: &str = $name;
+        #[doc = concat!("The stream behind `", $name, "`.")]
+        pub const $stream: &str = concat!($prefix, $name);
+    };
+}
+
+bucket!(LEASES_BUCKET, LEASES_STREAM, "kedge_leases", "KV_");
+bucket!(
+    IDEMPOTENCY_BUCKET,
+    IDEMPOTENCY_STREAM,
+    "kedge_idempotency",
+    "KV_"
+);
+bucket!(RUNS_BUCKET, RUNS_BUCKET_STREAM, "kedge_runs", "KV_");
+bucket!(AGENTS_BUCKET, AGENTS_STREAM, "kedge_agents", "KV_");
+bucket!(
+    /// The fleet's view of each model endpoint: breakers, waiting runs, releasers.
+    PROVIDERS_BUCKET,
+    PROVIDERS_STREAM,
+    "kedge_providers",
+    "KV_"
+);
+bucket!(
+    /// The object store of what journal messages and records hold by reference.
+    BLOBS_BUCKET,
+    BLOBS_STREAM,
+    "kedge_blobs",
+    "OBJ_"
+);
+
+/// The subject of key `key` of key-value bucket `bucket` (`$KV.<bucket>.<key>`; a key with
+/// wildcards makes a filter).
+pub fn kv_key(bucket: &str, key: &str) -> String {
+    format!("$KV.{bucket}.{key}")
+}
+
+/// The prefix of every subject of key-value bucket `bucket` (`$KV.<bucket>.`).
+pub fn kv_prefix(bucket: &str) -> String {
+    format!("$KV.{bucket}.")
+}
+
+/// The subject of an object's meta record in object store `bucket` (`$O.<bucket>.M.<encoded name>`).
+pub fn object_meta(bucket: &str, encoded_name: &str) -> String {
+    format!("$O.{bucket}.M.{encoded_name}")
+}
+
+/// The subject of an object's chunks in object store `bucket` (`$O.<bucket>.C.<nuid>`).
+pub fn object_chunks(bucket: &str, nuid: &str) -> String {
+    format!("$O.{bucket}.C.{nuid}")
+}
+
+/// The prefix of the JetStream API, which answers on it with no responders when JetStream is
+/// off.
+pub const JS_API: &str = "$JS.API";
+
+/// The JetStream API's account information request (`$JS.API.INFO`).
+pub const JS_API_INFO: &str = "$JS.API.INFO";
+
+/// The subjects of the JetStream API a user needs to create, read and pull durable consumer
+/// `name` of `stream`, and to acknowledge its messages.
+pub fn js_durable_use(stream: &str, name: &str) -> [String; 6] {
+    [
+        format!("{JS_API}.CONSUMER.CREATE.{stream}.{name}"),
+        format!("{JS_API}.CONSUMER.CREATE.{stream}.{name}.>"),
+        format!("{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{name}"),
+        format!("{JS_API}.CONSUMER.INFO.{stream}.{name}"),
+        format!("{JS_API}.CONSUMER.MSG.NEXT.{stream}.{name}"),
+        format!("$JS.ACK.{stream}.{name}.>"),
+    ]
+}
+
+/// The JetStream API subject that deletes durable consumer `name` of `stream`.
+pub fn js_durable_delete(stream: &str, name: &str) -> String {
+    format!("{JS_API}.CONSUMER.DELETE.{stream}.{name}")
+}
+
+/// The durable consumers of the layout; each one's configuration is
+/// `nats/consumers/<stream>/<name>.json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Durable {
+    /// Tasks into runs (intake), on [`TASKS_STREAM`].
+    Intake,
+    /// Work for the step service, on the journal.
+    Step,
+    /// Work for the tool service, on the journal.
+    Tool,
+    /// The runs projection (bridge), on the journal.
+    Projector,
+    /// Timers to schedule, on the journal.
+    Timer,
+    /// Fired timers, on [`TIMERS_STREAM`].
+    TimerFired,
+}
+
+impl Durable {
+    pub const ALL: [Durable; 6] = [
+        Durable::Intake,
+        Durable::Step,
+        Durable::Tool,
+        Durable::Projector,
+        Durable::Timer,
+        Durable::TimerFired,
+    ];
+
+    /// The consumer's durable name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Durable::Intake => "intake",
+            Durable::Step => "step",
+            Durable::Tool => "tool",
+            Durable::Projector => "projector",
+            Durable::Timer => "timer",
+            Durable::TimerFired => "timer-fired",
+        }
+    }
+
+    /// The stream it consumes.
+    pub const fn stream(self) -> &'static str {
+        match self {
+            Durable::Intake => TASKS_STREAM,
+            Durable::Step | Durable::Tool | Durable::Projector | Durable::Timer => RUNS_STREAM,
+            Durable::TimerFired => TIMERS_STREAM,
+        }
+    }
+
+    /// The consumer named `name`, if the layout has one.
+    pub fn named(name: &str) -> Option<Durable> {
+        Durable::ALL.into_iter().find(|d| d.name() == name)
+    }
+}
+
+impl std::fmt::Display for Durable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Core-NATS request subject where the reconciler sends the `tool.requested` envelope of an
 /// operation stuck in `running`; tool services answer in the queue group [`TOOL_RESOLVE_QUEUE`].
@@ -34,6 +176,11 @@ pub const LIVE_HEARTBEATS: &str = "kedge.live.hb.*";
 /// The heartbeat subject of worker `worker` (a subject token: see [`is_token`]).
 pub fn live_heartbeat(worker: &str) -> String {
     format!("kedge.live.hb.{worker}")
+}
+
+/// The worker a heartbeat's subject names (unchecked: see [`is_token`]).
+pub fn parse_live_heartbeat(subject: &str) -> Option<&str> {
+    subject.strip_prefix("kedge.live.hb.")
 }
 
 /// The ping subject of worker `worker`.
@@ -143,8 +290,9 @@ pub fn parse_task(subject: &str) -> Result<TaskSubject, TaskSubjectError> {
 /// was sent by a connection the server authenticated as that tenant.
 pub const GATEWAY_PREFIX: &str = "kedge.t";
 
-/// `kedge.t.<tenant>.>`: everything one tenant may ask of Kedge.
-pub fn gateway_all(tenant: &TenantId) -> String {
+/// `kedge.t.<tenant>.>`: everything one tenant may ask of Kedge (what Kedge's account exports
+/// to the tenant's).
+pub fn gateway_all(tenant: &str) -> String {
     format!("{GATEWAY_PREFIX}.{tenant}.>")
 }
 
@@ -207,6 +355,233 @@ pub fn parse_event(subject: &str) -> Option<EventSubject> {
     })
 }
 
+/// Every subject of the journal (`agent.run.>`).
+pub const JOURNAL_ALL: &str = "agent.run.>";
+
+/// The prefix of every subject of run `run` in the journal (`agent.run.<run>.`).
+pub fn run_prefix(run: &RunId) -> String {
+    format!("agent.run.{run}.")
+}
+
+/// Every run's events of one type (`agent.run.*.<d|i>.<type>`): a filter across runs.
+pub fn event_all_runs(event_type: EventType) -> String {
+    format!(
+        "agent.run.*.{}.{}",
+        event_type.kind().token(),
+        event_type.as_str()
+    )
+}
+
+/// Request subject of approval decisions for run `run` (`agent.approval.<run>`; the approval
+/// service answers).
+pub fn approval(run: &RunId) -> String {
+    format!("agent.approval.{run}")
+}
+
+/// Every run's approval decisions (the approval service's subscription).
+pub const APPROVALS_ALL: &str = "agent.approval.*";
+
+/// The approval services' queue group.
+pub const APPROVALS_QUEUE: &str = "kedge-approvals";
+
+/// The run an approval decision's subject names (anything after `agent.approval.`, unparsed).
+pub fn parse_approval(subject: &str) -> Option<&str> {
+    subject.strip_prefix("agent.approval.")
+}
+
+/// Request subject of a callback with key `key` (`agent.callback.<key>`; intake answers).
+pub fn callback(key: &str) -> String {
+    format!("agent.callback.{key}")
+}
+
+/// Every callback (intake's subscription).
+pub const CALLBACKS_ALL: &str = "agent.callback.*";
+
+/// The intake services' queue group for callbacks.
+pub const CALLBACKS_QUEUE: &str = "kedge-callbacks";
+
+/// The key a callback's subject names (anything after `agent.callback.`, unparsed).
+pub fn parse_callback(subject: &str) -> Option<&str> {
+    subject.strip_prefix("agent.callback.")
+}
+
+/// Where intake sets aside a refused task of agent `agent` (in [`REJECTIONS_STREAM`]).
+pub fn rejected_task(agent: &str) -> String {
+    format!("agent.rejected.{agent}")
+}
+
+/// Where a journal message at stream sequence `seq` of run `run` that failed its checks is set
+/// aside (in [`REJECTIONS_STREAM`]).
+pub fn rejected_journal(run: &RunId, seq: u64) -> String {
+    format!("agent.rejected.journal.{run}.{seq}")
+}
+
+/// Every set-aside journal message of run `run`.
+pub fn rejected_journal_of(run: &RunId) -> String {
+    format!("agent.rejected.journal.{run}.>")
+}
+
+/// Where intake records a callback for a key no run waits on (in [`REJECTIONS_STREAM`]).
+pub const REJECTED_CALLBACK: &str = "agent.rejected.callback";
+
+/// Every dead letter of every consumer.
+pub const DEAD_LETTERS_ALL: &str = "agent.rejected.dead.>";
+
+/// Where consumer `consumer` puts the messages it gave up on (in [`REJECTIONS_STREAM`]).
+pub fn dead_letter(consumer: Durable) -> String {
+    format!("agent.rejected.dead.{consumer}")
+}
+
+/// `kedge.timer.sched.<run_id>.<timer_id>`: where a timer's schedule is kept until it fires.
+pub fn timer_scheduled(run: &RunId, timer: &TimerId) -> String {
+    format!("kedge.timer.sched.{run}.{timer}")
+}
+
+/// `kedge.timer.fired.<run_id>.<timer_id>`: where the broker puts the timer's firing.
+pub fn timer_fired(run: &RunId, timer: &TimerId) -> String {
+    format!("kedge.timer.fired.{run}.{timer}")
+}
+
+/// Every pending schedule of run `run`.
+pub fn timers_scheduled_of(run: &RunId) -> String {
+    format!("kedge.timer.sched.{run}.>")
+}
+
+/// Every firing of run `run`'s timers.
+pub fn timers_fired_of(run: &RunId) -> String {
+    format!("kedge.timer.fired.{run}.>")
+}
+
+/// Every fired timer (the `timer-fired` consumer's filter).
+pub const TIMERS_FIRED_ALL: &str = "kedge.timer.fired.>";
+
+/// Every pending schedule.
+pub const TIMERS_SCHEDULED_ALL: &str = "kedge.timer.sched.>";
+
+/// The run and timer a fired subject names; `None` for anything else.
+pub fn parse_timer_fired(subject: &str) -> Option<(RunId, TimerId)> {
+    let rest = subject.strip_prefix("kedge.timer.fired.")?;
+    let (run, timer) = rest.split_once('.')?;
+    Some((run.parse().ok()?, timer.parse().ok()?))
+}
+
+/// Every tenant request the gateway serves (`kedge.t.*.>`).
+pub fn gateway_requests() -> String {
+    format!("{GATEWAY_PREFIX}.*.>")
+}
+
+/// The gateways' queue group.
+pub const GATEWAY_QUEUE: &str = "kedge-gateway";
+
+/// What a tenant's request subject (`kedge.t.<tenant>.<request…>`, as the broker maps it from
+/// the tenant's account: [`TENANT_IMPORTS`]) asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GatewayRequest {
+    Task {
+        agent: AgentName,
+    },
+    Get {
+        run: RunId,
+    },
+    History {
+        run: RunId,
+    },
+    Follow {
+        run: RunId,
+    },
+    Message {
+        run: RunId,
+    },
+    Answer {
+        run: RunId,
+        question: QuestionId,
+    },
+    Cancel {
+        run: RunId,
+    },
+    Callback {
+        key: String,
+    },
+    Approve {
+        approver: String,
+        run: RunId,
+        approval: ApprovalId,
+    },
+}
+
+/// Parses `kedge.t.<tenant>.<request…>`; the reason when it is not one.
+pub fn parse_gateway(subject: &str) -> Result<(TenantId, GatewayRequest), String> {
+    let rest = subject
+        .strip_prefix(GATEWAY_PREFIX)
+        .and_then(|r| r.strip_prefix('.'))
+        .ok_or("not a gateway subject")?;
+    let tokens: Vec<&str> = rest.split('.').collect();
+    let id = |e: crate::ids::IdError| e.to_string();
+    let tenant: TenantId = tokens
+        .first()
+        .copied()
+        .unwrap_or_default()
+        .parse()
+        .map_err(id)?;
+    let run = |s: &str| s.parse::<RunId>().map_err(id);
+    let request = match tokens.get(1..).unwrap_or_default() {
+        ["task", agent] => GatewayRequest::Task {
+            agent: agent.parse().map_err(id)?,
+        },
+        ["runs", r] => GatewayRequest::Get { run: run(r)? },
+        ["runs", r, "history"] => GatewayRequest::History { run: run(r)? },
+        ["runs", r, "follow"] => GatewayRequest::Follow { run: run(r)? },
+        ["runs", r, "message"] => GatewayRequest::Message { run: run(r)? },
+        ["runs", r, "cancel"] => GatewayRequest::Cancel { run: run(r)? },
+        ["runs", r, "answer", q] => GatewayRequest::Answer {
+            run: run(r)?,
+            question: q.parse().map_err(id)?,
+        },
+        ["callback", key] => GatewayRequest::Callback {
+            key: (*key).to_owned(),
+        },
+        ["approve", approver, r, a] => GatewayRequest::Approve {
+            approver: (*approver).to_owned(),
+            run: run(r)?,
+            approval: a.parse().map_err(id)?,
+        },
+        _ => return Err("unknown request".into()),
+    };
+    Ok((tenant, request))
+}
+
+/// What a tenant's account imports from Kedge's, as (the gateway subject's tail after
+/// `kedge.t.<tenant>.`, the subject the tenant publishes): a tenant publishes
+/// `agent.task.<agent>`, `kedge.runs.<run>[.<verb>…]`, `kedge.callback.<key>` and (an approver)
+/// `kedge.approve.<approver>.<run>.<approval>`, and the broker maps each to its gateway subject.
+pub const TENANT_IMPORTS: [(&str, &str); 4] = [
+    ("task.*", "agent.task.*"),
+    ("runs.>", "kedge.runs.>"),
+    ("callback.*", "kedge.callback.*"),
+    ("approve.>", "kedge.approve.>"),
+];
+
+/// What a tenant's user may publish: every import but approvals, which only an approver
+/// publishes, under its own name ([`tenant_approvals`]).
+pub fn tenant_publish() -> Vec<String> {
+    TENANT_IMPORTS
+        .iter()
+        .filter(|(from, _)| !from.starts_with("approve."))
+        .map(|(_, to)| (*to).to_owned())
+        .collect()
+}
+
+/// The approvals approver `approver` of a tenant may publish.
+pub fn tenant_approvals(approver: &str) -> String {
+    format!("kedge.approve.{approver}.>")
+}
+
+/// The gateway subject a tenant's import `tail` (the first of a [`TENANT_IMPORTS`] pair) maps
+/// to for tenant `tenant`.
+pub fn gateway_import(tenant: &str, tail: &str) -> String {
+    format!("{GATEWAY_PREFIX}.{tenant}.{tail}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,6 +599,67 @@ mod tests {
         assert_eq!(parse_event("agent.run.run_abc.i.run.created"), None);
         assert_eq!(parse_event("agent.task.x"), None);
         assert_eq!(run_decisions(&run), "agent.run.run_abc.d.>");
+    }
+
+    #[test]
+    fn timer_subjects_parse_back() {
+        let run: RunId = "run_t1".parse().expect("valid");
+        let timer: TimerId = "tmr_t1_1_0".parse().expect("valid");
+        assert_eq!(
+            timer_scheduled(&run, &timer),
+            "kedge.timer.sched.run_t1.tmr_t1_1_0"
+        );
+        assert_eq!(
+            parse_timer_fired(&timer_fired(&run, &timer)),
+            Some((run.clone(), timer.clone()))
+        );
+        assert_eq!(parse_timer_fired("kedge.timer.sched.run_t1.tmr_x"), None);
+        assert_eq!(parse_timer_fired("kedge.timer.fired.run_t1"), None);
+        assert_eq!(parse_timer_fired("kedge.timer.fired.run_t1.op_x"), None);
+    }
+
+    #[test]
+    fn gateway_subjects_parse_and_every_import_reaches_the_gateway() {
+        let (t, r) = parse_gateway("kedge.t.acme.task.helper").expect("task");
+        assert_eq!(t.as_str(), "acme");
+        assert!(matches!(r, GatewayRequest::Task { agent } if agent.as_str() == "helper"));
+        let (_, r) = parse_gateway("kedge.t.acme.runs.run_x.answer.q_1").expect("answer");
+        assert!(matches!(r, GatewayRequest::Answer { .. }));
+        let (_, r) = parse_gateway("kedge.t.acme.approve.alice.run_x.apr_1").expect("approve");
+        assert!(matches!(r, GatewayRequest::Approve { approver, .. } if approver == "alice"));
+        for bad in [
+            "kedge.t.acme",
+            "kedge.t.acme.runs",
+            "kedge.t.acme.runs.x",
+            "kedge.t.acme.runs.run_x.delete",
+            "kedge.t.ac*me.runs.run_x",
+            "kedge.tool.resolve",
+            "kedge.t.acme.approve.alice.run_x",
+        ] {
+            assert!(parse_gateway(bad).is_err(), "{bad}");
+        }
+        // Each import's gateway side is a subject the gateway's subscription covers.
+        let all = gateway_requests();
+        let prefix = all.trim_end_matches("*.>");
+        for (tail, _) in TENANT_IMPORTS {
+            assert!(gateway_import("acme", tail).starts_with(prefix), "{tail}");
+        }
+        assert_eq!(
+            tenant_publish(),
+            ["agent.task.*", "kedge.runs.>", "kedge.callback.*"]
+        );
+    }
+
+    #[test]
+    fn every_durable_is_named_once_on_its_stream() {
+        for d in Durable::ALL {
+            assert_eq!(Durable::named(d.name()), Some(d));
+        }
+        assert_eq!(Durable::named("nope"), None);
+        assert_eq!(
+            dead_letter(Durable::TimerFired),
+            "agent.rejected.dead.timer-fired"
+        );
     }
 
     #[test]

@@ -32,7 +32,7 @@ use async_nats::jetstream::object_store::{ObjectInfo, ObjectMetadata, ObjectStor
 use bytes::Bytes;
 use kedge_core::RunId;
 use kedge_core::event::Digest;
-use kedge_core::subjects::BLOBS_BUCKET;
+use kedge_core::subjects::{self, BLOBS_BUCKET, BLOBS_STREAM};
 use serde::{Deserialize, Serialize};
 use tokio::sync::OnceCell;
 
@@ -49,9 +49,6 @@ pub const MAX_BLOB: u64 = 64 * 1024 * 1024;
 
 /// The media type of a spilled event's data.
 pub const EVENT_DATA: &str = "application/json";
-
-/// The stream behind the object store.
-const BLOBS_STREAM: &str = "OBJ_kedge_blobs";
 
 /// How many chunks one direct get asks for.
 const CHUNK_BATCH: usize = 32;
@@ -74,13 +71,13 @@ pub fn object_name(run: &RunId, digest: &Digest) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum BlobError {
     /// No such object (never stored, or purged).
-    #[error("blob {0} is not in kedge_blobs")]
+    #[error("blob {0} is not in {bucket}", bucket = BLOBS_BUCKET)]
     Missing(Digest),
     /// The object is there but is not what its name says, or is too large to read.
     #[error("blob {digest} is unusable: {reason}")]
     Corrupt { digest: Digest, reason: String },
     /// Broker trouble: try again.
-    #[error("kedge_blobs unavailable: {0}")]
+    #[error("{bucket} unavailable: {0}", bucket = BLOBS_BUCKET)]
     Unavailable(String),
 }
 
@@ -145,7 +142,7 @@ impl Blobs {
 
     /// The object's info, `None` when there is no such object.
     async fn info(&self, name: &str, digest: &Digest) -> Result<Option<ObjectInfo>, BlobError> {
-        let subject = format!("$O.{BLOBS_BUCKET}.M.{}", base64_url(name.as_bytes()));
+        let subject = subjects::object_meta(BLOBS_BUCKET, &base64_url(name.as_bytes()));
         let found = wire::direct_last(&self.client, BLOBS_STREAM, &subject, self.timeout)
             .await
             .map_err(unavailable)?;
@@ -202,16 +199,16 @@ impl Blobs {
         let Some(info) = self.info(&name, digest).await? else {
             return Ok(());
         };
-        let mut subjects = Vec::with_capacity(2);
+        let mut to_purge = Vec::with_capacity(2);
         if usable_nuid(&info.nuid) {
-            subjects.push(format!("$O.{BLOBS_BUCKET}.C.{}", info.nuid));
+            to_purge.push(subjects::object_chunks(BLOBS_BUCKET, &info.nuid));
         }
         // The info last: a delete cut short is found again and finished.
-        subjects.push(format!(
-            "$O.{BLOBS_BUCKET}.M.{}",
-            base64_url(name.as_bytes())
+        to_purge.push(subjects::object_meta(
+            BLOBS_BUCKET,
+            &base64_url(name.as_bytes()),
         ));
-        for subject in subjects {
+        for subject in to_purge {
             wire::purge(&self.client, BLOBS_STREAM, &subject, None, self.timeout)
                 .await
                 .map_err(unavailable)?;
@@ -245,7 +242,7 @@ impl Blobs {
         if !usable_nuid(&info.nuid) {
             return Err(corrupt("object info without a usable chunk id".into()));
         }
-        let subject = format!("$O.{BLOBS_BUCKET}.C.{}", info.nuid);
+        let subject = subjects::object_chunks(BLOBS_BUCKET, &info.nuid);
         let mut data = Vec::with_capacity(info.size);
         let mut from = 1;
         let mut chunks = 0usize;

@@ -39,6 +39,10 @@ use std::time::Duration;
 
 use async_nats::Client;
 use bytes::Bytes;
+use kedge_core::subjects::{
+    AGENTS_STREAM, BLOBS_STREAM, IDEMPOTENCY_STREAM, LEASES_STREAM, PROVIDERS_STREAM,
+    REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, TASKS_STREAM, TIMERS_STREAM,
+};
 use serde_json::Value;
 
 use crate::wire::{self, WireError, codes};
@@ -53,50 +57,50 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Every stream of the layout: (stream name, its configuration as JSON), in creation order.
 pub const LAYOUT: &[(&str, &str)] = &[
     (
-        "KEDGE_TASKS",
+        TASKS_STREAM,
         include_str!("../../../nats/streams/KEDGE_TASKS.json"),
     ),
     (
-        "KEDGE_RUNS",
+        RUNS_STREAM,
         include_str!("../../../nats/streams/KEDGE_RUNS.json"),
     ),
     (
-        "KEDGE_TIMERS",
+        TIMERS_STREAM,
         include_str!("../../../nats/streams/KEDGE_TIMERS.json"),
     ),
     (
-        "KEDGE_REJECTIONS",
+        REJECTIONS_STREAM,
         include_str!("../../../nats/streams/KEDGE_REJECTIONS.json"),
     ),
     (
-        "KV_kedge_leases",
+        LEASES_STREAM,
         include_str!("../../../nats/kv/kedge_leases.json"),
     ),
     (
-        "KV_kedge_idempotency",
+        IDEMPOTENCY_STREAM,
         include_str!("../../../nats/kv/kedge_idempotency.json"),
     ),
     (
-        "KV_kedge_runs",
+        RUNS_BUCKET_STREAM,
         include_str!("../../../nats/kv/kedge_runs.json"),
     ),
     (
-        "KV_kedge_providers",
+        PROVIDERS_STREAM,
         include_str!("../../../nats/kv/kedge_providers.json"),
     ),
     (
-        "KV_kedge_agents",
+        AGENTS_STREAM,
         include_str!("../../../nats/kv/kedge_agents.json"),
     ),
     (
-        "OBJ_kedge_blobs",
+        BLOBS_STREAM,
         include_str!("../../../nats/objects/kedge_blobs.json"),
     ),
 ];
 
 /// Streams that must never lose messages to limits: the journal is the only truth, and a
 /// pending timer's schedule may wait for days.
-const NEVER_TRIMMED: &[&str] = &["KEDGE_RUNS", "KEDGE_TIMERS"];
+const NEVER_TRIMMED: &[&str] = &[RUNS_STREAM, TIMERS_STREAM];
 
 /// Options of [`ensure_layout`].
 #[derive(Debug, Clone)]
@@ -448,9 +452,10 @@ async fn check_layout(
     let info = match wire::api(client, "INFO", Bytes::new(), REQUEST_TIMEOUT).await {
         Ok(info) => info,
         Err(WireError::NoResponders) => {
-            return Err(LayoutError::NoJetStream(
-                "no responders on $JS.API.INFO (JetStream disabled?)".into(),
-            ));
+            return Err(LayoutError::NoJetStream(format!(
+                "no responders on {} (JetStream disabled?)",
+                kedge_core::subjects::JS_API_INFO
+            )));
         }
         Err(WireError::Api(e)) if e.code != 503 => {
             return Err(LayoutError::NoJetStream(e.to_string()));

@@ -192,7 +192,7 @@ impl Leases {
     }
 
     fn key(run: &RunId) -> String {
-        format!("$KV.{LEASES_BUCKET}.{run}")
+        kedge_core::subjects::kv_key(LEASES_BUCKET, run.as_str())
     }
 
     async fn last(&self, run: &RunId, leader: bool) -> Result<Option<StoredMessage>, LeaseError> {

@@ -21,7 +21,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 
 /// The JetStream API prefix (no domains or account imports are used by Kedge).
-pub(crate) const API_PREFIX: &str = "$JS.API";
+pub(crate) const API_PREFIX: &str = kedge_core::subjects::JS_API;
 
 pub(crate) const MSG_ID: &str = "Nats-Msg-Id";
 pub(crate) const EXPECTED_LAST_SUBJECT_SEQ: &str = "Nats-Expected-Last-Subject-Sequence";

@@ -12,6 +12,7 @@ use kedge_core::event::{
     CancelRequested, Draft, Envelope, Event, QuestionAnswered, Timestamp, UserMessage,
 };
 use kedge_core::ids::{AgentName, QuestionId, RunId};
+use kedge_core::subjects;
 use kedge_core::task::TaskSubmission;
 use kedge_runtime::inputs::InputId;
 use kedge_runtime::{Config, Runtime};
@@ -402,8 +403,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let rt = Runtime::connect_existing(config).await?;
             let report = kedge_bridge::rebuild(&rt).await?;
             println!(
-                "kedge_runs rebuilt: {} runs in the journal, {} written, {} unchanged, {} failed to fold, {} stale entries removed",
-                report.runs, report.written, report.unchanged, report.failed, report.removed
+                "{} rebuilt: {} runs in the journal, {} written, {} unchanged, {} failed to fold, {} stale entries removed",
+                subjects::RUNS_BUCKET,
+                report.runs,
+                report.written,
+                report.unchanged,
+                report.failed,
+                report.removed
             );
             Ok(if report.failed == 0 {
                 ExitCode::SUCCESS
@@ -587,7 +593,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let reply = tokio::time::timeout(
                 Duration::from_secs(10),
                 rt.client.request_with_headers(
-                    format!("agent.approval.{run}"),
+                    subjects::approval(&run),
                     headers,
                     serde_json::to_vec(&body)?.into(),
                 ),
@@ -649,14 +655,14 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 async fn dead_letters(rt: &Runtime) -> anyhow::Result<Vec<(u64, serde_json::Value)>> {
     let stream = rt
         .js
-        .get_stream_no_info("KEDGE_REJECTIONS")
+        .get_stream_no_info(subjects::REJECTIONS_STREAM)
         .await
-        .context("open KEDGE_REJECTIONS")?;
+        .with_context(|| format!("open {}", subjects::REJECTIONS_STREAM))?;
     let mut out = Vec::new();
     let mut from = 1;
     loop {
         match stream
-            .direct_get_next_for_subject("agent.rejected.dead.>", Some(from))
+            .direct_get_next_for_subject(subjects::DEAD_LETTERS_ALL, Some(from))
             .await
         {
             Ok(m) => {

@@ -424,9 +424,13 @@ async fn a_child_result_lost_with_its_wake_is_recovered_by_the_reconciler() {
     );
     // The worst case the step's own repair cannot see: the wake that would have been
     // redelivered is taken and acked, and nothing acts on it.
-    let consumer = kedge_runtime::consumer::durable(&h.rt.js, "step", Duration::from_secs(3))
-        .await
-        .expect("step consumer");
+    let consumer = kedge_runtime::consumer::durable(
+        &h.rt.js,
+        kedge_core::subjects::Durable::Step,
+        Duration::from_secs(3),
+    )
+    .await
+    .expect("step consumer");
     let mut acked = 0;
     for _ in 0..5 {
         let mut batch = consumer

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use common::Harness;
 use kedge_core::event::Timestamp;
 use kedge_core::ids::{RunId, TimerId};
+use kedge_core::subjects::Durable;
 use kedge_runtime::secure::Kind;
 use kedge_runtime::{Config, Runtime, consumer, failpoint};
 use serde_json::json;
@@ -65,7 +66,7 @@ async fn publish(h: &Harness, subject: String, payload: Vec<u8>) {
 }
 
 /// The dead letters of `consumer` whose subject is `subject`, once there is one (or panics).
-async fn dead_letter(h: &Harness, consumer: &str, subject: &str) -> serde_json::Value {
+async fn dead_letter(h: &Harness, consumer: Durable, subject: &str) -> serde_json::Value {
     let stream =
         h.rt.js
             .get_stream("KEDGE_REJECTIONS")
@@ -74,7 +75,7 @@ async fn dead_letter(h: &Harness, consumer: &str, subject: &str) -> serde_json::
     let deadline = Instant::now() + WAIT;
     loop {
         if let Ok(m) = stream
-            .direct_get_last_for_subject(consumer::dead_letter_subject(consumer))
+            .direct_get_last_for_subject(kedge_core::subjects::dead_letter(consumer))
             .await
         {
             let record: serde_json::Value = serde_json::from_slice(&m.payload).expect("json");
@@ -115,10 +116,10 @@ async fn a_timer_firing_that_always_fails_is_a_dead_letter_after_max_deliver() {
         step: None,
         op: None,
     };
-    let subject = kedge_timer::wire::fired_subject(&run, &timer);
+    let subject = kedge_core::subjects::timer_fired(&run, &timer);
     publish(&h, subject.clone(), serde_json::to_vec(&due).expect("json")).await;
-    let record = dead_letter(&h, "timer-fired", &subject).await;
-    let max = consumer::max_deliver("timer-fired").expect("bounded");
+    let record = dead_letter(&h, Durable::TimerFired, &subject).await;
+    let max = consumer::max_deliver(Durable::TimerFired).expect("bounded");
     assert_eq!(record["deliveries"], max, "{record}");
     assert_eq!(record["stream"], "KEDGE_TIMERS", "{record}");
     assert!(
@@ -141,7 +142,7 @@ async fn a_timer_decision_that_always_fails_or_is_poison_is_a_dead_letter() {
     let poison = RunId::generate();
     let subject = format!("agent.run.{poison}.d.timer.scheduled");
     publish(&h, subject.clone(), b"{not json".to_vec()).await;
-    let record = dead_letter(&h, "timer", &subject).await;
+    let record = dead_letter(&h, Durable::Timer, &subject).await;
     assert_eq!(record["deliveries"], 1, "{record}");
     assert!(
         record["reason"]
@@ -165,8 +166,8 @@ async fn a_timer_decision_that_always_fails_or_is_poison_is_a_dead_letter() {
     );
     let subject = format!("agent.run.{run}.d.timer.scheduled");
     publish(&h, subject.clone(), envelope.to_json_bytes()).await;
-    let record = dead_letter(&h, "timer", &subject).await;
-    let max = consumer::max_deliver("timer").expect("bounded");
+    let record = dead_letter(&h, Durable::Timer, &subject).await;
+    let max = consumer::max_deliver(Durable::Timer).expect("bounded");
     assert_eq!(record["deliveries"], max, "{record}");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(outstanding(&h, "KEDGE_RUNS", "timer").await, (0, 0));
@@ -181,14 +182,14 @@ async fn the_projector_gives_up_on_a_decision_that_always_fails() {
     failpoint::arm_panic("projector.project", run.as_str(), u32::MAX);
     let subject = format!("agent.run.{run}.d.run.created");
     publish(&h, subject.clone(), b"{}".to_vec()).await;
-    let record = dead_letter(&h, "projector", &subject).await;
-    let max = consumer::max_deliver("projector").expect("bounded");
+    let record = dead_letter(&h, Durable::Projector, &subject).await;
+    let max = consumer::max_deliver(Durable::Projector).expect("bounded");
     assert_eq!(record["deliveries"], max, "{record}");
     // Not a journal event's subject (a malformed body on a run's subject is set aside by the
     // journal read instead, and the run projects without it): given up on at once.
     let subject = "agent.run.not-a-run.d.run.created".to_owned();
     publish(&h, subject.clone(), b"{}".to_vec()).await;
-    let record = dead_letter(&h, "projector", &subject).await;
+    let record = dead_letter(&h, Durable::Projector, &subject).await;
     assert_eq!(record["deliveries"], 1, "{record}");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(outstanding(&h, "KEDGE_RUNS", "projector").await, (0, 0));
@@ -210,8 +211,8 @@ async fn a_tool_operation_that_always_fails_is_a_dead_letter_after_max_deliver()
     let run = h.submit("payer", "go", "task-tool-dead").await;
     failpoint::arm_panic("tool.execute", run.as_str(), u32::MAX);
     let subject = format!("agent.run.{run}.d.tool.requested");
-    let record = dead_letter(&h, "tool", &subject).await;
-    let max = consumer::max_deliver("tool").expect("bounded");
+    let record = dead_letter(&h, Durable::Tool, &subject).await;
+    let max = consumer::max_deliver(Durable::Tool).expect("bounded");
     assert_eq!(record["deliveries"], max, "{record}");
     assert!(
         record["reason"]

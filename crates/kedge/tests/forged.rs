@@ -210,10 +210,13 @@ async fn a_resolve_request_with_other_arguments_or_another_dispatch_runs_nothing
     let (op, _) = state.ops.iter().next().expect("one op");
     let op = op.clone();
     // The request never reaches a runner (a lost delivery); only resolve requests do.
-    let consumer =
-        kedge_runtime::consumer::durable(&h.rt.js, "tool", h.config.timeouts.tool_ack_wait())
-            .await
-            .expect("tool consumer");
+    let consumer = kedge_runtime::consumer::durable(
+        &h.rt.js,
+        kedge_core::subjects::Durable::Tool,
+        h.config.timeouts.tool_ack_wait(),
+    )
+    .await
+    .expect("tool consumer");
     let mut batch = consumer
         .fetch()
         .max_messages(10)
@@ -363,10 +366,13 @@ async fn a_tool_requested_forged_onto_a_decision_subject_runs_nothing_and_is_ter
 
     // Every forged message was handled (the consumer's ack floor passed the last one)...
     let last = forged.iter().copied().max().expect("published");
-    let mut consumer =
-        kedge_runtime::consumer::durable(&h.rt.js, "tool", h.config.timeouts.tool_ack_wait())
-            .await
-            .expect("tool consumer");
+    let mut consumer = kedge_runtime::consumer::durable(
+        &h.rt.js,
+        kedge_core::subjects::Durable::Tool,
+        h.config.timeouts.tool_ack_wait(),
+    )
+    .await
+    .expect("tool consumer");
     let deadline = Instant::now() + WAIT;
     loop {
         let info = consumer.info().await.expect("consumer info");

@@ -26,9 +26,13 @@ async fn a_run_whose_wake_was_acked_but_never_acted_on_is_nudged_and_completes()
     h.agent("rn", "rn").await;
     let run = h.submit("rn", "go", "rn-1").await;
     // Inject the failure: the step consumer's wake is taken and acked, and nothing acts on it.
-    let consumer = kedge_runtime::consumer::durable(&h.rt.js, "step", Duration::from_secs(3))
-        .await
-        .expect("step consumer");
+    let consumer = kedge_runtime::consumer::durable(
+        &h.rt.js,
+        kedge_core::subjects::Durable::Step,
+        Duration::from_secs(3),
+    )
+    .await
+    .expect("step consumer");
     let mut batch = consumer
         .fetch()
         .max_messages(10)

@@ -241,7 +241,7 @@ async fn a_hundred_timers_survive_kill_9_of_everything_and_fire_once_never_early
         let (timer_id, fired) = t.fired.iter().next().expect("fired");
         // When the broker stored the firing (its own clock).
         let stored = timers_stream
-            .direct_get_last_for_subject(kedge_timer::wire::fired_subject(run, timer_id))
+            .direct_get_last_for_subject(kedge_core::subjects::timer_fired(run, timer_id))
             .await
             .expect("the firing is in KEDGE_TIMERS")
             .time;

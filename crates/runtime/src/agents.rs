@@ -40,7 +40,7 @@ pub enum AgentError {
         revision: u64,
         reason: String,
     },
-    #[error("kedge_agents unavailable: {0}")]
+    #[error("{bucket} unavailable: {0}", bucket = kedge_core::subjects::AGENTS_BUCKET)]
     Unavailable(String),
 }
 

@@ -16,6 +16,7 @@
 
 use kedge_core::event::{CallbackReceived, Digest, Draft, Envelope, Event, Timestamp};
 use kedge_core::ids::{CallbackKey, RunId};
+use kedge_core::subjects;
 use kedge_journal::JournalError;
 use serde::Serialize;
 
@@ -143,11 +144,11 @@ async fn record_unknown(
     });
     let ack = rt
         .js
-        .publish("agent.rejected.callback", body.to_string().into())
+        .publish(subjects::REJECTED_CALLBACK, body.to_string().into())
         .await
         .map_err(|e| CallbackError::Record(e.to_string()))?;
     ack.await
         .map_err(|e| CallbackError::Record(e.to_string()))?;
-    tracing::warn!(%key, "callback for an unknown key recorded on agent.rejected.callback");
+    tracing::warn!(%key, subject = subjects::REJECTED_CALLBACK, "callback for an unknown key recorded");
     Ok(Delivery::UnknownKey { recorded: true })
 }

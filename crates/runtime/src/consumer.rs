@@ -14,65 +14,61 @@ use std::time::Duration;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::consumer::{PullConsumer, pull};
 
+use kedge_core::subjects::Durable;
+
 use crate::RuntimeError;
 
-/// The consumers Kedge runs: (stream, file contents).
-pub const CONSUMERS: &[(&str, &str, &str)] = &[
+/// The configuration file of each of the layout's durable consumers (their names and streams
+/// are in the registry, [`Durable`]).
+const FILES: &[(Durable, &str)] = &[
     (
-        "KEDGE_TASKS",
-        "intake",
+        Durable::Intake,
         include_str!("../../../nats/consumers/KEDGE_TASKS/intake.json"),
     ),
     (
-        "KEDGE_RUNS",
-        "step",
+        Durable::Step,
         include_str!("../../../nats/consumers/KEDGE_RUNS/step.json"),
     ),
     (
-        "KEDGE_RUNS",
-        "tool",
+        Durable::Tool,
         include_str!("../../../nats/consumers/KEDGE_RUNS/tool.json"),
     ),
     (
-        "KEDGE_RUNS",
-        "projector",
+        Durable::Projector,
         include_str!("../../../nats/consumers/KEDGE_RUNS/projector.json"),
     ),
     (
-        "KEDGE_RUNS",
-        "timer",
+        Durable::Timer,
         include_str!("../../../nats/consumers/KEDGE_RUNS/timer.json"),
     ),
     (
-        "KEDGE_TIMERS",
-        "timer-fired",
+        Durable::TimerFired,
         include_str!("../../../nats/consumers/KEDGE_TIMERS/timer-fired.json"),
     ),
 ];
 
 /// The parsed configuration of a named consumer, with `ack_wait` set.
-pub fn config(
-    name: &str,
-    ack_wait: Duration,
-) -> Result<(&'static str, pull::Config), RuntimeError> {
-    let (stream, _, text) = CONSUMERS
+pub fn config(durable: Durable, ack_wait: Duration) -> Result<pull::Config, RuntimeError> {
+    let (stream, name) = (durable.stream(), durable.name());
+    let (_, text) = FILES
         .iter()
-        .find(|(_, n, _)| *n == name)
+        .find(|(d, _)| *d == durable)
         .ok_or_else(|| RuntimeError::broker(format!("consumer {name}"), "no such consumer file"))?;
     let mut config: pull::Config = serde_json::from_str(text)
         .map_err(|e| RuntimeError::broker(format!("nats/consumers/{stream}/{name}.json"), e))?;
     config.ack_wait = ack_wait;
-    Ok((stream, config))
+    Ok(config)
 }
 
 /// Gets or creates the durable consumer `name`; an existing one is updated to the file's
 /// configuration (consumers hold no data, so updating is safe).
 pub async fn durable(
     js: &Context,
-    name: &str,
+    name: Durable,
     ack_wait: Duration,
 ) -> Result<PullConsumer, RuntimeError> {
-    let (stream, config) = config(name, ack_wait)?;
+    let config = config(name, ack_wait)?;
+    let stream = name.stream();
     let stream_handle = js
         .get_stream(stream)
         .await
@@ -82,7 +78,7 @@ pub async fn durable(
         .await
         .map_err(|e| RuntimeError::broker(format!("consumer {stream}/{name}"), e))?;
     crate::metrics::watch_consumer(name, &consumer);
-    crate::health::consumer_bound(name);
+    crate::health::consumer_bound(name.name());
     Ok(consumer)
 }
 
@@ -90,7 +86,7 @@ pub async fn durable(
 /// and skipped. `None` once the stream has ended. Cancel-safe (for `select!`).
 pub async fn next_message(
     messages: &mut pull::Stream,
-    consumer: &str,
+    consumer: Durable,
 ) -> Option<async_nats::jetstream::Message> {
     use futures::StreamExt as _;
     loop {
@@ -99,30 +95,25 @@ pub async fn next_message(
                 crate::metrics::delivered(consumer, deliveries(&msg));
                 return Some(msg);
             }
-            Some(Err(e)) => tracing::warn!(consumer, error = %e, "consumer hiccup"),
+            Some(Err(e)) => tracing::warn!(%consumer, error = %e, "consumer hiccup"),
             None => return None,
         }
     }
 }
 
-/// The subject of the dead letters of consumer `consumer`.
-pub fn dead_letter_subject(consumer: &str) -> String {
-    format!("agent.rejected.dead.{consumer}")
-}
-
 /// The `max_deliver` of consumer `name`'s file; `None` when unbounded (or unknown). The files
 /// are parsed once (this is asked on every delivery).
-pub fn max_deliver(name: &str) -> Option<i64> {
-    static MAX_DELIVER: std::sync::OnceLock<Vec<(&'static str, Option<i64>)>> =
+pub fn max_deliver(name: Durable) -> Option<i64> {
+    static MAX_DELIVER: std::sync::OnceLock<Vec<(Durable, Option<i64>)>> =
         std::sync::OnceLock::new();
     let all = MAX_DELIVER.get_or_init(|| {
-        CONSUMERS
-            .iter()
-            .map(|(_, name, _)| {
+        Durable::ALL
+            .into_iter()
+            .map(|name| {
                 let max = config(name, Duration::from_secs(1))
                     .ok()
-                    .and_then(|(_, c)| (c.max_deliver > 0).then_some(c.max_deliver));
-                (*name, max)
+                    .and_then(|c| (c.max_deliver > 0).then_some(c.max_deliver));
+                (name, max)
             })
             .collect()
     });
@@ -137,7 +128,7 @@ pub fn deliveries(msg: &async_nats::jetstream::Message) -> i64 {
 }
 
 /// Whether this is the last delivery consumer `name` makes of `msg` (its `max_deliver`).
-pub fn is_last_delivery(name: &str, msg: &async_nats::jetstream::Message) -> bool {
+pub fn is_last_delivery(name: Durable, msg: &async_nats::jetstream::Message) -> bool {
     max_deliver(name).is_some_and(|max| deliveries(msg) >= max)
 }
 
@@ -148,14 +139,14 @@ pub fn retry_delay(delivered: i64, base: Duration, cap: Duration) -> Duration {
     base.saturating_mul(1u32 << doublings).min(cap)
 }
 
-/// Gives up on `msg`: records it on [`dead_letter_subject`] (stream `KEDGE_REJECTIONS`; its
+/// Gives up on `msg`: records it on its dead-letter subject (`kedge_core::subjects::dead_letter`, stream `KEDGE_REJECTIONS`; its
 /// stream, sequence, subject, deliveries, the reason and the start of its body; `Nats-Msg-Id`
 /// `dead:<consumer>:<stream seq>`, so a repeat is stored once), logs at error and terminates
 /// it. A record that cannot be written is logged too; the message is terminated anyway (the
 /// consumer would not deliver it again).
 pub async fn dead_letter(
     js: &Context,
-    consumer: &str,
+    consumer: Durable,
     msg: &async_nats::jetstream::Message,
     reason: &str,
 ) {
@@ -166,7 +157,7 @@ pub async fn dead_letter(
     let delivered = deliveries(msg);
     crate::metrics::dead_letter(consumer);
     tracing::error!(
-        consumer,
+        %consumer,
         stream = %stream,
         seq,
         subject = %msg.subject,
@@ -176,7 +167,7 @@ pub async fn dead_letter(
     );
     let body = serde_json::json!({
         "at": kedge_core::event::Timestamp::now(),
-        "consumer": consumer,
+        "consumer": consumer.name(),
         "stream": stream,
         "seq": seq,
         "subject": msg.subject.as_str(),
@@ -188,7 +179,7 @@ pub async fn dead_letter(
     headers.insert("Nats-Msg-Id", format!("dead:{consumer}:{seq}").as_str());
     let recorded = match js
         .publish_with_headers(
-            dead_letter_subject(consumer),
+            kedge_core::subjects::dead_letter(consumer),
             headers,
             body.to_string().into(),
         )
@@ -198,10 +189,10 @@ pub async fn dead_letter(
         Err(e) => Err(e.to_string()),
     };
     if let Err(e) = recorded {
-        tracing::error!(consumer, seq, error = %e, "could not record the dead letter");
+        tracing::error!(%consumer, seq, error = %e, "could not record the dead letter");
     }
     if let Err(e) = msg.ack_with(async_nats::jetstream::AckKind::Term).await {
-        tracing::warn!(consumer, seq, error = %e, "could not terminate the dead letter");
+        tracing::warn!(%consumer, seq, error = %e, "could not terminate the dead letter");
     }
 }
 
@@ -220,7 +211,7 @@ const HAND_BACK_FOR: Duration = Duration::from_secs(2);
 /// pull request finds no interest) is dropped before any NAK: a handed-back message cannot be
 /// delivered to this process again and bounce here, burning the consumer's `max_deliver`.
 /// Bounded by [`HAND_BACK_FOR`]. Returns how many messages were handed back.
-pub async fn hand_back(mut messages: pull::Stream, consumer: &str) -> usize {
+pub async fn hand_back(mut messages: pull::Stream, consumer: Durable) -> usize {
     use futures::StreamExt as _;
     let until = tokio::time::Instant::now() + HAND_BACK_FOR;
     let mut pulled = Vec::new();
@@ -243,13 +234,13 @@ pub async fn hand_back(mut messages: pull::Stream, consumer: &str) -> usize {
             Ok(()) => handed += 1,
             Err(e) => {
                 let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
-                tracing::debug!(consumer, seq, error = %e, "could not hand a message back; it is redelivered after the ack wait");
+                tracing::debug!(%consumer, seq, error = %e, "could not hand a message back; it is redelivered after the ack wait");
             }
         }
     }
     if handed > 0 {
         tracing::info!(
-            consumer,
+            %consumer,
             handed,
             "handed back the messages pulled and not started"
         );
@@ -315,7 +306,7 @@ impl Workers {
     pub async fn next(
         &self,
         messages: &mut pull::Stream,
-        consumer: &str,
+        consumer: Durable,
     ) -> Option<(Slot, async_nats::jetstream::Message)> {
         let slot = self.slot().await;
         let msg = next_message(messages, consumer).await?;
@@ -335,7 +326,7 @@ mod tests {
     #[test]
     fn the_step_consumer_wakes_on_every_input_but_tool_started() {
         use kedge_core::event::{EventKind, EventType};
-        let (_, c) = config("step", Duration::from_secs(30)).expect("parses");
+        let c = config(Durable::Step, Duration::from_secs(30)).expect("parses");
         let mut expected = vec!["agent.run.*.d.run.created".to_owned()];
         for t in EventType::ALL {
             // Neither the start of a tool attempt nor a failed attempt that will be retried
@@ -365,19 +356,19 @@ mod tests {
         assert_eq!(retry_delay(60, base, cap), cap);
         assert_eq!(retry_delay(-5, base, cap), base);
         // Every consumer's handler gives up on the last delivery: every one has a bound.
-        for (_, name, _) in CONSUMERS {
+        for name in Durable::ALL {
             assert!(max_deliver(name).is_some_and(|m| m > 1), "{name}");
-            let (_, c) = config(name, Duration::from_secs(1)).expect("parses");
+            let c = config(name, Duration::from_secs(1)).expect("parses");
             assert_eq!(max_deliver(name), Some(c.max_deliver), "{name}: the file's");
         }
-        assert_eq!(max_deliver("no-such-consumer"), None);
     }
 
     #[test]
     fn every_consumer_file_parses() {
-        for (_, name, _) in CONSUMERS {
-            let (_, c) = config(name, Duration::from_secs(7)).expect("parses");
-            assert_eq!(c.durable_name.as_deref(), Some(*name));
+        assert_eq!(FILES.len(), Durable::ALL.len(), "one file per durable");
+        for name in Durable::ALL {
+            let c = config(name, Duration::from_secs(7)).expect("parses");
+            assert_eq!(c.durable_name.as_deref(), Some(name.name()));
             assert_eq!(c.ack_wait, Duration::from_secs(7));
         }
     }

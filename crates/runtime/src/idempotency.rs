@@ -108,7 +108,7 @@ pub enum Claim {
 
 #[derive(Debug, thiserror::Error)]
 pub enum IdempotencyError {
-    #[error("kedge_idempotency unavailable: {0}")]
+    #[error("{bucket} unavailable: {0}", bucket = kedge_core::subjects::IDEMPOTENCY_BUCKET)]
     Unavailable(String),
     #[error("record {key} does not parse: {reason}")]
     Corrupt { key: String, reason: String },

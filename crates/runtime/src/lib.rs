@@ -139,7 +139,7 @@ impl Runtime {
             })
             .await
             .cloned()
-            .map_err(|e| RuntimeError::broker("open kedge_providers", e))
+            .map_err(|e| RuntimeError::broker(format!("open {}", subjects::PROVIDERS_BUCKET), e))
     }
 
     /// Connects ([`connect_client`]: credentials, TLS, inbox prefix from `config.nats`), checks

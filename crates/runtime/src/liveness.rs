@@ -452,7 +452,7 @@ async fn send_heartbeats(inner: Weak<Inner>) {
 async fn watch_heartbeats(inner: Weak<Inner>, mut beats: async_nats::Subscriber) {
     while let Some(msg) = beats.next().await {
         let Some(live) = inner.upgrade() else { return };
-        let Some(worker) = msg.subject.as_str().strip_prefix("kedge.live.hb.") else {
+        let Some(worker) = subjects::parse_live_heartbeat(msg.subject.as_str()) else {
             continue;
         };
         if !subjects::is_token(worker) {

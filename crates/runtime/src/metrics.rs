@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use kedge_core::event::{ErrorClass, Event, WaitReason};
+use kedge_core::subjects::Durable;
 use kedge_core::tools::ToolErrorClass;
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
@@ -145,15 +146,6 @@ const BUCKETS: &[f64] = &[
 const UPKEEP_EVERY: Duration = Duration::from_secs(5);
 /// How long a scrape waits for one consumer's info.
 const CONSUMER_INFO_WAIT: Duration = Duration::from_secs(2);
-/// The durable consumers Kedge runs (the `consumer` label's values).
-const CONSUMER_NAMES: &[&str] = &[
-    "intake",
-    "step",
-    "tool",
-    "projector",
-    "timer",
-    "timer-fired",
-];
 
 /// Why the endpoint cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -167,7 +159,7 @@ pub enum MetricsError {
 /// The process's recorder, once [`start`] installed it.
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 /// The durable consumers this process runs, read at scrape time.
-static CONSUMERS: Mutex<Vec<(&'static str, PullConsumer)>> = Mutex::new(Vec::new());
+static CONSUMERS: Mutex<Vec<(Durable, PullConsumer)>> = Mutex::new(Vec::new());
 
 /// Whether this process records metrics.
 pub fn enabled() -> bool {
@@ -244,13 +236,13 @@ async fn scrape(handle: PrometheusHandle) -> impl axum::response::IntoResponse {
 /// Sets the consumer gauges from the broker's consumer info (each asked at once, each waited
 /// for at most [`CONSUMER_INFO_WAIT`]; one that does not answer keeps its last value).
 async fn refresh_consumers() {
-    let watched: Vec<(&'static str, PullConsumer)> = match CONSUMERS.lock() {
+    let watched: Vec<(Durable, PullConsumer)> = match CONSUMERS.lock() {
         Ok(list) => list.clone(),
         Err(_) => return,
     };
     let infos = futures::future::join_all(watched.iter().map(|(name, consumer)| async move {
         let info = tokio::time::timeout(CONSUMER_INFO_WAIT, consumer.get_info()).await;
-        (*name, info)
+        (name.name(), info)
     }))
     .await;
     for (name, info) in infos {
@@ -277,33 +269,17 @@ macro_rules! one_of {
     };
 }
 
-/// The `consumer` label's `'static` value.
-fn consumer_counter(name: &'static str, consumer: &str) -> metrics::Counter {
-    one_of!(
-        counter,
-        name,
-        "consumer",
-        consumer,
-        [
-            "intake",
-            "step",
-            "tool",
-            "projector",
-            "timer",
-            "timer-fired"
-        ]
-    )
+/// Counter `name` of `consumer` (the label's value is `'static`: no allocation).
+fn consumer_counter(name: &'static str, consumer: Durable) -> metrics::Counter {
+    counter!(name, "consumer" => consumer.name())
 }
 
 /// Remembers durable consumer `name` (one of Kedge's) for the lag gauges. Only when metrics are
 /// on; a consumer created again (a service restarted) replaces the one before.
-pub fn watch_consumer(name: &str, consumer: &PullConsumer) {
+pub fn watch_consumer(name: Durable, consumer: &PullConsumer) {
     if !enabled() {
         return;
     }
-    let Some(name) = CONSUMER_NAMES.iter().copied().find(|n| *n == name) else {
-        return;
-    };
     if let Ok(mut list) = CONSUMERS.lock() {
         list.retain(|(n, _)| *n != name);
         list.push((name, consumer.clone()));
@@ -311,7 +287,7 @@ pub fn watch_consumer(name: &str, consumer: &PullConsumer) {
 }
 
 /// A message consumer `consumer` delivered for the `deliveries`-th time.
-pub fn delivered(consumer: &str, deliveries: i64) {
+pub fn delivered(consumer: Durable, deliveries: i64) {
     consumer_counter(CONSUMER_DELIVERIES, consumer).increment(1);
     if deliveries > 1 {
         consumer_counter(CONSUMER_REDELIVERIES, consumer).increment(1);
@@ -319,7 +295,7 @@ pub fn delivered(consumer: &str, deliveries: i64) {
 }
 
 /// A message of `consumer` given up on.
-pub fn dead_letter(consumer: &str) {
+pub fn dead_letter(consumer: Durable) {
     consumer_counter(DEAD_LETTERS, consumer).increment(1);
 }
 
@@ -766,8 +742,7 @@ mod tests {
     #[test]
     fn counting_without_a_recorder_does_nothing_and_does_not_fail() {
         decision(&Event::RunResumed(Default::default()));
-        delivered("step", 3);
-        delivered("made-up", 1);
+        delivered(Durable::Step, 3);
         model_usage(1, 2, Some((0.5, "USD")));
         let c = SseConnection::open();
         drop(c);

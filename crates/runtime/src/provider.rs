@@ -412,7 +412,7 @@ pub fn release_order<'a>(
 /// What went wrong talking to `kedge_providers`.
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
-    #[error("kedge_providers unavailable: {0}")]
+    #[error("{bucket} unavailable: {0}", bucket = kedge_core::subjects::PROVIDERS_BUCKET)]
     Unavailable(String),
 }
 
@@ -557,10 +557,10 @@ impl Providers {
                             }
                         }
                     }
-                    tracing::debug!("kedge_providers watch ended; watching again");
+                    tracing::debug!(bucket = PROVIDERS_BUCKET, "watch ended; watching again");
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot watch kedge_providers; trying again");
+                    tracing::warn!(bucket = PROVIDERS_BUCKET, error = %e, "cannot watch; trying again");
                 }
             }
             tokio::time::sleep(backoff).await;
@@ -931,7 +931,7 @@ impl Providers {
                 r.to_string().as_str(),
             );
         }
-        let subject = format!("$KV.{PROVIDERS_BUCKET}.{}", wait_key(id, run));
+        let subject = kedge_core::subjects::kv_key(PROVIDERS_BUCKET, &wait_key(id, run));
         self.inner
             .js
             .publish_with_headers(subject, headers, bytes::Bytes::new())

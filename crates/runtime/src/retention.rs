@@ -49,26 +49,19 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use futures::StreamExt;
+use kedge_core::event::EventType;
 use kedge_core::event::Timestamp;
 use kedge_core::event::{Digest, Event};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{
-    BLOBS_BUCKET, IDEMPOTENCY_BUCKET, LEASES_BUCKET, RUNS_BUCKET, RUNS_STREAM,
+    self, BLOBS_BUCKET, IDEMPOTENCY_BUCKET, IDEMPOTENCY_STREAM, LEASES_BUCKET, LEASES_STREAM,
+    REJECTIONS_STREAM, RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, TIMERS_STREAM, kv_key,
 };
 use kedge_journal::JournalError;
 use serde::{Deserialize, Serialize};
 
 use crate::Runtime;
 use crate::idempotency::IdempotencyStore;
-
-/// The streams behind the buckets a run has keys in.
-const IDEMPOTENCY_STREAM: &str = "KV_kedge_idempotency";
-const LEASES_STREAM: &str = "KV_kedge_leases";
-const RUNS_BUCKET_STREAM: &str = "KV_kedge_runs";
-/// The stream of timer schedules and fired timers (the timer service's).
-const TIMERS_STREAM: &str = "KEDGE_TIMERS";
-/// The stream of set-aside and dead-letter records.
-const REJECTIONS_STREAM: &str = "KEDGE_REJECTIONS";
 
 /// What [`purge_run`] did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -189,22 +182,17 @@ async fn purge_run_ended(
         })
         .collect();
     record_keys.extend(state.ops.keys().map(IdempotencyStore::op_key));
-    let mut filters: Vec<(&str, String)> = record_keys
+    let mut filters: Vec<(String, String)> = record_keys
         .iter()
-        .map(|key| {
-            (
-                IDEMPOTENCY_STREAM,
-                format!("{}{key}", kv(IDEMPOTENCY_BUCKET)),
-            )
-        })
+        .map(|key| (IDEMPOTENCY_STREAM.into(), kv_key(IDEMPOTENCY_BUCKET, key)))
         .collect();
-    filters.push((LEASES_STREAM, format!("{}{run}", kv(LEASES_BUCKET))));
-    filters.push((TIMERS_STREAM, format!("kedge.timer.sched.{run}.>")));
-    filters.push((TIMERS_STREAM, format!("kedge.timer.fired.{run}.>")));
-    filters.push((REJECTIONS_STREAM, format!("agent.rejected.journal.{run}.>")));
+    filters.push((LEASES_STREAM.into(), kv_key(LEASES_BUCKET, run.as_str())));
+    filters.push((TIMERS_STREAM.into(), subjects::timers_scheduled_of(run)));
+    filters.push((TIMERS_STREAM.into(), subjects::timers_fired_of(run)));
+    filters.push((REJECTIONS_STREAM.into(), subjects::rejected_journal_of(run)));
     filters.push((
-        RUNS_BUCKET_STREAM,
-        format!("{}{}.{run}", kv(RUNS_BUCKET), state.bundle.tenant),
+        RUNS_BUCKET_STREAM.into(),
+        kv_key(RUNS_BUCKET, &format!("{}.{run}", state.bundle.tenant)),
     ));
     // The run's blobs: what its journal and its idempotency records hold by reference. Found
     // before anything is removed (the references go with the journal).
@@ -325,11 +313,16 @@ pub async fn purge_finished(
 pub const CURSOR_KEY: &str = "retention.cursor";
 
 /// The subjects of the terminal events the retention service reads.
-pub const TERMINAL_SUBJECTS: [&str; 3] = [
-    "agent.run.*.d.run.succeeded",
-    "agent.run.*.d.run.failed",
-    "agent.run.*.d.run.cancelled",
-];
+pub fn terminal_subjects() -> Vec<String> {
+    [
+        EventType::RunSucceeded,
+        EventType::RunFailed,
+        EventType::RunCancelled,
+    ]
+    .into_iter()
+    .map(subjects::event_all_runs)
+    .collect()
+}
 
 /// Runs purged at once within a batch.
 const CONCURRENT_PURGES: usize = 8;
@@ -519,7 +512,7 @@ async fn terminal_events(
         .map_err(|e| failed(&e))?;
     let consumer = stream
         .create_consumer(pull::Config {
-            filter_subjects: TERMINAL_SUBJECTS.iter().map(|s| (*s).to_owned()).collect(),
+            filter_subjects: terminal_subjects(),
             deliver_policy: DeliverPolicy::ByStartSequence {
                 start_sequence: after.saturating_add(1),
             },
@@ -599,19 +592,19 @@ async fn archive(
     Ok(name)
 }
 
-/// `$KV.<bucket>.`: the subject prefix of a bucket's keys.
-fn kv(bucket: &str) -> String {
-    format!("$KV.{bucket}.")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn bucket_streams_are_the_buckets() {
-        assert_eq!(IDEMPOTENCY_STREAM, format!("KV_{IDEMPOTENCY_BUCKET}"));
-        assert_eq!(LEASES_STREAM, format!("KV_{LEASES_BUCKET}"));
-        assert_eq!(RUNS_BUCKET_STREAM, format!("KV_{RUNS_BUCKET}"));
+    fn the_terminal_subjects_are_the_terminal_decisions() {
+        assert_eq!(
+            terminal_subjects(),
+            [
+                "agent.run.*.d.run.succeeded",
+                "agent.run.*.d.run.failed",
+                "agent.run.*.d.run.cancelled"
+            ]
+        );
     }
 }

@@ -35,6 +35,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use kedge_core::ids::TenantId;
+use kedge_core::subjects::{self, Durable};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -334,19 +335,22 @@ fn permissions() -> Result<Permissions, SecureError> {
     serde_json::from_str(PERMISSIONS).map_err(|e| SecureError::Permissions(e.to_string()))
 }
 
-/// The subjects a kind needs to use its durable consumer `stream/name`.
-fn durable_subjects(durable: &str) -> Result<Vec<String>, SecureError> {
-    let (stream, name) = durable.split_once('/').ok_or_else(|| {
-        SecureError::Permissions(format!("durable `{durable}` is not STREAM/NAME"))
-    })?;
-    Ok(vec![
-        format!("$JS.API.CONSUMER.CREATE.{stream}.{name}"),
-        format!("$JS.API.CONSUMER.CREATE.{stream}.{name}.>"),
-        format!("$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}"),
-        format!("$JS.API.CONSUMER.INFO.{stream}.{name}"),
-        format!("$JS.API.CONSUMER.MSG.NEXT.{stream}.{name}"),
-        format!("$JS.ACK.{stream}.{name}.>"),
-    ])
+/// The layout's durable consumer a permissions entry `STREAM/name` names.
+fn durable_of(entry: &str) -> Result<Durable, SecureError> {
+    entry
+        .split_once('/')
+        .and_then(|(stream, name)| Durable::named(name).filter(|d| d.stream() == stream))
+        .ok_or_else(|| {
+            SecureError::Permissions(format!(
+                "durable `{entry}` is not STREAM/NAME of a durable consumer of the layout"
+            ))
+        })
+}
+
+/// The subjects a kind needs to use its durable consumer `STREAM/name`.
+fn durable_subjects(entry: &str) -> Result<Vec<String>, SecureError> {
+    let d = durable_of(entry)?;
+    Ok(subjects::js_durable_use(d.stream(), d.name()).to_vec())
 }
 
 /// The `permissions` object of a kind's user (`None` for admin: everything).
@@ -395,9 +399,11 @@ pub fn kind_permissions(kind: Kind) -> Result<Option<Value>, SecureError> {
     for rules in perms.kinds.values() {
         for d in &rules.durables {
             // No kind deletes a durable consumer (only admin), not even its own.
-            if let Some((stream, name)) = d.split_once('/') {
-                deny.push(format!("$JS.API.CONSUMER.DELETE.{stream}.{name}"));
-            }
+            let durable = durable_of(d)?;
+            deny.push(subjects::js_durable_delete(
+                durable.stream(),
+                durable.name(),
+            ));
             if own_durables.contains(d) {
                 continue;
             }
@@ -432,13 +438,9 @@ fn user_entry(identity: &Identity, permissions: Option<Value>) -> Value {
 
 /// What a tenant gateway user and approver may publish, and the imports of its account.
 fn tenant_user(spec: &UserSpec, approver: bool) -> Value {
-    let mut publish = vec![
-        "agent.task.*".to_owned(),
-        "kedge.runs.>".to_owned(),
-        "kedge.callback.*".to_owned(),
-    ];
+    let mut publish = subjects::tenant_publish();
     if approver {
-        publish.push(format!("kedge.approve.{}.>", spec.name));
+        publish.push(subjects::tenant_approvals(&spec.name));
     }
     let permissions = json!({
         "publish": {"allow": publish},
@@ -467,13 +469,13 @@ pub fn render(spec: &Spec, services: &BTreeMap<Kind, Identity>) -> Result<String
     for t in &spec.tenants {
         let account = tenant_account(&t.name);
         exports.push(json!({
-            "service": format!("kedge.t.{}.>", t.name),
+            "service": subjects::gateway_all(t.name.as_str()),
             "accounts": [account],
             "response_type": "stream",
         }));
         let import = |from: &str, to: &str| {
             json!({
-                "service": {"account": KEDGE_ACCOUNT, "subject": format!("kedge.t.{}.{from}", t.name)},
+                "service": {"account": KEDGE_ACCOUNT, "subject": subjects::gateway_import(t.name.as_str(), from)},
                 "to": to,
                 "share": true,
             })
@@ -488,12 +490,10 @@ pub fn render(spec: &Spec, services: &BTreeMap<Kind, Identity>) -> Result<String
             account,
             json!({
                 "users": users,
-                "imports": [
-                    import("task.*", "agent.task.*"),
-                    import("runs.>", "kedge.runs.>"),
-                    import("callback.*", "kedge.callback.*"),
-                    import("approve.>", "kedge.approve.>"),
-                ],
+                "imports": subjects::TENANT_IMPORTS
+                    .iter()
+                    .map(|(from, to)| import(from, to))
+                    .collect::<Vec<_>>(),
             }),
         );
     }

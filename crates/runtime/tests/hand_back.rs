@@ -52,12 +52,12 @@ async fn what_was_pulled_and_not_started_goes_back_at_once() {
     // pulled the rest in the same batch.
     let workers = Workers::new(1);
     let (slot, started) = workers
-        .next(&mut messages, "work")
+        .next(&mut messages, kedge_core::subjects::Durable::Step)
         .await
         .expect("a message");
     let started_seq = started.info().expect("info").stream_sequence;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let handed = hand_back(messages, "work").await;
+    let handed = hand_back(messages, kedge_core::subjects::Durable::Step).await;
     assert_eq!(
         handed,
         MESSAGES - 1,

@@ -18,6 +18,7 @@ use std::future::Future;
 
 use futures::StreamExt;
 use kedge_core::ids::RunId;
+use kedge_core::subjects;
 use kedge_runtime::{Runtime, RuntimeError};
 use serde::{Deserialize, Serialize};
 
@@ -42,7 +43,7 @@ fn refused(code: u16, reason: impl Into<String>) -> DecisionAnswer {
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let mut requests = rt
         .client
-        .queue_subscribe("agent.approval.*", "kedge-approvals".into())
+        .queue_subscribe(subjects::APPROVALS_ALL, subjects::APPROVALS_QUEUE.into())
         .await
         .map_err(|e| RuntimeError::broker("subscribe to approval decisions", e))?;
     if rt.config.approvers.is_empty() {
@@ -60,7 +61,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         };
         let rt = rt.clone();
         tokio::spawn(async move {
-            let run = msg.subject.as_str().trim_start_matches("agent.approval.");
+            let run = subjects::parse_approval(msg.subject.as_str()).unwrap_or_default();
             let token = msg
                 .headers
                 .as_ref()

@@ -41,7 +41,7 @@ use async_nats::jetstream::{AckKind, Context, Message};
 use futures::StreamExt;
 use kedge_core::event::{OutputValidation, Timestamp, Usage, WaitReason};
 use kedge_core::ids::{AgentName, RunId, TenantId};
-use kedge_core::subjects::{self, RUNS_BUCKET};
+use kedge_core::subjects::{self, Durable, RUNS_BUCKET, RUNS_BUCKET_STREAM};
 use kedge_core::{EventType, FoldError, RunState, RunStatus};
 use kedge_journal::{Journal, JournalError, Recorded};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
@@ -79,7 +79,7 @@ pub enum ProjectionError {
     Journal(#[from] JournalError),
     #[error("run {run} does not fold: {source}")]
     Fold { run: RunId, source: FoldError },
-    #[error("kedge_runs: {0}")]
+    #[error("{bucket}: {0}", bucket = kedge_core::subjects::RUNS_BUCKET)]
     Kv(String),
 }
 
@@ -379,10 +379,10 @@ impl Projection {
     /// direct gets: [`Journal::latest_per_subject`]). A summary rewritten meanwhile is listed
     /// once, at its newer version; an entry that does not parse is left out.
     pub async fn list(&self, tenant: &TenantId) -> Result<Vec<RunSummary>, ProjectionError> {
-        let filter = format!("$KV.{RUNS_BUCKET}.{tenant}.>");
+        let filter = subjects::kv_key(RUNS_BUCKET, &format!("{tenant}.>"));
         let entries = self
             .journal
-            .latest_per_subject(&format!("KV_{RUNS_BUCKET}"), &filter)
+            .latest_per_subject(RUNS_BUCKET_STREAM, &filter)
             .await?;
         Ok(entries
             .iter()
@@ -401,7 +401,7 @@ impl Projection {
 }
 
 /// The projector's durable consumer (`nats/consumers/KEDGE_RUNS/projector.json`).
-pub const PROJECTOR: &str = "projector";
+pub const PROJECTOR: Durable = Durable::Projector;
 /// First redelivery delay after a failure; it doubles per delivery up to the configured
 /// `max_retry_delay`, and the consumer's `max_deliver` bounds the tries.
 const RETRY_DELAY: Duration = Duration::from_secs(1);

@@ -38,7 +38,7 @@ use async_nats::HeaderMap;
 use bytes::Bytes;
 use futures::StreamExt;
 use kedge_core::ids::{ApprovalId, QuestionId, RunId, TenantId};
-use kedge_core::subjects::{self, GATEWAY_PREFIX};
+use kedge_core::subjects::{self, GatewayRequest};
 use kedge_core::task::TaskSubmission;
 use kedge_runtime::inputs::{self, Refusal};
 use kedge_runtime::{Runtime, RuntimeError, view};
@@ -48,7 +48,7 @@ use tokio::sync::Semaphore;
 use tracing::Instrument;
 
 /// Queue group of the gateways.
-pub const QUEUE: &str = "kedge-gateway";
+pub const QUEUE: &str = subjects::GATEWAY_QUEUE;
 /// Requests one gateway process handles at once (follows included).
 pub const MAX_IN_FLIGHT: usize = 1024;
 /// How long one follow request streams before it ends with `Kedge-End: timeout` (the client
@@ -73,7 +73,7 @@ pub const END_HEADER: &str = "Kedge-End";
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let mut requests = rt
         .client
-        .queue_subscribe(format!("{GATEWAY_PREFIX}.*.>"), QUEUE.into())
+        .queue_subscribe(subjects::gateway_requests(), QUEUE.into())
         .await
         .map_err(|e| RuntimeError::broker("subscribe to tenant requests", e))?;
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
@@ -110,87 +110,6 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     Ok(())
 }
 
-/// What a request subject asks for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Request {
-    Task {
-        agent: kedge_core::ids::AgentName,
-    },
-    Get {
-        run: RunId,
-    },
-    History {
-        run: RunId,
-    },
-    Follow {
-        run: RunId,
-    },
-    Message {
-        run: RunId,
-    },
-    Answer {
-        run: RunId,
-        question: QuestionId,
-    },
-    Cancel {
-        run: RunId,
-    },
-    Callback {
-        key: String,
-    },
-    Approve {
-        approver: String,
-        run: RunId,
-        approval: ApprovalId,
-    },
-}
-
-/// Parses `kedge.t.<tenant>.<request…>`.
-fn parse(subject: &str) -> Result<(TenantId, Request), String> {
-    let rest = subject
-        .strip_prefix(GATEWAY_PREFIX)
-        .and_then(|r| r.strip_prefix('.'))
-        .ok_or("not a gateway subject")?;
-    let tokens: Vec<&str> = rest.split('.').collect();
-    let tenant: TenantId = tokens
-        .first()
-        .copied()
-        .unwrap_or_default()
-        .parse()
-        .map_err(|e: kedge_core::ids::IdError| e.to_string())?;
-    let run = |s: &str| s.parse::<RunId>().map_err(|e| e.to_string());
-    let request = match tokens.get(1..).unwrap_or_default() {
-        ["task", agent] => Request::Task {
-            agent: agent
-                .parse()
-                .map_err(|e: kedge_core::ids::IdError| e.to_string())?,
-        },
-        ["runs", r] => Request::Get { run: run(r)? },
-        ["runs", r, "history"] => Request::History { run: run(r)? },
-        ["runs", r, "follow"] => Request::Follow { run: run(r)? },
-        ["runs", r, "message"] => Request::Message { run: run(r)? },
-        ["runs", r, "cancel"] => Request::Cancel { run: run(r)? },
-        ["runs", r, "answer", q] => Request::Answer {
-            run: run(r)?,
-            question: q
-                .parse()
-                .map_err(|e: kedge_core::ids::IdError| e.to_string())?,
-        },
-        ["callback", key] => Request::Callback {
-            key: (*key).to_owned(),
-        },
-        ["approve", approver, r, a] => Request::Approve {
-            approver: (*approver).to_owned(),
-            run: run(r)?,
-            approval: a
-                .parse()
-                .map_err(|e: kedge_core::ids::IdError| e.to_string())?,
-        },
-        _ => return Err("unknown request".into()),
-    };
-    Ok((tenant, request))
-}
-
 /// The part of the server's `Nats-Request-Info` the gateway reads.
 #[derive(Debug, Deserialize)]
 struct RequestInfo {
@@ -208,7 +127,7 @@ fn header<'a>(headers: Option<&'a HeaderMap>, name: &str) -> Option<&'a str> {
 }
 
 async fn handle(rt: &Runtime, msg: async_nats::Message) {
-    let (tenant, request) = match parse(msg.subject.as_str()) {
+    let (tenant, request) = match subjects::parse_gateway(msg.subject.as_str()) {
         Ok(p) => p,
         Err(reason) => {
             tracing::warn!(subject = %msg.subject, %reason, "malformed gateway request");
@@ -244,24 +163,24 @@ async fn dispatch(
     rt: &Runtime,
     msg: &async_nats::Message,
     tenant: &TenantId,
-    request: Request,
+    request: GatewayRequest,
     user: Option<&str>,
 ) {
     let result = match request {
-        Request::Task { agent } => return task(rt, msg, tenant, &agent, user).await,
-        Request::Follow { run } => return follow(rt, msg, tenant, &run).await,
-        Request::Get { run } => get(rt, tenant, &run).await,
-        Request::History { run } => history(rt, tenant, &run, &msg.payload).await,
-        Request::Message { run } => message(rt, tenant, &run, &msg.payload).await,
-        Request::Answer { run, question } => {
+        GatewayRequest::Task { agent } => return task(rt, msg, tenant, &agent, user).await,
+        GatewayRequest::Follow { run } => return follow(rt, msg, tenant, &run).await,
+        GatewayRequest::Get { run } => get(rt, tenant, &run).await,
+        GatewayRequest::History { run } => history(rt, tenant, &run, &msg.payload).await,
+        GatewayRequest::Message { run } => message(rt, tenant, &run, &msg.payload).await,
+        GatewayRequest::Answer { run, question } => {
             answer(rt, tenant, &run, &question, &msg.payload).await
         }
-        Request::Cancel { run } => cancel(rt, tenant, &run, &msg.payload, user).await,
-        Request::Callback { key } => {
+        GatewayRequest::Cancel { run } => cancel(rt, tenant, &run, &msg.payload, user).await,
+        GatewayRequest::Callback { key } => {
             let delivery = header(msg.headers.as_ref(), "Kedge-Delivery-Id");
             callback(rt, tenant, &key, &msg.payload, delivery).await
         }
-        Request::Approve {
+        GatewayRequest::Approve {
             approver,
             run,
             approval,
@@ -348,8 +267,9 @@ async fn task(
     };
     if task.agent != *agent {
         let why = format!(
-            "task rejected: agent: the task names agent `{}` but was published to agent.task.{agent}",
-            task.agent
+            "task rejected: agent: the task names agent `{}` but was published to {}",
+            task.agent,
+            subjects::task(agent)
         );
         return reply(rt, msg, &refuse(400, why)).await;
     }
@@ -752,27 +672,5 @@ mod tests {
         );
         drop(held);
         assert!(FollowSlot::take(&acme).is_some(), "slots come back");
-    }
-
-    #[test]
-    fn subjects_parse_to_requests_with_the_tenant_in_front() {
-        let (t, r) = parse("kedge.t.acme.task.helper").expect("task");
-        assert_eq!(t.as_str(), "acme");
-        assert!(matches!(r, Request::Task { agent } if agent.as_str() == "helper"));
-        let (_, r) = parse("kedge.t.acme.runs.run_x.answer.q_1").expect("answer");
-        assert!(matches!(r, Request::Answer { .. }));
-        let (_, r) = parse("kedge.t.acme.approve.alice.run_x.apr_1").expect("approve");
-        assert!(matches!(r, Request::Approve { approver, .. } if approver == "alice"));
-        for bad in [
-            "kedge.t.acme",
-            "kedge.t.acme.runs",
-            "kedge.t.acme.runs.x",
-            "kedge.t.acme.runs.run_x.delete",
-            "kedge.t.ac*me.runs.run_x",
-            "kedge.tool.resolve",
-            "kedge.t.acme.approve.alice.run_x",
-        ] {
-            assert!(parse(bad).is_err(), "{bad}");
-        }
     }
 }

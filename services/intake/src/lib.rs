@@ -45,7 +45,7 @@ use async_nats::jetstream::{AckKind, Message};
 use futures::{FutureExt, StreamExt};
 use kedge_core::event::{Draft, Envelope, Event, RunCreated, Timestamp};
 use kedge_core::ids::RunId;
-use kedge_core::subjects::{self, TaskSubject};
+use kedge_core::subjects::{self, Durable, TaskSubject};
 use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::{ErrorKind, JournalError};
 use kedge_runtime::agents::AgentError;
@@ -58,7 +58,7 @@ pub use kedge_runtime::tasks::{
 };
 
 /// The durable consumer's name.
-const CONSUMER: &str = "intake";
+const CONSUMER: Durable = Durable::Intake;
 /// Redelivery delays of a task that cannot be handled now (doubled per delivery up to the cap;
 /// the consumer's `max_deliver` bounds the tries, and the last one is answered).
 const RETRY_DELAY: Duration = Duration::from_secs(1);
@@ -114,7 +114,7 @@ pub const DELIVERY_ID_HEADER: &str = "Kedge-Delivery-Id";
 async fn serve_callbacks(rt: &Runtime) -> Result<(), RuntimeError> {
     let mut requests = rt
         .client
-        .queue_subscribe("agent.callback.*", "kedge-callbacks".into())
+        .queue_subscribe(subjects::CALLBACKS_ALL, subjects::CALLBACKS_QUEUE.into())
         .await
         .map_err(|e| RuntimeError::broker("subscribe to callbacks", e))?;
     let rt = rt.clone();
@@ -122,7 +122,7 @@ async fn serve_callbacks(rt: &Runtime) -> Result<(), RuntimeError> {
         while let Some(msg) = requests.next().await {
             let rt = rt.clone();
             tokio::spawn(async move {
-                let key = msg.subject.as_str().trim_start_matches("agent.callback.");
+                let key = subjects::parse_callback(msg.subject.as_str()).unwrap_or_default();
                 let payload = serde_json::from_slice(&msg.payload).unwrap_or_else(|_| {
                     serde_json::Value::String(String::from_utf8_lossy(&msg.payload).into_owned())
                 });
@@ -445,7 +445,7 @@ async fn record_rejection(
     });
     let ack = rt
         .js
-        .publish(format!("agent.rejected.{agent}"), body.to_string().into())
+        .publish(subjects::rejected_task(agent), body.to_string().into())
         .await
         .map_err(|e| e.to_string())?;
     ack.await.map(|_| ()).map_err(|e| e.to_string())

@@ -196,9 +196,6 @@ fn was_skipped(skipped: &Skipped, seq: u64) -> bool {
         .any(|&(first, last)| first <= seq && seq <= last)
 }
 
-/// The stream where set-aside journal messages are recorded.
-const REJECTIONS_STREAM: &str = "KEDGE_REJECTIONS";
-
 /// Folds `events` and the messages `set_aside` among them into `state`, in sequence order.
 fn fold_merged<'a>(
     state: &mut RunState,
@@ -710,7 +707,12 @@ impl Driver {
     /// `Nats-Msg-Id` `journal:<run>:<seq>` within the duplicate window). Best effort: a record
     /// that cannot be written is logged; the run goes on.
     async fn record_set_aside(&self, run: &RunId, set_aside: &[kedge_journal::SetAside]) {
-        let stream = match self.rt.js.get_stream_no_info(REJECTIONS_STREAM).await {
+        let stream = match self
+            .rt
+            .js
+            .get_stream_no_info(subjects::REJECTIONS_STREAM)
+            .await
+        {
             Ok(stream) => stream,
             Err(e) => {
                 tracing::warn!(run_id = %run, error = %e, "cannot record set-aside journal messages");
@@ -718,7 +720,7 @@ impl Driver {
             }
         };
         for a in set_aside {
-            let subject = format!("agent.rejected.journal.{run}.{}", a.seq);
+            let subject = subjects::rejected_journal(run, a.seq);
             if stream.direct_get_last_for_subject(&subject).await.is_ok() {
                 continue;
             }

@@ -45,6 +45,7 @@ use std::panic::AssertUnwindSafe;
 use async_nats::jetstream::{AckKind, Message};
 use futures::{FutureExt, StreamExt};
 use kedge_core::ids::RunId;
+use kedge_core::subjects::Durable;
 use kedge_model::ModelClient;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
@@ -62,7 +63,7 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 const FAIL_DELAY: Duration = Duration::from_secs(2);
 const FAIL_MAX: Duration = Duration::from_secs(60);
 /// The durable consumer's name (and the dead letters' subject token).
-const CONSUMER: &str = "step";
+const CONSUMER: Durable = Durable::Step;
 
 /// Per-run bookkeeping of this process: whether more wakes arrived during the drive, and the
 /// newest of them ([`Absorbed`]).
@@ -92,7 +93,9 @@ async fn watch_cancels(
 ) -> Result<(), RuntimeError> {
     let mut sub = rt
         .client
-        .subscribe("agent.run.*.i.cancel.requested")
+        .subscribe(kedge_core::subjects::event_all_runs(
+            kedge_core::event::EventType::CancelRequested,
+        ))
         .await
         .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
     tokio::spawn(async move {

@@ -85,6 +85,7 @@ use std::time::Duration;
 use async_nats::jetstream::{AckKind, Context, Message};
 use futures::FutureExt as _;
 use kedge_core::event::{Draft, Envelope, Event, TimerFired, Timestamp};
+use kedge_core::subjects::Durable;
 use kedge_journal::JournalError;
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tracing::Instrument;
@@ -95,9 +96,9 @@ use crate::wire::{Due, ScheduleError};
 /// round trip.
 pub const ACK_WAIT: Duration = Duration::from_secs(30);
 /// The consumer of `timer.scheduled` decisions (`nats/consumers/KEDGE_RUNS/timer.json`).
-pub const SCHEDULED_CONSUMER: &str = "timer";
+pub const SCHEDULED_CONSUMER: Durable = Durable::Timer;
 /// The consumer of firings (`nats/consumers/KEDGE_TIMERS/timer-fired.json`).
-pub const FIRED_CONSUMER: &str = "timer-fired";
+pub const FIRED_CONSUMER: Durable = Durable::TimerFired;
 /// Messages handled at once (both consumers together).
 const CONCURRENCY: usize = 64;
 /// Timeout of one broker request.
@@ -180,7 +181,7 @@ enum Kind {
 }
 
 impl Kind {
-    fn consumer(self) -> &'static str {
+    fn consumer(self) -> Durable {
         match self {
             Kind::Scheduled => SCHEDULED_CONSUMER,
             Kind::Fired => FIRED_CONSUMER,
@@ -203,7 +204,7 @@ enum Verdict {
 
 /// Acks, hands back or gives up on `msg`: never a silent loop (the consumers' `max_deliver` is
 /// bounded, and what they give up on lands on `agent.rejected.dead.<consumer>`).
-async fn settle(rt: &Runtime, consumer: &'static str, msg: &Message, verdict: Verdict) {
+async fn settle(rt: &Runtime, consumer: Durable, msg: &Message, verdict: Verdict) {
     let js: &Context = &rt.js;
     let delivered = consumer::deliveries(msg);
     let kind = match verdict {
@@ -216,7 +217,7 @@ async fn settle(rt: &Runtime, consumer: &'static str, msg: &Message, verdict: Ve
         Verdict::Retry(reason) => {
             let cap = rt.config.timeouts.max_retry_delay();
             let delay = consumer::retry_delay(delivered, RETRY_DELAY.min(cap), cap);
-            tracing::warn!(consumer, subject = %msg.subject, delivered, %reason, retry_in_ms = delay.as_millis() as u64, "will retry");
+            tracing::warn!(%consumer, subject = %msg.subject, delivered, %reason, retry_in_ms = delay.as_millis() as u64, "will retry");
             AckKind::Nak(Some(delay))
         }
     };
@@ -271,7 +272,7 @@ async fn on_scheduled(rt: &Runtime, msg: &Message) -> Verdict {
 
 /// A fired timer: journal `timer.fired` in its run.
 async fn on_fired(rt: &Runtime, msg: &Message) -> Verdict {
-    let named = wire::parse_fired_subject(&msg.subject);
+    let named = kedge_core::subjects::parse_timer_fired(&msg.subject);
     let due: Option<Due> = serde_json::from_slice(&msg.payload).ok();
     let due = match (named, due) {
         (Some((run, timer)), Some(due)) if due.run_id == run && due.timer_id == timer => due,

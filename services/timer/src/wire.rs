@@ -1,4 +1,5 @@
-//! The timer stream's names and message format: the one place that states them.
+//! The timer stream's message format: the one place that states it (its names are in the
+//! layout's registry, `kedge_core::subjects`).
 //!
 //! `KEDGE_TIMERS` (file storage, limits retention, `allow_msg_schedules`, `allow_msg_ttl`) holds
 //! two subject trees:
@@ -19,16 +20,11 @@ use async_nats::{Client, HeaderMap, Request, RequestErrorKind, StatusCode};
 use bytes::Bytes;
 use kedge_core::event::Timestamp;
 use kedge_core::ids::{OperationId, RunId, StepNo, TimerId};
+use kedge_core::subjects::{timer_fired, timer_scheduled};
 use serde::{Deserialize, Serialize};
 use time::UtcOffset;
 use time::format_description::well_known::Rfc3339;
 
-/// The timer stream.
-pub const TIMERS_STREAM: &str = "KEDGE_TIMERS";
-/// Every fired timer (the `timer-fired` consumer's filter).
-pub const FIRED_FILTER: &str = "kedge.timer.fired.>";
-/// Every pending schedule.
-pub const SCHEDULED_FILTER: &str = "kedge.timer.sched.>";
 /// How long a fired message stays in `KEDGE_TIMERS` (`Nats-Schedule-TTL`). The `timer-fired`
 /// consumer journals it within milliseconds; the TTL only bounds how long the stream keeps
 /// fired messages, and how long a stopped timer service may stay down before a fired timer is
@@ -39,23 +35,6 @@ const SCHEDULE: &str = "Nats-Schedule";
 const SCHEDULE_TARGET: &str = "Nats-Schedule-Target";
 const SCHEDULE_TTL: &str = "Nats-Schedule-TTL";
 const MSG_ID: &str = "Nats-Msg-Id";
-
-/// `kedge.timer.sched.<run_id>.<timer_id>`: where a timer's schedule is kept until it fires.
-pub fn schedule_subject(run: &RunId, timer: &TimerId) -> String {
-    format!("kedge.timer.sched.{run}.{timer}")
-}
-
-/// `kedge.timer.fired.<run_id>.<timer_id>`: where the broker puts the timer's firing.
-pub fn fired_subject(run: &RunId, timer: &TimerId) -> String {
-    format!("kedge.timer.fired.{run}.{timer}")
-}
-
-/// The run and timer a fired subject names; `None` for anything else.
-pub fn parse_fired_subject(subject: &str) -> Option<(RunId, TimerId)> {
-    let rest = subject.strip_prefix("kedge.timer.fired.")?;
-    let (run, timer) = rest.split_once('.')?;
-    Some((run.parse().ok()?, timer.parse().ok()?))
-}
 
 /// `Nats-Msg-Id` of a timer's schedule message: a redelivered `timer.scheduled` schedules it once.
 pub fn schedule_msg_id(timer: &TimerId) -> String {
@@ -99,11 +78,11 @@ pub struct Due {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ScheduleError {
     /// Broker trouble worth retrying (timeout, no responders, disconnected, 503).
-    #[error("KEDGE_TIMERS unavailable: {0}")]
+    #[error("{stream} unavailable: {0}", stream = kedge_core::subjects::TIMERS_STREAM)]
     Unavailable(String),
     /// The broker refused the schedule (no schedules on the stream, invalid pattern or target):
     /// retrying as is will not help until an operator fixes the stream.
-    #[error("KEDGE_TIMERS refused the schedule: {0}")]
+    #[error("{stream} refused the schedule: {0}", stream = kedge_core::subjects::TIMERS_STREAM)]
     Refused(String),
 }
 
@@ -121,14 +100,14 @@ pub fn schedule_message(due: &Due) -> (String, HeaderMap, Bytes) {
     headers.insert(SCHEDULE, at_schedule(due.fire_at).as_str());
     headers.insert(
         SCHEDULE_TARGET,
-        fired_subject(&due.run_id, &due.timer_id).as_str(),
+        timer_fired(&due.run_id, &due.timer_id).as_str(),
     );
     headers.insert(SCHEDULE_TTL, FIRED_TTL);
     headers.insert(MSG_ID, schedule_msg_id(&due.timer_id).as_str());
     // A `Due` is plain data with string keys: serialization cannot fail.
     let body = serde_json::to_vec(due).unwrap_or_default();
     (
-        schedule_subject(&due.run_id, &due.timer_id),
+        timer_scheduled(&due.run_id, &due.timer_id),
         headers,
         Bytes::from(body),
     )
@@ -261,13 +240,6 @@ mod tests {
         assert_eq!(h(SCHEDULE_TTL).as_deref(), Some(FIRED_TTL));
         let back: Due = serde_json::from_slice(&body).expect("a due");
         assert_eq!(back, d);
-        assert_eq!(
-            parse_fired_subject(&fired_subject(&d.run_id, &d.timer_id)),
-            Some((d.run_id.clone(), d.timer_id.clone()))
-        );
-        assert_eq!(parse_fired_subject("kedge.timer.sched.run_t1.tmr_x"), None);
-        assert_eq!(parse_fired_subject("kedge.timer.fired.run_t1"), None);
-        assert_eq!(parse_fired_subject("kedge.timer.fired.run_t1.op_x"), None);
     }
 
     #[test]

@@ -9,9 +9,12 @@ use async_nats::jetstream::{self, consumer::pull, stream::DirectGetErrorKind};
 use futures::StreamExt;
 use kedge_core::event::Timestamp;
 use kedge_core::ids::{OperationId, RunId, StepNo, TimerId};
+use kedge_core::subjects::{
+    TIMERS_FIRED_ALL as FIRED_FILTER, TIMERS_STREAM, timer_fired, timer_scheduled,
+};
 use kedge_journal::{LayoutOptions, ensure_layout};
 use kedge_testkit::NatsServer;
-use kedge_timer::wire::{self, Due, FIRED_FILTER, TIMERS_STREAM};
+use kedge_timer::wire::{self, Due};
 
 fn due(run: &str, in_ms: i64) -> Due {
     let run: RunId = run.parse().unwrap();
@@ -102,7 +105,7 @@ async fn a_schedule_fires_once_at_or_after_its_instant_carrying_its_body() {
 
     // The schedule as stored: the server added a rollup header.
     let stream = js.get_stream(TIMERS_STREAM).await.unwrap();
-    let sched_subject = wire::schedule_subject(&d.run_id, &d.timer_id);
+    let sched_subject = timer_scheduled(&d.run_id, &d.timer_id);
     let stored = stream
         .direct_get_last_for_subject(&sched_subject)
         .await
@@ -115,10 +118,7 @@ async fn a_schedule_fires_once_at_or_after_its_instant_carrying_its_body() {
     let got = fired(&consumer, 2, Duration::from_secs(4)).await;
     assert_eq!(got.len(), 1, "fires once");
     let m = &got[0];
-    assert_eq!(
-        m.subject.as_str(),
-        wire::fired_subject(&d.run_id, &d.timer_id)
-    );
+    assert_eq!(m.subject.as_str(), timer_fired(&d.run_id, &d.timer_id));
     let body: Due = serde_json::from_slice(&m.payload).unwrap();
     assert_eq!(body, d, "the body is copied");
     assert_eq!(header(m, "Nats-Scheduler"), Some(sched_subject.as_str()));

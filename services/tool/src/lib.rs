@@ -81,6 +81,7 @@ use kedge_core::event::{
 use kedge_core::fold::handled_by_step;
 use kedge_core::ids::InputId;
 use kedge_core::ids::{OperationId, RunId};
+use kedge_core::subjects::Durable;
 use kedge_core::subjects::{
     TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE, TargetAnswer, TargetQuery,
 };
@@ -128,7 +129,7 @@ pub enum Handled {
 }
 
 /// The durable consumer's name (and the dead letters' subject token).
-const CONSUMER: &str = "tool";
+const CONSUMER: Durable = Durable::Tool;
 /// Redelivery delays after a failure (doubled per delivery up to the cap); the consumer's
 /// `max_deliver` bounds the tries, and the last failing one is a dead letter on
 /// `agent.rejected.dead.tool`.
@@ -299,7 +300,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let running = Running::default();
     let mut cancels = rt
         .client
-        .subscribe("agent.run.*.i.cancel.requested")
+        .subscribe(kedge_core::subjects::event_all_runs(
+            kedge_core::event::EventType::CancelRequested,
+        ))
         .await
         .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
     let stopper = running.clone();

@@ -49,9 +49,7 @@ use kedge_runtime::agents::{AgentError, AgentStore};
 pub enum Refusal {
     #[error("not a journal message: {0}")]
     NotFromJournal(String),
-    #[error(
-        "`{subject}` is not a decision subject of tool.requested (agent.run.<id>.d.tool.requested)"
-    )]
+    #[error("`{subject}` is not a decision subject of tool.requested")]
     NotADecisionSubject { subject: String },
     #[error("a {event_type} envelope stored on `{subject}`")]
     Misfiled {
