@@ -17,12 +17,15 @@
 #                                                # round and the median, which the goals are judged on
 #   scripts/bench-vs-restate.sh -- --runs 20     # anything after `--` goes to agent_loop
 #
-# The peer is ../shared/peers/restate (or $RESTATE_PEER_SRC): restate-server 1.7 and its TypeScript
-# SDK from the npm registry, the same K = 20 llm + tool workload. It is copied into
+# The peer is not part of this repository: RESTATE_PEER_SRC must name its directory (the script
+# refuses to start without it, unless --kedge-only). It is restate-server 1.7 and its TypeScript
+# SDK from the npm registry, the same K = 20 llm + tool workload, with bench_restate.mjs,
+# preload.mjs, package.json, package-lock.json, setup.sh (npm ci) and run_in_netns.sh at the
+# top of the directory (docs/PERFORMANCE.md, "Kedge next to Restate"). It is copied into
 # .tools/restate-peer/ (git-ignored) and installed there once (`setup.sh` = `npm ci`); later runs
 # reuse it while package-lock.json and the node version stay the same. It runs in a private network
-# namespace with only loopback (`run_in_netns.sh`, needs root). When node, npm, root or the peer are
-# missing, or the peer fails, the script says why and prints Kedge alone.
+# namespace with only loopback (`run_in_netns.sh`, needs root). When node, npm or root are missing,
+# or the peer fails, the script says why and prints Kedge alone.
 #
 # Everything it prints and reads is kept under target/bench-vs-restate/<UTC time>/: the peer's JSON
 # lines and logs, agent_loop's full report (kedge.log) and its key figures (kedge.json, from
@@ -36,7 +39,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
-PEER_SRC="${RESTATE_PEER_SRC:-$ROOT/../shared/peers/restate}"
+PEER_SRC="${RESTATE_PEER_SRC:-}"
+# What the peer's directory must hold at its top level (copied into $PEER_DIR, run from there).
+PEER_FILES=(bench_restate.mjs preload.mjs package.json package-lock.json setup.sh run_in_netns.sh)
 PEER_DIR="$ROOT/.tools/restate-peer"
 OUT="$ROOT/target/bench-vs-restate/$(date -u +%Y%m%dT%H%M%SZ)"
 
@@ -74,6 +79,33 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+# The peer's source is required unless the peer is skipped: checked before anything is built.
+if [ "$peer" = 1 ]; then
+    peer_help="RESTATE_PEER_SRC must name the Restate peer's directory (restate-server 1.7 and its
+TypeScript SDK running the same K = 20 llm + tool workload), holding at its top level:
+${PEER_FILES[*]}.
+Set it (RESTATE_PEER_SRC=/path/to/restate-peer scripts/bench-vs-restate.sh ...), or pass
+--kedge-only to measure Kedge alone. See docs/PERFORMANCE.md, \"Kedge next to Restate\"."
+    if [ -z "$PEER_SRC" ]; then
+        echo "bench-vs-restate: ERROR: RESTATE_PEER_SRC is not set." >&2
+        echo "$peer_help" >&2
+        exit 2
+    fi
+    if [ ! -d "$PEER_SRC" ]; then
+        echo "bench-vs-restate: ERROR: RESTATE_PEER_SRC=$PEER_SRC is not a directory." >&2
+        echo "$peer_help" >&2
+        exit 2
+    fi
+    peer_missing=()
+    for f in "${PEER_FILES[@]}"; do
+        [ -f "$PEER_SRC/$f" ] || peer_missing+=("$f")
+    done
+    if [ "${#peer_missing[@]}" -gt 0 ]; then
+        echo "bench-vs-restate: ERROR: RESTATE_PEER_SRC=$PEER_SRC lacks ${peer_missing[*]}." >&2
+        echo "$peer_help" >&2
+        exit 2
+    fi
+fi
 if [ "$quick" = 1 ]; then
     bench_args=(--quick "${bench_args[@]}")
     peer_workflows=20
@@ -147,7 +179,7 @@ install_peer() {
         return 1
     fi
     if [ ! -f "$PEER_SRC/bench_restate.mjs" ] || [ ! -f "$PEER_SRC/package-lock.json" ]; then
-        peer_why="the Restate peer is not at $PEER_SRC (set RESTATE_PEER_SRC)"
+        peer_why="the Restate peer is not at $PEER_SRC (RESTATE_PEER_SRC)"
         return 1
     fi
     mkdir -p "$PEER_DIR"

@@ -4,8 +4,8 @@
 //! Both live in the [`ModelSpec`](crate::event::ModelSpec), which `run.created` freezes: a run
 //! keeps the settings and the price it started with, whatever later revisions of the agent say.
 //! The adapters (`kedge-model`) put the settings in each provider's wire form; [`check`] refuses,
-//! when a definition is stored, what the provider would refuse (PEERS.md, and the providers'
-//! documentation where PEERS.md says nothing: each such rule says so).
+//! when a definition is stored, what the provider would refuse (the providers' documentation;
+//! the rules, setting by setting: docs/CONFIG.md "Model settings and price").
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -231,7 +231,7 @@ pub fn check(
         );
     }
     if let Some(thinking) = s.thinking {
-        // Anthropic's documented limits for extended thinking (not in PEERS.md): a budget of at
+        // Anthropic's documented limits for extended thinking: a budget of at
         // least 1024 and below `max_tokens`; no temperature, top_p only from 0.95, and no
         // tool choice that forces tool use.
         if thinking.budget_tokens < MIN_THINKING_BUDGET {

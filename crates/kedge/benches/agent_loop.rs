@@ -16,14 +16,15 @@
 //! scripts/bench-vs-restate.sh [--quick]         # Restate first, then this bench: one table, ratios
 //! ```
 //!
-//! **Side by side with Restate**: `scripts/bench-vs-restate.sh` runs the Restate peer
-//! (`../shared/peers/restate`, installed once from the npm registry into `.tools/restate-peer/`)
-//! right before this bench, in the same sitting, then prints one table — Restate, Kedge with
-//! default sync, Kedge with `sync_interval: always` — of action p50/p99, run p50, actions/s at 64
-//! runs and CPU ms per action, with the ratios Kedge / Restate and the goals marked met or not,
-//! and beside it the per-action bill (broker operations by kind from the wiretap, CPU split by
-//! process). It reads this bench's `--json` file. Without node, npm or root (the peer runs in a
-//! private network namespace) it prints Kedge alone and says why.
+//! **Side by side with Restate**: `scripts/bench-vs-restate.sh` runs the Restate peer (not part of
+//! this repository: the directory `RESTATE_PEER_SRC` names, which the script requires unless
+//! `--kedge-only`; installed once from the npm registry into `.tools/restate-peer/`; see
+//! docs/PERFORMANCE.md, "Kedge next to Restate") right before this bench, in the same sitting, then
+//! prints one table — Restate, Kedge with default sync, Kedge with `sync_interval: always` — of
+//! action p50/p99, run p50, actions/s at 64 runs and CPU ms per action, with the ratios Kedge /
+//! Restate and the goals marked met or not, and beside it the per-action bill (broker operations by
+//! kind from the wiretap, CPU split by process). It reads this bench's `--json` file. Without node,
+//! npm or root (the peer runs in a private network namespace) it prints Kedge alone and says why.
 //!
 //! Workload (the one the peers were measured on): K = 20 iterations of one model call (mock, zero
 //! latency) then one `ledger_append` tool call — 40 journaled actions per run — then a final text

@@ -225,7 +225,7 @@ fn step_one_calls(h: &Harness) -> u64 {
 /// 30 s; a silent partition of 5 and 30 s) on `kedge serve step` processes with the default
 /// timeouts, a standby beside them, and prints for each how many times step 1 reached the model
 /// and how long after the fault the run ended. A measurement, not a check: it asserts only that
-/// every run succeeds (the numbers go to docs/ARCHITECTURE.md "Takeover").
+/// every run succeeds (the numbers go to docs/PERFORMANCE.md "Takeover and partitions").
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn partition_matrix() {
     if std::env::var("KEDGE_PARTITION_MATRIX").is_err() {
@@ -884,8 +884,8 @@ async fn chaos(runs: usize, concurrent: usize, seed: u64) -> Chaos {
 /// grace) over many runs with a remote tool whose status query knows only completed calls:
 /// every run succeeds, every operation takes effect exactly once, nobody is asked, and no model
 /// call is made for a step whose answer was already received. 24 runs in the suite;
-/// `KEDGE_PARTITION_CHAOS=<runs>` runs more (the figures in docs/ARCHITECTURE.md "Takeover" are
-/// of 200), `KEDGE_CHAOS_SEED` replays a sequence.
+/// `KEDGE_PARTITION_CHAOS=<runs>` runs more (the figures in docs/PERFORMANCE.md "Takeover and
+/// partitions" are of 200), `KEDGE_CHAOS_SEED` replays a sequence.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn random_cuts_and_kills_double_nothing_and_ask_nobody() {
     let runs = std::env::var("KEDGE_PARTITION_CHAOS")

@@ -5,7 +5,8 @@
 //! the requests to the failing endpoint within its probe bound; the waits survive kill -9 of
 //! every Kedge process; a wait that outlasts `provider_wait` fails its run naming the provider.
 //!
-//! `KEDGE_OUTAGE_SECS` (default 4) sets each outage's length (the 60 s: set it to 60).
+//! `KEDGE_OUTAGE_SECS` (default 4) sets each outage's length (the outage bench's 60 s,
+//! docs/PERFORMANCE.md "Provider outage": set it to 60).
 
 mod common;
 

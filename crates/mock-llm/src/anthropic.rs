@@ -182,8 +182,7 @@ fn check_block(i: usize, j: usize, role: &str, block: &Value) -> Result<(), ApiE
                 }
             }
             if obj.contains_key("cache_control") {
-                // Thinking blocks cannot be marked for caching (Anthropic's documentation;
-                // not in PEERS.md).
+                // Thinking blocks cannot be marked for caching (Anthropic's documentation).
                 return Err(ApiError::invalid(format!(
                     "{path}.{kind}.cache_control: Extra inputs are not permitted"
                 )));
@@ -461,12 +460,12 @@ fn check_unit_range(obj: &Map<String, Value>, param: &str) -> Result<Option<f64>
 
 /// The sampling, tool-choice and thinking parameters. Returns whether thinking is enabled.
 ///
-/// From PEERS.md and the task list: no unknown parameter (`seed`, `reasoning_effort`,
-/// `parallel_tool_calls` are OpenAI's), temperature and top_p 0–1, `stop_sequences` a list
-/// of strings, `tool_choice` one of `auto` / `any` / `tool` (+ `name`, an offered tool) /
-/// `none`, `thinking: {type: enabled, budget_tokens ≥ 1024 and < max_tokens}`, no temperature
-/// other than 1 with thinking. From Anthropic's extended-thinking documentation (not in
-/// PEERS.md): with thinking, top_p ≥ 0.95 and no tool choice that forces tool use; and a
+/// The API's rules (the settings' ones are listed in docs/CONFIG.md "Model settings and price"): no
+/// unknown parameter (`seed`, `reasoning_effort`, `parallel_tool_calls` are OpenAI's), temperature
+/// and top_p 0–1, `stop_sequences` a list of strings, `tool_choice` one of `auto` / `any` / `tool`
+/// (+ `name`, an offered tool) / `none`, `thinking: {type: enabled, budget_tokens ≥ 1024 and <
+/// max_tokens}`, no temperature other than 1 with thinking. From Anthropic's extended-thinking
+/// documentation: with thinking, top_p ≥ 0.95 and no tool choice that forces tool use; and a
 /// `tool_choice` needs `tools`.
 fn check_settings(obj: &Map<String, Value>) -> Result<bool, ApiError> {
     if let Some(k) = obj.keys().find(|k| !PARAMS.contains(&k.as_str())) {
@@ -619,8 +618,9 @@ fn check_settings(obj: &Map<String, Value>) -> Result<bool, ApiError> {
     Ok(thinking)
 }
 
-/// `cache_control` is `{"type": "ephemeral"}` (with an optional `ttl` of `5m` or `1h`), on at
-/// most 4 blocks in all of `tools`, `system` and `messages` (PEERS.md task list).
+/// `cache_control` is `{"type": "ephemeral"}` (with an optional `ttl` of `5m` or `1h`), on at most
+/// 4 blocks in all of `tools`, `system` and `messages` (the API's limit; docs/CONFIG.md "Model
+/// settings and price" says which three Kedge marks).
 fn check_cache_control(obj: &Map<String, Value>) -> Result<(), ApiError> {
     fn mark<'a>(marked: &mut Vec<(String, &'a Value)>, path: String, block: &'a Value) {
         if let Some(c) = block.get("cache_control").filter(|c| !c.is_null()) {
@@ -749,9 +749,10 @@ fn check_signatures(messages: &[Value]) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// With thinking on, the assistant turn whose tool use the conversation is continuing (the
-/// last assistant turn, when the last user turn starts with `tool_result` blocks) must start
-/// with its thinking block, passed back unchanged (the task list; Anthropic's documentation).
+/// With thinking on, the assistant turn whose tool use the conversation is continuing (the last
+/// assistant turn, when the last user turn starts with `tool_result` blocks) must start with its
+/// thinking block, passed back unchanged (Anthropic's documentation; docs/CONFIG.md "Model settings
+/// and price", "Extended thinking").
 fn check_thinking_kept(turns: &[Turn]) -> Result<(), ApiError> {
     let Some(last_user) = turns.iter().rposition(|t| t.role == "user") else {
         return Ok(());

@@ -58,7 +58,7 @@
 //!   offered function; `tool_choice` or `parallel_tool_calls` without `tools`; a
 //!   `response_format` whose `type` is not `text` / `json_object` / `json_schema`, or whose
 //!   `json_schema` lacks a `name` matching `^[a-zA-Z0-9_-]{1,64}$` or has a `schema` that is not
-//!   an object or a `strict` that is not a boolean (the API's rules; PEERS.md does not list them).
+//!   an object or a `strict` that is not a boolean (the API's rules).
 //! - **Anthropic**, 400 `{"type": "error", "error": {"type": "invalid_request_error", "message"},
 //!   "request_id": "req_…"}`: a `tool_use` not answered by `tool_result` blocks at the start of
 //!   the next user message ("messages.N: \`tool_use\` ids were found without \`tool_result\`

@@ -602,11 +602,12 @@ fn check_range(
     ))
 }
 
-/// The sampling and tool settings, as the real API checks them (wording from its answers;
-/// the rules are those PEERS.md and the task list: temperature 0–2, top_p 0–1, at most 4 stop
-/// sequences, an integer seed, a positive integer output cap, `tool_choice` in one of its
-/// forms naming an offered tool, `tool_choice` and `parallel_tool_calls` only with `tools`,
-/// `reasoning_effort` one of its values, and no unknown parameter).
+/// The sampling and tool settings, as the real API checks them (wording from its answers; the rules
+/// are the API's, those of the settings Kedge sends listed in docs/CONFIG.md "Model settings and
+/// price": temperature 0–2, top_p 0–1, at most 4 stop sequences, an integer seed, a positive
+/// integer output cap, `tool_choice` in one of its forms naming an offered tool, `tool_choice` and
+/// `parallel_tool_calls` only with `tools`, `reasoning_effort` one of its values, and no unknown
+/// parameter).
 fn check_settings(obj: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
     if let Some(k) = obj.keys().find(|k| !PARAMS.contains(&k.as_str())) {
         return Err(ApiError::invalid(format!(

@@ -1,8 +1,9 @@
 //! Provider-neutral preparation of the conversation, shared by both wire formats.
 //!
 //! Both APIs reject a tool call that is not answered right after the assistant turn that made it,
-//! and a tool result that answers nothing (PEERS.md). The step service never builds such a
-//! context on purpose, but a request must be valid by construction, so [`normalize`] enforces it:
+//! and a tool result that answers nothing (so does the strict mock, `kedge-mock-llm`: its "What is
+//! rejected"). The step service never builds such a context on purpose, but a request must be
+//! valid by construction, so [`normalize`] enforces it:
 //! - each tool result is moved to directly after the assistant turn whose call it answers (ahead
 //!   of any user message that came between);
 //! - a call with no result gets a synthetic error result ([`MISSING_RESULT`]);

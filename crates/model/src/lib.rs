@@ -3,10 +3,11 @@
 //! ([`ModelResponse`], or a classified [`ModelError`]).
 //!
 //! Invariants:
-//! - **Valid by construction.** Requests satisfy what the strict APIs check (PEERS.md): every
-//!   tool call answered right after its assistant turn, tool results first in the next user
-//!   message (Anthropic), no empty messages or text blocks. See [`context`] for how a context
-//!   that breaks these is repaired rather than sent.
+//! - **Valid by construction.** Requests satisfy what the strict APIs check (the strict mock,
+//!   `kedge-mock-llm`, lists them under "What is rejected"): every tool call answered right after
+//!   its assistant turn, tool results first in the next user message (Anthropic), no empty
+//!   messages or text blocks. See [`context`] for how a context that breaks these is repaired
+//!   rather than sent.
 //! - **No truncated success.** Every call is streamed, and a stream that breaks, stalls or ends
 //!   before its terminal marker (`[DONE]`, `message_stop`) is a retryable [`ModelError`], never a
 //!   partial response.
