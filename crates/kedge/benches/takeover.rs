@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo bench -p kedge --bench takeover                          # 10 trials per scenario, cap 60 s
-//! cargo bench -p kedge --bench takeover -- --trials 3 --cap 150  # today's tool takeover is ~90 s
+//! cargo bench -p kedge --bench takeover -- --trials 3 --cap 150  # a longer cap per trial
 //! cargo bench -p kedge --bench takeover -- --only model,pause --trials 1 --logs /tmp/takeover --verbose
 //! ```
 //!

@@ -7,9 +7,11 @@
 //!
 //! - `Commit(decisions)`: append them with the optimistic-concurrency check;
 //! - `Step(plan)`: journal `step.started` (intent before effect), call the model while renewing
-//!   the lease, store the response in `kedge_idempotency` the moment it returns, then commit the
-//!   step's decisions. A lease lost meanwhile does not abort the call (the answer is paid for):
-//!   the response is stored and left to the run's new holder, which reuses it. A plan that names
+//!   the lease, then commit the step's decisions, `step.completed` carrying the answer. A
+//!   commit that does not land (or a state that must be read again first) stores the response
+//!   in `kedge_idempotency` for the step's next attempt. A lease lost meanwhile does not abort
+//!   the call (the answer is paid for): the response is stored and left to the run's new
+//!   holder, which reuses it. A plan that names
 //!   an unfinished earlier attempt first looks for that attempt's stored response and reuses it,
 //!   so a worker killed after the model answered costs no second call.
 //!
