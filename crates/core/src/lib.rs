@@ -20,6 +20,7 @@
 //! time- or configuration-dependent arrives as a recorded event or in the frozen run bundle.
 
 pub mod agent;
+pub mod answers;
 pub mod child;
 pub mod compensation;
 pub mod config;

@@ -163,7 +163,7 @@ impl std::fmt::Display for Durable {
 /// operation stuck in `running`; tool services answer in the queue group [`TOOL_RESOLVE_QUEUE`].
 pub const TOOL_RESOLVE: &str = "kedge.tool.resolve";
 /// Core-NATS request subject of the tools' precondition checks (same queue group): the step
-/// service sends [`TargetQuery`] before it journals an `approval.requested`, and records the
+/// service sends [`crate::answers::TargetQuery`] before it journals an `approval.requested`, and records the
 /// answer as the request's `target_version`.
 pub const TOOL_INSPECT: &str = "kedge.tool.inspect";
 pub const TOOL_RESOLVE_QUEUE: &str = "kedge-tool";
@@ -201,23 +201,6 @@ pub fn is_token(s: &str) -> bool {
         && s.len() <= 128
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-}
-
-/// A precondition query: where would this call's target be now?
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct TargetQuery {
-    pub run_id: RunId,
-    pub tool: String,
-    pub arguments: serde_json::Value,
-}
-
-/// The answer to a [`TargetQuery`]: the target's version, or none for a tool without a
-/// precondition check. Unknown fields are refused, so a runner's refusal (`{"refused": …}`) is
-/// never read as "no version".
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TargetAnswer {
-    pub version: Option<String>,
 }
 
 /// `agent.task.<agent>`: where clients publish tasks (in Kedge's own account these are tasks of
@@ -660,13 +643,6 @@ mod tests {
             dead_letter(Durable::TimerFired),
             "agent.rejected.dead.timer-fired"
         );
-    }
-
-    #[test]
-    fn a_refused_precondition_query_is_not_an_answer() {
-        assert!(serde_json::from_str::<TargetAnswer>(r#"{"refused": "no such run"}"#).is_err());
-        let none: TargetAnswer = serde_json::from_str(r#"{"version": null}"#).expect("answer");
-        assert_eq!(none.version, None);
     }
 
     #[test]

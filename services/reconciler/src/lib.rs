@@ -49,6 +49,7 @@ use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::Duration;
 
+use kedge_core::answers::{Handled, ResolveReply};
 use kedge_core::decide::{Next, decide};
 use kedge_core::event::{
     Draft, Envelope, Event, EventType, Nudge, RunWaiting, Timestamp, WaitReason,
@@ -464,26 +465,34 @@ fn ask_to_resolve(rt: &Runtime, op: OperationId, payload: Vec<u8>) {
             .payload(payload.into())
             .timeout(Some(within));
         match client.send_request(subjects::TOOL_RESOLVE, request).await {
-            Ok(reply) => {
-                let answer = String::from_utf8_lossy(&reply.payload);
-                // The runner answers what handling it came to (`kedge_tool::Handled` as JSON).
-                // A refusal means the runner found no such decision in the journal: nothing ran.
-                if answer.contains(r#""handled":"refused""#) {
-                    tracing::warn!(
-                        run_id = %op.run(),
-                        op = %op,
-                        %answer,
-                        "stuck operation: the tool runner refused it as not journaled"
-                    );
-                } else {
-                    tracing::info!(
-                        run_id = %op.run(),
-                        op = %op,
-                        %answer,
-                        "stuck operation: tool runner answered"
-                    );
-                }
-            }
+            // The runner answers what handling it came to. A refusal means the runner found no
+            // such decision in the journal: nothing ran.
+            Ok(reply) => match serde_json::from_slice::<ResolveReply>(&reply.payload) {
+                Ok(ResolveReply::Handled(Handled::Refused { reason })) => tracing::warn!(
+                    run_id = %op.run(),
+                    op = %op,
+                    %reason,
+                    "stuck operation: the tool runner refused it as not journaled"
+                ),
+                Ok(ResolveReply::Handled(answer)) => tracing::info!(
+                    run_id = %op.run(),
+                    op = %op,
+                    ?answer,
+                    "stuck operation: tool runner answered"
+                ),
+                Ok(ResolveReply::Failed { error }) => tracing::warn!(
+                    run_id = %op.run(),
+                    op = %op,
+                    %error,
+                    "stuck operation: the tool runner could not handle it now; the next scan asks again"
+                ),
+                Err(e) => tracing::warn!(
+                    run_id = %op.run(),
+                    op = %op,
+                    error = %e,
+                    "stuck operation: the tool runner's answer does not parse"
+                ),
+            },
             Err(e) => tracing::warn!(
                 run_id = %op.run(),
                 op = %op,

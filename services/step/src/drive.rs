@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{AckKind, Message};
 use kedge_core::agent::AgentDefinition;
+use kedge_core::answers::{TargetAnswer, TargetQuery};
 use kedge_core::child;
 use kedge_core::decide::{Idle, Next, StepPlan, TroubleMet, complete_step, decide};
 use kedge_core::event::{
@@ -15,7 +16,7 @@ use kedge_core::event::{
 use kedge_core::fold::{ChatMessage, FoldError, RunState, ToolOp};
 use kedge_core::ids::{InputId, ModelRequestId, OperationId, RunId};
 use kedge_core::machine::RunStatus;
-use kedge_core::subjects::{self, TOOL_INSPECT, TargetAnswer, TargetQuery};
+use kedge_core::subjects::{self, TOOL_INSPECT};
 use kedge_core::tools::Contract;
 use kedge_journal::{
     DecisionWriter, Delivered, ErrorKind, JournalError, Lease, LeaseError, Released,

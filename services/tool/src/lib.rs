@@ -75,6 +75,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{AckKind, Message};
 use futures::{FutureExt, StreamExt};
+use kedge_core::answers::{InspectReply, ResolveReply, TargetAnswer, TargetQuery};
 use kedge_core::event::{
     Draft, Envelope, Event, EventType, Timestamp, ToolRequested, ToolResult, ToolStarted,
 };
@@ -82,9 +83,7 @@ use kedge_core::fold::handled_by_step;
 use kedge_core::ids::InputId;
 use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects::Durable;
-use kedge_core::subjects::{
-    TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE, TargetAnswer, TargetQuery,
-};
+use kedge_core::subjects::{TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE};
 use kedge_core::tools::{NextAttempt, ToolErrorClass, Verdict, claim_dispatch};
 use kedge_journal::{ErrorKind, JournalError};
 use kedge_runtime::idempotency::{Claim, Finished, IdempotencyError};
@@ -98,35 +97,7 @@ use crate::builtin::{Confirm, Output};
 use crate::target::{Ran, Target};
 use crate::verify::{CheckError, Stored};
 
-/// What handling one operation request came to (the answer to a resolve request).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "handled", rename_all = "snake_case")]
-pub enum Handled {
-    /// The tool ran and its result is journaled.
-    Ran,
-    /// Its record already held the result: journaled without running again.
-    Stored,
-    /// Same operation id, other arguments: an error result is journaled.
-    Conflict,
-    /// Abandoned by a runner that is gone; the confirm query found it happened.
-    Confirmed,
-    /// Abandoned; the confirm query cannot tell: `outcome.ambiguous` is journaled.
-    Ambiguous,
-    /// Not run because the run's cancellation was requested.
-    Cancelled,
-    /// Not run: its approved target moved (`target.moved`); a fresh approval will be asked.
-    Moved,
-    /// A dispatch given back earlier (its target moved): nothing to do.
-    Released,
-    /// A live runner holds it, or its next attempt is not due yet; ask again after
-    /// `retry_in_ms`.
-    Busy { retry_in_ms: u64 },
-    /// An attempt failed with an error its retry policy retries (`tool.attempt` is journaled);
-    /// attempt `attempt` is due after `retry_in_ms`.
-    Retrying { attempt: u32, retry_in_ms: u64 },
-    /// Nothing done: the request is not what the journal decided (see [`verify`]).
-    Refused { reason: String },
-}
+pub use kedge_core::answers::Handled;
 
 /// The durable consumer's name (and the dead letters' subject token).
 const CONSUMER: Durable = Durable::Tool;
@@ -677,7 +648,7 @@ async fn keep(
 
 /// Answers the reconciler's request to resolve an operation stuck in `running`: the same
 /// handling as a redelivered request, of the operation's journaled `tool.requested` (the
-/// request only names it); the reply says what it came to (or `{"error": …}`).
+/// request only names it); the reply says what it came to ([`ResolveReply`]).
 async fn answer_resolve(ctx: &Ctx, request: async_nats::Message) {
     let reply = match ctx.rt.journal.open(&request.payload).await {
         Ok(claimed) => {
@@ -689,41 +660,42 @@ async fn answer_resolve(ctx: &Ctx, request: async_nats::Message) {
             );
             resolve(ctx, claimed).instrument(span).await
         }
-        Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
+        Err(e) => ResolveReply::Failed {
+            error: e.to_string(),
+        },
     };
-    if let (Some(to), Ok(body)) = (request.reply, reply)
+    if let (Some(to), Ok(body)) = (request.reply, serde_json::to_vec(&reply))
         && let Err(e) = ctx.rt.client.publish(to, body.into()).await
     {
         tracing::warn!(error = %e, "cannot answer a resolve request");
     }
 }
 
-async fn resolve(ctx: &Ctx, claimed: Envelope) -> Result<Vec<u8>, serde_json::Error> {
+async fn resolve(ctx: &Ctx, claimed: Envelope) -> ResolveReply {
+    let failed = |error: String| ResolveReply::Failed { error };
     let (op, req) = match verify::journaled(&ctx.rt.journal, claimed).await {
         Ok(checked) => checked,
         Err(CheckError::Refused(refusal)) => {
             tracing::warn!(reason = %refusal, "resolve request refused: not what the journal decided");
-            return serde_json::to_vec(&Handled::Refused {
+            return ResolveReply::Handled(Handled::Refused {
                 reason: refusal.to_string(),
             });
         }
         Err(e) => {
             tracing::warn!(error = %e, "cannot check a resolve request against the journal");
-            return serde_json::to_vec(&serde_json::json!({"error": e.to_string()}));
+            return failed(e.to_string());
         }
     };
     if handled_by_step(&req.tool) {
-        return serde_json::to_vec(
-            &serde_json::json!({"error": "handled by the step service, not a tool runner"}),
-        );
+        return failed("handled by the step service, not a tool runner".into());
     }
     tracing::Span::current().record("tool", req.tool.as_str());
     match execute(ctx, &op, &req, None, None).await {
         Ok(handled) => {
             tracing::info!(?handled, "resolved at the reconciler's request");
-            serde_json::to_vec(&handled)
+            ResolveReply::Handled(handled)
         }
-        Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
+        Err(e) => failed(e.to_string()),
     }
 }
 
@@ -1380,10 +1352,6 @@ async fn journal_moved(
     .await
 }
 
-/// Answers a precondition query (`kedge.tool.inspect`) with the target's current version, for a
-/// run that exists and a tool its agent declares (else `{"refused": reason}`). When that cannot
-/// be checked (broker trouble) there is no answer: the asker's timeout makes it ask again,
-/// where an error answer could be taken for "no version".
 /// An operation's arguments with the run's sealed values opened ([`kedge_runtime::seal`]).
 fn open_arguments<'a>(
     rt: &Runtime,
@@ -1398,6 +1366,10 @@ fn open_arguments<'a>(
     Ok(std::borrow::Cow::Owned(opened))
 }
 
+/// Answers a precondition query (`kedge.tool.inspect`) with the target's current version, for a
+/// run that exists and a tool its agent declares (else a refusal). When that cannot be checked
+/// (broker trouble) there is no answer: the asker's timeout makes it ask again, where an error
+/// answer could be taken for "no version".
 async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
     let reply = match serde_json::from_slice::<TargetQuery>(&request.payload) {
         Ok(q) => {
@@ -1415,13 +1387,15 @@ async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
                         }
                         Err(_) => None,
                     };
-                    serde_json::to_vec(&TargetAnswer { version })
+                    InspectReply::Version(TargetAnswer { version })
                 }
                 Err(CheckError::Refused(refusal)) => {
                     span.in_scope(|| {
                         tracing::warn!(reason = %refusal, "precondition query refused");
                     });
-                    serde_json::to_vec(&serde_json::json!({"refused": refusal.to_string()}))
+                    InspectReply::Refused {
+                        refused: refusal.to_string(),
+                    }
                 }
                 Err(e) => {
                     span.in_scope(|| {
@@ -1431,9 +1405,11 @@ async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
                 }
             }
         }
-        Err(e) => serde_json::to_vec(&serde_json::json!({"error": e.to_string()})),
+        Err(e) => InspectReply::Invalid {
+            error: e.to_string(),
+        },
     };
-    if let (Some(to), Ok(body)) = (request.reply, reply)
+    if let (Some(to), Ok(body)) = (request.reply, serde_json::to_vec(&reply))
         && let Err(e) = ctx.rt.client.publish(to, body.into()).await
     {
         tracing::warn!(error = %e, "cannot answer a precondition query");

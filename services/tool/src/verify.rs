@@ -38,9 +38,10 @@
 
 use async_nats::HeaderMap;
 use kedge_core::EventKind;
+use kedge_core::answers::TargetQuery;
 use kedge_core::event::{Digest, Envelope, Event, EventType, ToolRequested};
 use kedge_core::ids::{OperationId, RunId, StepNo};
-use kedge_core::subjects::{self, RUNS_STREAM, TargetQuery};
+use kedge_core::subjects::{self, RUNS_STREAM};
 use kedge_journal::{Journal, JournalError, Recorded, parse_decision_msg_id};
 use kedge_runtime::agents::{AgentError, AgentStore};
 
