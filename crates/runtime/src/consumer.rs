@@ -196,6 +196,72 @@ pub async fn dead_letter(
     }
 }
 
+/// The redelivery delays of a failure: `base` after the first delivery, doubled per delivery up
+/// to `cap` ([`retry_delay`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    pub base: Duration,
+    pub cap: Duration,
+}
+
+impl Backoff {
+    /// 1 s doubling up to `max` (the configured longest redelivery delay,
+    /// `timeouts.max_retry_delay`, or less).
+    pub fn within(max: Duration) -> Self {
+        Self {
+            base: Duration::from_secs(1).min(max),
+            cap: max,
+        }
+    }
+}
+
+/// What a consumer's handler decided about one delivery: the one vocabulary every consumer
+/// settles its messages with ([`settle`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Done with it.
+    Ack,
+    /// Not a failure (not due yet, driven elsewhere): handed back, due again after the delay.
+    /// At the consumer's last delivery it is acked and dropped, with a warning: only a handler
+    /// whose message another path covers (the reconciler, the journal) may answer this.
+    Later(Duration),
+    /// Failed for the reason: handed back after a delay growing per delivery; at the
+    /// consumer's last delivery, given up on as a dead letter.
+    Retry(String, Backoff),
+    /// Never worth another delivery: a dead letter now.
+    Poison(String),
+}
+
+/// Acks, hands back or gives up on `msg` as `verdict` says: never a silent loop (every
+/// consumer's `max_deliver` is bounded, and what it gives up on is a dead letter).
+pub async fn settle(
+    js: &Context,
+    consumer: Durable,
+    msg: &async_nats::jetstream::Message,
+    verdict: Verdict,
+) {
+    let delivered = deliveries(msg);
+    let last = is_last_delivery(consumer, msg);
+    let kind = match verdict {
+        Verdict::Ack => async_nats::jetstream::AckKind::Ack,
+        Verdict::Later(_) if last => {
+            tracing::warn!(%consumer, subject = %msg.subject, delivered, "not done at its last delivery; dropped (another path covers it)");
+            async_nats::jetstream::AckKind::Ack
+        }
+        Verdict::Later(delay) => async_nats::jetstream::AckKind::Nak(Some(delay)),
+        Verdict::Retry(reason, _) if last => return dead_letter(js, consumer, msg, &reason).await,
+        Verdict::Retry(reason, backoff) => {
+            let delay = retry_delay(delivered, backoff.base, backoff.cap);
+            tracing::warn!(%consumer, subject = %msg.subject, delivered, %reason, retry_in_ms = delay.as_millis() as u64, "will retry");
+            async_nats::jetstream::AckKind::Nak(Some(delay))
+        }
+        Verdict::Poison(reason) => return dead_letter(js, consumer, msg, &reason).await,
+    };
+    if let Err(e) = msg.ack_with(kind).await {
+        tracing::warn!(%consumer, subject = %msg.subject, error = %e, "ack failed; the message will be redelivered");
+    }
+}
+
 /// How long [`hand_back`] waits for one more message before it deems the consumer's buffer
 /// empty.
 const HAND_BACK_QUIET: Duration = Duration::from_millis(50);

@@ -37,13 +37,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::kv::{self, Operation};
-use async_nats::jetstream::{AckKind, Context, Message};
+use async_nats::jetstream::{Context, Message};
 use futures::StreamExt;
 use kedge_core::event::{OutputValidation, Timestamp, Usage, WaitReason};
 use kedge_core::ids::{AgentName, RunId, TenantId};
 use kedge_core::subjects::{self, Durable, RUNS_BUCKET, RUNS_BUCKET_STREAM};
 use kedge_core::{EventType, FoldError, RunState, RunStatus};
 use kedge_journal::{Journal, JournalError, Recorded};
+use kedge_runtime::consumer::{Backoff, Verdict};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
@@ -402,9 +403,6 @@ impl Projection {
 
 /// The projector's durable consumer (`nats/consumers/KEDGE_RUNS/projector.json`).
 pub const PROJECTOR: Durable = Durable::Projector;
-/// First redelivery delay after a failure; it doubles per delivery up to the configured
-/// `max_retry_delay`, and the consumer's `max_deliver` bounds the tries.
-const RETRY_DELAY: Duration = Duration::from_secs(1);
 /// Runs projected at once. Each is a journal read and a write, a few round trips mostly spent
 /// waiting on the broker; the consumer's `max_ack_pending` (1,000) bounds the deliveries held.
 const PROJECTING: usize = 64;
@@ -497,16 +495,6 @@ pub async fn run_projector(
     Ok(())
 }
 
-/// What the projector tells the broker about a decision.
-#[derive(Debug, Clone)]
-enum Verdict {
-    Ack,
-    /// Failed for the reason: handed back, given up on at the last delivery.
-    Retry(String),
-    /// Never worth another delivery: given up on at once.
-    Poison(String),
-}
-
 /// What the projector's handlers share.
 #[derive(Debug)]
 struct Projector {
@@ -539,7 +527,7 @@ impl Projector {
             let verdict = handled.unwrap_or_else(|panic| {
                 let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
                 tracing::error!(run_id = %run, panic = %reason, "projecting panicked");
-                Verdict::Retry(format!("panicked: {reason}"))
+                Verdict::Retry(format!("panicked: {reason}"), self.backoff())
             });
             for msg in &batch {
                 self.settle(msg, &verdict).await;
@@ -611,7 +599,7 @@ impl Projector {
                 Verdict::Ack
             }
             Ok(None) => Verdict::Ack,
-            Err(e) if e.is_retryable() => Verdict::Retry(format!("run {run}: {e}")),
+            Err(e) if e.is_retryable() => Verdict::Retry(format!("run {run}: {e}"), self.backoff()),
             Err(e) => {
                 tracing::error!(run_id = %run, error = %e, "run cannot be projected");
                 Verdict::Poison(format!("run {run} cannot be projected: {e}"))
@@ -620,26 +608,12 @@ impl Projector {
     }
 
     async fn settle(&self, msg: &Message, verdict: &Verdict) {
-        let js = &self.projection.js;
-        let cap = self.cap;
-        let delivered = consumer::deliveries(msg);
-        let ack = match verdict {
-            Verdict::Ack => msg.ack().await,
-            Verdict::Poison(reason) => {
-                return consumer::dead_letter(js, PROJECTOR, msg, reason).await;
-            }
-            Verdict::Retry(reason) if consumer::is_last_delivery(PROJECTOR, msg) => {
-                return consumer::dead_letter(js, PROJECTOR, msg, reason).await;
-            }
-            Verdict::Retry(reason) => {
-                let delay = consumer::retry_delay(delivered, RETRY_DELAY.min(cap), cap);
-                tracing::warn!(subject = %msg.subject, delivered, %reason, "projection deferred");
-                msg.ack_with(AckKind::Nak(Some(delay))).await
-            }
-        };
-        if let Err(e) = ack {
-            tracing::warn!(subject = %msg.subject, error = %e, "ack failed; the decision will be redelivered");
-        }
+        consumer::settle(&self.projection.js, PROJECTOR, msg, verdict.clone()).await;
+    }
+
+    /// Redelivery delays after a failure (doubled per delivery up to the configured cap).
+    fn backoff(&self) -> Backoff {
+        Backoff::within(self.cap)
     }
 }
 

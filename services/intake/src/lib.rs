@@ -41,7 +41,7 @@ use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{AckKind, Message};
+use async_nats::jetstream::Message;
 use futures::{FutureExt, StreamExt};
 use kedge_core::event::{Draft, Envelope, Event, RunCreated, Timestamp};
 use kedge_core::ids::RunId;
@@ -49,6 +49,7 @@ use kedge_core::subjects::{self, Durable, TaskSubject};
 use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::{ErrorKind, JournalError};
 use kedge_runtime::agents::AgentError;
+use kedge_runtime::consumer::{Backoff, Verdict};
 use kedge_runtime::{Runtime, RuntimeError, consumer, trace};
 use tracing::Instrument;
 
@@ -61,8 +62,10 @@ pub use kedge_runtime::tasks::{
 const CONSUMER: Durable = Durable::Intake;
 /// Redelivery delays of a task that cannot be handled now (doubled per delivery up to the cap;
 /// the consumer's `max_deliver` bounds the tries, and the last one is answered).
-const RETRY_DELAY: Duration = Duration::from_secs(1);
-const RETRY_MAX: Duration = Duration::from_secs(30);
+const BACKOFF: Backoff = Backoff {
+    base: Duration::from_secs(1),
+    cap: Duration::from_secs(30),
+};
 
 /// Runs intake until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
@@ -85,22 +88,17 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         };
         let rt = rt.clone();
         workers.run(slot, async move {
-                // A panic while handling one task (a bug) is contained: the task is handed back
-                // (bounded by the consumer's max_deliver; the last delivery is answered).
-                let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
-                if let Err(panic) = AssertUnwindSafe(handle(&rt, &msg)).catch_unwind().await {
-                    let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
-                    tracing::error!(seq, panic = %reason, "handling a task panicked; handing it back");
-                    let delay = consumer::retry_delay(
-                        consumer::deliveries(&msg),
-                        RETRY_DELAY,
-                        RETRY_MAX,
-                    );
-                    if let Err(e) = msg.ack_with(AckKind::Nak(Some(delay))).await {
-                        tracing::warn!(seq, error = %e, "could not hand the task back; it is redelivered after the ack wait");
-                    }
-                }
-            });
+            // A panic while handling one task (a bug) is contained: the task is handed back
+            // (bounded by the consumer's max_deliver; one that panics at its last delivery
+            // is a dead letter).
+            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+            if let Err(panic) = AssertUnwindSafe(handle(&rt, &msg)).catch_unwind().await {
+                let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
+                tracing::error!(seq, panic = %reason, "handling a task panicked; handing it back");
+                let verdict = Verdict::Retry(format!("panicked: {reason}"), BACKOFF);
+                consumer::settle(&rt.js, CONSUMER, &msg, verdict).await;
+            }
+        });
     }
     consumer::hand_back(messages, CONSUMER).await;
     workers.drain().await;
@@ -190,9 +188,13 @@ async fn handle(rt: &Runtime, msg: &Message) {
                 && !consumer::is_last_delivery(CONSUMER, msg)
             {
                 tracing::warn!(error = %e, "could not record the rejection; will retry");
-                let _ = msg
-                    .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                    .await;
+                consumer::settle(
+                    &rt.js,
+                    CONSUMER,
+                    msg,
+                    Verdict::Later(Duration::from_secs(1)),
+                )
+                .await;
                 return;
             }
             kedge_runtime::metrics::task_rejected();
@@ -215,15 +217,7 @@ async fn handle(rt: &Runtime, msg: &Message) {
             Answer::Rejected { error: rejection }
         }
         Err(Refusal::Retry(reason)) => {
-            let delivered = consumer::deliveries(msg);
-            tracing::warn!(%reason, delivered, "intake cannot proceed now; will retry");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(consumer::retry_delay(
-                    delivered,
-                    RETRY_DELAY,
-                    RETRY_MAX,
-                ))))
-                .await;
+            consumer::settle(&rt.js, CONSUMER, msg, Verdict::Retry(reason, BACKOFF)).await;
             return;
         }
     };

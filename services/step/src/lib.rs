@@ -49,6 +49,7 @@ use futures::{FutureExt, StreamExt};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::Durable;
 use kedge_model::ModelClient;
+use kedge_runtime::consumer::{Backoff, Verdict};
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
 pub use drive::{DriveError, Driver, Outcome};
@@ -317,53 +318,41 @@ impl Drives {
     }
 }
 
-/// Acks, hands back (with a delay growing per delivery) or, on the consumer's last delivery,
-/// gives up on a wake after its drive.
+/// Settles a wake after its drive ([`consumer::settle`]): acked when the run is idle; handed
+/// back with a short delay growing per delivery while another worker drives the run (dropped
+/// at its last delivery: not a failure, for the holder reads the journal again before it lets
+/// go, and the reconciler nudges a run left with work); a failed drive is retried with a
+/// backoff and, at the last delivery, is a dead letter.
 async fn settle(
     js: &async_nats::jetstream::Context,
     run_id: &RunId,
     msg: &Message,
     result: Result<Outcome, DriveError>,
 ) {
-    let delivered = consumer::deliveries(msg);
-    let last = consumer::is_last_delivery(CONSUMER, msg);
-    let ack = match &result {
-        Ok(Outcome::Idle) => msg.ack().await,
-        Ok(Outcome::Busy) if last => {
-            // Not a failure: the holder reads the journal again before it lets go, and the
-            // reconciler nudges a run left with work.
-            tracing::warn!(run_id = %run_id, delivered, "run still driven elsewhere at the wake's last delivery; dropping the wake");
-            msg.ack().await
-        }
-        Ok(Outcome::Busy) => {
-            msg.ack_with(AckKind::Nak(Some(consumer::retry_delay(
-                delivered, BUSY_DELAY, BUSY_MAX,
-            ))))
-            .await
-        }
-        Err(e) if last => {
-            let reason = format!("run {run_id}: {e}");
-            consumer::dead_letter(js, CONSUMER, msg, &reason).await;
-            return;
-        }
-        Err(e) if e.is_retryable() => {
-            tracing::warn!(run_id = %run_id, error = %e, delivered, "drive failed; will retry");
-            msg.ack_with(AckKind::Nak(Some(consumer::retry_delay(
-                delivered,
-                RETRY_DELAY,
-                RETRY_MAX,
-            ))))
-            .await
-        }
+    let verdict = match result {
+        Ok(Outcome::Idle) => Verdict::Ack,
+        Ok(Outcome::Busy) => Verdict::Later(consumer::retry_delay(
+            consumer::deliveries(msg),
+            BUSY_DELAY,
+            BUSY_MAX,
+        )),
+        Err(e) if e.is_retryable() => Verdict::Retry(
+            format!("run {run_id}: {e}"),
+            Backoff {
+                base: RETRY_DELAY,
+                cap: RETRY_MAX,
+            },
+        ),
         Err(e) => {
-            tracing::error!(run_id = %run_id, error = %e, delivered, "drive failed");
-            msg.ack_with(AckKind::Nak(Some(consumer::retry_delay(
-                delivered, FAIL_DELAY, FAIL_MAX,
-            ))))
-            .await
+            tracing::error!(run_id = %run_id, error = %e, "drive failed");
+            Verdict::Retry(
+                format!("run {run_id}: {e}"),
+                Backoff {
+                    base: FAIL_DELAY,
+                    cap: FAIL_MAX,
+                },
+            )
         }
     };
-    if let Err(e) = ack {
-        tracing::warn!(run_id = %run_id, error = %e, "ack failed; the wake will be redelivered");
-    }
+    consumer::settle(js, CONSUMER, msg, verdict).await;
 }

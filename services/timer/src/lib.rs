@@ -82,11 +82,12 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-use async_nats::jetstream::{AckKind, Context, Message};
+use async_nats::jetstream::Message;
 use futures::FutureExt as _;
 use kedge_core::event::{Draft, Envelope, Event, TimerFired, Timestamp};
 use kedge_core::subjects::Durable;
 use kedge_journal::JournalError;
+use kedge_runtime::consumer::{Backoff, Verdict};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tracing::Instrument;
 
@@ -103,9 +104,11 @@ pub const FIRED_CONSUMER: Durable = Durable::TimerFired;
 const CONCURRENCY: usize = 64;
 /// Timeout of one broker request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
-/// First redelivery delay after a failure; it doubles per delivery up to the configured
-/// `max_retry_delay`, and the consumer's `max_deliver` bounds the tries.
-const RETRY_DELAY: Duration = Duration::from_secs(1);
+/// Redelivery delays after a failure: 1 s, doubled per delivery up to the configured
+/// `max_retry_delay`; the consumer's `max_deliver` bounds the tries.
+fn backoff(rt: &Runtime) -> Backoff {
+    Backoff::within(rt.config.timeouts.max_retry_delay())
+}
 
 /// Runs the timer service until `shutdown` resolves, then lets in-flight messages finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
@@ -154,9 +157,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 let verdict = handled.unwrap_or_else(|panic| {
                     let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
                     tracing::error!(subject = %msg.subject, panic = %reason, "handling a timer message panicked");
-                    Verdict::Retry(format!("panicked: {reason}"))
+                    Verdict::Retry(format!("panicked: {reason}"), backoff(&rt))
                 });
-                settle(&rt, kind.consumer(), &msg, verdict).await;
+                consumer::settle(&rt.js, kind.consumer(), &msg, verdict).await;
             });
     };
     consumer::hand_back(scheduled, SCHEDULED_CONSUMER).await;
@@ -186,43 +189,6 @@ impl Kind {
             Kind::Scheduled => SCHEDULED_CONSUMER,
             Kind::Fired => FIRED_CONSUMER,
         }
-    }
-}
-
-/// What to tell the broker about a handled message.
-#[derive(Debug)]
-enum Verdict {
-    Ack,
-    /// Not due yet by this clock: hand it back until it is (not a failure).
-    Early(Duration),
-    /// It failed (for the reason): hand it back with a delay growing per delivery; at the
-    /// consumer's last delivery, give up on it as a dead letter.
-    Retry(String),
-    /// A poison message: never deliver it again; recorded as a dead letter.
-    Poison(String),
-}
-
-/// Acks, hands back or gives up on `msg`: never a silent loop (the consumers' `max_deliver` is
-/// bounded, and what they give up on lands on `agent.rejected.dead.<consumer>`).
-async fn settle(rt: &Runtime, consumer: Durable, msg: &Message, verdict: Verdict) {
-    let js: &Context = &rt.js;
-    let delivered = consumer::deliveries(msg);
-    let kind = match verdict {
-        Verdict::Ack => AckKind::Ack,
-        Verdict::Early(d) => AckKind::Nak(Some(d)),
-        Verdict::Poison(reason) => return consumer::dead_letter(js, consumer, msg, &reason).await,
-        Verdict::Retry(reason) if consumer::is_last_delivery(consumer, msg) => {
-            return consumer::dead_letter(js, consumer, msg, &reason).await;
-        }
-        Verdict::Retry(reason) => {
-            let cap = rt.config.timeouts.max_retry_delay();
-            let delay = consumer::retry_delay(delivered, RETRY_DELAY.min(cap), cap);
-            tracing::warn!(%consumer, subject = %msg.subject, delivered, %reason, retry_in_ms = delay.as_millis() as u64, "will retry");
-            AckKind::Nak(Some(delay))
-        }
-    };
-    if let Err(e) = msg.ack_with(kind).await {
-        tracing::warn!(subject = %msg.subject, error = %e, "ack failed; the message will be redelivered");
     }
 }
 
@@ -258,11 +224,11 @@ async fn on_scheduled(rt: &Runtime, msg: &Message) -> Verdict {
                 Verdict::Ack
             }
             Err(e @ ScheduleError::Unavailable(_)) => {
-                Verdict::Retry(format!("cannot schedule the timer yet: {e}"))
+                Verdict::Retry(format!("cannot schedule the timer yet: {e}"), backoff(rt))
             }
             Err(e @ ScheduleError::Refused(_)) => {
                 tracing::error!(error = %e, "the broker refused the timer's schedule");
-                Verdict::Retry(e.to_string())
+                Verdict::Retry(e.to_string(), backoff(rt))
             }
         }
     }
@@ -295,7 +261,7 @@ async fn fire(rt: &Runtime, due: &Due, last: bool) -> Verdict {
             early_ms = early.as_millis() as u64,
             "timer fired before it was due by this clock; waiting"
         );
-        return Verdict::Early(early + Duration::from_millis(1));
+        return Verdict::Later(early + Duration::from_millis(1));
     }
     let mut draft = Draft::new(Event::TimerFired(TimerFired {
         timer_id: due.timer_id.clone(),
@@ -318,10 +284,12 @@ async fn fire(rt: &Runtime, due: &Due, last: bool) -> Verdict {
             tracing::debug!(seq, "timer already fired");
             Verdict::Ack
         }
-        Err(e) if e.is_retryable() => Verdict::Retry(format!("cannot journal the firing yet: {e}")),
+        Err(e) if e.is_retryable() => {
+            Verdict::Retry(format!("cannot journal the firing yet: {e}"), backoff(rt))
+        }
         Err(e) => {
             tracing::error!(error = %e, "the journal refused the firing");
-            Verdict::Retry(format!("the journal refused the firing: {e}"))
+            Verdict::Retry(format!("the journal refused the firing: {e}"), backoff(rt))
         }
     }
 }

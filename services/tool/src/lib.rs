@@ -86,6 +86,7 @@ use kedge_core::subjects::Durable;
 use kedge_core::subjects::{TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE};
 use kedge_core::tools::{NextAttempt, ToolErrorClass, Verdict, claim_dispatch};
 use kedge_journal::{ErrorKind, JournalError};
+use kedge_runtime::consumer::{Backoff, Verdict as Settle};
 use kedge_runtime::idempotency::{Claim, Finished, IdempotencyError};
 use kedge_runtime::liveness::Liveness;
 use kedge_runtime::metrics::{self, ConfirmResult, Takeover, ToolOutcome};
@@ -101,10 +102,9 @@ pub use kedge_core::answers::Handled;
 
 /// The durable consumer's name (and the dead letters' subject token).
 const CONSUMER: Durable = Durable::Tool;
-/// Redelivery delays after a failure (doubled per delivery up to the cap); the consumer's
-/// `max_deliver` bounds the tries, and the last failing one is a dead letter on
-/// `agent.rejected.dead.tool`.
-const RETRY_DELAY: Duration = Duration::from_secs(1);
+/// The longest redelivery delay after a failure (1 s, doubled per delivery up to it or the
+/// configured `max_retry_delay`); the consumer's `max_deliver` bounds the tries, and the last
+/// failing one is a dead letter on `agent.rejected.dead.tool`.
 const RETRY_MAX: Duration = Duration::from_secs(30);
 /// Most times one delivery of a request is kept and handled anew ([`keep`]); beyond, it is
 /// handed back to the broker (a delivery spent) as before keeping existed. Every reason to keep
@@ -512,64 +512,48 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
         });
     let delivered = consumer::deliveries(&msg);
     let last = consumer::is_last_delivery(CONSUMER, &msg);
-    let ack = match result {
-        Ok(Handled::Busy { retry_in_ms }) if last => {
-            // Not a failure: the live runner holding it records its outcome, and the reconciler
-            // resolves it if that runner goes away.
-            tracing::warn!(op = %op, retry_in_ms, delivered, "held by a live runner at the request's last delivery; dropping the request");
-            msg.ack().await
-        }
-        Ok(Handled::Busy { retry_in_ms }) => {
+    // Kept through a live holder's work or a backoff, spending no delivery; if this runner
+    // goes away meanwhile, the broker redelivers it to another.
+    let kept_for = match &result {
+        Ok(Handled::Busy { retry_in_ms }) if !last => {
             tracing::info!(op = %op, retry_in_ms, "held by a live runner or not due; kept until then");
-            keep(
-                ctx,
-                Again::Request(Box::new(msg), kept),
-                &op,
-                Duration::from_millis(retry_in_ms),
-            )
-            .await
+            Some(Duration::from_millis(*retry_in_ms))
         }
-        Ok(Handled::Retrying { attempt, .. }) if last => {
-            // The failure is journaled; the reconciler finds the operation overdue once its
-            // next attempt has waited `tool_timeout + tool_grace` and asks a runner to go on.
-            tracing::warn!(op = %op, attempt, delivered, "retry due at the request's last delivery; the reconciler will resume it");
-            msg.ack().await
-        }
-        // The request is kept through the backoff, spending no delivery; if this runner goes
-        // away meanwhile, the broker redelivers it to another.
         Ok(Handled::Retrying {
             attempt,
             retry_in_ms,
-        }) => {
+        }) if !last => {
             tracing::info!(op = %op, attempt, retry_in_ms, "next attempt after the backoff");
-            keep(
-                ctx,
-                Again::Request(Box::new(msg), kept),
-                &op,
-                Duration::from_millis(retry_in_ms.max(1)),
-            )
-            .await
+            Some(Duration::from_millis((*retry_in_ms).max(1)))
         }
-        Ok(_) => msg.ack().await,
-        Err(e) if last => {
-            let reason = format!("operation {op}: {e}");
-            consumer::dead_letter(&ctx.rt.js, CONSUMER, &msg, &reason).await;
-            return;
-        }
-        Err(e) => {
-            tracing::warn!(op = %op, error = %e, delivered, "tool operation not finished; will retry");
-            let cap = ctx.rt.config.timeouts.max_retry_delay().min(RETRY_MAX);
-            msg.ack_with(AckKind::Nak(Some(consumer::retry_delay(
-                delivered,
-                RETRY_DELAY.min(cap),
-                cap,
-            ))))
-            .await
-        }
+        _ => None,
     };
-    if let Err(e) = ack {
-        tracing::warn!(op = %op, error = %e, "ack failed; the request will be redelivered");
+    if let Some(wait) = kept_for {
+        if let Err(e) = keep(ctx, Again::Request(Box::new(msg), kept), &op, wait).await {
+            tracing::warn!(op = %op, error = %e, "ack failed; the request will be redelivered");
+        }
+        return;
     }
+    let verdict = match result {
+        Ok(Handled::Busy { retry_in_ms }) => {
+            // Not a failure: the live runner holding it records its outcome, and the reconciler
+            // resolves it if that runner goes away.
+            tracing::warn!(op = %op, retry_in_ms, delivered, "held by a live runner at the request's last delivery; dropping the request");
+            Settle::Ack
+        }
+        Ok(Handled::Retrying { attempt, .. }) => {
+            // The failure is journaled; the reconciler finds the operation overdue once its
+            // next attempt has waited `tool_timeout + tool_grace` and asks a runner to go on.
+            tracing::warn!(op = %op, attempt, delivered, "retry due at the request's last delivery; the reconciler will resume it");
+            Settle::Ack
+        }
+        Ok(_) => Settle::Ack,
+        Err(e) => Settle::Retry(
+            format!("operation {op}: {e}"),
+            Backoff::within(ctx.rt.config.timeouts.max_retry_delay().min(RETRY_MAX)),
+        ),
+    };
+    consumer::settle(&ctx.rt.js, CONSUMER, &msg, verdict).await;
 }
 
 /// Keeps a delivered request of `op` (or an adopted operation) for `wait`, then hands it to
