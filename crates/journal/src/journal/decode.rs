@@ -9,7 +9,7 @@ use kedge_core::{Envelope, EventKind, RunId};
 use serde::Serialize;
 
 use super::Journal;
-use super::parse_decision_msg_id;
+use super::append::parse_decision_msg_id;
 use crate::blob::{self, BlobError};
 use crate::error::JournalError;
 use crate::wire::{self, StoredMessage};
