@@ -35,11 +35,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::DeliverPolicy;
-use async_nats::jetstream::consumer::pull::{OrderedConfig, OrderedErrorKind};
-use async_nats::jetstream::stream::ConsumerErrorKind;
+use async_nats::jetstream::consumer::pull::OrderedConfig;
 use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
-use futures::{FutureExt, Stream, StreamExt};
+use futures::StreamExt;
 use kedge_core::subjects::{self, RUNS_STREAM};
 use kedge_core::{Envelope, EventType, RunId};
 
@@ -49,6 +48,7 @@ use crate::wire::{self, StoredMessage, WireError};
 
 mod append;
 mod decode;
+mod tail;
 
 pub use append::{
     Appended, DecisionMsgId, DecisionWriter, InputAppended, MAX_GROUP, decision_msg_id,
@@ -56,6 +56,7 @@ pub use append::{
 };
 use decode::{Decoded, decode};
 pub use decode::{Delivered, Recorded, SetAside};
+use tail::{consumer_error, ordered_error};
 
 /// Default timeout of one broker request. A cluster failover makes requests fail fast with "no
 /// responders" for a few seconds, which is reported as retryable, so this only bounds a broker
@@ -768,130 +769,6 @@ impl Journal {
         }
     }
 
-    /// The run's events after `after`, then every new one as it is appended: no gap, no
-    /// duplicate. Backed by an ordered consumer (`DeliverPolicy::ByStartSequence`, filter
-    /// `agent.run.<id>.>`), which recreates itself after broker trouble from the last delivered
-    /// sequence. Errors are yielded as items and the stream goes on. Messages that are not
-    /// events of the run are skipped (see [`SetAside`]).
-    pub fn tail(
-        &self,
-        run: &RunId,
-        after: u64,
-    ) -> impl Stream<Item = Result<Recorded, JournalError>> + Send + 'static {
-        let journal = self.clone();
-        let run = run.clone();
-        futures::stream::once(async move { journal.open_tail(run, after).await }).flat_map(
-            |opened| match opened {
-                Ok(stream) => stream.left_stream(),
-                Err(e) => futures::stream::once(async move { Err(e) }).right_stream(),
-            },
-        )
-    }
-
-    async fn open_tail(
-        self,
-        run: RunId,
-        after: u64,
-    ) -> Result<impl Stream<Item = Result<Recorded, JournalError>> + Send + 'static, JournalError>
-    {
-        let op = "tail";
-        let stream =
-            self.js
-                .get_stream_no_info(RUNS_STREAM)
-                .await
-                .map_err(|e| JournalError::Rejected {
-                    op,
-                    reason: e.to_string(),
-                })?;
-        let consumer = stream
-            .create_consumer(OrderedConfig {
-                filter_subject: subjects::run_all(&run),
-                deliver_policy: DeliverPolicy::ByStartSequence {
-                    start_sequence: after.saturating_add(1),
-                },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| consumer_error(op, e))?;
-        let messages = consumer.messages().await.map_err(|e| {
-            if e.kind() == async_nats::jetstream::consumer::StreamErrorKind::TimedOut {
-                JournalError::Unavailable {
-                    op,
-                    reason: e.to_string(),
-                }
-            } else {
-                JournalError::Rejected {
-                    op,
-                    reason: e.to_string(),
-                }
-            }
-        })?;
-        let mut last = after;
-        let journal = self.clone();
-        Ok(messages.filter_map(move |item| {
-            let decoded = match item {
-                Err(e) => Err(ordered_error(e)),
-                Ok(msg) => match msg.info() {
-                    Err(e) => Err(JournalError::Rejected {
-                        op,
-                        reason: format!("message without JetStream metadata: {e}"),
-                    }),
-                    Ok(info) if info.stream_sequence <= last => Ok(Decoded::Skip),
-                    Ok(info) => {
-                        let seq = info.stream_sequence;
-                        last = seq;
-                        Ok(decode(
-                            &run,
-                            StoredMessage {
-                                seq,
-                                subject: msg.subject.to_string(),
-                                headers: msg.headers.clone().unwrap_or_default(),
-                                payload: msg.payload.clone(),
-                            },
-                        ))
-                    }
-                },
-            };
-            let report = |run: &RunId, decoded: Result<Decoded, JournalError>| match decoded {
-                Err(e) => Some(Err(e)),
-                Ok(Decoded::Event(r)) => Some(Ok(r)),
-                Ok(Decoded::Skip | Decoded::ByReference(_)) => None,
-                Ok(Decoded::SetAside(a)) => {
-                    tracing::debug!(run_id = %run, seq = a.seq, reason = %a.reason, "tail: journal message set aside");
-                    None
-                }
-            };
-            match decoded {
-                // Only a message that holds its data by reference waits for the broker again.
-                Ok(Decoded::ByReference(m)) => {
-                    let (journal, run) = (journal.clone(), run.clone());
-                    async move { report(&run, journal.resolve_retrying(&run, m).await) }
-                        .left_future()
-                }
-                other => futures::future::ready(report(&run, other)).right_future(),
-            }
-        }))
-    }
-
-    /// [`Journal::resolve`] for a tail, which cannot come back to a message: broker trouble
-    /// reading the blob is waited out a few times before it is reported.
-    async fn resolve_retrying(
-        &self,
-        run: &RunId,
-        m: StoredMessage,
-    ) -> Result<Decoded, JournalError> {
-        let mut tries = 0u64;
-        loop {
-            match self.resolve(run, m.clone()).await {
-                Err(e) if e.kind() == ErrorKind::Unavailable && tries < 5 => {
-                    tries += 1;
-                    tokio::time::sleep(Duration::from_millis(200 * tries)).await;
-                }
-                other => return other,
-            }
-        }
-    }
-
     /// The latest message of each subject of `stream` under `filter` (wildcards allowed):
     /// e.g. every entry of a KV bucket under a key prefix, for a stream that keeps one message
     /// per subject. Read by batched direct gets in stream order, each page answered as one
@@ -1269,37 +1146,6 @@ impl Journal {
         .await
         .map_err(|e| JournalError::from_wire("last decision sequence", e))?;
         Ok(last.map_or(0, |m| m.seq))
-    }
-}
-
-fn consumer_error(
-    op: &'static str,
-    e: async_nats::jetstream::stream::ConsumerError,
-) -> JournalError {
-    let reason = e.to_string();
-    match e.kind() {
-        ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request => {
-            JournalError::Unavailable { op, reason }
-        }
-        ConsumerErrorKind::JetStream(err) if matches!(err.code(), 503 | 408) => {
-            JournalError::Unavailable { op, reason }
-        }
-        _ => JournalError::Rejected { op, reason },
-    }
-}
-
-fn ordered_error(e: async_nats::jetstream::consumer::pull::OrderedError) -> JournalError {
-    let op = "tail";
-    let reason = e.to_string();
-    match e.kind() {
-        OrderedErrorKind::MissingHeartbeat
-        | OrderedErrorKind::NoResponders
-        | OrderedErrorKind::Recreate
-        | OrderedErrorKind::Pull => JournalError::Unavailable { op, reason },
-        OrderedErrorKind::ConsumerDeleted
-        | OrderedErrorKind::PushBasedConsumer
-        | OrderedErrorKind::RequestLimitExceeded
-        | OrderedErrorKind::Other => JournalError::Rejected { op, reason },
     }
 }
 
