@@ -14,9 +14,10 @@ use futures::StreamExt;
 use kedge_core::subjects::{self, RUNS_STREAM};
 use kedge_core::{Envelope, EventType, RunId};
 
+use super::Journal;
 use super::decode::{Decoded, Recorded, decode};
+use super::read::{READ_PAGE, STALE_RETRIES};
 use super::tail::{consumer_error, ordered_error};
-use super::{Journal, READ_PAGE, STALE_RETRIES};
 use crate::error::{ErrorKind, JournalError};
 use crate::wire::{self, StoredMessage, WireError};
 

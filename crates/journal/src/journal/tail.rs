@@ -21,7 +21,7 @@ impl Journal {
     /// duplicate. Backed by an ordered consumer (`DeliverPolicy::ByStartSequence`, filter
     /// `agent.run.<id>.>`), which recreates itself after broker trouble from the last delivered
     /// sequence. Errors are yielded as items and the stream goes on. Messages that are not
-    /// events of the run are skipped (see [`SetAside`]).
+    /// events of the run are skipped (see [`SetAside`](super::SetAside)).
     pub fn tail(
         &self,
         run: &RunId,
