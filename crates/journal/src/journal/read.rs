@@ -100,7 +100,19 @@ struct Reading<'a> {
     max: usize,
 }
 
-impl Reading<'_> {
+impl<'a> Reading<'a> {
+    /// A read of `run` after `after` that takes at most `max` events.
+    fn new(run: &'a RunId, after: u64, max: usize) -> Self {
+        Self {
+            run,
+            out: ReadPage::default(),
+            reached: after,
+            first: 0,
+            fetched: 0,
+            max,
+        }
+    }
+
     /// Takes the next message of a page, in order: one at or before `reached` (a page asked
     /// again from an earlier sequence) is left out, and nothing more once `max` events are in.
     fn take(&mut self, m: StoredMessage) {
@@ -118,6 +130,18 @@ impl Reading<'_> {
     fn full(&self) -> bool {
         self.out.events.len() + self.out.by_reference.len() >= self.max
     }
+}
+
+/// One subject of a run in [`Journal::read_literal`], read page by page.
+struct Lane {
+    subject: String,
+    /// The subject's last sequence, as listed.
+    last: u64,
+    /// Where its next page starts.
+    from: u64,
+    /// The last sequence read of it (0: none yet).
+    read: u64,
+    done: bool,
 }
 
 /// Whether a run whose messages from `first` number `count` and end at `last` is spread over
@@ -311,14 +335,7 @@ impl Journal {
         let page_size = READ_PAGE.min(max);
         let t = self.timeout;
         let wildcard = filter.split('.').any(|token| token == ">" || token == "*");
-        let mut r = Reading {
-            run,
-            out: ReadPage::default(),
-            reached: after,
-            first: 0,
-            fetched: 0,
-            max,
-        };
+        let mut r = Reading::new(run, after, max);
         // A read from far behind a known end (the step service's cached fold of a run that
         // slept while the stream grew, woken by a timer or an answer): the probe below would
         // walk every message since `after` to find the next; the run's literal subjects skip
@@ -334,7 +351,6 @@ impl Journal {
             r.out.more = r.reached < through;
             return Ok(r.out);
         }
-        let leader_q = serde_json::json!({ "last_by_subj": filter });
         let first_batch = match through {
             _ if !wildcard => page_size,
             Some(through) if after > 0 && through.saturating_sub(after) <= NEAR_TAIL => {
@@ -342,29 +358,16 @@ impl Journal {
             }
             _ => 1,
         };
-        let leader = async {
-            match through {
-                Some(through) => Ok(Some(through)),
-                None => wire::leader_get(&self.client, RUNS_STREAM, leader_q.clone(), t)
-                    .await
-                    .map(|m| m.map(|m| m.seq)),
-            }
-        };
-        let (leader_last, first) = futures::join!(
-            leader,
-            wire::direct_batch(
-                &self.inbox,
-                RUNS_STREAM,
+        let (leader_last, mut pending) = self
+            .first_request(
+                &mut r,
                 filter,
                 after.saturating_add(1),
                 first_batch,
-                t,
-                |m| r.take(m),
-            ),
-        );
+                through,
+            )
+            .await?;
         let map = |e: WireError| JournalError::from_wire(op, e);
-        let mut leader_last = leader_last.map_err(map)?.unwrap_or(0);
-        let mut pending = first.map_err(map)?;
         let mut before = after;
         let mut stale = 0;
         // A run spread over history: read by its literal subjects. What it leaves (a replica
@@ -430,14 +433,68 @@ impl Journal {
             .await
             .map_err(map)?;
         }
+        let leader_last = self
+            .finish_from_leader(&mut r, filter, leader_last, through)
+            .await?;
+        r.out.more = r.reached < leader_last;
+        Ok(r.out)
+    }
+
+    /// The first round trip of [`Journal::read_stored`]: the leader's last message of the run
+    /// under `filter` (`through` instead, when the caller knows it) and, at once, the first
+    /// `batch` messages from `from`, taken into `r`. Returns that last sequence (0: none) and
+    /// how many matching messages are pending after the batch.
+    async fn first_request(
+        &self,
+        r: &mut Reading<'_>,
+        filter: &str,
+        from: u64,
+        batch: usize,
+        through: Option<u64>,
+    ) -> Result<(u64, u64), JournalError> {
+        let t = self.timeout;
+        let leader_q = serde_json::json!({ "last_by_subj": filter });
+        let leader = async {
+            match through {
+                Some(through) => Ok(Some(through)),
+                None => wire::leader_get(&self.client, RUNS_STREAM, leader_q, t)
+                    .await
+                    .map(|m| m.map(|m| m.seq)),
+            }
+        };
+        let first = wire::direct_batch(&self.inbox, RUNS_STREAM, filter, from, batch, t, |m| {
+            r.take(m)
+        });
+        let (leader_last, first) = futures::join!(leader, first);
+        let map = |e: WireError| JournalError::from_wire("read", e);
+        let leader_last = leader_last.map_err(map)?.unwrap_or(0);
+        let pending = first.map_err(map)?;
+        Ok((leader_last, pending))
+    }
+
+    /// The end of a [`Journal::read_stored`] whose pages stopped short (the replica that
+    /// answered trails the leader, or made no progress): the leader reads on, one message at a
+    /// time, until `r` is full or reaches `leader_last`. With `through`, `leader_last` is known
+    /// only as a lower bound, so the leader is asked first where the run ends. Returns the
+    /// run's last sequence so found.
+    async fn finish_from_leader(
+        &self,
+        r: &mut Reading<'_>,
+        filter: &str,
+        mut leader_last: u64,
+        through: Option<u64>,
+    ) -> Result<u64, JournalError> {
+        let t = self.timeout;
+        let map = |e: WireError| JournalError::from_wire("read", e);
         if through.is_some() {
             // Known only as a lower bound so far: ask the leader where the run ends.
+            let leader_q = serde_json::json!({ "last_by_subj": filter });
             let last = wire::leader_get(&self.client, RUNS_STREAM, leader_q, t)
                 .await
                 .map_err(map)?;
             leader_last = leader_last.max(last.map_or(0, |m| m.seq));
         }
-        tracing::debug!(run_id = %run, reached = r.reached, leader_last, "read: finishing from the leader");
+        tracing::debug!(run_id = %r.run, reached = r.reached, leader_last, "read: finishing from the leader");
         while r.reached < leader_last && !r.full() {
             let q =
                 serde_json::json!({ "seq": r.reached.saturating_add(1), "next_by_subj": filter });
@@ -449,8 +506,7 @@ impl Journal {
             };
             r.take(m);
         }
-        r.out.more = r.reached < leader_last;
-        Ok(r.out)
+        Ok(leader_last)
     }
 
     /// Reads on from `r.reached` by the literal subjects under `filter` (the run's tree), merged
@@ -487,46 +543,13 @@ impl Journal {
         page: usize,
         leader_last: u64,
     ) -> Result<bool, JournalError> {
-        struct Lane {
-            subject: String,
-            /// The subject's last sequence, as listed.
-            last: u64,
-            /// Where its next page starts.
-            from: u64,
-            /// The last sequence read of it (0: none yet).
-            read: u64,
-            done: bool,
-        }
         let t = self.timeout;
         let map = |e: WireError| JournalError::from_wire("read", e);
-        let mut lanes: Vec<Lane> = Vec::new();
-        let listed = wire::direct_subjects_last(
-            &self.inbox,
-            RUNS_STREAM,
-            filter,
-            r.reached.saturating_add(1),
-            MAX_LANES + 1,
-            t,
-            |m| {
-                lanes.push(Lane {
-                    subject: m.subject,
-                    last: m.seq,
-                    from,
-                    read: 0,
-                    done: false,
-                })
-            },
-        )
-        .await;
-        let up_to = match listed {
-            Ok(eob) if eob.pending == 0 && lanes.len() <= MAX_LANES => match eob.up_to {
-                Some(up_to) if up_to >= leader_last => up_to,
-                _ => return Ok(false),
-            },
-            Ok(_) => return Ok(false),
-            // More subjects than the server lists at once.
-            Err(WireError::Api(e)) if e.code == 413 => return Ok(false),
-            Err(e) => return Err(map(e)),
+        let Some((mut lanes, up_to)) = self
+            .list_lanes(filter, r.reached.saturating_add(1), from, leader_last)
+            .await?
+        else {
+            return Ok(false);
         };
         // A bounded read asks each subject for its share of the page (a subject read ahead
         // past what the page takes costs the messages walked to find it); more as it is taken.
@@ -606,6 +629,49 @@ impl Journal {
                 return Ok(true);
             }
         }
+    }
+
+    /// Step 1 of [`Journal::read_literal`]: the subjects under `filter` with a message at or
+    /// after `after`, each with its last sequence and to be read from `from`, and the sequence
+    /// through which the list holds. `None` when the list does not hold through `leader_last`
+    /// or has more than [`MAX_LANES`] subjects: the read goes on by wildcard.
+    async fn list_lanes(
+        &self,
+        filter: &str,
+        after: u64,
+        from: u64,
+        leader_last: u64,
+    ) -> Result<Option<(Vec<Lane>, u64)>, JournalError> {
+        let mut lanes: Vec<Lane> = Vec::new();
+        let listed = wire::direct_subjects_last(
+            &self.inbox,
+            RUNS_STREAM,
+            filter,
+            after,
+            MAX_LANES + 1,
+            self.timeout,
+            |m| {
+                lanes.push(Lane {
+                    subject: m.subject,
+                    last: m.seq,
+                    from,
+                    read: 0,
+                    done: false,
+                })
+            },
+        )
+        .await;
+        let up_to = match listed {
+            Ok(eob) if eob.pending == 0 && lanes.len() <= MAX_LANES => match eob.up_to {
+                Some(up_to) if up_to >= leader_last => up_to,
+                _ => return Ok(None),
+            },
+            Ok(_) => return Ok(None),
+            // More subjects than the server lists at once.
+            Err(WireError::Api(e)) if e.code == 413 => return Ok(None),
+            Err(e) => return Err(JournalError::from_wire("read", e)),
+        };
+        Ok(Some((lanes, up_to)))
     }
 
     /// The blobs the run's journal refers to (messages that hold their data by reference),
