@@ -78,7 +78,7 @@ fn shorten(mut reason: String) -> String {
 
 /// Turns a stored message of `run` into a [`Recorded`], or sets it aside with the reason.
 pub(super) fn decode(run: &RunId, m: StoredMessage) -> Decoded {
-    let prefix = format!("agent.run.{run}.");
+    let prefix = kedge_core::subjects::run_prefix(run);
     let set_aside = |kind: EventKind, reason: String| {
         Decoded::SetAside(SetAside {
             seq: m.seq,

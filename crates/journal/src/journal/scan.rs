@@ -144,7 +144,7 @@ impl Journal {
             .await
             .map_err(|e| unavailable(&e))?;
         let mut created = stream
-            .info_with_subjects("agent.run.*.d.run.created")
+            .info_with_subjects(subjects::event_all_runs(EventType::RunCreated))
             .await
             .map_err(|e| unavailable(&e))?;
         let mut runs = Vec::new();
@@ -196,7 +196,7 @@ impl Journal {
                 })?;
         let consumer = stream
             .create_consumer(OrderedConfig {
-                filter_subject: "agent.run.>".to_owned(),
+                filter_subject: subjects::JOURNAL_ALL.to_owned(),
                 headers_only: true,
                 deliver_policy: DeliverPolicy::ByStartSequence {
                     start_sequence: after.saturating_add(1),
@@ -269,7 +269,7 @@ impl Journal {
         target: u64,
     ) -> Result<(), JournalError> {
         while after < target {
-            let q = serde_json::json!({ "seq": after.saturating_add(1), "next_by_subj": "agent.run.>" });
+            let q = serde_json::json!({ "seq": after.saturating_add(1), "next_by_subj": subjects::JOURNAL_ALL });
             match wire::leader_get(&self.client, RUNS_STREAM, q, self.timeout)
                 .await
                 .map_err(|e| JournalError::from_wire("runs touched", e))?
