@@ -24,11 +24,14 @@
 //! - `decision` and `input`: what each decision and each input does to the run;
 //! - `group`: a step's decision group and what it makes the run wait on, and version gates;
 //! - `transcript`: the conversation the model reads and its digest;
-//! - `operation`: the tool operations ([`ToolOp`]) and how each operation event moves one.
+//! - `operation`: the tool operations ([`ToolOp`]) and how each operation event moves one;
+//! - [`lifecycle`]: the operation lifecycle declared as one table, which the fold is tested
+//!   against.
 
 mod decision;
 mod group;
 mod input;
+pub mod lifecycle;
 mod operation;
 mod run;
 mod transcript;

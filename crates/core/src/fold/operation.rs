@@ -1,5 +1,7 @@
 //! Tool operations: where each stands ([`ToolOp`]) and how each operation event moves one
-//! (docs/ARCHITECTURE.md "The tool service", "Tool retries").
+//! (docs/ARCHITECTURE.md "The tool service", "Tool retries"). What every event does to an
+//! operation in every phase is declared in [`super::lifecycle`], and tested against this code
+//! there.
 
 use crate::event::{
     ApprovalRequested, Envelope, OpFate, OpSummary, Resolution, TargetMoved, Timestamp,
