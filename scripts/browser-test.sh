@@ -47,4 +47,4 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 export KEDGE_NATS_SERVER="${KEDGE_NATS_SERVER:-$ROOT/.tools/bin/nats-server}"
 cd "$ROOT"
-exec cargo test -p kedge --test bridge_browser --test console_browser -- --nocapture
+exec cargo test -p kedge --test e2e -- bridge_browser:: console_browser:: --nocapture

@@ -346,6 +346,13 @@ pub fn run_prefix(run: &RunId) -> String {
     format!("agent.run.{run}.")
 }
 
+/// The run whose journal tree `subject` is in (`agent.run.<run>.…`); `None` for anything else.
+pub fn run_of(subject: &str) -> Option<RunId> {
+    let rest = subject.strip_prefix("agent.run.")?;
+    let (run, _) = rest.split_once('.')?;
+    run.parse().ok()
+}
+
 /// Every run's events of one type (`agent.run.*.<d|i>.<type>`): a filter across runs.
 pub fn event_all_runs(event_type: EventType) -> String {
     format!(

@@ -2,7 +2,7 @@
 //! the crash experiments: a step worker killed after the model answered, a tool worker killed
 //! after its side effect, two step workers racing.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! the effect (see agent_loop.rs); a tool whose outcome cannot be known parks the run in
 //! `unknown` until a person resolves it — never an automatic retry.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! approval whose digest matches what executes; a denial tells the model; a stale approval is
 //! invalidated and asked again; an expired one never runs.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,7 +5,7 @@
 //! for its readers, no stored message is over 64 KiB, the bridge serves the blobs to the run's
 //! tenant, and the default limit still cuts a tool whose policy says nothing.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

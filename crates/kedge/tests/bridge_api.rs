@@ -3,8 +3,8 @@
 //! rule; every bad input answered with its status and a reason; tenant isolation on every
 //! endpoint; the OpenAPI document against the routes.
 
-mod bridge_support;
-mod common;
+use crate::bridge_support;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};

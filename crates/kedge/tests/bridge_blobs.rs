@@ -2,8 +2,8 @@
 //! reference, `/history` and SSE show it whole, and `GET /v1/runs/{id}/blobs/{digest}` serves
 //! the blob to the run's tenant only, and only a blob the run refers to.
 
-mod bridge_support;
-mod common;
+use crate::bridge_support;
+use crate::common;
 
 use std::time::Duration;
 

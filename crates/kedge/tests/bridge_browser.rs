@@ -7,8 +7,8 @@
 //! over the bridge answers the last reconnect with 204, EventSource closes, and the ids the page
 //! collected must equal `/history`'s: every public event, once, in order.
 
-mod bridge_support;
-mod common;
+use crate::bridge_support;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Stdio;

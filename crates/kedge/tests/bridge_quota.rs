@@ -1,8 +1,8 @@
 //! The bridge's per-tenant quotas: runs started per minute, unfinished runs, open event
 //! streams. Past a limit the answer is 429 with `Retry-After`; another tenant is not affected.
 
-mod bridge_support;
-mod common;
+use crate::bridge_support;
+use crate::common;
 
 use std::time::Duration;
 

@@ -3,7 +3,7 @@
 //! a kept-alive connection left idle); normal requests are still answered. Raw TCP, so the test
 //! sees exactly what the server does with the socket.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -4,8 +4,8 @@
 //! and a client that stops reading delays none of them (and, when it reads again, catches up
 //! with nothing missing).
 
-mod bridge_support;
-mod common;
+use crate::bridge_support;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

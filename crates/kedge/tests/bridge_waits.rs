@@ -1,8 +1,8 @@
 //! The bridge's endpoints for what runs wait on: approval decisions and external callbacks,
 //! with their statuses and tenant isolation.
 
-mod bridge_support;
-mod common;
+use crate::bridge_support;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! External callbacks over NATS: a duplicate has one effect, an early one is matched when the
 //! run starts waiting, an expired one is refused, one for an unknown key is recorded.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! Cooperative cancel from every kind of state: the run ends `cancelled` exactly once, nothing is
 //! dispatched after the request, and `run.cancelled` names every operation's outcome.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

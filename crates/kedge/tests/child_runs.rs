@@ -7,7 +7,7 @@
 //! child, and right after the child's worker ended the child but before it gave the parent its
 //! result. Each ends with one child per operation and one result.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

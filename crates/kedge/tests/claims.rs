@@ -2,7 +2,7 @@
 //! record is held, an old one (or one whose dispatch the journal superseded) is taken over by
 //! exactly one of concurrent takers, and a released dispatch never runs again.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! `kedge watch` as an operator runs it: every line carries the time since
 //! the run was created, and the model's text streams in while the step thinks.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

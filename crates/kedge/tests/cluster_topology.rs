@@ -24,8 +24,7 @@
 //! the processes' logs are kept under the printed directory when it fails, or with
 //! `KEDGE_TEST_KEEP=1`.
 
-#[path = "support/compose.rs"]
-mod compose;
+use crate::compose;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;

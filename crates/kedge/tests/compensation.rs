@@ -3,7 +3,7 @@
 //! an operation with its own id that the tool service runs exactly once, even when the tool
 //! worker is killed -9 right after the compensation's effect; irreversible effects are listed.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

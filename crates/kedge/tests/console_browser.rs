@@ -21,8 +21,8 @@
 //! Also here, without a browser: the console's assets and headers, and the SSE ticket that
 //! replaces `?access_token=` (bound to its run and tenant, expiring).
 
-mod bridge_support;
-mod common;
+use crate::bridge_support;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Stdio;

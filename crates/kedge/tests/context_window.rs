@@ -5,7 +5,7 @@
 //! old behaviour. The strict mock refuses a request over its `context_window` with each API's
 //! real error.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

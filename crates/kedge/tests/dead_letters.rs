@@ -4,7 +4,7 @@
 //! (the step's and intake's are in `hostile.rs`). A failure is injected as a panic at the
 //! handler's failpoint, so each test also shows the panic is contained.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
@@ -59,6 +59,19 @@ fn spawn_projector(config: &Config) {
 async fn publish(h: &Harness, subject: String, payload: Vec<u8>) {
     h.rt.js
         .publish(subject, payload.into())
+        .await
+        .expect("published")
+        .await
+        .expect("stored");
+}
+
+/// Publishes a decision of `run` as its writer appends one (with the writer's `Nats-Msg-Id`).
+async fn publish_decision(h: &Harness, run: &RunId, subject: String, payload: Vec<u8>) {
+    let mut headers = async_nats::HeaderMap::new();
+    let id = kedge_journal::decision_msg_id(run, 0, 0, "w-test");
+    headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
+    h.rt.js
+        .publish_with_headers(subject, headers, payload.into())
         .await
         .expect("published")
         .await
@@ -134,6 +147,21 @@ async fn a_timer_firing_that_always_fails_is_a_dead_letter_after_max_deliver() {
     assert!(h.events(&run).await.is_empty());
 }
 
+/// A `timer.scheduled` of `run`'s deadline, due now.
+fn deadline_timer(run: &RunId) -> kedge_core::event::Envelope {
+    kedge_core::event::Envelope::new(
+        run.clone(),
+        Timestamp::now(),
+        kedge_core::event::Draft::new(kedge_core::event::Event::TimerScheduled(
+            kedge_core::event::TimerScheduled {
+                timer_id: TimerId::for_deadline(run),
+                fire_at: Timestamp::now(),
+                purpose: kedge_core::event::TimerPurpose::RunDeadline,
+            },
+        )),
+    )
+}
+
 #[tokio::test]
 async fn a_timer_decision_that_always_fails_or_is_poison_is_a_dead_letter() {
     let h = harness().await;
@@ -147,25 +175,33 @@ async fn a_timer_decision_that_always_fails_or_is_poison_is_a_dead_letter() {
     assert!(
         record["reason"]
             .as_str()
-            .is_some_and(|r| r.contains("not an envelope")),
+            .is_some_and(|r| r.contains("not an event envelope")),
+        "{record}"
+    );
+    // Poison too: a well-formed timer decision its run's writer did not append (no writer's
+    // `Nats-Msg-Id`): decoded as every journal consumer decodes it, and never scheduled.
+    let forged = RunId::generate();
+    let subject = format!("agent.run.{forged}.d.timer.scheduled");
+    publish(&h, subject.clone(), deadline_timer(&forged).to_json_bytes()).await;
+    let record = dead_letter(&h, Durable::Timer, &subject).await;
+    assert_eq!(record["deliveries"], 1, "{record}");
+    assert!(
+        record["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("without the writer's Nats-Msg-Id")),
         "{record}"
     );
     // A well-formed decision whose handling always fails: after `max_deliver` deliveries.
     let run = RunId::generate();
     failpoint::arm_panic("timer.schedule", run.as_str(), u32::MAX);
-    let envelope = kedge_core::event::Envelope::new(
-        run.clone(),
-        Timestamp::now(),
-        kedge_core::event::Draft::new(kedge_core::event::Event::TimerScheduled(
-            kedge_core::event::TimerScheduled {
-                timer_id: TimerId::for_deadline(&run),
-                fire_at: Timestamp::now(),
-                purpose: kedge_core::event::TimerPurpose::RunDeadline,
-            },
-        )),
-    );
     let subject = format!("agent.run.{run}.d.timer.scheduled");
-    publish(&h, subject.clone(), envelope.to_json_bytes()).await;
+    publish_decision(
+        &h,
+        &run,
+        subject.clone(),
+        deadline_timer(&run).to_json_bytes(),
+    )
+    .await;
     let record = dead_letter(&h, Durable::Timer, &subject).await;
     let max = consumer::max_deliver(Durable::Timer).expect("bounded");
     assert_eq!(record["deliveries"], max, "{record}");

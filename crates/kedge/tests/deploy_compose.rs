@@ -8,8 +8,7 @@
 //! `service_healthy`, one-shots behind every `service_completed_successfully`, pinned images, a
 //! non-root Dockerfile). `cluster_topology.rs` runs the same topology as processes.
 
-#[path = "support/compose.rs"]
-mod compose;
+use crate::compose;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

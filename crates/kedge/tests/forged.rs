@@ -7,7 +7,7 @@
 //! (`kedge.tool.inspect`) about a run that does not exist, or through a tool its agent does not
 //! declare, is refused too. The legitimate paths still run.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

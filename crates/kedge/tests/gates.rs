@@ -6,7 +6,7 @@
 //! `a-gated-run-waits-without-run-waiting` (`KEDGE_BLESS=a-gated-run-waits-without-run-waiting`),
 //! so later builds are checked against it.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! aside and recorded while the run goes on; a panic in a drive is contained; intake answers
 //! what it cannot do as a rejection instead of retrying it forever.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

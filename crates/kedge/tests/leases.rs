@@ -3,7 +3,7 @@
 //! taking it again (two lease writes fewer per agent-loop step), and lets go of it when another
 //! step worker woken for the run asks.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

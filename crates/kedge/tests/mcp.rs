@@ -5,7 +5,7 @@
 //! configured with `"sandbox"` are confined by the tool service's bubblewrap sandbox (tested with
 //! `tests/fixtures/probe-mcp-server.js`, on the same `node`).
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

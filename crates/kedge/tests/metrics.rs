@@ -7,7 +7,7 @@
 //! latency and the reused model answer; a bridge counts its open event streams. An address that
 //! cannot be bound stops `kedge serve` at once, naming it.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};

@@ -4,7 +4,7 @@
 //! keeps the settings it started with when the agent is edited, and `budget.max_cost` stops a
 //! run at its model's price.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

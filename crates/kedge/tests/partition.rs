@@ -6,7 +6,7 @@
 //! effect happen once and nobody asked. The cut is a TCP proxy between the worker and
 //! nats-server (`kedge_testkit::proxy`).
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::path::Path;

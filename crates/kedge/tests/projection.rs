@@ -4,7 +4,7 @@
 //! run's stored summary ends as the fold of its whole journal: an older fold never stays
 //! stored, and no delivery is acknowledged before a summary through it is stored.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

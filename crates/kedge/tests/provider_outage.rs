@@ -8,7 +8,7 @@
 //! `KEDGE_OUTAGE_SECS` (default 4) sets each outage's length (the outage bench's 60 s,
 //! docs/PERFORMANCE.md "Provider outage": set it to 60).
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

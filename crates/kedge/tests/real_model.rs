@@ -14,7 +14,7 @@
 //! `scripts/llama-server.sh` first and exports `KEDGE_LLAMA_SERVER` / `KEDGE_LLAMA_MODEL`;
 //! without them the test looks in `.tools/llama/` itself. `KEDGE_SKIP_REAL_MODEL=1` skips it.
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;

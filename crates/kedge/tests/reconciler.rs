@@ -1,7 +1,7 @@
 //! The reconciler nudges a run whose wake was acked but whose step never ran, once across
 //! replicas, and leaves runs that legitimately wait alone.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! records, lease and projection entry, archives its journal first when asked, never touches a
 //! run that is not finished, and is idempotent; only the admin's credentials may purge.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -4,7 +4,7 @@
 //! touches an unfinished run, and two replicas at once do it once in effect; agent revisions stay
 //! readable however often the agent is edited while a run uses an old one.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

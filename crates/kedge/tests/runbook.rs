@@ -9,7 +9,7 @@
 //!
 //! Skips, saying why, when python3 or nats-py is not there.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 //! children die with it at the timeout. End to end: the mock model calls the tools of a real tool
 //! service (sandbox `bwrap`, the default) on a real broker.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -7,7 +7,7 @@
 //! refused by the server: proven both by the failed request and by the server's own permission
 //! error naming the subject.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! any of the three planted secrets: only sealed tokens. Without a seal key such a run is
 //! refused before anything is journaled.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

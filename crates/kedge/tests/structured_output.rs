@@ -5,7 +5,7 @@
 //! answer fails the run, naming the JSON path; with `retry` it goes back to the model with the
 //! errors (`output.rejected`), a bounded number of times.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -8,7 +8,7 @@
 //! bench) and far below the timeout that would otherwise have recovered the run, so they prove
 //! which mechanism acted, not how fast this machine is.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

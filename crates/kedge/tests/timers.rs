@@ -3,7 +3,7 @@
 //! once however often `timer.scheduled` is delivered, fire at once when past due, and are a
 //! no-op for a run that has moved on.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! a readable error result for that call and nothing runs; a task whose numbers are out of range
 //! is rejected naming the field (item 4).
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

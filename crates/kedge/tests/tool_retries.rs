@@ -10,7 +10,7 @@
 //! tool is `fixtures/flaky-mcp-server.js` (plain Node), which fails on purpose and records every
 //! start and call in files.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

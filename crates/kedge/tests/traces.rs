@@ -5,7 +5,7 @@
 //! all in the submitter's trace, none of them a root; intake under the submitter's span, or under
 //! the bridge's.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};

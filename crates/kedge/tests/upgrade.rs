@@ -8,7 +8,7 @@
 //! Fixtures are kept from release to release, so this test runs each release's services on
 //! journals an earlier release wrote.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -86,7 +86,7 @@ use async_nats::jetstream::Message;
 use futures::FutureExt as _;
 use kedge_core::event::{Draft, Envelope, Event, TimerFired, Timestamp};
 use kedge_core::subjects::Durable;
-use kedge_journal::JournalError;
+use kedge_journal::{Delivered, Delivery, JournalError};
 use kedge_runtime::consumer::{Backoff, Verdict};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tracing::Instrument;
@@ -194,9 +194,24 @@ impl Kind {
 
 /// A `timer.scheduled` decision: store its schedule in `KEDGE_TIMERS`.
 async fn on_scheduled(rt: &Runtime, msg: &Message) -> Verdict {
-    let envelope = match Envelope::from_json_bytes(&msg.payload) {
-        Ok(e) => e,
-        Err(e) => return Verdict::Poison(format!("not an envelope: {e}")),
+    // Decoded as every consumer of the journal decodes it: a message that is not the run
+    // writer's decision is never scheduled.
+    let Ok(info) = msg.info() else {
+        return Verdict::Poison("not a journal message: no JetStream metadata".into());
+    };
+    let delivered = Delivered {
+        seq: info.stream_sequence,
+        subject: msg.subject.as_str(),
+        headers: msg.headers.as_ref(),
+        payload: &msg.payload,
+    };
+    let envelope = match rt.journal.decode_delivered(delivered).await {
+        Ok(Delivery::Event(recorded)) => recorded.envelope,
+        Ok(Delivery::SetAside(set_aside)) => {
+            return Verdict::Poison(format!("set aside: {}", set_aside.reason));
+        }
+        Ok(Delivery::NotAnEvent) => return Verdict::Poison("not an event subject".into()),
+        Err(e) => return Verdict::Retry(format!("cannot decode it yet: {e}"), backoff(rt)),
     };
     let Event::TimerScheduled(t) = &envelope.event else {
         return Verdict::Poison("not a timer.scheduled event".into());

@@ -24,6 +24,21 @@ pub struct Delivered<'a> {
     pub payload: &'a Bytes,
 }
 
+/// What a message a consumer of the journal delivered is: the one decoding every consumer of
+/// `KEDGE_RUNS` applies ([`Journal::decode_delivered`]), the same checks a read applies.
+/// Short-lived (matched on at once), so the size of its event variant does not matter.
+#[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)]
+pub enum Delivery {
+    /// An event of the run its subject names (every check passed; data held by reference read
+    /// back).
+    Event(Recorded),
+    /// Under a run's tree but not on an event subject (`.d.`/`.i.`): nothing to act on.
+    NotAnEvent,
+    /// On a run's event subject but not an event of that run, with the reason.
+    SetAside(SetAside),
+}
+
 /// An event as the journal holds it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recorded {
@@ -216,6 +231,43 @@ impl Journal {
                     .map_err(|e| invalid(format!("not an event envelope: {e}")))
             }
         }
+    }
+
+    /// Decodes a message a consumer of the journal delivered: the checks every read applies
+    /// (the subject's run, the envelope's run and subject, the writer's `Nats-Msg-Id` on a
+    /// decision) and data held by reference read back. Broker trouble reading a blob is an
+    /// error (deliver it again); anything else that is not an event of its run is set aside.
+    pub async fn decode_delivered(&self, d: Delivered<'_>) -> Result<Delivery, JournalError> {
+        let m = StoredMessage {
+            seq: d.seq,
+            subject: d.subject.to_owned(),
+            headers: d.headers.cloned().unwrap_or_default(),
+            payload: d.payload.clone(),
+        };
+        let Some(run) = kedge_core::subjects::run_of(d.subject) else {
+            return Ok(Delivery::SetAside(SetAside {
+                seq: d.seq,
+                subject: d.subject.chars().take(MAX_REASON).collect(),
+                kind: EventKind::Input,
+                reason: "not a subject of the journal".into(),
+            }));
+        };
+        let decoded = match decode(&run, m) {
+            Decoded::ByReference(m) => self.resolve(&run, m).await?,
+            other => other,
+        };
+        Ok(match decoded {
+            Decoded::Event(recorded) => Delivery::Event(recorded),
+            Decoded::Skip => Delivery::NotAnEvent,
+            Decoded::SetAside(s) => Delivery::SetAside(s),
+            // `resolve` reads a reference once and never returns another.
+            Decoded::ByReference(m) => Delivery::SetAside(SetAside {
+                seq: m.seq,
+                subject: m.subject.chars().take(MAX_REASON).collect(),
+                kind: EventKind::Input,
+                reason: "its blob holds another reference".into(),
+            }),
+        })
     }
 
     /// [`decode`] of a message that holds its data by reference, once the blob is read: a

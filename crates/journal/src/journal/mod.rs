@@ -57,7 +57,7 @@ pub use append::{
     Appended, DecisionMsgId, DecisionWriter, InputAppended, MAX_GROUP, decision_msg_id,
     parse_decision_msg_id,
 };
-pub use decode::{Delivered, Recorded, SetAside};
+pub use decode::{Delivered, Delivery, Recorded, SetAside};
 pub use read::ReadPage;
 pub use scan::{LastEvent, Latest, purge};
 
