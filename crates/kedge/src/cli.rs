@@ -8,9 +8,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use futures::StreamExt;
 use kedge_core::agent::AgentDefinition;
-use kedge_core::event::{
-    CancelRequested, Draft, Envelope, Event, QuestionAnswered, Timestamp, UserMessage,
-};
+use kedge_core::event::{Draft, Envelope, Event, Timestamp};
 use kedge_core::ids::{AgentName, QuestionId, RunId};
 use kedge_core::subjects;
 use kedge_core::task::TaskSubmission;
@@ -161,6 +159,7 @@ pub enum Command {
         by: String,
     },
     /// Serve the strict mock model (OpenAI and Anthropic wire formats).
+    #[cfg(feature = "mock-llm")]
     MockLlm {
         #[arg(long, default_value_t = 0)]
         port: u16,
@@ -169,6 +168,7 @@ pub enum Command {
         script: Option<PathBuf>,
     },
     /// A demo run on the built-in mock model, with its own nats-server.
+    #[cfg(feature = "mock-llm")]
     Demo(crate::demo::DemoArgs),
     /// The kedge_runs projection (a cache of the journal).
     #[command(subcommand)]
@@ -384,16 +384,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     // processes that set up or serve keep the configured wait (compose starts them together).
     if !matches!(
         cli.command,
-        Command::Serve { .. }
-            | Command::Layout
-            | Command::Demo(_)
-            | Command::Agents(_)
-            | Command::MockLlm { .. }
-            | Command::NatsConfig(_)
-    ) {
+        Command::Serve { .. } | Command::Layout | Command::Agents(_) | Command::NatsConfig(_)
+    ) && !serves_the_mock(&cli.command)
+    {
         config.nats.connect_wait_ms = config.nats.connect_wait_ms.min(CLI_CONNECT_WAIT_MS);
     }
     match cli.command {
+        #[cfg(feature = "mock-llm")]
         Command::Demo(args) => crate::demo::run(args, config).await,
         Command::Dead(cmd) => dead(&Runtime::connect_existing(config).await?, cmd).await,
         Command::Providers { output } => {
@@ -450,6 +447,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{}", serde_json::to_string_pretty(&specs)?);
             Ok(ExitCode::SUCCESS)
         }
+        #[cfg(feature = "mock-llm")]
         Command::MockLlm { port, script } => {
             let text = match &script {
                 Some(p) => {
@@ -551,8 +549,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Message { run, text } => {
             let rt = Runtime::connect_existing(config).await?;
-            let key = InputId::message(&run, None);
-            send_input(&rt, &run, Event::UserMessage(UserMessage { text }), &key).await
+            let events = run_events(&rt, &run).await?;
+            report_input(kedge_runtime::inputs::message(&rt, &run, &events, text, None).await)
         }
         Command::Answer {
             run,
@@ -642,11 +640,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Cancel { run, reason } => {
             let rt = Runtime::connect_existing(config).await?;
-            let event = Event::CancelRequested(CancelRequested {
-                reason,
-                by: Some("cli".into()),
-            });
-            send_input(&rt, &run, event, &InputId::cancel(&run)).await
+            let events = run_events(&rt, &run).await?;
+            let by = Some("cli".to_owned());
+            report_input(kedge_runtime::inputs::cancel(&rt, &run, &events, reason, by).await)
         }
     }
 }
@@ -779,21 +775,53 @@ fn uuid_like() -> String {
     RunId::generate().body().to_owned()
 }
 
-/// Answers a run's question (`kedge answer`, and `kedge watch` on a terminal).
+/// Whether the command runs the mock model (`kedge demo`, `kedge mock-llm`: only in a build
+/// with the `mock-llm` feature, the default).
+fn serves_the_mock(command: &Command) -> bool {
+    #[cfg(feature = "mock-llm")]
+    if matches!(command, Command::Demo(_) | Command::MockLlm { .. }) {
+        return true;
+    }
+    let _ = command;
+    false
+}
+
+/// Answers a run's question (`kedge answer`, and `kedge watch` on a terminal), through the
+/// same checks as the bridge and the gateway (`kedge_runtime::inputs`).
 async fn send_answer(
     rt: &Runtime,
     run: &RunId,
     question: QuestionId,
     answer: String,
 ) -> anyhow::Result<ExitCode> {
-    let key = InputId::answer(&question);
-    let event = Event::QuestionAnswered(QuestionAnswered {
-        question_id: question,
-        answer,
-    });
-    send_input(rt, run, event, &key).await
+    let events = run_events(rt, run).await?;
+    report_input(kedge_runtime::inputs::answer(rt, run, &events, &question, answer).await)
 }
 
+/// A run's journal, for an operator's input (`kedge message|answer|cancel`: an operator may
+/// act on any tenant's run); an error when there is no such run.
+async fn run_events(rt: &Runtime, run: &RunId) -> anyhow::Result<Vec<kedge_journal::Recorded>> {
+    let events = rt.journal.read(run, 0).await?;
+    if events.is_empty() {
+        bail!("no run {run}");
+    }
+    Ok(events)
+}
+
+/// Prints where an input was journaled (or that it already was); a refusal is the error.
+fn report_input(
+    done: Result<kedge_runtime::inputs::Appended, kedge_runtime::inputs::Refusal>,
+) -> anyhow::Result<ExitCode> {
+    let done = done.map_err(|r| anyhow::anyhow!("refused ({}): {r}", r.status()))?;
+    match (done.duplicate, done.seq) {
+        (false, seq) => println!("journaled at {seq}"),
+        (true, 0) => println!("already journaled"),
+        (true, seq) => println!("already journaled at {seq}"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Journals an operator's nudge of a run (`kedge dead retry`).
 async fn send_input(
     rt: &Runtime,
     run: &RunId,

@@ -2,7 +2,9 @@
 //! inspect and steer runs. Every subcommand is a thin shell over the library crates.
 
 mod cli;
+#[cfg(feature = "mock-llm")]
 mod demo;
+#[cfg(feature = "mock-llm")]
 mod local_nats;
 mod nats_config;
 mod timeline;
@@ -52,11 +54,14 @@ fn init_tracing(args: &cli::Cli) -> Option<opentelemetry_sdk::trace::SdkTracerPr
     use tracing_subscriber::layer::{Layer, SubscriberExt};
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::{EnvFilter, Registry, filter::Targets};
-    let default = match &args.command {
-        cli::Command::Demo(_) | cli::Command::Mcp(_) => "warn",
-        // rmcp logs every session's start and end at info.
-        _ => "info,rmcp=warn",
+    let quiet = match &args.command {
+        #[cfg(feature = "mock-llm")]
+        cli::Command::Demo(_) => true,
+        cli::Command::Mcp(_) => true,
+        _ => false,
     };
+    // rmcp logs every session's start and end at info.
+    let default = if quiet { "warn" } else { "info,rmcp=warn" };
     let filter = EnvFilter::try_from_env("KEDGE_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     let lines: Box<dyn Layer<Registry> + Send + Sync> = if args.log_json {
         tracing_subscriber::fmt::layer()
