@@ -47,7 +47,6 @@
 
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use futures::StreamExt;
 use kedge_core::event::EventType;
 use kedge_core::event::Timestamp;
@@ -55,7 +54,7 @@ use kedge_core::event::{Digest, Event};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{
     self, BLOBS_BUCKET, IDEMPOTENCY_BUCKET, IDEMPOTENCY_STREAM, LEASES_BUCKET, LEASES_STREAM,
-    REJECTIONS_STREAM, RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, TIMERS_STREAM, kv_key,
+    REJECTIONS_STREAM, RUNS_BUCKET, RUNS_BUCKET_STREAM, TIMERS_STREAM, kv_key,
 };
 use kedge_journal::JournalError;
 use serde::{Deserialize, Serialize};
@@ -312,17 +311,12 @@ pub async fn purge_finished(
 /// which terminal events were handled (JSON [`Cursor`]).
 pub const CURSOR_KEY: &str = "retention.cursor";
 
-/// The subjects of the terminal events the retention service reads.
-pub fn terminal_subjects() -> Vec<String> {
-    [
-        EventType::RunSucceeded,
-        EventType::RunFailed,
-        EventType::RunCancelled,
-    ]
-    .into_iter()
-    .map(subjects::event_all_runs)
-    .collect()
-}
+/// The terminal events the retention service reads.
+const TERMINAL: [EventType; 3] = [
+    EventType::RunSucceeded,
+    EventType::RunFailed,
+    EventType::RunCancelled,
+];
 
 /// Runs purged at once within a batch.
 const CONCURRENT_PURGES: usize = 8;
@@ -504,52 +498,10 @@ async fn terminal_events(
     max: usize,
     horizon: time::OffsetDateTime,
 ) -> Result<(Vec<(u64, RunId)>, bool), RetentionError> {
-    let failed = |e: &dyn std::fmt::Display| RetentionError::Cursor(e.to_string());
-    let stream = rt
-        .js
-        .get_stream_no_info(RUNS_STREAM)
+    rt.journal
+        .runs_with_events(&TERMINAL, after, max, horizon)
         .await
-        .map_err(|e| failed(&e))?;
-    let consumer = stream
-        .create_consumer(pull::Config {
-            filter_subjects: terminal_subjects(),
-            deliver_policy: DeliverPolicy::ByStartSequence {
-                start_sequence: after.saturating_add(1),
-            },
-            ack_policy: AckPolicy::None,
-            headers_only: true,
-            memory_storage: true,
-            inactive_threshold: Duration::from_secs(30),
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| failed(&e))?;
-    let mut messages = consumer
-        .fetch()
-        .max_messages(max)
-        .messages()
-        .await
-        .map_err(|e| failed(&e))?;
-    let mut out = Vec::new();
-    let mut young = false;
-    while let Some(msg) = messages.next().await {
-        let msg = msg.map_err(|e| failed(&e))?;
-        let info = msg.info().map_err(|e| failed(&e))?;
-        if info.published >= horizon {
-            young = true;
-            break;
-        }
-        if let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) {
-            out.push((info.stream_sequence, parsed.run_id));
-        }
-    }
-    drop(messages);
-    // The consumer goes away by itself after `inactive_threshold`; deleting it now keeps the
-    // stream's consumer count low between passes.
-    let name = consumer.cached_info().name.clone();
-    let _ = stream.delete_consumer(&name).await;
-    let more = !young && out.len() >= max;
-    Ok((out, more))
+        .map_err(|e| RetentionError::Cursor(e.to_string()))
 }
 
 /// Writes the run's journal as JSON Lines to the object store; the object's name.
@@ -598,8 +550,9 @@ mod tests {
 
     #[test]
     fn the_terminal_subjects_are_the_terminal_decisions() {
+        let subjects: Vec<String> = TERMINAL.into_iter().map(subjects::event_all_runs).collect();
         assert_eq!(
-            terminal_subjects(),
+            subjects,
             [
                 "agent.run.*.d.run.succeeded",
                 "agent.run.*.d.run.failed",

@@ -171,6 +171,70 @@ impl Journal {
         Ok(info["state"]["last_seq"].as_u64().unwrap_or(0))
     }
 
+    /// Up to `max` events of the given types (any run) after sequence `after`, published before
+    /// `before`, as (sequence, run) in stream order; and whether more may follow (the batch was
+    /// full, none younger was met). Headers only, one short-lived consumer: the retention
+    /// service's scan for terminal runs.
+    pub async fn runs_with_events(
+        &self,
+        types: &[EventType],
+        after: u64,
+        max: usize,
+        before: time::OffsetDateTime,
+    ) -> Result<(Vec<(u64, RunId)>, bool), JournalError> {
+        use async_nats::jetstream::consumer::{AckPolicy, pull};
+        let op = "runs with events";
+        let unavailable = |e: &dyn std::fmt::Display| JournalError::Unavailable {
+            op,
+            reason: e.to_string(),
+        };
+        let stream = self
+            .js
+            .get_stream_no_info(RUNS_STREAM)
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let consumer = stream
+            .create_consumer(pull::Config {
+                filter_subjects: types.iter().map(|t| subjects::event_all_runs(*t)).collect(),
+                deliver_policy: DeliverPolicy::ByStartSequence {
+                    start_sequence: after.saturating_add(1),
+                },
+                ack_policy: AckPolicy::None,
+                headers_only: true,
+                memory_storage: true,
+                inactive_threshold: Duration::from_secs(30),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let mut messages = consumer
+            .fetch()
+            .max_messages(max)
+            .messages()
+            .await
+            .map_err(|e| unavailable(&e))?;
+        let mut found = Vec::new();
+        let mut young = false;
+        while let Some(msg) = messages.next().await {
+            let msg = msg.map_err(|e| unavailable(&e))?;
+            let info = msg.info().map_err(|e| unavailable(&e))?;
+            if info.published >= before {
+                young = true;
+                break;
+            }
+            if let Some(parsed) = subjects::parse_event(&msg.subject) {
+                found.push((info.stream_sequence, parsed.run_id));
+            }
+        }
+        drop(messages);
+        // The consumer goes away by itself after `inactive_threshold`; deleting it now keeps the
+        // stream's consumer count low between scans.
+        let name = consumer.cached_info().name.clone();
+        let _ = stream.delete_consumer(&name).await;
+        let more = !young && found.len() >= max;
+        Ok((found, more))
+    }
+
     /// The runs with at least one message in the journal after sequence `after`, and the
     /// sequence through which they were looked for (`after` when there is nothing new). Costs
     /// what was appended since `after`, not the journal's history: an ordered consumer over
