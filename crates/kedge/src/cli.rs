@@ -647,34 +647,6 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// The dead letters in KEDGE_REJECTIONS: (stream sequence, record).
-async fn dead_letters(rt: &Runtime) -> anyhow::Result<Vec<(u64, serde_json::Value)>> {
-    let stream = rt
-        .js
-        .get_stream_no_info(subjects::REJECTIONS_STREAM)
-        .await
-        .with_context(|| format!("open {}", subjects::REJECTIONS_STREAM))?;
-    let mut out = Vec::new();
-    let mut from = 1;
-    loop {
-        match stream
-            .direct_get_next_for_subject(subjects::DEAD_LETTERS_ALL, Some(from))
-            .await
-        {
-            Ok(m) => {
-                let record = serde_json::from_slice(&m.payload)
-                    .unwrap_or_else(|_| serde_json::json!({"unreadable": true}));
-                out.push((m.sequence, record));
-                from = m.sequence + 1;
-            }
-            Err(e) if e.kind() == async_nats::jetstream::stream::DirectGetErrorKind::NotFound => {
-                return Ok(out);
-            }
-            Err(e) => return Err(e).context("read dead letters"),
-        }
-    }
-}
-
 /// `kedge providers`: each model endpoint the fleet knows, from kedge_providers.
 async fn providers(rt: &Runtime, output: Output) -> anyhow::Result<ExitCode> {
     let providers = rt.providers().await?;
@@ -731,7 +703,10 @@ async fn providers(rt: &Runtime, output: Output) -> anyhow::Result<ExitCode> {
 async fn dead(rt: &Runtime, cmd: DeadCmd) -> anyhow::Result<ExitCode> {
     match cmd {
         DeadCmd::List { json } => {
-            for (seq, r) in dead_letters(rt).await? {
+            for (seq, r) in kedge_runtime::rejections::dead_letters(&rt.js)
+                .await
+                .map_err(anyhow::Error::msg)?
+            {
                 if json {
                     println!("{}", serde_json::json!({"seq": seq, "record": r}));
                     continue;
@@ -751,7 +726,9 @@ async fn dead(rt: &Runtime, cmd: DeadCmd) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         DeadCmd::Retry { seq } => {
-            let letters = dead_letters(rt).await?;
+            let letters = kedge_runtime::rejections::dead_letters(&rt.js)
+                .await
+                .map_err(anyhow::Error::msg)?;
             let Some((_, record)) = letters.iter().find(|(s, _)| *s == seq) else {
                 bail!("no dead letter at sequence {seq} (see `kedge dead list`)");
             };

@@ -142,13 +142,9 @@ async fn record_unknown(
         "payload_bytes": text.len(),
         "truncated": kept.len() < text.len(),
     });
-    let ack = rt
-        .js
-        .publish(subjects::REJECTED_CALLBACK, body.to_string().into())
+    crate::rejections::unknown_callback(&rt.js, &body)
         .await
-        .map_err(|e| CallbackError::Record(e.to_string()))?;
-    ack.await
-        .map_err(|e| CallbackError::Record(e.to_string()))?;
+        .map_err(CallbackError::Record)?;
     tracing::warn!(%key, subject = subjects::REJECTED_CALLBACK, "callback for an unknown key recorded");
     Ok(Delivery::UnknownKey { recorded: true })
 }

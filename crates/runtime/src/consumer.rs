@@ -5,7 +5,7 @@
 //!
 //! Redelivery is bounded: a consumer whose file sets `max_deliver` hands a message back with a
 //! growing delay ([`retry_delay`]) and, on its last delivery ([`is_last_delivery`]), gives up on
-//! it with [`dead_letter`]: a record on `agent.rejected.dead.<consumer>` (stream
+//! it with [`crate::rejections::dead_letter`]: a record on `agent.rejected.dead.<consumer>` (stream
 //! `KEDGE_REJECTIONS`, 30 days; `nats stream view KEDGE_REJECTIONS --subject
 //! 'agent.rejected.dead.>'`), an error log line, and a `Term`. Never a silent loop.
 
@@ -139,63 +139,6 @@ pub fn retry_delay(delivered: i64, base: Duration, cap: Duration) -> Duration {
     base.saturating_mul(1u32 << doublings).min(cap)
 }
 
-/// Gives up on `msg`: records it on its dead-letter subject (`kedge_core::subjects::dead_letter`, stream `KEDGE_REJECTIONS`; its
-/// stream, sequence, subject, deliveries, the reason and the start of its body; `Nats-Msg-Id`
-/// `dead:<consumer>:<stream seq>`, so a repeat is stored once), logs at error and terminates
-/// it. A record that cannot be written is logged too; the message is terminated anyway (the
-/// consumer would not deliver it again).
-pub async fn dead_letter(
-    js: &Context,
-    consumer: Durable,
-    msg: &async_nats::jetstream::Message,
-    reason: &str,
-) {
-    let (stream, seq) = msg
-        .info()
-        .map(|i| (i.stream.to_owned(), i.stream_sequence))
-        .unwrap_or_default();
-    let delivered = deliveries(msg);
-    crate::metrics::dead_letter(consumer);
-    tracing::error!(
-        %consumer,
-        stream = %stream,
-        seq,
-        subject = %msg.subject,
-        delivered,
-        reason,
-        "giving up on a message; recorded as a dead letter"
-    );
-    let body = serde_json::json!({
-        "at": kedge_core::event::Timestamp::now(),
-        "consumer": consumer.name(),
-        "stream": stream,
-        "seq": seq,
-        "subject": msg.subject.as_str(),
-        "deliveries": delivered,
-        "reason": reason,
-        "body": String::from_utf8_lossy(&msg.payload[..msg.payload.len().min(4096)]),
-    });
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Nats-Msg-Id", format!("dead:{consumer}:{seq}").as_str());
-    let recorded = match js
-        .publish_with_headers(
-            kedge_core::subjects::dead_letter(consumer),
-            headers,
-            body.to_string().into(),
-        )
-        .await
-    {
-        Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
-        Err(e) => Err(e.to_string()),
-    };
-    if let Err(e) = recorded {
-        tracing::error!(%consumer, seq, error = %e, "could not record the dead letter");
-    }
-    if let Err(e) = msg.ack_with(async_nats::jetstream::AckKind::Term).await {
-        tracing::warn!(%consumer, seq, error = %e, "could not terminate the dead letter");
-    }
-}
-
 /// The redelivery delays of a failure: `base` after the first delivery, doubled per delivery up
 /// to `cap` ([`retry_delay`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,13 +192,17 @@ pub async fn settle(
             async_nats::jetstream::AckKind::Ack
         }
         Verdict::Later(delay) => async_nats::jetstream::AckKind::Nak(Some(delay)),
-        Verdict::Retry(reason, _) if last => return dead_letter(js, consumer, msg, &reason).await,
+        Verdict::Retry(reason, _) if last => {
+            return crate::rejections::dead_letter(js, consumer, msg, &reason).await;
+        }
         Verdict::Retry(reason, backoff) => {
             let delay = retry_delay(delivered, backoff.base, backoff.cap);
             tracing::warn!(%consumer, subject = %msg.subject, delivered, %reason, retry_in_ms = delay.as_millis() as u64, "will retry");
             async_nats::jetstream::AckKind::Nak(Some(delay))
         }
-        Verdict::Poison(reason) => return dead_letter(js, consumer, msg, &reason).await,
+        Verdict::Poison(reason) => {
+            return crate::rejections::dead_letter(js, consumer, msg, &reason).await;
+        }
     };
     if let Err(e) = msg.ack_with(kind).await {
         tracing::warn!(%consumer, subject = %msg.subject, error = %e, "ack failed; the message will be redelivered");

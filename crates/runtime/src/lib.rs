@@ -39,6 +39,7 @@ pub mod inputs;
 pub mod liveness;
 pub mod metrics;
 pub mod provider;
+pub mod rejections;
 pub mod retention;
 pub mod seal;
 pub mod secure;

@@ -437,12 +437,7 @@ async fn record_rejection(
         "error": rejection,
         "task": task,
     });
-    let ack = rt
-        .js
-        .publish(subjects::rejected_task(agent), body.to_string().into())
-        .await
-        .map_err(|e| e.to_string())?;
-    ack.await.map(|_| ()).map_err(|e| e.to_string())
+    kedge_runtime::rejections::refused_task(&rt.js, agent, &body).await
 }
 
 #[cfg(test)]
