@@ -40,6 +40,7 @@ pub mod liveness;
 pub mod metrics;
 pub mod provider;
 pub mod rejections;
+pub mod responder;
 pub mod retention;
 pub mod seal;
 pub mod secure;

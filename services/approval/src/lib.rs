@@ -16,9 +16,9 @@
 
 use std::future::Future;
 
-use futures::StreamExt;
 use kedge_core::ids::RunId;
 use kedge_core::subjects;
+use kedge_runtime::responder::{self, Busy, Listen};
 use kedge_runtime::{Runtime, RuntimeError};
 use serde::{Deserialize, Serialize};
 
@@ -39,28 +39,25 @@ fn refused(code: u16, reason: impl Into<String>) -> DecisionAnswer {
     }
 }
 
+/// Decisions handled at once by one approval process (more wait in its subscription).
+const MAX_IN_FLIGHT: usize = 64;
+
 /// Runs the approval service until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let mut requests = rt
-        .client
-        .queue_subscribe(subjects::APPROVALS_ALL, subjects::APPROVALS_QUEUE.into())
-        .await
-        .map_err(|e| RuntimeError::broker("subscribe to approval decisions", e))?;
     if rt.config.approvers.is_empty() {
         tracing::warn!("no approver tokens configured: every approval decision will be refused");
     }
     tracing::info!(worker = %rt.config.worker_id, "approval service started");
-    tokio::pin!(shutdown);
-    loop {
-        let msg = tokio::select! {
-            _ = &mut shutdown => break,
-            next = requests.next() => match next {
-                Some(msg) => msg,
-                None => break,
-            },
-        };
+    let listen = Listen {
+        what: "approval decisions",
+        subject: subjects::APPROVALS_ALL.to_owned(),
+        queue: subjects::APPROVALS_QUEUE,
+        bound: MAX_IN_FLIGHT,
+        busy: Busy::Wait,
+    };
+    responder::serve(&rt.client, listen, shutdown, |msg| {
         let rt = rt.clone();
-        tokio::spawn(async move {
+        async move {
             let run = subjects::parse_approval(msg.subject.as_str()).unwrap_or_default();
             let token = msg
                 .headers
@@ -68,13 +65,10 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 .and_then(|h| h.get("Authorization"))
                 .map(|v| v.as_str().trim_start_matches("Bearer ").trim().to_owned());
             let answer = decide(&rt, run, token.as_deref(), &msg.payload).await;
-            if let Some(reply) = msg.reply
-                && let Ok(body) = serde_json::to_vec(&answer)
-            {
-                let _ = rt.client.publish(reply, body.into()).await;
-            }
-        });
-    }
+            responder::reply(&rt.client, &msg, &answer).await;
+        }
+    })
+    .await?;
     tracing::info!("approval service stopped");
     Ok(())
 }

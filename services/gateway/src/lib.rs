@@ -31,7 +31,6 @@
 //! the sender set) is checked when present: its account must be the tenant's.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -41,10 +40,10 @@ use kedge_core::ids::{ApprovalId, QuestionId, RunId, TenantId};
 use kedge_core::subjects::{self, GatewayRequest};
 use kedge_core::task::TaskSubmission;
 use kedge_runtime::inputs::{self, Refusal};
+use kedge_runtime::responder::{self, Busy, Listen, Responder};
 use kedge_runtime::{Runtime, RuntimeError, view};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tokio::sync::Semaphore;
 use tracing::Instrument;
 
 /// Queue group of the gateways.
@@ -71,43 +70,32 @@ pub const END_HEADER: &str = "Kedge-End";
 
 /// Runs the gateway until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let mut requests = rt
-        .client
-        .queue_subscribe(subjects::gateway_requests(), QUEUE.into())
-        .await
-        .map_err(|e| RuntimeError::broker("subscribe to tenant requests", e))?;
-    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    let listen = Listen {
+        what: "tenant requests",
+        subject: subjects::gateway_requests(),
+        queue: QUEUE,
+        bound: MAX_IN_FLIGHT,
+        busy: Busy::Refuse(refuse_busy),
+    };
+    let requests = Responder::subscribe(&rt.client, listen).await?;
     tracing::info!(worker = %rt.config.worker_id, "tenant gateway started");
-    tokio::pin!(shutdown);
-    loop {
-        let msg = tokio::select! {
-            _ = &mut shutdown => break,
-            next = requests.next() => match next {
-                Some(msg) => msg,
-                None => break,
-            },
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(subject = %msg.subject, "gateway busy; request refused");
-            reply_error(
-                &rt,
-                &msg,
-                503,
-                "unavailable",
-                None,
-                "the gateway is busy; retry",
-            )
-            .await;
-            continue;
-        };
-        let rt = rt.clone();
-        tokio::spawn(async move {
-            handle(&rt, msg).await;
-            drop(slot);
-        });
-    }
+    requests
+        .run(shutdown, |msg| {
+            let rt = rt.clone();
+            async move { handle(&rt, msg).await }
+        })
+        .await;
     tracing::info!("tenant gateway stopped");
     Ok(())
+}
+
+/// Answers a request that finds every slot of this gateway taken: 503, retry.
+fn refuse_busy(client: &async_nats::Client, msg: async_nats::Message) {
+    let client = client.clone();
+    tokio::spawn(async move {
+        let body = error_body(503, "unavailable", None, "the gateway is busy; retry");
+        responder::reply(&client, &msg, &body).await;
+    });
 }
 
 /// The part of the server's `Nats-Request-Info` the gateway reads.
@@ -208,11 +196,7 @@ fn refusal_parts(r: &Refusal) -> (&'static str, Option<&'static str>) {
 }
 
 async fn reply(rt: &Runtime, msg: &async_nats::Message, body: &Value) {
-    let Some(to) = msg.reply.clone() else { return };
-    let bytes = serde_json::to_vec(body).unwrap_or_default();
-    if let Err(e) = rt.client.publish(to, bytes.into()).await {
-        tracing::warn!(error = %e, "cannot answer a gateway request");
-    }
+    responder::reply(&rt.client, msg, body).await;
 }
 
 async fn reply_error(
@@ -223,11 +207,16 @@ async fn reply_error(
     field: Option<&str>,
     reason: &str,
 ) {
+    reply(rt, msg, &error_body(status, kind, field, reason)).await;
+}
+
+/// The answer of a refused request: `{"error": {"status", "kind", "reason"[, "field"]}}`.
+fn error_body(status: u16, kind: &str, field: Option<&str>, reason: &str) -> Value {
     let mut error = json!({"status": status, "kind": kind, "reason": reason});
     if let Some(f) = field {
         error["field"] = json!(f);
     }
-    reply(rt, msg, &json!({ "error": error })).await;
+    json!({ "error": error })
 }
 
 /// A request body: empty means `{}`; anything else must be a JSON object of the given shape.

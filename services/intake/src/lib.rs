@@ -42,7 +42,7 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::Message;
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use kedge_core::event::{Draft, Envelope, Event, RunCreated, Timestamp};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{self, Durable, TaskSubject};
@@ -50,6 +50,7 @@ use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::{ErrorKind, JournalError};
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::consumer::{Backoff, Verdict};
+use kedge_runtime::responder::{self, Busy, Listen, Responder};
 use kedge_runtime::{Runtime, RuntimeError, consumer, trace};
 use tracing::Instrument;
 
@@ -75,7 +76,19 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .await
         .map_err(|e| RuntimeError::broker("intake consumer", e))?;
     let workers = consumer::Workers::new(64);
-    serve_callbacks(&rt).await?;
+    // Callbacks are answered beside the tasks, and stop with them: when this function returns
+    // (a stop, or an error the supervisor restarts it for), `stop` is dropped.
+    let callbacks = subscribe_callbacks(&rt).await?;
+    let (stop, mut stopped) = tokio::sync::watch::channel(());
+    let answering = tokio::spawn({
+        let rt = rt.clone();
+        async move {
+            let shutdown = async move { while stopped.changed().await.is_ok() {} };
+            callbacks
+                .run(shutdown, |msg| answer_callback(rt.clone(), msg))
+                .await;
+        }
+    });
     tracing::info!(worker = %rt.config.worker_id, "intake service started");
     tokio::pin!(shutdown);
     loop {
@@ -102,6 +115,8 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     }
     consumer::hand_back(messages, CONSUMER).await;
     workers.drain().await;
+    drop(stop);
+    let _ = answering.await;
     tracing::info!("intake service stopped");
     Ok(())
 }
@@ -109,40 +124,36 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
 /// Header carrying a callback delivery's id (a webhook's own id), for deduplication.
 pub const DELIVERY_ID_HEADER: &str = "Kedge-Delivery-Id";
 
-async fn serve_callbacks(rt: &Runtime) -> Result<(), RuntimeError> {
-    let mut requests = rt
-        .client
-        .queue_subscribe(subjects::CALLBACKS_ALL, subjects::CALLBACKS_QUEUE.into())
-        .await
-        .map_err(|e| RuntimeError::broker("subscribe to callbacks", e))?;
-    let rt = rt.clone();
-    tokio::spawn(async move {
-        while let Some(msg) = requests.next().await {
-            let rt = rt.clone();
-            tokio::spawn(async move {
-                let key = subjects::parse_callback(msg.subject.as_str()).unwrap_or_default();
-                let payload = serde_json::from_slice(&msg.payload).unwrap_or_else(|_| {
-                    serde_json::Value::String(String::from_utf8_lossy(&msg.payload).into_owned())
-                });
-                let delivery_id = header(msg.headers.as_ref(), DELIVERY_ID_HEADER);
-                let answer =
-                    match kedge_runtime::callbacks::deliver(&rt, key, payload, delivery_id).await {
-                        Ok(d) => serde_json::to_vec(&d).unwrap_or_default(),
-                        Err(e) => {
-                            tracing::warn!(%key, error = %e, "callback not delivered");
-                            serde_json::to_vec(
-                                &serde_json::json!({"status": "error", "reason": e.to_string()}),
-                            )
-                            .unwrap_or_default()
-                        }
-                    };
-                if let Some(reply) = msg.reply {
-                    let _ = rt.client.publish(reply, answer.into()).await;
-                }
-            });
-        }
+/// Callbacks handled at once by one intake process (more wait in its subscription).
+const CALLBACKS_IN_FLIGHT: usize = 64;
+
+/// Subscribes to callbacks; the returned responder answers them ([`answer_callback`]).
+async fn subscribe_callbacks(rt: &Runtime) -> Result<Responder, RuntimeError> {
+    let listen = Listen {
+        what: "callbacks",
+        subject: subjects::CALLBACKS_ALL.to_owned(),
+        queue: subjects::CALLBACKS_QUEUE,
+        bound: CALLBACKS_IN_FLIGHT,
+        busy: Busy::Wait,
+    };
+    Responder::subscribe(&rt.client, listen).await
+}
+
+/// Delivers one callback and answers what became of it.
+async fn answer_callback(rt: Runtime, msg: async_nats::Message) {
+    let key = subjects::parse_callback(msg.subject.as_str()).unwrap_or_default();
+    let payload = serde_json::from_slice(&msg.payload).unwrap_or_else(|_| {
+        serde_json::Value::String(String::from_utf8_lossy(&msg.payload).into_owned())
     });
-    Ok(())
+    let delivery_id = header(msg.headers.as_ref(), DELIVERY_ID_HEADER);
+    match kedge_runtime::callbacks::deliver(&rt, key, payload, delivery_id).await {
+        Ok(d) => responder::reply(&rt.client, &msg, &d).await,
+        Err(e) => {
+            tracing::warn!(%key, error = %e, "callback not delivered");
+            let answer = serde_json::json!({"status": "error", "reason": e.to_string()});
+            responder::reply(&rt.client, &msg, &answer).await;
+        }
+    }
 }
 
 /// Why a task was not accepted now.
