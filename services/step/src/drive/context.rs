@@ -3,15 +3,19 @@
 //! out when the agent asks for one.
 
 use kedge_core::agent::AgentDefinition;
-use kedge_core::fold::RunState;
+use kedge_core::decide::{ModelResponse, StepPlan};
+use kedge_core::event::{ContextCompacted, Digest, Draft, Event};
+use kedge_core::fold::{ChatMessage, RunState};
+use kedge_core::ids::ModelRequestId;
 use kedge_core::machine::RunStatus;
 use kedge_model::{ModelCall, ModelError};
 use kedge_runtime::idempotency::StoredResponse;
 use kedge_runtime::provider::Admit;
 
-use super::Driver;
+use super::commit::Writing;
 use super::model::{CallError, count_call};
 use super::provider::{Called, trouble_report};
+use super::{DriveError, Driver};
 
 /// The `context.compacted` that brings the run's next model request within its model's window
 /// ([`kedge_core::context::compaction`]), or `None` when it fits, the window is not known,
@@ -78,6 +82,38 @@ pub(super) fn compaction(
 }
 
 impl Driver {
+    /// Commits `compacted`, the compaction that brings the step's context within its model's
+    /// window (with a summary of what it leaves out when the agent asks for one); for a revival
+    /// (a terminal run the plan starts again), the plan's first decisions alone instead. Either
+    /// way the step is then decided again.
+    pub(super) async fn compact(
+        &self,
+        state: &mut RunState,
+        w: &mut Writing<'_>,
+        def: &AgentDefinition,
+        plan: &StepPlan,
+        compacted: ContextCompacted,
+    ) -> Result<(), DriveError> {
+        let mut compacted = compacted;
+        if state.status.is_terminal() {
+            // A revival: its first decisions alone, so that the compaction lands in
+            // the running run they leave (the step is decided again after it).
+            self.commit(state, w, revival(&plan.start)).await?;
+        } else {
+            tracing::info!("compacting the model's context to fit its window");
+            let before = state.compaction.as_ref().map_or(1, |c| c.keep_from);
+            let keep_from = usize::try_from(compacted.keep_from).unwrap_or(usize::MAX);
+            if def.context.strategy == kedge_core::context::ContextStrategy::Summarize
+                && keep_from > before
+            {
+                compacted.summary = self.summarize(state, def, plan.step, keep_from).await;
+            }
+            let draft = Draft::new(Event::ContextCompacted(compacted));
+            self.commit(state, w, vec![draft]).await?;
+        }
+        Ok(())
+    }
+
     /// The run's model's summary of the turns a compaction keeping the transcript from
     /// `keep_from` leaves out (`context.strategy: summarize`, docs/ARCHITECTURE.md "The context
     /// window"): a call of its own, under a request id fixed by the step and `keep_from`, whose
@@ -86,7 +122,7 @@ impl Driver {
     /// its rate limit has no slot for it soon, the agent marks values sensitive (a summary would
     /// journal them in clear), or the model answers with no text. Never a reason to fail the
     /// run.
-    pub(super) async fn summarize(
+    async fn summarize(
         &self,
         state: &RunState,
         def: &AgentDefinition,
@@ -114,88 +150,11 @@ impl Driver {
                 stored.response
             }
             None => {
-                let providers = self.providers().await.ok()?;
-                if !providers.breaker(&primary.endpoint).lets(None) {
-                    return None;
-                }
-                // The model's rate limits hold for this call too; over them, it trims instead
-                // of waiting its turn.
-                if let Some(t) = primary.turn(&self.rt.config, &providers, def, &messages) {
-                    let admitted = providers
-                        .admit(
-                            &primary.endpoint,
-                            &primary.spec.name,
-                            t.configured,
-                            t.tokens,
-                        )
-                        .await;
-                    match admitted {
-                        Admit::After(wait) => tokio::time::sleep(wait).await,
-                        Admit::Queue { .. } => return None,
-                    }
-                }
-                self.rt
-                    .config
-                    .check_model(&primary.key_var, primary.spec.base_url.as_deref())
-                    .ok()?;
-                let api_key = self.rt.config.api_key(&primary.key_var);
-                let call = ModelCall {
-                    spec: &primary.spec,
-                    api_key: api_key.as_deref(),
-                    system: context::SUMMARY_SYSTEM,
-                    // The conversation holds tool calls; a provider wants their tools declared.
-                    tools: &def.tools,
-                    context: &messages,
-                    request_id: &request_id,
-                    max_output_tokens: def.max_output_tokens,
-                    output_schema: None,
-                    timeout: self.rt.config.timeouts.model_timeout(),
-                };
-                let called_at = std::time::Instant::now();
-                let result = self
-                    .model
-                    .complete(&call, &mut |_| {})
-                    .await
-                    .map_err(CallError::Model);
-                count_call(&primary.spec, &result, called_at.elapsed());
-                let response = match result {
-                    Ok(r) => {
-                        providers.report_success(&primary.endpoint).await;
-                        r
-                    }
-                    Err(CallError::Model(e)) => {
-                        if let Some(report) = trouble_report(&e, false) {
-                            providers.report_trouble(&primary.endpoint, &report).await;
-                        }
-                        tracing::warn!(error = %e, "the summary call failed; trimming instead");
-                        return None;
-                    }
-                    Err(CallError::Cancelled) => return None,
-                };
-                let stored = StoredResponse {
-                    context_digest: digest,
-                    response: response.clone(),
-                };
-                // Stored before it is journaled: a crash in between reuses it.
-                if let Err(e) = self
-                    .rt
-                    .idempotency
-                    .store_response(&request_id, &stored)
-                    .await
-                {
-                    tracing::warn!(error = %e, "the summary could not be stored; trimming instead");
-                    return None;
-                }
-                response
+                self.call_for_summary(def, &primary, &request_id, &messages, digest)
+                    .await?
             }
         };
-        let text: String = response
-            .message
-            .text
-            .trim()
-            .chars()
-            .take(context::MAX_SUMMARY_CHARS)
-            .collect();
+        let text = summary_text(&response.message.text);
         if text.is_empty() {
             tracing::warn!("the summary call answered no text; trimming instead");
             return None;
@@ -206,4 +165,109 @@ impl Driver {
             usage: response.usage.priced(primary.spec.price.as_ref()),
         })
     }
+
+    /// The summary call of [`Driver::summarize`] to the run's model (`primary`) on `messages`
+    /// (whose digest is `digest`), its answer stored under `request_id` before it is returned;
+    /// `None` when it is not made (the endpoint is failing, the rate limit has no slot soon, the
+    /// operator's policy refuses the model), fails, or cannot be stored.
+    async fn call_for_summary(
+        &self,
+        def: &AgentDefinition,
+        primary: &Called,
+        request_id: &ModelRequestId,
+        messages: &[ChatMessage],
+        digest: Digest,
+    ) -> Option<ModelResponse> {
+        let providers = self.providers().await.ok()?;
+        if !providers.breaker(&primary.endpoint).lets(None) {
+            return None;
+        }
+        // The model's rate limits hold for this call too; over them, it trims instead
+        // of waiting its turn.
+        if let Some(t) = primary.turn(&self.rt.config, &providers, def, messages) {
+            let admitted = providers
+                .admit(
+                    &primary.endpoint,
+                    &primary.spec.name,
+                    t.configured,
+                    t.tokens,
+                )
+                .await;
+            match admitted {
+                Admit::After(wait) => tokio::time::sleep(wait).await,
+                Admit::Queue { .. } => return None,
+            }
+        }
+        self.rt
+            .config
+            .check_model(&primary.key_var, primary.spec.base_url.as_deref())
+            .ok()?;
+        let api_key = self.rt.config.api_key(&primary.key_var);
+        let call = ModelCall {
+            spec: &primary.spec,
+            api_key: api_key.as_deref(),
+            system: kedge_core::context::SUMMARY_SYSTEM,
+            // The conversation holds tool calls; a provider wants their tools declared.
+            tools: &def.tools,
+            context: messages,
+            request_id,
+            max_output_tokens: def.max_output_tokens,
+            output_schema: None,
+            timeout: self.rt.config.timeouts.model_timeout(),
+        };
+        let called_at = std::time::Instant::now();
+        let result = self
+            .model
+            .complete(&call, &mut |_| {})
+            .await
+            .map_err(CallError::Model);
+        count_call(&primary.spec, &result, called_at.elapsed());
+        let response = match result {
+            Ok(r) => {
+                providers.report_success(&primary.endpoint).await;
+                r
+            }
+            Err(CallError::Model(e)) => {
+                if let Some(report) = trouble_report(&e, false) {
+                    providers.report_trouble(&primary.endpoint, &report).await;
+                }
+                tracing::warn!(error = %e, "the summary call failed; trimming instead");
+                return None;
+            }
+            Err(CallError::Cancelled) => return None,
+        };
+        let stored = StoredResponse {
+            context_digest: digest,
+            response: response.clone(),
+        };
+        // Stored before it is journaled: a crash in between reuses it.
+        if let Err(e) = self
+            .rt
+            .idempotency
+            .store_response(request_id, &stored)
+            .await
+        {
+            tracing::warn!(error = %e, "the summary could not be stored; trimming instead");
+            return None;
+        }
+        Some(response)
+    }
+}
+
+/// The first decisions of a revival's plan `start` alone: those before its `step.started`.
+fn revival(start: &[Draft]) -> Vec<Draft> {
+    start
+        .iter()
+        .take_while(|d| !matches!(d.event, Event::StepStarted(_)))
+        .cloned()
+        .collect()
+}
+
+/// A summary as it is journaled: the model's `text` without the whitespace around it, at most
+/// [`kedge_core::context::MAX_SUMMARY_CHARS`] characters of it.
+fn summary_text(text: &str) -> String {
+    text.trim()
+        .chars()
+        .take(kedge_core::context::MAX_SUMMARY_CHARS)
+        .collect()
 }

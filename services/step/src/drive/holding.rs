@@ -38,6 +38,19 @@ pub(super) struct Holding {
     pub(super) continuous: bool,
 }
 
+impl Holding {
+    /// A lease taken at `written` with a write that may follow another holder's, not yet
+    /// announced in the heartbeats.
+    fn fresh(lease: Lease, written: Instant) -> Holding {
+        Holding {
+            lease,
+            written,
+            hold: None,
+            continuous: false,
+        }
+    }
+}
+
 /// A lease kept after a drive that left its run waiting on its tools (the agent loop's next
 /// drive follows in milliseconds): that drive takes it back without a write, instead of a
 /// release now and an acquire then. Parked at most until the lease's next renewal was due
@@ -246,14 +259,7 @@ impl Driver {
         let hint = self.released.lock().ok().and_then(|mut r| r.remove(run));
         let ttl = cfg.timeouts.lease_ttl();
         let at = Instant::now();
-        let fresh = |lease| {
-            Some(Holding {
-                lease,
-                written: at,
-                hold: None,
-                continuous: false,
-            })
-        };
+        let fresh = |lease| Some(Holding::fresh(lease, at));
         // Over this process's own release marker: nobody held it in between.
         if let Some(hint) = hint
             && let Some(lease) = self
@@ -280,42 +286,7 @@ impl Driver {
                 if (owner == cfg.worker_id && self.liveness.id_is_unique())
                     || self.liveness.is_gone(&owner).await =>
             {
-                match self
-                    .rt
-                    .leases
-                    .take_over(run, &cfg.worker_id, ttl, revision)
-                    .await
-                {
-                    Ok(lease) => {
-                        tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
-                        let heard = self.adopted.lock().ok().and_then(|mut a| a.remove(run));
-                        metrics::takeover(Takeover::Run, heard.map(|at| at.elapsed()));
-                        // Its model call in flight may still deliver (a dropped connection is
-                        // not a dead process): remembered for `await_interrupted_answer`.
-                        if owner != cfg.worker_id {
-                            let last = heard
-                                .or_else(|| self.liveness.last_heard(&owner))
-                                .unwrap_or_else(std::time::Instant::now);
-                            if let Ok(mut taken) = self.taken_from.lock() {
-                                if taken.len() >= CACHE_RUNS {
-                                    taken.clear();
-                                }
-                                taken.insert(run.clone(), last);
-                            }
-                        }
-                        Ok(fresh(lease))
-                    }
-                    // Our own parked lease, released by its expiry meanwhile: taken afresh.
-                    Err(LeaseError::Lost { .. }) if owner == cfg.worker_id => {
-                        match self.rt.leases.acquire(run, &cfg.worker_id, ttl).await {
-                            Ok(lease) => Ok(fresh(lease)),
-                            Err(LeaseError::Held { .. }) => Ok(None),
-                            Err(e) => Err(e.into()),
-                        }
-                    }
-                    Err(LeaseError::Lost { .. } | LeaseError::Held { .. }) => Ok(None),
-                    Err(e) => Err(e.into()),
-                }
+                self.take_over(run, &owner, revision, at).await
             }
             // A live worker holds it: between two drives it keeps the lease parked, and lets go
             // when asked.
@@ -323,6 +294,57 @@ impl Driver {
                 self.ask_to_yield(run, &owner).await
             }
             Err(LeaseError::Held { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Takes `run`'s lease over from `owner`, a holder that is gone or this process itself (see
+    /// [`Driver::acquire`]), at the lease's `revision`; `at`: when the acquire began. `None`
+    /// when another worker took it first.
+    async fn take_over(
+        &self,
+        run: &RunId,
+        owner: &str,
+        revision: u64,
+        at: Instant,
+    ) -> Result<Option<Holding>, DriveError> {
+        let cfg = &self.rt.config;
+        let ttl = cfg.timeouts.lease_ttl();
+        let fresh = |lease| Some(Holding::fresh(lease, at));
+        match self
+            .rt
+            .leases
+            .take_over(run, &cfg.worker_id, ttl, revision)
+            .await
+        {
+            Ok(lease) => {
+                tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
+                let heard = self.adopted.lock().ok().and_then(|mut a| a.remove(run));
+                metrics::takeover(Takeover::Run, heard.map(|at| at.elapsed()));
+                // Its model call in flight may still deliver (a dropped connection is
+                // not a dead process): remembered for `await_interrupted_answer`.
+                if owner != cfg.worker_id {
+                    let last = heard
+                        .or_else(|| self.liveness.last_heard(owner))
+                        .unwrap_or_else(std::time::Instant::now);
+                    if let Ok(mut taken) = self.taken_from.lock() {
+                        if taken.len() >= CACHE_RUNS {
+                            taken.clear();
+                        }
+                        taken.insert(run.clone(), last);
+                    }
+                }
+                Ok(fresh(lease))
+            }
+            // Our own parked lease, released by its expiry meanwhile: taken afresh.
+            Err(LeaseError::Lost { .. }) if owner == cfg.worker_id => {
+                match self.rt.leases.acquire(run, &cfg.worker_id, ttl).await {
+                    Ok(lease) => Ok(fresh(lease)),
+                    Err(LeaseError::Held { .. }) => Ok(None),
+                    Err(e) => Err(e.into()),
+                }
+            }
+            Err(LeaseError::Lost { .. } | LeaseError::Held { .. }) => Ok(None),
             Err(e) => Err(e.into()),
         }
     }
@@ -365,12 +387,7 @@ impl Driver {
             )
             .await
         {
-            Ok(lease) => Ok(Some(Holding {
-                lease,
-                written: at,
-                hold: None,
-                continuous: false,
-            })),
+            Ok(lease) => Ok(Some(Holding::fresh(lease, at))),
             Err(LeaseError::Held { .. } | LeaseError::Lost { .. }) => Ok(None),
             Err(e) => Err(e.into()),
         }

@@ -348,12 +348,8 @@ impl Driver {
                     let contract = match self.definition(state).await? {
                         Ok((_, contract)) => contract,
                         Err(reason) => {
-                            let fail = Draft::new(Event::RunFailed(RunFailed {
-                                reason: FailureReason::Internal,
-                                message: reason,
-                                effects: Vec::new(),
-                            }));
-                            self.commit(state, w, vec![fail]).await?;
+                            self.commit(state, w, vec![internal_failure(reason)])
+                                .await?;
                             continue;
                         }
                     };
@@ -390,4 +386,14 @@ impl Driver {
         }
         Ok(Ok((revision.def.clone(), revision.contract())))
     }
+}
+
+/// The `run.failed` of a run that cannot go on with its agent revision (`reason`, see
+/// [`Driver::definition`]).
+fn internal_failure(reason: String) -> Draft {
+    Draft::new(Event::RunFailed(RunFailed {
+        reason: FailureReason::Internal,
+        message: reason,
+        effects: Vec::new(),
+    }))
 }

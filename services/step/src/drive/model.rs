@@ -5,18 +5,57 @@
 use std::time::Duration;
 
 use kedge_core::agent::AgentDefinition;
-use kedge_core::decide::StepPlan;
+use kedge_core::decide::{ModelResponse, StepPlan};
 use kedge_core::fold::{ChatMessage, RunState};
 use kedge_model::{Delta, ModelCall, ModelError};
 use kedge_runtime::Runtime;
 use kedge_runtime::metrics::{self, ModelOutcome};
+use kedge_runtime::provider::{Limits, Providers};
 use kedge_runtime::seal::{self, SealError};
 
 use super::Driver;
-use super::provider::Called;
+use super::provider::{Called, trouble_report};
 
 impl Driver {
-    pub(super) async fn call_model(
+    /// Makes the model call `called` of `plan` and tells what it taught: the call counted, the
+    /// rate limits the provider named learned, the endpoint's breaker told of its success or
+    /// of the provider's trouble (`probe`: the call was the fleet's probe of the endpoint).
+    pub(super) async fn call_reported(
+        &self,
+        state: &RunState,
+        def: &AgentDefinition,
+        called: &Called,
+        plan: &StepPlan,
+        providers: &Providers,
+        probe: bool,
+    ) -> Result<ModelResponse, CallError> {
+        let endpoint = &called.endpoint;
+        let called_at = std::time::Instant::now();
+        let mut learned = None;
+        let result = self
+            .call_model(state, def, called, plan, &mut learned)
+            .await;
+        count_call(&called.spec, &result, called_at.elapsed());
+        if let Some(l) = learned {
+            let learned = Limits {
+                requests_per_minute: l.requests_per_minute,
+                tokens_per_minute: l.tokens_per_minute,
+            };
+            providers.learn(endpoint, &called.spec.name, learned).await;
+        }
+        match &result {
+            Ok(_) => providers.report_success(endpoint).await,
+            Err(CallError::Model(e)) => {
+                if let Some(report) = trouble_report(e, probe) {
+                    providers.report_trouble(endpoint, &report).await;
+                }
+            }
+            Err(CallError::Cancelled) => {}
+        }
+        result
+    }
+
+    async fn call_model(
         &self,
         state: &RunState,
         def: &AgentDefinition,

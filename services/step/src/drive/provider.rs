@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use kedge_core::agent::AgentDefinition;
 use kedge_core::decide::{StepPlan, TroubleMet};
-use kedge_core::event::Timestamp;
+use kedge_core::event::{AttemptOutcome, Timestamp, Trouble};
 use kedge_core::fold::{ChatMessage, RunState};
 use kedge_core::machine::RunStatus;
 use kedge_model::ModelError;
 use kedge_runtime::metrics;
-use kedge_runtime::provider::{Endpoint, Limits, ProviderError, Providers, TroubleReport, Waiter};
+use kedge_runtime::provider::{
+    Admit, Endpoint, Limits, ProviderError, Providers, Route, TroubleReport, Waiter,
+};
 
 use super::commit::Writing;
 use super::{DriveError, Driver};
@@ -30,19 +32,19 @@ impl Driver {
     /// run's own backoff (growing with the step's waits, or the provider's `retry-after`);
     /// then `model.attempt` and `provider.waiting` are journaled
     /// ([`kedge_core::decide::wait_on_provider`]). The lease is let go when the drive ends: the
-    /// run holds nothing while it waits.
+    /// run holds nothing while it waits. `queue`: where it waits.
     pub(super) async fn wait_on_provider(
         &self,
         state: &mut RunState,
         w: &mut Writing<'_>,
         plan: &StepPlan,
+        queue: &WaitList<'_>,
         trouble: ProviderTrouble<'_>,
     ) -> Result<(), DriveError> {
         // While the endpoint's breaker is open the fleet decides when the run goes again (its
         // probes, then the release); only a run that meets trouble on an endpoint the fleet
         // finds healthy (a request the provider chokes on) waits out its own growing backoff,
         // and a run waiting its turn under a rate limit waits for its turn alone.
-        let queue = &trouble.queue;
         let queued = trouble.why == metrics::ProviderWait::Queued;
         let backoff = if !queued && queue.providers.breaker(trouble.called).lets(None) {
             let waits = state
@@ -134,13 +136,57 @@ impl Driver {
 /// A step's model call that met provider trouble (or was held, or waits its turn), for
 /// [`Driver::wait_on_provider`].
 pub(super) struct ProviderTrouble<'a> {
-    /// Where the run waits.
-    pub(super) queue: WaitList<'a>,
     /// The endpoint the call went to (or would have): the run's model's, or a fallback's.
     pub(super) called: &'a Endpoint,
     pub(super) met: TroubleMet,
     pub(super) retry_after: Option<Duration>,
     pub(super) why: metrics::ProviderWait,
+}
+
+impl<'a> ProviderTrouble<'a> {
+    /// A call that did not go to `called`: held by its breaker (`trouble` its endpoint's), or
+    /// queued for its turn under its rate limits (`trouble` is `RateLimited`); `reason` says
+    /// why, in the attempt's outcome and the wait's message.
+    pub(super) fn held(
+        called: &'a Endpoint,
+        reason: String,
+        trouble: Trouble,
+        why: metrics::ProviderWait,
+    ) -> Self {
+        ProviderTrouble {
+            called,
+            met: TroubleMet {
+                outcome: AttemptOutcome::Held {
+                    endpoint: called.label.clone(),
+                    reason: reason.clone(),
+                },
+                trouble,
+                endpoint: called.label.clone(),
+                message: reason,
+            },
+            retry_after: None,
+            why,
+        }
+    }
+
+    /// A call to `called` that failed with the provider's trouble `e`.
+    pub(super) fn met(called: &'a Endpoint, e: &ModelError) -> Self {
+        let trouble = e.trouble.unwrap_or(Trouble::Unavailable);
+        ProviderTrouble {
+            called,
+            met: TroubleMet {
+                outcome: e.to_attempt_outcome(),
+                trouble,
+                endpoint: called.label.clone(),
+                message: e.message.clone(),
+            },
+            retry_after: e.retry_after,
+            why: match trouble {
+                Trouble::Unavailable => metrics::ProviderWait::Unavailable,
+                Trouble::RateLimited => metrics::ProviderWait::RateLimited,
+            },
+        }
+    }
 }
 
 /// Where a run waits on its provider: always the wait list of its own model's endpoint (the
@@ -268,4 +314,67 @@ fn request_tokens(def: &AgentDefinition, context: &[ChatMessage]) -> u64 {
             .map(kedge_core::context::estimate)
             .sum::<u64>(),
     )
+}
+
+/// The model a call goes to by `route`, and whether the call is the fleet's probe of its
+/// endpoint: the run's own model (`primary`) unless the route names one of its `fallbacks`.
+/// A held call is waited on under the run's own model.
+pub(super) fn routed<'a>(
+    route: &Route,
+    primary: &'a Called,
+    fallbacks: &'a [Called],
+) -> (&'a Called, bool) {
+    match route {
+        Route::Fallback(i) => match fallbacks.get(*i) {
+            Some(f) => (f, false),
+            None => (primary, false),
+        },
+        Route::Primary { probe } => (primary, *probe),
+        Route::Hold { .. } => (primary, false),
+    }
+}
+
+/// Whether a call to `called` waits on its provider instead of going now: held, for the run's
+/// model's endpoint is failing (`route`); or queued, for the called model's rate limits have no
+/// slot for it soon (`turn`: its place under them, `None` when it has none to take). A turn
+/// that comes within moments is waited for here.
+pub(super) async fn hold_or_admit<'a>(
+    route: Route,
+    primary: &'a Called,
+    called: &'a Called,
+    turn: Option<&Turn>,
+    providers: &Providers,
+) -> Option<ProviderTrouble<'a>> {
+    if let Route::Hold {
+        reason, trouble, ..
+    } = route
+    {
+        tracing::debug!(endpoint = %primary.endpoint.label, "model call held: its endpoint is failing");
+        let why = metrics::ProviderWait::Held;
+        return Some(ProviderTrouble::held(
+            &primary.endpoint,
+            reason,
+            trouble,
+            why,
+        ));
+    }
+    if let Some(t) = turn {
+        match providers
+            .admit(&called.endpoint, &called.spec.name, t.configured, t.tokens)
+            .await
+        {
+            Admit::After(wait) => tokio::time::sleep(wait).await,
+            Admit::Queue { reason } => {
+                tracing::debug!(endpoint = %called.endpoint.label, %reason, "model call waits its turn");
+                let (trouble, why) = (Trouble::RateLimited, metrics::ProviderWait::Queued);
+                return Some(ProviderTrouble::held(
+                    &called.endpoint,
+                    reason,
+                    trouble,
+                    why,
+                ));
+            }
+        }
+    }
+    None
 }
