@@ -4,16 +4,18 @@
 //! state up to date: batched, or by a wake's chain (docs/ARCHITECTURE.md "The step service",
 //! "Chained wakes").
 
+use std::collections::HashMap;
+use std::hash::Hash;
 use std::time::Duration;
 
 use async_nats::jetstream::Message;
-use kedge_core::child;
 use kedge_core::decide::{Next, decide};
 use kedge_core::fold::{FoldError, RunState};
 use kedge_core::ids::RunId;
 use kedge_journal::Delivered;
 use kedge_runtime::metrics::{self, StepRead};
 
+use super::children::needs_tending;
 use super::{DriveError, Driver};
 
 /// Stream sequences a run's state stepped over without reading them: an append checked against
@@ -88,10 +90,42 @@ const BACKLOG_AGE: Duration = Duration::from_secs(2);
 
 /// Whether `msg` was stored more than [`BACKLOG_AGE`] ago.
 pub(super) fn is_backlog(msg: &Message) -> bool {
-    msg.info().is_ok_and(|info| {
-        time::OffsetDateTime::now_utc() - info.published
-            > time::Duration::try_from(BACKLOG_AGE).unwrap_or(time::Duration::MAX)
-    })
+    msg.info()
+        .is_ok_and(|info| stored_long_ago(info.published, time::OffsetDateTime::now_utc()))
+}
+
+/// Whether a message stored at `published` is more than [`BACKLOG_AGE`] old at `now`.
+fn stored_long_ago(published: time::OffsetDateTime, now: time::OffsetDateTime) -> bool {
+    now - published > time::Duration::try_from(BACKLOG_AGE).unwrap_or(time::Duration::MAX)
+}
+
+/// Notes `value` for `key` in one of this process's per-run memories, which start over once
+/// they hold [`CACHE_RUNS`] runs.
+pub(super) fn remember<K: Eq + Hash, V>(map: &mut HashMap<K, V>, key: K, value: V) {
+    if map.len() >= CACHE_RUNS {
+        map.clear();
+    }
+    map.insert(key, value);
+}
+
+/// The sequences between `after` and `seq` (both excluded), when there are any: what a state
+/// at `after` steps over when `seq` is folded into it next.
+pub(super) fn gap(after: u64, seq: u64) -> Option<(u64, u64)> {
+    let next = after.saturating_add(1);
+    (seq > next).then(|| (next, seq - 1))
+}
+
+/// Where a batched read of a state whose last event is `last` starts (after which sequence) and
+/// what it reads through: from the first sequence the state `skipped`, when it skipped any.
+fn batched_range(skipped: &Skipped, last: u64, through: Option<u64>) -> (u64, Option<u64>) {
+    match skipped.first() {
+        // Through the state's last event at least: it is an acknowledged event of the run.
+        Some(&(first, _)) => (
+            first.saturating_sub(1).min(last),
+            through.map(|t| t.max(last)),
+        ),
+        None => (last, through),
+    }
 }
 
 impl Driver {
@@ -167,23 +201,14 @@ impl Driver {
             metrics::step_read(StepRead::Chained);
             let mut before = last;
             for r in &page.events {
-                if r.seq > before.saturating_add(1) {
-                    skipped.push((before + 1, r.seq - 1));
-                }
+                skipped.extend(gap(before, r.seq));
                 before = r.seq;
             }
             fold_merged(state, page.events.iter(), &[])?;
             return Ok(true);
         }
         metrics::step_read(StepRead::Batched);
-        let (after, through) = match skipped.first() {
-            // Through the state's last event at least: it is an acknowledged event of the run.
-            Some(&(first, _)) => (
-                first.saturating_sub(1).min(last),
-                through.map(|t| t.max(last)),
-            ),
-            None => (last, through),
-        };
+        let (after, through) = batched_range(skipped, last, through);
         let page = self.read(&state.run_id, after, through).await?;
         let missed = page
             .events
@@ -238,12 +263,7 @@ impl Driver {
         let Some(Read { state, .. }) = self.read_state(run, through, None).await? else {
             return Ok(None);
         };
-        let tending = state.bundle.parent.is_some()
-            || state
-                .ops
-                .values()
-                .any(|o| o.call.name == child::RUN_AGENT_TOOL && o.result.is_none());
-        if !tending && matches!(decide(&state), Next::Idle(_)) {
+        if !needs_tending(&state) && matches!(decide(&state), Next::Idle(_)) {
             tracing::debug!(run_id = %run, status = %state.status, "backlog wake: idle, no lease taken");
             return Ok(None);
         }
@@ -290,5 +310,124 @@ impl Driver {
                 cache.insert(state.run_id.clone(), (state, skipped));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kedge_core::event::{Draft, Envelope, Event, EventKind, Timestamp, UserMessage};
+    use kedge_journal::{Recorded, SetAside};
+
+    fn run() -> RunId {
+        "run_cache1".parse().expect("a run id")
+    }
+
+    fn env(event: Event) -> Envelope {
+        Envelope::new(run(), Timestamp::now(), Draft::new(event))
+    }
+
+    fn recorded(seq: u64, text: &str) -> Recorded {
+        let envelope = env(Event::UserMessage(UserMessage { text: text.into() }));
+        Recorded {
+            seq,
+            envelope,
+            msg_id: None,
+        }
+    }
+
+    fn aside(seq: u64, kind: EventKind) -> SetAside {
+        SetAside {
+            seq,
+            subject: format!("agent.run.{}.i.user.message", run()),
+            kind,
+            reason: "not an envelope".into(),
+        }
+    }
+
+    #[test]
+    fn skipped_ranges_hold_both_their_ends() {
+        let skipped: Skipped = vec![(3, 5), (9, 9)];
+        for seq in [3, 4, 5, 9] {
+            assert!(was_skipped(&skipped, seq), "{seq}");
+        }
+        for seq in [0, 2, 6, 8, 10] {
+            assert!(!was_skipped(&skipped, seq), "{seq}");
+        }
+        assert!(!was_skipped(&Skipped::new(), 1));
+    }
+
+    #[test]
+    fn a_gap_is_what_lies_strictly_between_two_sequences() {
+        assert_eq!(gap(4, 5), None);
+        assert_eq!(gap(4, 4), None);
+        assert_eq!(gap(4, 2), None);
+        assert_eq!(gap(4, 6), Some((5, 5)));
+        assert_eq!(gap(4, 10), Some((5, 9)));
+        assert_eq!(gap(u64::MAX, 3), None);
+    }
+
+    #[test]
+    fn a_batched_read_starts_at_the_first_skipped_sequence_and_reaches_the_last_event() {
+        assert_eq!(batched_range(&Skipped::new(), 10, Some(12)), (10, Some(12)));
+        assert_eq!(batched_range(&Skipped::new(), 10, None), (10, None));
+        let skipped: Skipped = vec![(5, 7), (9, 9)];
+        assert_eq!(batched_range(&skipped, 10, Some(8)), (4, Some(10)));
+        assert_eq!(batched_range(&skipped, 10, Some(15)), (4, Some(15)));
+        assert_eq!(batched_range(&skipped, 10, None), (4, None));
+        // A range noted past the state's last event: the read still starts right after it.
+        assert_eq!(batched_range(&vec![(12, 14)], 10, Some(20)), (10, Some(20)));
+    }
+
+    #[test]
+    fn events_and_set_aside_messages_fold_in_sequence_order() {
+        let created = env(Event::RunCreated(Box::new(
+            kedge_core::fixtures::run_created("demo", "hello"),
+        )));
+        let mut state = kedge_core::fold::fold([(1, &created)]).expect("folds");
+        let events = [recorded(3, "one"), recorded(5, "two")];
+        let set_aside = [
+            aside(2, EventKind::Input),
+            aside(4, EventKind::Decision),
+            aside(6, EventKind::Input),
+        ];
+        fold_merged(&mut state, events.iter(), &set_aside).expect("folds");
+        assert_eq!(state.pending_messages.len(), 2);
+        assert_eq!(state.set_aside, 3);
+        assert_eq!(state.last_seq, 6);
+        // The decision set aside at 4 moved the expected decision sequence: it was folded
+        // between the events around it, not after them.
+        assert_eq!(state.last_decision_seq, 4);
+    }
+
+    #[test]
+    fn a_wake_stored_more_than_two_seconds_ago_is_a_backlog() {
+        let now = time::OffsetDateTime::now_utc();
+        let ago = |ms: i64| now - time::Duration::milliseconds(ms);
+        assert!(!stored_long_ago(now, now));
+        assert!(!stored_long_ago(ago(1_999), now));
+        assert!(!stored_long_ago(ago(2_000), now));
+        assert!(stored_long_ago(ago(2_001), now));
+        assert!(stored_long_ago(ago(5 * 3_600_000), now));
+        // A clock that runs behind the broker's: a fresh wake, not a backlog.
+        assert!(!stored_long_ago(ago(-60_000), now));
+    }
+
+    #[test]
+    fn a_per_run_memory_starts_over_once_it_holds_cache_runs() {
+        let mut small = HashMap::new();
+        remember(&mut small, "a", 1);
+        remember(&mut small, "b", 2);
+        remember(&mut small, "a", 3);
+        assert_eq!(small.len(), 2);
+        assert_eq!(small.get("a"), Some(&3));
+        let mut full = HashMap::new();
+        for i in 0..CACHE_RUNS {
+            remember(&mut full, i, i);
+        }
+        assert_eq!(full.len(), CACHE_RUNS);
+        remember(&mut full, CACHE_RUNS, 0);
+        assert_eq!(full.len(), 1);
+        assert_eq!(full.get(&CACHE_RUNS), Some(&0));
     }
 }

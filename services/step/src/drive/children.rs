@@ -18,6 +18,16 @@ use kedge_runtime::seal::{self, SealError};
 use super::cache::CACHE_RUNS;
 use super::{DriveError, Driver};
 
+/// Whether `state`'s run has child runs to tend, or is a child run: the parent of an open
+/// `run_agent` operation, or a child whose result its parent may still lack.
+pub(super) fn needs_tending(state: &RunState) -> bool {
+    state.bundle.parent.is_some()
+        || state
+            .ops
+            .values()
+            .any(|o| o.call.name == child::RUN_AGENT_TOOL && o.result.is_none())
+}
+
 /// The refusal of a `run_agent` operation whose child's run id another run holds.
 fn taken(id: &RunId) -> String {
     format!("not run: the child's run id {id} is taken by a run this operation did not start")
@@ -255,4 +265,45 @@ fn seal_child_input(
     };
     *input = key.seal(child, &serde_json::Value::String(clear));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kedge_core::StepNo;
+    use kedge_core::event::{ParentLink, RunCreated};
+
+    fn folded(parent: Option<ParentLink>) -> RunState {
+        let run: RunId = "run_child1".parse().expect("a run id");
+        let created = RunCreated {
+            parent,
+            ..kedge_core::fixtures::run_created("demo", "hello")
+        };
+        let env = Envelope::new(
+            run,
+            Timestamp::now(),
+            Draft::new(Event::RunCreated(Box::new(created))),
+        );
+        kedge_core::fold::fold([(1, &env)]).expect("folds")
+    }
+
+    #[test]
+    fn a_child_run_is_tended_and_a_run_without_children_is_not() {
+        assert!(!needs_tending(&folded(None)));
+        let parent: RunId = "run_parent1".parse().expect("a run id");
+        let link = ParentLink {
+            op: OperationId::new(&parent, StepNo(1), 0),
+            run_id: parent,
+            ancestors: vec!["boss".parse().expect("an agent name")],
+        };
+        assert!(needs_tending(&folded(Some(link))));
+    }
+
+    #[test]
+    fn a_taken_child_id_is_named_in_the_refusal() {
+        let id: RunId = "run_taken1".parse().expect("a run id");
+        let refusal = taken(&id);
+        assert!(refusal.starts_with("not run: "), "{refusal}");
+        assert!(refusal.contains("run_taken1"), "{refusal}");
+    }
 }

@@ -9,7 +9,7 @@ use kedge_journal::{DecisionWriter, JournalError};
 use kedge_runtime::failpoint;
 use kedge_runtime::metrics;
 
-use super::cache::Skipped;
+use super::cache::{Skipped, gap};
 use super::{DriveError, Driver};
 
 /// How one drive writes the run's decisions.
@@ -140,10 +140,7 @@ impl Driver {
                 // it lands, what it stepped over noted for the next read to check.
                 Ok(appended) if current => {
                     metrics::decision(&event.event);
-                    let next = state.last_seq.saturating_add(1);
-                    if appended.first_seq > next {
-                        w.skipped.push((next, appended.first_seq - 1));
-                    }
+                    w.skipped.extend(gap(state.last_seq, appended.first_seq));
                     state.apply(appended.last_seq, &event)?;
                     expected = appended.last_seq;
                 }

@@ -271,3 +271,51 @@ fn summary_text(text: &str) -> String {
         .take(kedge_core::context::MAX_SUMMARY_CHARS)
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kedge_core::event::{RunStarted, StepStarted, UserMessage};
+    use kedge_core::ids::RunId;
+    use kedge_core::{Attempt, StepNo};
+
+    fn step_started() -> Draft {
+        let run: RunId = "run_revive1".parse().expect("a run id");
+        Draft::new(Event::StepStarted(StepStarted {
+            request_id: ModelRequestId::new(&run, StepNo(3), Attempt(1)),
+            context_digest: Digest::of_bytes(b"context"),
+            inputs_through: 7,
+            model: None,
+        }))
+    }
+
+    #[test]
+    fn a_revival_commits_only_its_decisions_before_the_step_started() {
+        let message = Draft::new(Event::UserMessage(UserMessage {
+            text: "again".into(),
+        }));
+        let start = vec![
+            Draft::new(Event::RunStarted(RunStarted {})),
+            step_started(),
+            message,
+        ];
+        let first = revival(&start);
+        assert_eq!(first.len(), 1);
+        assert!(matches!(first[0].event, Event::RunStarted(_)));
+        assert!(revival(&[step_started()]).is_empty());
+        assert!(revival(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_summary_is_trimmed_and_bounded_in_characters() {
+        assert_eq!(summary_text("  \n what was done \t"), "what was done");
+        assert_eq!(summary_text(" \n "), "");
+        let max = kedge_core::context::MAX_SUMMARY_CHARS;
+        // Characters, not bytes: a multi-byte text is cut on a character boundary.
+        let long = "é".repeat(max + 10);
+        let text = summary_text(&long);
+        assert_eq!(text.chars().count(), max);
+        assert!(text.chars().all(|c| c == 'é'));
+        assert_eq!(summary_text(&"x".repeat(max)).len(), max);
+    }
+}

@@ -16,7 +16,7 @@ use kedge_runtime::liveness::Hold;
 use kedge_runtime::metrics::{self, Takeover};
 use tokio::sync::{oneshot, watch};
 
-use super::cache::CACHE_RUNS;
+use super::cache::{CACHE_RUNS, remember};
 use super::{DriveError, Driver};
 
 /// How long a worker woken for a run whose lease another live worker holds waits for that
@@ -132,10 +132,7 @@ impl Driver {
     /// (for the takeover latency metric; forgotten once the lease is taken, or in bulk).
     pub fn adopting(&self, run: &RunId, last_heard: std::time::Instant) {
         if let Ok(mut adopted) = self.adopted.lock() {
-            if adopted.len() >= CACHE_RUNS {
-                adopted.clear();
-            }
-            adopted.insert(run.clone(), last_heard);
+            remember(&mut adopted, run.clone(), last_heard);
         }
     }
 
@@ -145,10 +142,7 @@ impl Driver {
         match self.rt.leases.release(lease).await {
             Ok(marker) => {
                 if let Ok(mut released) = self.released.lock() {
-                    if released.len() >= CACHE_RUNS {
-                        released.clear();
-                    }
-                    released.insert(run, marker);
+                    remember(&mut released, run, marker);
                 }
             }
             Err(e) => {
@@ -160,16 +154,11 @@ impl Driver {
     /// Keeps `lease` (last written at `written`) for the run's next drive here until its next
     /// renewal would be due, then releases it ([`Parked`]).
     pub(super) async fn park(&self, lease: Lease, written: Instant, hold: Hold) {
-        let left = self
-            .rt
-            .config
-            .timeouts
-            .lease_renew()
-            .saturating_sub(written.elapsed());
-        if left < MIN_PARK {
+        let renew = self.rt.config.timeouts.lease_renew();
+        let Some(left) = park_window(renew, written.elapsed()) else {
             self.release(lease).await;
             return;
-        }
+        };
         let run = lease.run.clone();
         let id = self.park_ids.fetch_add(1, Ordering::Relaxed);
         let refused = match self.parked.lock() {
@@ -328,10 +317,7 @@ impl Driver {
                         .or_else(|| self.liveness.last_heard(owner))
                         .unwrap_or_else(std::time::Instant::now);
                     if let Ok(mut taken) = self.taken_from.lock() {
-                        if taken.len() >= CACHE_RUNS {
-                            taken.clear();
-                        }
-                        taken.insert(run.clone(), last);
+                        remember(&mut taken, run.clone(), last);
                     }
                 }
                 Ok(fresh(lease))
@@ -368,10 +354,7 @@ impl Driver {
         else {
             return Ok(None);
         };
-        let Some(seq) = std::str::from_utf8(&answer.payload)
-            .ok()
-            .and_then(|s| s.parse::<u64>().ok())
-        else {
+        let Some(seq) = yielded_seq(&answer.payload) else {
             return Ok(None);
         };
         let cfg = &self.rt.config;
@@ -408,6 +391,58 @@ impl Driver {
         match self.rt.leases.holder(run).await {
             Ok(Some(h)) => h.owner == self.rt.config.worker_id,
             Ok(None) | Err(_) => false,
+        }
+    }
+}
+
+/// How long a lease last written `since_written` ago may stay parked: until its next renewal
+/// (every `renew`) would be due; `None` when less than [`MIN_PARK`] is left of that.
+fn park_window(renew: Duration, since_written: Duration) -> Option<Duration> {
+    let left = renew.saturating_sub(since_written);
+    (left >= MIN_PARK).then_some(left)
+}
+
+/// The release marker's sequence in a worker's answer to a yield request
+/// ([`Driver::ask_to_yield`]); `None` for an empty answer (nothing parked) or one that is not
+/// a sequence.
+fn yielded_seq(payload: &[u8]) -> Option<u64> {
+    std::str::from_utf8(payload)
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_is_parked_only_while_enough_is_left_before_its_renewal() {
+        let renew = Duration::from_secs(5);
+        assert_eq!(
+            park_window(renew, Duration::from_secs(1)),
+            Some(Duration::from_secs(4))
+        );
+        assert_eq!(park_window(renew, Duration::ZERO), Some(renew));
+        assert_eq!(park_window(renew, renew - MIN_PARK), Some(MIN_PARK));
+        let just_short = renew - MIN_PARK + Duration::from_millis(1);
+        assert_eq!(park_window(renew, just_short), None);
+        assert_eq!(park_window(renew, Duration::from_secs(9)), None);
+    }
+
+    #[test]
+    fn a_yield_answer_is_a_release_markers_sequence_or_nothing() {
+        assert_eq!(yielded_seq(b"42"), Some(42));
+        assert_eq!(yielded_seq(b"18446744073709551615"), Some(u64::MAX));
+        // Nothing parked: the empty answer.
+        assert_eq!(yielded_seq(b""), None);
+        for garbage in [
+            &b"-1"[..],
+            b"42 ",
+            b"0x2a",
+            b"\xff\x34",
+            b"18446744073709551616",
+        ] {
+            assert_eq!(yielded_seq(garbage), None, "{garbage:?}");
         }
     }
 }

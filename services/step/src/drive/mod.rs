@@ -397,3 +397,69 @@ fn internal_failure(reason: String) -> Draft {
         effects: Vec::new(),
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_failures_that_may_pass_later_are_retryable() {
+        let retryable = [
+            DriveError::Journal(JournalError::Unavailable {
+                op: "read",
+                reason: "no leader".into(),
+            }),
+            DriveError::Journal(JournalError::Conflict {
+                expected: 3,
+                actual: 4,
+            }),
+            DriveError::Lease(LeaseError::Unavailable {
+                op: "renew",
+                reason: "timeout".into(),
+            }),
+            DriveError::LeaseLost,
+            DriveError::Idempotency(IdempotencyError::Unavailable("no leader".into())),
+            DriveError::Agent(AgentError::Unavailable("no leader".into())),
+            DriveError::Provider(ProviderError::Unavailable("no leader".into())),
+            DriveError::NoRun,
+            DriveError::Precondition {
+                tool: "deploy".into(),
+                reason: "no tool runner answered in time".into(),
+            },
+        ];
+        for e in &retryable {
+            assert!(e.is_retryable(), "`{e}` should be retried");
+        }
+        let not_retryable = [
+            DriveError::Journal(JournalError::Invalid {
+                seq: 7,
+                reason: "not an envelope".into(),
+            }),
+            DriveError::Lease(LeaseError::Held {
+                owner: "w2".into(),
+                revision: 1,
+            }),
+            DriveError::Fold(FoldError::Empty),
+            DriveError::Idempotency(IdempotencyError::Corrupt {
+                key: "k".into(),
+                reason: "not JSON".into(),
+            }),
+            DriveError::Agent(AgentError::NotFound("demo".parse().expect("an agent name"))),
+            DriveError::Panicked("index out of bounds".into()),
+        ];
+        for e in &not_retryable {
+            assert!(!e.is_retryable(), "`{e}` should not be retried");
+        }
+    }
+
+    #[test]
+    fn a_revision_the_run_cannot_go_on_with_fails_the_run_as_internal() {
+        let draft = internal_failure("agent demo revision 2 no longer matches".into());
+        let Event::RunFailed(failed) = draft.event else {
+            panic!("not a run.failed: {:?}", draft.event);
+        };
+        assert_eq!(failed.reason, FailureReason::Internal);
+        assert_eq!(failed.message, "agent demo revision 2 no longer matches");
+        assert!(failed.effects.is_empty());
+    }
+}

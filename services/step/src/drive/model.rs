@@ -163,7 +163,20 @@ fn open_context(
         };
     }
     // Looked for in place first: most contexts hold nothing sealed, and this runs every step.
-    let sealed = context.iter().any(|m| match m {
+    if !holds_sealed(context) {
+        return Ok(None);
+    }
+    let mut value = serde_json::to_value(context).unwrap_or_default();
+    seal::open_all(rt.seal.as_ref(), &state.run_id, &mut value)?;
+    serde_json::from_value(value)
+        .map(Some)
+        .map_err(|_| SealError::Unopenable("a sealed value does not fit where it was"))
+}
+
+/// Whether a value in `context` is sealed: a message's text, a tool call's arguments, a tool's
+/// result.
+fn holds_sealed(context: &[ChatMessage]) -> bool {
+    context.iter().any(|m| match m {
         ChatMessage::User { text } => seal::is_sealed(text),
         ChatMessage::Assistant { message } => {
             seal::is_sealed(&message.text)
@@ -173,15 +186,7 @@ fn open_context(
                     .any(|c| seal::holds_sealed(&c.arguments))
         }
         ChatMessage::Tool { content, .. } => seal::is_sealed(content),
-    });
-    if !sealed {
-        return Ok(None);
-    }
-    let mut value = serde_json::to_value(context).unwrap_or_default();
-    seal::open_all(rt.seal.as_ref(), &state.run_id, &mut value)?;
-    serde_json::from_value(value)
-        .map(Some)
-        .map_err(|_| SealError::Unopenable("a sealed value does not fit where it was"))
+    })
 }
 
 /// Seals the arguments the agent marks sensitive (`policy.<tool>.sensitive`) in the model's
@@ -233,5 +238,79 @@ pub(super) fn count_call(
             metrics::model_call(ModelOutcome::Error, took);
             metrics::model_error(e.class, e.kind.as_str());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kedge_core::event::{AssistantMessage, ErrorClass, ToolCall};
+    use kedge_model::ModelErrorKind;
+
+    fn error(retry_after: Option<Duration>) -> ModelError {
+        ModelError {
+            class: ErrorClass::Retryable,
+            kind: ModelErrorKind::Status,
+            status: Some(503),
+            retry_after,
+            message: "overloaded".into(),
+            trouble: None,
+        }
+    }
+
+    #[test]
+    fn a_retry_waits_what_the_provider_asked_within_the_bound() {
+        let max = Duration::from_secs(30);
+        let asked = Duration::from_secs(5);
+        assert_eq!(retry_delay(&error(Some(asked)), 1, max), asked);
+        assert_eq!(retry_delay(&error(Some(asked)), 6, max), asked);
+        assert_eq!(
+            retry_delay(&error(Some(Duration::from_secs(120))), 1, max),
+            max
+        );
+        for attempt in 1..12 {
+            assert!(retry_delay(&error(None), attempt, max) <= max);
+        }
+        let tight = Duration::from_millis(1);
+        assert!(retry_delay(&error(None), 5, tight) <= tight);
+    }
+
+    fn assistant(text: &str, arguments: serde_json::Value) -> ChatMessage {
+        ChatMessage::Assistant {
+            message: AssistantMessage {
+                text: text.into(),
+                tool_calls: vec![ToolCall {
+                    call_id: "call_1".into(),
+                    name: "read_file".into(),
+                    arguments,
+                }],
+                thinking: Vec::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn a_sealed_value_is_found_wherever_the_context_holds_it() {
+        let sealed = format!("{}c2VhbGVk", seal::PREFIX);
+        let user = |text: &str| ChatMessage::User { text: text.into() };
+        let tool = |content: &str| ChatMessage::Tool {
+            call_id: "call_1".into(),
+            content: content.into(),
+            is_error: false,
+        };
+        let plain = [
+            user("hello"),
+            assistant("reading", serde_json::json!({"path": "a.txt"})),
+            tool("42"),
+        ];
+        assert!(!holds_sealed(&plain));
+        assert!(!holds_sealed(&[]));
+        assert!(holds_sealed(&[user("hello"), user(&sealed)]));
+        assert!(holds_sealed(&[tool(&sealed)]));
+        assert!(holds_sealed(&[assistant(&sealed, serde_json::json!({}))]));
+        let nested = serde_json::json!({"path": "a.txt", "env": {"keys": ["x", sealed]}});
+        assert!(holds_sealed(&[assistant("reading", nested)]));
+        // The prefix inside a text is not a sealed value.
+        assert!(!holds_sealed(&[user(&format!("see {sealed}"))]));
     }
 }

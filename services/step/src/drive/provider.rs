@@ -378,3 +378,169 @@ pub(super) async fn hold_or_admit<'a>(
     }
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kedge_core::event::ModelSpec;
+    use kedge_model::ModelErrorKind;
+
+    fn spec(name: &str, base_url: &str) -> ModelSpec {
+        ModelSpec {
+            name: name.into(),
+            base_url: Some(base_url.into()),
+            ..kedge_core::fixtures::run_created("demo", "hello").model
+        }
+    }
+
+    fn called(name: &str, base_url: &str) -> Called {
+        let spec = spec(name, base_url);
+        Called {
+            endpoint: Endpoint::new(&spec, "OPENAI_API_KEY"),
+            spec,
+            key_var: "OPENAI_API_KEY".into(),
+        }
+    }
+
+    fn error(trouble: Option<Trouble>, retry_after: Option<Duration>) -> ModelError {
+        ModelError {
+            class: kedge_core::event::ErrorClass::Retryable,
+            kind: ModelErrorKind::Status,
+            status: Some(429),
+            retry_after,
+            message: "slow down".into(),
+            trouble,
+        }
+    }
+
+    fn definition() -> AgentDefinition {
+        let def = serde_json::json!({
+            "name": "demo",
+            "system_prompt": "You are helpful.",
+            "model": {"provider": "openai", "name": "mock-demo", "base_url": "http://127.0.0.1:1/v1"},
+            "tools": [{"name": "read_file", "description": "Read a file",
+                       "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}],
+            "policy": {"read_file": {"approval": "never"}}
+        });
+        AgentDefinition::parse(def.to_string().as_bytes()).expect("a valid definition")
+    }
+
+    #[test]
+    fn a_route_picks_the_model_called_and_whether_the_call_probes() {
+        let primary = called("own", "http://a.test/v1");
+        let fallbacks = [
+            called("first", "http://b.test/v1"),
+            called("second", "http://c.test/v1"),
+        ];
+        let pick = |route: Route| {
+            let (c, probe) = routed(&route, &primary, &fallbacks);
+            (c.spec.name.clone(), probe)
+        };
+        assert_eq!(pick(Route::Primary { probe: false }), ("own".into(), false));
+        assert_eq!(pick(Route::Primary { probe: true }), ("own".into(), true));
+        assert_eq!(pick(Route::Fallback(0)), ("first".into(), false));
+        assert_eq!(pick(Route::Fallback(1)), ("second".into(), false));
+        // An index the run's fallbacks do not have: its own model.
+        assert_eq!(pick(Route::Fallback(2)), ("own".into(), false));
+        let hold = Route::Hold {
+            reason: "failing".into(),
+            trouble: Trouble::Unavailable,
+        };
+        assert_eq!(pick(hold), ("own".into(), false));
+    }
+
+    #[test]
+    fn a_call_that_did_not_go_records_where_and_why() {
+        let c = called("own", "http://a.test/v1");
+        let why = metrics::ProviderWait::Queued;
+        let t = ProviderTrouble::held(&c.endpoint, "no slot".into(), Trouble::RateLimited, why);
+        assert_eq!(t.called.id, c.endpoint.id);
+        assert_eq!(
+            t.met.outcome,
+            AttemptOutcome::Held {
+                endpoint: c.endpoint.label.clone(),
+                reason: "no slot".into(),
+            }
+        );
+        assert_eq!(t.met.trouble, Trouble::RateLimited);
+        assert_eq!(t.met.endpoint, c.endpoint.label);
+        assert_eq!(t.met.message, "no slot");
+        assert_eq!(t.retry_after, None);
+        assert_eq!(t.why, metrics::ProviderWait::Queued);
+    }
+
+    #[test]
+    fn provider_trouble_is_waited_on_as_the_trouble_it_is() {
+        let c = called("own", "http://a.test/v1");
+        let seven = Some(Duration::from_secs(7));
+        let limited = error(Some(Trouble::RateLimited), seven);
+        let t = ProviderTrouble::met(&c.endpoint, &limited);
+        assert_eq!(t.why, metrics::ProviderWait::RateLimited);
+        assert_eq!(t.met.trouble, Trouble::RateLimited);
+        assert_eq!(t.met.outcome, limited.to_attempt_outcome());
+        assert_eq!(t.met.endpoint, c.endpoint.label);
+        assert_eq!(t.met.message, "slow down");
+        assert_eq!(t.retry_after, seven);
+        let down = error(Some(Trouble::Unavailable), None);
+        let t = ProviderTrouble::met(&c.endpoint, &down);
+        assert_eq!(t.why, metrics::ProviderWait::Unavailable);
+        assert_eq!(t.met.trouble, Trouble::Unavailable);
+        assert_eq!(t.retry_after, None);
+    }
+
+    #[test]
+    fn only_the_providers_trouble_is_reported_to_its_breaker() {
+        assert!(trouble_report(&error(None, None), true).is_none());
+        let three = Some(Duration::from_secs(3));
+        let report =
+            trouble_report(&error(Some(Trouble::RateLimited), three), true).expect("a report");
+        assert_eq!(report.trouble, Trouble::RateLimited);
+        assert_eq!(report.message, "slow down");
+        assert_eq!(report.retry_after, three);
+        assert!(report.probe);
+        let report =
+            trouble_report(&error(Some(Trouble::Unavailable), None), false).expect("a report");
+        assert!(!report.probe);
+    }
+
+    #[test]
+    fn a_requests_tokens_are_its_overhead_and_its_context() {
+        let def = definition();
+        let overhead = kedge_model::context::overhead_tokens(&def.system_prompt, &def.tools);
+        assert!(overhead > 0);
+        assert_eq!(request_tokens(&def, &[]), overhead);
+        let context = [
+            ChatMessage::User {
+                text: "hello ".repeat(200),
+            },
+            ChatMessage::User { text: "hi".into() },
+        ];
+        let expected = overhead
+            + kedge_core::context::estimate(&context[0])
+            + kedge_core::context::estimate(&context[1]);
+        assert_eq!(request_tokens(&def, &context), expected);
+        assert!(request_tokens(&def, &context) > request_tokens(&def, &context[1..]));
+    }
+
+    #[test]
+    fn a_runs_own_model_is_the_one_its_run_created_froze() {
+        let def = definition();
+        let created = kedge_core::event::Envelope::new(
+            "run_frozen1".parse().expect("a run id"),
+            Timestamp::now(),
+            kedge_core::event::Draft::new(kedge_core::event::Event::RunCreated(Box::new(
+                kedge_core::fixtures::run_created("demo", "hello"),
+            ))),
+        );
+        let state = kedge_core::fold::fold([(1, &created)]).expect("folds");
+        let own = Called::primary(&state, &def);
+        // Not the definition's model as it is now: the run keeps calling what it started on.
+        assert_eq!(own.spec, state.bundle.model);
+        assert_ne!(own.spec.name, def.model.name);
+        assert_eq!(own.key_var, kedge_model::api_key_env(&def));
+        assert_eq!(
+            own.endpoint,
+            Endpoint::new(&state.bundle.model, &own.key_var)
+        );
+    }
+}

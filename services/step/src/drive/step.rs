@@ -522,3 +522,38 @@ fn name_model(start: &mut [Draft], model: &ModelSpec) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kedge_core::event::{RunStarted, StepStarted};
+    use kedge_core::ids::{ModelRequestId, RunId};
+    use kedge_core::{Attempt, StepNo};
+
+    #[test]
+    fn a_fallback_is_named_in_the_attempts_step_started_alone() {
+        let run: RunId = "run_fallback1".parse().expect("a run id");
+        let started = StepStarted {
+            request_id: ModelRequestId::new(&run, StepNo(2), Attempt(1)),
+            context_digest: kedge_core::event::Digest::of_bytes(b"context"),
+            inputs_through: 4,
+            model: None,
+        };
+        let mut start = vec![
+            Draft::new(Event::RunStarted(RunStarted {})),
+            Draft::new(Event::StepStarted(started.clone())),
+        ];
+        let fallback = ModelSpec {
+            name: "fallback".into(),
+            ..kedge_core::fixtures::run_created("demo", "hello").model
+        };
+        name_model(&mut start, &fallback);
+        assert!(matches!(start[0].event, Event::RunStarted(_)));
+        let Event::StepStarted(named) = &start[1].event else {
+            panic!("not a step.started: {:?}", start[1].event);
+        };
+        assert_eq!(named.model.as_ref(), Some(&fallback));
+        assert_eq!(named.request_id, started.request_id);
+        assert_eq!(named.inputs_through, 4);
+    }
+}
