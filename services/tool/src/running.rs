@@ -4,27 +4,28 @@
 //! (docs/ARCHITECTURE.md "The tool service", "Tool retries", "Waiting and stopping").
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kedge_core::event::{Draft, Envelope, Event, Timestamp, ToolRequested, ToolStarted};
 use kedge_core::ids::{InputId, OperationId, RunId};
-use kedge_core::tools::{NextAttempt, ToolErrorClass, Verdict, claim_dispatch};
+use kedge_core::tools::{GiveUp, ToolErrorClass, Verdict, claim_dispatch};
 use kedge_journal::JournalError;
-use kedge_runtime::idempotency::{Claim, Finished, IdempotencyError};
-use kedge_runtime::metrics::{self, Takeover, ToolOutcome};
+use kedge_runtime::idempotency::{Finished, IdempotencyError};
+use kedge_runtime::metrics::{self, ToolOutcome};
 use kedge_runtime::{Runtime, failpoint};
 use tokio::sync::watch;
 
-use crate::builtin::{Confirm, Output};
-use crate::claim::{Look, look, millis, next_attempt, until};
+use crate::builtin::Output;
+use crate::claim::{self, Claimed, Look, millis};
 use crate::journaling::{
-    journal_ambiguous, journal_attempt, journal_confirmed, journal_moved, journal_result,
-    journal_result_after, keep_trying, record,
+    journal_ambiguous, journal_attempt, journal_moved, journal_result, journal_result_after,
+    keep_trying, record,
 };
 use crate::service::Ctx;
-use crate::takeover::{IN_FLIGHT_POLL, already_journaled, count_confirm, settled_confirm};
 use crate::target::{Ran, Target};
-use crate::{Handled, ToolError, held};
+use crate::{Handled, ToolError, held, takeover};
 
 /// The stop signal of one running operation.
 type StopSignal = (OperationId, watch::Sender<bool>);
@@ -69,7 +70,32 @@ impl Running {
     }
 }
 
+/// One handling of a request of an operation: what each phase of [`execute`] reads.
+pub(crate) struct Handling<'a> {
+    pub(crate) ctx: &'a Ctx,
+    pub(crate) op: &'a OperationId,
+    pub(crate) req: &'a ToolRequested,
+    /// This runner (the process's `worker_id`): who the record is claimed for.
+    pub(crate) runner: &'a String,
+    /// What the tool's name refers to.
+    pub(crate) target: Target,
+    /// How old a `running` record must be to be taken for abandoned (`op_abandoned_after`).
+    pub(crate) abandoned_after: Duration,
+    /// The request carries a retry policy: attempts are numbered, each claiming the record
+    /// under its own number.
+    pub(crate) retried: bool,
+}
+
 /// Handles one request of `op`; `looked`: the journal's [`look`], if the caller took it.
+///
+/// Its phases: which attempt this is and its claim ([`claim::claim`]), the takeover of a
+/// record whose runner is gone ([`takeover::take_over_gone`]), what the claim came to
+/// ([`claim::outcome`]), then a cancelled run's or moved target's answer, the tool run beside
+/// its `tool.started` ([`start_and_run`]), what it ran to ([`result_of`]), the retry policy's
+/// verdict on a failure ([`after_failure`]) and the record and result written together
+/// ([`finish`]).
+///
+/// [`look`]: crate::claim::look
 pub(crate) async fn execute(
     ctx: &Ctx,
     op: &OperationId,
@@ -77,277 +103,81 @@ pub(crate) async fn execute(
     looked: Option<Look>,
     requested_at: Option<u64>,
 ) -> Result<Handled, ToolError> {
-    let (rt, env) = (&ctx.rt, &ctx.env);
-    let runner = &rt.config.worker_id;
+    let runner = &ctx.rt.config.worker_id;
     let target = Target::of(&req.tool, &ctx.mcp);
     // Announced in this process's heartbeats from before the claim until the outcome is
     // recorded: if this process dies meanwhile, a standby takes the operation over at once.
     let _hold = ctx.liveness.hold_op(op).await;
     // A panic here (a bug; or the test failpoint) is contained by the handler.
     failpoint::panic_point("tool.execute", op.run().as_str());
-    let abandoned_after = rt.config.timeouts.op_abandoned_after();
-    // Which attempt this is: always the first without a retry policy; under one, the journal's
-    // to say (one more than the failed attempts of this dispatch it records), and not before
-    // the last one's `retry_at` (unless the run is being cancelled: then the attempt is not
-    // run, at once). Each attempt claims the record under its own number, greater than the
-    // last one's (`claim_dispatch`), so it supersedes an attempt whose failure is journaled
-    // without a confirm query, and one attempt of one dispatch runs at a time.
-    let retried = req.retry.is_some();
-    let (claim, cancel_requested, attempt) = if retried {
-        let looked = match looked {
-            Some(looked) => looked,
-            None => look(ctx, op, req, false).await?,
-        };
-        // A compensation runs because the run is cancelled (or failed): its cancel does not
-        // stop it.
-        let cancel_requested = looked.cancel_requested && req.compensates.is_none();
-        let mut next = looked.next.unwrap_or(NextAttempt::FIRST);
-        loop {
-            if !cancel_requested
-                && let Some(due) = next.due
-                && let Some(wait) = until(due)
-            {
-                tracing::info!(
-                    attempt = next.number,
-                    wait_ms = wait.as_millis(),
-                    "next attempt not due yet"
-                );
-                return Ok(Handled::Busy {
-                    retry_in_ms: millis(wait),
-                });
-            }
-            let claim = rt
-                .idempotency
-                .claim_attempt(
-                    op,
-                    &req.args_digest,
-                    runner,
-                    claim_dispatch(req.redispatch, next.number, true),
-                    claim_dispatch(req.redispatch, 1, true),
-                    abandoned_after,
-                )
-                .await;
-            // A record given back at this number: either that attempt's failure landed since
-            // the journal was read (read again: the next number is free), or the dispatch was
-            // given back without running (its target moved): nothing to do. Numbers only go
-            // up, so this ends.
-            if let Ok(Claim::Released) = claim {
-                let again = next_attempt(rt, op, req.redispatch).await?;
-                if again.number > next.number {
-                    tracing::info!(
-                        attempt = again.number,
-                        "the previous attempt was given back since the journal was read"
-                    );
-                    next = again;
-                    continue;
-                }
-            }
-            break (claim, cancel_requested, next.number);
-        }
-    } else {
-        // The journal's look (the cancel check) goes out with the claim.
-        let (claim, looked) = futures::join!(
-            rt.idempotency.claim(
-                op,
-                &req.args_digest,
-                runner,
-                req.redispatch,
-                abandoned_after
-            ),
-            async {
-                match looked {
-                    Some(looked) => looked,
-                    // A compensation's cancel check would be ignored (below): not made.
-                    None if req.compensates.is_some() => Look::default(),
-                    None => look(ctx, op, req, false).await.unwrap_or_default(),
-                }
-            }
-        );
-        (
-            claim,
-            looked.cancel_requested && req.compensates.is_none(),
-            1,
-        )
+    let h = Handling {
+        ctx,
+        op,
+        req,
+        runner,
+        target,
+        abandoned_after: ctx.rt.config.timeouts.op_abandoned_after(),
+        retried: req.retry.is_some(),
     };
-    let code = claim_dispatch(req.redispatch, attempt, retried);
+    let Claimed {
+        claim,
+        cancel_requested,
+        attempt,
+    } = match claim::claim(&h, looked).await? {
+        ControlFlow::Continue(claimed) => claimed,
+        ControlFlow::Break(handled) => return Ok(handled),
+    };
+    let code = claim_dispatch(req.redispatch, attempt, h.retried);
     tracing::Span::current().record("attempt", attempt);
     let mut claim = claim?;
-    // Held by a runner that is gone (the broker has no connection for it): abandoned now,
-    // whatever the record's age; unless the runner's call went to an MCP server, where it may
-    // still take effect (a dropped connection, or a dead runner's call the server goes on
-    // with): such an operation is taken over only once its first attempt's deadline
-    // (`tool_timeout + tool_grace` from its claim) has passed, and then the confirm query
-    // decides (docs/ARCHITECTURE.md "Takeover"). A tool that honours the operation id may be
-    // run again at once.
-    // A server whose status query sees calls in flight is asked at once instead, without
-    // taking the operation over: `confirmed` is taken over and used; `in_flight` is asked again
-    // shortly; anything else waits for the deadline like any remote call (a `not_found` may be
-    // a call still on its way to the server).
-    // Under a retry policy, a gone runner's record of an earlier attempt whose failure the
-    // journal already holds (the runner died between journaling it and giving its record
-    // back) is finished: the attempt due now supersedes it, with nothing to ask.
-    let gone_holder = match &claim {
-        Claim::Held {
-            runner: holder,
-            dispatch,
-            ..
-        } if ctx.liveness.is_gone(holder).await => {
-            Some((holder.clone(), retried && *dispatch < code))
-        }
-        _ => None,
-    };
-    let may_still_land = matches!(target, Target::Mcp { .. })
-        && !req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
-    let mut early = None;
-    if let Some((holder, attempt_finished)) = gone_holder {
-        let take_over = attempt_finished
-            || !may_still_land
-            || {
-                early = target.early_confirm(env, &ctx.mcp, op).await;
-                early.as_ref().inspect(|c| count_confirm(c));
-                match (&early, &mut claim) {
-                    (Some(Confirm::Confirmed(_)), _) => true,
-                    (Some(Confirm::InFlight), Claim::Held { retry_in, .. }) => {
-                        tracing::info!(runner = %holder, "the runner of this remote call is gone, and its server is still running the call: asking again shortly");
-                        metrics::remote_call_waited();
-                        *retry_in = IN_FLIGHT_POLL;
-                        false
-                    }
-                    (_, claim) => {
-                        let retry_in = match claim {
-                            Claim::Held { retry_in, .. } => retry_in.as_millis() as u64,
-                            _ => 0,
-                        };
-                        tracing::info!(runner = %holder, retry_in_ms = retry_in, "the runner of this remote call is gone, but the call may still take effect: waiting for its deadline");
-                        metrics::remote_call_waited();
-                        false
-                    }
-                }
-            };
-        if take_over {
-            claim = rt
-                .idempotency
-                .claim_from(
-                    op,
-                    &req.args_digest,
-                    runner,
-                    code,
-                    claim_dispatch(req.redispatch, 1, retried),
-                    abandoned_after,
-                    Some(holder.as_str()),
-                )
-                .await?;
-        }
-    }
-    let revision = match claim {
-        Claim::Fresh { revision } => revision,
-        Claim::Done {
-            content,
-            is_error,
-            how,
-        } => {
-            tracing::info!("operation already done; journaling its stored result");
-            let out = Output {
-                content,
-                is_error,
-                class: None,
-            };
-            // As its finisher journals it (which may still be on its way: the same msg id).
-            match how {
-                Finished::Ran => journal_result(rt, op, out, false).await?,
-                Finished::Stopped => journal_result(rt, op, out, true).await?,
-                Finished::Confirmed => journal_confirmed(rt, op, out).await?,
-            }
-            metrics::tool_operation(ToolOutcome::Stored);
-            return Ok(Handled::Stored);
-        }
-        Claim::Released => {
-            tracing::info!(
-                "this dispatch was given back earlier (its target moved); nothing to do"
-            );
-            return Ok(Handled::Released);
-        }
-        Claim::Conflict { stored } => {
-            let out = Output::error(format!(
-                "operation {op} was already requested with different arguments \
-                 (digest {stored}, now {}); not executed",
-                req.args_digest
-            ));
-            journal_result(rt, op, out, false).await?;
-            metrics::tool_operation(ToolOutcome::Conflict);
-            return Ok(Handled::Conflict);
-        }
-        Claim::Held {
-            runner, retry_in, ..
-        } => {
-            tracing::info!(%runner, "held by a live runner");
-            return Ok(Handled::Busy {
-                retry_in_ms: u64::try_from(retry_in.as_millis())
-                    .unwrap_or(u64::MAX)
-                    .max(1),
-            });
-        }
-        // The journal says the earlier dispatch did not happen (not found, or a person chose to
-        // retry): run it again under the same id.
-        Claim::TakenOver {
-            revision,
-            redispatched: true,
-            ..
-        } => revision,
-        Claim::TakenOver {
-            revision, previous, ..
-        } => {
-            tracing::warn!(previous_runner = %previous, "operation left running by a runner that is gone");
-            let heard = ctx.adopted.lock().ok().and_then(|mut a| a.remove(op));
-            metrics::takeover(Takeover::Operation, heard.map(|at| at.elapsed()));
-            if already_journaled(rt, op, revision, req, runner).await? {
-                tracing::info!("its result is journaled; the record is finished from it");
-                metrics::tool_operation(ToolOutcome::Stored);
-                return Ok(Handled::Stored);
-            }
-            // A tool its retry policy declares idempotent honours the operation id: running it
-            // again is the answer, with no need to ask whether it happened.
-            let rerun_safe = req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
-            let confirm = match early {
-                _ if rerun_safe => None,
-                // Asked just before the takeover.
-                Some(confirmed @ Confirm::Confirmed(_)) => Some(confirmed),
-                _ => settled_confirm(ctx, &target, op, abandoned_after).await,
-            };
-            match confirm {
-                None | Some(Confirm::NotFound) => revision,
-                Some(Confirm::Confirmed(out)) => {
-                    record(rt, op, revision, req, runner, &out, Finished::Confirmed).await?;
-                    failpoint::hit("tool.after_confirmed_record");
-                    journal_confirmed(rt, op, out).await?;
-                    metrics::tool_operation(ToolOutcome::Confirmed);
-                    return Ok(Handled::Confirmed);
-                }
-                Some(unsettled @ (Confirm::Ambiguous(_) | Confirm::InFlight)) => {
-                    // Never retried automatically: the run waits in `unknown` for a person
-                    // (`outcome.resolved`). (`settled_confirm` has waited an in-flight call out
-                    // already, up to its bound.)
-                    let detail = match unsettled {
-                        Confirm::Ambiguous(detail) => detail,
-                        _ => "its server still reports the call in flight".to_owned(),
-                    };
-                    journal_ambiguous(rt, op, req.redispatch, detail).await?;
-                    metrics::tool_operation(ToolOutcome::Ambiguous);
-                    return Ok(Handled::Ambiguous);
-                }
-            }
-        }
+    let early = takeover::take_over_gone(&h, &mut claim, code).await?;
+    let revision = match claim::outcome(&h, claim, early).await? {
+        ControlFlow::Continue(revision) => revision,
+        ControlFlow::Break(handled) => return Ok(handled),
     };
     if cancel_requested {
-        let out = Output::error("not run: the run's cancellation was requested");
-        record(rt, op, revision, req, runner, &out, Finished::Stopped).await?;
-        journal_result(rt, op, out, true).await?;
-        metrics::tool_operation(ToolOutcome::Cancelled);
-        return Ok(Handled::Cancelled);
+        return not_run(&h, revision).await;
     }
+    if let ControlFlow::Break(handled) = precondition(&h, revision, code).await? {
+        return Ok(handled);
+    }
+    let (chained, ran) = start_and_run(&h, revision, attempt, requested_at).await;
+    failpoint::hit("tool.after_effect");
+    let (out, stopped) = match result_of(&h, ran).await? {
+        ControlFlow::Continue(result) => result,
+        ControlFlow::Break(handled) => return Ok(handled),
+    };
+    let out = match after_failure(&h, attempt, code, revision, out, stopped).await? {
+        ControlFlow::Continue(out) => out,
+        ControlFlow::Break(handled) => return Ok(handled),
+    };
+    finish(&h, revision, out, stopped, chained).await
+}
+
+/// A request whose run's cancellation was requested before it ran: not run, its result says
+/// so, marked `stopped`.
+async fn not_run(h: &Handling<'_>, revision: u64) -> Result<Handled, ToolError> {
+    let (rt, op, req, runner) = (&h.ctx.rt, h.op, h.req, h.runner);
+    let out = Output::error("not run: the run's cancellation was requested");
+    record(rt, op, revision, req, runner, &out, Finished::Stopped).await?;
+    journal_result(rt, op, out, true).await?;
+    metrics::tool_operation(ToolOutcome::Cancelled);
+    Ok(Handled::Cancelled)
+}
+
+/// An approved operation's precondition (`expect_version`), checked right before it runs: a
+/// target that moved since the approval gives the record back and journals `target.moved`
+/// (docs/ARCHITECTURE.md "The tool service").
+async fn precondition(
+    h: &Handling<'_>,
+    revision: u64,
+    code: u32,
+) -> Result<ControlFlow<Handled>, ToolError> {
+    let (rt, env, op, req, runner) = (&h.ctx.rt, &h.ctx.env, h.op, h.req, h.runner);
     if let Some(expected) = &req.expect_version {
         // The precondition: the target must still be where it was when the approval was asked.
-        let found = target
+        let found = h
+            .target
             .version(env, op.run(), &req.arguments)
             .await
             .unwrap_or_else(|| "none".to_owned());
@@ -358,9 +188,24 @@ pub(crate) async fn execute(
                 .await?;
             journal_moved(rt, op, req.redispatch, expected, found).await?;
             metrics::tool_operation(ToolOutcome::Moved);
-            return Ok(Handled::Moved);
+            return Ok(ControlFlow::Break(Handled::Moved));
         }
     }
+    Ok(ControlFlow::Continue(()))
+}
+
+/// Journals `tool.started` of attempt `attempt` and runs the tool under the run's cancel (a
+/// compensation's excepted) beside it; then the run's stop signal is forgotten. Returns where
+/// `tool.started` landed when it is chained (the link `tool.result` is chained on) and how the
+/// run ended.
+async fn start_and_run(
+    h: &Handling<'_>,
+    revision: u64,
+    attempt: u32,
+    requested_at: Option<u64>,
+) -> (Option<u64>, Ran) {
+    let (ctx, op, req, runner) = (h.ctx, h.op, h.req, h.runner);
+    let (rt, env) = (&ctx.rt, &ctx.env);
     let started = Envelope::new(
         op.run().clone(),
         Timestamp::now(),
@@ -395,7 +240,7 @@ pub(crate) async fn execute(
     let (started, ran) = futures::join!(appended, async {
         let began = std::time::Instant::now();
         let ran = match &arguments {
-            Ok(arguments) => target.run(&limited, &ctx.mcp, op, arguments, stop).await,
+            Ok(arguments) => h.target.run(&limited, &ctx.mcp, op, arguments, stop).await,
             Err(e) => Ran::Done {
                 out: Output::error(format!("not run: {e}")),
                 stopped: false,
@@ -415,7 +260,17 @@ pub(crate) async fn execute(
             None
         }
     };
-    failpoint::hit("tool.after_effect");
+    (chained, ran)
+}
+
+/// What the run came to: its result for the model and whether the run's cancel stopped it;
+/// or, for a remote call cut off mid-flight of a tool not safe to run again, the request's
+/// answer (`outcome.ambiguous` journaled).
+async fn result_of(
+    h: &Handling<'_>,
+    ran: Ran,
+) -> Result<ControlFlow<Handled, (Output, bool)>, ToolError> {
+    let (rt, op, req) = (&h.ctx.rt, h.op, h.req);
     let (out, stopped) = match ran {
         Ran::Done { out, stopped } => (out, stopped),
         // A tool its policy declares safe to run again: a lost connection is one more
@@ -428,13 +283,29 @@ pub(crate) async fn execute(
             // re-dispatches under the same id. Never retried automatically.
             journal_ambiguous(rt, op, req.redispatch, detail).await?;
             metrics::tool_operation(ToolOutcome::Ambiguous);
-            return Ok(Handled::Ambiguous);
+            return Ok(ControlFlow::Break(Handled::Ambiguous));
         }
     };
-    let mut out = match target {
+    let out = match h.target {
         Target::Unknown => Output::error(format!("unknown tool `{}`", req.tool)),
         _ => out,
     };
+    Ok(ControlFlow::Continue((out, stopped)))
+}
+
+/// The retry policy's verdict on attempt `attempt`, when it failed and was not stopped: a
+/// failure it retries is journaled (`tool.attempt`) and the record given back, and the request
+/// is answered with the next attempt's wait; one it gives up on goes on to the model, told
+/// which attempt it was and why ([`given_up`]) (docs/ARCHITECTURE.md "Tool retries").
+async fn after_failure(
+    h: &Handling<'_>,
+    attempt: u32,
+    code: u32,
+    revision: u64,
+    mut out: Output,
+    stopped: bool,
+) -> Result<ControlFlow<Handled, Output>, ToolError> {
+    let (rt, op, req, runner) = (&h.ctx.rt, h.op, h.req, h.runner);
     if out.is_error
         && !stopped
         && let Some(policy) = &req.retry
@@ -451,33 +322,67 @@ pub(crate) async fn execute(
                 rt.idempotency
                     .release(op, revision, &req.args_digest, runner, code)
                     .await?;
-                return Ok(Handled::Retrying {
+                return Ok(ControlFlow::Break(Handled::Retrying {
                     attempt: next,
                     retry_in_ms: millis(delay),
-                });
+                }));
             }
             Verdict::GiveUp(why) => {
-                if attempt > 1 || out.class.is_some() {
+                if let Some(content) =
+                    given_up(&out.content, attempt, out.class, policy.max_attempts(), why)
+                {
                     tracing::info!(attempt, %why, "attempt failed; the model gets the error");
-                    out.content = format!(
-                        "{}\n[attempt {attempt} of {}: {why}]",
-                        out.content,
-                        policy.max_attempts()
-                    );
+                    out.content = content;
                 }
             }
         }
     }
+    Ok(ControlFlow::Continue(out))
+}
+
+/// The error the model reads when the retry policy gives up on a failed attempt: told which
+/// attempt of how many it was and why, when attempts were retried before or the failure had a
+/// class a policy could retry; `None` for a tool's own error at the first attempt, which reads
+/// as it is.
+fn given_up(
+    content: &str,
+    attempt: u32,
+    class: Option<ToolErrorClass>,
+    max_attempts: u32,
+    why: GiveUp,
+) -> Option<String> {
+    (attempt > 1 || class.is_some())
+        .then(|| format!("{content}\n[attempt {attempt} of {max_attempts}: {why}]"))
+}
+
+/// How a run that came to a result is recorded, and counted: stopped by the run's cancel,
+/// else ran, failed or succeeded by its result.
+fn settled(stopped: bool, is_error: bool) -> (Finished, ToolOutcome) {
     let how = if stopped {
         Finished::Stopped
     } else {
         Finished::Ran
     };
-    let outcome = match (stopped, out.is_error) {
+    let outcome = match (stopped, is_error) {
         (true, _) => ToolOutcome::Stopped,
         (false, true) => ToolOutcome::Failed,
         (false, false) => ToolOutcome::Succeeded,
     };
+    (how, outcome)
+}
+
+/// Finishes the record and journals the result (chained on `chained`, the `tool.started` it
+/// follows), together, each kept trying while the broker is out of reach ([`keep_trying`]).
+async fn finish(
+    h: &Handling<'_>,
+    revision: u64,
+    out: Output,
+    stopped: bool,
+    chained: Option<u64>,
+) -> Result<Handled, ToolError> {
+    let (ctx, op, req, runner) = (h.ctx, h.op, h.req, h.runner);
+    let rt = &ctx.rt;
+    let (how, outcome) = settled(stopped, out.is_error);
     // The record and the result go out together (one round trip, not two, before the run
     // moves on). A result journaled before its record is finished (a crash in between, or a
     // record write that failed) leaves the record `running`; whoever takes it over reads the
