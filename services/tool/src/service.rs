@@ -10,21 +10,23 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::consumer::pull;
 use async_nats::jetstream::{AckKind, Message};
 use futures::{FutureExt, StreamExt};
+use kedge_core::event::ToolRequested;
 use kedge_core::fold::handled_by_step;
-use kedge_core::ids::OperationId;
+use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects::Durable;
 use kedge_core::subjects::{TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE};
 use kedge_journal::ErrorKind;
 use kedge_runtime::consumer::{Backoff, Verdict as Settle};
-use kedge_runtime::liveness::Liveness;
+use kedge_runtime::liveness::{Death, Liveness};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
 
 use crate::answers::{answer_inspect, answer_resolve};
-use crate::claim::look;
+use crate::claim::{Look, look};
 use crate::journaling::redeliver_held;
 use crate::running::{Running, execute};
 use crate::verify::{self, Stored};
@@ -53,7 +55,7 @@ pub(crate) struct Ctx {
     /// heartbeats, and an operation held by a runner that is gone is taken over at once.
     pub(crate) liveness: Liveness,
     /// Operations adopted from a runner found gone, and when it was last heard: the takeover's
-    /// latency ([`metrics::TAKEOVER_SECONDS`]) once the record is taken over.
+    /// latency ([`kedge_runtime::metrics::TAKEOVER_SECONDS`]) once the record is taken over.
     pub(crate) adopted: Mutex<HashMap<OperationId, std::time::Instant>>,
     /// Where kept requests go back to be handled anew (the service's loop).
     again: mpsc::UnboundedSender<Again>,
@@ -74,6 +76,37 @@ enum Again {
     Adopted(OperationId, u32),
 }
 
+impl Ctx {
+    fn new(
+        rt: &Runtime,
+        sandbox: Arc<dyn sandbox::Sandbox>,
+        running: Running,
+        liveness: Liveness,
+        again: mpsc::UnboundedSender<Again>,
+        stopping: watch::Receiver<bool>,
+    ) -> Ctx {
+        Ctx {
+            env: builtin::Env {
+                root: rt.config.workspace_root.clone(),
+                shell_allowlist: rt.config.shell_allowlist.clone(),
+                timeout: rt.config.timeouts.tool_timeout(),
+                max_output: rt.config.max_tool_output_bytes,
+                sandbox,
+                ledger: rt.config.ledger_tool,
+            },
+            mcp: sandbox::mcp_pool(&rt.config),
+            running,
+            liveness,
+            adopted: Mutex::default(),
+            again,
+            stopping,
+            keeping: Arc::new(()),
+            held: held::HeldResults::new(&rt.config.workspace_root),
+            rt: rt.clone(),
+        }
+    }
+}
+
 /// Runs the tool service until `shutdown` resolves, then lets in-flight operations finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     // No sandbox, no service (unless `unconfined` was chosen).
@@ -87,21 +120,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
     let running = Running::default();
-    let mut cancels = rt
-        .client
-        .subscribe(kedge_core::subjects::event_all_runs(
-            kedge_core::event::EventType::CancelRequested,
-        ))
-        .await
-        .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
-    let stopper = running.clone();
-    tokio::spawn(async move {
-        while let Some(msg) = cancels.next().await {
-            if let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) {
-                stopper.stop_run(&parsed.run_id);
-            }
-        }
-    });
+    stop_on_cancels(&rt, running.clone()).await?;
     let mut messages = consumer
         .messages()
         .await
@@ -109,25 +128,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     // Kept requests come back here; the service's stop hands them back to the broker.
     let (again, mut kept) = mpsc::unbounded_channel::<Again>();
     let (stop, stopping) = watch::channel(false);
-    let ctx = Arc::new(Ctx {
-        env: builtin::Env {
-            root: rt.config.workspace_root.clone(),
-            shell_allowlist: rt.config.shell_allowlist.clone(),
-            timeout: rt.config.timeouts.tool_timeout(),
-            max_output: rt.config.max_tool_output_bytes,
-            sandbox,
-            ledger: rt.config.ledger_tool,
-        },
-        mcp: sandbox::mcp_pool(&rt.config),
-        running,
-        liveness,
-        adopted: Mutex::default(),
-        again,
-        stopping,
-        keeping: Arc::new(()),
-        held: held::HeldResults::new(&rt.config.workspace_root),
-        rt: rt.clone(),
-    });
+    let ctx = Arc::new(Ctx::new(&rt, sandbox, running, liveness, again, stopping));
     // Results an earlier process on this workspace root held and could not journal.
     tokio::spawn(redeliver_held(ctx.clone()));
     let workers = consumer::Workers::new(rt.config.tool_concurrency);
@@ -156,21 +157,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 // A runner that held operations is gone: take them over now (confirm query
                 // first, through the claim), not when their requests are redelivered.
                 if let Ok(death) = death {
-                    let last_heard = std::time::Instant::now()
-                        .checked_sub(death.silent_for)
-                        .unwrap_or_else(std::time::Instant::now);
-                    if let Ok(mut adopted) = ctx.adopted.lock() {
-                        if adopted.len() >= 10_000 {
-                            adopted.clear();
-                        }
-                        for op in &death.held.ops {
-                            adopted.insert(op.clone(), last_heard);
-                        }
-                    }
-                    for op in death.held.ops {
-                        let ctx = ctx.clone();
-                        workers.spawn(async move { adopt(&ctx, op, 0).await }).await;
-                    }
+                    adopt_all(&ctx, &workers, death).await;
                 }
                 continue;
             }
@@ -204,6 +191,63 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         let ctx = ctx.clone();
         workers.run(slot, async move { handle(&ctx, msg, 0).await });
     }
+    wind_down(&ctx, messages, &stop, &workers, kept, sweeper).await;
+    tracing::info!("tool service stopped");
+    Ok(())
+}
+
+/// Stops the operations running here of a run whose cancellation is requested, as its
+/// `cancel.requested` input is published (core NATS; a missed notification at most lets an
+/// operation that already started run to its timeout).
+async fn stop_on_cancels(rt: &Runtime, running: Running) -> Result<(), RuntimeError> {
+    let mut cancels = rt
+        .client
+        .subscribe(kedge_core::subjects::event_all_runs(
+            kedge_core::event::EventType::CancelRequested,
+        ))
+        .await
+        .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
+    tokio::spawn(async move {
+        while let Some(msg) = cancels.next().await {
+            if let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) {
+                running.stop_run(&parsed.run_id);
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Takes over the operations a runner found gone held (its last heartbeat named them), each
+/// through [`adopt`]; when it was last heard is kept for the takeover's latency.
+async fn adopt_all(ctx: &Arc<Ctx>, workers: &consumer::Workers, death: Death) {
+    let last_heard = std::time::Instant::now()
+        .checked_sub(death.silent_for)
+        .unwrap_or_else(std::time::Instant::now);
+    if let Ok(mut adopted) = ctx.adopted.lock() {
+        if adopted.len() >= 10_000 {
+            adopted.clear();
+        }
+        for op in &death.held.ops {
+            adopted.insert(op.clone(), last_heard);
+        }
+    }
+    for op in death.held.ops {
+        let ctx = ctx.clone();
+        workers.spawn(async move { adopt(&ctx, op, 0).await }).await;
+    }
+}
+
+/// The service's stop, once its loop has ended: pulled requests handed back, kept ones too
+/// (with the rest of their wait), in-flight operations finished, the sweep and the MCP
+/// connections closed.
+async fn wind_down(
+    ctx: &Ctx,
+    messages: pull::Stream,
+    stop: &watch::Sender<bool>,
+    workers: &consumer::Workers,
+    mut kept: mpsc::UnboundedReceiver<Again>,
+    sweeper: tokio::task::JoinHandle<()>,
+) {
     consumer::hand_back(messages, CONSUMER).await;
     // Kept requests go back to the broker with the rest of their wait (a handler that keeps one
     // from now on hands it back at once), as do those waiting to be handled anew.
@@ -221,12 +265,50 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     }
     sweeper.abort();
     ctx.mcp.close().await;
-    tracing::info!("tool service stopped");
-    Ok(())
+}
+
+/// A delivered request as the journal decided it: its run, operation and request, and its
+/// place in the journal (`tool.started` is chained on it).
+struct Checked {
+    run_id: RunId,
+    op: OperationId,
+    req: ToolRequested,
+    requested_at: Option<u64>,
 }
 
 /// Handles a delivered request; `kept`: how many times this delivery was kept already.
 async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
+    let Some(Checked {
+        run_id,
+        op,
+        req,
+        requested_at,
+    }) = checked(ctx, &msg).await
+    else {
+        return;
+    };
+    if handled_by_step(&req.tool) {
+        let _ = msg.ack().await;
+        return;
+    }
+    let (span, looked) = span_of(ctx, &msg, &run_id, &op, &req).await;
+    // A panic while handling it (a bug) is contained: it counts as a failed delivery (handed
+    // back, and a dead letter at the last one); the service and its other operations go on.
+    let result = AssertUnwindSafe(execute(ctx, &op, &req, looked, requested_at).instrument(span))
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| {
+            let reason = failpoint::panic_message(panic.as_ref());
+            tracing::error!(op = %op, panic = %reason, "handling a tool operation panicked");
+            Err(ToolError::Panicked(reason))
+        });
+    settle_delivery(ctx, msg, kept, &op, result).await;
+}
+
+/// A delivered request read whole and checked against the journal ([`verify::delivered`]);
+/// `None` when it was settled here: data not readable yet (redelivered), not an envelope or
+/// not a decision of the journal (terminated).
+async fn checked(ctx: &Ctx, msg: &Message) -> Option<Checked> {
     // A request whose data is held by reference (large arguments) is read back whole.
     let envelope = match ctx.rt.journal.open(&msg.payload).await {
         Ok(envelope) => envelope,
@@ -235,12 +317,12 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
             let _ = msg
                 .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
                 .await;
-            return;
+            return None;
         }
         Err(e) => {
             tracing::error!(subject = %msg.subject, error = %e, "not an envelope; terminating");
             let _ = msg.ack_with(AckKind::Term).await;
-            return;
+            return None;
         }
     };
     let (run_id, claimed_op) = (envelope.run_id.clone(), envelope.op.clone());
@@ -263,13 +345,26 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
                     "refused: not a decision of the journal; terminating"
                 );
                 let _ = msg.ack_with(AckKind::Term).await;
-                return;
+                return None;
             }
         };
-    if handled_by_step(&req.tool) {
-        let _ = msg.ack().await;
-        return;
-    }
+    Some(Checked {
+        run_id,
+        op,
+        req,
+        requested_at,
+    })
+}
+
+/// The span a delivered request is handled in, and the journal's [`look`] when it was taken
+/// here for the span's parent.
+async fn span_of(
+    ctx: &Ctx,
+    msg: &Message,
+    run_id: &RunId,
+    op: &OperationId,
+    req: &ToolRequested,
+) -> (tracing::Span, Option<Look>) {
     let span = tracing::info_span!(
         "tool",
         run_id = %run_id,
@@ -290,23 +385,26 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
         kedge_runtime::trace::set_parent(&span, requested_by);
         None
     } else if kedge_runtime::trace::exporting() {
-        let looked = look(ctx, &op, &req, true).await.ok();
+        let looked = look(ctx, op, req, true).await.ok();
         let traceparent = looked.as_ref().and_then(|l| l.traceparent.as_deref());
         kedge_runtime::trace::set_parent(&span, traceparent);
         looked
     } else {
         None
     };
-    // A panic while handling it (a bug) is contained: it counts as a failed delivery (handed
-    // back, and a dead letter at the last one); the service and its other operations go on.
-    let result = AssertUnwindSafe(execute(ctx, &op, &req, looked, requested_at).instrument(span))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|panic| {
-            let reason = failpoint::panic_message(panic.as_ref());
-            tracing::error!(op = %op, panic = %reason, "handling a tool operation panicked");
-            Err(ToolError::Panicked(reason))
-        });
+    (span, looked)
+}
+
+/// Settles a delivery of `op` by what its handling came to: kept ([`keep`]) through a live
+/// holder's work or a backoff, acknowledged, or handed back to be retried (a dead letter at
+/// the last delivery).
+async fn settle_delivery(
+    ctx: &Ctx,
+    msg: Message,
+    kept: u32,
+    op: &OperationId,
+    result: Result<Handled, ToolError>,
+) {
     let delivered = consumer::deliveries(&msg);
     let last = consumer::is_last_delivery(CONSUMER, &msg);
     // Kept through a live holder's work or a backoff, spending no delivery; if this runner
@@ -326,7 +424,7 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
         _ => None,
     };
     if let Some(wait) = kept_for {
-        if let Err(e) = keep(ctx, Again::Request(Box::new(msg), kept), &op, wait).await {
+        if let Err(e) = keep(ctx, Again::Request(Box::new(msg), kept), op, wait).await {
             tracing::warn!(op = %op, error = %e, "ack failed; the request will be redelivered");
         }
         return;
