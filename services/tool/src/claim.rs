@@ -313,3 +313,44 @@ fn wait_until(due: Timestamp, now: Timestamp) -> Option<Duration> {
 pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_attempt_due_ahead_is_waited_for_in_whole_milliseconds() {
+        let now = Timestamp::now();
+        let due = now.saturating_add(Duration::from_millis(1_500));
+        assert_eq!(wait_until(due, now), Some(Duration::from_millis(1_500)));
+        let due = now.saturating_add(Duration::from_micros(2_700));
+        assert_eq!(wait_until(due, now), Some(Duration::from_millis(2)));
+    }
+
+    #[test]
+    fn an_attempt_due_now_or_past_or_within_a_millisecond_is_not_waited_for() {
+        let earlier = Timestamp::now();
+        let now = earlier.saturating_add(Duration::from_secs(1));
+        assert_eq!(wait_until(now, now), None);
+        assert_eq!(wait_until(earlier, now), None);
+        let within = now.saturating_add(Duration::from_micros(400));
+        assert_eq!(wait_until(within, now), None);
+    }
+
+    #[test]
+    fn millis_saturate() {
+        assert_eq!(millis(Duration::ZERO), 0);
+        assert_eq!(millis(Duration::from_micros(1_999)), 1);
+        assert_eq!(millis(Duration::from_secs(90)), 90_000);
+        assert_eq!(millis(Duration::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn a_live_holders_wait_is_at_least_a_millisecond() {
+        // A request kept for no time at all would be handled anew at once, over and over.
+        assert_eq!(busy_ms(Duration::ZERO), 1);
+        assert_eq!(busy_ms(Duration::from_micros(300)), 1);
+        assert_eq!(busy_ms(Duration::from_millis(2_500)), 2_500);
+        assert_eq!(busy_ms(Duration::MAX), u64::MAX);
+    }
+}

@@ -453,6 +453,68 @@ mod tests {
     use super::*;
     use kedge_core::StepNo;
 
+    #[test]
+    fn a_tools_own_error_at_its_first_attempt_reads_as_it_is() {
+        assert_eq!(
+            given_up("no such file", 1, None, 3, GiveUp::NotRetryable),
+            None
+        );
+    }
+
+    #[test]
+    fn a_given_up_error_says_which_attempt_and_why() {
+        let exhausted = given_up(
+            "connection refused",
+            3,
+            Some(ToolErrorClass::Transient),
+            3,
+            GiveUp::Exhausted { attempts: 3 },
+        );
+        assert_eq!(
+            exhausted.as_deref(),
+            Some("connection refused\n[attempt 3 of 3: gave up after 3 attempts]")
+        );
+        // A failure with a class is annotated at its first attempt too: the policy could have
+        // retried it and did not.
+        let unsafe_timeout = given_up(
+            "timed out",
+            1,
+            Some(ToolErrorClass::Timeout),
+            5,
+            GiveUp::NotSafeToRerun,
+        );
+        assert_eq!(
+            unsafe_timeout.as_deref(),
+            Some(
+                "timed out\n[attempt 1 of 5: not retried: the tool is not known to be safe to \
+                 run again after a timeout]"
+            )
+        );
+        // A tool's own error after retried attempts says which attempt it was.
+        let own = given_up("bad input", 2, None, 4, GiveUp::NotRetryable);
+        assert_eq!(
+            own.as_deref(),
+            Some("bad input\n[attempt 2 of 4: not retried: the tool's own error]")
+        );
+    }
+
+    #[test]
+    fn a_run_is_recorded_stopped_whatever_its_result_else_by_its_result() {
+        assert_eq!(
+            settled(true, true),
+            (Finished::Stopped, ToolOutcome::Stopped)
+        );
+        assert_eq!(
+            settled(true, false),
+            (Finished::Stopped, ToolOutcome::Stopped)
+        );
+        assert_eq!(settled(false, true), (Finished::Ran, ToolOutcome::Failed));
+        assert_eq!(
+            settled(false, false),
+            (Finished::Ran, ToolOutcome::Succeeded)
+        );
+    }
+
     #[tokio::test]
     async fn a_finished_handling_leaves_the_stop_signal_of_another_of_the_same_operation() {
         let run: RunId = "run_x".parse().expect("run id");

@@ -260,3 +260,55 @@ async fn already_journaled(
     record(rt, op, revision, req, runner, &out, how).await?;
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use kedge_core::tools::claim_dispatch;
+
+    use super::*;
+
+    #[test]
+    fn a_gone_runners_call_that_cannot_still_land_is_taken_over_at_once() {
+        // A built-in (or a tool safe to run again): nothing of it goes on without its runner.
+        let code = claim_dispatch(0, 1, false);
+        assert!(takes_over_at_once(false, code, code, false));
+        let code = claim_dispatch(0, 1, true);
+        assert!(takes_over_at_once(true, code, code, false));
+    }
+
+    #[test]
+    fn a_gone_runners_remote_call_of_this_attempt_waits() {
+        // The call may still take effect on its server: the deadline, or an early status
+        // query, decides; not the takeover.
+        let code = claim_dispatch(0, 1, false);
+        assert!(!takes_over_at_once(false, code, code, true));
+        let code = claim_dispatch(2, 3, true);
+        assert!(!takes_over_at_once(true, code, code, true));
+    }
+
+    #[test]
+    fn an_earlier_attempt_whose_failure_is_journaled_is_superseded_at_once() {
+        // Under a retry policy the attempt due now claims above the gone runner's record of
+        // the failed one: nothing of that one can still land that the journal does not hold.
+        let held = claim_dispatch(0, 1, true);
+        let now = claim_dispatch(0, 2, true);
+        assert!(takes_over_at_once(true, held, now, true));
+        // Not an earlier attempt: a later record (a newer dispatch's) is not superseded.
+        assert!(!takes_over_at_once(true, now, held, true));
+        // Without a policy the numbers are dispatches, not attempts: no failure is journaled.
+        assert!(!takes_over_at_once(false, 0, 1, true));
+    }
+
+    #[test]
+    fn only_a_confirmed_early_answer_takes_over_and_only_in_flight_asks_again() {
+        let confirmed = Confirm::Confirmed(Output::ok("done"));
+        assert_eq!(after_early(Some(&confirmed)), Early::TakeOver);
+        assert_eq!(after_early(Some(&Confirm::InFlight)), Early::AskAgain);
+        // Before the deadline a `not_found` may be a call still on its way to the server.
+        assert_eq!(after_early(Some(&Confirm::NotFound)), Early::AwaitDeadline);
+        let ambiguous = Confirm::Ambiguous("cannot tell".into());
+        assert_eq!(after_early(Some(&ambiguous)), Early::AwaitDeadline);
+        // A server that does not see calls in flight is not asked before the deadline.
+        assert_eq!(after_early(None), Early::AwaitDeadline);
+    }
+}
