@@ -2,7 +2,7 @@
 //! an operation stuck in `running` (`kedge.tool.resolve`, handled like a redelivered request of
 //! the operation's journaled `tool.requested`) and the precondition query asked before an
 //! approval (`kedge.tool.inspect`: the target's current version) (docs/ARCHITECTURE.md "The tool
-//! service").
+//! service", "Waiting and stopping").
 
 use kedge_core::answers::{InspectReply, ResolveReply, TargetAnswer, TargetQuery};
 use kedge_core::event::Envelope;

@@ -1,7 +1,8 @@
 //! Which attempt a request is, and the claim of its record: the runner's one look at the
 //! journal before an operation (its cancel, its trace context, where its retries stand), the
-//! next attempt's number and when it is due, and the claim in `kedge_idempotency` under that
-//! number (docs/ARCHITECTURE.md "The tool service", "Tool retries").
+//! next attempt's number and when it is due, the claim in `kedge_idempotency` under that
+//! number, and what the claim came to (docs/ARCHITECTURE.md "The tool service", "Tool
+//! retries").
 
 use std::ops::ControlFlow;
 use std::time::Duration;

@@ -19,8 +19,8 @@
 //! [`kedge_core::tools::RetryPolicy::after_failure`]) is journaled as `tool.attempt` under the
 //! operation's id, the record is given back, and the request is kept by this runner until the
 //! backoff has passed (a sleeping task that reports progress to the broker, so the request's ack
-//! wait does not run out; see [`keep`](service::keep)) and then handled anew: the next attempt,
-//! which the journal numbers (one more than the failed attempts of the dispatch, as
+//! wait does not run out; see `service::keep`) and then handled anew: the next attempt, which
+//! the journal numbers (one more than the failed attempts of the dispatch, as
 //! [`kedge_core::tools::NextAttempt::after`] reads them) and which claims the record under that
 //! number ([`kedge_core::tools::claim_dispatch`]), superseding the failed one without a confirm
 //! query. A request held by a live runner, or whose attempt is not due yet, is kept the same way.
@@ -60,12 +60,12 @@
 //! `ask_user` and `wait` are not executed here: the step service journals the question or the
 //! timer, and the answer or the timer's firing is the operation's result.
 //!
-//! The code, by role: [`service`] (the loop, one delivery up to its settling, keeping a request
-//! through a wait, adopting a gone runner's operations), [`running`] (one request of an
-//! operation, from its claim to its recorded outcome: [`running::execute`]), [`claim`] (which
-//! attempt, and the claim of the record), [`takeover`] (a gone runner's or abandoned record: when
-//! to take it over, the confirm query), [`journaling`] (the journal's inputs, the record, writes
-//! kept trying while the broker is out of reach), [`answers`] (resolve and inspect requests); and
+//! The code, by role: `service` (the loop, one delivery up to its settling, keeping a request
+//! through a wait, adopting a gone runner's operations), `running` (one request of an
+//! operation, from its claim to its recorded outcome: `running::execute`), `claim` (which
+//! attempt, and the claim of the record), `takeover` (a gone runner's or abandoned record: when
+//! to take it over, the confirm query), `journaling` (the journal's inputs, the record, writes
+//! kept trying while the broker is out of reach), `answers` (resolve and inspect requests); and
 //! the tools themselves: [`target`], [`builtin`], [`sandbox`], with [`verify`], [`held`] and
 //! [`workspaces`].
 

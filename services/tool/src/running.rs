@@ -167,7 +167,7 @@ async fn not_run(h: &Handling<'_>, revision: u64) -> Result<Handled, ToolError> 
 
 /// An approved operation's precondition (`expect_version`), checked right before it runs: a
 /// target that moved since the approval gives the record back and journals `target.moved`
-/// (docs/ARCHITECTURE.md "The tool service").
+/// (docs/ARCHITECTURE.md "Waiting and stopping").
 async fn precondition(
     h: &Handling<'_>,
     revision: u64,

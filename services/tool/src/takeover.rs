@@ -122,6 +122,7 @@ enum Early {
     AwaitDeadline,
 }
 
+/// What `early`, the answer of [`Target::early_confirm`] if it gave one, means ([`Early`]).
 fn after_early(early: Option<&Confirm>) -> Early {
     match early {
         Some(Confirm::Confirmed(_)) => Early::TakeOver,
