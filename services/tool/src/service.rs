@@ -77,6 +77,7 @@ enum Again {
 }
 
 impl Ctx {
+    /// The context of a service on `rt`, with what [`run`] set up before its loop.
     fn new(
         rt: &Runtime,
         sandbox: Arc<dyn sandbox::Sandbox>,
