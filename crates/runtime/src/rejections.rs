@@ -15,6 +15,7 @@ use async_nats::jetstream::Context;
 use async_nats::jetstream::stream::DirectGetErrorKind;
 use kedge_core::RunId;
 use kedge_core::subjects::{self, Durable, REJECTIONS_STREAM};
+use kedge_journal::SetAside;
 
 use crate::consumer::deliveries;
 
@@ -52,23 +53,31 @@ pub async fn unknown_callback(js: &Context, body: &serde_json::Value) -> Result<
     record(js, subjects::REJECTED_CALLBACK.to_owned(), None, body).await
 }
 
-/// Records a message of run `run` at stream sequence `seq` that is not an event of the run
-/// (`body`: its subject and the reason), once: a record already there is not written again.
-pub async fn set_aside(
-    js: &Context,
-    run: &RunId,
-    seq: u64,
-    body: &serde_json::Value,
-) -> Result<(), String> {
-    let subject = subjects::rejected_journal(run, seq);
+/// Records a message on run `run`'s subjects that is not an event of the run, once: a record
+/// already there is not written again (looked up first, and `Nats-Msg-Id`
+/// `journal:<run>:<seq>` within the duplicate window). Whether it was recorded now.
+pub async fn set_aside(js: &Context, run: &RunId, a: &SetAside) -> Result<bool, String> {
+    let subject = subjects::rejected_journal(run, a.seq);
     let stream = js
         .get_stream_no_info(REJECTIONS_STREAM)
         .await
         .map_err(|e| e.to_string())?;
     if stream.direct_get_last_for_subject(&subject).await.is_ok() {
-        return Ok(());
+        return Ok(false);
     }
-    record(js, subject, None, body).await
+    tracing::warn!(run_id = %run, seq = a.seq, subject = %a.subject, reason = %a.reason, "journal message set aside");
+    let body = serde_json::json!({
+        "at": kedge_core::event::Timestamp::now(),
+        "run_id": run,
+        "seq": a.seq,
+        "subject": a.subject,
+        "kind": a.kind,
+        "reason": a.reason,
+    });
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", format!("journal:{run}:{}", a.seq).as_str());
+    record(js, subject, Some(headers), &body).await?;
+    Ok(true)
 }
 
 /// Gives up on `msg`: records it on its dead-letter subject (its stream, sequence, subject,

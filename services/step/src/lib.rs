@@ -94,18 +94,15 @@ async fn watch_cancels(
     rt: &Runtime,
     tx: tokio::sync::broadcast::Sender<RunId>,
 ) -> Result<(), RuntimeError> {
-    let mut sub = rt
-        .client
-        .subscribe(kedge_core::subjects::event_all_runs(
-            kedge_core::event::EventType::CancelRequested,
-        ))
+    let cancels = rt
+        .journal
+        .watch_inputs(kedge_core::event::EventType::CancelRequested)
         .await
         .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
     tokio::spawn(async move {
-        while let Some(msg) = sub.next().await {
-            if let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) {
-                let _ = tx.send(parsed.run_id);
-            }
+        tokio::pin!(cancels);
+        while let Some(run) = cancels.next().await {
+            let _ = tx.send(run);
         }
     });
     Ok(())

@@ -201,18 +201,15 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
 /// `cancel.requested` input is published (core NATS; a missed notification at most lets an
 /// operation that already started run to its timeout).
 async fn stop_on_cancels(rt: &Runtime, running: Running) -> Result<(), RuntimeError> {
-    let mut cancels = rt
-        .client
-        .subscribe(kedge_core::subjects::event_all_runs(
-            kedge_core::event::EventType::CancelRequested,
-        ))
+    let cancels = rt
+        .journal
+        .watch_inputs(kedge_core::event::EventType::CancelRequested)
         .await
         .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
     tokio::spawn(async move {
-        while let Some(msg) = cancels.next().await {
-            if let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) {
-                running.stop_run(&parsed.run_id);
-            }
+        tokio::pin!(cancels);
+        while let Some(run) = cancels.next().await {
+            running.stop_run(&run);
         }
     });
     Ok(())

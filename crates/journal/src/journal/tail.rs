@@ -17,6 +17,28 @@ use crate::error::{ErrorKind, JournalError};
 use crate::wire::StoredMessage;
 
 impl Journal {
+    /// The runs that receive an input of type `event_type` from now on, as it is appended:
+    /// what the broker publishes on the journal's subjects of that type, for every run (core
+    /// NATS, nothing stored, nothing replayed). A hint to act at once, never a fact: the run's
+    /// journal says what happened. Ends when the connection closes for good. What the step and
+    /// tool services stop a cancelled run's work with.
+    pub async fn watch_inputs(
+        &self,
+        event_type: kedge_core::EventType,
+    ) -> Result<impl Stream<Item = RunId> + Send + 'static, JournalError> {
+        let sub = self
+            .client
+            .subscribe(subjects::event_all_runs(event_type))
+            .await
+            .map_err(|e| JournalError::Unavailable {
+                op: "watch inputs",
+                reason: e.to_string(),
+            })?;
+        Ok(sub.filter_map(|msg| async move {
+            subjects::parse_event(&msg.subject).map(|parsed| parsed.run_id)
+        }))
+    }
+
     /// The run's events after `after`, then every new one as it is appended: no gap, no
     /// duplicate. Backed by an ordered consumer (`DeliverPolicy::ByStartSequence`, filter
     /// `agent.run.<id>.>`), which recreates itself after broker trouble from the last delivered
