@@ -10,6 +10,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::verify::CheckError;
 use async_nats::jetstream::consumer::pull;
 use async_nats::jetstream::{AckKind, Message};
 use futures::{FutureExt, StreamExt};
@@ -18,7 +19,6 @@ use kedge_core::fold::handled_by_step;
 use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects::Durable;
 use kedge_core::subjects::{TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE};
-use kedge_journal::ErrorKind;
 use kedge_runtime::consumer::{Backoff, Verdict as Settle};
 use kedge_runtime::liveness::{Death, Liveness};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
@@ -307,45 +307,43 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
 /// `None` when it was settled here: data not readable yet (redelivered), not an envelope or
 /// not a decision of the journal (terminated).
 async fn checked(ctx: &Ctx, msg: &Message) -> Option<Checked> {
-    // A request whose data is held by reference (large arguments) is read back whole.
-    let envelope = match ctx.rt.journal.open(&msg.payload).await {
-        Ok(envelope) => envelope,
-        Err(e) if e.kind() == ErrorKind::Unavailable => {
-            tracing::warn!(subject = %msg.subject, error = %e, "cannot read the request's data yet; redelivering");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
-                .await;
-            return None;
-        }
-        Err(e) => {
-            tracing::error!(subject = %msg.subject, error = %e, "not an envelope; terminating");
-            let _ = msg.ack_with(AckKind::Term).await;
-            return None;
-        }
-    };
-    let (run_id, claimed_op) = (envelope.run_id.clone(), envelope.op.clone());
     let stored = msg.info().ok().map(|info| Stored {
         stream: info.stream,
         seq: info.stream_sequence,
     });
     // Verified below to be the request's place in the journal: `tool.started` is chained on it.
     let requested_at = stored.as_ref().map(|s| s.seq);
-    let (op, req) =
-        match verify::delivered(msg.subject.as_str(), stored, msg.headers.as_ref(), envelope) {
-            Ok(checked) => checked,
-            Err(refusal) => {
-                // Never redelivered: it would be refused again, forever.
-                tracing::warn!(
-                    subject = %msg.subject,
-                    run_id = %run_id,
-                    op = claimed_op.as_ref().map(tracing::field::display),
-                    reason = %refusal,
-                    "refused: not a decision of the journal; terminating"
-                );
-                let _ = msg.ack_with(AckKind::Term).await;
-                return None;
-            }
-        };
+    let checked = verify::delivered(
+        &ctx.rt.journal,
+        msg.subject.as_str(),
+        stored,
+        msg.headers.as_ref(),
+        &msg.payload,
+    )
+    .await;
+    let (op, req) = match checked {
+        Ok(checked) => checked,
+        Err(CheckError::Refused(refusal)) => {
+            // Never redelivered: it would be refused again, forever.
+            tracing::warn!(
+                subject = %msg.subject,
+                reason = %refusal,
+                "refused: not a decision of the journal; terminating"
+            );
+            let _ = msg.ack_with(AckKind::Term).await;
+            return None;
+        }
+        Err(e) => {
+            // A request whose data is held by reference (large arguments) is read back whole:
+            // broker trouble reading it is retried.
+            tracing::warn!(subject = %msg.subject, error = %e, "cannot read the request yet; redelivering");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(Duration::from_secs(1))))
+                .await;
+            return None;
+        }
+    };
+    let run_id = op.run().clone();
     Some(Checked {
         run_id,
         op,

@@ -6,14 +6,16 @@
 //!
 //! - **The durable consumer** delivers a message stored in `KEDGE_RUNS`: the message *is* the
 //!   journal entry, so no read is needed ([`delivered`], no broker round trip). It must come from
-//!   the journal stream, on a decision subject `agent.run.<id>.d.tool.requested`; the subject's
-//!   run, the envelope's `run_id` and the run embedded in the operation id (`op_<run>_<step>_<i>`)
-//!   must agree, and the envelope's step must be the operation's; it must carry the writer's
-//!   `Nats-Msg-Id` (`d:<run>:<expected_last>:<index>:<writer>`, see
-//!   [`kedge_journal::decision_msg_id`]) for this run and for a place before its own sequence;
-//!   and its `args_digest` must be the digest of its arguments (the claim compares digests, so a
-//!   digest that does not describe the arguments would let other arguments pass as the
-//!   operation's).
+//!   the journal stream, on a decision subject `agent.run.<id>.d.tool.requested`, and it is
+//!   decoded as every consumer of the journal decodes a message
+//!   (`kedge_journal::Journal::decode_delivered`, the same checks a read applies): the subject's
+//!   run and the envelope's agree, the envelope is stored on its own subject, and it carries the
+//!   writer's `Nats-Msg-Id` (`d:<run>:<expected_last>:<index>:<writer>`, see
+//!   [`kedge_journal::decision_msg_id`]) for this run, placing its group after the decision the
+//!   writer expected. Then the run embedded in the operation id (`op_<run>_<step>_<i>`) must be
+//!   the run, the envelope's step must be the operation's, and its `args_digest` must be the
+//!   digest of its arguments (the claim compares digests, so a digest that does not describe
+//!   the arguments would let other arguments pass as the operation's).
 //! - **`kedge.tool.resolve`** (the reconciler's request for an operation stuck in `running`)
 //!   carries a `tool.requested` anyone could have written. It is only a pointer ([`journaled`]):
 //!   the runner reads the run's `tool.requested` decisions (one filtered read, not the whole
@@ -42,7 +44,7 @@ use kedge_core::answers::TargetQuery;
 use kedge_core::event::{Digest, Envelope, Event, EventType, ToolRequested};
 use kedge_core::ids::{OperationId, RunId, StepNo};
 use kedge_core::subjects::{self, RUNS_STREAM};
-use kedge_journal::{Journal, JournalError, Recorded, parse_decision_msg_id};
+use kedge_journal::{Delivered, Delivery, Journal, JournalError, Recorded};
 use kedge_runtime::agents::{AgentError, AgentStore};
 
 /// Why a request was not acted on. Its text is the `reason` of the refusal.
@@ -52,21 +54,14 @@ pub enum Refusal {
     NotFromJournal(String),
     #[error("`{subject}` is not a decision subject of tool.requested")]
     NotADecisionSubject { subject: String },
-    #[error("a {event_type} envelope stored on `{subject}`")]
-    Misfiled {
-        event_type: EventType,
-        subject: String,
-    },
     #[error("not a tool.requested with an operation id")]
     NotAToolRequest,
-    #[error("the subject names run {subject} but the envelope {envelope}")]
-    RunMismatch { subject: RunId, envelope: RunId },
     #[error("operation {op} belongs to run {}, not to {run}", op.run())]
     ForeignOperation { op: OperationId, run: RunId },
     #[error("operation {op} is of step {}, the envelope says step {step}", op.step())]
     StepMismatch { op: OperationId, step: StepNo },
-    #[error("not appended by the run's writer: {0}")]
-    NotWriterAppend(String),
+    #[error("not an event of its run: {0}")]
+    SetAside(String),
     #[error("args_digest {claimed} is not the digest of the arguments ({actual})")]
     ArgsDigest { claimed: Digest, actual: Digest },
     #[error("run {0} does not exist")]
@@ -98,43 +93,53 @@ pub struct Stored<'a> {
 }
 
 /// Checks a `tool.requested` the durable consumer delivered (see the module docs) and returns
-/// its operation and request. `stored` is `None` when the message had no JetStream metadata.
-pub fn delivered(
+/// its operation and request: decoded as every consumer of the journal decodes a message
+/// ([`Journal::decode_delivered`]: the subject's run, the envelope's run and subject, the
+/// writer's `Nats-Msg-Id`, data held by reference read back), then the checks of a request.
+/// `stored` is `None` when the message had no JetStream metadata. Broker trouble (a blob that
+/// cannot be read yet) is an error; a refusal is final.
+pub async fn delivered(
+    journal: &Journal,
     subject: &str,
     stored: Option<Stored<'_>>,
     headers: Option<&HeaderMap>,
-    envelope: Envelope,
-) -> Result<(OperationId, ToolRequested), Refusal> {
+    payload: &bytes::Bytes,
+) -> Result<(OperationId, ToolRequested), CheckError> {
     let Some(stored) = stored else {
-        return Err(Refusal::NotFromJournal("no JetStream metadata".into()));
+        return Err(Refusal::NotFromJournal("no JetStream metadata".into()).into());
     };
     if stored.stream != RUNS_STREAM {
-        return Err(Refusal::NotFromJournal(format!(
-            "delivered from stream {}",
-            stored.stream
-        )));
+        return Err(
+            Refusal::NotFromJournal(format!("delivered from stream {}", stored.stream)).into(),
+        );
     }
-    let parsed = subjects::parse_event(subject)
+    subjects::parse_event(subject)
         .filter(|p| p.kind == EventKind::Decision && p.event_type == EventType::ToolRequested)
         .ok_or_else(|| Refusal::NotADecisionSubject {
             subject: subject.to_owned(),
         })?;
-    if envelope.run_id != parsed.run_id {
-        return Err(Refusal::RunMismatch {
-            subject: parsed.run_id,
-            envelope: envelope.run_id,
-        });
-    }
-    if envelope.subject() != subject {
-        return Err(Refusal::Misfiled {
-            event_type: envelope.event_type(),
-            subject: subject.to_owned(),
-        });
-    }
-    let msg_id = headers
-        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-        .map(|v| v.as_str());
-    writer_append(&parsed.run_id, stored.seq, msg_id)?;
+    let delivered = Delivered {
+        seq: stored.seq,
+        subject,
+        headers,
+        payload,
+    };
+    let envelope = match journal.decode_delivered(delivered).await? {
+        Delivery::Event(recorded) => recorded.envelope,
+        Delivery::SetAside(set_aside) => return Err(Refusal::SetAside(set_aside.reason).into()),
+        Delivery::NotAnEvent => {
+            return Err(Refusal::NotADecisionSubject {
+                subject: subject.to_owned(),
+            }
+            .into());
+        }
+    };
+    Ok(checked_request(envelope)?)
+}
+
+/// The checks of a `tool.requested` the journal holds: an operation of its run and step, and
+/// an argument digest that describes its arguments.
+fn checked_request(envelope: Envelope) -> Result<(OperationId, ToolRequested), Refusal> {
     let (op, req) = request_of(envelope)?;
     args_match(&req)?;
     Ok((op, req))
@@ -151,10 +156,8 @@ pub async fn journaled(
     let run = op.run();
     let found = find_request(journal, &op, Some(claim.redispatch)).await?;
     let Some(Found {
-        seq,
         req: journaled,
         digest: journaled_digest,
-        msg_id,
     }) = found
     else {
         return Err(match journal.last_seq(run).await? {
@@ -181,9 +184,8 @@ pub async fn journaled(
     if claimed_digest != journaled_digest {
         return Err(differs("data").into());
     }
-    // The journal entry itself: the same checks as a delivered one (its subject, run and
-    // envelope were checked by the read).
-    writer_append(run, seq, msg_id.as_deref())?;
+    // The journal entry itself was decoded by the read with the same checks as a delivered
+    // one (its subject, run, envelope and writer's id).
     args_match(&journaled)?;
     Ok((op, journaled))
 }
@@ -199,17 +201,15 @@ pub async fn latest(journal: &Journal, op: &OperationId) -> Result<ToolRequested
         }
         .into());
     };
-    writer_append(op.run(), found.seq, found.msg_id.as_deref())?;
+    // Decoded by the read with the same checks as a delivered request.
     args_match(&found.req)?;
     Ok(found.req)
 }
 
-/// A journaled `tool.requested` and where it is.
+/// A journaled `tool.requested` (decoded by the read: the run writer's decision).
 struct Found {
-    seq: u64,
     req: ToolRequested,
     digest: Digest,
-    msg_id: Option<String>,
 }
 
 /// The last journaled `tool.requested` of `op` (of dispatch `dispatch` if given).
@@ -223,7 +223,6 @@ async fn find_request(
         .await?;
     Ok(requests.into_iter().rev().find_map(|r| match r {
         Recorded {
-            seq,
             envelope:
                 Envelope {
                     op: Some(o),
@@ -231,13 +230,10 @@ async fn find_request(
                     digest,
                     ..
                 },
-            msg_id,
-        } if o == *op && dispatch.is_none_or(|d| d == req.redispatch) => Some(Found {
-            seq,
-            req,
-            digest,
-            msg_id,
-        }),
+            ..
+        } if o == *op && dispatch.is_none_or(|d| d == req.redispatch) => {
+            Some(Found { req, digest })
+        }
         _ => None,
     }))
 }
@@ -287,35 +283,6 @@ fn request_of(envelope: Envelope) -> Result<(OperationId, ToolRequested), Refusa
     Ok((op, req))
 }
 
-/// The message at `seq` carries the id [`Journal::append_decisions`] gives a decision of `run`,
-/// appended after a decision that precedes it.
-fn writer_append(run: &RunId, seq: u64, msg_id: Option<&str>) -> Result<(), Refusal> {
-    let Some(msg_id) = msg_id else {
-        return Err(Refusal::NotWriterAppend("no Nats-Msg-Id".into()));
-    };
-    let Some(id) = parse_decision_msg_id(msg_id) else {
-        return Err(Refusal::NotWriterAppend(format!(
-            "`{msg_id}` is not a decision's Nats-Msg-Id"
-        )));
-    };
-    if id.run != *run {
-        return Err(Refusal::NotWriterAppend(format!(
-            "`{msg_id}` is a decision id of run {}",
-            id.run
-        )));
-    }
-    // A group is stored contiguously, after the decision its writer saw last.
-    let first = u64::try_from(id.index)
-        .ok()
-        .and_then(|i| seq.checked_sub(i));
-    if first.is_none_or(|first| first <= id.expected_last) {
-        return Err(Refusal::NotWriterAppend(format!(
-            "`{msg_id}` cannot be stored at sequence {seq}"
-        )));
-    }
-    Ok(())
-}
-
 /// The request's `args_digest` describes its arguments.
 fn args_match(req: &ToolRequested) -> Result<(), Refusal> {
     let actual = Digest::of_json(&req.arguments);
@@ -332,7 +299,6 @@ fn args_match(req: &ToolRequested) -> Result<(), Refusal> {
 mod tests {
     use super::*;
     use kedge_core::event::{Draft, Timestamp};
-    use kedge_journal::decision_msg_id;
 
     fn run(s: &str) -> RunId {
         s.parse().expect("valid run id")
@@ -361,92 +327,32 @@ mod tests {
         )
     }
 
-    fn headers(id: &str) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        h.insert(async_nats::header::NATS_MESSAGE_ID, id);
-        h
-    }
-
-    const AT: Stored<'static> = Stored {
-        stream: RUNS_STREAM,
-        seq: 10,
-    };
-
+    /// The request checks of a decoded `tool.requested` (the journal's decoding is tested with
+    /// the journal: `kedge_journal`'s decode tests, and forged deliveries end to end).
     #[test]
-    fn a_journaled_decision_passes() {
+    fn a_journaled_request_passes() {
         let r = run("run_a");
         let op = OperationId::new(&r, StepNo(1), 0);
         let env = request(&r, &op, serde_json::json!({"command": "ls"}));
-        let h = headers(&decision_msg_id(&r, 9, 0, "step-1"));
-        let (got, req) = delivered(&env.subject(), Some(AT), Some(&h), env).expect("accepted");
+        let (got, req) = checked_request(env).expect("accepted");
         assert_eq!(got, op);
         assert_eq!(req.tool, "shell");
     }
 
     #[test]
-    fn forgeries_are_refused() {
+    fn a_request_of_another_runs_operation_another_step_or_other_arguments_is_refused() {
         let r = run("run_a");
         let other = run("run_b");
         let op = OperationId::new(&r, StepNo(1), 0);
         let foreign = OperationId::new(&other, StepNo(1), 0);
-        let ok_id = headers(&decision_msg_id(&r, 9, 0, "step-1"));
-        let subject = subjects::event(&r, EventType::ToolRequested);
-        let check = |subject: &str, stored, h: Option<&HeaderMap>, env| {
-            delivered(subject, stored, h, env).expect_err("refused")
-        };
         let env = || request(&r, &op, serde_json::json!({"command": "ls"}));
-
-        // Envelope of another run on this run's subject.
-        let e = check(
-            &subject,
-            Some(AT),
-            Some(&ok_id),
-            request(&other, &foreign, serde_json::json!({})),
-        );
-        assert!(matches!(e, Refusal::RunMismatch { .. }), "{e}");
         // This run's envelope naming another run's operation.
-        let e = check(
-            &subject,
-            Some(AT),
-            Some(&ok_id),
-            request(&r, &foreign, serde_json::json!({})),
-        );
+        let e = checked_request(request(&r, &foreign, serde_json::json!({}))).expect_err("refused");
         assert!(matches!(e, Refusal::ForeignOperation { .. }), "{e}");
-        // An input subject, or another stream.
-        let e = check(
-            &format!("agent.run.{r}.i.tool.result"),
-            Some(AT),
-            Some(&ok_id),
-            env(),
-        );
-        assert!(matches!(e, Refusal::NotADecisionSubject { .. }), "{e}");
-        let e = check(
-            &subject,
-            Some(Stored {
-                stream: "OTHER",
-                seq: 10,
-            }),
-            Some(&ok_id),
-            env(),
-        );
-        assert!(matches!(e, Refusal::NotFromJournal(_)), "{e}");
-        let e = check(&subject, None, Some(&ok_id), env());
-        assert!(matches!(e, Refusal::NotFromJournal(_)), "{e}");
-        // No writer's id, another run's, or one that cannot be at this sequence.
-        for h in [
-            None,
-            Some(headers("forged-1")),
-            Some(headers(&decision_msg_id(&other, 9, 0, "step-1"))),
-            Some(headers(&decision_msg_id(&r, 10, 0, "step-1"))),
-            Some(headers(&decision_msg_id(&r, 8, 2, "step-1"))),
-        ] {
-            let e = check(&subject, Some(AT), h.as_ref(), env());
-            assert!(matches!(e, Refusal::NotWriterAppend(_)), "{e}");
-        }
         // A step that is not the operation's.
         let mut stepped = env();
         stepped.step = Some(StepNo(2));
-        let e = check(&subject, Some(AT), Some(&ok_id), stepped);
+        let e = checked_request(stepped).expect_err("refused");
         assert!(matches!(e, Refusal::StepMismatch { .. }), "{e}");
         // An argument digest that does not describe the arguments.
         let mut tampered = env();
@@ -458,7 +364,7 @@ mod tests {
             tampered.at,
             Draft::new(tampered.event).step(op.step()).op(op.clone()),
         );
-        let e = check(&subject, Some(AT), Some(&ok_id), tampered);
+        let e = checked_request(tampered).expect_err("refused");
         assert!(matches!(e, Refusal::ArgsDigest { .. }), "{e}");
     }
 }

@@ -134,10 +134,18 @@ pub(super) fn decode(run: &RunId, m: StoredMessage) -> Decoded {
     }
     let msg_id = m.header(wire::MSG_ID).map(str::to_owned);
     if kind == EventKind::Decision {
-        // Every decision the journal appends carries the writer's id, naming this run and a
-        // place before its own sequence; a message without one was not appended by a writer.
+        // Every decision the journal appends carries the writer's id, naming this run and the
+        // decision the writer saw last, before the group it belongs to (a group is stored
+        // contiguously: its first message is `index` before this one); a message without one
+        // was not appended by a writer.
+        let first = |id: &super::DecisionMsgId| {
+            u64::try_from(id.index)
+                .ok()
+                .and_then(|i| m.seq.checked_sub(i))
+        };
         match msg_id.as_deref().map(parse_decision_msg_id) {
-            Some(Some(id)) if id.run == *run && id.expected_last < m.seq => {}
+            Some(Some(id))
+                if id.run == *run && first(&id).is_some_and(|f| f > id.expected_last) => {}
             Some(Some(id)) if id.run != *run => {
                 return set_aside(
                     kind,
@@ -148,8 +156,8 @@ pub(super) fn decode(run: &RunId, m: StoredMessage) -> Decoded {
                 return set_aside(
                     kind,
                     format!(
-                        "a decision whose Nats-Msg-Id expects decision {} at or after its own sequence",
-                        id.expected_last
+                        "a decision whose Nats-Msg-Id (expecting decision {}, place {} in its group) cannot be stored at sequence {}",
+                        id.expected_last, id.index, m.seq
                     ),
                 );
             }
@@ -387,6 +395,22 @@ mod tests {
             stored(6, "agent.run.run_x.d.run.started", env.to_json_bytes()),
         );
         assert!(set_aside_at(foreign).is_some());
+        // The writer's id must place the message's group after the decision it expected: the
+        // third of a group (index 2) at sequence 10 starts at 8, after decision 7, not 8.
+        let placed = |expected: u64, index: usize| {
+            decode(
+                &r,
+                stored_with_id(
+                    10,
+                    &env.subject(),
+                    env.to_json_bytes(),
+                    Some(&decision_msg_id(&r, expected, index, "w")),
+                ),
+            )
+        };
+        assert!(matches!(placed(7, 2), Decoded::Event(_)));
+        assert_eq!(set_aside_at(placed(8, 2)), Some((10, EventKind::Decision)));
+        assert_eq!(set_aside_at(placed(10, 0)), Some((10, EventKind::Decision)));
         // A non-event subtree is skipped.
         let sched = decode(&r, stored(7, "agent.run.run_j1.s.timer", b"x".to_vec()));
         assert_eq!(sched, Decoded::Skip);
