@@ -97,7 +97,6 @@ pub struct AgentDefinition {
 
 /// Most fallback models an agent may list.
 pub const MAX_FALLBACKS: usize = 3;
-
 /// `fallback_after_secs` when an agent with fallbacks leaves it out.
 pub const DEFAULT_FALLBACK_AFTER_SECS: u64 = 30;
 
@@ -142,7 +141,6 @@ impl OnEnd {
 
 /// Retries of an invalid answer when `output_retries` is not given.
 pub const DEFAULT_OUTPUT_RETRIES: u32 = 2;
-
 /// Most `output_retries`.
 pub const MAX_OUTPUT_RETRIES: u32 = 5;
 

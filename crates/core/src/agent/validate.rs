@@ -19,19 +19,14 @@ pub struct DefinitionError {
 
 /// Most steps a run may be given.
 pub const MAX_STEPS: u32 = 100_000;
-
 /// Most attempts per step.
 pub const MAX_ATTEMPTS_PER_STEP: u32 = 100;
-
 /// Longest run deadline (a year): the timer service holds the deadline timer that long.
 pub const MAX_DEADLINE_SECS: u64 = 366 * 24 * 3600;
-
 /// Longest approval validity (the approval's expiry is a durable timer).
 pub const MAX_APPROVAL_TTL_SECS: u64 = 366 * 24 * 3600;
-
 /// Longest per-tool time limit (it can only tighten the tool service's own `tool_timeout`).
 pub const MAX_TOOL_TIMEOUT_SECS: u64 = 24 * 3600;
-
 /// Largest `max_output_tokens`.
 pub const MAX_OUTPUT_TOKENS: u64 = 1 << 20;
 

@@ -12,7 +12,6 @@ use crate::event::{Digest, OutputValidation, ToolCall};
 
 /// Longest text of one schema error shown to the model.
 const MAX_ERROR_CHARS: usize = 300;
-
 /// Schema errors listed in one refusal.
 const MAX_ERRORS: usize = 5;
 

@@ -55,39 +55,31 @@ impl fmt::Display for ToolErrorClass {
 /// numbered above it is no attempt ([`NextAttempt::after`]). Each attempt claims the
 /// operation's record under its own number, 16 per dispatch ([`claim_dispatch`]).
 pub const MAX_TOOL_ATTEMPTS: u32 = 10;
-
 /// Longest wait between two attempts (ten minutes). An operation waiting for its next attempt
 /// holds nothing; a run cancelled meanwhile does not wait for it (no attempt is running), and
 /// the attempt, when it comes, is not run.
 pub const MAX_BACKOFF_MS: i64 = 600_000;
-
 /// Largest growth factor of the wait from one attempt to the next.
 pub const MAX_MULTIPLIER: f64 = 10.0;
 
 fn default_attempts() -> i64 {
     3
 }
-
 fn default_initial_backoff_ms() -> i64 {
     1_000
 }
-
 fn default_max_backoff_ms() -> i64 {
     30_000
 }
-
 fn default_multiplier() -> f64 {
     2.0
 }
-
 fn default_jitter() -> f64 {
     0.5
 }
-
 fn default_on() -> Vec<ToolErrorClass> {
     vec![ToolErrorClass::Transient, ToolErrorClass::RateLimited]
 }
-
 fn is_false(b: &bool) -> bool {
     !*b
 }
