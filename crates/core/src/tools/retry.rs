@@ -8,6 +8,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use super::builtin;
+#[cfg(doc)]
+use super::{NextAttempt, claim_dispatch};
 
 /// Why a tool attempt failed, as its runner classifies it: the classes a `retry` policy may
 /// retry. Any other failure (the tool's own error answer, arguments it refuses, a permission it
