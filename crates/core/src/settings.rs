@@ -161,9 +161,21 @@ pub fn check(
     max_output_tokens: u32,
     tools: &[&str],
 ) -> Result<(), (String, String)> {
-    let err = |field: &str, reason: String| Err((format!("settings.{field}"), reason));
-    let s = settings;
     let anthropic = provider == Provider::Anthropic;
+    check_sampling(settings, anthropic)?;
+    check_provider_only(settings, anthropic)?;
+    check_tool_choice(settings, tools)?;
+    check_thinking(settings, max_output_tokens)?;
+    check_price(price)
+}
+
+/// `Err` naming `settings.<field>` and why.
+fn err(field: &str, reason: String) -> Result<(), (String, String)> {
+    Err((format!("settings.{field}"), reason))
+}
+
+/// Temperature and `top_p` within the provider's ranges; stop sequences counted and not empty.
+fn check_sampling(s: &ModelSettings, anthropic: bool) -> Result<(), (String, String)> {
     let (t_max, who) = if anthropic {
         (1.0, "Anthropic")
     } else {
@@ -191,6 +203,11 @@ pub fn check(
     if let Some(i) = s.stop.iter().position(String::is_empty) {
         return err(&format!("stop[{i}]"), "must not be empty".into());
     }
+    Ok(())
+}
+
+/// Settings only one of the providers has.
+fn check_provider_only(s: &ModelSettings, anthropic: bool) -> Result<(), (String, String)> {
     let openai_only = [
         ("seed", s.seed.is_some()),
         ("reasoning_effort", s.reasoning_effort.is_some()),
@@ -209,6 +226,11 @@ pub fn check(
             return err(field, "Anthropic only".into());
         }
     }
+    Ok(())
+}
+
+/// `tool_choice` and `parallel_tool_calls` need tools, and a chosen tool must be one of them.
+fn check_tool_choice(s: &ModelSettings, tools: &[&str]) -> Result<(), (String, String)> {
     if tools.is_empty() {
         // OpenAI: "'tool_choice' is only allowed when 'tools' are specified" (and the same for
         // `parallel_tool_calls`); Anthropic's equivalents live in `tool_choice`.
@@ -230,6 +252,11 @@ pub fn check(
             format!("`{name}` is not a tool of this agent"),
         );
     }
+    Ok(())
+}
+
+/// Extended thinking (Anthropic): its budget and the settings it rules out.
+fn check_thinking(s: &ModelSettings, max_output_tokens: u32) -> Result<(), (String, String)> {
     if let Some(thinking) = s.thinking {
         // Anthropic's documented limits for extended thinking: a budget of at
         // least 1024 and below `max_tokens`; no temperature, top_p only from 0.95, and no
@@ -275,6 +302,11 @@ pub fn check(
             );
         }
     }
+    Ok(())
+}
+
+/// A price per million tokens that is a number ≥ 0, in a currency code.
+fn check_price(price: Option<&Price>) -> Result<(), (String, String)> {
     if let Some(p) = price {
         for (field, v) in [
             ("input_per_mtok", p.input_per_mtok),

@@ -1,0 +1,211 @@
+//! The journal envelope: an event stamped with its run, time and position, and its JSON form.
+
+use std::borrow::Cow;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use super::{Digest, Event, EventKind, EventType, Timestamp};
+use crate::ids::{Attempt, OperationId, RunId, StepNo};
+
+/// An event before it is stamped with its run and time: what `decide` produces and the shells
+/// append.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Draft {
+    pub event: Event,
+    pub step: Option<StepNo>,
+    pub attempt: Option<Attempt>,
+    pub op: Option<OperationId>,
+}
+
+impl Draft {
+    pub fn new(event: Event) -> Self {
+        Self {
+            event,
+            step: None,
+            attempt: None,
+            op: None,
+        }
+    }
+    pub fn step(mut self, step: StepNo) -> Self {
+        self.step = Some(step);
+        self
+    }
+    pub fn attempt(mut self, attempt: Attempt) -> Self {
+        self.attempt = Some(attempt);
+        self
+    }
+    pub fn op(mut self, op: OperationId) -> Self {
+        self.op = Some(op);
+        self
+    }
+}
+
+/// The journal envelope: what one message on `agent.run.<run_id>.{d,i}.<type>` carries.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Envelope {
+    pub run_id: RunId,
+    pub at: Timestamp,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<StepNo>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<Attempt>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<OperationId>,
+    #[serde(flatten)]
+    pub event: Event,
+    /// SHA-256 of `data` in canonical JSON.
+    pub digest: Digest,
+}
+
+/// A message that is not a valid envelope.
+#[derive(Debug, thiserror::Error)]
+pub enum EnvelopeError {
+    #[error("not a valid journal envelope: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("digest mismatch for {event_type}: envelope says {claimed}, data hashes to {actual}")]
+    DigestMismatch {
+        event_type: EventType,
+        claimed: Digest,
+        actual: Digest,
+    },
+}
+
+impl Envelope {
+    /// Stamps a draft with its run and time and computes the data digest.
+    pub fn new(run_id: RunId, at: Timestamp, draft: Draft) -> Self {
+        let digest = Digest::of_json(&draft.event.data_json());
+        Self {
+            run_id,
+            at,
+            step: draft.step,
+            attempt: draft.attempt,
+            op: draft.op,
+            event: draft.event,
+            digest,
+        }
+    }
+
+    pub fn event_type(&self) -> EventType {
+        self.event.event_type()
+    }
+
+    pub fn kind(&self) -> EventKind {
+        self.event.kind()
+    }
+
+    /// The subject this event is journaled on: `agent.run.<run_id>.<d|i>.<type>`.
+    pub fn subject(&self) -> String {
+        crate::subjects::event(&self.run_id, self.event_type())
+    }
+
+    pub fn to_json_bytes(&self) -> Vec<u8> {
+        // An envelope is plain data with string keys: serialization cannot fail.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses an envelope and checks its digest.
+    ///
+    /// The same as deserializing an [`Envelope`], without serde's `flatten`, which buffers
+    /// every field it does not know (here `type` and the whole `data`) into a tree first: the
+    /// data is decoded by its type straight from its bytes.
+    pub fn from_json_bytes(bytes: &[u8]) -> Result<Self, EnvelopeError> {
+        /// An envelope on the wire, its data still raw.
+        #[derive(Deserialize)]
+        struct Wire<'a> {
+            run_id: RunId,
+            at: Timestamp,
+            #[serde(default)]
+            step: Option<StepNo>,
+            #[serde(default)]
+            attempt: Option<Attempt>,
+            #[serde(default)]
+            op: Option<OperationId>,
+            #[serde(rename = "type", borrow)]
+            event_type: Cow<'a, str>,
+            #[serde(borrow)]
+            data: &'a serde_json::value::RawValue,
+            digest: Digest,
+        }
+        let wire: Wire<'_> = serde_json::from_slice(bytes)?;
+        let event_type = wire
+            .event_type
+            .parse::<EventType>()
+            .map_err(|e| EnvelopeError::Json(<serde_json::Error as serde::de::Error>::custom(e)))?;
+        let env = Envelope {
+            run_id: wire.run_id,
+            at: wire.at,
+            step: wire.step,
+            attempt: wire.attempt,
+            op: wire.op,
+            event: Event::from_parts(event_type, wire.data)?,
+            digest: wire.digest,
+        };
+        env.verify_digest()?;
+        Ok(env)
+    }
+
+    pub fn verify_digest(&self) -> Result<(), EnvelopeError> {
+        let actual = Digest::of_json(&self.event.data_json());
+        if actual == self.digest {
+            Ok(())
+        } else {
+            Err(EnvelopeError::DigestMismatch {
+                event_type: self.event_type(),
+                claimed: self.digest.clone(),
+                actual,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{ToolResult, UserMessage};
+
+    fn run() -> RunId {
+        "run_t1".parse().expect("valid")
+    }
+
+    #[test]
+    fn envelope_round_trips_with_digest() {
+        let op = OperationId::new(&run(), StepNo(1), 0);
+        let env = Envelope::new(
+            run(),
+            Timestamp::now(),
+            Draft::new(Event::ToolResult(ToolResult {
+                content: "ok".into(),
+                is_error: false,
+                stopped: false,
+            }))
+            .step(StepNo(1))
+            .op(op.clone()),
+        );
+        let bytes = env.to_json_bytes();
+        let value: serde_json::Value = serde_json::from_slice(&bytes).expect("json");
+        assert_eq!(value["type"], "tool.result");
+        assert_eq!(value["op"], op.to_string());
+        assert_eq!(value["data"]["content"], "ok");
+        assert_eq!(env.subject(), "agent.run.run_t1.i.tool.result");
+        let back = Envelope::from_json_bytes(&bytes).expect("parses");
+        assert_eq!(back, env);
+    }
+
+    #[test]
+    fn tampered_data_fails_the_digest_check() {
+        let env = Envelope::new(
+            run(),
+            Timestamp::now(),
+            Draft::new(Event::UserMessage(UserMessage { text: "hi".into() })),
+        );
+        let mut value: serde_json::Value =
+            serde_json::from_slice(&env.to_json_bytes()).expect("json");
+        value["data"]["text"] = "bye".into();
+        let bytes = serde_json::to_vec(&value).expect("json");
+        assert!(matches!(
+            Envelope::from_json_bytes(&bytes),
+            Err(EnvelopeError::DigestMismatch { .. })
+        ));
+    }
+}
