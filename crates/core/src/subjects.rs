@@ -195,6 +195,10 @@ pub fn live_yield(worker: &str) -> String {
     format!("kedge.live.yield.{worker}")
 }
 
+/// The queue group of a step process's yield subscription (one member: the subject is the
+/// worker's own).
+pub const YIELD_QUEUE: &str = "kedge-yield";
+
 /// Whether `s` may be used as one subject token by Kedge: 1 to 128 of `[A-Za-z0-9_-]`.
 pub fn is_token(s: &str) -> bool {
     !s.is_empty()

@@ -153,6 +153,16 @@ impl Responder {
     }
 }
 
+/// Publishes `body` as it is to a request's reply subject, if it has one; a failure is logged.
+pub async fn reply_raw(client: &Client, msg: &Message, body: bytes::Bytes) {
+    let Some(to) = msg.reply.clone() else {
+        return;
+    };
+    if let Err(e) = client.publish(to, body).await {
+        tracing::warn!(subject = %msg.subject, error = %e, "cannot answer a request");
+    }
+}
+
 /// Publishes `body` (JSON) to a request's reply subject, if it has one; a failure is logged
 /// (the asker times out and asks again).
 pub async fn reply<T: serde::Serialize>(client: &Client, msg: &Message, body: &T) {

@@ -50,6 +50,7 @@ use kedge_core::ids::RunId;
 use kedge_core::subjects::Durable;
 use kedge_model::ModelClient;
 use kedge_runtime::consumer::{Backoff, Verdict};
+use kedge_runtime::responder::{self, Busy, Listen, Responder};
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
 pub use drive::{DriveError, Driver, Outcome};
@@ -108,6 +109,10 @@ async fn watch_cancels(
     Ok(())
 }
 
+/// Yield requests answered at once by one step process: one at a time, in the order they
+/// come (each releases at most one parked lease, in moments).
+const YIELDS_IN_FLIGHT: usize = 1;
+
 /// Answers other step workers' requests to let go of a lease this process keeps parked
 /// ([`drive::Driver::yield_parked`]) on `kedge.live.yield.<worker>`: the payload is a run id, the
 /// answer the release marker's sequence, or empty. Anyone allowed on `kedge.live.>` can ask; all
@@ -117,27 +122,38 @@ async fn answer_yields(
     rt: &Runtime,
     driver: drive::Driver,
 ) -> Result<tokio::task::JoinHandle<()>, RuntimeError> {
-    let mut sub = rt
-        .client
-        .subscribe(kedge_core::subjects::live_yield(&rt.config.worker_id))
-        .await
-        .map_err(|e| RuntimeError::broker("subscribe to lease yield requests", e))?;
+    let requests = Responder::subscribe(
+        &rt.client,
+        Listen {
+            what: "lease yield requests",
+            subject: kedge_core::subjects::live_yield(&rt.config.worker_id),
+            queue: kedge_core::subjects::YIELD_QUEUE,
+            bound: YIELDS_IN_FLIGHT,
+            busy: Busy::Wait,
+        },
+    )
+    .await?;
     let client = rt.client.clone();
     Ok(tokio::spawn(async move {
-        while let Some(msg) = sub.next().await {
-            let Some(reply) = msg.reply else { continue };
-            let run = std::str::from_utf8(&msg.payload)
-                .ok()
-                .and_then(|s| s.parse::<RunId>().ok());
-            let answer = match run {
-                Some(run) => driver.yield_parked(&run).await,
-                None => None,
-            };
-            let body = answer.map(|m| m.seq.to_string()).unwrap_or_default();
-            if let Err(e) = client.publish(reply, body.into()).await {
-                tracing::debug!(error = %e, "lease yield answer not sent");
-            }
-        }
+        requests
+            .run(std::future::pending(), |msg| {
+                let (client, driver) = (client.clone(), driver.clone());
+                async move {
+                    if msg.reply.is_none() {
+                        return;
+                    }
+                    let run = std::str::from_utf8(&msg.payload)
+                        .ok()
+                        .and_then(|s| s.parse::<RunId>().ok());
+                    let answer = match run {
+                        Some(run) => driver.yield_parked(&run).await,
+                        None => None,
+                    };
+                    let body = answer.map(|m| m.seq.to_string()).unwrap_or_default();
+                    responder::reply_raw(&client, &msg, body.into()).await;
+                }
+            })
+            .await;
     }))
 }
 

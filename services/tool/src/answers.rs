@@ -111,9 +111,5 @@ pub(crate) async fn answer_inspect(ctx: &Ctx, request: async_nats::Message) {
             error: e.to_string(),
         },
     };
-    if let (Some(to), Ok(body)) = (request.reply, serde_json::to_vec(&reply))
-        && let Err(e) = ctx.rt.client.publish(to, body.into()).await
-    {
-        tracing::warn!(error = %e, "cannot answer a precondition query");
-    }
+    kedge_runtime::responder::reply(&ctx.rt.client, &request, &reply).await;
 }

@@ -21,6 +21,7 @@ use kedge_core::subjects::Durable;
 use kedge_core::subjects::{TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE};
 use kedge_runtime::consumer::{Backoff, Verdict as Settle};
 use kedge_runtime::liveness::{Death, Liveness};
+use kedge_runtime::responder::{Busy, Listen, Responder};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
@@ -144,11 +145,32 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .queue_subscribe(TOOL_RESOLVE, TOOL_RESOLVE_QUEUE.to_owned())
         .await
         .map_err(|e| RuntimeError::broker("subscribe to resolve requests", e))?;
-    let mut inspects = rt
-        .client
-        .queue_subscribe(TOOL_INSPECT, TOOL_RESOLVE_QUEUE.to_owned())
-        .await
-        .map_err(|e| RuntimeError::broker("subscribe to precondition queries", e))?;
+    // Precondition queries are answered beside the operations, and stop with the service.
+    let inspects = Responder::subscribe(
+        &rt.client,
+        Listen {
+            what: "precondition queries",
+            subject: TOOL_INSPECT.to_owned(),
+            queue: TOOL_RESOLVE_QUEUE,
+            bound: INSPECTS_IN_FLIGHT,
+            busy: Busy::Wait,
+        },
+    )
+    .await?;
+    let answering = tokio::spawn({
+        let (ctx, mut stopping) = (ctx.clone(), ctx.stopping.clone());
+        async move {
+            let shutdown = async move {
+                let _ = stopping.wait_for(|stopped| *stopped).await;
+            };
+            inspects
+                .run(shutdown, |query| {
+                    let ctx = ctx.clone();
+                    async move { answer_inspect(&ctx, query).await }
+                })
+                .await;
+        }
+    });
     tracing::info!(worker = %rt.config.worker_id, "tool service started");
     tokio::pin!(shutdown);
     loop {
@@ -162,11 +184,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 }
                 continue;
             }
-            Some(query) = inspects.next() => {
-                let ctx = ctx.clone();
-                tokio::spawn(async move { answer_inspect(&ctx, query).await });
-                continue;
-            }
+            // A resolve request runs the operation: it takes a slot of the operations' pool.
             Some(request) = resolves.next() => {
                 let ctx = ctx.clone();
                 workers.spawn(async move { answer_resolve(&ctx, request).await }).await;
@@ -193,9 +211,13 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         workers.run(slot, async move { handle(&ctx, msg, 0).await });
     }
     wind_down(&ctx, messages, &stop, &workers, kept, sweeper).await;
+    let _ = answering.await;
     tracing::info!("tool service stopped");
     Ok(())
 }
+
+/// Precondition queries answered at once by one tool process (more wait in the subscription).
+const INSPECTS_IN_FLIGHT: usize = 64;
 
 /// Stops the operations running here of a run whose cancellation is requested, as its
 /// `cancel.requested` input is published (core NATS; a missed notification at most lets an
