@@ -266,26 +266,17 @@ fn every_subject_of_the_permissions_file_belongs_to_the_layout() {
     let mut all = Vec::new();
     subjects_in(&perms, &mut all);
     assert!(all.len() > 50, "read the file ({} entries)", all.len());
-    let buckets = [
-        LEASES_BUCKET,
-        IDEMPOTENCY_BUCKET,
-        RUNS_BUCKET,
-        AGENTS_BUCKET,
-        PROVIDERS_BUCKET,
-        BLOBS_BUCKET,
-    ];
-    let streams = [
-        TASKS_STREAM,
-        RUNS_STREAM,
-        TIMERS_STREAM,
-        REJECTIONS_STREAM,
-        LEASES_STREAM,
-        IDEMPOTENCY_STREAM,
-        RUNS_BUCKET_STREAM,
-        AGENTS_STREAM,
-        PROVIDERS_STREAM,
-        BLOBS_STREAM,
-    ];
+    // The layout's buckets are named `kedge_…`; its streams are the rest of the names.
+    let buckets: Vec<&str> = NAMES
+        .iter()
+        .copied()
+        .filter(|n| n.starts_with("kedge_"))
+        .collect();
+    let streams: Vec<&str> = NAMES
+        .iter()
+        .copied()
+        .filter(|n| !n.starts_with("kedge_"))
+        .collect();
     for s in &all {
         let ok = if let Some((stream, name)) = s.split_once('/') {
             // A durable consumer entry.
