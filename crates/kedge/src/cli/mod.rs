@@ -374,6 +374,7 @@ fn flags(cli: &Cli) -> kedge_runtime::config::Flags {
     }
 }
 
+/// Runs the parsed command; each subcommand is a function in one of the modules below.
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let mut config = config(&cli)?;
     if cli.dump_config {
@@ -396,29 +397,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Providers { output } => {
             providers(&Runtime::connect_existing(config).await?, output).await
         }
-        Command::Runs(RunsCmd::Rebuild) => {
-            let rt = Runtime::connect_existing(config).await?;
-            let report = kedge_bridge::rebuild(&rt).await?;
-            println!(
-                "{} rebuilt: {} runs in the journal, {} written, {} unchanged, {} failed to fold, {} stale entries removed",
-                subjects::RUNS_BUCKET,
-                report.runs,
-                report.written,
-                report.unchanged,
-                report.failed,
-                report.removed
-            );
-            Ok(if report.failed == 0 {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
-            })
-        }
-        Command::Completion { shell } => {
-            let mut cmd = <Cli as clap::CommandFactory>::command();
-            clap_complete::generate(shell, &mut cmd, "kedge", &mut std::io::stdout());
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Runs(RunsCmd::Rebuild) => rebuild(&Runtime::connect_existing(config).await?).await,
+        Command::Completion { shell } => completion(shell),
         Command::Runs(RunsCmd::Show { run, output }) => {
             show_run(&Runtime::connect_existing(config).await?, &run, output).await
         }
@@ -428,87 +408,30 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Runs(RunsCmd::Purge(args)) => {
             purge(&Runtime::connect_existing(config).await?, args).await
         }
-        Command::NatsConfig(args) => {
-            crate::nats_config::run(&args)?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Mcp(McpCmd::Tools { server }) => {
-            // Through the tool service's sandbox, as the tool service would start it.
-            let pool = kedge_tool::sandbox::mcp_pool(&config);
-            if !pool.has_server(&server) {
-                bail!(
-                    "no MCP server `{server}` in mcp_servers (configured: {})",
-                    pool.server_names().collect::<Vec<_>>().join(", ")
-                );
-            }
-            let tools = pool.tools(&server).await;
-            pool.close().await;
-            let specs = mcp_tool_specs(&server, tools?);
-            println!("{}", serde_json::to_string_pretty(&specs)?);
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::NatsConfig(args) => nats_config(&args),
+        Command::Mcp(McpCmd::Tools { server }) => mcp_tools(&config, &server).await,
         #[cfg(feature = "mock-llm")]
-        Command::MockLlm { port, script } => {
-            let text = match &script {
-                Some(p) => {
-                    std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?
-                }
-                None => crate::demo::SCRIPT.to_owned(),
-            };
-            let scripts = kedge_mock_llm::Scripts::from_json(&text)?;
-            let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-            println!("mock-llm listening on http://{}", listener.local_addr()?);
-            kedge_mock_llm::serve(
-                listener,
-                kedge_mock_llm::MockLlm::new(scripts),
-                shutdown_signal(),
-            )
-            .await?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Serve { services } => {
-            // Bound before anything else: a port that is taken stops the process at once.
-            if let Some(addr) = &config.metrics_addr {
-                kedge_runtime::metrics::start(addr).await?;
-            }
-            let rt = Runtime::connect(config).await?;
-            serve(rt, &services, shutdown_signal()).await?;
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Layout => {
-            let rt = Runtime::connect(config).await?;
-            println!(
-                "layout ok on nats-server {}",
-                rt.client.server_info().version
-            );
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::MockLlm { port, script } => mock_llm(port, script).await,
+        Command::Serve { services } => serve_command(config, &services).await,
+        Command::Layout => layout(config).await,
         Command::Agents(cmd) => agents(Runtime::connect(config).await?, cmd).await,
-        Command::Submit(args) => {
-            let rt = Runtime::connect_existing(config).await?;
-            let run = submit(&rt, &args).await?;
-            println!("{run}");
-            if args.watch {
-                return watch(&rt, &run, 0, false, Output::Text).await;
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Submit(args) => submit_command(config, &args).await,
         Command::Watch {
             run,
             after,
             follow,
             output,
         } => {
-            let rt = Runtime::connect_existing(config).await?;
-            watch(&rt, &run, after, follow, output).await
+            watch(
+                &Runtime::connect_existing(config).await?,
+                &run,
+                after,
+                follow,
+                output,
+            )
+            .await
         }
-        Command::Journal { run } => {
-            let rt = Runtime::connect_existing(config).await?;
-            for r in rt.journal.read(&run, 0).await? {
-                println!("{}", serde_json::json!({"seq": r.seq, "event": r.envelope}));
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Journal { run } => journal(&Runtime::connect_existing(config).await?, &run).await,
         Command::Status {
             run,
             output: Output::Json | Output::Jsonl,
@@ -523,42 +446,22 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Status {
             run,
             output: Output::Text,
-        } => {
-            let rt = Runtime::connect_existing(config).await?;
-            let page = rt.journal.read_with_set_aside(&run, 0).await?;
-            if page.events.is_empty() {
-                bail!("no run {run}");
-            }
-            let state = kedge_core::fold(page.events.iter().map(|r| (r.seq, &r.envelope)))?;
-            println!("{}", timeline::status_line(&state));
-            if let Some(v) = kedge_runtime::view::result_validation(&page.events) {
-                println!("{}", timeline::validation_line(&v));
-            }
-            // Messages on the run's subjects that are not events of the run: skipped by every
-            // reader, recorded on agent.rejected.journal.<run>.<seq> (KEDGE_REJECTIONS).
-            if !page.set_aside.is_empty() {
-                println!(
-                    "set aside: {} message(s) on the run's subjects that are not events of it",
-                    page.set_aside.len()
-                );
-                for a in &page.set_aside {
-                    println!("  seq {} on {}: {}", a.seq, a.subject, a.reason);
-                }
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        } => status(&Runtime::connect_existing(config).await?, &run).await,
         Command::Message { run, text } => {
-            let rt = Runtime::connect_existing(config).await?;
-            let events = run_events(&rt, &run).await?;
-            report_input(kedge_runtime::inputs::message(&rt, &run, &events, text, None).await)
+            message(&Runtime::connect_existing(config).await?, &run, text).await
         }
         Command::Answer {
             run,
             question,
             text,
         } => {
-            let rt = Runtime::connect_existing(config).await?;
-            send_answer(&rt, &run, question, text).await
+            send_answer(
+                &Runtime::connect_existing(config).await?,
+                &run,
+                question,
+                text,
+            )
+            .await
         }
         Command::Approve {
             run,
@@ -567,47 +470,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             deny,
             comment,
             token,
-        } => {
-            if !kedge_runtime::connect::protects_secrets(&config) {
-                bail!(
-                    "refusing to send an approver token over a connection without TLS to a \
-                     server that is not on this host; configure TLS (--tls-ca, tls:// URLs) or \
-                     decide as an approver user through the tenant gateway"
-                );
-            }
-            let rt = Runtime::connect_existing(config).await?;
-            let body = kedge_approval::DecisionRequest {
-                approval_id: approval,
-                verdict: if deny {
-                    kedge_core::event::Verdict::Deny
-                } else {
-                    kedge_core::event::Verdict::Approve
-                },
-                args_digest: digest,
-                comment,
-            };
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert("Authorization", format!("Bearer {token}").as_str());
-            let reply = tokio::time::timeout(
-                Duration::from_secs(10),
-                rt.client.request_with_headers(
-                    subjects::approval(&run),
-                    headers,
-                    serde_json::to_vec(&body)?.into(),
-                ),
-            )
-            .await
-            .context("no answer from the approval service within 10 s")??;
-            match serde_json::from_slice::<kedge_approval::DecisionAnswer>(&reply.payload)? {
-                kedge_approval::DecisionAnswer::Journaled { seq } => {
-                    println!("journaled at {seq}");
-                    Ok(ExitCode::SUCCESS)
-                }
-                kedge_approval::DecisionAnswer::Refused { code, reason } => {
-                    bail!("refused ({code}): {reason}")
-                }
-            }
-        }
+        } => approve(config, &run, approval, digest, deny, comment, &token).await,
         Command::Resolve {
             run,
             op,
@@ -615,36 +478,241 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             completed,
             failed,
             by,
-        } => {
-            use kedge_core::event::Resolution;
-            let resolution = match (retry, completed, failed) {
-                (true, None, None) => Resolution::Retry,
-                (false, Some(content), None) => Resolution::Completed { content },
-                (false, None, Some(reason)) => Resolution::Failed { reason },
-                _ => bail!("give exactly one of --retry, --completed TEXT, --failed REASON"),
-            };
-            let rt = Runtime::connect_existing(config).await?;
-            let events = rt.journal.read(&run, 0).await?;
-            let done = kedge_runtime::inputs::resolve(&rt, &run, &events, &op, resolution, by)
-                .await
-                .map_err(|r| anyhow::anyhow!("refused ({}): {r}", r.status()))?;
-            if done.duplicate {
-                println!(
-                    "already resolved (journaled at {}); the first verdict stands",
-                    done.seq
-                );
-            } else {
-                println!("journaled at {}", done.seq);
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        } => resolve(config, &run, &op, retry, completed, failed, by).await,
         Command::Cancel { run, reason } => {
-            let rt = Runtime::connect_existing(config).await?;
-            let events = run_events(&rt, &run).await?;
-            let by = Some("cli".to_owned());
-            report_input(kedge_runtime::inputs::cancel(&rt, &run, &events, reason, by).await)
+            cancel(&Runtime::connect_existing(config).await?, &run, reason).await
         }
     }
+}
+
+/// `kedge completion`: the shell completion script.
+fn completion(shell: clap_complete::Shell) -> anyhow::Result<ExitCode> {
+    let mut cmd = <Cli as clap::CommandFactory>::command();
+    clap_complete::generate(shell, &mut cmd, "kedge", &mut std::io::stdout());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge nats-config`.
+fn nats_config(args: &crate::nats_config::NatsConfigArgs) -> anyhow::Result<ExitCode> {
+    crate::nats_config::run(args)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge runs rebuild`.
+async fn rebuild(rt: &Runtime) -> anyhow::Result<ExitCode> {
+    let report = kedge_bridge::rebuild(rt).await?;
+    println!(
+        "{} rebuilt: {} runs in the journal, {} written, {} unchanged, {} failed to fold, {} stale entries removed",
+        subjects::RUNS_BUCKET,
+        report.runs,
+        report.written,
+        report.unchanged,
+        report.failed,
+        report.removed
+    );
+    Ok(if report.failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `kedge mcp tools`.
+async fn mcp_tools(config: &Config, server: &str) -> anyhow::Result<ExitCode> {
+    // Through the tool service's sandbox, as the tool service would start it.
+    let pool = kedge_tool::sandbox::mcp_pool(config);
+    if !pool.has_server(server) {
+        bail!(
+            "no MCP server `{server}` in mcp_servers (configured: {})",
+            pool.server_names().collect::<Vec<_>>().join(", ")
+        );
+    }
+    let tools = pool.tools(server).await;
+    pool.close().await;
+    let specs = mcp_tool_specs(server, tools?);
+    println!("{}", serde_json::to_string_pretty(&specs)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge mock-llm`.
+#[cfg(feature = "mock-llm")]
+async fn mock_llm(port: u16, script: Option<std::path::PathBuf>) -> anyhow::Result<ExitCode> {
+    let text = match &script {
+        Some(p) => std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?,
+        None => crate::demo::SCRIPT.to_owned(),
+    };
+    let scripts = kedge_mock_llm::Scripts::from_json(&text)?;
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    println!("mock-llm listening on http://{}", listener.local_addr()?);
+    kedge_mock_llm::serve(
+        listener,
+        kedge_mock_llm::MockLlm::new(scripts),
+        shutdown_signal(),
+    )
+    .await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge serve`.
+async fn serve_command(config: Config, services: &[Service]) -> anyhow::Result<ExitCode> {
+    // Bound before anything else: a port that is taken stops the process at once.
+    if let Some(addr) = &config.metrics_addr {
+        kedge_runtime::metrics::start(addr).await?;
+    }
+    let rt = Runtime::connect(config).await?;
+    serve(rt, services, shutdown_signal()).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge layout`.
+async fn layout(config: Config) -> anyhow::Result<ExitCode> {
+    let rt = Runtime::connect(config).await?;
+    println!(
+        "layout ok on nats-server {}",
+        rt.client.server_info().version
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge submit`: prints the run id, then watches the run with `--watch`.
+async fn submit_command(config: Config, args: &SubmitArgs) -> anyhow::Result<ExitCode> {
+    let rt = Runtime::connect_existing(config).await?;
+    let run = submit(&rt, args).await?;
+    println!("{run}");
+    if args.watch {
+        return watch(&rt, &run, 0, false, Output::Text).await;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge journal`.
+async fn journal(rt: &Runtime, run: &RunId) -> anyhow::Result<ExitCode> {
+    for r in rt.journal.read(run, 0).await? {
+        println!("{}", serde_json::json!({"seq": r.seq, "event": r.envelope}));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge status` (text; `-o json` is `kedge runs show -o json`).
+async fn status(rt: &Runtime, run: &RunId) -> anyhow::Result<ExitCode> {
+    let page = rt.journal.read_with_set_aside(run, 0).await?;
+    if page.events.is_empty() {
+        bail!("no run {run}");
+    }
+    let state = kedge_core::fold(page.events.iter().map(|r| (r.seq, &r.envelope)))?;
+    println!("{}", timeline::status_line(&state));
+    if let Some(v) = kedge_runtime::view::result_validation(&page.events) {
+        println!("{}", timeline::validation_line(&v));
+    }
+    // Messages on the run's subjects that are not events of the run: skipped by every
+    // reader, recorded on agent.rejected.journal.<run>.<seq> (KEDGE_REJECTIONS).
+    if !page.set_aside.is_empty() {
+        println!(
+            "set aside: {} message(s) on the run's subjects that are not events of it",
+            page.set_aside.len()
+        );
+        for a in &page.set_aside {
+            println!("  seq {} on {}: {}", a.seq, a.subject, a.reason);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge message`.
+async fn message(rt: &Runtime, run: &RunId, text: String) -> anyhow::Result<ExitCode> {
+    let events = run_events(rt, run).await?;
+    report_input(kedge_runtime::inputs::message(rt, run, &events, text, None).await)
+}
+
+/// `kedge approve`: the decision goes to the approval service, which authenticates the token.
+async fn approve(
+    config: Config,
+    run: &RunId,
+    approval: kedge_core::ids::ApprovalId,
+    digest: kedge_core::event::Digest,
+    deny: bool,
+    comment: Option<String>,
+    token: &str,
+) -> anyhow::Result<ExitCode> {
+    if !kedge_runtime::connect::protects_secrets(&config) {
+        bail!(
+            "refusing to send an approver token over a connection without TLS to a \
+             server that is not on this host; configure TLS (--tls-ca, tls:// URLs) or \
+             decide as an approver user through the tenant gateway"
+        );
+    }
+    let rt = Runtime::connect_existing(config).await?;
+    let body = kedge_approval::DecisionRequest {
+        approval_id: approval,
+        verdict: if deny {
+            kedge_core::event::Verdict::Deny
+        } else {
+            kedge_core::event::Verdict::Approve
+        },
+        args_digest: digest,
+        comment,
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Authorization", format!("Bearer {token}").as_str());
+    let reply = tokio::time::timeout(
+        Duration::from_secs(10),
+        rt.client.request_with_headers(
+            subjects::approval(run),
+            headers,
+            serde_json::to_vec(&body)?.into(),
+        ),
+    )
+    .await
+    .context("no answer from the approval service within 10 s")??;
+    match serde_json::from_slice::<kedge_approval::DecisionAnswer>(&reply.payload)? {
+        kedge_approval::DecisionAnswer::Journaled { seq } => {
+            println!("journaled at {seq}");
+            Ok(ExitCode::SUCCESS)
+        }
+        kedge_approval::DecisionAnswer::Refused { code, reason } => {
+            bail!("refused ({code}): {reason}")
+        }
+    }
+}
+
+/// `kedge resolve`.
+async fn resolve(
+    config: Config,
+    run: &RunId,
+    op: &kedge_core::ids::OperationId,
+    retry: bool,
+    completed: Option<String>,
+    failed: Option<String>,
+    by: String,
+) -> anyhow::Result<ExitCode> {
+    use kedge_core::event::Resolution;
+    let resolution = match (retry, completed, failed) {
+        (true, None, None) => Resolution::Retry,
+        (false, Some(content), None) => Resolution::Completed { content },
+        (false, None, Some(reason)) => Resolution::Failed { reason },
+        _ => bail!("give exactly one of --retry, --completed TEXT, --failed REASON"),
+    };
+    let rt = Runtime::connect_existing(config).await?;
+    let events = rt.journal.read(run, 0).await?;
+    let done = kedge_runtime::inputs::resolve(&rt, run, &events, op, resolution, by)
+        .await
+        .map_err(|r| anyhow::anyhow!("refused ({}): {r}", r.status()))?;
+    if done.duplicate {
+        println!(
+            "already resolved (journaled at {}); the first verdict stands",
+            done.seq
+        );
+    } else {
+        println!("journaled at {}", done.seq);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kedge cancel`.
+async fn cancel(rt: &Runtime, run: &RunId, reason: String) -> anyhow::Result<ExitCode> {
+    let events = run_events(rt, run).await?;
+    let by = Some("cli".to_owned());
+    report_input(kedge_runtime::inputs::cancel(rt, run, &events, reason, by).await)
 }
 
 /// `kedge providers`: each model endpoint the fleet knows, from kedge_providers.
