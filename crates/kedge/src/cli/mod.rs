@@ -6,9 +6,7 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use kedge_core::agent::AgentDefinition;
-use kedge_core::event::Event;
 use kedge_core::ids::{AgentName, QuestionId, RunId};
-use kedge_runtime::inputs::InputId;
 use kedge_runtime::{Config, Runtime};
 
 mod serve;
@@ -23,10 +21,13 @@ mod runs;
 use runs::{journal, list_runs, purge, rebuild, show_run, status, watch};
 
 mod inputs;
-use inputs::{approve, cancel, message, resolve, send_answer, send_input, submit_command};
+use inputs::{approve, cancel, message, resolve, send_answer, submit_command};
 // For `kedge demo` (demo.rs).
 #[cfg(feature = "mock-llm")]
 pub use inputs::submit;
+
+mod dead;
+use dead::dead;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -577,54 +578,6 @@ async fn providers(rt: &Runtime, output: Output) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-async fn dead(rt: &Runtime, cmd: DeadCmd) -> anyhow::Result<ExitCode> {
-    match cmd {
-        DeadCmd::List { json } => {
-            for (seq, r) in kedge_runtime::rejections::dead_letters(&rt.js)
-                .await
-                .map_err(anyhow::Error::msg)?
-            {
-                if json {
-                    println!("{}", serde_json::json!({"seq": seq, "record": r}));
-                    continue;
-                }
-                let s = |k: &str| r[k].as_str().unwrap_or("?").to_owned();
-                println!(
-                    "{seq:>8}  {}  {} {}#{}  {}  after {} deliveries: {}",
-                    s("at"),
-                    s("consumer"),
-                    s("stream"),
-                    r["seq"],
-                    s("subject"),
-                    r["deliveries"],
-                    s("reason")
-                );
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        DeadCmd::Retry { seq } => {
-            let letters = kedge_runtime::rejections::dead_letters(&rt.js)
-                .await
-                .map_err(anyhow::Error::msg)?;
-            let Some((_, record)) = letters.iter().find(|(s, _)| *s == seq) else {
-                bail!("no dead letter at sequence {seq} (see `kedge dead list`)");
-            };
-            let subject = record["subject"].as_str().unwrap_or_default();
-            let Some(parsed) = kedge_core::subjects::parse_event(subject) else {
-                bail!(
-                    "dead letter {seq} is not a wake of a run (subject `{subject}`); only the \
-                     step's dead letters can be retried"
-                );
-            };
-            let run = parsed.run_id;
-            let nudge = Event::Nudge(kedge_core::event::Nudge {
-                reason: format!("retried by an operator from dead letter {seq}"),
-            });
-            send_input(rt, &run, nudge, &InputId::dead_retry(&run, seq)).await
-        }
-    }
 }
 
 /// Whether the command runs the mock model (`kedge demo`, `kedge mock-llm`: only in a build
