@@ -16,7 +16,7 @@ use super::{Bubblewrap, Extra, Limits, PATH, Sandbox, Unconfined};
 /// option confines one when it is not).
 ///
 /// The sandbox is located again here without a trial run: the tool service's
-/// [`from_config`] has already checked that it works (or refused to start).
+/// [`from_config`](super::from_config) has already checked that it works (or refused to start).
 pub fn mcp_pool(config: &kedge_runtime::Config) -> kedge_mcp::Pool {
     let sandbox: Arc<dyn Sandbox> = match config.sandbox {
         SandboxKind::Bwrap => match Bubblewrap::locate() {

@@ -1,0 +1,368 @@
+//! The projector: the durable consumer that keeps `kedge_runs` up to date ([`run_projector`]),
+//! one run at a time, resting runs between passes (see the module doc of [`super`]).
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::Message;
+use kedge_core::EventType;
+use kedge_core::ids::RunId;
+use kedge_core::subjects::{self, Durable};
+use kedge_runtime::consumer::{Backoff, Verdict};
+use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
+use tokio::sync::{mpsc, watch};
+
+use super::Projection;
+use super::store::{Hint, Known};
+use super::summary::Folded;
+
+/// The projector's durable consumer (`nats/consumers/KEDGE_RUNS/projector.json`).
+pub const PROJECTOR: Durable = Durable::Projector;
+/// Runs projected at once. Each is a journal read and a write, a few round trips mostly spent
+/// waiting on the broker; the consumer's `max_ack_pending` (1,000) bounds the deliveries held.
+const PROJECTING: usize = 64;
+
+/// Runs the projector until `shutdown` resolves.
+///
+/// Deliveries are handled per run, [`PROJECTING`] runs at once: a delivery of a run already
+/// being projected joins it ([`Inbox`]), and one read, fold and store covers every decision of
+/// the run that arrived meanwhile (a backlog of a run's decisions, a burst of a live run). A
+/// delivery is acknowledged only once a summary folded through it is stored (or found stored),
+/// so a process killed midway leaves the rest to redelivery. At most one projection of a run is
+/// in flight in a process; across processes, the compare-and-set decides.
+///
+/// A decision it cannot project (broker trouble, or a panic, which is contained) is handed back
+/// with a growing delay; at the consumer's last delivery (`max_deliver` 20), and at once for a
+/// run whose journal does not fold or a subject that is not a run's event, it is given up on
+/// as a dead letter (`agent.rejected.dead.projector`, `kedge dead list`): the projection is a
+/// cache, a later decision of the run or `kedge runs rebuild` brings the summary up to date.
+pub async fn run_projector(
+    rt: Runtime,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), RuntimeError> {
+    let workers = consumer::Workers::new(PROJECTING);
+    let (stop, stopping) = watch::channel(false);
+    let projector = Arc::new(Projector {
+        projection: Projection::open(&rt).await?,
+        projected: Projected::default(),
+        folds: Folds::default(),
+        inbox: Inbox::default(),
+        cap: rt.config.timeouts.max_retry_delay(),
+        interval: Duration::from_millis(rt.config.bridge.runs_list_interval_ms),
+        workers: workers.clone(),
+        stopping,
+    });
+    let consumer = consumer::durable(&rt.js, PROJECTOR, Duration::from_secs(30)).await?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| RuntimeError::broker("projector consumer", e))?;
+    // Every handler and resting run holds a clone; all are gone once every delivery taken is
+    // settled.
+    let (held, mut all_settled) = mpsc::channel::<()>(1);
+    tracing::info!(worker = %rt.config.worker_id, "projector started");
+    tokio::pin!(shutdown);
+    loop {
+        let (slot, msg) = tokio::select! {
+            _ = &mut shutdown => break,
+            next = workers.next(&mut messages, PROJECTOR) => match next {
+                Some(next) => next,
+                None => break,
+            },
+        };
+        let parsed = match (subjects::parse_event(&msg.subject), msg.info()) {
+            (Some(parsed), Ok(info)) => Some((parsed.run_id, info.stream_sequence)),
+            _ => None,
+        };
+        let Some((run, seq)) = parsed else {
+            let projector = projector.clone();
+            workers.run(slot, async move {
+                let verdict = Verdict::Poison("not a journal event subject".into());
+                projector.settle(&msg, &verdict).await;
+            });
+            continue;
+        };
+        if projector.projected.covers(&run, seq) {
+            // Folded into a summary this process stored (or found stored) already.
+            projector.settle(&msg, &Verdict::Ack).await;
+            continue;
+        }
+        if !projector.inbox.add(&run, msg) {
+            // Joins the projection of the run in flight or resting; the slot is not needed.
+            continue;
+        }
+        let projector = projector.clone();
+        let held = held.clone();
+        workers.run(slot, async move { projector.project_run(run, held).await });
+    }
+    consumer::hand_back(messages, PROJECTOR).await;
+    // Resting runs are projected at once, with what they hold.
+    let _ = stop.send(true);
+    drop(held);
+    let _ = all_settled.recv().await;
+    workers.drain().await;
+    // The last acknowledgements are on their way out only once flushed: dropped with the
+    // connection, their deliveries would wait out the ack wait.
+    if let Err(e) = rt.client.flush().await {
+        tracing::warn!(error = %e, "could not flush the last acknowledgements");
+    }
+    tracing::info!("projector stopped");
+    Ok(())
+}
+
+/// What the projector's handlers share.
+#[derive(Debug)]
+struct Projector {
+    projection: Projection,
+    projected: Projected,
+    folds: Folds,
+    inbox: Inbox,
+    /// The longest delay before a redelivery.
+    cap: Duration,
+    /// How long a run rests after a projection before the next (`bridge.runs_list_interval_ms`).
+    interval: Duration,
+    workers: consumer::Workers,
+    /// Set when the projector stops: resting runs are projected at once.
+    stopping: watch::Receiver<bool>,
+}
+
+impl Projector {
+    /// Projects `run` until no delivery of it is waiting: each pass takes every delivery that
+    /// arrived since the last one and settles them all on one projection. After a pass the run
+    /// rests for the interval ([`Projector::rest`]) holding no slot, still in the inbox, so the
+    /// deliveries of a busy run gather there and the next pass covers them all: a run's summary
+    /// is written at most once per interval, not once per decision. `held` is the run's share of
+    /// the stop's wait (see [`run_projector`]).
+    async fn project_run(self: Arc<Self>, run: RunId, held: mpsc::Sender<()>) {
+        use futures::FutureExt as _;
+        while let Some(batch) = self.inbox.take(&run) {
+            let handled = std::panic::AssertUnwindSafe(self.project(&run, &batch))
+                .catch_unwind()
+                .await;
+            let verdict = handled.unwrap_or_else(|panic| {
+                let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
+                tracing::error!(run_id = %run, panic = %reason, "projecting panicked");
+                Verdict::Retry(format!("panicked: {reason}"), self.backoff())
+            });
+            for msg in &batch {
+                self.settle(msg, &verdict).await;
+            }
+            if !self.interval.is_zero() && !*self.stopping.borrow() {
+                tokio::spawn(self.rest(run, held));
+                return;
+            }
+        }
+    }
+
+    /// Lets `run` rest for the interval (cut short when the projector stops), then projects what
+    /// its deliveries gathered meanwhile, if any, on a free slot.
+    /// (Boxed: it and [`Projector::project_run`] start each other.)
+    fn rest(
+        self: Arc<Self>,
+        run: RunId,
+        held: mpsc::Sender<()>,
+    ) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let mut stopping = self.stopping.clone();
+            tokio::select! {
+                _ = tokio::time::sleep(self.interval) => {}
+                _ = stopping.wait_for(|stopping| *stopping) => {}
+            }
+            if self.inbox.release_if_empty(&run) {
+                return; // nothing came: no slot needed
+            }
+            let slot = self.workers.slot().await;
+            let workers = self.workers.clone();
+            workers.run(slot, self.project_run(run, held));
+        })
+    }
+
+    /// Projects `run` through the latest of `batch`, its decisions' deliveries.
+    async fn project(&self, run: &RunId, batch: &[Message]) -> Verdict {
+        failpoint::panic_point("projector.project", run.as_str());
+        // Every delivery in the inbox has its metadata (see `run_projector`).
+        let through = batch
+            .iter()
+            .filter_map(|msg| msg.info().ok().map(|i| i.stream_sequence))
+            .max()
+            .unwrap_or(0);
+        let known = self.projected.get(run);
+        if known.as_ref().is_some_and(|k| k.seq >= through) {
+            return Verdict::Ack;
+        }
+        // What is stored, as far as this process knows: its own last write of the run, else
+        // nothing when the run's first decision is among these (a run is projected first when
+        // its `run.created` is delivered), else unknown (the store reads the key).
+        let hint = match known {
+            Some(k) => Hint::Stored(k),
+            None if batch.iter().any(is_run_created) => Hint::Absent,
+            None => Hint::Unknown,
+        };
+        // Taken out while the run is projected (one handler at a time projects a run), put back
+        // once its summary is stored.
+        let folded = self.folds.take(run);
+        match self
+            .projection
+            .project_through(run, through, hint, folded)
+            .await
+        {
+            Ok(Some((summary, _, known, folded))) => {
+                self.projected.note(run, known);
+                if !summary.finished {
+                    self.folds.keep(run, folded);
+                }
+                Verdict::Ack
+            }
+            Ok(None) => Verdict::Ack,
+            Err(e) if e.is_retryable() => Verdict::Retry(format!("run {run}: {e}"), self.backoff()),
+            Err(e) => {
+                tracing::error!(run_id = %run, error = %e, "run cannot be projected");
+                Verdict::Poison(format!("run {run} cannot be projected: {e}"))
+            }
+        }
+    }
+
+    async fn settle(&self, msg: &Message, verdict: &Verdict) {
+        consumer::settle(&self.projection.js, PROJECTOR, msg, verdict.clone()).await;
+    }
+
+    /// Redelivery delays after a failure (doubled per delivery up to the configured cap).
+    fn backoff(&self) -> Backoff {
+        Backoff::within(self.cap)
+    }
+}
+
+fn is_run_created(msg: &Message) -> bool {
+    subjects::parse_event(&msg.subject).is_some_and(|s| s.event_type == EventType::RunCreated)
+}
+
+/// The deliveries of the runs being projected, per run. A run is in the inbox exactly while a
+/// handler projects it: [`Inbox::add`] says whether the delivery started the run's entry (the
+/// caller starts the handler) or joined one (the handler takes it on its next pass), and
+/// [`Inbox::take`] removes the entry, under the same lock, when nothing is left. So every
+/// delivery is taken by exactly one pass of exactly one handler, and a run never has two.
+#[derive(Debug, Clone)]
+pub(super) struct Inbox<M = Message>(Arc<Mutex<HashMap<RunId, Vec<M>>>>);
+
+impl<M> Default for Inbox<M> {
+    fn default() -> Self {
+        Inbox(Arc::default())
+    }
+}
+
+impl<M> Inbox<M> {
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RunId, Vec<M>>> {
+        // Nothing panics holding it; a poisoned map is still whole.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds a delivery of `run`; `true` when no handler has the run (the caller starts one).
+    pub(super) fn add(&self, run: &RunId, msg: M) -> bool {
+        let mut map = self.lock();
+        match map.get_mut(run) {
+            Some(waiting) => {
+                waiting.push(msg);
+                false
+            }
+            None => {
+                map.insert(run.clone(), vec![msg]);
+                true
+            }
+        }
+    }
+
+    /// The deliveries of `run` waiting for its handler; `None`, and the run is no longer
+    /// handled, when there are none.
+    pub(super) fn take(&self, run: &RunId) -> Option<Vec<M>> {
+        let mut map = self.lock();
+        let waiting = map.get_mut(run).map(std::mem::take).unwrap_or_default();
+        if waiting.is_empty() {
+            map.remove(run);
+            None
+        } else {
+            Some(waiting)
+        }
+    }
+
+    /// Removes `run`, as [`Inbox::take`] would, when no delivery of it is waiting; `true` when
+    /// it did (the run is no longer handled).
+    pub(super) fn release_if_empty(&self, run: &RunId) -> bool {
+        let mut map = self.lock();
+        match map.get(run) {
+            Some(waiting) if !waiting.is_empty() => false,
+            _ => {
+                map.remove(run);
+                true
+            }
+        }
+    }
+}
+
+/// Runs this projector stored (or found stored) a summary of: a decision at or before its
+/// sequence needs no broker request at all (a journal read folds every decision there is, so
+/// a backlog of a run's decisions, a fresh projector over a journal that grew without one,
+/// costs one read, not one per decision), and the next write of the run is a compare-and-set
+/// on the revision it left, with no read of the key. Bounded like the step's cache of states:
+/// started over when full.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Projected(Arc<Mutex<HashMap<RunId, Known>>>);
+
+/// Runs [`Projected`] remembers before it starts over.
+const PROJECTED_RUNS: usize = 10_000;
+
+impl Projected {
+    pub(super) fn covers(&self, run: &RunId, seq: u64) -> bool {
+        self.0
+            .lock()
+            .is_ok_and(|m| m.get(run).is_some_and(|k| k.seq >= seq))
+    }
+
+    pub(super) fn get(&self, run: &RunId) -> Option<Known> {
+        self.0.lock().ok().and_then(|m| m.get(run).cloned())
+    }
+
+    pub(super) fn note(&self, run: &RunId, known: Known) {
+        if let Ok(mut m) = self.0.lock() {
+            if m.len() >= PROJECTED_RUNS && !m.contains_key(run) {
+                m.clear();
+            }
+            match m.get_mut(run) {
+                Some(k) if (k.seq, k.revision) >= (known.seq, known.revision) => {}
+                Some(k) => *k = known,
+                None => {
+                    m.insert(run.clone(), known);
+                }
+            }
+        }
+    }
+}
+
+/// The folds of the runs this projector is following (see [`Folded`]), so that a run's next
+/// decision costs a read of what is new, not of its whole journal (which made every loop of a
+/// run cost a read of everything before it). A run is kept only while it is not finished: a
+/// finished run's journal may be purged by retention, and a run revived later is folded anew
+/// from its journal. Bounded like [`Projected`]: started over when full.
+#[derive(Debug, Default)]
+struct Folds(Mutex<HashMap<RunId, Folded>>);
+
+/// Runs [`Folds`] keeps before it starts over (each with its transcript so far).
+const FOLDED_RUNS: usize = 1_024;
+
+impl Folds {
+    fn take(&self, run: &RunId) -> Option<Folded> {
+        self.0.lock().ok().and_then(|mut m| m.remove(run))
+    }
+
+    fn keep(&self, run: &RunId, folded: Folded) {
+        if let Ok(mut m) = self.0.lock() {
+            if m.len() >= FOLDED_RUNS {
+                m.clear();
+            }
+            m.insert(run.clone(), folded);
+        }
+    }
+}

@@ -1,0 +1,262 @@
+//! The read and write side of the `kedge_runs` bucket: [`Projection`] (get, list, a
+//! compare-and-set store that never lets a stale summary win, project a run).
+
+use async_nats::jetstream::Context;
+use async_nats::jetstream::kv::{self, Operation};
+use kedge_core::ids::{RunId, TenantId};
+use kedge_core::subjects::{self, RUNS_BUCKET, RUNS_BUCKET_STREAM};
+use kedge_journal::{Journal, Recorded};
+use kedge_runtime::{Runtime, RuntimeError};
+
+use super::summary::Folded;
+use super::{ProjectionError, RunSummary, Stored, key, summarize};
+
+/// Handle on the `kedge_runs` bucket.
+#[derive(Debug, Clone)]
+pub struct Projection {
+    pub(super) kv: kv::Store,
+    pub(super) js: Context,
+    journal: Journal,
+}
+
+const CAS_TRIES: usize = 16;
+
+impl Projection {
+    pub async fn open(rt: &Runtime) -> Result<Projection, RuntimeError> {
+        let kv = rt
+            .js
+            .get_key_value(RUNS_BUCKET)
+            .await
+            .map_err(|e| RuntimeError::broker(format!("open bucket {RUNS_BUCKET}"), e))?;
+        Ok(Projection {
+            kv,
+            js: rt.js.clone(),
+            journal: rt.journal.clone(),
+        })
+    }
+
+    /// The stored summary of a run.
+    pub async fn get(
+        &self,
+        tenant: &TenantId,
+        run: &RunId,
+    ) -> Result<Option<RunSummary>, ProjectionError> {
+        Ok(self.entry(&key(tenant, run)).await?.and_then(|(_, s)| s))
+    }
+
+    /// `(revision, summary)` of a live key; the summary is `None` when the value does not parse
+    /// (it is then overwritten by the next write).
+    async fn entry(&self, key: &str) -> Result<Option<(u64, Option<RunSummary>)>, ProjectionError> {
+        let entry = self
+            .kv
+            .entry(key)
+            .await
+            .map_err(|e| ProjectionError::Kv(e.to_string()))?;
+        Ok(entry
+            .filter(|e| e.operation == Operation::Put)
+            .map(|e| (e.revision, serde_json::from_slice(&e.value).ok())))
+    }
+
+    /// Writes `summary` unless the stored one is newer (or, unless `overwrite_equal`, as new).
+    pub async fn store(
+        &self,
+        summary: &RunSummary,
+        overwrite_equal: bool,
+    ) -> Result<Stored, ProjectionError> {
+        Ok(self
+            .store_hinted(summary, overwrite_equal, Hint::Unknown)
+            .await?
+            .0)
+    }
+
+    /// [`Projection::store`], starting from what the caller believes is stored: with a right
+    /// guess the write is one request (a compare-and-set on the believed revision, or a create),
+    /// with a wrong one the compare-and-set fails and the write goes on as without a guess (read
+    /// the key, compare, compare-and-set). Returns what is stored afterwards.
+    async fn store_hinted(
+        &self,
+        summary: &RunSummary,
+        overwrite_equal: bool,
+        hint: Hint,
+    ) -> Result<(Stored, Known), ProjectionError> {
+        let key = key(&summary.tenant, &summary.run_id);
+        let value: bytes::Bytes = serde_json::to_vec(summary)
+            .map_err(|e| ProjectionError::Kv(e.to_string()))?
+            .into();
+        let known = |seq: u64, revision: u64| Known {
+            seq,
+            revision,
+            tenant: summary.tenant.clone(),
+        };
+        let guess = match hint {
+            Hint::Unknown => None,
+            Hint::Absent => Some(0),
+            Hint::Stored(k) if k.tenant == summary.tenant => {
+                if k.seq > summary.seq || (k.seq == summary.seq && !overwrite_equal) {
+                    // Stored by this projector; a later write by anyone is newer still.
+                    return Ok((Stored::Stale, k));
+                }
+                Some(k.revision)
+            }
+            Hint::Stored(_) => None,
+        };
+        if let Some(revision) = guess {
+            // Revision 0: only if the key has never been written (a `create` without the
+            // client's follow-up read on failure: the loop below reads anyway).
+            match self.kv.update(&key, value.clone(), revision).await {
+                Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                Err(e) => return Err(ProjectionError::Kv(e.to_string())),
+            }
+        }
+        for _ in 0..CAS_TRIES {
+            match self.entry(&key).await? {
+                None => match self.kv.create(&key, value.clone()).await {
+                    Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
+                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
+                    Err(e) => return Err(ProjectionError::Kv(e.to_string())),
+                },
+                Some((revision, stored)) => {
+                    let stored_seq = stored.map_or(0, |s| s.seq);
+                    if stored_seq > summary.seq || (stored_seq == summary.seq && !overwrite_equal) {
+                        return Ok((Stored::Stale, known(stored_seq, revision)));
+                    }
+                    match self.kv.update(&key, value.clone(), revision).await {
+                        Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
+                        Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                        Err(e) => return Err(ProjectionError::Kv(e.to_string())),
+                    }
+                }
+            }
+        }
+        Err(ProjectionError::Kv(format!(
+            "{key}: lost {CAS_TRIES} compare-and-set races in a row"
+        )))
+    }
+
+    /// Reads and folds a run and stores its summary. `Ok(None)` for a run with no events.
+    pub async fn project(
+        &self,
+        run: &RunId,
+        overwrite_equal: bool,
+    ) -> Result<Option<(RunSummary, Stored)>, ProjectionError> {
+        let events = self.journal.read(run, 0).await?;
+        Ok(self
+            .fold_and_store(run, &events, overwrite_equal, Hint::Unknown)
+            .await?
+            .map(|(summary, stored, _)| (summary, stored)))
+    }
+
+    /// [`Projection::project`] of a run through at least `through`, an event of the run the
+    /// broker acknowledged (the decision a projector handles): read without asking the stream
+    /// leader where the run ends ([`Journal::read_through`]); a later event the read did not
+    /// reach is projected on its own delivery. `hint`: what the caller believes is stored.
+    /// `folded`: the run's fold as this process last left it; only the events after it are
+    /// read (a fold that no longer applies is started over from the whole journal). Returns
+    /// the fold through the read besides.
+    pub(super) async fn project_through(
+        &self,
+        run: &RunId,
+        through: u64,
+        hint: Hint,
+        folded: Option<Folded>,
+    ) -> Result<Option<(RunSummary, Stored, Known, Folded)>, ProjectionError> {
+        let folded = match folded {
+            Some(mut known) if known.state.last_seq < through => {
+                let after = known.state.last_seq;
+                let events = self.journal.read_through(run, after, through).await?.events;
+                match known.apply(&events) {
+                    Ok(()) => Some(known),
+                    Err(e) => {
+                        tracing::warn!(run_id = %run, error = %e, "the kept fold does not take the run's new events; folding the whole journal");
+                        self.fold_through(run, through).await?
+                    }
+                }
+            }
+            Some(known) => Some(known),
+            None => self.fold_through(run, through).await?,
+        };
+        let Some(folded) = folded else {
+            return Ok(None);
+        };
+        let summary = folded.summary();
+        let (stored, known) = self.store_hinted(&summary, false, hint).await?;
+        Ok(Some((summary, stored, known, folded)))
+    }
+
+    /// The fold of the run's whole journal through at least `through`; `None` for no events.
+    async fn fold_through(
+        &self,
+        run: &RunId,
+        through: u64,
+    ) -> Result<Option<Folded>, ProjectionError> {
+        let events = self.journal.read_through(run, 0, through).await?.events;
+        Folded::of(&events).map_err(|source| ProjectionError::Fold {
+            run: run.clone(),
+            source,
+        })
+    }
+
+    /// Folds a run's events into its summary and stores it. `Ok(None)` for no events.
+    async fn fold_and_store(
+        &self,
+        run: &RunId,
+        events: &[Recorded],
+        overwrite_equal: bool,
+        hint: Hint,
+    ) -> Result<Option<(RunSummary, Stored, Known)>, ProjectionError> {
+        let Some(summary) = summarize(events).map_err(|source| ProjectionError::Fold {
+            run: run.clone(),
+            source,
+        })?
+        else {
+            return Ok(None);
+        };
+        let (stored, known) = self.store_hinted(&summary, overwrite_equal, hint).await?;
+        Ok(Some((summary, stored, known)))
+    }
+
+    /// Every summary of a tenant (one pass over the bucket's keys `<tenant>.>`, by batched
+    /// direct gets: [`Journal::latest_per_subject`]). A summary rewritten meanwhile is listed
+    /// once, at its newer version; an entry that does not parse is left out.
+    pub async fn list(&self, tenant: &TenantId) -> Result<Vec<RunSummary>, ProjectionError> {
+        let filter = subjects::kv_key(RUNS_BUCKET, &format!("{tenant}.>"));
+        let entries = self
+            .journal
+            .latest_per_subject(RUNS_BUCKET_STREAM, &filter)
+            .await?;
+        Ok(entries
+            .iter()
+            .filter(|e| !e.deleted)
+            .filter_map(|e| serde_json::from_slice::<RunSummary>(&e.payload).ok())
+            .collect())
+    }
+
+    /// Removes a run's summary (rebuild, for runs no longer in the journal).
+    pub(super) async fn remove(&self, key: &str) -> Result<(), ProjectionError> {
+        self.kv
+            .delete(key)
+            .await
+            .map_err(|e| ProjectionError::Kv(e.to_string()))
+    }
+}
+
+/// What is stored for a run, as far as one process knows: the sequence its summary was folded
+/// through, the KV revision holding it, and the run's tenant (its key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Known {
+    pub(super) seq: u64,
+    pub(super) revision: u64,
+    pub(super) tenant: TenantId,
+}
+
+/// What a store starts from (see [`Projection::store_hinted`]).
+#[derive(Debug, Clone)]
+pub(super) enum Hint {
+    /// Read the key first.
+    Unknown,
+    /// Probably never written: create it.
+    Absent,
+    /// Probably this (this process stored or found it): compare-and-set on its revision.
+    Stored(Known),
+}
