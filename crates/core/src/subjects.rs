@@ -58,11 +58,6 @@ pub fn kv_key(bucket: &str, key: &str) -> String {
     format!("$KV.{bucket}.{key}")
 }
 
-/// The prefix of every subject of key-value bucket `bucket` (`$KV.<bucket>.`).
-pub fn kv_prefix(bucket: &str) -> String {
-    format!("$KV.{bucket}.")
-}
-
 /// The subject of an object's meta record in object store `bucket` (`$O.<bucket>.M.<encoded name>`).
 pub fn object_meta(bucket: &str, encoded_name: &str) -> String {
     format!("$O.{bucket}.M.{encoded_name}")
@@ -383,11 +378,6 @@ pub fn parse_approval(subject: &str) -> Option<&str> {
     subject.strip_prefix("agent.approval.")
 }
 
-/// Request subject of a callback with key `key` (`agent.callback.<key>`; intake answers).
-pub fn callback(key: &str) -> String {
-    format!("agent.callback.{key}")
-}
-
 /// Every callback (intake's subscription).
 pub const CALLBACKS_ALL: &str = "agent.callback.*";
 
@@ -448,9 +438,6 @@ pub fn timers_fired_of(run: &RunId) -> String {
 
 /// Every fired timer (the `timer-fired` consumer's filter).
 pub const TIMERS_FIRED_ALL: &str = "kedge.timer.fired.>";
-
-/// Every pending schedule.
-pub const TIMERS_SCHEDULED_ALL: &str = "kedge.timer.sched.>";
 
 /// The run and timer a fired subject names; `None` for anything else.
 pub fn parse_timer_fired(subject: &str) -> Option<(RunId, TimerId)> {

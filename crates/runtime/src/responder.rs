@@ -19,21 +19,12 @@ use crate::RuntimeError;
 pub const DRAIN_FOR: Duration = Duration::from_secs(10);
 
 /// What a responder does with a request when every slot is taken.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub enum Busy {
     /// Wait for a free slot (requests queue in the subscription meanwhile).
     Wait,
     /// Answer it at once with this function (e.g. "busy, retry") and go on.
     Refuse(fn(&Client, Message)),
-}
-
-impl std::fmt::Debug for Busy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Busy::Wait => f.write_str("Wait"),
-            Busy::Refuse(_) => f.write_str("Refuse"),
-        }
-    }
 }
 
 /// Where and how a responder listens.

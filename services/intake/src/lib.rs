@@ -79,11 +79,13 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     // Callbacks are answered beside the tasks, and stop with them: when this function returns
     // (a stop, or an error the supervisor restarts it for), `stop` is dropped.
     let callbacks = subscribe_callbacks(&rt).await?;
-    let (stop, mut stopped) = tokio::sync::watch::channel(());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let answering = tokio::spawn({
         let rt = rt.clone();
         async move {
-            let shutdown = async move { while stopped.changed().await.is_ok() {} };
+            let shutdown = async move {
+                let _ = stopped.await;
+            };
             callbacks
                 .run(shutdown, |msg| answer_callback(rt.clone(), msg))
                 .await;
