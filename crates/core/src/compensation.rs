@@ -21,7 +21,7 @@ use serde_json::Value;
 
 use crate::decide::{Idle, Next};
 use crate::event::{
-    CompensationOutcome, CompensationStatus, Digest, Draft, Event, FailureReason, Level,
+    CompensationOutcome, CompensationStatus, Decision, Digest, Draft, FailureReason, Level,
     PlannedCompensation, RunCancelled, RunCompensating, RunFailed, StopCause, ToolRequested,
 };
 use crate::fold::{OpStatus, RunState, ToolOp};
@@ -194,11 +194,11 @@ pub fn plan(state: &RunState, cause: StopCause) -> Vec<PlannedCompensation> {
 /// its agent's compensation policy makes them: `run.compensating` in place of the end when
 /// there is something to compensate; else the end, `run.failed` listing the run's effects when
 /// its agent declares reversibility. Anything else, and the end of a compensation, unchanged.
-pub fn intercept(state: &RunState, mut drafts: Vec<Draft>) -> Vec<Draft> {
+pub fn intercept(state: &RunState, mut drafts: Vec<Draft<Decision>>) -> Vec<Draft<Decision>> {
     if state.compensation.is_some()
         || drafts
             .iter()
-            .any(|d| matches!(d.event, Event::RunRevived(_)))
+            .any(|d| matches!(d.event, Decision::RunRevived(_)))
     {
         // The end of a compensation; or a new turn that fails before it did anything.
         return drafts;
@@ -207,13 +207,13 @@ pub fn intercept(state: &RunState, mut drafts: Vec<Draft>) -> Vec<Draft> {
         return drafts;
     };
     let cause = match &last.event {
-        Event::RunCancelled(_) => StopCause::Cancel,
-        Event::RunFailed(_) => StopCause::Failure,
+        Decision::RunCancelled(_) => StopCause::Cancel,
+        Decision::RunFailed(_) => StopCause::Failure,
         _ => return drafts,
     };
     let plan = plan(state, cause);
     if plan.is_empty() {
-        if let Event::RunFailed(f) = &mut last.event
+        if let Decision::RunFailed(f) = &mut last.event
             && f.effects.is_empty()
             && state.declares_levels()
         {
@@ -222,10 +222,10 @@ pub fn intercept(state: &RunState, mut drafts: Vec<Draft>) -> Vec<Draft> {
         return drafts;
     }
     let failure = match &last.event {
-        Event::RunFailed(f) => Some(f.clone()),
+        Decision::RunFailed(f) => Some(f.clone()),
         _ => None,
     };
-    *last = Draft::new(Event::RunCompensating(RunCompensating {
+    *last = Draft::new(Decision::RunCompensating(RunCompensating {
         cause,
         failure,
         plan,
@@ -239,7 +239,7 @@ pub fn intercept(state: &RunState, mut drafts: Vec<Draft>) -> Vec<Draft> {
 pub fn next(state: &RunState) -> Next {
     let Some(k) = &state.compensation else {
         // Not what the fold makes (`compensating` comes only with its plan): end the run.
-        return Next::Commit(vec![Draft::new(Event::RunFailed(RunFailed {
+        return Next::Commit(vec![Draft::new(Decision::RunFailed(RunFailed {
             reason: FailureReason::Internal,
             message: "compensating without a plan".into(),
             effects: state.op_summaries(),
@@ -269,7 +269,7 @@ pub fn next(state: &RunState) -> Next {
         }
     }
     let end = match (k.cause, &k.failure) {
-        (StopCause::Cancel, _) => Event::RunCancelled(RunCancelled {
+        (StopCause::Cancel, _) => Decision::RunCancelled(RunCancelled {
             operations: state.op_summaries(),
         }),
         (StopCause::Failure, failure) => {
@@ -278,7 +278,7 @@ pub fn next(state: &RunState) -> Next {
                 message: "failed".into(),
                 effects: Vec::new(),
             });
-            Event::RunFailed(RunFailed {
+            Decision::RunFailed(RunFailed {
                 effects: state.op_summaries(),
                 ..f
             })
@@ -288,12 +288,17 @@ pub fn next(state: &RunState) -> Next {
 }
 
 /// The request of compensation `id` of operation `of` (dispatch number `redispatch`).
-fn request(state: &RunState, of: &OperationId, id: &OperationId, redispatch: u32) -> Option<Draft> {
+fn request(
+    state: &RunState,
+    of: &OperationId,
+    id: &OperationId,
+    redispatch: u32,
+) -> Option<Draft<Decision>> {
     let o = state.ops.get(of)?;
     let spec = o.reversibility.as_ref()?.compensate.as_ref()?;
     let arguments = resolve(&spec.arguments, o).ok()?;
     Some(
-        Draft::new(Event::ToolRequested(ToolRequested {
+        Draft::new(Decision::ToolRequested(ToolRequested {
             call_id: id.to_string(),
             tool: spec.tool.clone(),
             args_digest: Digest::of_json(&arguments),

@@ -40,7 +40,9 @@ pub mod task;
 pub mod tools;
 
 pub use decide::{ModelResponse, Next, StepPlan, complete_step, decide};
-pub use event::{Draft, Envelope, Event, EventKind, EventType};
+pub use event::{
+    Decision, DecisionEnvelope, Draft, Envelope, Event, EventKind, EventType, Input, InputEnvelope,
+};
 pub use fold::{ChatMessage, FoldError, RunState, fold};
 pub use ids::{Attempt, OperationId, RunId, StepNo};
 pub use machine::{RunStatus, TransitionError};

@@ -32,8 +32,8 @@ use serde_json::Value;
 
 use crate::decide::{Next, complete_step_gated, decide, finish_step};
 use crate::event::{
-    AttemptOutcome, Draft, Envelope, ErrorClass, Event, EventKind, FailureReason, RunFailed,
-    Timestamp,
+    AttemptOutcome, Decision, Draft, Envelope, ErrorClass, Event, EventKind, FailureReason,
+    RunFailed, Timestamp,
 };
 use crate::fold::{FoldError, Gates, RunState, fold};
 use crate::tools::Contract;
@@ -84,7 +84,7 @@ pub fn check(events: &[(u64, Envelope)], contract: &Contract) -> Result<Checked,
     // the journal in order, but may not yet have read the latest), so each is tried.
     let mut base = state.clone();
     let mut since: Vec<(u64, &Envelope)> = Vec::new();
-    let mut expected: VecDeque<Draft> = VecDeque::new();
+    let mut expected: VecDeque<Draft<Decision>> = VecDeque::new();
     let mut checked = Checked::default();
     let rest = &events[created + 1..];
     for (i, (seq, env)) in rest.iter().enumerate() {
@@ -155,7 +155,7 @@ fn group_decided(
     after: &[(u64, Envelope)],
     contract: &Contract,
     take: Gates,
-) -> Result<Vec<Draft>, Divergence> {
+) -> Result<Vec<Draft<Decision>>, Divergence> {
     let mut states = Vec::with_capacity(since.len() + 1);
     let mut state = base.clone();
     states.push(state.clone());
@@ -197,7 +197,7 @@ fn group_at(
     after: &[(u64, Envelope)],
     contract: &Contract,
     take: Gates,
-) -> Result<Vec<Draft>, Divergence> {
+) -> Result<Vec<Draft<Decision>>, Divergence> {
     // A step whose model call is out: its outcome is the model's (a fact), what follows from it
     // is the code's.
     if let Some(open) = &state.open_step
@@ -246,7 +246,7 @@ fn group_at(
             }
             Event::ModelAttempt(attempt) if next.attempt == Some(open.attempt) => {
                 let mut group = vec![
-                    Draft::new(next.event.clone())
+                    Draft::new(Decision::ModelAttempt(attempt.clone()))
                         .step(open.step)
                         .attempt(open.attempt),
                 ];
@@ -256,7 +256,7 @@ fn group_at(
                     ..
                 } = &attempt.outcome
                 {
-                    group.push(Draft::new(Event::RunFailed(RunFailed {
+                    group.push(Draft::new(Decision::RunFailed(RunFailed {
                         reason: FailureReason::ModelRejected,
                         message: message.clone(),
                         effects: Vec::new(),
@@ -300,7 +300,7 @@ fn recorded_wait(after: &[(u64, Envelope)]) -> Option<&crate::event::ProviderWai
 }
 
 /// Compares one decision the code makes with the recorded one.
-fn compare(seq: u64, want: Draft, found: &Envelope) -> Result<(), Divergence> {
+fn compare(seq: u64, want: Draft<Decision>, found: &Envelope) -> Result<(), Divergence> {
     let mut want = Envelope::new(found.run_id.clone(), found.at, want);
     // What a tool runner reported (an external fact the step asks for before committing).
     if let (Event::ApprovalRequested(w), Event::ApprovalRequested(f)) =

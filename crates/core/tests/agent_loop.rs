@@ -3,9 +3,9 @@
 
 use kedge_core::decide::{Idle, ModelResponse, Next, StepPlan, complete_step, decide};
 use kedge_core::event::{
-    AssistantMessage, Budget, CancelRequested, Digest, Draft, Envelope, Event, FailureReason,
-    FinishReason, ModelAttempt, Provider, QuestionAnswered, RunCreated, Timestamp, ToolCall,
-    ToolResult, ToolStarted, Usage, UserMessage,
+    AssistantMessage, Budget, CancelRequested, Decision, Digest, Draft, Envelope, Event,
+    FailureReason, FinishReason, ModelAttempt, Provider, QuestionAnswered, RunCreated, Timestamp,
+    ToolCall, ToolResult, ToolStarted, Usage, UserMessage,
 };
 use kedge_core::fold::{ChatMessage, RunState, fold};
 use kedge_core::ids::{OperationId, QuestionId, RunId, StepNo};
@@ -68,7 +68,7 @@ impl Sim {
         sim
     }
 
-    fn push(&mut self, draft: Draft) -> u64 {
+    fn push(&mut self, draft: Draft<impl Into<Event>>) -> u64 {
         // Other subjects of the stream (other runs) interleave: sequences have gaps.
         self.seq += 3;
         let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
@@ -77,7 +77,7 @@ impl Sim {
         self.seq
     }
 
-    fn commit(&mut self, drafts: Vec<Draft>) {
+    fn commit(&mut self, drafts: Vec<Draft<impl Into<Event>>>) {
         for d in drafts {
             self.push(d);
         }
@@ -560,7 +560,7 @@ fn attempts_are_capped_and_errors_are_not_reused() {
         Next::Commit(drafts) => {
             assert!(matches!(
                 &drafts[0].event,
-                Event::RunFailed(f) if f.reason == FailureReason::AttemptsExhausted
+                Decision::RunFailed(f) if f.reason == FailureReason::AttemptsExhausted
             ));
             sim.commit(drafts);
         }
@@ -580,7 +580,7 @@ fn max_steps_and_max_tokens_are_enforced() {
     sim.result(&op, "x");
     assert!(matches!(
         decide(&sim.state()),
-        Next::Commit(d) if matches!(&d[0].event, Event::RunFailed(f) if f.reason == FailureReason::MaxSteps)
+        Next::Commit(d) if matches!(&d[0].event, Decision::RunFailed(f) if f.reason == FailureReason::MaxSteps)
     ));
 
     let mut sim = Sim::new(Budget {
@@ -592,7 +592,7 @@ fn max_steps_and_max_tokens_are_enforced() {
     sim.result(&op, "x");
     assert!(matches!(
         decide(&sim.state()),
-        Next::Commit(d) if matches!(&d[0].event, Event::RunFailed(f) if f.reason == FailureReason::MaxTokens)
+        Next::Commit(d) if matches!(&d[0].event, Decision::RunFailed(f) if f.reason == FailureReason::MaxTokens)
     ));
 }
 
@@ -625,7 +625,7 @@ fn max_cost_is_enforced_like_tokens_at_the_frozen_price() {
     assert!(state.usage.cost.expect("priced") >= 0.05);
     assert!(matches!(
         decide(&state),
-        Next::Commit(d) if matches!(&d[0].event, Event::RunFailed(f)
+        Next::Commit(d) if matches!(&d[0].event, Decision::RunFailed(f)
             if f.reason == FailureReason::MaxCost && f.message.contains("EUR"))
     ));
 }
@@ -646,7 +646,7 @@ fn a_step_a_fallback_answered_is_priced_and_named_as_that_models_and_replays() {
     });
     let mut plan = sim.expect_step();
     for d in &mut plan.start {
-        if let Event::StepStarted(started) = &mut d.event {
+        if let Decision::StepStarted(started) = &mut d.event {
             started.model = Some(fallback.clone());
         }
     }
@@ -685,7 +685,7 @@ fn a_step_a_fallback_answered_is_priced_and_named_as_that_models_and_replays() {
     let next = sim.run_step(text("done"));
     assert!(next.start.iter().all(|d| !matches!(
         &d.event,
-        Event::StepStarted(s) if s.model.is_some()
+        Decision::StepStarted(s) if s.model.is_some()
     )));
     let done = sim.events.iter().rev().find_map(|(_, e)| match &e.event {
         Event::StepCompleted(c) => Some(c.clone()),
@@ -733,7 +733,7 @@ fn a_new_message_revives_a_succeeded_run_but_not_a_cancelled_one() {
         None,
     );
     let plan = sim.expect_step();
-    assert!(matches!(plan.start[0].event, Event::RunRevived(_)));
+    assert!(matches!(plan.start[0].event, Decision::RunRevived(_)));
     sim.run_step(text("second answer"));
     let state = sim.state();
     assert_eq!(state.turn, 2);
@@ -804,7 +804,7 @@ fn cancel_waits_for_running_operations_and_names_every_outcome() {
     let Next::Commit(d) = decide(&sim.state()) else {
         panic!("cancelled expected")
     };
-    let Event::RunCancelled(c) = &d[0].event else {
+    let Decision::RunCancelled(c) = &d[0].event else {
         panic!("cancelled expected")
     };
     let fates: Vec<_> = c.operations.iter().map(|o| o.fate).collect();
@@ -920,7 +920,7 @@ fn a_run_deadline_is_a_durable_timer_that_fails_the_run() {
     let Next::Commit(d) = decide(&sim.state()) else {
         panic!("the deadline fails the run")
     };
-    assert!(matches!(&d[0].event, Event::RunFailed(f) if f.reason == FailureReason::Deadline));
+    assert!(matches!(&d[0].event, Decision::RunFailed(f) if f.reason == FailureReason::Deadline));
     sim.commit(d);
     assert_eq!(sim.state().status, RunStatus::Failed);
 }
@@ -1029,11 +1029,11 @@ fn a_question_that_times_out_closes_and_the_model_is_told() {
 }
 
 /// Fills in the target version the step service observes before committing an approval request.
-fn observed(drafts: Vec<Draft>, version: &str) -> Vec<Draft> {
+fn observed(drafts: Vec<Draft<Decision>>, version: &str) -> Vec<Draft<Decision>> {
     drafts
         .into_iter()
         .map(|mut d| {
-            if let Event::ApprovalRequested(r) = &mut d.event {
+            if let Decision::ApprovalRequested(r) = &mut d.event {
                 r.target_version = Some(version.into());
             }
             d
@@ -1060,7 +1060,7 @@ fn approve(sim: &mut Sim, version: u32) {
     );
 }
 
-fn commit_next(sim: &mut Sim) -> Vec<Draft> {
+fn commit_next(sim: &mut Sim) -> Vec<Draft<Decision>> {
     let Next::Commit(d) = decide(&sim.state()) else {
         panic!("a commit expected, got {:?}", decide(&sim.state()))
     };
@@ -1103,7 +1103,7 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
     assert_eq!(sim.state().status, RunStatus::WaitingApproval);
     approve(&mut sim, 1);
     let d = commit_next(&mut sim);
-    let Event::ToolRequested(req) = &d[0].event else {
+    let Decision::ToolRequested(req) = &d[0].event else {
         panic!("dispatch expected: {d:?}")
     };
     assert_eq!(req.expect_version.as_deref(), Some("v1"));
@@ -1148,7 +1148,7 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
     assert!(matches!(decide(&state), Next::Idle(_)));
     approve(&mut sim, 2);
     let d = commit_next(&mut sim);
-    let Event::ToolRequested(req) = &d[0].event else {
+    let Decision::ToolRequested(req) = &d[0].event else {
         panic!("dispatch expected: {d:?}")
     };
     assert_eq!(req.expect_version.as_deref(), Some("v2"));
@@ -1229,7 +1229,11 @@ fn calls(calls: &[(&str, &str, serde_json::Value)]) -> ModelResponse {
 }
 
 /// Completes the open step with `response` under `contract`; returns the group.
-fn complete_under(sim: &mut Sim, contract: &Contract, response: ModelResponse) -> Vec<Draft> {
+fn complete_under(
+    sim: &mut Sim,
+    contract: &Contract,
+    response: ModelResponse,
+) -> Vec<Draft<Decision>> {
     let mut plan = sim.expect_step();
     plan.answer_refused(contract);
     sim.commit(plan.start.clone());
@@ -1247,7 +1251,7 @@ fn complete_under(sim: &mut Sim, contract: &Contract, response: ModelResponse) -
     drafts
 }
 
-fn types(drafts: &[Draft]) -> Vec<&'static str> {
+fn types(drafts: &[Draft<Decision>]) -> Vec<&'static str> {
     drafts
         .iter()
         .map(|d| d.event.event_type().as_str())
@@ -1283,7 +1287,7 @@ fn undeclared_tools_and_invalid_arguments_are_refused_and_never_dispatched() {
         "only the valid call is dispatched"
     );
     assert_eq!(sim.state().status, RunStatus::WaitingTool);
-    let Event::ToolRequested(req) = &group[2].event else {
+    let Decision::ToolRequested(req) = &group[2].event else {
         unreachable!()
     };
     assert_eq!(
@@ -1307,7 +1311,7 @@ fn undeclared_tools_and_invalid_arguments_are_refused_and_never_dispatched() {
     plan.answer_refused(&contract);
     assert_ne!(plan.context_digest, before);
     assert_eq!(plan.context_digest, Digest::of(&plan.context));
-    let Some(Event::StepStarted(started)) = plan.start.last().map(|d| &d.event) else {
+    let Some(Decision::StepStarted(started)) = plan.start.last().map(|d| &d.event) else {
         panic!("step.started last")
     };
     assert_eq!(
@@ -1447,7 +1451,7 @@ fn huge_durations_never_panic_they_saturate() {
         .start
         .iter()
         .find_map(|d| match &d.event {
-            Event::TimerScheduled(t) => Some(t.fire_at),
+            Decision::TimerScheduled(t) => Some(t.fire_at),
             _ => None,
         })
         .expect("deadline timer");
@@ -1494,7 +1498,7 @@ fn huge_durations_never_panic_they_saturate() {
     let expiry = drafts
         .iter()
         .find_map(|d| match &d.event {
-            Event::ApprovalRequested(a) => Some(a.expires_at),
+            Decision::ApprovalRequested(a) => Some(a.expires_at),
             _ => None,
         })
         .expect("approval requested");
@@ -1522,7 +1526,7 @@ fn structured(on_invalid: kedge_core::agent::OnInvalidOutput) -> Contract {
 
 /// The group that ends the run, and the same group recomputed the way a replay after a crash
 /// would (the writer died after `step.completed`; the next one finishes it).
-fn final_group(contract: &Contract, answer: &str) -> (Vec<Draft>, Sim) {
+fn final_group(contract: &Contract, answer: &str) -> (Vec<Draft<Decision>>, Sim) {
     let mut sim = Sim::new(Budget::default());
     let plan = sim.expect_step();
     sim.commit(plan.start.clone());
@@ -1557,7 +1561,7 @@ fn a_final_answer_is_validated_against_the_output_schema() {
     let (group, _) = final_group(&read_and_shell(), "plain words");
     assert!(matches!(
         &group.last().expect("event").event,
-        Event::RunSucceeded(s) if s.validation == OutputValidation::NotChecked
+        Decision::RunSucceeded(s) if s.validation == OutputValidation::NotChecked
     ));
     // Valid.
     for on_invalid in [OnInvalidOutput::Fail, OnInvalidOutput::Accept] {
@@ -1567,7 +1571,7 @@ fn a_final_answer_is_validated_against_the_output_schema() {
         );
         assert!(
             matches!(&group.last().expect("event").event,
-                Event::RunSucceeded(s) if s.validation == OutputValidation::Valid),
+                Decision::RunSucceeded(s) if s.validation == OutputValidation::Valid),
             "{group:?}"
         );
         assert_eq!(
@@ -1578,7 +1582,7 @@ fn a_final_answer_is_validated_against_the_output_schema() {
     // Invalid, fail: the run fails naming the JSON paths.
     let bad = r#"{"answer": 42, "sources": ["a", 7]}"#;
     let (group, sim) = final_group(&structured(OnInvalidOutput::Fail), bad);
-    let Event::RunFailed(f) = &group.last().expect("event").event else {
+    let Decision::RunFailed(f) = &group.last().expect("event").event else {
         panic!("run.failed expected: {group:?}")
     };
     assert_eq!(f.reason, FailureReason::InvalidOutput);
@@ -1587,7 +1591,7 @@ fn a_final_answer_is_validated_against_the_output_schema() {
     assert_eq!(sim.state().status, kedge_core::machine::RunStatus::Failed);
     // Invalid, accept: the run succeeds with the errors.
     let (group, sim) = final_group(&structured(OnInvalidOutput::Accept), bad);
-    let Event::RunSucceeded(s) = &group.last().expect("event").event else {
+    let Decision::RunSucceeded(s) = &group.last().expect("event").event else {
         panic!("run.succeeded expected: {group:?}")
     };
     let OutputValidation::Invalid { errors } = &s.validation else {
@@ -1604,7 +1608,7 @@ fn a_final_answer_is_validated_against_the_output_schema() {
     let (group, _) = final_group(&structured(OnInvalidOutput::Accept), "Sure! Here it is.");
     assert!(
         matches!(&group.last().expect("event").event,
-            Event::RunSucceeded(s) if matches!(&s.validation,
+            Decision::RunSucceeded(s) if matches!(&s.validation,
                 OutputValidation::Invalid { errors } if errors[0].contains("not JSON"))),
         "{group:?}"
     );
@@ -1683,7 +1687,7 @@ fn failed_attempts_are_not_results_and_the_model_reads_the_last_attempts_result(
     let request = drafts
         .iter()
         .find_map(|d| match &d.event {
-            Event::ToolRequested(t) => Some(t.clone()),
+            Decision::ToolRequested(t) => Some(t.clone()),
             _ => None,
         })
         .expect("dispatched");
@@ -1813,7 +1817,7 @@ fn an_approved_or_redispatched_operation_keeps_its_retry_policy() {
     let asked = drafts
         .iter()
         .find_map(|d| match &d.event {
-            Event::ApprovalRequested(a) => Some(a.clone()),
+            Decision::ApprovalRequested(a) => Some(a.clone()),
             _ => None,
         })
         .expect("held for approval");
@@ -1823,7 +1827,7 @@ fn an_approved_or_redispatched_operation_keeps_its_retry_policy() {
     let request = dispatched
         .iter()
         .find_map(|d| match &d.event {
-            Event::ToolRequested(t) => Some(t.clone()),
+            Decision::ToolRequested(t) => Some(t.clone()),
             _ => None,
         })
         .expect("dispatched once approved");
@@ -1841,7 +1845,7 @@ fn an_approved_or_redispatched_operation_keeps_its_retry_policy() {
     let request = again
         .iter()
         .find_map(|d| match &d.event {
-            Event::ToolRequested(t) => Some(t.clone()),
+            Decision::ToolRequested(t) => Some(t.clone()),
             _ => None,
         })
         .expect("re-dispatched");
@@ -1920,7 +1924,7 @@ fn a_run_cancelled_between_attempts_is_cancelled_at_once_listing_the_operation_f
     for _ in 0..3 {
         let drafts = commit_next(&mut sim);
         if let Some(c) = drafts.iter().find_map(|d| match &d.event {
-            Event::RunCancelled(c) => Some(c.clone()),
+            Decision::RunCancelled(c) => Some(c.clone()),
             _ => None,
         }) {
             cancelled = Some(c);
@@ -1948,9 +1952,9 @@ fn retrying(max: u32) -> Contract {
     structured(kedge_core::agent::OnInvalidOutput::Retry).with_output_retries(max)
 }
 
-fn rejected(group: &[Draft]) -> &kedge_core::event::OutputRejected {
+fn rejected(group: &[Draft<Decision>]) -> &kedge_core::event::OutputRejected {
     match &group.last().expect("a group").event {
-        Event::OutputRejected(r) => r,
+        Decision::OutputRejected(r) => r,
         other => panic!("output.rejected expected, got {other:?}"),
     }
 }
@@ -2004,7 +2008,7 @@ fn an_invalid_answer_is_sent_back_with_its_errors_and_a_valid_one_then_succeeds(
     let group = complete_under(&mut sim, &contract, text(GOOD));
     assert!(
         matches!(&group.last().expect("event").event,
-            Event::RunSucceeded(s) if s.validation == OutputValidation::Valid && s.output == GOOD),
+            Decision::RunSucceeded(s) if s.validation == OutputValidation::Valid && s.output == GOOD),
         "{group:?}"
     );
     let state = sim.state();
@@ -2027,7 +2031,7 @@ fn retries_run_out_and_the_run_fails_as_fail_would() {
         }
         // One more invalid answer than retries: failed, `invalid_output`, errors named.
         let group = complete_under(&mut sim, &contract, text("not JSON, sorry"));
-        let Event::RunFailed(f) = &group.last().expect("event").event else {
+        let Decision::RunFailed(f) = &group.last().expect("event").event else {
             panic!("run.failed expected: {group:?}")
         };
         assert_eq!(f.reason, FailureReason::InvalidOutput);
@@ -2104,7 +2108,7 @@ fn the_retry_count_is_per_turn_and_a_revived_run_starts_again() {
     );
     // Turn 2: the one retry is available again.
     let plan = sim.expect_step();
-    assert!(matches!(plan.start[0].event, Event::RunRevived(_)));
+    assert!(matches!(plan.start[0].event, Decision::RunRevived(_)));
     sim.commit(plan.start.clone());
     assert_eq!(sim.state().output_rejections, 0);
     let group = complete_step(
@@ -2240,7 +2244,7 @@ fn a_run_that_failed_on_a_model_error_is_revived_into_a_new_step() {
         let mut sim = Sim::new(budget);
         let first = sim.expect_step();
         sim.commit(first.start.clone());
-        let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
+        let attempt = Draft::new(Decision::ModelAttempt(ModelAttempt {
             request_id: first.request_id.clone(),
             outcome: outcome.clone(),
         }))
@@ -2255,11 +2259,13 @@ fn a_run_that_failed_on_a_model_error_is_revived_into_a_new_step() {
             }
         ) {
             // What the step service commits for a refused call.
-            drafts.push(Draft::new(Event::RunFailed(kedge_core::event::RunFailed {
-                reason: FailureReason::ModelRejected,
-                message: "400 invalid request".into(),
-                effects: Vec::new(),
-            })));
+            drafts.push(Draft::new(Decision::RunFailed(
+                kedge_core::event::RunFailed {
+                    reason: FailureReason::ModelRejected,
+                    message: "400 invalid request".into(),
+                    effects: Vec::new(),
+                },
+            )));
         } else {
             // The attempts are used up: decide ends the run.
             sim.commit(drafts);
@@ -2279,7 +2285,7 @@ fn a_run_that_failed_on_a_model_error_is_revived_into_a_new_step() {
             None,
         );
         let plan = sim.expect_step();
-        assert!(matches!(plan.start[0].event, Event::RunRevived(_)));
+        assert!(matches!(plan.start[0].event, Decision::RunRevived(_)));
         assert_eq!(plan.step, StepNo(2));
         assert_eq!(plan.attempt.get(), 1);
         sim.run_step(text("done this time"));
@@ -2383,7 +2389,7 @@ fn provider_trouble_spends_no_attempt_and_the_run_waits_until_the_fleet_releases
             assert!(
                 !drafts
                     .iter()
-                    .any(|d| matches!(d.event, Event::TimerScheduled(_))),
+                    .any(|d| matches!(d.event, Decision::TimerScheduled(_))),
                 "one bound per step"
             );
             sim.commit(drafts);
@@ -2472,7 +2478,7 @@ fn only_attempts_that_were_not_provider_trouble_count_against_the_cap() {
     match decide(&sim.state()) {
         Next::Commit(drafts) => assert!(matches!(
             &drafts[0].event,
-            Event::RunFailed(f) if f.reason == FailureReason::AttemptsExhausted
+            Decision::RunFailed(f) if f.reason == FailureReason::AttemptsExhausted
         )),
         other => panic!("expected the run to fail, got {other:?}"),
     }
@@ -2750,8 +2756,10 @@ fn a_message_to_a_run_whose_budget_is_spent_fails_it_once() {
     let Next::Commit(drafts) = decide(&sim.state()) else {
         panic!("the run is revived and fails")
     };
-    assert!(matches!(drafts[0].event, Event::RunRevived(_)));
-    assert!(matches!(&drafts[1].event, Event::RunFailed(f) if f.reason == FailureReason::MaxSteps));
+    assert!(matches!(drafts[0].event, Decision::RunRevived(_)));
+    assert!(
+        matches!(&drafts[1].event, Decision::RunFailed(f) if f.reason == FailureReason::MaxSteps)
+    );
     sim.commit(drafts);
     assert!(matches!(decide(&sim.state()), Next::Idle(Idle::Terminal)));
     // A later message revives it again, and it fails again, once.

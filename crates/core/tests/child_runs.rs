@@ -6,9 +6,9 @@ use kedge_core::agent::AgentDefinition;
 use kedge_core::child::{self, MAX_DEPTH, Plan, RUN_AGENT_TOOL};
 use kedge_core::decide::{Idle, ModelResponse, Next, complete_step, decide, finish_step};
 use kedge_core::event::{
-    AssistantMessage, Budget, CancelRequested, Draft, Envelope, Event, FailureReason, FinishReason,
-    OpFate, OutputValidation, ParentLink, RunCreated, RunFailed, RunSucceeded, Timestamp, ToolCall,
-    ToolResult, Usage,
+    AssistantMessage, Budget, CancelRequested, Decision, Draft, Envelope, Event, FailureReason,
+    FinishReason, OpFate, OutputValidation, ParentLink, RunCreated, RunFailed, RunSucceeded,
+    Timestamp, ToolCall, ToolResult, Usage,
 };
 use kedge_core::fold::{ChatMessage, FoldError, RunState, fold};
 use kedge_core::ids::{AgentName, OperationId, RunId, StepNo};
@@ -47,7 +47,7 @@ impl Sim {
         sim
     }
 
-    fn push(&mut self, draft: Draft) -> u64 {
+    fn push(&mut self, draft: Draft<impl Into<Event>>) -> u64 {
         self.seq += 2;
         let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
         self.events.push((self.seq, env));
@@ -62,7 +62,7 @@ impl Sim {
         self.try_state().expect("journal folds")
     }
 
-    fn commit(&mut self, drafts: Vec<Draft>) {
+    fn commit(&mut self, drafts: Vec<Draft<impl Into<Event>>>) {
         for d in drafts {
             self.push(d);
         }
@@ -70,7 +70,7 @@ impl Sim {
     }
 
     /// Runs the next step, answered with `response`; returns the step's decision group.
-    fn step(&mut self, response: ModelResponse, contract: &Contract) -> Vec<Draft> {
+    fn step(&mut self, response: ModelResponse, contract: &Contract) -> Vec<Draft<Decision>> {
         let Next::Step(plan) = decide(&self.state()) else {
             panic!("a step expected, got {:?}", decide(&self.state()))
         };
@@ -145,7 +145,7 @@ fn contract_of(agent: &str, agents: &[&str]) -> std::sync::Arc<Contract> {
     Contract::of(&definition(agent, agents))
 }
 
-fn types(drafts: &[Draft]) -> Vec<&'static str> {
+fn types(drafts: &[Draft<Decision>]) -> Vec<&'static str> {
     drafts
         .iter()
         .map(|d| d.event.event_type().as_str())
@@ -173,7 +173,7 @@ fn a_run_agent_call_links_the_derived_child_and_its_result_is_the_tool_result() 
     assert_eq!(sim.state().status, RunStatus::WaitingTool);
     let op = op1(&sim);
     let child = RunId::for_child(&op);
-    let Event::ChildStarted(started) = &group[3].event else {
+    let Decision::ChildStarted(started) = &group[3].event else {
         unreachable!()
     };
     assert_eq!(
@@ -270,7 +270,7 @@ fn a_link_to_another_run_or_a_non_run_agent_operation_does_not_fold() {
     sim.step(call_agent("navigator", "chart"), &contract);
     let op = op1(&sim);
     let forged = |child: RunId, op: OperationId| {
-        Draft::new(Event::ChildStarted(kedge_core::event::ChildStarted {
+        Draft::new(Decision::ChildStarted(kedge_core::event::ChildStarted {
             child,
             agent: name("navigator"),
         }))
@@ -433,7 +433,7 @@ fn a_cancel_waits_for_the_children_and_lists_them_stopped() {
     let Next::Commit(d) = decide(&sim.state()) else {
         panic!("cancelled")
     };
-    let Event::RunCancelled(c) = &d[0].event else {
+    let Decision::RunCancelled(c) = &d[0].event else {
         panic!("cancelled expected: {d:?}")
     };
     assert_eq!(c.operations.len(), 1);
@@ -629,7 +629,7 @@ fn ended(status: &str) -> RunState {
             );
             if status == "invalid" {
                 *drafts.last_mut().expect("terminal") =
-                    Draft::new(Event::RunSucceeded(RunSucceeded {
+                    Draft::new(Decision::RunSucceeded(RunSucceeded {
                         output: "{\"tide\": 12}".into(),
                         validation: OutputValidation::Invalid {
                             errors: vec!["at /tide: 12 is not of type \"string\"".into()],

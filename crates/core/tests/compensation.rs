@@ -8,9 +8,9 @@ use std::sync::Arc;
 use kedge_core::agent::AgentDefinition;
 use kedge_core::decide::{Idle, ModelResponse, Next, complete_step, decide};
 use kedge_core::event::{
-    AssistantMessage, Budget, CancelRequested, CompensationStatus, Digest, Draft, Envelope, Event,
-    FailureReason, FinishReason, Level, OpFate, OpSummary, OutcomeAmbiguous, RunCreated, StopCause,
-    Timestamp, ToolCall, ToolRequested, ToolResult, Usage,
+    AssistantMessage, Budget, CancelRequested, CompensationStatus, Decision, Digest, Draft,
+    Envelope, Event, FailureReason, FinishReason, Level, OpFate, OpSummary, OutcomeAmbiguous,
+    RunCreated, StopCause, Timestamp, ToolCall, ToolRequested, ToolResult, Usage,
 };
 use kedge_core::fold::{RunState, fold};
 use kedge_core::ids::{OperationId, RunId, StepNo};
@@ -73,7 +73,7 @@ impl Sim {
         sim
     }
 
-    fn push(&mut self, draft: Draft) -> u64 {
+    fn push(&mut self, draft: Draft<impl Into<Event>>) -> u64 {
         self.seq += 2;
         let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
         self.events.push((self.seq, env));
@@ -84,7 +84,7 @@ impl Sim {
         fold(self.events.iter().map(|(s, e)| (*s, e))).expect("journal folds")
     }
 
-    fn commit(&mut self, drafts: Vec<Draft>) {
+    fn commit(&mut self, drafts: Vec<Draft<impl Into<Event>>>) {
         for d in drafts {
             self.push(d);
         }
@@ -92,7 +92,7 @@ impl Sim {
     }
 
     /// Commits what `decide` says (a commit expected).
-    fn decide_commit(&mut self) -> Vec<Draft> {
+    fn decide_commit(&mut self) -> Vec<Draft<Decision>> {
         match decide(&self.state()) {
             Next::Commit(drafts) => {
                 self.commit(drafts.clone());
@@ -188,10 +188,10 @@ impl Sim {
 }
 
 /// The request of a compensation, from a committed group.
-fn requested(drafts: &[Draft]) -> (OperationId, ToolRequested) {
+fn requested(drafts: &[Draft<Decision>]) -> (OperationId, ToolRequested) {
     match drafts {
         [d] => match &d.event {
-            Event::ToolRequested(r) => (d.op.clone().expect("op"), r.clone()),
+            Decision::ToolRequested(r) => (d.op.clone().expect("op"), r.clone()),
             other => panic!("a compensation's request expected, got {other:?}"),
         },
         other => panic!("one decision expected, got {other:?}"),
@@ -213,10 +213,10 @@ fn a_cancel_compensates_newest_first_with_own_ids_and_lists_the_irreversible() {
     sim.cancel();
     let start = sim.decide_commit();
     assert!(
-        matches!(start[0].event, Event::RunCancelling(_)),
+        matches!(start[0].event, Decision::RunCancelling(_)),
         "{start:?}"
     );
-    let Event::RunCompensating(k) = &start[1].event else {
+    let Decision::RunCompensating(k) = &start[1].event else {
         panic!("compensating expected, got {start:?}");
     };
     assert_eq!(k.cause, StopCause::Cancel);
@@ -250,7 +250,7 @@ fn a_cancel_compensates_newest_first_with_own_ids_and_lists_the_irreversible() {
     sim.result(&c1, "refunded 5", false);
 
     let end = sim.decide_commit();
-    let Event::RunCancelled(done) = &end[0].event else {
+    let Decision::RunCancelled(done) = &end[0].event else {
         panic!("run.cancelled expected, got {end:?}");
     };
     let state = sim.state();
@@ -311,7 +311,7 @@ fn a_failure_compensates_and_ends_with_its_failure_listing_the_effects() {
     sim.result(&sim.op(2, 1), "text", false);
     // The third step is over budget: the run fails, through its compensation.
     let start = sim.decide_commit();
-    let Event::RunCompensating(k) = &start[0].event else {
+    let Decision::RunCompensating(k) = &start[0].event else {
         panic!("compensating expected, got {start:?}");
     };
     assert_eq!(k.cause, StopCause::Failure);
@@ -325,7 +325,7 @@ fn a_failure_compensates_and_ends_with_its_failure_listing_the_effects() {
     let (c1, _) = requested(&sim.decide_commit());
     sim.result(&c1, "refunded 5", false);
     let end = sim.decide_commit();
-    let Event::RunFailed(f) = &end[0].event else {
+    let Decision::RunFailed(f) = &end[0].event else {
         panic!("run.failed expected, got {end:?}");
     };
     assert_eq!(f.reason, FailureReason::MaxSteps);
@@ -368,7 +368,7 @@ fn a_compensation_that_fails_or_is_ambiguous_is_listed_and_the_next_one_runs() {
     let (c1, _) = requested(&sim.decide_commit());
     sim.result(&c1, "refunded 1", false);
     let end = sim.decide_commit();
-    let Event::RunCancelled(done) = &end[0].event else {
+    let Decision::RunCancelled(done) = &end[0].event else {
         panic!("run.cancelled expected, got {end:?}");
     };
     let status = |op: &OperationId| {
@@ -404,8 +404,8 @@ fn policy_none_ends_as_before_and_undeclared_agents_journal_what_they_always_did
     sim.shop();
     sim.cancel();
     let end = sim.decide_commit();
-    assert!(matches!(end[0].event, Event::RunCancelling(_)));
-    let Event::RunCancelled(done) = &end[1].event else {
+    assert!(matches!(end[0].event, Decision::RunCancelling(_)));
+    let Decision::RunCancelled(done) = &end[1].event else {
         panic!("run.cancelled at once expected, got {end:?}");
     };
     let pay = summary(&done.operations, &sim.op(1, 0));
@@ -426,7 +426,7 @@ fn policy_none_ends_as_before_and_undeclared_agents_journal_what_they_always_did
     }
     sim.cancel();
     let end = sim.decide_commit();
-    let Event::RunCancelled(done) = &end[1].event else {
+    let Decision::RunCancelled(done) = &end[1].event else {
         panic!("run.cancelled at once expected, got {end:?}");
     };
     let v = serde_json::to_value(done).expect("json");
@@ -619,7 +619,7 @@ fn a_revived_turn_compensates_its_own_effects_only() {
     sim.step(&[("read_file", json!({"path": "a"}))]);
     sim.result(&sim.op(3, 0), "text", false);
     let start = sim.decide_commit();
-    assert!(matches!(start[0].event, Event::RunCompensating(_)));
+    assert!(matches!(start[0].event, Decision::RunCompensating(_)));
     for _ in 0..2 {
         let (c, _) = requested(&sim.decide_commit());
         sim.result(&c, "refunded", false);

@@ -6,8 +6,8 @@
 
 use kedge_core::decide::{ModelResponse, Next, complete_step, complete_step_gated, decide};
 use kedge_core::event::{
-    AssistantMessage, Draft, Envelope, Event, EventType, FinishReason, Gate, RunGated, Timestamp,
-    ToolCall, ToolResult, Usage, WaitReason,
+    AssistantMessage, Decision, Draft, Envelope, Event, EventType, FinishReason, Gate, RunGated,
+    Timestamp, ToolCall, ToolResult, Usage, WaitReason,
 };
 use kedge_core::fold::{Gates, RunState, fold};
 use kedge_core::ids::{OperationId, RunId};
@@ -37,13 +37,13 @@ impl Journal {
         j
     }
 
-    fn push(&mut self, draft: Draft) {
+    fn push(&mut self, draft: Draft<impl Into<Event>>) {
         self.seq += 2;
         let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
         self.events.push((self.seq, env));
     }
 
-    fn commit(&mut self, drafts: Vec<Draft>) {
+    fn commit(&mut self, drafts: Vec<Draft<impl Into<Event>>>) {
         for d in drafts {
             self.push(d);
         }
@@ -61,7 +61,7 @@ impl Journal {
         response: ModelResponse,
         contract: &Contract,
         take: Option<Gates>,
-    ) -> Vec<Draft> {
+    ) -> Vec<Draft<Decision>> {
         let Next::Step(plan) = decide(&self.state()) else {
             panic!("expected a step, got {:?}", decide(&self.state()))
         };
@@ -118,7 +118,7 @@ impl Journal {
     }
 }
 
-fn types(drafts: &[Draft]) -> Vec<&'static str> {
+fn types(drafts: &[Draft<Decision>]) -> Vec<&'static str> {
     drafts
         .iter()
         .map(|d| d.event.event_type().as_str())
@@ -392,7 +392,7 @@ fn every_wait_reason_is_derived_as_run_waiting_named_it() {
     for (call_list, on) in cases {
         let mut old = Journal::new();
         let group = old.step(calls(&call_list), &contract, Some(Gates::NONE));
-        let Some(Event::RunWaiting(w)) = group.last().map(|d| &d.event) else {
+        let Some(Decision::RunWaiting(w)) = group.last().map(|d| &d.event) else {
             panic!("old branch ends with run.waiting: {:?}", types(&group))
         };
         assert_eq!(w.on, on, "{call_list:?}");

@@ -2,7 +2,7 @@
 //! dispatched, the request expired, or invalidated and asked again.
 
 use crate::event::{
-    ApprovalExpired, ApprovalInvalidated, ApprovalRequested, Digest, Draft, Event, TimerPurpose,
+    ApprovalExpired, ApprovalInvalidated, ApprovalRequested, Decision, Digest, Draft, TimerPurpose,
     TimerScheduled, Timestamp, ToolRequested, Verdict,
 };
 use crate::fold::{ApprovalState, ApprovalStatus, OpStatus, RunState, ToolOp};
@@ -27,10 +27,10 @@ pub(super) fn approval_request(
     held: Held,
     version: u32,
     expires_at: Timestamp,
-) -> [Draft; 2] {
+) -> [Draft<Decision>; 2] {
     let approval_id = ApprovalId::for_operation(op, version);
     [
-        Draft::new(Event::ApprovalRequested(ApprovalRequested {
+        Draft::new(Decision::ApprovalRequested(ApprovalRequested {
             approval_id: approval_id.clone(),
             tool: call.name.clone(),
             call_id: call.call_id.clone(),
@@ -51,7 +51,7 @@ pub(super) fn approval_request(
         }))
         .step(op.step())
         .op(op.clone()),
-        Draft::new(Event::TimerScheduled(TimerScheduled {
+        Draft::new(Decision::TimerScheduled(TimerScheduled {
             timer_id: TimerId::for_approval(&approval_id),
             fire_at: expires_at,
             purpose: TimerPurpose::ApprovalExpiry { approval_id },
@@ -63,7 +63,7 @@ pub(super) fn approval_request(
 
 /// A fresh request (next plan version) after `a` was invalidated at `from`: same policy, same
 /// validity period, the operation's current arguments.
-fn ask_again(a: &ApprovalState, tool: &ToolOp, from: Timestamp) -> [Draft; 2] {
+fn ask_again(a: &ApprovalState, tool: &ToolOp, from: Timestamp) -> [Draft<Decision>; 2] {
     let ttl = a.request.expires_at.0 - a.requested_at.0;
     approval_request(
         &tool.op,
@@ -86,7 +86,7 @@ fn ask_again(a: &ApprovalState, tool: &ToolOp, from: Timestamp) -> [Draft; 2] {
 /// What the approvals of the run call for: dispatch what was validly approved, expire what ran
 /// out of time, invalidate (and ask again) what was approved for other arguments than these.
 /// Empty when there is nothing to do.
-pub(super) fn act_on_approvals(state: &RunState) -> Vec<Draft> {
+pub(super) fn act_on_approvals(state: &RunState) -> Vec<Draft<Decision>> {
     let mut drafts = Vec::new();
     for (id, a) in &state.approvals {
         let Some(op) = &a.op else { continue };
@@ -104,7 +104,7 @@ pub(super) fn act_on_approvals(state: &RunState) -> Vec<Draft> {
 
 /// What approval `id` (`a`) of operation `op` (`tool`), still held back, calls for.
 fn act_on_approval(
-    drafts: &mut Vec<Draft>,
+    drafts: &mut Vec<Draft<Decision>>,
     state: &RunState,
     id: &ApprovalId,
     a: &ApprovalState,
@@ -112,7 +112,7 @@ fn act_on_approval(
     tool: &ToolOp,
 ) {
     let expire = || {
-        Draft::new(Event::ApprovalExpired(ApprovalExpired {
+        Draft::new(Decision::ApprovalExpired(ApprovalExpired {
             approval_id: id.clone(),
         }))
         .step(op.step())
@@ -138,7 +138,7 @@ fn act_on_approval(
                 // The runner found the target changed since it was shown: what was approved
                 // is not what would be changed. Ask again, showing where it is now.
                 drafts.push(
-                    Draft::new(Event::ApprovalInvalidated(ApprovalInvalidated {
+                    Draft::new(Decision::ApprovalInvalidated(ApprovalInvalidated {
                         approval_id: id.clone(),
                         reason: format!(
                             "the target moved since it was shown: approved at version {}, now {}",
@@ -154,7 +154,7 @@ fn act_on_approval(
             } else if *args_digest != tool.args_digest {
                 // The approver saw other arguments than the ones that would run.
                 drafts.push(
-                    Draft::new(Event::ApprovalInvalidated(ApprovalInvalidated {
+                    Draft::new(Decision::ApprovalInvalidated(ApprovalInvalidated {
                         approval_id: id.clone(),
                         reason: format!(
                             "approved arguments {args_digest} differ from the operation's {}",
@@ -167,7 +167,7 @@ fn act_on_approval(
                 drafts.extend(ask_again(a, tool, *at));
             } else {
                 drafts.push(
-                    Draft::new(Event::ToolRequested(ToolRequested {
+                    Draft::new(Decision::ToolRequested(ToolRequested {
                         call_id: tool.call.call_id.clone(),
                         tool: tool.call.name.clone(),
                         arguments: tool.call.arguments.clone(),
@@ -200,7 +200,7 @@ fn act_on_approval(
 
 /// An invalidation whose fresh request was cut short (the writer died between the appends)
 /// leaves an operation held with no request open: ask again.
-fn ask_again_where_cut_short(drafts: &mut Vec<Draft>, state: &RunState) {
+fn ask_again_where_cut_short(drafts: &mut Vec<Draft<Decision>>, state: &RunState) {
     for tool in state.ops.values() {
         if tool.status != OpStatus::AwaitingApproval || tool.result.is_some() {
             continue;

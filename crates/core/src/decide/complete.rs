@@ -3,7 +3,7 @@
 
 use crate::agent::{DEFAULT_APPROVAL_TTL_SECS, OnInvalidOutput};
 use crate::event::{
-    CallbackExpected, ChildStarted, Digest, Draft, Event, FailureReason, Gate, OutputRejected,
+    CallbackExpected, ChildStarted, Decision, Digest, Draft, FailureReason, Gate, OutputRejected,
     OutputValidation, QuestionAsked, RunCancelling, RunFailed, RunGated, RunSucceeded, RunWaiting,
     StepCompleted, TimerPurpose, TimerScheduled, Timestamp, ToolCall, ToolRequested, WaitReason,
 };
@@ -43,7 +43,7 @@ pub fn finish_step(
     c: &crate::fold::Completing,
     now: Timestamp,
     contract: &Contract,
-) -> Vec<Draft> {
+) -> Vec<Draft<Decision>> {
     let mut as_written = state.clone();
     as_written.cancel_requested = None;
     let mut take = state.gates.minus(c.gates);
@@ -85,7 +85,7 @@ pub fn complete_step(
     reused: bool,
     now: Timestamp,
     contract: &Contract,
-) -> Vec<Draft> {
+) -> Vec<Draft<Decision>> {
     complete_step_gated(
         state,
         step,
@@ -124,7 +124,7 @@ pub fn complete_step_gated(
     now: Timestamp,
     contract: &Contract,
     take: Gates,
-) -> Vec<Draft> {
+) -> Vec<Draft<Decision>> {
     // What the step cost, at the frozen price of the model that answered (the run's, or the
     // fallback its attempt's `step.started` names), recomputed from the tokens, so a step
     // finished by another worker records the same.
@@ -137,7 +137,7 @@ pub fn complete_step_gated(
     let model = fallback.map(|m| m.name.clone());
     if let Some(reason) = &state.cancel_requested {
         // The answer is recorded (it was paid for) but nothing it asks for is dispatched.
-        let completed = Draft::new(Event::StepCompleted(StepCompleted {
+        let completed = Draft::new(Decision::StepCompleted(StepCompleted {
             request_id,
             message: response.message,
             usage: response.usage,
@@ -168,7 +168,7 @@ pub fn complete_step_gated(
     // context answers them.
     let has_tools = !tool_drafts.is_empty() || refused_any;
     let output = response.message.text.clone();
-    let on = crate::fold::group_waits_on(tool_drafts.iter().map(|d| &d.event));
+    let on = crate::fold::group_waits_on(tool_drafts.iter().map(|d| d.event.borrowed()));
     // Gate `wait_from_step_group`: a group that waits on its tools alone settles the status by
     // itself (no `run.waiting`). One that waits on a person, a timer or a callback keeps its
     // `run.waiting`: the last event of such a run tells the reconciler it is settled without a
@@ -177,12 +177,12 @@ pub fn complete_step_gated(
     let settles_itself =
         has_tools && on == WaitReason::Tool && (state.gates.contains(gate) || take.contains(gate));
     let marker = (settles_itself && !state.gates.contains(gate))
-        .then(|| Draft::new(Event::RunGated(RunGated { gate })).step(step));
+        .then(|| Draft::new(Decision::RunGated(RunGated { gate })).step(step));
     let follows = settles_itself.then(|| {
         u32::try_from(tool_drafts.len() + usize::from(marker.is_some())).unwrap_or(u32::MAX)
     });
     drafts.push(
-        Draft::new(Event::StepCompleted(StepCompleted {
+        Draft::new(Decision::StepCompleted(StepCompleted {
             request_id,
             message: response.message,
             usage: response.usage,
@@ -199,17 +199,21 @@ pub fn complete_step_gated(
     if !has_tools {
         drafts.push(Draft::new(final_answer(state, contract, output)).step(step));
     } else if follows.is_none() {
-        drafts.push(Draft::new(Event::RunWaiting(RunWaiting { on })).step(step));
+        drafts.push(Draft::new(Decision::RunWaiting(RunWaiting { on })).step(step));
     }
     crate::compensation::intercept(state, drafts)
 }
 
 /// A step answered while a cancel was requested: its `step.completed`, then `run.cancelling`,
 /// and `run.cancelled` when no operation is running.
-fn cancel_after_answer(state: &RunState, completed: Draft, reason: &str) -> Vec<Draft> {
+fn cancel_after_answer(
+    state: &RunState,
+    completed: Draft<Decision>,
+    reason: &str,
+) -> Vec<Draft<Decision>> {
     let mut drafts = vec![
         completed,
-        Draft::new(Event::RunCancelling(RunCancelling {
+        Draft::new(Decision::RunCancelling(RunCancelling {
             reason: reason.to_owned(),
         })),
     ];
@@ -229,7 +233,7 @@ fn call_drafts(
     call: &ToolCall,
     now: Timestamp,
     contract: &Contract,
-) -> Vec<Draft> {
+) -> Vec<Draft<Decision>> {
     let tool_policy = contract.policy(&call.name);
     if let Some(basis) = tool_policy.approval_basis(&call.name)
         && !crate::fold::handled_by_step(&call.name)
@@ -259,7 +263,7 @@ fn call_drafts(
         .into();
     }
     let mut drafts = vec![
-        Draft::new(Event::ToolRequested(ToolRequested {
+        Draft::new(Decision::ToolRequested(ToolRequested {
             call_id: call.call_id.clone(),
             tool: call.name.clone(),
             arguments: call.arguments.clone(),
@@ -290,7 +294,7 @@ fn handled_tool_drafts(
     op: OperationId,
     call: &ToolCall,
     now: Timestamp,
-) -> Vec<Draft> {
+) -> Vec<Draft<Decision>> {
     let mut tool_drafts = Vec::new();
     if call.name == ASK_USER_TOOL {
         let prompt = call
@@ -301,7 +305,7 @@ fn handled_tool_drafts(
             .unwrap_or_else(|| call.arguments.to_string());
         let question_id = QuestionId::for_operation(&op);
         tool_drafts.push(
-            Draft::new(Event::QuestionAsked(QuestionAsked {
+            Draft::new(Decision::QuestionAsked(QuestionAsked {
                 question_id: question_id.clone(),
                 prompt,
             }))
@@ -311,7 +315,7 @@ fn handled_tool_drafts(
         // `timeout_seconds`: the question closes unanswered then (a durable timer).
         if call.arguments.get("timeout_seconds").is_some() {
             tool_drafts.push(
-                Draft::new(Event::TimerScheduled(TimerScheduled {
+                Draft::new(Decision::TimerScheduled(TimerScheduled {
                     timer_id: TimerId::for_operation(&op),
                     fire_at: now.saturating_add(seconds_arg(&call.arguments, "timeout_seconds", 0)),
                     purpose: TimerPurpose::QuestionTimeout { question_id },
@@ -326,7 +330,7 @@ fn handled_tool_drafts(
         if let crate::child::Plan::Start { child, agent, .. } = crate::child::plan(state, &op, call)
         {
             tool_drafts.push(
-                Draft::new(Event::ChildStarted(ChildStarted { child, agent }))
+                Draft::new(Decision::ChildStarted(ChildStarted { child, agent }))
                     .step(step)
                     .op(op),
             );
@@ -334,7 +338,7 @@ fn handled_tool_drafts(
     } else if call.name == WAIT_TOOL {
         let fire_at = now.saturating_add(seconds_arg(&call.arguments, "seconds", 0));
         tool_drafts.push(
-            Draft::new(Event::TimerScheduled(TimerScheduled {
+            Draft::new(Decision::TimerScheduled(TimerScheduled {
                 timer_id: TimerId::for_operation(&op),
                 fire_at,
                 purpose: TimerPurpose::Wait { op: op.clone() },
@@ -350,7 +354,7 @@ fn handled_tool_drafts(
             DEFAULT_CALLBACK_SECS,
         ));
         tool_drafts.push(
-            Draft::new(Event::CallbackExpected(CallbackExpected {
+            Draft::new(Decision::CallbackExpected(CallbackExpected {
                 key: key.clone(),
                 expires_at: Some(expires_at),
             }))
@@ -358,7 +362,7 @@ fn handled_tool_drafts(
             .op(op.clone()),
         );
         tool_drafts.push(
-            Draft::new(Event::TimerScheduled(TimerScheduled {
+            Draft::new(Decision::TimerScheduled(TimerScheduled {
                 timer_id: TimerId::for_operation(&op),
                 fire_at: expires_at,
                 purpose: TimerPurpose::CallbackExpiry { key },
@@ -375,22 +379,22 @@ fn handled_tool_drafts(
 /// `run.succeeded` (valid, not checked, or invalid under `accept`), `output.rejected` (invalid
 /// under `retry` with retries left in this turn: the run goes on), or `run.failed` with reason
 /// `invalid_output` (invalid under `fail`, or under `retry` once the retries are used up).
-pub fn final_answer(state: &RunState, contract: &Contract, output: String) -> Event {
+pub fn final_answer(state: &RunState, contract: &Contract, output: String) -> Decision {
     let errors = match contract.check_output(&output) {
         OutputValidation::Invalid { errors } => errors,
         validation @ (OutputValidation::Valid | OutputValidation::NotChecked) => {
-            return Event::RunSucceeded(RunSucceeded { output, validation });
+            return Decision::RunSucceeded(RunSucceeded { output, validation });
         }
     };
     let failed = |message: String| {
-        Event::RunFailed(RunFailed {
+        Decision::RunFailed(RunFailed {
             reason: FailureReason::InvalidOutput,
             message,
             effects: Vec::new(),
         })
     };
     match contract.on_invalid_output() {
-        OnInvalidOutput::Accept => Event::RunSucceeded(RunSucceeded {
+        OnInvalidOutput::Accept => Decision::RunSucceeded(RunSucceeded {
             output,
             validation: OutputValidation::Invalid { errors },
         }),
@@ -402,7 +406,7 @@ pub fn final_answer(state: &RunState, contract: &Contract, output: String) -> Ev
             let max = contract.output_retries();
             let used = state.output_rejections;
             if used < max {
-                Event::OutputRejected(OutputRejected {
+                Decision::OutputRejected(OutputRejected {
                     errors,
                     retry: used.saturating_add(1),
                     max_retries: max,

@@ -29,7 +29,7 @@ pub use complete::{
 pub use provider::{MODEL_BACKOFF, TroubleMet, model_retry_delay, wait_on_provider};
 
 use crate::event::{
-    AssistantMessage, Digest, Draft, Event, FailureReason, FinishReason, RunStarted, Usage,
+    AssistantMessage, Decision, Digest, Draft, FailureReason, FinishReason, RunStarted, Usage,
 };
 use crate::fold::{ChatMessage, OpStatus, RunState};
 use crate::ids::{Attempt, ModelRequestId, StepNo};
@@ -74,7 +74,7 @@ pub struct StepPlan {
     pub context: Vec<ChatMessage>,
     pub context_digest: Digest,
     /// Decisions to journal (as one group) before calling the model.
-    pub start: Vec<Draft>,
+    pub start: Vec<Draft<Decision>>,
     /// The fleet released this attempt from a wait on the provider (`Some(probe)`): it may
     /// call an endpoint whose breaker holds the runs that were not released.
     pub released: Option<bool>,
@@ -137,7 +137,7 @@ impl StepPlan {
         self.context = out;
         self.context_digest = Digest::of(&self.context);
         for draft in &mut self.start {
-            if let Event::StepStarted(started) = &mut draft.event {
+            if let Decision::StepStarted(started) = &mut draft.event {
                 started.context_digest = self.context_digest.clone();
             }
         }
@@ -149,7 +149,7 @@ impl StepPlan {
 pub enum Next {
     Idle(Idle),
     /// Journal these decisions (one group), then decide again.
-    Commit(Vec<Draft>),
+    Commit(Vec<Draft<Decision>>),
     /// Journal `plan.start`, call the model, then journal [`complete_step`].
     Step(Box<StepPlan>),
     /// A step's decision group was cut short (its writer died between appends): journal the
@@ -209,7 +209,7 @@ fn decide_base(state: &RunState) -> Next {
         RunStatus::Queued => new_step(
             state,
             budget,
-            vec![Draft::new(Event::RunStarted(RunStarted {}))],
+            vec![Draft::new(Decision::RunStarted(RunStarted {}))],
         ),
         RunStatus::WaitingProvider => status::after_provider_wait(state, budget),
         RunStatus::Running => status::running(state, budget),

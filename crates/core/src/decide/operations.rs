@@ -1,7 +1,7 @@
 //! The operations a decision waits on or acts on: ambiguous ones (a person decides), ones
 //! found not to have happened (dispatched again), running ones (a cancel waits for them).
 
-use crate::event::{Draft, Event, RunUnknown, ToolRequested};
+use crate::event::{Decision, Draft, RunUnknown, ToolRequested};
 use crate::fold::{OpStatus, RunState};
 
 use super::Next;
@@ -15,7 +15,7 @@ pub(super) fn has_ambiguous(state: &RunState) -> bool {
 }
 
 pub(super) fn unknown(state: &RunState) -> Next {
-    Next::Commit(vec![Draft::new(Event::RunUnknown(RunUnknown {
+    Next::Commit(vec![Draft::new(Decision::RunUnknown(RunUnknown {
         reason: ambiguous_reason(state),
     }))])
 }
@@ -41,13 +41,13 @@ fn ambiguous_reason(state: &RunState) -> String {
 
 /// `tool.requested` again, same operation and arguments, for every operation found not to have
 /// happened.
-pub(super) fn redispatches(state: &RunState) -> Vec<Draft> {
+pub(super) fn redispatches(state: &RunState) -> Vec<Draft<Decision>> {
     state
         .ops
         .values()
         .filter(|o| o.status == OpStatus::ToRetry)
         .map(|o| {
-            Draft::new(Event::ToolRequested(ToolRequested {
+            Draft::new(Decision::ToolRequested(ToolRequested {
                 call_id: o.call.call_id.clone(),
                 tool: o.call.name.clone(),
                 arguments: o.call.arguments.clone(),

@@ -1,7 +1,7 @@
 //! Model calls and their provider: the backoff of retries, and the wait on a provider in
 //! trouble (docs/ARCHITECTURE.md "Provider trouble").
 
-use crate::event::{Draft, Event, TimerPurpose, TimerScheduled, Timestamp};
+use crate::event::{Decision, Draft, TimerPurpose, TimerScheduled, Timestamp};
 use crate::fold::RunState;
 use crate::ids::{ModelRequestId, TimerId};
 
@@ -55,10 +55,10 @@ pub fn wait_on_provider(
     met: TroubleMet,
     now: Timestamp,
     provider_wait: std::time::Duration,
-) -> Vec<Draft> {
+) -> Vec<Draft<Decision>> {
     let (step, attempt) = (request_id.step(), request_id.attempt());
     let mut drafts = vec![
-        Draft::new(Event::ModelAttempt(crate::event::ModelAttempt {
+        Draft::new(Decision::ModelAttempt(crate::event::ModelAttempt {
             request_id: request_id.clone(),
             outcome: met.outcome,
         }))
@@ -82,14 +82,14 @@ pub fn wait_on_provider(
     }
     let timer_id = TimerId::for_provider_wait(&state.run_id, step);
     if !state.timers.contains_key(&timer_id) {
-        drafts.push(Draft::new(Event::TimerScheduled(TimerScheduled {
+        drafts.push(Draft::new(Decision::TimerScheduled(TimerScheduled {
             timer_id,
             fire_at: give_up_at,
             purpose: TimerPurpose::ProviderWait { step },
         })));
     }
     drafts.push(
-        Draft::new(Event::ProviderWaiting(crate::event::ProviderWaiting {
+        Draft::new(Decision::ProviderWaiting(crate::event::ProviderWaiting {
             endpoint: met.endpoint,
             trouble: met.trouble,
             message: met.message,

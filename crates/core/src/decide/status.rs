@@ -2,7 +2,7 @@
 //! end a run.
 
 use crate::event::{
-    Budget, Draft, Event, FailureReason, RunCancelled, RunCancelling, RunFailed, RunResumed,
+    Budget, Decision, Draft, FailureReason, RunCancelled, RunCancelling, RunFailed, RunResumed,
     RunRevived, RunWaiting, TimerPurpose, WaitReason,
 };
 use crate::fold::{OpStatus, RunState};
@@ -19,7 +19,7 @@ pub(super) fn revive(state: &RunState, budget: &Budget) -> Next {
     if state.pending_messages.is_empty() {
         return Next::Idle(Idle::Terminal);
     }
-    let revive = Draft::new(Event::RunRevived(RunRevived {
+    let revive = Draft::new(Decision::RunRevived(RunRevived {
         turn: state.turn.saturating_add(1),
     }));
     new_step(state, budget, vec![revive])
@@ -34,10 +34,10 @@ pub(super) fn after_resolution(state: &RunState) -> Next {
     } else {
         // A person resolved every ambiguous operation: resume (and re-dispatch those
         // they chose to retry) in one group.
-        let mut drafts = vec![Draft::new(Event::RunResumed(RunResumed {}))];
+        let mut drafts = vec![Draft::new(Decision::RunResumed(RunResumed {}))];
         drafts.extend(redispatches(state));
         if drafts.len() > 1 {
-            drafts.push(Draft::new(Event::RunWaiting(RunWaiting {
+            drafts.push(Draft::new(Decision::RunWaiting(RunWaiting {
                 on: WaitReason::Tool,
             })));
         }
@@ -49,7 +49,9 @@ pub(super) fn after_resolution(state: &RunState) -> Next {
 /// operation is running or ambiguous.
 pub(super) fn start_cancel(state: &RunState) -> Next {
     let reason = state.cancel_requested.clone().unwrap_or_default();
-    let mut drafts = vec![Draft::new(Event::RunCancelling(RunCancelling { reason }))];
+    let mut drafts = vec![Draft::new(Decision::RunCancelling(RunCancelling {
+        reason,
+    }))];
     if running_ops(state) == 0 && !has_ambiguous(state) {
         drafts.push(cancelled(state));
     }
@@ -133,7 +135,7 @@ pub(super) fn running(state: &RunState, budget: &Budget) -> Next {
                 .count();
             if missing > 0 {
                 // Resumed with operations still out: wait for them.
-                Next::Commit(vec![Draft::new(Event::RunWaiting(RunWaiting {
+                Next::Commit(vec![Draft::new(Decision::RunWaiting(RunWaiting {
                     on: WaitReason::Tool,
                 }))])
             } else {
@@ -150,7 +152,12 @@ pub(super) fn waiting(state: &RunState, budget: &Budget) -> Next {
     if !acts.is_empty() {
         let settled: Vec<&OperationId> = acts
             .iter()
-            .filter(|d| matches!(d.event, Event::ToolRequested(_) | Event::ApprovalExpired(_)))
+            .filter(|d| {
+                matches!(
+                    d.event,
+                    Decision::ToolRequested(_) | Decision::ApprovalExpired(_)
+                )
+            })
             .filter_map(|d| d.op.as_ref())
             .collect();
         let still_held = state.ops.values().any(|o| {
@@ -159,13 +166,13 @@ pub(super) fn waiting(state: &RunState, budget: &Budget) -> Next {
                 && !settled.contains(&&o.op)
         });
         if !still_held && state.status == RunStatus::WaitingApproval {
-            acts.push(Draft::new(Event::RunWaiting(RunWaiting {
+            acts.push(Draft::new(Decision::RunWaiting(RunWaiting {
                 on: WaitReason::Tool,
             })));
         }
         // An operation back in a person's hands (its target moved before it ran).
         if still_held && state.status == RunStatus::WaitingTool {
-            acts.push(Draft::new(Event::RunWaiting(RunWaiting {
+            acts.push(Draft::new(Decision::RunWaiting(RunWaiting {
                 on: WaitReason::Approval,
             })));
         }
@@ -204,8 +211,8 @@ pub(super) fn deadline_passed(state: &RunState) -> bool {
         .any(|t| t.fired && t.purpose == TimerPurpose::RunDeadline)
 }
 
-pub(super) fn cancelled(state: &RunState) -> Draft {
-    Draft::new(Event::RunCancelled(RunCancelled {
+pub(super) fn cancelled(state: &RunState) -> Draft<Decision> {
+    Draft::new(Decision::RunCancelled(RunCancelled {
         operations: state.op_summaries(),
     }))
 }
@@ -219,7 +226,7 @@ pub(super) fn finish_cancel(state: &RunState) -> Next {
 }
 
 pub(super) fn fail(reason: FailureReason, message: String) -> Next {
-    Next::Commit(vec![Draft::new(Event::RunFailed(RunFailed {
+    Next::Commit(vec![Draft::new(Decision::RunFailed(RunFailed {
         reason,
         message,
         effects: Vec::new(),

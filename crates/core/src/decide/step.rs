@@ -1,7 +1,7 @@
 //! Starting a step: the budget's checks, the deadline timer, and the plan of the model call.
 
 use crate::event::{
-    Budget, Digest, Draft, Event, FailureReason, RunFailed, StepStarted, TimerPurpose,
+    Budget, Decision, Digest, Draft, FailureReason, RunFailed, StepStarted, TimerPurpose,
     TimerScheduled,
 };
 use crate::fold::RunState;
@@ -9,13 +9,17 @@ use crate::ids::{Attempt, ModelRequestId, StepNo, TimerId};
 
 use super::{Next, StepPlan};
 
-pub(super) fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>) -> Next {
+pub(super) fn new_step(
+    state: &RunState,
+    budget: &Budget,
+    mut prefix: Vec<Draft<Decision>>,
+) -> Next {
     // An exhausted budget fails the run after the prefix (`run.started`, `run.revived`): a
     // message to a finished run whose budget is spent revives it and then fails it with the
     // reason, a sequence the state machine allows (a bare `run.failed` from `succeeded` is not).
-    let fail_after = |prefix: Vec<Draft>, reason, message: String| {
+    let fail_after = |prefix: Vec<Draft<Decision>>, reason, message: String| {
         let mut drafts = prefix;
-        drafts.push(Draft::new(Event::RunFailed(RunFailed {
+        drafts.push(Draft::new(Decision::RunFailed(RunFailed {
             reason,
             message,
             effects: Vec::new(),
@@ -62,7 +66,7 @@ pub(super) fn new_step(state: &RunState, budget: &Budget, mut prefix: Vec<Draft>
         // The deadline counts from creation (for the whole run, revivals included); the timer
         // is durable like any other. Scheduled with the first step, or the next one if the
         // group that should have scheduled it was cut short.
-        prefix.push(Draft::new(Event::TimerScheduled(TimerScheduled {
+        prefix.push(Draft::new(Decision::TimerScheduled(TimerScheduled {
             timer_id: TimerId::for_deadline(&state.run_id),
             fire_at: state
                 .created_at
@@ -80,12 +84,12 @@ pub(super) fn plan(
     step: StepNo,
     attempt: Attempt,
     unfinished: Option<(ModelRequestId, Digest)>,
-    mut start: Vec<Draft>,
+    mut start: Vec<Draft<Decision>>,
 ) -> StepPlan {
     let request_id = ModelRequestId::new(&state.run_id, step, attempt);
     let (context, context_digest) = state.next_context_digested();
     start.push(
-        Draft::new(Event::StepStarted(StepStarted {
+        Draft::new(Decision::StepStarted(StepStarted {
             request_id: request_id.clone(),
             context_digest: context_digest.clone(),
             inputs_through: state.last_seq,

@@ -5,21 +5,22 @@ use std::borrow::Cow;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{Digest, Event, EventKind, EventType, Timestamp};
+use super::{Decision, Digest, Event, EventKind, EventType, Input, Timestamp};
 use crate::ids::{Attempt, OperationId, RunId, StepNo};
 
-/// An event before it is stamped with its run and time: what `decide` produces and the shells
-/// append.
+/// An event before it is stamped with its run and time: what `decide` produces (a
+/// `Draft<Decision>`) and the shells append. `E` is the event: a [`Decision`], an [`Input`], or
+/// either ([`Event`], the default, for readers and tests that build histories).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Draft {
-    pub event: Event,
+pub struct Draft<E = Event> {
+    pub event: E,
     pub step: Option<StepNo>,
     pub attempt: Option<Attempt>,
     pub op: Option<OperationId>,
 }
 
-impl Draft {
-    pub fn new(event: Event) -> Self {
+impl<E> Draft<E> {
+    pub fn new(event: E) -> Self {
         Self {
             event,
             step: None,
@@ -40,6 +41,79 @@ impl Draft {
         self
     }
 }
+
+impl<E: Into<Event>> Draft<E> {
+    /// The same draft, its event as an [`Event`] of either kind.
+    pub fn widen(self) -> Draft<Event> {
+        Draft {
+            event: self.event.into(),
+            step: self.step,
+            attempt: self.attempt,
+            op: self.op,
+        }
+    }
+}
+
+macro_rules! kinded_envelope {
+    ($(#[$doc:meta])* $name:ident, $kind:ident) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq)]
+        pub struct $name(Envelope);
+
+        impl $name {
+            /// Stamps a draft with its run and time (see [`Envelope::new`]).
+            pub fn new(run_id: RunId, at: Timestamp, draft: Draft<$kind>) -> Self {
+                Self(Envelope::new(run_id, at, draft))
+            }
+
+            pub fn envelope(&self) -> &Envelope {
+                &self.0
+            }
+
+            pub fn into_envelope(self) -> Envelope {
+                self.0
+            }
+        }
+
+        impl std::ops::Deref for $name {
+            type Target = Envelope;
+            fn deref(&self) -> &Envelope {
+                &self.0
+            }
+        }
+
+        impl From<$name> for Envelope {
+            fn from(e: $name) -> Envelope {
+                e.0
+            }
+        }
+
+        impl TryFrom<Envelope> for $name {
+            type Error = Envelope;
+            /// The envelope, if its event is of this kind; otherwise the envelope back.
+            fn try_from(e: Envelope) -> Result<Self, Envelope> {
+                if e.kind() == EventKind::$kind {
+                    Ok(Self(e))
+                } else {
+                    Err(e)
+                }
+            }
+        }
+    };
+}
+
+kinded_envelope!(
+    /// An envelope whose event is a decision: what the journal's decision appends take, so an
+    /// input cannot be appended on a decision path (the kind is in the type).
+    DecisionEnvelope,
+    Decision
+);
+
+kinded_envelope!(
+    /// An envelope whose event is an input: what the journal's input appends take.
+    InputEnvelope,
+    Input
+);
 
 /// The journal envelope: what one message on `agent.run.<run_id>.{d,i}.<type>` carries.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -73,7 +147,8 @@ pub enum EnvelopeError {
 
 impl Envelope {
     /// Stamps a draft with its run and time and computes the data digest.
-    pub fn new(run_id: RunId, at: Timestamp, draft: Draft) -> Self {
+    pub fn new(run_id: RunId, at: Timestamp, draft: Draft<impl Into<Event>>) -> Self {
+        let draft = draft.widen();
         let digest = Digest::of_json(&draft.event.data_json());
         Self {
             run_id,

@@ -43,7 +43,7 @@ pub use compensation::{
     Reversibility, RunCompensating, StopCause,
 };
 pub use digest::{Digest, DigestError, SeqDigest};
-pub use envelope::{Draft, Envelope, EnvelopeError};
+pub use envelope::{DecisionEnvelope, Draft, Envelope, EnvelopeError, InputEnvelope};
 pub use run::{
     Budget, CancelRequested, FailureReason, Gate, Nudge, OpFate, OpSummary, OutputRejected,
     OutputValidation, RunCancelled, RunCancelling, RunCreated, RunFailed, RunGated, RunResumed,
@@ -93,35 +93,68 @@ impl EventKind {
 pub struct UnknownEventType(pub String);
 
 macro_rules! events {
-    ($($kind:ident $variant:ident($data:ty) = $name:literal;)*) => {
+    (
+        decisions { $($dv:ident($dt:ty) = $dn:literal;)* }
+        inputs { $($iv:ident($it:ty) = $in:literal;)* }
+    ) => {
         /// A journal event: its type and data. Serialized as `{"type": …, "data": …}` inside the
         /// envelope.
         #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
         #[serde(tag = "type", content = "data")]
         pub enum Event {
-            $(#[serde(rename = $name)] $variant($data),)*
+            $(#[serde(rename = $dn)] $dv($dt),)*
+            $(#[serde(rename = $in)] $iv($it),)*
+        }
+
+        /// A decision: an event only the run's single writer appends
+        /// ([`crate::event::EventKind::Decision`]). Made into an [`Event`] by `From`.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum Decision {
+            $($dv($dt),)*
+        }
+
+        /// An input: an event anyone may append, deduplicated by its id
+        /// ([`crate::event::EventKind::Input`]). Made into an [`Event`] by `From`.
+        #[derive(Debug, Clone, PartialEq)]
+        pub enum Input {
+            $($iv($it),)*
+        }
+
+        /// A decision's data, borrowed from its [`Event`] ([`Event::by_kind`]).
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        pub enum DecisionRef<'a> {
+            $($dv(&'a $dt),)*
+        }
+
+        /// An input's data, borrowed from its [`Event`] ([`Event::by_kind`]).
+        #[derive(Debug, Clone, Copy, PartialEq)]
+        pub enum InputRef<'a> {
+            $($iv(&'a $it),)*
         }
 
         /// The type of an event, without its data.
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
         pub enum EventType {
-            $($variant,)*
+            $($dv,)*
+            $($iv,)*
         }
 
         impl EventType {
-            /// Every event type, in declaration order.
-            pub const ALL: &'static [EventType] = &[$(EventType::$variant,)*];
+            /// Every event type, in declaration order (the decisions, then the inputs).
+            pub const ALL: &'static [EventType] = &[$(EventType::$dv,)* $(EventType::$iv,)*];
 
             /// The wire name (`run.created`), also the last tokens of the event's subject.
             pub fn as_str(self) -> &'static str {
                 match self {
-                    $(EventType::$variant => $name,)*
+                    $(EventType::$dv => $dn,)*
+                    $(EventType::$iv => $in,)*
                 }
             }
 
             pub fn kind(self) -> EventKind {
                 match self {
-                    $(EventType::$variant => EventKind::$kind,)*
+                    $(EventType::$dv => EventKind::Decision,)*
+                    $(EventType::$iv => EventKind::Input,)*
                 }
             }
         }
@@ -130,7 +163,8 @@ macro_rules! events {
             type Err = UnknownEventType;
             fn from_str(s: &str) -> Result<Self, UnknownEventType> {
                 match s {
-                    $($name => Ok(EventType::$variant),)*
+                    $($dn => Ok(EventType::$dv),)*
+                    $($in => Ok(EventType::$iv),)*
                     other => Err(UnknownEventType(other.to_owned())),
                 }
             }
@@ -139,13 +173,26 @@ macro_rules! events {
         impl Event {
             pub fn event_type(&self) -> EventType {
                 match self {
-                    $(Event::$variant(_) => EventType::$variant,)*
+                    $(Event::$dv(_) => EventType::$dv,)*
+                    $(Event::$iv(_) => EventType::$iv,)*
+                }
+            }
+
+            /// The event's data as a decision's or an input's, borrowed: what a reader that
+            /// treats the two apart (the fold) matches on, each side exhaustively.
+            pub fn by_kind(&self) -> ByKind<'_> {
+                match self {
+                    $(Event::$dv(d) => ByKind::Decision(DecisionRef::$dv(d)),)*
+                    $(Event::$iv(d) => ByKind::Input(InputRef::$iv(d)),)*
                 }
             }
 
             /// JSON Schema of each event type's `data`, in declaration order.
             pub fn data_schemas() -> Vec<(EventType, Schema)> {
-                vec![$((EventType::$variant, schemars::schema_for!($data)),)*]
+                vec![
+                    $((EventType::$dv, schemars::schema_for!($dt)),)*
+                    $((EventType::$iv, schemars::schema_for!($it)),)*
+                ]
             }
 
             /// The event of `event_type` whose `data` is `data` (an envelope's two fields).
@@ -154,64 +201,134 @@ macro_rules! events {
                 data: &serde_json::value::RawValue,
             ) -> Result<Event, serde_json::Error> {
                 Ok(match event_type {
-                    $(EventType::$variant => Event::$variant(serde_json::from_str(data.get())?),)*
+                    $(EventType::$dv => Event::$dv(serde_json::from_str(data.get())?),)*
+                    $(EventType::$iv => Event::$iv(serde_json::from_str(data.get())?),)*
                 })
             }
 
             /// The event's data as JSON (what the envelope's `data` holds and `digest` covers).
             pub fn data_json(&self) -> serde_json::Value {
                 let value = match self {
-                    $(Event::$variant(d) => serde_json::to_value(d),)*
+                    $(Event::$dv(d) => serde_json::to_value(d),)*
+                    $(Event::$iv(d) => serde_json::to_value(d),)*
                 };
                 value.unwrap_or(serde_json::Value::Null)
+            }
+        }
+
+        impl From<Decision> for Event {
+            fn from(d: Decision) -> Event {
+                match d {
+                    $(Decision::$dv(d) => Event::$dv(d),)*
+                }
+            }
+        }
+
+        impl From<Input> for Event {
+            fn from(i: Input) -> Event {
+                match i {
+                    $(Input::$iv(d) => Event::$iv(d),)*
+                }
+            }
+        }
+
+        impl TryFrom<Event> for Decision {
+            type Error = Input;
+            /// The decision an event is, or the input it is instead.
+            fn try_from(e: Event) -> Result<Decision, Input> {
+                match e {
+                    $(Event::$dv(d) => Ok(Decision::$dv(d)),)*
+                    $(Event::$iv(d) => Err(Input::$iv(d)),)*
+                }
+            }
+        }
+
+        impl Decision {
+            pub fn event_type(&self) -> EventType {
+                match self {
+                    $(Decision::$dv(_) => EventType::$dv,)*
+                }
+            }
+
+            /// The decision's data, borrowed.
+            pub fn borrowed(&self) -> DecisionRef<'_> {
+                match self {
+                    $(Decision::$dv(d) => DecisionRef::$dv(d),)*
+                }
+            }
+        }
+
+        impl Input {
+            pub fn event_type(&self) -> EventType {
+                match self {
+                    $(Input::$iv(_) => EventType::$iv,)*
+                }
+            }
+
+            /// The input's data, borrowed.
+            pub fn borrowed(&self) -> InputRef<'_> {
+                match self {
+                    $(Input::$iv(d) => InputRef::$iv(d),)*
+                }
             }
         }
     };
 }
 
 events! {
-    Decision RunCreated(Box<RunCreated>) = "run.created";
-    Decision RunStarted(RunStarted) = "run.started";
-    Decision StepStarted(StepStarted) = "step.started";
-    Decision ModelAttempt(ModelAttempt) = "model.attempt";
-    Decision StepCompleted(StepCompleted) = "step.completed";
-    Decision ToolRequested(ToolRequested) = "tool.requested";
-    Decision QuestionAsked(QuestionAsked) = "question.asked";
-    Decision ChildStarted(ChildStarted) = "child.started";
-    Decision ApprovalRequested(ApprovalRequested) = "approval.requested";
-    Decision ApprovalInvalidated(ApprovalInvalidated) = "approval.invalidated";
-    Decision ApprovalExpired(ApprovalExpired) = "approval.expired";
-    Decision TimerScheduled(TimerScheduled) = "timer.scheduled";
-    Decision CallbackExpected(CallbackExpected) = "callback.expected";
-    Decision OutputRejected(OutputRejected) = "output.rejected";
-    Decision RunWaiting(RunWaiting) = "run.waiting";
-    Decision RunCancelling(RunCancelling) = "run.cancelling";
-    Decision RunUnknown(RunUnknown) = "run.unknown";
-    Decision RunResumed(RunResumed) = "run.resumed";
-    Decision RunRevived(RunRevived) = "run.revived";
-    Decision RunSucceeded(RunSucceeded) = "run.succeeded";
-    Decision RunFailed(RunFailed) = "run.failed";
-    Decision RunCancelled(RunCancelled) = "run.cancelled";
-    Decision RunGated(RunGated) = "run.gated";
-    Decision RunCompensating(RunCompensating) = "run.compensating";
-    Decision ProviderWaiting(ProviderWaiting) = "provider.waiting";
-    Decision ContextCompacted(ContextCompacted) = "context.compacted";
-    Input UserMessage(UserMessage) = "user.message";
-    Input ToolStarted(ToolStarted) = "tool.started";
-    Input ToolResult(ToolResult) = "tool.result";
-    Input ToolAttempt(ToolAttempt) = "tool.attempt";
-    Input QuestionAnswered(QuestionAnswered) = "question.answered";
-    Input ApprovalDecided(ApprovalDecided) = "approval.decided";
-    Input TimerFired(TimerFired) = "timer.fired";
-    Input CallbackReceived(CallbackReceived) = "callback.received";
-    Input CancelRequested(CancelRequested) = "cancel.requested";
-    Input OutcomeConfirmed(OutcomeConfirmed) = "outcome.confirmed";
-    Input OutcomeNotFound(OutcomeNotFound) = "outcome.not_found";
-    Input OutcomeAmbiguous(OutcomeAmbiguous) = "outcome.ambiguous";
-    Input OutcomeResolved(OutcomeResolved) = "outcome.resolved";
-    Input TargetMoved(TargetMoved) = "target.moved";
-    Input Nudge(Nudge) = "nudge";
-    Input ProviderReleased(ProviderReleased) = "provider.released";
+    decisions {
+        RunCreated(Box<RunCreated>) = "run.created";
+        RunStarted(RunStarted) = "run.started";
+        StepStarted(StepStarted) = "step.started";
+        ModelAttempt(ModelAttempt) = "model.attempt";
+        StepCompleted(StepCompleted) = "step.completed";
+        ToolRequested(ToolRequested) = "tool.requested";
+        QuestionAsked(QuestionAsked) = "question.asked";
+        ChildStarted(ChildStarted) = "child.started";
+        ApprovalRequested(ApprovalRequested) = "approval.requested";
+        ApprovalInvalidated(ApprovalInvalidated) = "approval.invalidated";
+        ApprovalExpired(ApprovalExpired) = "approval.expired";
+        TimerScheduled(TimerScheduled) = "timer.scheduled";
+        CallbackExpected(CallbackExpected) = "callback.expected";
+        OutputRejected(OutputRejected) = "output.rejected";
+        RunWaiting(RunWaiting) = "run.waiting";
+        RunCancelling(RunCancelling) = "run.cancelling";
+        RunUnknown(RunUnknown) = "run.unknown";
+        RunResumed(RunResumed) = "run.resumed";
+        RunRevived(RunRevived) = "run.revived";
+        RunSucceeded(RunSucceeded) = "run.succeeded";
+        RunFailed(RunFailed) = "run.failed";
+        RunCancelled(RunCancelled) = "run.cancelled";
+        RunGated(RunGated) = "run.gated";
+        RunCompensating(RunCompensating) = "run.compensating";
+        ProviderWaiting(ProviderWaiting) = "provider.waiting";
+        ContextCompacted(ContextCompacted) = "context.compacted";
+    }
+    inputs {
+        UserMessage(UserMessage) = "user.message";
+        ToolStarted(ToolStarted) = "tool.started";
+        ToolResult(ToolResult) = "tool.result";
+        ToolAttempt(ToolAttempt) = "tool.attempt";
+        QuestionAnswered(QuestionAnswered) = "question.answered";
+        ApprovalDecided(ApprovalDecided) = "approval.decided";
+        TimerFired(TimerFired) = "timer.fired";
+        CallbackReceived(CallbackReceived) = "callback.received";
+        CancelRequested(CancelRequested) = "cancel.requested";
+        OutcomeConfirmed(OutcomeConfirmed) = "outcome.confirmed";
+        OutcomeNotFound(OutcomeNotFound) = "outcome.not_found";
+        OutcomeAmbiguous(OutcomeAmbiguous) = "outcome.ambiguous";
+        OutcomeResolved(OutcomeResolved) = "outcome.resolved";
+        TargetMoved(TargetMoved) = "target.moved";
+        Nudge(Nudge) = "nudge";
+        ProviderReleased(ProviderReleased) = "provider.released";
+    }
+}
+
+/// An event's data by its kind ([`Event::by_kind`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ByKind<'a> {
+    Decision(DecisionRef<'a>),
+    Input(InputRef<'a>),
 }
 
 impl Event {

@@ -5,9 +5,9 @@
 //! fail. What a decision does to a tool operation is `operation`'s to say.
 
 use crate::event::{
-    ApprovalExpired, ApprovalRequested, CallbackExpected, ChildStarted, ContextCompacted, Envelope,
-    Event, ModelAttempt, OutputRejected, ProviderWaiting, QuestionAsked, RunFailed, RunRevived,
-    StepCompleted, StepStarted, TimerScheduled, ToolRequested,
+    ApprovalExpired, ApprovalRequested, CallbackExpected, ChildStarted, ContextCompacted,
+    DecisionRef, Envelope, ModelAttempt, OutputRejected, ProviderWaiting, QuestionAsked, RunFailed,
+    RunRevived, StepCompleted, StepStarted, TimerScheduled, ToolRequested,
 };
 use crate::ids::{ApprovalId, Attempt, ModelRequestId, OperationId, RunId};
 use crate::machine::RunStatus;
@@ -21,20 +21,27 @@ use super::transcript::{ChatMessage, output_feedback, payload_text};
 impl RunState {
     /// Folds a decision the transition table allowed (the status is already the one it leads
     /// to).
-    pub(super) fn apply_decision(&mut self, seq: u64, env: &Envelope) -> Result<(), FoldError> {
-        match &env.event {
-            Event::RunCreated(_) => {
+    pub(super) fn apply_decision(
+        &mut self,
+        seq: u64,
+        env: &Envelope,
+        decision: DecisionRef<'_>,
+    ) -> Result<(), FoldError> {
+        match decision {
+            DecisionRef::RunCreated(_) => {
                 // The table refuses a second `run.created` before we get here.
                 return Err(Self::inconsistent(seq, env, "second run.created"));
             }
-            Event::RunStarted(_) | Event::RunWaiting(_) | Event::RunResumed(_) => {}
-            Event::StepStarted(started) => self.step_started(seq, env, started)?,
-            Event::ModelAttempt(attempt) => self.model_attempt(seq, env, attempt)?,
-            Event::StepCompleted(done) => self.step_completed(seq, env, done)?,
-            Event::ToolRequested(req) => self.tool_requested(seq, env, req)?,
-            Event::QuestionAsked(q) => self.question_asked(env, q),
-            Event::ApprovalRequested(req) => self.approval_requested(seq, env, req)?,
-            Event::ApprovalInvalidated(a) => {
+            DecisionRef::RunStarted(_)
+            | DecisionRef::RunWaiting(_)
+            | DecisionRef::RunResumed(_) => {}
+            DecisionRef::StepStarted(started) => self.step_started(seq, env, started)?,
+            DecisionRef::ModelAttempt(attempt) => self.model_attempt(seq, env, attempt)?,
+            DecisionRef::StepCompleted(done) => self.step_completed(seq, env, done)?,
+            DecisionRef::ToolRequested(req) => self.tool_requested(seq, env, req)?,
+            DecisionRef::QuestionAsked(q) => self.question_asked(env, q),
+            DecisionRef::ApprovalRequested(req) => self.approval_requested(seq, env, req)?,
+            DecisionRef::ApprovalInvalidated(a) => {
                 self.set_approval(
                     seq,
                     env,
@@ -42,47 +49,29 @@ impl RunState {
                     ApprovalStatus::Invalidated { at: env.at },
                 )?;
             }
-            Event::ApprovalExpired(a) => self.approval_expired(seq, env, a)?,
-            Event::TimerScheduled(t) => self.timer_scheduled(t),
-            Event::CallbackExpected(c) => self.callback_expected(env, c),
-            Event::ChildStarted(c) => self.child_started(seq, env, c)?,
-            Event::RunCancelling(_) | Event::RunUnknown(_) => {}
-            Event::RunCompensating(k) => {
+            DecisionRef::ApprovalExpired(a) => self.approval_expired(seq, env, a)?,
+            DecisionRef::TimerScheduled(t) => self.timer_scheduled(t),
+            DecisionRef::CallbackExpected(c) => self.callback_expected(env, c),
+            DecisionRef::ChildStarted(c) => self.child_started(seq, env, c)?,
+            DecisionRef::RunCancelling(_) | DecisionRef::RunUnknown(_) => {}
+            DecisionRef::RunCompensating(k) => {
                 if self.compensation.is_some() {
                     return Err(Self::inconsistent(seq, env, "a second run.compensating"));
                 }
                 self.compensation = Some(k.clone());
             }
             // Idempotent: a second marker of the same gate changes nothing.
-            Event::RunGated(g) => self.gates = self.gates.with(g.gate),
-            Event::RunRevived(r) => self.run_revived(seq, env, r)?,
-            Event::OutputRejected(r) => self.output_rejected(seq, env, r)?,
-            Event::RunSucceeded(s) => {
+            DecisionRef::RunGated(g) => self.gates = self.gates.with(g.gate),
+            DecisionRef::RunRevived(r) => self.run_revived(seq, env, r)?,
+            DecisionRef::OutputRejected(r) => self.output_rejected(seq, env, r)?,
+            DecisionRef::RunSucceeded(s) => {
                 self.output = Some(s.output.clone());
                 self.validation = Some(s.validation.clone());
             }
-            Event::RunFailed(f) => self.run_failed(f),
-            Event::RunCancelled(_) => {}
-            Event::ProviderWaiting(w) => self.provider_waiting(seq, env, w)?,
-            Event::ContextCompacted(c) => self.context_compacted(seq, env, c)?,
-            Event::UserMessage(_)
-            | Event::ToolStarted(_)
-            | Event::ToolResult(_)
-            | Event::ToolAttempt(_)
-            | Event::QuestionAnswered(_)
-            | Event::ApprovalDecided(_)
-            | Event::TimerFired(_)
-            | Event::CallbackReceived(_)
-            | Event::CancelRequested(_)
-            | Event::OutcomeConfirmed(_)
-            | Event::OutcomeNotFound(_)
-            | Event::OutcomeAmbiguous(_)
-            | Event::OutcomeResolved(_)
-            | Event::TargetMoved(_)
-            | Event::Nudge(_)
-            | Event::ProviderReleased(_) => {
-                return Err(Self::inconsistent(seq, env, "input on a decision path"));
-            }
+            DecisionRef::RunFailed(f) => self.run_failed(f),
+            DecisionRef::RunCancelled(_) => {}
+            DecisionRef::ProviderWaiting(w) => self.provider_waiting(seq, env, w)?,
+            DecisionRef::ContextCompacted(c) => self.context_compacted(seq, env, c)?,
         }
         Ok(())
     }

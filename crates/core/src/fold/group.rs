@@ -5,7 +5,7 @@
 //! group that counts its decisions (`step.completed.follows`) settles it by itself once they all
 //! landed (docs/STATE_MACHINE.md).
 
-use crate::event::{Envelope, Event, Gate, TimerPurpose, WaitReason};
+use crate::event::{Decision, DecisionRef, Draft, Gate, TimerPurpose, WaitReason};
 use crate::ids::{Attempt, ModelRequestId, StepNo};
 
 use super::run::RunState;
@@ -67,12 +67,12 @@ impl Gates {
 /// What one decision of a step's group makes the run wait on beyond its tools: a person's
 /// approval (`approval.requested`), a person's answer (`question.asked`), a timer or a callback
 /// (`timer.scheduled` of a `wait`, `callback.expected`). `None` for everything else.
-pub fn waits_on(event: &Event) -> Option<WaitReason> {
-    match event {
-        Event::ApprovalRequested(_) => Some(WaitReason::Approval),
-        Event::QuestionAsked(_) => Some(WaitReason::User),
-        Event::CallbackExpected(_) => Some(WaitReason::External),
-        Event::TimerScheduled(t) => match t.purpose {
+pub fn waits_on(decision: DecisionRef<'_>) -> Option<WaitReason> {
+    match decision {
+        DecisionRef::ApprovalRequested(_) => Some(WaitReason::Approval),
+        DecisionRef::QuestionAsked(_) => Some(WaitReason::User),
+        DecisionRef::CallbackExpected(_) => Some(WaitReason::External),
+        DecisionRef::TimerScheduled(t) => match t.purpose {
             TimerPurpose::Wait { .. } | TimerPurpose::CallbackExpiry { .. } => {
                 Some(WaitReason::External)
             }
@@ -81,44 +81,28 @@ pub fn waits_on(event: &Event) -> Option<WaitReason> {
             | TimerPurpose::QuestionTimeout { .. }
             | TimerPurpose::ProviderWait { .. } => None,
         },
-        Event::RunCreated(_)
-        | Event::RunStarted(_)
-        | Event::StepStarted(_)
-        | Event::ModelAttempt(_)
-        | Event::StepCompleted(_)
-        | Event::ToolRequested(_)
-        | Event::ChildStarted(_)
-        | Event::ApprovalInvalidated(_)
-        | Event::ApprovalExpired(_)
-        | Event::OutputRejected(_)
-        | Event::RunWaiting(_)
-        | Event::RunCancelling(_)
-        | Event::RunUnknown(_)
-        | Event::RunResumed(_)
-        | Event::RunRevived(_)
-        | Event::RunSucceeded(_)
-        | Event::RunFailed(_)
-        | Event::RunCancelled(_)
-        | Event::RunGated(_)
-        | Event::RunCompensating(_)
-        | Event::UserMessage(_)
-        | Event::ToolStarted(_)
-        | Event::ToolResult(_)
-        | Event::ToolAttempt(_)
-        | Event::QuestionAnswered(_)
-        | Event::ApprovalDecided(_)
-        | Event::TimerFired(_)
-        | Event::CallbackReceived(_)
-        | Event::CancelRequested(_)
-        | Event::OutcomeConfirmed(_)
-        | Event::OutcomeNotFound(_)
-        | Event::OutcomeAmbiguous(_)
-        | Event::OutcomeResolved(_)
-        | Event::TargetMoved(_)
-        | Event::Nudge(_)
-        | Event::ProviderWaiting(_)
-        | Event::ProviderReleased(_)
-        | Event::ContextCompacted(_) => None,
+        DecisionRef::RunCreated(_)
+        | DecisionRef::RunStarted(_)
+        | DecisionRef::StepStarted(_)
+        | DecisionRef::ModelAttempt(_)
+        | DecisionRef::StepCompleted(_)
+        | DecisionRef::ToolRequested(_)
+        | DecisionRef::ChildStarted(_)
+        | DecisionRef::ApprovalInvalidated(_)
+        | DecisionRef::ApprovalExpired(_)
+        | DecisionRef::OutputRejected(_)
+        | DecisionRef::RunWaiting(_)
+        | DecisionRef::RunCancelling(_)
+        | DecisionRef::RunUnknown(_)
+        | DecisionRef::RunResumed(_)
+        | DecisionRef::RunRevived(_)
+        | DecisionRef::RunSucceeded(_)
+        | DecisionRef::RunFailed(_)
+        | DecisionRef::RunCancelled(_)
+        | DecisionRef::RunGated(_)
+        | DecisionRef::RunCompensating(_)
+        | DecisionRef::ProviderWaiting(_)
+        | DecisionRef::ContextCompacted(_) => None,
     }
 }
 
@@ -137,8 +121,8 @@ pub fn stronger(a: WaitReason, b: WaitReason) -> WaitReason {
 /// What a run waits on after a step whose group (the decisions after its `step.completed`) is
 /// `events`: its tools, unless one of them waits on more ([`waits_on`]). `complete_step`'s
 /// `run.waiting` and the fold's derivation for a group that journals none are both this.
-pub fn group_waits_on<'a>(events: impl IntoIterator<Item = &'a Event>) -> WaitReason {
-    events
+pub fn group_waits_on<'a>(decisions: impl IntoIterator<Item = DecisionRef<'a>>) -> WaitReason {
+    decisions
         .into_iter()
         .filter_map(waits_on)
         .fold(WaitReason::Tool, stronger)
@@ -168,11 +152,11 @@ impl Completing {
     /// What the run waits on once `rest` (the decisions of the group still to land) landed,
     /// when the group settles the status by itself; `None` when it journals its own settling
     /// decision.
-    pub fn settles_with(&self, rest: &[crate::event::Draft]) -> Option<WaitReason> {
+    pub fn settles_with(&self, rest: &[Draft<Decision>]) -> Option<WaitReason> {
         self.follows?;
         Some(
             rest.iter()
-                .filter_map(|d| waits_on(&d.event))
+                .filter_map(|d| waits_on(d.event.borrowed()))
                 .fold(self.on, stronger),
         )
     }
@@ -183,12 +167,12 @@ impl RunState {
     /// land, when they end a step group that journals no `run.waiting` (gate
     /// `wait_from_step_group`): the status the fold then derives. `None` otherwise (the group's
     /// own decisions say it, or it does not end there). For status counters.
-    pub fn settled_by(&self, drafts: &[crate::event::Draft]) -> Option<WaitReason> {
+    pub fn settled_by(&self, drafts: &[Draft<Decision>]) -> Option<WaitReason> {
         match drafts.first().map(|d| &d.event) {
-            Some(Event::StepCompleted(done)) => {
+            Some(Decision::StepCompleted(done)) => {
                 let follows = usize::try_from(done.follows?).ok()?;
                 (drafts.len() == follows + 1)
-                    .then(|| group_waits_on(drafts[1..].iter().map(|d| &d.event)))
+                    .then(|| group_waits_on(drafts[1..].iter().map(|d| d.event.borrowed())))
             }
             _ => {
                 let c = self.completing.as_ref()?;
@@ -206,9 +190,9 @@ impl RunState {
     /// that settles the run's status (`run.waiting`, a terminal or cancelling decision), or,
     /// when `step.completed` counts its group (`follows`), once that many decisions landed:
     /// then what the run waits on, derived from the group, is returned.
-    pub(super) fn track_group(&mut self, env: &Envelope) -> Option<WaitReason> {
-        match &env.event {
-            Event::StepCompleted(done) => {
+    pub(super) fn track_group(&mut self, decision: DecisionRef<'_>) -> Option<WaitReason> {
+        match decision {
+            DecisionRef::StepCompleted(done) => {
                 self.completing = Some(Completing {
                     step: done.request_id.step(),
                     attempt: done.request_id.attempt(),
@@ -225,14 +209,14 @@ impl RunState {
                     gates: self.gates,
                 });
             }
-            Event::RunWaiting(_)
-            | Event::OutputRejected(_)
-            | Event::RunSucceeded(_)
-            | Event::RunFailed(_)
-            | Event::RunCancelling(_)
-            | Event::RunCancelled(_)
-            | Event::RunCompensating(_)
-            | Event::RunUnknown(_) => {
+            DecisionRef::RunWaiting(_)
+            | DecisionRef::OutputRejected(_)
+            | DecisionRef::RunSucceeded(_)
+            | DecisionRef::RunFailed(_)
+            | DecisionRef::RunCancelling(_)
+            | DecisionRef::RunCancelled(_)
+            | DecisionRef::RunCompensating(_)
+            | DecisionRef::RunUnknown(_) => {
                 self.completing = None;
                 return None;
             }

@@ -5,7 +5,7 @@
 //! may give their operation its result.
 
 use crate::event::{
-    ApprovalDecided, CallbackReceived, Envelope, Event, ProviderReleased, QuestionAnswered,
+    ApprovalDecided, CallbackReceived, Envelope, InputRef, ProviderReleased, QuestionAnswered,
     TimerFired, TimerPurpose, Verdict,
 };
 use crate::machine::RunStatus;
@@ -15,89 +15,63 @@ use super::transcript::payload_text;
 
 impl RunState {
     /// Folds an input; `false` if it was ignored.
-    pub(super) fn apply_input(&mut self, seq: u64, env: &Envelope) -> bool {
-        if self.status == RunStatus::Cancelled && !matches!(env.event, Event::ToolResult(_)) {
+    pub(super) fn apply_input(&mut self, seq: u64, env: &Envelope, input: InputRef<'_>) -> bool {
+        if self.status == RunStatus::Cancelled && !matches!(input, InputRef::ToolResult(_)) {
             return false;
         }
-        match &env.event {
-            Event::UserMessage(m) => {
+        match input {
+            InputRef::UserMessage(m) => {
                 self.pending_messages.push(PendingInput {
                     seq,
                     text: m.text.clone(),
                 });
                 true
             }
-            Event::ToolStarted(s) => self
+            InputRef::ToolStarted(s) => self
                 .open_op(env)
                 .is_some_and(|op| op.start(&s.runner, env.at)),
-            Event::ToolResult(r) => {
+            InputRef::ToolResult(r) => {
                 self.set_result(env, seq, r.content.clone(), r.is_error, r.stopped)
             }
-            Event::ToolAttempt(a) => self
+            InputRef::ToolAttempt(a) => self
                 .open_op(env)
                 .is_some_and(|op| op.fail_attempt(a, env.at)),
-            Event::OutcomeConfirmed(c) => {
+            InputRef::OutcomeConfirmed(c) => {
                 self.set_result(env, seq, c.content.clone(), false, false)
             }
-            Event::OutcomeNotFound(_) => match self.open_op(env) {
+            InputRef::OutcomeNotFound(_) => match self.open_op(env) {
                 Some(op) => {
                     op.not_found();
                     true
                 }
                 None => false,
             },
-            Event::OutcomeAmbiguous(a) => match self.open_op(env) {
+            InputRef::OutcomeAmbiguous(a) => match self.open_op(env) {
                 Some(op) => {
                     op.ambiguous(&a.detail);
                     true
                 }
                 None => false,
             },
-            Event::OutcomeResolved(r) => self
+            InputRef::OutcomeResolved(r) => self
                 .open_op(env)
                 .is_some_and(|op| op.resolve(&r.resolution, seq)),
-            Event::QuestionAnswered(a) => self.question_answered(seq, a),
-            Event::ApprovalDecided(d) => self.approval_decided(seq, env, d),
-            Event::TimerFired(t) => self.timer_fired(seq, t),
-            Event::CallbackReceived(c) => self.callback_received(seq, env, c),
-            Event::CancelRequested(c) => {
+            InputRef::QuestionAnswered(a) => self.question_answered(seq, a),
+            InputRef::ApprovalDecided(d) => self.approval_decided(seq, env, d),
+            InputRef::TimerFired(t) => self.timer_fired(seq, t),
+            InputRef::CallbackReceived(c) => self.callback_received(seq, env, c),
+            InputRef::CancelRequested(c) => {
                 if self.status.is_terminal() || self.cancel_requested.is_some() {
                     return false;
                 }
                 self.cancel_requested = Some(c.reason.clone());
                 true
             }
-            Event::TargetMoved(m) => self
+            InputRef::TargetMoved(m) => self
                 .open_op(env)
                 .is_some_and(|op| op.move_target(m, env.at)),
-            Event::Nudge(_) => !self.status.is_terminal(),
-            Event::ProviderReleased(r) => self.provider_released(r),
-            Event::RunCreated(_)
-            | Event::RunStarted(_)
-            | Event::StepStarted(_)
-            | Event::ModelAttempt(_)
-            | Event::StepCompleted(_)
-            | Event::ToolRequested(_)
-            | Event::QuestionAsked(_)
-            | Event::ChildStarted(_)
-            | Event::ApprovalRequested(_)
-            | Event::ApprovalInvalidated(_)
-            | Event::ApprovalExpired(_)
-            | Event::TimerScheduled(_)
-            | Event::CallbackExpected(_)
-            | Event::OutputRejected(_)
-            | Event::RunWaiting(_)
-            | Event::RunCancelling(_)
-            | Event::RunUnknown(_)
-            | Event::RunResumed(_)
-            | Event::RunRevived(_)
-            | Event::RunSucceeded(_)
-            | Event::RunFailed(_)
-            | Event::RunCancelled(_)
-            | Event::RunGated(_)
-            | Event::RunCompensating(_)
-            | Event::ProviderWaiting(_)
-            | Event::ContextCompacted(_) => false,
+            InputRef::Nudge(_) => !self.status.is_terminal(),
+            InputRef::ProviderReleased(r) => self.provider_released(r),
         }
     }
 

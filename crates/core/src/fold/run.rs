@@ -6,8 +6,8 @@
 use std::collections::BTreeMap;
 
 use crate::event::{
-    ApprovalRequested, Envelope, Event, EventType, RunCreated, RunFailed, TimerPurpose, Timestamp,
-    Usage, Verdict, WaitReason,
+    ApprovalRequested, ByKind, DecisionRef, Envelope, Event, EventType, RunCreated, RunFailed,
+    TimerPurpose, Timestamp, Usage, Verdict, WaitReason,
 };
 use crate::ids::{
     ApprovalId, Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, RunId, StepNo,
@@ -258,25 +258,25 @@ impl RunState {
             });
         }
         let event = env.event_type();
-        match event.kind() {
-            crate::event::EventKind::Decision => {
-                let wait = match &env.event {
-                    Event::RunWaiting(w) => Some(w.on),
+        match env.event.by_kind() {
+            ByKind::Decision(decision) => {
+                let wait = match decision {
+                    DecisionRef::RunWaiting(w) => Some(w.on),
                     _ => None,
                 };
                 self.status = apply(Some(self.status), event, wait)
                     .map_err(|source| FoldError::Transition { seq, event, source })?;
-                self.apply_decision(seq, env)?;
+                self.apply_decision(seq, env, decision)?;
                 // A step group that journals no `run.waiting` settles the status when its last
                 // decision lands, through the same row of the table.
-                if let Some(on) = self.track_group(env) {
+                if let Some(on) = self.track_group(decision) {
                     self.status = apply(Some(self.status), EventType::RunWaiting, Some(on))
                         .map_err(|source| FoldError::Transition { seq, event, source })?;
                 }
                 self.last_decision_seq = seq;
             }
-            crate::event::EventKind::Input => {
-                if !self.apply_input(seq, env) {
+            ByKind::Input(input) => {
+                if !self.apply_input(seq, env, input) {
                     self.ignored_inputs = self.ignored_inputs.saturating_add(1);
                 }
             }
