@@ -5,8 +5,6 @@
 //! (drop the lease and re-read), `Duplicate` → the write is already there (ack), `Invalid` →
 //! a poison message or a caller bug (term), `TooOld` → the broker lacks a feature (refuse to run).
 
-use kedge_core::{EventKind, EventType};
-
 use crate::wire::{WireError, codes};
 
 /// What a caller does with a failure; see the module docs.
@@ -52,12 +50,6 @@ pub enum JournalError {
     /// A stored message that is not a valid envelope of this run.
     #[error("journal message at sequence {seq} is invalid: {reason}")]
     Invalid { seq: u64, reason: String },
-    /// A decision passed where an input is expected, or the reverse.
-    #[error("`{event_type}` is not a{} event", if *.expected == EventKind::Input { "n input" } else { " decision" })]
-    WrongKind {
-        event_type: EventType,
-        expected: EventKind,
-    },
     /// A request that cannot be journaled as given (empty group, events of another run, …).
     #[error("bad journal request: {0}")]
     BadRequest(String),
@@ -73,9 +65,7 @@ impl JournalError {
             JournalError::Duplicate { .. } => ErrorKind::Duplicate,
             JournalError::Unavailable { .. } => ErrorKind::Unavailable,
             JournalError::TooOld { .. } => ErrorKind::TooOld,
-            JournalError::Invalid { .. }
-            | JournalError::WrongKind { .. }
-            | JournalError::BadRequest(_) => ErrorKind::Invalid,
+            JournalError::Invalid { .. } | JournalError::BadRequest(_) => ErrorKind::Invalid,
             JournalError::Rejected { .. } => ErrorKind::Other,
         }
     }
@@ -141,20 +131,5 @@ mod tests {
             let shown = wire.to_string();
             assert_eq!(JournalError::from_wire("t", wire).kind(), kind, "{shown}");
         }
-    }
-
-    #[test]
-    fn wrong_kind_reads_well() {
-        let e = JournalError::WrongKind {
-            event_type: EventType::UserMessage,
-            expected: EventKind::Decision,
-        };
-        assert_eq!(e.to_string(), "`user.message` is not a decision event");
-        let e = JournalError::WrongKind {
-            event_type: EventType::RunCreated,
-            expected: EventKind::Input,
-        };
-        assert_eq!(e.to_string(), "`run.created` is not an input event");
-        assert_eq!(e.kind(), ErrorKind::Invalid);
     }
 }

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bridge_support::{ACME, Api, Sse, SseStream};
-use kedge_core::event::{Draft, Envelope, Event, Timestamp, UserMessage};
+use kedge_core::event::{Draft, Timestamp, UserMessage};
 use kedge_core::ids::RunId;
 use kedge_runtime::{Config, Runtime};
 use kedge_testkit::NatsServer;
@@ -157,17 +157,15 @@ async fn latency(
     ready.wait().await;
     for i in 0..events {
         let sent = origin.elapsed().as_nanos();
-        let env = Envelope::new(
+        let input = kedge_core::InputEnvelope::new(
             run.clone(),
             Timestamp::now(),
-            Draft::new(Event::UserMessage(UserMessage {
+            Draft::new(kedge_core::Input::UserMessage(UserMessage {
                 text: format!("t:{sent}"),
             })),
         );
-        rt.journal
-            .append_input(&env, &format!("lat-{clients}-{i}"))
-            .await
-            .expect("append");
+        let id = kedge_core::ids::InputId::arbitrary(format!("lat-{clients}-{i}"));
+        rt.journal.append_input(&id, &input).await.expect("append");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let mut all = Vec::new();

@@ -207,16 +207,17 @@ impl Sim {
         sim
     }
 
-    fn push(&mut self, draft: Draft) {
+    fn push(&mut self, draft: Draft<impl Into<Event>>) {
         let seq = self.events.len() as u64 + 1;
         self.push_at(draft, seq);
     }
 
     /// Adds an event stored at `seq` (a live run's real sequence, see [`Live`]).
-    fn push_at(&mut self, draft: Draft, seq: u64) {
+    fn push_at(&mut self, draft: Draft<impl Into<Event>>, seq: u64) {
         let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
         let id = if env.kind() == EventKind::Decision {
-            let id = kedge_journal::decision_msg_id(&self.run, self.last_decision, 0, "bench");
+            let expected = kedge_core::ids::DecisionSeq::at(self.last_decision);
+            let id = kedge_journal::decision_msg_id(&self.run, expected, 0, "bench");
             self.last_decision = seq;
             id
         } else {
@@ -296,7 +297,8 @@ impl Live {
         }
     }
 
-    async fn publish(&mut self, p: &mut Publisher, draft: Draft) {
+    async fn publish(&mut self, p: &mut Publisher, draft: Draft<impl Into<Event>>) {
+        let draft = draft.widen();
         let seq = p.send_now(&self.sim, &draft).await;
         self.sim.push_at(draft, seq);
     }
@@ -388,7 +390,8 @@ impl Publisher {
         let env = Envelope::new(sim.run.clone(), Timestamp::now(), draft.clone());
         let mut headers = HeaderMap::new();
         let id = if env.kind() == EventKind::Decision {
-            kedge_journal::decision_msg_id(&sim.run, sim.last_decision, 0, "bench")
+            let expected = kedge_core::ids::DecisionSeq::at(sim.last_decision);
+            kedge_journal::decision_msg_id(&sim.run, expected, 0, "bench")
         } else {
             format!("bench:{}:{}", sim.run, sim.events.len() + 1)
         };

@@ -74,7 +74,7 @@ use kedge_core::agent::AgentDefinition;
 use kedge_core::event::{OutcomeResolved, Resolution, Timestamp};
 use kedge_core::fold::OpStatus;
 use kedge_core::task::TaskSubmission;
-use kedge_core::{Draft, Envelope, Event, RunId, RunState, RunStatus};
+use kedge_core::{Draft, Event, RunId, RunState, RunStatus};
 use kedge_journal::Recorded;
 use kedge_mock_llm::{MockHandle, Scripts};
 use kedge_runtime::tasks::{Answer, Submission};
@@ -550,14 +550,19 @@ impl Bench {
                     } else {
                         Resolution::Retry
                     };
-                    let mut draft = Draft::new(Event::OutcomeResolved(OutcomeResolved {
-                        resolution,
-                        by: "bench-operator".into(),
-                    }));
+                    let mut draft =
+                        Draft::new(kedge_core::Input::OutcomeResolved(OutcomeResolved {
+                            resolution,
+                            by: "bench-operator".into(),
+                        }));
                     draft.op = Some(op.clone());
-                    let env = Envelope::new(f.run.clone(), Timestamp::now(), draft);
-                    let key = format!("bench-resolve-{op}-{}", t.resolutions);
-                    self.rt.journal.append_input(&env, &key).await.unwrap();
+                    let input =
+                        kedge_core::InputEnvelope::new(f.run.clone(), Timestamp::now(), draft);
+                    let key = kedge_core::ids::InputId::arbitrary(format!(
+                        "bench-resolve-{op}-{}",
+                        t.resolutions
+                    ));
+                    self.rt.journal.append_input(&key, &input).await.unwrap();
                     t.resolutions += 1;
                     // Wait until the resolution is folded before looking again.
                     let _ = f

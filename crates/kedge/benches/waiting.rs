@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use kedge_core::decide::{ModelResponse, Next, complete_step, decide};
 use kedge_core::event::{
-    AssistantMessage, Draft, Envelope, Event, FinishReason, RunCreated, Timestamp, ToolCall, Usage,
+    AssistantMessage, Draft, Envelope, FinishReason, RunCreated, Timestamp, ToolCall, Usage,
 };
 use kedge_core::ids::RunId;
 use kedge_core::{RunStatus, fold};
@@ -163,21 +163,21 @@ async fn append(
     run: &RunId,
     events: &mut Vec<(u64, Envelope)>,
     last_decision: &mut u64,
-    drafts: Vec<Draft>,
+    drafts: Vec<Draft<kedge_core::Decision>>,
 ) {
     for d in drafts {
-        let env = Envelope::new(run.clone(), Timestamp::now(), d);
+        let env = kedge_core::DecisionEnvelope::new(run.clone(), Timestamp::now(), d);
         let appended = rt
             .journal
             .append_decisions(
                 &kedge_journal::DecisionWriter::unfenced(run, "bench"),
-                *last_decision,
+                kedge_core::ids::DecisionSeq::at(*last_decision),
                 std::slice::from_ref(&env),
             )
             .await
             .unwrap();
         *last_decision = appended.last_seq;
-        events.push((appended.last_seq, env));
+        events.push((appended.last_seq, env.into_envelope()));
     }
 }
 
@@ -186,7 +186,7 @@ async fn write_run(rt: &Runtime, i: usize) -> RunId {
     let run = RunId::generate();
     let mut events: Vec<(u64, Envelope)> = Vec::new();
     let mut last = 0;
-    let created = Draft::new(Event::RunCreated(Box::new(RunCreated {
+    let created = Draft::new(kedge_core::Decision::RunCreated(Box::new(RunCreated {
         idempotency_key: Some(format!("wait-{i}")),
         ..created("waiter", "wait for an hour")
     })));

@@ -11,6 +11,8 @@
 //! then starts a fresh worker: the run resumes from the journal, the fresh worker finishes the
 //! step from the journaled answer, and the model is called exactly once for every request.
 
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::pin::pin;
@@ -21,7 +23,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use futures::StreamExt;
 use kedge_core::agent::AgentDefinition;
-use kedge_core::event::{Draft, Envelope, Event, QuestionAnswered, Timestamp};
+use kedge_core::event::{Draft, Event, QuestionAnswered, Timestamp};
 use kedge_core::ids::{AgentName, QuestionId, RunId};
 use kedge_core::machine::RunStatus;
 use kedge_mock_llm::{MockHandle, Scripts};
@@ -293,20 +295,17 @@ async fn answer(
         tokio::time::sleep(after).await;
         "yes, go ahead".to_owned()
     };
-    let env = Envelope::new(
+    let input = InputEnvelope::new(
         run.clone(),
         Timestamp::now(),
-        Draft::new(Event::QuestionAnswered(QuestionAnswered {
+        Draft::new(Input::QuestionAnswered(QuestionAnswered {
             question_id: question.clone(),
             answer: text,
         })),
     );
-    match rt
-        .journal
-        .append_input(&env, kedge_core::ids::InputId::answer(&question).as_str())
-        .await
-    {
-        Ok(_) | Err(kedge_journal::JournalError::Duplicate { .. }) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    // Answered before (a repeat of the demo's answer) is answered.
+    rt.journal
+        .append_input(&kedge_core::ids::InputId::answer(&question), &input)
+        .await?;
+    Ok(())
 }

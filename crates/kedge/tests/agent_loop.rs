@@ -113,14 +113,17 @@ async fn early_and_duplicate_wakes_never_call_the_model_with_a_result_missing() 
     let env = |e: Event, op| {
         let mut d = kedge_core::event::Draft::new(e);
         d.op = Some(op);
-        kedge_core::event::Envelope::new(run.clone(), kedge_core::event::Timestamp::now(), d)
+        let env =
+            kedge_core::event::Envelope::new(run.clone(), kedge_core::event::Timestamp::now(), d);
+        kedge_core::InputEnvelope::try_from(env).expect("an input")
     };
+    let id = kedge_core::ids::InputId::arbitrary;
     h.rt.journal
-        .append_input(&env(result("X"), ops[0].clone()), "r0")
+        .append_input(&id("r0"), &env(result("X"), ops[0].clone()))
         .await
         .expect("append");
     h.rt.journal
-        .append_input(&env(result("X again"), ops[0].clone()), "r0-dup")
+        .append_input(&id("r0-dup"), &env(result("X again"), ops[0].clone()))
         .await
         .expect("append");
     for i in 0..3 {
@@ -141,7 +144,7 @@ async fn early_and_duplicate_wakes_never_call_the_model_with_a_result_missing() 
     );
     assert_eq!(h.state(&run).await.status, RunStatus::WaitingTool);
     h.rt.journal
-        .append_input(&env(result("Y"), ops[1].clone()), "r1")
+        .append_input(&id("r1"), &env(result("Y"), ops[1].clone()))
         .await
         .expect("append");
     let state = h.wait_terminal(&run, WAIT).await;
@@ -447,15 +450,15 @@ async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm(
         panic!("first event is run.created")
     };
     created.idempotency_key = Some("crashed-key".into());
-    let env = kedge_core::event::Envelope::new(
+    let env = kedge_core::DecisionEnvelope::new(
         crashed.clone(),
         kedge_core::event::Timestamp::now(),
-        kedge_core::event::Draft::new(Event::RunCreated(created)),
+        kedge_core::event::Draft::new(kedge_core::Decision::RunCreated(created)),
     );
     h.rt.journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&crashed, "intake"),
-            0,
+            kedge_core::ids::DecisionSeq::NONE,
             &[env],
         )
         .await

@@ -68,7 +68,7 @@ async fn publish(h: &Harness, subject: String, payload: Vec<u8>) {
 /// Publishes a decision of `run` as its writer appends one (with the writer's `Nats-Msg-Id`).
 async fn publish_decision(h: &Harness, run: &RunId, subject: String, payload: Vec<u8>) {
     let mut headers = async_nats::HeaderMap::new();
-    let id = kedge_journal::decision_msg_id(run, 0, 0, "w-test");
+    let id = kedge_journal::decision_msg_id(run, kedge_core::ids::DecisionSeq::NONE, 0, "w-test");
     headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
     h.rt.js
         .publish_with_headers(subject, headers, payload.into())

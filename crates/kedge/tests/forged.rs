@@ -329,8 +329,14 @@ async fn a_tool_requested_forged_onto_a_decision_subject_runs_nothing_and_is_ter
     let other = RunId::generate();
     let subject = subjects::event(&victim, EventType::ToolRequested);
     // Well-formed writer ids (distinct, or the stream would drop them as duplicates).
-    let writer_id =
-        |run: &RunId, n: u32| kedge_journal::decision_msg_id(run, 0, 0, &format!("step-{n}"));
+    let writer_id = |run: &RunId, n: u32| {
+        kedge_journal::decision_msg_id(
+            run,
+            kedge_core::ids::DecisionSeq::NONE,
+            0,
+            &format!("step-{n}"),
+        )
+    };
     let touch = |marker: &str| json!({"command": "touch", "args": [marker]});
     let mut forged = Vec::new();
     // The envelope (and its operation) of another run, on the victim's subject.
@@ -429,8 +435,8 @@ async fn a_tool_requested_forged_onto_a_decision_subject_runs_nothing_and_is_ter
     h.rt.journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&legit_run, "step-x"),
-            0,
-            &[legit],
+            kedge_core::ids::DecisionSeq::NONE,
+            &[kedge_core::DecisionEnvelope::try_from(legit).expect("a decision")],
         )
         .await
         .expect("appended");

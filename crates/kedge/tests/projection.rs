@@ -69,10 +69,19 @@ impl Chat {
         }
     }
 
-    async fn publish(&mut self, js: &async_nats::jetstream::Context, draft: Draft) {
+    async fn publish(
+        &mut self,
+        js: &async_nats::jetstream::Context,
+        draft: Draft<impl Into<Event>>,
+    ) {
         let env = Envelope::new(self.run.clone(), Timestamp::now(), draft);
         let id = if env.kind() == EventKind::Decision {
-            kedge_journal::decision_msg_id(&self.run, self.last_decision, 0, "test")
+            kedge_journal::decision_msg_id(
+                &self.run,
+                kedge_core::ids::DecisionSeq::at(self.last_decision),
+                0,
+                "test",
+            )
         } else {
             format!("test:{}:{}", self.run, self.events.len() + 1)
         };

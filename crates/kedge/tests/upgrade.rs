@@ -84,7 +84,12 @@ async fn restore(h: &Harness, events: &[(u64, Envelope)], mut def: AgentDefiniti
         // keeps the events, not the headers: the earlier build's writer is named here).
         let mut headers = async_nats::HeaderMap::new();
         if env.kind() == EventKind::Decision {
-            let id = kedge_journal::decision_msg_id(&env.run_id, last_decision, 0, "earlier-build");
+            let id = kedge_journal::decision_msg_id(
+                &env.run_id,
+                kedge_core::ids::DecisionSeq::at(last_decision),
+                0,
+                "earlier-build",
+            );
             headers.insert("Nats-Msg-Id", id.as_str());
             last_decision = *seq;
         }

@@ -4,10 +4,11 @@
 //! `approval.decided` once per approval (`Nats-Msg-Id` `approval.decided:<approval_id>`).
 //! Whether the decision authorises anything is decided by the step on resume.
 
-use kedge_core::event::{ApprovalDecided, Digest, Draft, Envelope, Event, Timestamp, Verdict};
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
+use kedge_core::event::{ApprovalDecided, Digest, Draft, Timestamp, Verdict};
 use kedge_core::fold::ApprovalStatus;
 use kedge_core::ids::{ApprovalId, RunId};
-use kedge_journal::JournalError;
 use serde::{Deserialize, Serialize};
 
 use crate::Runtime;
@@ -68,10 +69,10 @@ pub async fn record_decision(
         }
         Some(_) => {}
     }
-    let env = Envelope::new(
+    let input = InputEnvelope::new(
         run.clone(),
         Timestamp::now(),
-        Draft::new(Event::ApprovalDecided(ApprovalDecided {
+        Draft::new(Input::ApprovalDecided(ApprovalDecided {
             approval_id: request.approval_id.clone(),
             verdict: request.verdict,
             args_digest: request.args_digest,
@@ -80,15 +81,15 @@ pub async fn record_decision(
         })),
     );
     let key = crate::inputs::InputId::approval_decided(&request.approval_id);
-    match rt.journal.append_input(&env, key.as_str()).await {
-        Ok(seq) => {
-            tracing::info!(run_id = %run, approval = %request.approval_id, %approver, "approval decided");
-            Ok(seq)
-        }
-        Err(JournalError::Duplicate { .. }) => Err(refusal(
+    match rt.journal.append_input(&key, &input).await {
+        Ok(appended) if appended.duplicate => Err(refusal(
             409,
             format!("approval {} was already decided", request.approval_id),
         )),
+        Ok(appended) => {
+            tracing::info!(run_id = %run, approval = %request.approval_id, %approver, "approval decided");
+            Ok(appended.seq)
+        }
         Err(e) => Err(refusal(503, e.to_string())),
     }
 }

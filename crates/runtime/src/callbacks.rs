@@ -14,7 +14,9 @@
 //! - a key that names no run → recorded on `agent.rejected.callback` (stream
 //!   `KEDGE_REJECTIONS`) with its payload, never lost, and answered `UnknownKey`.
 
-use kedge_core::event::{CallbackReceived, Digest, Draft, Envelope, Event, Timestamp};
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
+use kedge_core::event::{CallbackReceived, Digest, Draft, Timestamp};
 use kedge_core::ids::{CallbackKey, RunId};
 use kedge_core::subjects;
 use kedge_journal::JournalError;
@@ -93,10 +95,10 @@ pub async fn deliver(
         });
     }
     let expected = cb.is_some_and(|c| c.expected);
-    let env = Envelope::new(
+    let input = InputEnvelope::new(
         run.clone(),
         now,
-        Draft::new(Event::CallbackReceived(CallbackReceived {
+        Draft::new(Input::CallbackReceived(CallbackReceived {
             key: key.clone(),
             payload: payload.clone(),
         })),
@@ -105,15 +107,14 @@ pub async fn deliver(
         Some(id) => id.to_owned(),
         None => Digest::of_json(&payload).as_str().to_owned(),
     };
-    let seq = match rt
+    let appended = rt
         .journal
-        .append_input(&env, crate::inputs::InputId::callback(&key, &id).as_str())
-        .await
-    {
-        Ok(seq) => seq,
-        Err(JournalError::Duplicate { .. }) => return Ok(Delivery::Duplicate { run_id: run }),
-        Err(e) => return Err(e.into()),
-    };
+        .append_input(&crate::inputs::InputId::callback(&key, &id), &input)
+        .await?;
+    if appended.duplicate {
+        return Ok(Delivery::Duplicate { run_id: run });
+    }
+    let seq = appended.seq;
     Ok(if expected {
         Delivery::Accepted { run_id: run, seq }
     } else {

@@ -7,10 +7,12 @@
 //! function first checks that the run belongs to that tenant and treats another tenant's run as
 //! one that does not exist. Refusals carry an HTTP-like status ([`Refusal::status`]).
 
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
 use kedge_core::RunStatus;
 use kedge_core::event::{
-    CancelRequested, Draft, Envelope, Event, OutcomeResolved, QuestionAnswered, Resolution,
-    Timestamp, UserMessage,
+    CancelRequested, Draft, Event, OutcomeResolved, QuestionAnswered, Resolution, Timestamp,
+    UserMessage,
 };
 use kedge_core::fold::OpStatus;
 use kedge_core::ids::{CallbackKey, OperationId, QuestionId, RunId, TenantId};
@@ -196,30 +198,24 @@ fn check_text(field: &'static str, text: &str) -> Result<(), Refusal> {
 async fn append(
     rt: &Runtime,
     run: &RunId,
-    event: Event,
+    input: Input,
     id: &InputId,
 ) -> Result<Appended, Refusal> {
-    append_draft(rt, run, Draft::new(event), id).await
+    append_draft(rt, run, Draft::new(input), id).await
 }
 
 async fn append_draft(
     rt: &Runtime,
     run: &RunId,
-    draft: Draft,
+    draft: Draft<Input>,
     id: &InputId,
 ) -> Result<Appended, Refusal> {
-    let env = Envelope::new(run.clone(), Timestamp::now(), draft);
-    match rt.journal.append_input(&env, id.as_str()).await {
-        Ok(seq) => Ok(Appended {
-            seq,
-            duplicate: false,
-        }),
-        Err(JournalError::Duplicate { seq }) => Ok(Appended {
-            seq,
-            duplicate: true,
-        }),
-        Err(e) => Err(e.into()),
-    }
+    let input = InputEnvelope::new(run.clone(), Timestamp::now(), draft);
+    let appended = rt.journal.append_input(id, &input).await?;
+    Ok(Appended {
+        seq: appended.seq,
+        duplicate: appended.duplicate,
+    })
 }
 
 /// A user message (it revives a finished run into a new turn; a cancelled run takes none).
@@ -243,7 +239,7 @@ pub async fn message(
     append(
         rt,
         run,
-        Event::UserMessage(UserMessage { text }),
+        Input::UserMessage(UserMessage { text }),
         &InputId::message(run, key),
     )
     .await
@@ -293,7 +289,7 @@ pub async fn answer(
     let appended = append(
         rt,
         run,
-        Event::QuestionAnswered(QuestionAnswered {
+        Input::QuestionAnswered(QuestionAnswered {
             question_id: question.clone(),
             answer: text.clone(),
         }),
@@ -339,7 +335,7 @@ pub async fn cancel(
     append(
         rt,
         run,
-        Event::CancelRequested(CancelRequested { reason, by }),
+        Input::CancelRequested(CancelRequested { reason, by }),
         &InputId::cancel(run),
     )
     .await
@@ -382,7 +378,7 @@ pub async fn resolve(
     }
     let dispatch = tool.dispatches;
     let draft =
-        Draft::new(Event::OutcomeResolved(OutcomeResolved { resolution, by })).op(op.clone());
+        Draft::new(Input::OutcomeResolved(OutcomeResolved { resolution, by })).op(op.clone());
     append_draft(rt, run, draft, &InputId::outcome_resolved(op, dispatch)).await
 }
 

@@ -36,6 +36,9 @@
 //! ([`kedge_core::agent::AgentDefinition::allows_tenant`]); to any other tenant the agent does
 //! not exist.
 
+use kedge_core::Decision;
+use kedge_core::DecisionEnvelope;
+use kedge_journal::RunCreator;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
@@ -43,7 +46,7 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use async_nats::jetstream::Message;
 use futures::FutureExt;
-use kedge_core::event::{Draft, Envelope, Event, RunCreated, Timestamp};
+use kedge_core::event::{Draft, Event, RunCreated, Timestamp};
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{self, Durable, TaskSubject};
 use kedge_core::task::{TaskRejection, TaskSubmission};
@@ -316,12 +319,12 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         parent: None,
     };
     seal_task_fields(rt, &def, &run_id, &mut created)?;
-    let env = Envelope::new(
+    let created = DecisionEnvelope::new(
         run_id.clone(),
         Timestamp::now(),
-        Draft::new(Event::RunCreated(Box::new(created))),
+        Draft::new(Decision::RunCreated(Box::new(created))),
     );
-    match rt.journal.create_run(&env).await {
+    match rt.journal.create_run(&RunCreator::intake(), &created).await {
         Ok(_) => {
             kedge_runtime::metrics::run_created();
             Ok(run_id)

@@ -45,15 +45,15 @@
 
 pub mod retention;
 
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::Duration;
 
 use kedge_core::answers::{Handled, ResolveReply};
 use kedge_core::decide::{Next, decide};
-use kedge_core::event::{
-    Draft, Envelope, Event, EventType, Nudge, RunWaiting, Timestamp, WaitReason,
-};
+use kedge_core::event::{Draft, Event, EventType, Nudge, RunWaiting, Timestamp, WaitReason};
 use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects;
 use kedge_journal::JournalError;
@@ -302,10 +302,10 @@ async fn check(
             }) else {
                 continue;
             };
-            let nudge = Envelope::new(
+            let nudge = InputEnvelope::new(
                 run.clone(),
                 Timestamp::now(),
-                Draft::new(Event::Nudge(Nudge {
+                Draft::new(Input::Nudge(Nudge {
                     reason: format!(
                         "operation {} stuck since {} (no outcome after tool_timeout + tool_grace = {} ms); \
                          a tool runner was asked to resolve it",
@@ -322,12 +322,10 @@ async fn check(
                 .iter()
                 .any(|r| r.msg_id.as_deref() == Some(key.as_str()))
             {
-                match rt.journal.append_input(&nudge, key.as_str()).await {
-                    Ok(_) => kedge_runtime::metrics::reconciler_nudge(
+                if !rt.journal.append_input(&key, &nudge).await?.duplicate {
+                    kedge_runtime::metrics::reconciler_nudge(
                         kedge_runtime::metrics::Nudge::Resolve,
-                    ),
-                    Err(JournalError::Duplicate { .. }) => {}
-                    Err(e) => return Err(e.into()),
+                    );
                 }
             }
             // As journaled: large arguments by reference, so the request fits a message.
@@ -372,10 +370,10 @@ async fn check(
         Ok(None) => {}
         Err(e) => return Err(ReconcileError::Broker(e.to_string())),
     }
-    let nudge = Envelope::new(
+    let nudge = InputEnvelope::new(
         run.clone(),
         Timestamp::now(),
-        Draft::new(Event::Nudge(Nudge {
+        Draft::new(Input::Nudge(Nudge {
             reason: format!(
                 "stalled: runnable ({}) with no lease and no event for {} s",
                 state.status,
@@ -386,16 +384,13 @@ async fn check(
     // Keyed by the last event the quiet verdict stands on, not the state's: a replica whose
     // read came after another's nudge landed (the nudge its last event) would key a second one.
     let key = kedge_core::ids::InputId::nudge(run, last.seq);
-    match rt.journal.append_input(&nudge, key.as_str()).await {
-        Ok(_) => {
-            tracing::info!(run_id = %run, status = %state.status, "nudged a stalled run");
-            kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Stalled);
-            Ok(Verdict::Nudged)
-        }
+    if rt.journal.append_input(&key, &nudge).await?.duplicate {
         // Another replica nudged this same state.
-        Err(JournalError::Duplicate { .. }) => Ok(Verdict::Quiet),
-        Err(e) => Err(e.into()),
+        return Ok(Verdict::Quiet);
     }
+    tracing::info!(run_id = %run, status = %state.status, "nudged a stalled run");
+    kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Stalled);
+    Ok(Verdict::Nudged)
 }
 
 /// A quiet run that waits on child runs (`run_agent`): the safety net under the step's own
@@ -432,22 +427,18 @@ async fn check_children(
             }
             Some(_) => continue,
         };
-        let nudge = Envelope::new(
+        let nudge = InputEnvelope::new(
             target.clone(),
             Timestamp::now(),
-            Draft::new(Event::Nudge(Nudge {
+            Draft::new(Input::Nudge(Nudge {
                 reason: reason.clone(),
             })),
         );
         let key = kedge_core::ids::InputId::nudge(target, seq);
-        match rt.journal.append_input(&nudge, key.as_str()).await {
-            Ok(_) => {
-                tracing::info!(run_id = %run, nudged = %target, %reason, "nudged for a child run");
-                kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Stalled);
-                return Ok(Verdict::Nudged);
-            }
-            Err(JournalError::Duplicate { .. }) => {}
-            Err(e) => return Err(e.into()),
+        if !rt.journal.append_input(&key, &nudge).await?.duplicate {
+            tracing::info!(run_id = %run, nudged = %target, %reason, "nudged for a child run");
+            kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Stalled);
+            return Ok(Verdict::Nudged);
         }
     }
     Ok(Verdict::Quiet)

@@ -78,15 +78,18 @@
 
 pub mod wire;
 
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
+use kedge_core::ids::InputId;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use async_nats::jetstream::Message;
 use futures::FutureExt as _;
-use kedge_core::event::{Draft, Envelope, Event, TimerFired, Timestamp};
+use kedge_core::event::{Draft, Event, TimerFired, Timestamp};
 use kedge_core::subjects::Durable;
-use kedge_journal::{Delivered, Delivery, JournalError};
+use kedge_journal::{Delivered, Delivery};
 use kedge_runtime::consumer::{Backoff, Verdict};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tracing::Instrument;
@@ -278,25 +281,25 @@ async fn fire(rt: &Runtime, due: &Due, last: bool) -> Verdict {
         );
         return Verdict::Later(early + Duration::from_millis(1));
     }
-    let mut draft = Draft::new(Event::TimerFired(TimerFired {
+    let mut draft = Draft::new(Input::TimerFired(TimerFired {
         timer_id: due.timer_id.clone(),
     }));
     draft.step = due.step;
     draft.op = due.op.clone();
-    let envelope = Envelope::new(due.run_id.clone(), now, draft);
+    let input = InputEnvelope::new(due.run_id.clone(), now, draft);
     match rt
         .journal
-        .append_input(&envelope, &wire::fired_msg_id(&due.timer_id))
+        .append_input(&InputId::timer_fired(&due.timer_id), &input)
         .await
     {
-        Ok(seq) => {
-            let late = (now.0 - due.fire_at.0).whole_milliseconds();
-            tracing::info!(seq, late_ms = late as i64, "timer fired");
-            kedge_runtime::metrics::timer_fired();
+        Ok(fired) if fired.duplicate => {
+            tracing::debug!(seq = fired.seq, "timer already fired");
             Verdict::Ack
         }
-        Err(JournalError::Duplicate { seq }) => {
-            tracing::debug!(seq, "timer already fired");
+        Ok(fired) => {
+            let late = (now.0 - due.fire_at.0).whole_milliseconds();
+            tracing::info!(seq = fired.seq, late_ms = late as i64, "timer fired");
+            kedge_runtime::metrics::timer_fired();
             Verdict::Ack
         }
         Err(e) if e.is_retryable() => {

@@ -41,14 +41,6 @@ pub fn schedule_msg_id(timer: &TimerId) -> String {
     format!("timer:{timer}")
 }
 
-/// `Nats-Msg-Id` of a timer's `timer.fired` input in the journal: a firing handled twice is
-/// journaled once.
-pub fn fired_msg_id(timer: &TimerId) -> String {
-    kedge_core::ids::InputId::timer_fired(timer)
-        .as_str()
-        .to_owned()
-}
-
 /// The `Nats-Schedule` value for `fire_at`: `@at <RFC 3339 in UTC>`, nanoseconds included (the
 /// broker keeps them: it fires at or after that instant, not at the whole second before).
 pub fn at_schedule(fire_at: Timestamp) -> String {

@@ -5,14 +5,15 @@
 //! and journaled by the next start (docs/ARCHITECTURE.md "The tool service", "A late result
 //! wins over a person").
 
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kedge_core::event::{Draft, Envelope, Event, Timestamp, ToolRequested, ToolResult};
+use kedge_core::event::{Draft, Timestamp, ToolRequested, ToolResult};
 use kedge_core::ids::{InputId, OperationId};
 use kedge_core::tools::ToolErrorClass;
-use kedge_journal::JournalError;
 use kedge_runtime::Runtime;
 use kedge_runtime::idempotency::Finished;
 
@@ -49,7 +50,7 @@ pub(crate) async fn journal_result_after(
     journal_input(
         rt,
         op,
-        Event::ToolResult(result),
+        Input::ToolResult(result),
         InputId::tool_result(op),
         after,
     )
@@ -72,7 +73,7 @@ pub(crate) async fn journal_confirmed(
     journal_input(
         rt,
         op,
-        Event::OutcomeConfirmed(confirmed),
+        Input::OutcomeConfirmed(confirmed),
         InputId::tool_result(op),
         None,
     )
@@ -90,7 +91,7 @@ pub(crate) async fn journal_ambiguous(
     journal_input(
         rt,
         op,
-        Event::OutcomeAmbiguous(ambiguous),
+        Input::OutcomeAmbiguous(ambiguous),
         InputId::outcome_ambiguous(op, dispatch),
         None,
     )
@@ -116,18 +117,14 @@ pub(crate) async fn journal_attempt(
         delay_ms: millis(delay),
         retry_at: Timestamp::now().saturating_add(delay),
     };
-    let key = format!("tool.attempt:{op}:{dispatch}:{attempt}");
-    let env = Envelope::new(
-        op.run().clone(),
-        Timestamp::now(),
-        Draft::new(Event::ToolAttempt(data))
-            .step(op.step())
-            .op(op.clone()),
-    );
-    match rt.journal.append_input(&env, &key).await {
-        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    journal_input(
+        rt,
+        op,
+        Input::ToolAttempt(data),
+        InputId::tool_attempt(op, dispatch, attempt),
+        None,
+    )
+    .await
 }
 
 /// Journals that an approved operation was not run because its target moved.
@@ -145,7 +142,7 @@ pub(crate) async fn journal_moved(
     journal_input(
         rt,
         op,
-        Event::TargetMoved(moved),
+        Input::TargetMoved(moved),
         InputId::target_moved(op, dispatch),
         None,
     )
@@ -157,23 +154,17 @@ pub(crate) async fn journal_moved(
 async fn journal_input(
     rt: &Runtime,
     op: &OperationId,
-    event: Event,
+    input: Input,
     key: InputId,
     after: Option<u64>,
 ) -> Result<(), ToolError> {
-    let env = Envelope::new(
+    let input = InputEnvelope::new(
         op.run().clone(),
         Timestamp::now(),
-        Draft::new(event).step(op.step()).op(op.clone()),
+        Draft::new(input).step(op.step()).op(op.clone()),
     );
-    match rt
-        .journal
-        .append_input_after(&env, key.as_str(), after)
-        .await
-    {
-        Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
+    rt.journal.append_input_after(&key, &input, after).await?;
+    Ok(())
 }
 
 /// Completes the record of an operation this runner holds (revision from its claim) with its

@@ -3,15 +3,16 @@
 //! policy's verdict on a failed attempt, and the record and result written together
 //! (docs/ARCHITECTURE.md "The tool service", "Tool retries", "Waiting and stopping").
 
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kedge_core::event::{Draft, Envelope, Event, Timestamp, ToolRequested, ToolStarted};
+use kedge_core::event::{Draft, Timestamp, ToolRequested, ToolStarted};
 use kedge_core::ids::{InputId, OperationId, RunId};
 use kedge_core::tools::{GiveUp, ToolErrorClass, Verdict, claim_dispatch};
-use kedge_journal::JournalError;
 use kedge_runtime::idempotency::{Finished, IdempotencyError};
 use kedge_runtime::metrics::{self, ToolOutcome};
 use kedge_runtime::{Runtime, failpoint};
@@ -206,10 +207,10 @@ async fn start_and_run(
 ) -> (Option<u64>, Ran) {
     let (ctx, op, req, runner) = (h.ctx, h.op, h.req, h.runner);
     let (rt, env) = (&ctx.rt, &ctx.env);
-    let started = Envelope::new(
+    let started = InputEnvelope::new(
         op.run().clone(),
         Timestamp::now(),
-        Draft::new(Event::ToolStarted(ToolStarted {
+        Draft::new(Input::ToolStarted(ToolStarted {
             runner: runner.clone(),
             attempt,
         }))
@@ -234,9 +235,7 @@ async fn start_and_run(
     // which case it goes out unchained at once. `tool.result` is chained on it in turn, and the
     // step reads the run by those links ([`kedge_journal::Journal::read_chained`]).
     let chain_on = requested_at.filter(|_| attempt == 1);
-    let appended = rt
-        .journal
-        .append_input_after(&started, key.as_str(), chain_on);
+    let appended = rt.journal.append_input_after(&key, &started, chain_on);
     let (started, ran) = futures::join!(appended, async {
         let began = std::time::Instant::now();
         let ran = match &arguments {
@@ -251,8 +250,8 @@ async fn start_and_run(
     });
     ctx.running.unregister(op);
     let chained = match started {
+        // A repeat (a redelivered request of the same claim) is not chained.
         Ok(started) => started.chained.then_some(started.seq),
-        Err(JournalError::Duplicate { .. }) => None,
         Err(e) => {
             // The tool ran: its record and result still go in (and a failure there is retried;
             // the record then answers without running it again).

@@ -298,6 +298,7 @@ fn args_match(req: &ToolRequested) -> Result<(), Refusal> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kedge_core::Decision;
     use kedge_core::event::{Draft, Timestamp};
 
     fn run(s: &str) -> RunId {
@@ -308,7 +309,7 @@ mod tests {
         Envelope::new(
             run_id.clone(),
             Timestamp::now(),
-            Draft::new(Event::ToolRequested(ToolRequested {
+            Draft::new(Decision::ToolRequested(ToolRequested {
                 call_id: "c1".into(),
                 tool: "shell".into(),
                 args_digest: Digest::of_json(&args),

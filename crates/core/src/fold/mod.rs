@@ -148,14 +148,14 @@ mod tests {
         state.set_aside(1, EventKind::Input);
         assert_eq!((state.set_aside, state.last_seq), (1, 3));
         state.set_aside(4, EventKind::Input);
-        assert_eq!((state.last_seq, state.last_decision_seq), (4, 3));
+        assert_eq!((state.last_seq, state.last_decision_seq.get()), (4, 3));
         state.set_aside(5, EventKind::Decision);
-        assert_eq!((state.last_seq, state.last_decision_seq), (5, 5));
+        assert_eq!((state.last_seq, state.last_decision_seq.get()), (5, 5));
         assert_eq!(state.set_aside, 3);
         // The run goes on after them.
         let started = env(Event::RunStarted(RunStarted {}));
         state.apply(6, &started).expect("applies");
-        assert_eq!(state.last_decision_seq, 6);
+        assert_eq!(state.last_decision_seq.get(), 6);
         assert_eq!(state.status, RunStatus::Running);
     }
 }

@@ -10,8 +10,8 @@ use crate::event::{
     TimerPurpose, Timestamp, Usage, Verdict, WaitReason,
 };
 use crate::ids::{
-    ApprovalId, Attempt, CallbackKey, ModelRequestId, OperationId, QuestionId, RunId, StepNo,
-    TimerId,
+    ApprovalId, Attempt, CallbackKey, DecisionSeq, ModelRequestId, OperationId, QuestionId, RunId,
+    StepNo, TimerId,
 };
 use crate::machine::{RunStatus, apply};
 
@@ -141,7 +141,7 @@ pub struct RunState {
     /// Sequence of the last event folded.
     pub last_seq: u64,
     /// Sequence of the last decision: the expected-last-sequence of the next decision append.
-    pub last_decision_seq: u64,
+    pub last_decision_seq: DecisionSeq,
     /// The last step started (0 before the first).
     pub step: StepNo,
     pub open_step: Option<OpenStep>,
@@ -211,7 +211,7 @@ impl RunState {
             created_at: env.at,
             turn: 1,
             last_seq: seq,
-            last_decision_seq: seq,
+            last_decision_seq: DecisionSeq::at(seq),
             step: StepNo(0),
             open_step: None,
             transcript: vec![ChatMessage::User {
@@ -273,7 +273,7 @@ impl RunState {
                     self.status = apply(Some(self.status), EventType::RunWaiting, Some(on))
                         .map_err(|source| FoldError::Transition { seq, event, source })?;
                 }
-                self.last_decision_seq = seq;
+                self.last_decision_seq = DecisionSeq::at(seq);
             }
             ByKind::Input(input) => {
                 if !self.apply_input(seq, env, input) {
@@ -296,7 +296,7 @@ impl RunState {
         }
         self.last_seq = seq;
         match kind {
-            crate::event::EventKind::Decision => self.last_decision_seq = seq,
+            crate::event::EventKind::Decision => self.last_decision_seq = DecisionSeq::at(seq),
             crate::event::EventKind::Input => {}
         }
     }

@@ -46,6 +46,10 @@ impl InputId {
     pub fn tool_started(op: &OperationId, revision: u64) -> InputId {
         InputId(format!("tool.started:{op}:{revision}"))
     }
+    /// `tool.attempt`: one failed attempt of one dispatch of an operation, to be tried again.
+    pub fn tool_attempt(op: &OperationId, dispatch: u32, attempt: u32) -> InputId {
+        InputId(format!("tool.attempt:{op}:{dispatch}:{attempt}"))
+    }
     /// `outcome.ambiguous` of one dispatch of an operation.
     pub fn outcome_ambiguous(op: &OperationId, dispatch: u32) -> InputId {
         InputId(format!("outcome.ambiguous:{op}:{dispatch}"))
@@ -76,6 +80,11 @@ impl InputId {
     /// The reconciler's nudge naming an operation stuck in one dispatch.
     pub fn resolve_nudge(op: &OperationId, dispatch: u32) -> InputId {
         InputId(format!("resolve:{op}:{dispatch}"))
+    }
+    /// Any id: for tests and benches that append inputs of their own.
+    #[cfg(any(test, feature = "test-util"))]
+    pub fn arbitrary(id: impl Into<String>) -> InputId {
+        InputId(id.into())
     }
     pub fn as_str(&self) -> &str {
         &self.0

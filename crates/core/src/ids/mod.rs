@@ -11,11 +11,13 @@
 //!
 //! The module is split by kind: here the prefixed ids (`run_…`, `apr_…`, …) and the counters
 //! (steps, attempts); `derived` the ids computed from their parts; `name` the unprefixed names
-//! (agents, tenants); `input` the deduplication ids of journal inputs.
+//! (agents, tenants); `input` the deduplication ids of journal inputs; `seq` a decision's stream
+//! sequence.
 
 mod derived;
 mod input;
 mod name;
+mod seq;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -27,6 +29,7 @@ use serde::{Deserialize, Serialize};
 pub use derived::{ModelRequestId, OperationId};
 pub use input::InputId;
 pub use name::{AgentName, TenantId};
+pub use seq::DecisionSeq;
 
 /// Longest body (after the prefix) accepted for a run id. Derived ids (operations, questions)
 /// embed it, so other ids accept up to [`MAX_ID_BODY`].

@@ -4,8 +4,9 @@
 //! (docs/ARCHITECTURE.md "The journal").
 
 use async_nats::HeaderMap;
+use kedge_core::ids::{DecisionSeq, InputId};
 use kedge_core::subjects::{self, RUNS_STREAM};
-use kedge_core::{Envelope, EventKind, EventType, RunId};
+use kedge_core::{DecisionEnvelope, EventType, InputEnvelope, RunId};
 use tracing::Instrument;
 
 use super::Journal;
@@ -15,7 +16,7 @@ use crate::wire::{self, BatchMessage, StoredMessage, WireError, codes};
 /// Most decisions one atomic group may hold (the server's batch limit).
 pub const MAX_GROUP: usize = 1000;
 
-/// Where an append landed.
+/// Where a decision append landed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Appended {
     /// Stream sequence of the first event appended.
@@ -25,13 +26,48 @@ pub struct Appended {
     pub last_seq: u64,
 }
 
-/// Where an input landed ([`Journal::append_input_after`]).
+impl Appended {
+    /// The run's last decision once this append landed: what the writer's next append is
+    /// checked against.
+    pub fn last_decision(&self) -> DecisionSeq {
+        DecisionSeq::at(self.last_seq)
+    }
+}
+
+/// Where an input landed ([`Journal::append_input`], [`Journal::append_input_after`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InputAppended {
+    /// Its stream sequence; for a duplicate, the sequence of the input first stored with its id.
     pub seq: u64,
+    /// An input with the same [`InputId`] was stored before (within the stream's duplicate
+    /// window): this append stored nothing, and `seq` is the first one's. Not an error: a repeat
+    /// of an input lands once, whoever repeats it.
+    pub duplicate: bool,
     /// It was stored with the run-wide check on the sequence asked for: nothing of the run
     /// lies between that message and this one (see [`Journal::read_chained`]).
     pub chained: bool,
+}
+
+/// The right to start a run: [`Journal::create_run`] appends a run's first decision only for
+/// a holder of one. Intake has one for the runs its tasks ask for ([`RunCreator::intake`],
+/// behind this crate's `create-runs` feature, which only intake and tests enable), and the
+/// writer of a run for its child runs ([`RunCreator::child_of`]).
+#[derive(Debug)]
+pub struct RunCreator {
+    _private: (),
+}
+
+impl RunCreator {
+    /// Intake's: it starts the run an accepted task asks for.
+    #[cfg(feature = "create-runs")]
+    pub fn intake() -> RunCreator {
+        RunCreator { _private: () }
+    }
+
+    /// A run's writer's: the holder of a run's lease starts the run's child runs.
+    pub fn child_of(_parent: &DecisionWriter) -> RunCreator {
+        RunCreator { _private: () }
+    }
 }
 
 /// The writer name of [`Journal::create_run`].
@@ -111,7 +147,12 @@ impl DecisionWriter {
 /// The `Nats-Msg-Id` of the `index`-th decision (0-based) of an append by `writer` after
 /// `expected_last`. Deterministic, so a retry carries the same ids; includes the writer, so two
 /// racing writers never share one.
-pub fn decision_msg_id(run: &RunId, expected_last: u64, index: usize, writer: &str) -> String {
+pub fn decision_msg_id(
+    run: &RunId,
+    expected_last: DecisionSeq,
+    index: usize,
+    writer: &str,
+) -> String {
     format!("d:{run}:{expected_last}:{index}:{writer}")
 }
 
@@ -152,7 +193,7 @@ pub fn parse_decision_msg_id(id: &str) -> Option<DecisionMsgId> {
 /// (`Duplicate`), another decision did (`Conflict`), or neither (`Ok`).
 fn judge_last_decision(
     last: Option<&StoredMessage>,
-    expected_last: u64,
+    expected_last: DecisionSeq,
     ours: &str,
 ) -> Result<(), JournalError> {
     match last {
@@ -160,9 +201,9 @@ fn judge_last_decision(
             Err(JournalError::Duplicate { seq: m.seq })
         }
         _ => match last.map_or(0, |m| m.seq) {
-            actual if actual == expected_last => Ok(()),
+            actual if actual == expected_last.get() => Ok(()),
             actual => Err(JournalError::Conflict {
-                expected: expected_last,
+                expected: expected_last.get(),
                 actual,
             }),
         },
@@ -188,7 +229,7 @@ fn check_token(what: &str, value: &str) -> Result<(), JournalError> {
 }
 
 /// Checks a decision group before anything is sent.
-fn check_group(run: &RunId, writer: &str, events: &[Envelope]) -> Result<(), JournalError> {
+fn check_group(run: &RunId, writer: &str, events: &[DecisionEnvelope]) -> Result<(), JournalError> {
     check_token("writer", writer)?;
     if events.is_empty() {
         return Err(JournalError::BadRequest(
@@ -202,12 +243,6 @@ fn check_group(run: &RunId, writer: &str, events: &[Envelope]) -> Result<(), Jou
         )));
     }
     for e in events {
-        if e.kind() != EventKind::Decision {
-            return Err(JournalError::WrongKind {
-                event_type: e.event_type(),
-                expected: EventKind::Decision,
-            });
-        }
         if &e.run_id != run {
             return Err(JournalError::BadRequest(format!(
                 "event `{}` belongs to {}, not {run}",
@@ -239,8 +274,8 @@ impl Journal {
     pub async fn append_decisions(
         &self,
         writer: &DecisionWriter,
-        expected_last: u64,
-        events: &[Envelope],
+        expected_last: DecisionSeq,
+        events: &[DecisionEnvelope],
     ) -> Result<Appended, JournalError> {
         let run = &writer.run;
         check_group(run, &writer.name, events)?;
@@ -305,9 +340,9 @@ impl Journal {
     pub async fn append_decision_current(
         &self,
         writer: &DecisionWriter,
-        expected_last: u64,
+        expected_last: DecisionSeq,
         run_last: u64,
-        event: &Envelope,
+        event: &DecisionEnvelope,
     ) -> Result<Appended, JournalError> {
         check_group(&writer.run, &writer.name, std::slice::from_ref(event))?;
         self.append_decisions_as(
@@ -322,9 +357,14 @@ impl Journal {
 
     /// Writes a run's first decision, its `run.created`, with the check that the run has no
     /// decision yet: the narrow path by which intake (which holds no lease: the run has no
-    /// writer before it exists) starts a run. Anything but a `run.created` is refused.
-    /// `Conflict` means the run already exists; `Duplicate` that this very append landed.
-    pub async fn create_run(&self, created: &Envelope) -> Result<Appended, JournalError> {
+    /// writer before it exists) and the writer of a parent run start a run ([`RunCreator`]).
+    /// Anything but a `run.created` is refused. `Conflict` means the run already exists;
+    /// `Duplicate` that this very append landed.
+    pub async fn create_run(
+        &self,
+        _creator: &RunCreator,
+        created: &DecisionEnvelope,
+    ) -> Result<Appended, JournalError> {
         if created.event_type() != EventType::RunCreated {
             return Err(JournalError::BadRequest(format!(
                 "a run starts with run.created, not `{}`",
@@ -334,7 +374,7 @@ impl Journal {
         check_group(&created.run_id, CREATOR, std::slice::from_ref(created))?;
         self.append_decisions_as(
             &created.run_id,
-            0,
+            DecisionSeq::NONE,
             Check::Decisions,
             CREATOR,
             std::slice::from_ref(created),
@@ -346,10 +386,10 @@ impl Journal {
     async fn append_decisions_as(
         &self,
         run: &RunId,
-        expected_last: u64,
+        expected_last: DecisionSeq,
         check: Check,
         writer: &str,
-        events: &[Envelope],
+        events: &[DecisionEnvelope],
     ) -> Result<Appended, JournalError> {
         let run_last = match check {
             Check::RunLast(seq) => Some(seq),
@@ -358,7 +398,7 @@ impl Journal {
         let span = tracing::debug_span!(
             "append_decisions",
             run_id = %run,
-            expected_last,
+            expected_last = expected_last.get(),
             run_last,
             writer,
             events = events.len()
@@ -371,10 +411,10 @@ impl Journal {
     async fn append_decisions_inner(
         &self,
         run: &RunId,
-        expected_last: u64,
+        expected_last: DecisionSeq,
         run_last: Option<u64>,
         writer: &str,
-        events: &[Envelope],
+        events: &[DecisionEnvelope],
     ) -> Result<Appended, JournalError> {
         let mut messages = Vec::with_capacity(events.len());
         for (index, envelope) in events.iter().enumerate() {
@@ -389,7 +429,7 @@ impl Journal {
                 // only for a run's first decision (see `Check`).
                 let (seq, scope) = match run_last {
                     Some(seq) => (seq, subjects::run_all(run)),
-                    None => (expected_last, subjects::run_decisions(run)),
+                    None => (expected_last.get(), subjects::run_decisions(run)),
                 };
                 headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ, seq.to_string().as_str());
                 headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT, scope.as_str());
@@ -450,7 +490,7 @@ impl Journal {
     async fn classify_rejection(
         &self,
         run: &RunId,
-        expected_last: u64,
+        expected_last: DecisionSeq,
         run_last: Option<u64>,
         our_last_msg_id: &str,
     ) -> JournalError {
@@ -462,11 +502,11 @@ impl Journal {
             Err(e) => e,
             // Checked against the run's last message: with the last decision the expected
             // one, only inputs (or messages set aside) landed since.
-            Ok(()) => match run_last.filter(|seq| *seq >= expected_last) {
+            Ok(()) => match run_last.filter(|seq| *seq >= expected_last.get()) {
                 Some(expected) => JournalError::Behind { expected },
                 None => JournalError::Conflict {
-                    expected: expected_last,
-                    actual: expected_last,
+                    expected: expected_last.get(),
+                    actual: expected_last.get(),
                 },
             },
         }
@@ -478,15 +518,15 @@ impl Journal {
         wire::leader_get(&self.client, RUNS_STREAM, query, self.timeout).await
     }
 
-    /// Appends an input (anyone may). `msg_id` deduplicates it: the same id within the
-    /// stream's duplicate window (1 h) is stored once, and the second append gets
-    /// [`JournalError::Duplicate`] with the first one's sequence.
+    /// Appends an input (anyone may). `id` deduplicates it: the same id within the stream's
+    /// duplicate window (1 h) is stored once, and a repeat is answered with the first one's
+    /// sequence and `duplicate` set.
     pub async fn append_input(
         &self,
-        envelope: &Envelope,
-        msg_id: &str,
-    ) -> Result<u64, JournalError> {
-        Ok(self.append_input_after(envelope, msg_id, None).await?.seq)
+        id: &InputId,
+        input: &InputEnvelope,
+    ) -> Result<InputAppended, JournalError> {
+        self.append_input_after(id, input, None).await
     }
 
     /// [`Journal::append_input`], first checked run-wide on `after` when given: stored so only
@@ -495,36 +535,31 @@ impl Journal {
     /// run by ([`Journal::read_chained`]). When the check fails (something of the run landed
     /// since), the input is appended without it at once: an input never waits on the run.
     /// `chained` says which. (A retry of an input that landed fails the check, then is
-    /// recognised by `msg_id`: [`JournalError::Duplicate`].)
+    /// recognised by its id: `duplicate`.)
     pub async fn append_input_after(
         &self,
-        envelope: &Envelope,
-        msg_id: &str,
+        id: &InputId,
+        input: &InputEnvelope,
         after: Option<u64>,
     ) -> Result<InputAppended, JournalError> {
+        let msg_id = id.as_str();
         let span = tracing::debug_span!(
             "append_input",
-            run_id = %envelope.run_id,
-            event_type = %envelope.event_type(),
+            run_id = %input.run_id,
+            event_type = %input.event_type(),
             msg_id,
             after
         );
         async {
-            if envelope.kind() != EventKind::Input {
-                return Err(JournalError::WrongKind {
-                    event_type: envelope.event_type(),
-                    expected: EventKind::Input,
-                });
-            }
-            check_token("msg_id", msg_id)?;
+            check_token("input id", msg_id)?;
             let mut headers = HeaderMap::new();
             headers.insert(wire::MSG_ID, msg_id);
             self.trace_header(&mut headers);
-            let payload = self.stored_form(envelope).await?;
+            let payload = self.stored_form(input).await?;
             let publish = |headers| {
                 wire::publish(
                     &self.client,
-                    envelope.subject(),
+                    input.subject(),
                     headers,
                     payload.clone(),
                     self.timeout,
@@ -536,7 +571,7 @@ impl Journal {
                 Some(after) => {
                     let mut checked = headers.clone();
                     checked.insert(wire::EXPECTED_LAST_SUBJECT_SEQ, after.to_string().as_str());
-                    let scope = subjects::run_all(&envelope.run_id);
+                    let scope = subjects::run_all(&input.run_id);
                     checked.insert(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT, scope.as_str());
                     match publish(checked).await {
                         Ok(ack) => (ack, true),
@@ -548,14 +583,11 @@ impl Journal {
                     }
                 }
             };
-            if ack.duplicate {
-                Err(JournalError::Duplicate { seq: ack.seq })
-            } else {
-                Ok(InputAppended {
-                    seq: ack.seq,
-                    chained,
-                })
-            }
+            Ok(InputAppended {
+                seq: ack.seq,
+                duplicate: ack.duplicate,
+                chained: chained && !ack.duplicate,
+            })
         }
         .instrument(span)
         .await

@@ -54,7 +54,7 @@ mod scan;
 mod tail;
 
 pub use append::{
-    Appended, DecisionMsgId, DecisionWriter, InputAppended, MAX_GROUP, decision_msg_id,
+    Appended, DecisionMsgId, DecisionWriter, InputAppended, MAX_GROUP, RunCreator, decision_msg_id,
     parse_decision_msg_id,
 };
 pub use decode::{Delivered, Delivery, Recorded, SetAside};

@@ -3,7 +3,6 @@
 use std::process::ExitCode;
 
 use anyhow::bail;
-use kedge_core::event::Event;
 use kedge_runtime::Runtime;
 use kedge_runtime::inputs::InputId;
 
@@ -50,7 +49,7 @@ pub(super) async fn dead(rt: &Runtime, cmd: DeadCmd) -> anyhow::Result<ExitCode>
                 );
             };
             let run = parsed.run_id;
-            let nudge = Event::Nudge(kedge_core::event::Nudge {
+            let nudge = kedge_core::Input::Nudge(kedge_core::event::Nudge {
                 reason: format!("retried by an operator from dead letter {seq}"),
             });
             send_input(rt, &run, nudge, &InputId::dead_retry(&run, seq)).await

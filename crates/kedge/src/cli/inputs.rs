@@ -1,11 +1,13 @@
 //! Sending to runs: `kedge submit`, and an operator's inputs (`message`, `answer`, `approve`,
 //! `resolve`, `cancel`), through the same checks as the bridge and the gateway.
 
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use kedge_core::event::{Draft, Envelope, Event, Timestamp};
+use kedge_core::event::{Draft, Timestamp};
 use kedge_core::ids::{QuestionId, RunId};
 use kedge_core::subjects;
 use kedge_core::task::TaskSubmission;
@@ -190,19 +192,18 @@ pub(super) fn report_input(
 pub(super) async fn send_input(
     rt: &Runtime,
     run: &RunId,
-    event: Event,
+    input: Input,
     key: &InputId,
 ) -> anyhow::Result<ExitCode> {
     if rt.journal.last_seq(run).await?.is_none() {
         bail!("no run {run}");
     }
-    let env = Envelope::new(run.clone(), Timestamp::now(), Draft::new(event));
-    match rt.journal.append_input(&env, key.as_str()).await {
-        Ok(seq) => println!("journaled at {seq}"),
-        Err(kedge_journal::JournalError::Duplicate { seq }) => {
-            println!("already journaled at {seq}")
-        }
-        Err(e) => return Err(e.into()),
+    let input = InputEnvelope::new(run.clone(), Timestamp::now(), Draft::new(input));
+    let appended = rt.journal.append_input(key, &input).await?;
+    if appended.duplicate {
+        println!("already journaled at {}", appended.seq);
+    } else {
+        println!("journaled at {}", appended.seq);
     }
     Ok(ExitCode::SUCCESS)
 }

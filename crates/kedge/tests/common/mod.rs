@@ -470,14 +470,17 @@ impl Harness {
         state
     }
 
-    /// Appends an input to a run.
+    /// Appends an input to a run (`event` must be an input); its sequence (the first one's
+    /// for a repeated `key`).
     pub async fn input(&self, run: &RunId, event: Event, key: &str) -> u64 {
         let env = Envelope::new(run.clone(), Timestamp::now(), Draft::new(event));
+        let input = kedge_core::InputEnvelope::try_from(env).expect("an input");
         self.rt
             .journal
-            .append_input(&env, key)
+            .append_input(&kedge_core::ids::InputId::arbitrary(key), &input)
             .await
             .expect("input appended")
+            .seq
     }
 
     pub fn ledger(&self) -> Vec<String> {

@@ -1,14 +1,16 @@
 //! The waits and their release: a run's wait record, and the release loop that lets the
 //! waiting runs go as the breakers and the paces allow, one releaser per endpoint (its lead).
 
+use kedge_core::Input;
+use kedge_core::InputEnvelope;
 use std::collections::{BTreeMap, HashMap};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::kv;
-use kedge_core::event::{Draft, Envelope, Event, ProviderReleased, Timestamp};
+use kedge_core::event::{Draft, ProviderReleased, Timestamp};
 use kedge_core::ids::{InputId, RunId};
 use kedge_core::subjects::PROVIDERS_BUCKET;
-use kedge_journal::{Journal, JournalError};
+use kedge_journal::Journal;
 
 use super::records::LeadStep;
 use super::routing::{fallback_runs, probe_run};
@@ -167,16 +169,17 @@ impl Providers {
         revision: u64,
         probe: bool,
     ) -> Result<(), ProviderError> {
-        let env = Envelope::new(
+        let input = InputEnvelope::new(
             waiter.run_id.clone(),
             Timestamp::now(),
-            Draft::new(Event::ProviderReleased(ProviderReleased { probe })),
+            Draft::new(Input::ProviderReleased(ProviderReleased { probe })),
         );
-        let msg_id = InputId::provider_released(&waiter.run_id, revision);
-        match journal.append_input(&env, msg_id.as_str()).await {
-            Ok(_) | Err(JournalError::Duplicate { .. }) => {}
-            Err(e) => return Err(unavailable(e)),
-        }
+        let input_id = InputId::provider_released(&waiter.run_id, revision);
+        // A repeat (this releaser's earlier self after a crash) released nothing twice.
+        journal
+            .append_input(&input_id, &input)
+            .await
+            .map_err(unavailable)?;
         metrics::provider_released(probe);
         tracing::debug!(run_id = %waiter.run_id, probe, "released from its wait on the provider");
         self.remove(id, &waiter.run_id, Some(revision)).await

@@ -397,7 +397,7 @@ mod tests {
         assert_eq!(state.last_seq, 6);
         // The decision set aside at 4 moved the expected decision sequence: it was folded
         // between the events around it, not after them.
-        assert_eq!(state.last_decision_seq, 4);
+        assert_eq!(state.last_decision_seq.get(), 4);
     }
 
     #[test]

@@ -4,11 +4,12 @@
 
 use kedge_core::agent::AgentDefinition;
 use kedge_core::child;
-use kedge_core::event::{CancelRequested, Draft, Envelope, Event, Timestamp, ToolResult};
+use kedge_core::event::{CancelRequested, Draft, Event, Timestamp, ToolResult};
 use kedge_core::fold::{RunState, ToolOp};
 use kedge_core::ids::{InputId, OperationId, RunId};
 use kedge_core::machine::RunStatus;
-use kedge_journal::JournalError;
+use kedge_core::{Decision, DecisionEnvelope, Input, InputEnvelope};
+use kedge_journal::{DecisionWriter, JournalError, RunCreator};
 use kedge_runtime::Runtime;
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::failpoint;
@@ -44,7 +45,11 @@ impl Driver {
     ///   operation fails), and is asked to cancel while the run is cancelling;
     /// - a child that ended gives its parent's operation its result (`Nats-Msg-Id` the
     ///   operation's result id; the parent's fold keeps the first result).
-    pub(super) async fn tend_children(&self, state: &RunState) -> Result<(), DriveError> {
+    pub(super) async fn tend_children(
+        &self,
+        state: &RunState,
+        writer: &DecisionWriter,
+    ) -> Result<(), DriveError> {
         if !state.status.is_terminal() {
             let open = state
                 .ops
@@ -57,7 +62,7 @@ impl Driver {
                         // Linked by the rest of its group, which the next decision finishes.
                         child::Plan::Start { .. } => None,
                     },
-                    Some(id) => self.ensure_child(state, op, id).await?,
+                    Some(id) => self.ensure_child(state, writer, op, id).await?,
                 };
                 if let Some(why) = refusal {
                     tracing::info!(run_id = %state.run_id, op = %op.op, reason = %why, "run_agent refused");
@@ -88,6 +93,7 @@ impl Driver {
     async fn ensure_child(
         &self,
         state: &RunState,
+        writer: &DecisionWriter,
         op: &ToolOp,
         id: &RunId,
     ) -> Result<Option<String>, DriveError> {
@@ -101,7 +107,7 @@ impl Driver {
             Some(true) => {}
             Some(false) => return Ok(Some(taken(id))),
             None => {
-                if let Some(refusal) = self.create_child(state, op, id).await? {
+                if let Some(refusal) = self.create_child(state, writer, op, id).await? {
                     return Ok(Some(refusal));
                 }
                 // Created, or created meanwhile by someone else (a duplicate message id proves
@@ -140,11 +146,12 @@ impl Driver {
         }))
     }
 
-    /// Creates child run `id` of `op`; `Some(refusal)` when the call may not start one (no such
-    /// agent for the run's tenant, no budget left).
+    /// Creates child run `id` of `op` (as the parent's `writer`); `Some(refusal)` when the call
+    /// may not start one (no such agent for the run's tenant, no budget left).
     async fn create_child(
         &self,
         state: &RunState,
+        writer: &DecisionWriter,
         op: &ToolOp,
         id: &RunId,
     ) -> Result<Option<String>, DriveError> {
@@ -168,12 +175,13 @@ impl Driver {
         if let Err(e) = seal_child_input(&self.rt, state, id, &def, &mut created.input) {
             return Ok(Some(format!("not run: {e}")));
         }
-        let env = Envelope::new(
+        let created = DecisionEnvelope::new(
             id.clone(),
             now,
-            Draft::new(Event::RunCreated(Box::new(created))),
+            Draft::new(Decision::RunCreated(Box::new(created))),
         );
-        match self.rt.journal.create_run(&env).await {
+        let creator = RunCreator::child_of(writer);
+        match self.rt.journal.create_run(&creator, &created).await {
             Ok(_) => {
                 metrics::run_created();
                 tracing::info!(run_id = %state.run_id, op = %op.op, child = %id, agent = %agent, "child run created");
@@ -192,24 +200,20 @@ impl Driver {
             state.run_id,
             state.cancel_requested.as_deref().unwrap_or_default()
         );
-        let env = Envelope::new(
+        let input = InputEnvelope::new(
             id.clone(),
             Timestamp::now(),
-            Draft::new(Event::CancelRequested(CancelRequested {
+            Draft::new(Input::CancelRequested(CancelRequested {
                 reason,
                 by: Some(format!("run:{}", state.run_id)),
             })),
         );
-        match self
-            .rt
+        // A repeat (this drive's earlier self, or another worker's) asked nothing twice.
+        self.rt
             .journal
-            .append_input(&env, InputId::cancel(id).as_str())
-            .await
-        {
-            // Asked before (this drive's earlier self, or another worker's).
-            Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
-            Err(e) => Err(e.into()),
-        }
+            .append_input(&InputId::cancel(id), &input)
+            .await?;
+        Ok(())
     }
 
     /// Appends `result` as the one result of operation `op` of run `run`.
@@ -219,23 +223,19 @@ impl Driver {
         op: &OperationId,
         result: ToolResult,
     ) -> Result<(), DriveError> {
-        let env = Envelope::new(
+        let input = InputEnvelope::new(
             run.clone(),
             Timestamp::now(),
-            Draft::new(Event::ToolResult(result))
+            Draft::new(Input::ToolResult(result))
                 .step(op.step())
                 .op(op.clone()),
         );
-        match self
-            .rt
+        // Given before (a redelivered wake, a nudge, another worker): the one result stands.
+        self.rt
             .journal
-            .append_input(&env, InputId::tool_result(op).as_str())
-            .await
-        {
-            // Given before (a redelivered wake, a nudge, another worker): the one result stands.
-            Ok(_) | Err(JournalError::Duplicate { .. }) => Ok(()),
-            Err(e) => Err(e.into()),
-        }
+            .append_input(&InputId::tool_result(op), &input)
+            .await?;
+        Ok(())
     }
 }
 
@@ -271,6 +271,7 @@ fn seal_child_input(
 mod tests {
     use super::*;
     use kedge_core::StepNo;
+    use kedge_core::event::Envelope;
     use kedge_core::event::{ParentLink, RunCreated};
 
     fn folded(parent: Option<ParentLink>) -> RunState {
@@ -282,7 +283,7 @@ mod tests {
         let env = Envelope::new(
             run,
             Timestamp::now(),
-            Draft::new(Event::RunCreated(Box::new(created))),
+            Draft::new(Decision::RunCreated(Box::new(created))),
         );
         kedge_core::fold::fold([(1, &env)]).expect("folds")
     }

@@ -2,8 +2,11 @@
 //! folded into the state as it lands, or read back later (docs/ARCHITECTURE.md "The step
 //! service").
 
-use kedge_core::event::{Draft, Envelope, Event, Timestamp};
+use kedge_core::Decision;
+use kedge_core::DecisionEnvelope;
+use kedge_core::event::{Draft, Event, Timestamp};
 use kedge_core::fold::RunState;
+use kedge_core::ids::DecisionSeq;
 use kedge_core::ids::ModelRequestId;
 use kedge_journal::{DecisionWriter, JournalError};
 use kedge_runtime::failpoint;
@@ -32,7 +35,7 @@ impl Driver {
         &self,
         state: &mut RunState,
         w: &mut Writing<'_>,
-        drafts: Vec<Draft>,
+        drafts: Vec<Draft<Decision>>,
     ) -> Result<bool, DriveError> {
         if !self.append(state, w, drafts).await? {
             return Ok(false);
@@ -50,7 +53,7 @@ impl Driver {
         state: &mut RunState,
         w: &mut Writing<'_>,
         request: &ModelRequestId,
-        end: impl Fn(&RunState) -> Vec<Draft>,
+        end: impl Fn(&RunState) -> Vec<Draft<Decision>>,
     ) -> Result<bool, DriveError> {
         for _ in 0..3 {
             if self.commit(state, w, end(state)).await? {
@@ -96,7 +99,7 @@ impl Driver {
         &self,
         state: &mut RunState,
         w: &mut Writing<'_>,
-        drafts: Vec<Draft>,
+        drafts: Vec<Draft<Decision>>,
     ) -> Result<bool, DriveError> {
         let mut drafts = drafts;
         self.observe_targets(&state.run_id, &mut drafts).await?;
@@ -107,7 +110,7 @@ impl Driver {
         let mut expected = state.last_decision_seq;
         let count = drafts.len();
         for (index, draft) in drafts.into_iter().enumerate() {
-            let event = Envelope::new(state.run_id.clone(), now, draft);
+            let event = DecisionEnvelope::new(state.run_id.clone(), now, draft);
             let journal = &self.rt.journal;
             let mut current = w.stale_through.is_none();
             // A test's stand-in for a broker that accepts an append past an input: the plain
@@ -142,18 +145,18 @@ impl Driver {
                     metrics::decision(&event.event);
                     w.skipped.extend(gap(state.last_seq, appended.first_seq));
                     state.apply(appended.last_seq, &event)?;
-                    expected = appended.last_seq;
+                    expected = appended.last_decision();
                 }
                 // Appended after an unfolded append or past an input: read back later.
                 Ok(appended) => {
                     metrics::decision(&event.event);
-                    expected = appended.last_seq;
+                    expected = appended.last_decision();
                     w.stale_through = Some(appended.last_seq);
                 }
                 // This very append landed before (a retry after a lost ack).
                 Err(JournalError::Duplicate { seq }) => {
                     metrics::decision(&event.event);
-                    expected = seq;
+                    expected = DecisionSeq::at(seq);
                     w.stale_through = Some(seq);
                 }
                 Err(JournalError::Conflict { expected, actual }) => {

@@ -2,9 +2,10 @@
 //! would not fit is compacted first, a decision of its own, with a summary of what it leaves
 //! out when the agent asks for one.
 
+use kedge_core::Decision;
 use kedge_core::agent::AgentDefinition;
 use kedge_core::decide::{ModelResponse, StepPlan};
-use kedge_core::event::{ContextCompacted, Digest, Draft, Event};
+use kedge_core::event::{ContextCompacted, Digest, Draft};
 use kedge_core::fold::{ChatMessage, RunState};
 use kedge_core::ids::ModelRequestId;
 use kedge_core::machine::RunStatus;
@@ -108,7 +109,7 @@ impl Driver {
             {
                 compacted.summary = self.summarize(state, def, plan.step, keep_from).await;
             }
-            let draft = Draft::new(Event::ContextCompacted(compacted));
+            let draft = Draft::new(Decision::ContextCompacted(compacted));
             self.commit(state, w, vec![draft]).await?;
         }
         Ok(())
@@ -255,10 +256,10 @@ impl Driver {
 }
 
 /// The first decisions of a revival's plan `start` alone: those before its `step.started`.
-fn revival(start: &[Draft]) -> Vec<Draft> {
+fn revival(start: &[Draft<Decision>]) -> Vec<Draft<Decision>> {
     start
         .iter()
-        .take_while(|d| !matches!(d.event, Event::StepStarted(_)))
+        .take_while(|d| !matches!(d.event, Decision::StepStarted(_)))
         .cloned()
         .collect()
 }
@@ -275,13 +276,13 @@ fn summary_text(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kedge_core::event::{RunStarted, StepStarted, UserMessage};
+    use kedge_core::event::{RunStarted, StepStarted};
     use kedge_core::ids::RunId;
     use kedge_core::{Attempt, StepNo};
 
-    fn step_started() -> Draft {
+    fn step_started() -> Draft<Decision> {
         let run: RunId = "run_revive1".parse().expect("a run id");
-        Draft::new(Event::StepStarted(StepStarted {
+        Draft::new(Decision::StepStarted(StepStarted {
             request_id: ModelRequestId::new(&run, StepNo(3), Attempt(1)),
             context_digest: Digest::of_bytes(b"context"),
             inputs_through: 7,
@@ -291,17 +292,14 @@ mod tests {
 
     #[test]
     fn a_revival_commits_only_its_decisions_before_the_step_started() {
-        let message = Draft::new(Event::UserMessage(UserMessage {
-            text: "again".into(),
-        }));
         let start = vec![
-            Draft::new(Event::RunStarted(RunStarted {})),
+            Draft::new(Decision::RunStarted(RunStarted {})),
             step_started(),
-            message,
+            Draft::new(Decision::RunStarted(RunStarted {})),
         ];
         let first = revival(&start);
         assert_eq!(first.len(), 1);
-        assert!(matches!(first[0].event, Event::RunStarted(_)));
+        assert!(matches!(first[0].event, Decision::RunStarted(_)));
         assert!(revival(&[step_started()]).is_empty());
         assert!(revival(&[]).is_empty());
     }

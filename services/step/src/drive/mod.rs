@@ -29,13 +29,14 @@ mod provider;
 mod set_aside;
 mod step;
 
+use kedge_core::Decision;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
 use async_nats::jetstream::Message;
 use kedge_core::agent::AgentDefinition;
 use kedge_core::decide::{Idle, Next, decide};
-use kedge_core::event::{Draft, Event, FailureReason, RunFailed, Timestamp};
+use kedge_core::event::{Draft, FailureReason, RunFailed, Timestamp};
 use kedge_core::fold::{FoldError, RunState};
 use kedge_core::ids::RunId;
 use kedge_core::machine::RunStatus;
@@ -333,7 +334,7 @@ impl Driver {
             match decide(state) {
                 Next::Idle(why) => {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
-                    self.tend_children(state).await?;
+                    self.tend_children(state, w.writer).await?;
                     self.tend_provider_wait(state, waited).await?;
                     return Ok(why);
                 }
@@ -390,8 +391,8 @@ impl Driver {
 
 /// The `run.failed` of a run that cannot go on with its agent revision (`reason`, see
 /// [`Driver::definition`]).
-fn internal_failure(reason: String) -> Draft {
-    Draft::new(Event::RunFailed(RunFailed {
+fn internal_failure(reason: String) -> Draft<Decision> {
+    Draft::new(Decision::RunFailed(RunFailed {
         reason: FailureReason::Internal,
         message: reason,
         effects: Vec::new(),
@@ -455,7 +456,7 @@ mod tests {
     #[test]
     fn a_revision_the_run_cannot_go_on_with_fails_the_run_as_internal() {
         let draft = internal_failure("agent demo revision 2 no longer matches".into());
-        let Event::RunFailed(failed) = draft.event else {
+        let Decision::RunFailed(failed) = draft.event else {
             panic!("not a run.failed: {:?}", draft.event);
         };
         assert_eq!(failed.reason, FailureReason::Internal);

@@ -1,10 +1,11 @@
 //! Precondition queries: the target version of each approval request, asked of the tool
 //! runners before the request is committed.
 
+use kedge_core::Decision;
 use std::time::Duration;
 
 use kedge_core::answers::{TargetAnswer, TargetQuery};
-use kedge_core::event::{Draft, Event};
+use kedge_core::event::Draft;
 use kedge_core::ids::RunId;
 use kedge_core::subjects::TOOL_INSPECT;
 
@@ -21,10 +22,10 @@ impl Driver {
     pub(super) async fn observe_targets(
         &self,
         run: &RunId,
-        drafts: &mut [Draft],
+        drafts: &mut [Draft<Decision>],
     ) -> Result<(), DriveError> {
         for draft in drafts {
-            let Event::ApprovalRequested(req) = &mut draft.event else {
+            let Decision::ApprovalRequested(req) = &mut draft.event else {
                 continue;
             };
             if req.target_version.is_some() {

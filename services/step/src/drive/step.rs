@@ -3,12 +3,13 @@
 //! once and in `kedge_idempotency` otherwise; a failed attempt recorded and its retry delay
 //! waited (docs/ARCHITECTURE.md "The step service", "Crash windows").
 
+use kedge_core::Decision;
 use std::time::Duration;
 
 use kedge_core::agent::AgentDefinition;
 use kedge_core::decide::{ModelResponse, StepPlan, complete_step};
 use kedge_core::event::{
-    Draft, ErrorClass, Event, FailureReason, ModelAttempt, ModelSpec, RunFailed, Timestamp,
+    Draft, ErrorClass, FailureReason, ModelAttempt, ModelSpec, RunFailed, Timestamp,
 };
 use kedge_core::fold::RunState;
 use kedge_core::tools::Contract;
@@ -249,7 +250,7 @@ impl Driver {
             }
             Err(CallError::Cancelled) => {
                 tracing::info!("cancel requested; model call aborted");
-                let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
+                let attempt = Draft::new(Decision::ModelAttempt(ModelAttempt {
                     request_id: plan.request_id.clone(),
                     outcome: kedge_core::event::AttemptOutcome::Cancelled,
                 }))
@@ -407,7 +408,7 @@ impl Driver {
     ) -> Result<(), DriveError> {
         let plan = at.plan;
         tracing::warn!(error = %e, "model call failed");
-        let attempt = Draft::new(Event::ModelAttempt(ModelAttempt {
+        let attempt = Draft::new(Decision::ModelAttempt(ModelAttempt {
             request_id: plan.request_id.clone(),
             outcome: e.to_attempt_outcome(),
         }))
@@ -426,9 +427,9 @@ impl Driver {
                     .then(|| compaction(state, at.def, Some(&e)))
                     .flatten();
                 if let Some(compacted) = compacted {
-                    drafts.push(Draft::new(Event::ContextCompacted(compacted)));
+                    drafts.push(Draft::new(Decision::ContextCompacted(compacted)));
                 } else if e.class == ErrorClass::Fatal {
-                    drafts.push(Draft::new(Event::RunFailed(RunFailed {
+                    drafts.push(Draft::new(Decision::RunFailed(RunFailed {
                         reason: FailureReason::ModelRejected,
                         message: e.message.clone(),
                         effects: Vec::new(),
@@ -515,9 +516,9 @@ impl Driver {
 
 /// Names `model` in the `step.started` among a step's first decisions `start`: the attempt
 /// calls it instead of the run's own.
-fn name_model(start: &mut [Draft], model: &ModelSpec) {
+fn name_model(start: &mut [Draft<Decision>], model: &ModelSpec) {
     for d in start {
-        if let Event::StepStarted(started) = &mut d.event {
+        if let Decision::StepStarted(started) = &mut d.event {
             started.model = Some(model.clone());
         }
     }
@@ -540,16 +541,16 @@ mod tests {
             model: None,
         };
         let mut start = vec![
-            Draft::new(Event::RunStarted(RunStarted {})),
-            Draft::new(Event::StepStarted(started.clone())),
+            Draft::new(Decision::RunStarted(RunStarted {})),
+            Draft::new(Decision::StepStarted(started.clone())),
         ];
         let fallback = ModelSpec {
             name: "fallback".into(),
             ..kedge_core::fixtures::run_created("demo", "hello").model
         };
         name_model(&mut start, &fallback);
-        assert!(matches!(start[0].event, Event::RunStarted(_)));
-        let Event::StepStarted(named) = &start[1].event else {
+        assert!(matches!(start[0].event, Decision::RunStarted(_)));
+        let Decision::StepStarted(named) = &start[1].event else {
             panic!("not a step.started: {:?}", start[1].event);
         };
         assert_eq!(named.model.as_ref(), Some(&fallback));
