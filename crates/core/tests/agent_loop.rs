@@ -1109,11 +1109,11 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
     assert_eq!(req.expect_version.as_deref(), Some("v1"));
     assert_eq!(req.redispatch, 0);
     assert_eq!(
-        req.timeout_secs,
+        req.limits.timeout_secs,
         Some(7),
         "the policy's limit reaches the dispatch"
     );
-    assert!(req.network, "so does its network grant");
+    assert!(req.limits.network, "so does its network grant");
     assert_eq!(sim.state().status, RunStatus::WaitingTool);
     let op = sim.ops_of(1)[0].clone();
     // The runner finds the target elsewhere and does not run it.
@@ -1153,8 +1153,8 @@ fn an_approved_operation_whose_target_moved_is_asked_again_and_runs_under_the_ne
     };
     assert_eq!(req.expect_version.as_deref(), Some("v2"));
     assert_eq!(req.redispatch, 1, "the next dispatch of the same operation");
-    assert_eq!(req.timeout_secs, Some(7), "and every later one");
-    assert!(req.network, "and every later one");
+    assert_eq!(req.limits.timeout_secs, Some(7), "and every later one");
+    assert!(req.limits.network, "and every later one");
     sim.result(&op, "written");
     assert!(matches!(decide(&sim.state()), Next::Step(_)));
 }
@@ -1692,11 +1692,15 @@ fn failed_attempts_are_not_results_and_the_model_reads_the_last_attempts_result(
         })
         .expect("dispatched");
     assert_eq!(
-        request.retry,
+        request.limits.retry,
         Some(retry),
         "the frozen policy rides on the dispatch"
     );
-    assert_eq!(request.timeout_secs, Some(2), "the per-attempt limit too");
+    assert_eq!(
+        request.limits.timeout_secs,
+        Some(2),
+        "the per-attempt limit too"
+    );
     let op = sim.ops_of(1)[0].clone();
 
     started(&mut sim, &op, 1);
@@ -1821,7 +1825,7 @@ fn an_approved_or_redispatched_operation_keeps_its_retry_policy() {
             _ => None,
         })
         .expect("held for approval");
-    assert_eq!(asked.retry, Some(retry.clone()));
+    assert_eq!(asked.limits.retry, Some(retry.clone()));
     approve(&mut sim, 1);
     let dispatched = commit_next(&mut sim);
     let request = dispatched
@@ -1831,7 +1835,7 @@ fn an_approved_or_redispatched_operation_keeps_its_retry_policy() {
             _ => None,
         })
         .expect("dispatched once approved");
-    assert_eq!(request.retry, Some(retry.clone()));
+    assert_eq!(request.limits.retry, Some(retry.clone()));
     // Found not to have happened: the next dispatch carries it too, and its attempts count
     // afresh.
     let op = sim.ops_of(1)[0].clone();
@@ -1849,7 +1853,7 @@ fn an_approved_or_redispatched_operation_keeps_its_retry_policy() {
             _ => None,
         })
         .expect("re-dispatched");
-    assert_eq!((request.redispatch, request.retry), (1, Some(retry)));
+    assert_eq!((request.redispatch, request.limits.retry), (1, Some(retry)));
     assert_eq!(sim.state().ops[&op].failed_attempts, 0);
     // An attempt of the earlier dispatch is not one of this dispatch.
     attempt_failed(&mut sim, &op, 2, Timestamp::now());

@@ -235,7 +235,7 @@ fn a_cancel_compensates_newest_first_with_own_ids_and_lists_the_irreversible() {
         json!({"amount": 7, "note": format!("refund of {pay2}: paid 7")})
     );
     assert_eq!(
-        r2.timeout_secs,
+        r2.limits.timeout_secs,
         Some(5),
         "the compensating tool's own policy"
     );
@@ -460,10 +460,7 @@ fn forged_compensations_are_ignored_or_refused() {
             args_digest: Digest::of_json(&json!({})),
             redispatch: 0,
             expect_version: None,
-            timeout_secs: None,
-            network: false,
-            retry: None,
-            max_output_bytes: None,
+            limits: kedge_core::tools::RunLimits::default(),
             reversibility: None,
             compensates,
         }));

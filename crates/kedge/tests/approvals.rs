@@ -342,7 +342,7 @@ async fn a_dispatch_given_back_under_a_retry_policy_is_not_asked_for_again() {
         .iter()
         .find(|r| matches!(&r.envelope.event, Event::ToolRequested(t) if t.redispatch == 0))
         .expect("the first dispatch");
-    assert!(matches!(&first.envelope.event, Event::ToolRequested(t) if t.retry.is_some()));
+    assert!(matches!(&first.envelope.event, Event::ToolRequested(t) if t.limits.retry.is_some()));
     let answer =
         h.rt.client
             .request(

@@ -45,10 +45,7 @@ fn request(
             arguments,
             redispatch,
             expect_version: None,
-            timeout_secs: None,
-            network: false,
-            max_output_bytes: None,
-            retry: None,
+            limits: kedge_core::tools::RunLimits::default(),
             reversibility: None,
             compensates: None,
         }))

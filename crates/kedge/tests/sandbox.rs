@@ -267,10 +267,10 @@ async fn a_command_reaches_the_network_only_when_its_tool_policy_grants_it() {
         args_digest: Digest::of_json(&args),
         redispatch: 0,
         expect_version: None,
-        timeout_secs: None,
-        network,
-        retry: None,
-        max_output_bytes: None,
+        limits: kedge_core::tools::RunLimits {
+            network,
+            ..Default::default()
+        },
         reversibility: None,
         compensates: None,
     };

@@ -160,14 +160,14 @@ impl Env {
     /// reference) and, when the policy grants the tool the network (`network`), a sandbox that
     /// shares it ([`crate::sandbox::WithNetwork`]).
     pub fn for_request(&self, req: &kedge_core::event::ToolRequested) -> std::borrow::Cow<'_, Env> {
-        let mut env = self.limited_to(req.timeout_secs);
-        if let Some(max) = req.max_output_bytes {
+        let mut env = self.limited_to(req.limits.timeout_secs);
+        if let Some(max) = req.limits.max_output_bytes {
             let max = usize::try_from(max.clamp(1, MAX_TOOL_OUTPUT_BYTES)).unwrap_or(usize::MAX);
             if max != env.max_output {
                 env.to_mut().max_output = max;
             }
         }
-        if req.network {
+        if req.limits.network {
             let env = env.to_mut();
             env.sandbox = Arc::new(crate::sandbox::WithNetwork(env.sandbox.clone()));
         }

@@ -49,19 +49,19 @@ pub(crate) async fn look(
         types.push(EventType::RunCreated);
     }
     types.push(EventType::CancelRequested);
-    if req.retry.is_some() {
+    if req.limits.retry.is_some() {
         types.push(EventType::ToolAttempt);
     }
     let found = match ctx.rt.journal.last_of(op.run(), &types).await {
         Ok(found) => found,
-        Err(e) if req.retry.is_some() => return Err(e.into()),
+        Err(e) if req.limits.retry.is_some() => return Err(e.into()),
         Err(e) => {
             tracing::warn!(run_id = %op.run(), error = %e, "cannot check for a cancel request");
             return Ok(Look::default());
         }
     };
     let mut out = Look {
-        next: req.retry.as_ref().map(|_| NextAttempt::FIRST),
+        next: req.limits.retry.as_ref().map(|_| NextAttempt::FIRST),
         ..Look::default()
     };
     for r in found {

@@ -118,7 +118,7 @@ pub(crate) async fn execute(
         runner,
         target,
         abandoned_after: ctx.rt.config.timeouts.op_abandoned_after(),
-        retried: req.retry.is_some(),
+        retried: req.limits.retry.is_some(),
     };
     let Claimed {
         claim,
@@ -274,7 +274,13 @@ async fn result_of(
         Ran::Done { out, stopped } => (out, stopped),
         // A tool its policy declares safe to run again: a lost connection is one more
         // transient failure, for the policy to retry.
-        Ran::CutOff(detail) if req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool)) => {
+        Ran::CutOff(detail)
+            if req
+                .limits
+                .retry
+                .as_ref()
+                .is_some_and(|p| p.rerun_safe(&req.tool)) =>
+        {
             (Output::failed(detail, ToolErrorClass::Transient), false)
         }
         Ran::CutOff(detail) => {
@@ -307,7 +313,7 @@ async fn after_failure(
     let (rt, op, req, runner) = (&h.ctx.rt, h.op, h.req, h.runner);
     if out.is_error
         && !stopped
-        && let Some(policy) = &req.retry
+        && let Some(policy) = &req.limits.retry
     {
         match policy.after_failure(&req.tool, attempt, out.class, kedge_runtime::jitter_draw()) {
             Verdict::Retry { next, delay } => {

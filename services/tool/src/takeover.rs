@@ -55,7 +55,11 @@ pub(crate) async fn take_over_gone(
         _ => None,
     };
     let may_still_land = matches!(target, Target::Mcp { .. })
-        && !req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
+        && !req
+            .limits
+            .retry
+            .as_ref()
+            .is_some_and(|p| p.rerun_safe(&req.tool));
     let mut early = None;
     if let Some((holder, dispatch)) = gone_holder {
         let take_over = takes_over_at_once(h.retried, dispatch, code, may_still_land)
@@ -154,7 +158,11 @@ pub(crate) async fn taken_over(
     }
     // A tool its retry policy declares idempotent honours the operation id: running it
     // again is the answer, with no need to ask whether it happened.
-    let rerun_safe = req.retry.as_ref().is_some_and(|p| p.rerun_safe(&req.tool));
+    let rerun_safe = req
+        .limits
+        .retry
+        .as_ref()
+        .is_some_and(|p| p.rerun_safe(&req.tool));
     let confirm = match early {
         _ if rerun_safe => None,
         // Asked just before the takeover.

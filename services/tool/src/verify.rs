@@ -316,10 +316,7 @@ mod tests {
                 arguments: args,
                 redispatch: 0,
                 expect_version: None,
-                timeout_secs: None,
-                network: false,
-                max_output_bytes: None,
-                retry: None,
+                limits: kedge_core::tools::RunLimits::default(),
                 reversibility: None,
                 compensates: None,
             }))

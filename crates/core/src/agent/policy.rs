@@ -67,6 +67,18 @@ pub struct ToolPolicy {
     pub compensate: Option<CompensateDecl>,
 }
 
+impl ToolPolicy {
+    /// The terms this tool's operations run under, as their requests carry them.
+    pub fn limits(&self) -> crate::tools::RunLimits {
+        crate::tools::RunLimits {
+            timeout_secs: self.timeout_secs,
+            network: self.network,
+            retry: self.retry.clone(),
+            max_output_bytes: self.max_output_bytes,
+        }
+    }
+}
+
 /// The most output a policy may keep for one tool operation (16 MiB).
 pub const MAX_TOOL_OUTPUT_BYTES: u64 = 16 * 1024 * 1024;
 

@@ -12,10 +12,7 @@ use crate::ids::{ApprovalId, OperationId, TimerId};
 pub(super) struct Held {
     pub(super) risk: crate::event::Risk,
     pub(super) basis: String,
-    pub(super) timeout_secs: Option<u64>,
-    pub(super) network: bool,
-    pub(super) retry: Option<crate::tools::RetryPolicy>,
-    pub(super) max_output_bytes: Option<u64>,
+    pub(super) limits: crate::tools::RunLimits,
     pub(super) reversibility: Option<crate::event::Reversibility>,
 }
 
@@ -43,10 +40,7 @@ pub(super) fn approval_request(
             // Observed by the step service before it commits (a tool runner's precondition
             // check): the pure core cannot look at the target.
             target_version: None,
-            timeout_secs: held.timeout_secs,
-            network: held.network,
-            max_output_bytes: held.max_output_bytes,
-            retry: held.retry,
+            limits: held.limits.clone(),
             reversibility: held.reversibility,
         }))
         .step(op.step())
@@ -72,10 +66,7 @@ fn ask_again(a: &ApprovalState, tool: &ToolOp, from: Timestamp) -> [Draft<Decisi
         Held {
             risk: a.request.risk,
             basis: a.request.basis.clone(),
-            timeout_secs: a.request.timeout_secs,
-            network: a.request.network,
-            max_output_bytes: a.request.max_output_bytes,
-            retry: a.request.retry.clone(),
+            limits: a.request.limits.clone(),
             reversibility: a.request.reversibility.clone(),
         },
         a.request.plan_version.saturating_add(1),
@@ -175,10 +166,7 @@ fn act_on_approval(
                         // 0 the first time; after its target moved, the next dispatch.
                         redispatch: tool.dispatches,
                         expect_version: a.request.target_version.clone(),
-                        timeout_secs: tool.timeout_secs,
-                        network: tool.network,
-                        max_output_bytes: tool.max_output_bytes,
-                        retry: tool.retry.clone(),
+                        limits: tool.limits.clone(),
                         reversibility: tool.reversibility.clone(),
                         compensates: None,
                     }))

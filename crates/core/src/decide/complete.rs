@@ -251,10 +251,7 @@ fn call_drafts(
             Held {
                 risk: tool_policy.risk,
                 basis,
-                timeout_secs: tool_policy.timeout_secs,
-                network: tool_policy.network,
-                max_output_bytes: tool_policy.max_output_bytes,
-                retry: tool_policy.retry.clone(),
+                limits: tool_policy.limits(),
                 reversibility: contract.reversibility(&call.name),
             },
             1,
@@ -270,10 +267,7 @@ fn call_drafts(
             args_digest: Digest::of_json(&call.arguments),
             redispatch: 0,
             expect_version: None,
-            timeout_secs: tool_policy.timeout_secs,
-            network: tool_policy.network,
-            max_output_bytes: tool_policy.max_output_bytes,
-            retry: tool_policy.retry.clone(),
+            limits: tool_policy.limits(),
             reversibility: contract.reversibility(&call.name),
             compensates: None,
         }))

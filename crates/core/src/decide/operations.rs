@@ -54,10 +54,7 @@ pub(super) fn redispatches(state: &RunState) -> Vec<Draft<Decision>> {
                 args_digest: o.args_digest.clone(),
                 redispatch: o.dispatches,
                 expect_version: approved_version(state, &o.op),
-                timeout_secs: o.timeout_secs,
-                network: o.network,
-                max_output_bytes: o.max_output_bytes,
-                retry: o.retry.clone(),
+                limits: o.limits.clone(),
                 reversibility: o.reversibility.clone(),
                 compensates: o.compensates.clone(),
             }))

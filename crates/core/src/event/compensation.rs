@@ -4,8 +4,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{RetryPolicy, RunFailed, is_false};
+use super::RunFailed;
 use crate::ids::OperationId;
+use crate::tools::RunLimits;
 
 /// How far an operation's effect can be undone, as its tool's policy declares it
 /// (`policy.<tool>.reversibility`).
@@ -42,15 +43,9 @@ pub struct CompensateSpec {
     /// them), its result text, or its operation id. A string that is one placeholder takes the
     /// value as is; placeholders inside a longer string are replaced by their text.
     pub arguments: serde_json::Value,
-    /// The compensating tool's own policy, carried to its dispatch.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout_secs: Option<u64>,
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub network: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retry: Option<RetryPolicy>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_output_bytes: Option<u64>,
+    /// How the compensating tool runs (its own policy), carried to its dispatch.
+    #[serde(flatten)]
+    pub limits: RunLimits,
 }
 
 /// An operation's reversibility as its request journals it: the level its tool's policy

@@ -65,10 +65,6 @@ pub use wait::{
     TimerScheduled, Verdict,
 };
 
-fn is_false(b: &bool) -> bool {
-    !*b
-}
-
 /// Whether an event is written by the run's single decision writer or by anyone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]

@@ -5,8 +5,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{Digest, RetryPolicy, Reversibility, Timestamp, ToolErrorClass, is_false};
+use super::{Digest, Reversibility, Timestamp, ToolErrorClass};
 use crate::ids::OperationId;
+use crate::tools::RunLimits;
 
 /// A person's resolution of an operation whose outcome was ambiguous.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -20,6 +21,8 @@ pub enum Resolution {
     Failed { reason: String },
 }
 
+/// A tool operation dispatched by the run's writer (`tool.requested`): a runner runs it once in
+/// effect and journals its result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ToolRequested {
     pub call_id: String,
@@ -36,22 +39,9 @@ pub struct ToolRequested {
     /// operation if the target moved (`target.moved`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expect_version: Option<String>,
-    /// The agent policy's time limit for this tool (`policy.<tool>.timeout_secs`); the runner
-    /// applies the smaller of it and its own `tool_timeout`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout_secs: Option<u64>,
-    /// The agent policy grants this tool the network (`policy.<tool>.network`): the runner's
-    /// sandbox shares the host's network with the command. Absent: no network.
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub network: bool,
-    /// The agent policy's retry policy for this tool (`policy.<tool>.retry`), repeated on every
-    /// dispatch. Absent: one attempt.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retry: Option<RetryPolicy>,
-    /// The agent policy's output limit for this tool (`policy.<tool>.max_output_bytes`): the
-    /// runner keeps that much of the output instead of its own `max_tool_output_bytes`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_output_bytes: Option<u64>,
+    /// How the operation runs (its tool's policy: time limit, network, retries, output limit).
+    #[serde(flatten)]
+    pub limits: RunLimits,
     /// The tool's declared reversibility (`policy.<tool>.reversibility`), and for a
     /// `compensable` tool how its effect is undone. Absent: undeclared.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -4,8 +4,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use super::{Digest, RetryPolicy, Reversibility, Timestamp, is_false};
+use super::{Digest, Reversibility, Timestamp};
 use crate::ids::{ApprovalId, CallbackKey, OperationId, QuestionId, StepNo, TimerId};
+use crate::tools::RunLimits;
 
 /// Risk level of a tool operation, for approval policy.
 #[derive(
@@ -70,6 +71,8 @@ pub struct QuestionAsked {
     pub prompt: String,
 }
 
+/// An operation held back until a person approves it (`approval.requested`): what the approver
+/// is shown, and what is dispatched if approved.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct ApprovalRequested {
     pub approval_id: ApprovalId,
@@ -89,18 +92,9 @@ pub struct ApprovalRequested {
     /// only while the target is still at this version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_version: Option<String>,
-    /// The policy's time limit for the tool, carried to the dispatch once approved.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub timeout_secs: Option<u64>,
-    /// The policy's network grant for the tool, carried to the dispatch once approved.
-    #[serde(default, skip_serializing_if = "is_false")]
-    pub network: bool,
-    /// The policy's retry policy for the tool, carried to the dispatch once approved.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub retry: Option<RetryPolicy>,
-    /// The policy's output limit for the tool, carried to the dispatch once approved.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_output_bytes: Option<u64>,
+    /// How the operation runs once approved (its tool's policy), carried to the dispatch.
+    #[serde(flatten)]
+    pub limits: RunLimits,
     /// The tool's declared reversibility, carried to the dispatch once approved.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reversibility: Option<Reversibility>,

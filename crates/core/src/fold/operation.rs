@@ -76,14 +76,8 @@ pub struct ToolOp {
     /// The runner found the target moved since the approval was given (`target.moved`); cleared
     /// by the fresh `approval.requested`.
     pub target_moved: Option<crate::event::TargetMoved>,
-    /// The policy's time limit for it (from its request), repeated on every dispatch.
-    pub timeout_secs: Option<u64>,
-    /// The policy's network grant for it (from its request), repeated on every dispatch.
-    pub network: bool,
-    /// The policy's retry policy for it (from its request), repeated on every dispatch.
-    pub retry: Option<crate::tools::RetryPolicy>,
-    /// The policy's output limit for it (from its request), repeated on every dispatch.
-    pub max_output_bytes: Option<u64>,
+    /// The terms it runs under (from its request), repeated on every dispatch.
+    pub limits: crate::tools::RunLimits,
     /// Attempts of its current dispatch that failed and were retried (`tool.attempt`).
     pub failed_attempts: u32,
     /// Its tool's declared reversibility (from its request), and a compensable tool's
@@ -109,10 +103,7 @@ impl ToolOp {
             dispatches: 1,
             since: at,
             target_moved: None,
-            timeout_secs: req.timeout_secs,
-            network: req.network,
-            max_output_bytes: req.max_output_bytes,
-            retry: req.retry.clone(),
+            limits: req.limits.clone(),
             failed_attempts: 0,
             reversibility: req.reversibility.clone(),
             compensates: req.compensates.clone(),
@@ -135,10 +126,7 @@ impl ToolOp {
             dispatches: 0,
             since: at,
             target_moved: None,
-            timeout_secs: req.timeout_secs,
-            network: req.network,
-            max_output_bytes: req.max_output_bytes,
-            retry: req.retry.clone(),
+            limits: req.limits.clone(),
             failed_attempts: 0,
             reversibility: req.reversibility.clone(),
             compensates: None,

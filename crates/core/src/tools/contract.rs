@@ -216,10 +216,7 @@ impl Contract {
                     .arguments
                     .clone()
                     .unwrap_or_else(|| Value::String("${arguments}".into())),
-                timeout_secs: cp.timeout_secs,
-                network: cp.network,
-                retry: cp.retry.clone(),
-                max_output_bytes: cp.max_output_bytes,
+                limits: cp.limits(),
             }
         });
         Some(crate::event::Reversibility {

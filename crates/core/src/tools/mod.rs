@@ -21,17 +21,20 @@
 //! - `contract`: the verdict on a tool call and on a final answer ([`Contract`]);
 //! - `retry` and `rules`: per-tool retry policies, their backoff and verdicts, and the rules a
 //!   stored policy is held to;
-//! - `attempt`: claim numbering and the next attempt of an operation under a retry policy.
+//! - `attempt`: claim numbering and the next attempt of an operation under a retry policy;
+//! - `limits`: the terms an operation runs under ([`RunLimits`]), carried on its requests.
 
 mod attempt;
 mod builtin;
 mod contract;
+mod limits;
 mod retry;
 mod rules;
 
 pub use attempt::{NextAttempt, claim_dispatch, next_attempt};
 pub use builtin::{BUILTINS, Builtin, builtin};
 pub use contract::{ArgumentError, Contract, Refusal, check_schema};
+pub use limits::RunLimits;
 pub use retry::{
     Backoff, GiveUp, MAX_BACKOFF_MS, MAX_MULTIPLIER, MAX_TOOL_ATTEMPTS, RetryPolicy,
     ToolErrorClass, Verdict,

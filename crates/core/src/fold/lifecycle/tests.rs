@@ -77,10 +77,7 @@ fn approval_requested(approval_id: ApprovalId) -> Event {
         expires_at: Timestamp::now(),
         plan_version: 1,
         target_version: None,
-        timeout_secs: None,
-        network: false,
-        retry: None,
-        max_output_bytes: None,
+        limits: crate::tools::RunLimits::default(),
         reversibility: None,
     })
 }
@@ -202,10 +199,7 @@ fn tool_requested() -> Event {
         args_digest: Digest::of(&json!({})),
         redispatch: 0,
         expect_version: None,
-        timeout_secs: None,
-        network: false,
-        retry: None,
-        max_output_bytes: None,
+        limits: crate::tools::RunLimits::default(),
         reversibility: None,
         compensates: None,
     })
