@@ -28,9 +28,12 @@ use kedge_core::event::{
     AssistantMessage, Digest, FinishReason, RunStarted, StepCompleted, Timestamp, ToolRequested,
     Usage, UserMessage,
 };
-use kedge_core::ids::ModelRequestId;
-use kedge_core::{Attempt, Draft, Envelope, Event, OperationId, RunId, StepNo};
-use kedge_journal::{Journal, LayoutOptions, Leases, ensure_layout};
+use kedge_core::ids::{DecisionSeq, InputId, ModelRequestId};
+use kedge_core::{
+    Attempt, Decision, DecisionEnvelope, Draft, Envelope, Input, InputEnvelope, OperationId, RunId,
+    StepNo,
+};
+use kedge_journal::{Journal, LayoutOptions, Leases, RunCreator, ensure_layout};
 use kedge_testkit::{NatsServer, ServerOptions};
 
 struct Args {
@@ -87,18 +90,22 @@ fn args() -> Args {
     out
 }
 
-fn env(run: &RunId, draft: Draft) -> Envelope {
-    Envelope::new(run.clone(), Timestamp::now(), draft)
+fn decision_env(run: &RunId, draft: Draft<Decision>) -> DecisionEnvelope {
+    DecisionEnvelope::new(run.clone(), Timestamp::now(), draft)
 }
 
-fn decision(run: &RunId) -> Envelope {
-    env(run, Draft::new(Event::RunStarted(RunStarted {})))
+fn input_env(run: &RunId, draft: Draft<Input>) -> InputEnvelope {
+    InputEnvelope::new(run.clone(), Timestamp::now(), draft)
 }
 
-fn group(run: &RunId, step: u32) -> Vec<Envelope> {
-    let mut g = vec![env(
+fn decision(run: &RunId) -> DecisionEnvelope {
+    decision_env(run, Draft::new(Decision::RunStarted(RunStarted {})))
+}
+
+fn group(run: &RunId, step: u32) -> Vec<DecisionEnvelope> {
+    let mut g = vec![decision_env(
         run,
-        Draft::new(Event::StepCompleted(StepCompleted {
+        Draft::new(Decision::StepCompleted(StepCompleted {
             request_id: ModelRequestId::new(run, StepNo(step), Attempt(1)),
             message: AssistantMessage {
                 text: "I will look this up in three places.".into(),
@@ -119,19 +126,16 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
     )];
     for i in 0..3 {
         let arguments = serde_json::json!({ "query": format!("query number {i}") });
-        g.push(env(
+        g.push(decision_env(
             run,
-            Draft::new(Event::ToolRequested(ToolRequested {
+            Draft::new(Decision::ToolRequested(ToolRequested {
                 call_id: format!("call_{i}"),
                 tool: "search".into(),
                 args_digest: Digest::of_json(&arguments),
                 arguments,
                 redispatch: 0,
                 expect_version: None,
-                timeout_secs: None,
-                network: false,
-                max_output_bytes: None,
-                retry: None,
+                limits: Default::default(),
                 reversibility: None,
                 compensates: None,
             }))
@@ -142,10 +146,10 @@ fn group(run: &RunId, step: u32) -> Vec<Envelope> {
     g
 }
 
-fn input(run: &RunId, i: usize) -> Envelope {
-    env(
+fn input(run: &RunId, i: usize) -> InputEnvelope {
+    input_env(
         run,
-        Draft::new(Event::UserMessage(UserMessage {
+        Draft::new(Input::UserMessage(UserMessage {
             text: format!("message {i}: please also check the other source"),
         })),
     )
@@ -278,7 +282,7 @@ async fn run(args: Args) {
 
     // Decision append: a chain of single decisions on one run.
     let run = RunId::generate();
-    let mut last = 0;
+    let mut last = DecisionSeq::NONE;
     let mut samples = Vec::with_capacity(n);
     for _ in 0..n + 20 {
         let e = [decision(&run)];
@@ -291,14 +295,14 @@ async fn run(args: Args) {
             )
             .await
             .unwrap()
-            .last_seq;
+            .last_decision();
         samples.push(t.elapsed());
     }
     table.add("decision append (1 event)", samples.split_off(20));
 
     // Decision group: step.completed + 3 tool.requested as one atomic batch.
     let run = RunId::generate();
-    let mut last = 0;
+    let mut last = DecisionSeq::NONE;
     let mut samples = Vec::with_capacity(n);
     for i in 0..n + 20 {
         let g = group(&run, i as u32 + 1);
@@ -311,7 +315,7 @@ async fn run(args: Args) {
             )
             .await
             .unwrap()
-            .last_seq;
+            .last_decision();
         samples.push(t.elapsed());
     }
     table.add("decision group 1+3 (atomic batch)", samples.split_off(20));
@@ -322,7 +326,10 @@ async fn run(args: Args) {
         let journal = journal.clone();
         let e = input(&run, i);
         async move {
-            journal.append_input(&e, &format!("in-{i}")).await.unwrap();
+            journal
+                .append_input(&InputId::arbitrary(format!("in-{i}")), &e)
+                .await
+                .unwrap();
         }
     })
     .await;
@@ -334,12 +341,12 @@ async fn run(args: Args) {
     let mut last = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "bench"),
-            0,
+            DecisionSeq::NONE,
             &[decision(&run)],
         )
         .await
         .unwrap()
-        .last_seq;
+        .last_decision();
     let mut count = 1;
     let mut step = 1;
     while count < 50 {
@@ -352,17 +359,23 @@ async fn run(args: Args) {
                 )
                 .await
                 .unwrap()
-                .last_seq;
+                .last_decision();
             count += 4;
         } else {
             journal
-                .append_input(&input(&run, count), &format!("r50-{count}"))
+                .append_input(
+                    &InputId::arbitrary(format!("r50-{count}")),
+                    &input(&run, count),
+                )
                 .await
                 .unwrap();
             count += 1;
         }
         journal
-            .append_input(&input(&noise, count), &format!("noise-{count}"))
+            .append_input(
+                &InputId::arbitrary(format!("noise-{count}")),
+                &input(&noise, count),
+            )
             .await
             .unwrap();
         step += 1;
@@ -476,14 +489,16 @@ const SPREAD: usize = 4;
 /// Filler runs written concurrently.
 const FILL_WRITERS: usize = 64;
 
-fn created(run: &RunId) -> Envelope {
-    env(
+fn created(run: &RunId) -> DecisionEnvelope {
+    decision_env(
         run,
-        Draft::new(Event::RunCreated(Box::new(kedge_core::event::RunCreated {
-            caller: Some("bench".into()),
-            runtime_version: "bench".into(),
-            ..kedge_testkit::fixtures::run_created("bench", "look this up")
-        }))),
+        Draft::new(Decision::RunCreated(Box::new(
+            kedge_core::event::RunCreated {
+                caller: Some("bench".into()),
+                runtime_version: "bench".into(),
+                ..kedge_testkit::fixtures::run_created("bench", "look this up")
+            },
+        ))),
     )
 }
 
@@ -491,7 +506,7 @@ fn created(run: &RunId) -> Envelope {
 /// inputs in a fixed rotation (each decision checked against the one before).
 struct Writer {
     run: RunId,
-    last_decision: u64,
+    last_decision: DecisionSeq,
     written: usize,
 }
 
@@ -499,7 +514,7 @@ impl Writer {
     fn new() -> Self {
         Self {
             run: RunId::generate(),
-            last_decision: 0,
+            last_decision: DecisionSeq::NONE,
             written: 0,
         }
     }
@@ -510,7 +525,11 @@ impl Writer {
         let step = (self.written / 5) as u32 + 1;
         let decision = match self.written {
             0 => {
-                self.last_decision = journal.create_run(&created(run)).await.unwrap().last_seq;
+                self.last_decision = journal
+                    .create_run(&RunCreator::intake(), &created(run))
+                    .await
+                    .unwrap()
+                    .last_decision();
                 self.written += 1;
                 return;
             }
@@ -530,13 +549,13 @@ impl Writer {
                     .append_decisions(&w, self.last_decision, &[d])
                     .await
                     .unwrap()
-                    .last_seq;
+                    .last_decision();
             }
             None => {
                 journal
                     .append_input(
+                        &InputId::arbitrary(format!("h-{run}-{}", self.written)),
                         &input(run, self.written),
-                        &format!("h-{run}-{}", self.written),
                     )
                     .await
                     .unwrap();
@@ -855,9 +874,13 @@ async fn history(args: Args) {
         for run in &sleepers {
             let last = journal.last_seq(run).await.unwrap().unwrap_or(0);
             let wake = journal
-                .append_input(&input(run, level), &format!("wake-{level}-{run}"))
+                .append_input(
+                    &InputId::arbitrary(format!("wake-{level}-{run}")),
+                    &input(run, level),
+                )
                 .await
-                .unwrap();
+                .unwrap()
+                .seq;
             woken.insert(run.clone(), (last, wake));
         }
         let woken = &woken;

@@ -10,12 +10,15 @@ use std::time::Duration;
 use common::*;
 use futures::StreamExt;
 use kedge_core::event::StepCompleted;
-use kedge_core::{Draft, Envelope, Event, EventType, RunId, StepNo};
+use kedge_core::ids::{DecisionSeq, InputId};
+use kedge_core::{
+    DecisionEnvelope, Draft, Envelope, Event, EventType, InputEnvelope, RunId, StepNo,
+};
 use kedge_journal::blob::{INLINE_MAX, MAX_BLOB};
 use kedge_journal::{BlobError, BlobRef, DecisionWriter, ErrorKind, Journal};
 
 /// A tool result of `size` bytes (see `common::long_tool_result`).
-fn big_result(run: &RunId, size: usize) -> Envelope {
+fn big_result(run: &RunId, size: usize) -> InputEnvelope {
     long_tool_result(run, 1, 0, size)
 }
 
@@ -26,17 +29,17 @@ async fn raw(journal: &Journal, seq: u64) -> async_nats::jetstream::message::Str
     stream.get_raw_message(seq).await.unwrap()
 }
 
-async fn started(journal: &Journal) -> (RunId, u64) {
+async fn started(journal: &Journal) -> (RunId, DecisionSeq) {
     let run = new_run();
     let a = journal
         .append_decisions(
             &DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
         .unwrap();
-    (run, a.last_seq)
+    (run, a.last_decision())
 }
 
 #[tokio::test]
@@ -45,28 +48,42 @@ async fn a_ten_mib_input_and_a_two_mib_decision_go_by_reference_and_read_back_wh
     let (run, created) = started(&journal).await;
 
     // A 2 MiB model response in a decision group, and a 10 MiB tool result.
-    let mut completed = step_completed(&run, 1);
-    if let Event::StepCompleted(StepCompleted { message, .. }) = &mut completed.event {
+    let completed = step_completed(&run, 1);
+    let mut event = completed.event.clone();
+    if let Event::StepCompleted(StepCompleted { message, .. }) = &mut event {
         message.text = "é".repeat(1024 * 1024); // 2 MiB of UTF-8
     }
-    let completed = Envelope::new(
+    let completed = DecisionEnvelope::try_from(Envelope::new(
         run.clone(),
         completed.at,
-        Draft::new(completed.event.clone()).step(StepNo(1)),
-    );
+        Draft::new(event).step(StepNo(1)),
+    ))
+    .unwrap();
     let group = vec![completed.clone(), tool_requested(&run, 1, 0)];
     let g = journal
         .append_decisions(&DecisionWriter::unfenced(&run, "step"), created, &group)
         .await
         .unwrap();
     let result = big_result(&run, 10 * 1024 * 1024);
-    let seq = journal.append_input(&result, "big-1").await.unwrap();
+    let seq = journal
+        .append_input(&InputId::arbitrary("big-1"), &result)
+        .await
+        .unwrap();
+    assert!(!seq.duplicate);
+    let seq = seq.seq;
     // A retried append of the same input is still one event (the blob is not stored twice).
-    let again = journal.append_input(&result, "big-1").await.unwrap_err();
-    assert_eq!(again.kind(), ErrorKind::Duplicate);
+    let again = journal
+        .append_input(&InputId::arbitrary("big-1"), &result)
+        .await
+        .unwrap();
+    assert!(again.duplicate, "{again:?}");
+    assert_eq!(again.seq, seq);
 
     // What is stored is small and names its blob by the envelope's digest.
-    for (at, envelope) in [(g.first_seq, &completed), (seq, &result)] {
+    for (at, envelope) in [
+        (g.first_seq, completed.envelope()),
+        (seq, result.envelope()),
+    ] {
         let m = raw(&journal, at).await;
         assert!(
             m.payload.len() < INLINE_MAX,
@@ -97,32 +114,32 @@ async fn a_ten_mib_input_and_a_two_mib_decision_go_by_reference_and_read_back_wh
             EventType::ToolResult
         ]
     );
-    assert_eq!(read[1].envelope, completed);
-    assert_eq!(read[3].envelope, result);
+    assert_eq!(read[1].envelope, *completed);
+    assert_eq!(read[3].envelope, *result);
     let page = journal.read_at_most(&run, 0, 2).await.unwrap();
     assert_eq!(page.events.len(), 2);
     assert!(page.more);
-    assert_eq!(page.events[1].envelope, completed);
+    assert_eq!(page.events[1].envelope, *completed);
     let typed = journal
         .read_type(&run, EventType::ToolResult)
         .await
         .unwrap();
-    assert_eq!(typed[0].envelope, result);
+    assert_eq!(typed[0].envelope, *result);
     let last = journal
         .last_of(&run, &[EventType::StepCompleted, EventType::ToolResult])
         .await
         .unwrap();
     assert_eq!(last.len(), 2);
-    assert_eq!(last[1].envelope, result);
+    assert_eq!(last[1].envelope, *result);
     let last_event = journal.last_event(&run).await.unwrap().unwrap();
-    assert_eq!(last_event.envelope.as_ref(), Some(&result));
+    assert_eq!(last_event.envelope.as_ref(), Some(result.envelope()));
     let tailed: Vec<_> = tokio::time::timeout(
         Duration::from_secs(20),
         journal.tail(&run, 0).take(4).collect::<Vec<_>>(),
     )
     .await
     .unwrap();
-    assert_eq!(tailed[3].as_ref().unwrap().envelope, result);
+    assert_eq!(tailed[3].as_ref().unwrap().envelope, *result);
 }
 
 #[tokio::test]
@@ -133,7 +150,7 @@ async fn a_reference_to_a_missing_or_forged_blob_is_set_aside_not_fatal() {
     let result = big_result(&run, 100 * 1024);
     let data = serde_json::to_vec(&result.event.data_json()).unwrap();
     let stored = |reference: BlobRef| {
-        let mut v = serde_json::to_value(&result).unwrap();
+        let mut v = serde_json::to_value(result.envelope()).unwrap();
         let map = v.as_object_mut().unwrap();
         map.remove("data");
         map.insert("data_ref".into(), serde_json::to_value(reference).unwrap());
@@ -177,11 +194,14 @@ async fn a_reference_to_a_missing_or_forged_blob_is_set_aside_not_fatal() {
         .unwrap();
     publish(stored(other)).await;
     // And a good one after them.
-    journal.append_input(&result, "good").await.unwrap();
+    journal
+        .append_input(&InputId::arbitrary("good"), &result)
+        .await
+        .unwrap();
 
     let page = journal.read_with_set_aside(&run, 0).await.unwrap();
     assert_eq!(page.events.len(), 2, "run.created and the good result");
-    assert_eq!(page.events[1].envelope, result);
+    assert_eq!(page.events[1].envelope, *result);
     assert_eq!(page.set_aside.len(), 3, "{:?}", page.set_aside);
     assert!(page.set_aside[0].reason.contains("is not in kedge_blobs"));
     assert!(page.set_aside[1].reason.contains("more than"));
@@ -201,11 +221,15 @@ async fn small_events_stay_inline() {
     let (_server, journal) = setup().await;
     let (run, _) = started(&journal).await;
     let result = big_result(&run, INLINE_MAX / 2);
-    let seq = journal.append_input(&result, "small").await.unwrap();
+    let seq = journal
+        .append_input(&InputId::arbitrary("small"), &result)
+        .await
+        .unwrap()
+        .seq;
     let m = raw(&journal, seq).await;
     let stored: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
     assert!(stored.get("data_ref").is_none());
-    assert_eq!(Envelope::from_json_bytes(&m.payload).unwrap(), result);
+    assert_eq!(Envelope::from_json_bytes(&m.payload).unwrap(), *result);
 }
 
 #[tokio::test]
@@ -214,7 +238,11 @@ async fn blobs_belong_to_their_run_and_are_deleted_with_it() {
     let (run, _) = started(&journal).await;
     let (other, _) = started(&journal).await;
     let result = big_result(&run, 100 * 1024);
-    let seq = journal.append_input(&result, "r").await.unwrap();
+    let seq = journal
+        .append_input(&InputId::arbitrary("r"), &result)
+        .await
+        .unwrap()
+        .seq;
     let stored: serde_json::Value =
         serde_json::from_slice(&raw(&journal, seq).await.payload).unwrap();
     let reference: BlobRef = serde_json::from_value(stored["data_ref"].clone()).unwrap();

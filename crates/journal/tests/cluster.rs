@@ -9,7 +9,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kedge_journal::{ErrorKind, Journal, JournalError, LayoutOptions, ensure_layout};
+use kedge_core::ids::{DecisionSeq, InputId};
+use kedge_journal::{ErrorKind, Journal, JournalError, LayoutOptions, RunCreator, ensure_layout};
 use kedge_testkit::NatsCluster;
 
 async fn setup_cluster() -> (NatsCluster, Journal) {
@@ -40,12 +41,12 @@ async fn cluster_reads_see_every_acknowledged_event_and_failover_is_retryable() 
     let mut last_decision = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
         .unwrap()
-        .last_seq;
+        .last_decision();
     let mut count = 1;
     for step in 1..=6 {
         let g = journal
@@ -56,13 +57,17 @@ async fn cluster_reads_see_every_acknowledged_event_and_failover_is_retryable() 
             )
             .await
             .unwrap();
-        last_decision = g.last_seq;
+        last_decision = g.last_decision();
         count += 4;
         assert_eq!(journal.read(&run, 0).await.unwrap().len(), count);
         let seq = journal
-            .append_input(&tool_result(&run, step, 0), &format!("r{step}"))
+            .append_input(
+                &InputId::arbitrary(format!("r{step}")),
+                &tool_result(&run, step, 0),
+            )
             .await
-            .unwrap();
+            .unwrap()
+            .seq;
         count += 1;
         let all = journal.read(&run, 0).await.unwrap();
         assert_eq!(all.len(), count);
@@ -88,12 +93,12 @@ async fn cluster_reads_see_every_acknowledged_event_and_failover_is_retryable() 
                 .await
             {
                 Ok(a) => {
-                    last_decision = a.last_seq;
+                    last_decision = a.last_decision();
                     break;
                 }
                 // An attempt that landed but whose ack was lost.
                 Err(JournalError::Duplicate { seq }) => {
-                    last_decision = seq;
+                    last_decision = DecisionSeq::at(seq);
                     break;
                 }
                 Err(e) => {
@@ -133,15 +138,20 @@ async fn two_writers_racing_for_a_runs_next_decision_never_both_land() {
     for i in 0..TRIES {
         let run = new_run();
         let created = journal
-            .create_run(&run_created(&run))
+            .create_run(&RunCreator::intake(), &run_created(&run))
             .await
-            .unwrap()
-            .last_seq;
+            .unwrap();
         let current = kedge_journal::DecisionWriter::unfenced(&run, "current");
         let plain = kedge_journal::DecisionWriter::unfenced(&run, "plain");
         let (a, b) = (run_started(&run), run_started(&run));
-        let current = journal.append_decision_current(&current, created, created, &a);
-        let plain = journal.append_decisions(&plain, created, std::slice::from_ref(&b));
+        let current = journal.append_decision_current(
+            &current,
+            created.last_decision(),
+            created.last_seq,
+            &a,
+        );
+        let plain =
+            journal.append_decisions(&plain, created.last_decision(), std::slice::from_ref(&b));
         // Both orders of sending.
         let (current, plain) = if i % 2 == 0 {
             futures::join!(current, plain)

@@ -6,7 +6,8 @@ mod common;
 
 use common::*;
 use kedge_core::EventType;
-use kedge_journal::{Appended, ErrorKind, JournalError};
+use kedge_core::ids::{DecisionSeq, InputId};
+use kedge_journal::{Appended, ErrorKind, JournalError, RunCreator};
 
 #[tokio::test]
 async fn concurrent_appends_from_the_same_sequence_exactly_one_lands() {
@@ -15,7 +16,7 @@ async fn concurrent_appends_from_the_same_sequence_exactly_one_lands() {
     let created = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
@@ -36,7 +37,7 @@ async fn concurrent_appends_from_the_same_sequence_exactly_one_lands() {
             journal
                 .append_decisions(
                     &kedge_journal::DecisionWriter::unfenced(&run, &format!("w{i}")),
-                    created.last_seq,
+                    created.last_decision(),
                     &events,
                 )
                 .await
@@ -75,15 +76,16 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
     let created = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
         .unwrap();
     let input = journal
-        .append_input(&user_message(&run, "more"), "in-1")
+        .append_input(&InputId::arbitrary("in-1"), &user_message(&run, "more"))
         .await
-        .unwrap();
+        .unwrap()
+        .seq;
     assert!(input > created.last_seq);
     assert_eq!(journal.last_seq(&run).await.unwrap(), Some(input));
     assert_eq!(
@@ -94,7 +96,7 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
     let next = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-            created.last_seq,
+            created.last_decision(),
             &[run_started(&run)],
         )
         .await
@@ -102,13 +104,13 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
     assert!(next.last_seq > input);
     // Also a group after more inputs.
     journal
-        .append_input(&tool_result(&run, 1, 0), "in-2")
+        .append_input(&InputId::arbitrary("in-2"), &tool_result(&run, 1, 0))
         .await
         .unwrap();
     let group = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-            next.last_seq,
+            next.last_decision(),
             &step_group(&run, 1),
         )
         .await
@@ -124,7 +126,10 @@ async fn an_input_in_between_does_not_fail_a_decision_append() {
 async fn a_decision_append_lands_through_a_burst_of_inputs() {
     let (_server, journal) = setup().await;
     let run = new_run();
-    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    let created = journal
+        .create_run(&RunCreator::intake(), &run_created(&run))
+        .await
+        .unwrap();
     let burst = {
         let journal = journal.clone();
         let run = run.clone();
@@ -133,7 +138,10 @@ async fn a_decision_append_lands_through_a_burst_of_inputs() {
             let mut n = 0u32;
             while std::time::Instant::now() < until {
                 journal
-                    .append_input(&tool_result(&run, 1, n), &format!("burst-{n}"))
+                    .append_input(
+                        &InputId::arbitrary(format!("burst-{n}")),
+                        &tool_result(&run, 1, n),
+                    )
                     .await
                     .unwrap();
                 n += 1;
@@ -146,7 +154,7 @@ async fn a_decision_append_lands_through_a_burst_of_inputs() {
     let landed = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-            created.last_seq,
+            created.last_decision(),
             &[run_started(&run)],
         )
         .await
@@ -165,17 +173,26 @@ async fn an_append_checked_against_the_run_lands_only_on_its_last_message() {
     let run = new_run();
     let other = new_run();
     let writer = kedge_journal::DecisionWriter::unfenced(&run, "step-a");
-    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    let created = journal
+        .create_run(&RunCreator::intake(), &run_created(&run))
+        .await
+        .unwrap();
     // Another run's messages in between do not matter: only this run's last message does.
-    journal.create_run(&run_created(&other)).await.unwrap();
     journal
-        .append_input(&user_message(&other, "elsewhere"), "other-1")
+        .create_run(&RunCreator::intake(), &run_created(&other))
+        .await
+        .unwrap();
+    journal
+        .append_input(
+            &InputId::arbitrary("other-1"),
+            &user_message(&other, "elsewhere"),
+        )
         .await
         .unwrap();
     let started = journal
         .append_decision_current(
             &writer,
-            created.last_seq,
+            created.last_decision(),
             created.last_seq,
             &run_started(&run),
         )
@@ -185,12 +202,18 @@ async fn an_append_checked_against_the_run_lands_only_on_its_last_message() {
 
     // An input of this run lands: the writer is behind, nothing is stored.
     let input = journal
-        .append_input(&user_message(&run, "stop"), "in-1")
+        .append_input(&InputId::arbitrary("in-1"), &user_message(&run, "stop"))
         .await
-        .unwrap();
+        .unwrap()
+        .seq;
     let completed = step_completed(&run, 1);
     let behind = journal
-        .append_decision_current(&writer, started.last_seq, started.last_seq, &completed)
+        .append_decision_current(
+            &writer,
+            started.last_decision(),
+            started.last_seq,
+            &completed,
+        )
         .await
         .unwrap_err();
     assert_eq!(
@@ -203,13 +226,13 @@ async fn an_append_checked_against_the_run_lands_only_on_its_last_message() {
     assert_eq!(journal.last_seq(&run).await.unwrap(), Some(input));
     // Having read it, the writer's append lands.
     let landed = journal
-        .append_decision_current(&writer, started.last_seq, input, &completed)
+        .append_decision_current(&writer, started.last_decision(), input, &completed)
         .await
         .unwrap();
     // The same append again is a duplicate, checked either way.
     assert_eq!(
         journal
-            .append_decision_current(&writer, started.last_seq, input, &completed)
+            .append_decision_current(&writer, started.last_decision(), input, &completed)
             .await,
         Err(JournalError::Duplicate {
             seq: landed.last_seq
@@ -217,7 +240,11 @@ async fn an_append_checked_against_the_run_lands_only_on_its_last_message() {
     );
     assert_eq!(
         journal
-            .append_decisions(&writer, started.last_seq, std::slice::from_ref(&completed))
+            .append_decisions(
+                &writer,
+                started.last_decision(),
+                std::slice::from_ref(&completed)
+            )
             .await,
         Err(JournalError::Duplicate {
             seq: landed.last_seq
@@ -226,14 +253,18 @@ async fn an_append_checked_against_the_run_lands_only_on_its_last_message() {
     // Another writer's decision since: a conflict, not "behind".
     let rival = kedge_journal::DecisionWriter::unfenced(&run, "step-b");
     let theirs = journal
-        .append_decisions(&rival, landed.last_seq, &[tool_requested(&run, 1, 0)])
+        .append_decisions(
+            &rival,
+            landed.last_decision(),
+            &[tool_requested(&run, 1, 0)],
+        )
         .await
         .unwrap();
     assert_eq!(
         journal
             .append_decision_current(
                 &writer,
-                landed.last_seq,
+                landed.last_decision(),
                 landed.last_seq,
                 &tool_requested(&run, 1, 1)
             )
@@ -258,7 +289,7 @@ async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_tak
     let created = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
@@ -270,7 +301,7 @@ async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_tak
     let b = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "worker-b"),
-            seen_by_b,
+            DecisionSeq::at(seen_by_b),
             &[run_started(&run)],
         )
         .await
@@ -280,7 +311,7 @@ async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_tak
     let err = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "worker-a"),
-            seen_by_a,
+            DecisionSeq::at(seen_by_a),
             &step_group(&run, 1),
         )
         .await
@@ -299,7 +330,7 @@ async fn after_a_takeover_the_old_writer_conflicts_and_a_late_append_without_tak
     let late = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "worker-b"),
-            b.last_seq,
+            b.last_decision(),
             &step_group(&run, 1),
         )
         .await
@@ -314,7 +345,7 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
     let first = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
@@ -323,7 +354,7 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
     let again = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
@@ -341,7 +372,7 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
     let one = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-            first.last_seq,
+            first.last_decision(),
             &events,
         )
         .await
@@ -350,7 +381,7 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
         journal
             .append_decisions(
                 &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-                first.last_seq,
+                first.last_decision(),
                 &events
             )
             .await,
@@ -361,7 +392,7 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
         journal
             .append_decisions(
                 &kedge_journal::DecisionWriter::unfenced(&run, "step-b"),
-                first.last_seq,
+                first.last_decision(),
                 &events
             )
             .await,
@@ -376,7 +407,7 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
     let landed = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-            one.last_seq,
+            one.last_decision(),
             &group,
         )
         .await
@@ -385,7 +416,7 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
         journal
             .append_decisions(
                 &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-                one.last_seq,
+                one.last_decision(),
                 &group
             )
             .await,
@@ -398,7 +429,7 @@ async fn a_retried_append_whose_first_attempt_landed_is_a_duplicate_not_a_confli
     assert_eq!(all.len(), 6);
     assert_eq!(
         all.last().unwrap().msg_id.as_deref(),
-        Some(kedge_journal::decision_msg_id(&run, one.last_seq, 3, "step-a").as_str())
+        Some(kedge_journal::decision_msg_id(&run, one.last_decision(), 3, "step-a").as_str())
     );
 }
 
@@ -409,7 +440,7 @@ async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() 
     let created = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
@@ -417,14 +448,14 @@ async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() 
     let started = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step-b"),
-            created.last_seq,
+            created.last_decision(),
             &[run_started(&run)],
         )
         .await
         .unwrap();
     // Inputs land meanwhile; they do not count for the check.
     journal
-        .append_input(&user_message(&run, "x"), "u-1")
+        .append_input(&InputId::arbitrary("u-1"), &user_message(&run, "x"))
         .await
         .unwrap();
 
@@ -432,7 +463,7 @@ async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() 
     let stale = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-            created.last_seq,
+            created.last_decision(),
             &group,
         )
         .await;
@@ -452,13 +483,14 @@ async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() 
 
     // Another input, then the fresh group: four contiguous sequences.
     let input = journal
-        .append_input(&user_message(&run, "y"), "u-2")
+        .append_input(&InputId::arbitrary("u-2"), &user_message(&run, "y"))
         .await
-        .unwrap();
+        .unwrap()
+        .seq;
     let fresh = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step-a"),
-            started.last_seq,
+            started.last_decision(),
             &group,
         )
         .await
@@ -476,33 +508,23 @@ async fn a_stale_group_stores_nothing_and_a_fresh_one_stores_all_contiguously() 
             .map(|r| r.envelope.clone())
             .collect::<Vec<_>>(),
         group
+            .iter()
+            .map(|e| e.envelope().clone())
+            .collect::<Vec<_>>()
     );
 }
 
 #[tokio::test]
-async fn kinds_are_enforced() {
+async fn a_group_of_another_run_is_refused() {
     let (_server, journal) = setup().await;
     let run = new_run();
-    let err = journal
-        .append_input(&run_created(&run), "x")
-        .await
-        .unwrap_err();
-    assert!(matches!(err, JournalError::WrongKind { .. }), "{err:?}");
-    assert_eq!(err.kind(), ErrorKind::Invalid);
-    let err = journal
-        .append_decisions(
-            &kedge_journal::DecisionWriter::unfenced(&run, "w"),
-            0,
-            &[run_created(&run), user_message(&run, "hi")],
-        )
-        .await
-        .unwrap_err();
-    assert!(matches!(err, JournalError::WrongKind { .. }), "{err:?}");
+    // An input on the decision path (or the reverse) does not compile: the kind is in the type
+    // (`DecisionEnvelope`, `InputEnvelope`).
     let other = new_run();
     let err = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "w"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&other)],
         )
         .await
@@ -516,26 +538,31 @@ async fn kinds_are_enforced() {
 async fn a_run_is_created_only_with_run_created_and_only_once() {
     let (_server, journal) = setup().await;
     let run = new_run();
-    let not_created = user_message(&run, "hi");
+    let not_created = run_started(&run);
     assert!(matches!(
-        journal.create_run(&not_created).await,
+        journal
+            .create_run(&RunCreator::intake(), &not_created)
+            .await,
         Err(JournalError::BadRequest(_))
     ));
     let created = run_created(&run);
-    let first = journal.create_run(&created).await.unwrap();
+    let first = journal
+        .create_run(&RunCreator::intake(), &created)
+        .await
+        .unwrap();
     assert_eq!(first.first_seq, first.last_seq);
     // The same append again is recognised as ours; another run.created for the run conflicts.
     assert!(matches!(
-        journal.create_run(&created).await,
+        journal.create_run(&RunCreator::intake(), &created).await,
         Err(JournalError::Duplicate { .. })
     ));
-    let mut other = run_created(&run);
-    other.at = kedge_core::event::Timestamp::now();
+    // Stamped later than `created`.
+    let other = run_created(&run);
     assert!(matches!(
         journal
             .append_decisions(
                 &kedge_journal::DecisionWriter::unfenced(&run, "someone"),
-                0,
+                DecisionSeq::NONE,
                 &[other]
             )
             .await,
@@ -554,9 +581,12 @@ async fn the_run_wide_check_holds_across_subjects_and_blocks() {
     let mut last = std::collections::HashMap::new();
     let mut decided = std::collections::HashMap::new();
     for run in &runs {
-        let created = journal.create_run(&run_created(run)).await.unwrap();
+        let created = journal
+            .create_run(&RunCreator::intake(), &run_created(run))
+            .await
+            .unwrap();
         last.insert(run.clone(), created.last_seq);
-        decided.insert(run.clone(), created.last_seq);
+        decided.insert(run.clone(), created.last_decision());
     }
     let client = journal.client().clone();
     let js = async_nats::jetstream::new(client);
@@ -586,9 +616,10 @@ async fn the_run_wide_check_holds_across_subjects_and_blocks() {
                     tool_result(run, round as u32, 0)
                 };
                 let seq = journal
-                    .append_input(&input, &format!("in-{run}-{round}"))
+                    .append_input(&InputId::arbitrary(format!("in-{run}-{round}")), &input)
                     .await
-                    .unwrap();
+                    .unwrap()
+                    .seq;
                 let stale = journal
                     .append_decision_current(&writer, decided[run], last[run], &run_started(run))
                     .await;
@@ -607,7 +638,7 @@ async fn the_run_wide_check_holds_across_subjects_and_blocks() {
                 .await
                 .unwrap();
             last.insert(run.clone(), landed.last_seq);
-            decided.insert(run.clone(), landed.last_seq);
+            decided.insert(run.clone(), landed.last_decision());
         }
     }
 }

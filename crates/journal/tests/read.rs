@@ -8,8 +8,11 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use futures::StreamExt;
-use kedge_core::{Envelope, EventKind, RunId};
-use kedge_journal::{DecisionWriter, Delivered, ErrorKind, Journal, JournalError, Recorded};
+use kedge_core::ids::{DecisionSeq, InputId};
+use kedge_core::{DecisionEnvelope, Envelope, EventKind, RunId};
+use kedge_journal::{
+    DecisionWriter, Delivered, InputAppended, Journal, JournalError, Recorded, RunCreator,
+};
 
 /// Writes a run of `n` decisions and inputs (groups included), interleaved with another run's
 /// events; returns what was written with its sequences.
@@ -19,21 +22,21 @@ async fn write_run(journal: &Journal, run: &RunId, other: &RunId) -> Vec<(u64, E
     let a = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(run, "intake"),
-            0,
+            DecisionSeq::NONE,
             std::slice::from_ref(&created),
         )
         .await
         .unwrap();
-    written.push((a.last_seq, created));
+    written.push((a.last_seq, created.into_envelope()));
     journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(other, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(other)],
         )
         .await
         .unwrap();
-    let mut last_decision = a.last_seq;
+    let mut last_decision = a.last_decision();
     for step in 1..=4 {
         let group = step_group(run, step);
         let g = journal
@@ -44,19 +47,25 @@ async fn write_run(journal: &Journal, run: &RunId, other: &RunId) -> Vec<(u64, E
             )
             .await
             .unwrap();
-        last_decision = g.last_seq;
-        written.extend((g.first_seq..=g.last_seq).zip(group));
+        last_decision = g.last_decision();
+        written.extend(
+            (g.first_seq..=g.last_seq).zip(group.into_iter().map(DecisionEnvelope::into_envelope)),
+        );
         journal
-            .append_input(&user_message(other, "noise"), &format!("o-{step}"))
+            .append_input(
+                &InputId::arbitrary(format!("o-{step}")),
+                &user_message(other, "noise"),
+            )
             .await
             .unwrap();
         for i in 0..2 {
             let input = tool_result(run, step, i);
             let seq = journal
-                .append_input(&input, &format!("r-{step}-{i}"))
+                .append_input(&InputId::arbitrary(format!("r-{step}-{i}")), &input)
                 .await
-                .unwrap();
-            written.push((seq, input));
+                .unwrap()
+                .seq;
+            written.push((seq, input.into_envelope()));
         }
     }
     written
@@ -128,11 +137,30 @@ async fn an_input_published_twice_with_one_msg_id_is_stored_once() {
     let (_server, journal) = setup().await;
     let run = new_run();
     let input = user_message(&run, "hello");
-    let seq = journal.append_input(&input, "client-key-1").await.unwrap();
-    let again = journal.append_input(&input, "client-key-1").await;
-    assert_eq!(again, Err(JournalError::Duplicate { seq }));
-    assert_eq!(again.unwrap_err().kind(), ErrorKind::Duplicate);
-    let other = journal.append_input(&input, "client-key-2").await.unwrap();
+    let first = journal
+        .append_input(&InputId::arbitrary("client-key-1"), &input)
+        .await
+        .unwrap();
+    assert!(!first.duplicate, "{first:?}");
+    let seq = first.seq;
+    // The repeat stores nothing and is answered with the first one's sequence.
+    let again = journal
+        .append_input(&InputId::arbitrary("client-key-1"), &input)
+        .await;
+    assert_eq!(
+        again,
+        Ok(InputAppended {
+            seq,
+            duplicate: true,
+            chained: false
+        })
+    );
+    let other = journal
+        .append_input(&InputId::arbitrary("client-key-2"), &input)
+        .await
+        .unwrap();
+    assert!(!other.duplicate, "{other:?}");
+    let other = other.seq;
     let all = journal.read(&run, 0).await.unwrap();
     assert_eq!(all.iter().map(|r| r.seq).collect::<Vec<_>>(), [seq, other]);
     assert_eq!(all[0].msg_id.as_deref(), Some("client-key-1"));
@@ -207,7 +235,7 @@ async fn messages_that_are_not_events_of_the_run_are_set_aside_and_reported_neve
     let more = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step"),
-            last_decision,
+            DecisionSeq::at(last_decision),
             &step_group(&run, 5),
         )
         .await
@@ -318,15 +346,16 @@ async fn tail_replays_then_delivers_live_appends_without_gap_or_duplicate() {
     let live_group = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "step"),
-            last_decision,
+            DecisionSeq::at(last_decision),
             &step_group(&run, 9),
         )
         .await
         .unwrap();
     let live_input = journal
-        .append_input(&user_message(&run, "live"), "live-1")
+        .append_input(&InputId::arbitrary("live-1"), &user_message(&run, "live"))
         .await
-        .unwrap();
+        .unwrap()
+        .seq;
     let mut live = Vec::new();
     while live.len() < 5 {
         let r = tokio::time::timeout(Duration::from_secs(5), tail.next())
@@ -354,15 +383,16 @@ async fn tail_goes_on_after_a_broker_restart_without_replaying_old_events() {
     let created = journal
         .append_decisions(
             &kedge_journal::DecisionWriter::unfenced(&run, "intake"),
-            0,
+            DecisionSeq::NONE,
             &[run_created(&run)],
         )
         .await
         .unwrap();
     let input = journal
-        .append_input(&user_message(&run, "a"), "a")
+        .append_input(&InputId::arbitrary("a"), &user_message(&run, "a"))
         .await
-        .unwrap();
+        .unwrap()
+        .seq;
     // Tail from the end: nothing delivered yet when the broker dies (async-nats 0.51 recreates
     // such an ordered consumer with DeliverPolicy::All; the journal must not replay).
     let mut tail = Box::pin(journal.tail(&run, input));
@@ -378,7 +408,7 @@ async fn tail_goes_on_after_a_broker_restart_without_replaying_old_events() {
         match journal
             .append_decisions(
                 &kedge_journal::DecisionWriter::unfenced(&run, "step"),
-                created.last_seq,
+                created.last_decision(),
                 &[run_started(&run)],
             )
             .await
@@ -475,19 +505,32 @@ async fn a_read_through_a_known_sequence_returns_the_run_up_to_it_and_after() {
     let (_server, journal) = setup().await;
     let run = new_run();
     let other = new_run();
-    let created = journal.create_run(&run_created(&run)).await.unwrap();
-    journal.create_run(&run_created(&other)).await.unwrap();
+    let created = journal
+        .create_run(&RunCreator::intake(), &run_created(&run))
+        .await
+        .unwrap();
+    journal
+        .create_run(&RunCreator::intake(), &run_created(&other))
+        .await
+        .unwrap();
     let mut seqs = vec![created.last_seq];
     for i in 0..20u32 {
         // Interleaved with another run's inputs, as in a busy stream.
         seqs.push(
             journal
-                .append_input(&user_message(&run, &format!("m{i}")), &format!("r-{i}"))
+                .append_input(
+                    &InputId::arbitrary(format!("r-{i}")),
+                    &user_message(&run, &format!("m{i}")),
+                )
                 .await
-                .unwrap(),
+                .unwrap()
+                .seq,
         );
         journal
-            .append_input(&user_message(&other, "x"), &format!("o-{i}"))
+            .append_input(
+                &InputId::arbitrary(format!("o-{i}")),
+                &user_message(&other, "x"),
+            )
             .await
             .unwrap();
     }
@@ -546,29 +589,44 @@ async fn a_chain_of_run_wide_checks_is_read_by_sequence_and_nothing_else_is() {
     let js = async_nats::jetstream::new(server.client().await);
     let run = new_run();
     let other = new_run();
-    let created = journal.create_run(&run_created(&run)).await.unwrap();
+    let created = journal
+        .create_run(&RunCreator::intake(), &run_created(&run))
+        .await
+        .unwrap();
     let writer = DecisionWriter::unfenced(&run, "step");
     let requested = journal
-        .append_decisions(&writer, created.last_seq, &[tool_requested(&run, 1, 0)])
+        .append_decisions(
+            &writer,
+            created.last_decision(),
+            &[tool_requested(&run, 1, 0)],
+        )
         .await
         .unwrap()
         .last_seq;
     // Other runs' messages between the links are stepped over.
     journal
-        .append_input(&user_message(&other, "x"), "o-1")
+        .append_input(&InputId::arbitrary("o-1"), &user_message(&other, "x"))
         .await
         .unwrap();
     let started = journal
-        .append_input_after(&tool_started(&run, 1, 0), "s-1", Some(requested))
+        .append_input_after(
+            &InputId::arbitrary("s-1"),
+            &tool_started(&run, 1, 0),
+            Some(requested),
+        )
         .await
         .unwrap();
     assert!(started.chained, "the request is the run's last message");
     journal
-        .append_input(&user_message(&other, "x"), "o-2")
+        .append_input(&InputId::arbitrary("o-2"), &user_message(&other, "x"))
         .await
         .unwrap();
     let result = journal
-        .append_input_after(&tool_result(&run, 1, 0), "r-1", Some(started.seq))
+        .append_input_after(
+            &InputId::arbitrary("r-1"),
+            &tool_result(&run, 1, 0),
+            Some(started.seq),
+        )
         .await
         .unwrap();
     assert!(result.chained);
@@ -593,33 +651,53 @@ async fn a_chain_of_run_wide_checks_is_read_by_sequence_and_nothing_else_is() {
             "after {after}"
         );
     }
-    // A retry of a chained input that landed is recognised by its msg id.
+    // A retry of a chained input that landed is recognised by its id.
     let again = journal
-        .append_input_after(&tool_started(&run, 1, 0), "s-1", Some(requested))
+        .append_input_after(
+            &InputId::arbitrary("s-1"),
+            &tool_started(&run, 1, 0),
+            Some(requested),
+        )
         .await;
-    assert!(
-        matches!(again, Err(JournalError::Duplicate { seq }) if seq == started.seq),
-        "{again:?}"
+    assert_eq!(
+        again,
+        Ok(InputAppended {
+            seq: started.seq,
+            duplicate: true,
+            chained: false
+        })
     );
 
     // Something of the run lands after the next request: its tool.started goes out unchained,
     // and the result chained on that is not read by sequence.
     let requested = journal
-        .append_decisions(&writer, requested, &[tool_requested(&run, 2, 0)])
+        .append_decisions(
+            &writer,
+            DecisionSeq::at(requested),
+            &[tool_requested(&run, 2, 0)],
+        )
         .await
         .unwrap()
         .last_seq;
     journal
-        .append_input(&user_message(&run, "meanwhile"), "u-1")
+        .append_input(&InputId::arbitrary("u-1"), &user_message(&run, "meanwhile"))
         .await
         .unwrap();
     let started = journal
-        .append_input_after(&tool_started(&run, 2, 0), "s-2", Some(requested))
+        .append_input_after(
+            &InputId::arbitrary("s-2"),
+            &tool_started(&run, 2, 0),
+            Some(requested),
+        )
         .await
         .unwrap();
     assert!(!started.chained);
     let result = journal
-        .append_input_after(&tool_result(&run, 2, 0), "r-2", Some(started.seq))
+        .append_input_after(
+            &InputId::arbitrary("r-2"),
+            &tool_result(&run, 2, 0),
+            Some(started.seq),
+        )
         .await
         .unwrap();
     assert!(result.chained);
@@ -659,16 +737,24 @@ async fn a_chain_of_run_wide_checks_is_read_by_sequence_and_nothing_else_is() {
 async fn a_purge_through_a_sequence_leaves_what_landed_after_it() {
     let (_server, journal) = setup().await;
     let run = new_run();
-    let created = journal.create_run(&run_created(&run)).await.unwrap();
-    let first = journal
-        .append_input(&user_message(&run, "seen"), "p-1")
+    let created = journal
+        .create_run(&RunCreator::intake(), &run_created(&run))
         .await
         .unwrap();
+    let first = journal
+        .append_input(&InputId::arbitrary("p-1"), &user_message(&run, "seen"))
+        .await
+        .unwrap()
+        .seq;
     // Landed after the purger's read, which went through `first`.
     let later = journal
-        .append_input(&user_message(&run, "came later"), "p-2")
+        .append_input(
+            &InputId::arbitrary("p-2"),
+            &user_message(&run, "came later"),
+        )
         .await
-        .unwrap();
+        .unwrap()
+        .seq;
     assert_eq!(journal.purge_run(&run, first).await.unwrap(), 2);
     let left: Vec<u64> = journal
         .read(&run, 0)
@@ -690,16 +776,29 @@ async fn the_last_event_of_each_type_comes_back_in_one_read() {
     let (_server, journal) = setup().await;
     let run = new_run();
     let other = new_run();
-    let created = journal.create_run(&run_created(&run)).await.unwrap();
-    journal.create_run(&run_created(&other)).await.unwrap();
+    let created = journal
+        .create_run(&RunCreator::intake(), &run_created(&run))
+        .await
+        .unwrap();
+    journal
+        .create_run(&RunCreator::intake(), &run_created(&other))
+        .await
+        .unwrap();
     let mut last = 0;
     for i in 0..3u32 {
         last = journal
-            .append_input(&user_message(&run, &format!("m{i}")), &format!("lo-{i}"))
+            .append_input(
+                &InputId::arbitrary(format!("lo-{i}")),
+                &user_message(&run, &format!("m{i}")),
+            )
             .await
-            .unwrap();
+            .unwrap()
+            .seq;
         journal
-            .append_input(&user_message(&other, "x"), &format!("lo-o-{i}"))
+            .append_input(
+                &InputId::arbitrary(format!("lo-o-{i}")),
+                &user_message(&other, "x"),
+            )
             .await
             .unwrap();
     }
@@ -856,11 +955,18 @@ async fn the_runs_touched_after_a_sequence_are_all_listed_while_another_run_is_p
     let (_server, journal) = setup().await;
     let (b, c, churned) = (new_run(), new_run(), new_run());
     let first = journal
-        .append_input(&user_message(&b, "b"), &format!("b-{b}"))
+        .append_input(
+            &InputId::arbitrary(format!("b-{b}")),
+            &user_message(&b, "b"),
+        )
         .await
-        .unwrap();
+        .unwrap()
+        .seq;
     journal
-        .append_input(&user_message(&c, "c"), &format!("c-{c}"))
+        .append_input(
+            &InputId::arbitrary(format!("c-{c}")),
+            &user_message(&c, "c"),
+        )
         .await
         .unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -871,9 +977,13 @@ async fn the_runs_touched_after_a_sequence_are_all_listed_while_another_run_is_p
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 round += 1;
                 let seq = journal
-                    .append_input(&user_message(&run, "a"), &format!("a-{run}-{round}"))
+                    .append_input(
+                        &InputId::arbitrary(format!("a-{run}-{round}")),
+                        &user_message(&run, "a"),
+                    )
                     .await
-                    .unwrap();
+                    .unwrap()
+                    .seq;
                 journal.purge_run(&run, seq).await.unwrap();
             }
             round

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use common::*;
 use futures::StreamExt;
-use kedge_core::{Envelope, RunId};
+use kedge_core::ids::{DecisionSeq, InputId};
+use kedge_core::{DecisionEnvelope, Envelope, InputEnvelope, RunId};
 use kedge_journal::blob::INLINE_MAX;
-use kedge_journal::{DecisionWriter, Journal, ReadPage};
+use kedge_journal::{DecisionWriter, Journal, ReadPage, RunCreator};
 
 /// Other runs' messages stored between two of the run's: `n` of them, on 97 subjects.
 async fn filler(js: &async_nats::jetstream::Context, n: usize, salt: usize) {
@@ -38,7 +39,7 @@ async fn filler(js: &async_nats::jetstream::Context, n: usize, salt: usize) {
 }
 
 /// A tool result too large to hold inline: stored by reference.
-fn big_result(run: &RunId, step: u32) -> Envelope {
+fn big_result(run: &RunId, step: u32) -> InputEnvelope {
     long_tool_result(run, step, 9, INLINE_MAX + 1000)
 }
 
@@ -60,9 +61,12 @@ async fn write_spread_run(journal: &Journal, gap: usize) -> Spread {
     let mut aside = Vec::new();
     filler(&js, gap, 0).await;
     let created = run_created(&run);
-    let a = journal.create_run(&created).await.unwrap();
-    events.push((a.last_seq, created));
-    let mut last_decision = a.last_seq;
+    let a = journal
+        .create_run(&RunCreator::intake(), &created)
+        .await
+        .unwrap();
+    events.push((a.last_seq, created.into_envelope()));
+    let mut last_decision = a.last_decision();
     let mut salt = 1;
     for step in 1..=8 {
         filler(&js, gap, salt).await;
@@ -76,8 +80,10 @@ async fn write_spread_run(journal: &Journal, gap: usize) -> Spread {
             )
             .await
             .unwrap();
-        last_decision = g.last_seq;
-        events.extend((g.first_seq..=g.last_seq).zip(group));
+        last_decision = g.last_decision();
+        events.extend(
+            (g.first_seq..=g.last_seq).zip(group.into_iter().map(DecisionEnvelope::into_envelope)),
+        );
         for i in 0..2 {
             filler(&js, gap, salt).await;
             salt += 1;
@@ -87,10 +93,11 @@ async fn write_spread_run(journal: &Journal, gap: usize) -> Spread {
                 tool_result(&run, step, i)
             };
             let seq = journal
-                .append_input(&input, &format!("r-{run}-{step}-{i}"))
+                .append_input(&InputId::arbitrary(format!("r-{run}-{step}-{i}")), &input)
                 .await
-                .unwrap();
-            events.push((seq, input));
+                .unwrap()
+                .seq;
+            events.push((seq, input.into_envelope()));
         }
         filler(&js, gap, salt).await;
         salt += 1;
@@ -134,15 +141,16 @@ async fn write_spread_run(journal: &Journal, gap: usize) -> Spread {
                 )
                 .await;
                 aside.push(seq);
-                last_decision = seq;
+                last_decision = DecisionSeq::at(seq);
             }
             _ => {
                 let m = user_message(&run, &format!("message {step}"));
                 let seq = journal
-                    .append_input(&m, &format!("u-{run}-{step}"))
+                    .append_input(&InputId::arbitrary(format!("u-{run}-{step}")), &m)
                     .await
-                    .unwrap();
-                events.push((seq, m));
+                    .unwrap()
+                    .seq;
+                events.push((seq, m.into_envelope()));
             }
         }
     }
@@ -287,7 +295,7 @@ async fn a_run_spread_over_history_reads_whole_in_order_from_anywhere_and_in_pag
     let more = journal
         .append_decisions(
             &DecisionWriter::unfenced(run, "step"),
-            last_decision,
+            DecisionSeq::at(last_decision),
             &step_group(run, 9),
         )
         .await
@@ -330,15 +338,22 @@ async fn a_spread_run_with_garbage_on_many_subjects_reads_the_same() {
     // to the wildcard), spread too, among a few events.
     let run = new_run();
     let created = run_created(&run);
-    let a = journal.create_run(&created).await.unwrap();
-    let mut events = vec![(a.last_seq, created)];
+    let a = journal
+        .create_run(&RunCreator::intake(), &created)
+        .await
+        .unwrap();
+    let mut events = vec![(a.last_seq, created.into_envelope())];
     let mut aside = Vec::new();
     for i in 0..70 {
         filler(&js, 2500, i).await;
         if i % 10 == 5 {
             let m = user_message(&run, &format!("message {i}"));
-            let seq = journal.append_input(&m, &format!("u-{i}")).await.unwrap();
-            events.push((seq, m));
+            let seq = journal
+                .append_input(&InputId::arbitrary(format!("u-{i}")), &m)
+                .await
+                .unwrap()
+                .seq;
+            events.push((seq, m.into_envelope()));
         }
         aside.push(
             publish_raw(
@@ -351,8 +366,12 @@ async fn a_spread_run_with_garbage_on_many_subjects_reads_the_same() {
         );
     }
     let m = user_message(&run, "the last word");
-    let seq = journal.append_input(&m, "u-last").await.unwrap();
-    events.push((seq, m));
+    let seq = journal
+        .append_input(&InputId::arbitrary("u-last"), &m)
+        .await
+        .unwrap()
+        .seq;
+    events.push((seq, m.into_envelope()));
     filler(&js, 2300, 99).await;
     let page = journal.read_with_set_aside(&run, 0).await.unwrap();
     assert_eq!(pairs(&page), events);

@@ -111,6 +111,29 @@ pub struct Runtime {
 }
 
 impl Runtime {
+    /// Calls `on_cancel` with the run of every `cancel.requested` input as it is published
+    /// (core NATS sees every journal message, [`kedge_journal::Journal::watch_inputs`]): how the
+    /// step and tool services stop a cancelled run's work at once. Best effort: a missed
+    /// notification only lets work that already started run on, and the run's journal still
+    /// has the cancel. Runs until the connection closes for good or the task is aborted.
+    pub async fn on_cancel_requests(
+        &self,
+        mut on_cancel: impl FnMut(kedge_core::RunId) + Send + 'static,
+    ) -> Result<tokio::task::JoinHandle<()>, RuntimeError> {
+        use futures::StreamExt;
+        let cancels = self
+            .journal
+            .watch_inputs(kedge_core::event::EventType::CancelRequested)
+            .await
+            .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
+        Ok(tokio::spawn(async move {
+            tokio::pin!(cancels);
+            while let Some(run) = cancels.next().await {
+                on_cancel(run);
+            }
+        }))
+    }
+
     /// This process's failure detector ([`liveness::Liveness`]), started on first use with the
     /// configured worker id, heartbeat and suspicion threshold.
     pub async fn liveness(&self) -> Result<liveness::Liveness, RuntimeError> {

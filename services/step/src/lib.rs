@@ -45,7 +45,7 @@ use std::time::Duration;
 use std::panic::AssertUnwindSafe;
 
 use async_nats::jetstream::{AckKind, Message};
-use futures::{FutureExt, StreamExt};
+use futures::FutureExt;
 use kedge_core::ids::RunId;
 use kedge_core::subjects::Durable;
 use kedge_model::ModelClient;
@@ -85,28 +85,6 @@ struct Absorbed {
 /// The stream sequence of a wake (an acknowledged event of its run).
 fn wake_seq(msg: &Message) -> Option<u64> {
     msg.info().ok().map(|info| info.stream_sequence)
-}
-
-/// Forwards `cancel.requested` inputs as they are published (core NATS sees every journal
-/// message) so that in-flight model calls of cancelled runs are aborted at once. Best effort: a
-/// missed notification only means the call runs to its end, and the commit after it still sees
-/// the cancel in the journal.
-async fn watch_cancels(
-    rt: &Runtime,
-    tx: tokio::sync::broadcast::Sender<RunId>,
-) -> Result<(), RuntimeError> {
-    let cancels = rt
-        .journal
-        .watch_inputs(kedge_core::event::EventType::CancelRequested)
-        .await
-        .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
-    tokio::spawn(async move {
-        tokio::pin!(cancels);
-        while let Some(run) = cancels.next().await {
-            let _ = tx.send(run);
-        }
-    });
-    Ok(())
 }
 
 /// Yield requests answered at once by one step process: one at a time, in the order they
@@ -165,7 +143,14 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .await
         .map_err(|e| RuntimeError::broker("step consumer", e))?;
     let (cancels, _) = tokio::sync::broadcast::channel(1024);
-    watch_cancels(&rt, cancels.clone()).await?;
+    // In-flight model calls of a cancelled run are aborted at once (a missed notification only
+    // lets the call run to its end; the commit after it still sees the cancel).
+    let tx = cancels.clone();
+    let watching = rt
+        .on_cancel_requests(move |run| {
+            let _ = tx.send(run);
+        })
+        .await?;
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
     let drives = Drives {
@@ -222,6 +207,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     drives.workers.drain().await;
     yields.abort();
     releaser.abort();
+    watching.abort();
     drives.driver.release_parked().await;
     tracing::info!("step service stopped");
     Ok(())

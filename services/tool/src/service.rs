@@ -122,7 +122,12 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
     let running = Running::default();
-    stop_on_cancels(&rt, running.clone()).await?;
+    // The operations running here of a cancelled run are stopped at once (a missed notification
+    // at most lets one that already started run to its timeout).
+    let stopping = running.clone();
+    let watching = rt
+        .on_cancel_requests(move |run| stopping.stop_run(&run))
+        .await?;
     let mut messages = consumer
         .messages()
         .await
@@ -212,30 +217,13 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     }
     wind_down(&ctx, messages, &stop, &workers, kept, sweeper).await;
     let _ = answering.await;
+    watching.abort();
     tracing::info!("tool service stopped");
     Ok(())
 }
 
 /// Precondition queries answered at once by one tool process (more wait in the subscription).
 const INSPECTS_IN_FLIGHT: usize = 64;
-
-/// Stops the operations running here of a run whose cancellation is requested, as its
-/// `cancel.requested` input is published (core NATS; a missed notification at most lets an
-/// operation that already started run to its timeout).
-async fn stop_on_cancels(rt: &Runtime, running: Running) -> Result<(), RuntimeError> {
-    let cancels = rt
-        .journal
-        .watch_inputs(kedge_core::event::EventType::CancelRequested)
-        .await
-        .map_err(|e| RuntimeError::broker("subscribe to cancel requests", e))?;
-    tokio::spawn(async move {
-        tokio::pin!(cancels);
-        while let Some(run) = cancels.next().await {
-            running.stop_run(&run);
-        }
-    });
-    Ok(())
-}
 
 /// Takes over the operations a runner found gone held (its last heartbeat named them), each
 /// through [`adopt`]; when it was last heard is kept for the takeover's latency.

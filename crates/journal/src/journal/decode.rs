@@ -328,6 +328,7 @@ mod tests {
     use crate::journal::decision_msg_id;
     use crate::journal::fixtures::{decision, run};
     use kedge_core::event::{StepStarted, Timestamp, UserMessage};
+    use kedge_core::ids::DecisionSeq;
     use kedge_core::{Draft, Event};
 
     fn stored(seq: u64, subject: &str, payload: Vec<u8>) -> StoredMessage {
@@ -363,7 +364,7 @@ mod tests {
     fn decode_sets_aside_what_is_not_an_event_of_the_run() {
         let r = run();
         let env = decision(&r);
-        let id = |expected: u64| decision_msg_id(&r, expected, 0, "w");
+        let id = |expected: u64| decision_msg_id(&r, DecisionSeq::at(expected), 0, "w");
         let ok = decode(
             &r,
             stored_with_id(3, &env.subject(), env.to_json_bytes(), Some(&id(2))),
@@ -404,7 +405,7 @@ mod tests {
                     10,
                     &env.subject(),
                     env.to_json_bytes(),
-                    Some(&decision_msg_id(&r, expected, index, "w")),
+                    Some(&decision_msg_id(&r, DecisionSeq::at(expected), index, "w")),
                 ),
             )
         };
@@ -447,7 +448,10 @@ mod tests {
         for (seq, msg_id) in [
             (9, None),
             (10, Some("client-key".to_owned())),
-            (11, Some(decision_msg_id(&other, 2, 0, "w"))),
+            (
+                11,
+                Some(decision_msg_id(&other, DecisionSeq::at(2), 0, "w")),
+            ),
             (12, Some(id(12))),
         ] {
             let d = decode(

@@ -134,17 +134,17 @@ impl Journal {
 #[cfg(test)]
 mod fixtures {
     use kedge_core::event::{RunStarted, Timestamp};
-    use kedge_core::{Draft, Envelope, Event, RunId};
+    use kedge_core::{Draft, RunId};
 
     pub(super) fn run() -> RunId {
         "run_j1".parse().expect("valid")
     }
 
-    pub(super) fn decision(run: &RunId) -> Envelope {
-        Envelope::new(
+    pub(super) fn decision(run: &RunId) -> kedge_core::DecisionEnvelope {
+        kedge_core::DecisionEnvelope::new(
             run.clone(),
             Timestamp::now(),
-            Draft::new(Event::RunStarted(RunStarted {})),
+            Draft::new(kedge_core::Decision::RunStarted(RunStarted {})),
         )
     }
 }

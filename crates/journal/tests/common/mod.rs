@@ -4,11 +4,11 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use kedge_core::event::{
-    AssistantMessage, Digest, FinishReason, RunCreated, RunStarted, StepCompleted, Timestamp,
-    ToolRequested, ToolResult, ToolStarted, Usage, UserMessage,
+    AssistantMessage, Decision, Digest, FinishReason, Input, RunCreated, RunStarted, StepCompleted,
+    Timestamp, ToolRequested, ToolResult, ToolStarted, Usage, UserMessage,
 };
 use kedge_core::ids::ModelRequestId;
-use kedge_core::{Attempt, Draft, Envelope, Event, OperationId, RunId, StepNo};
+use kedge_core::{Attempt, DecisionEnvelope, Draft, InputEnvelope, OperationId, RunId, StepNo};
 use kedge_journal::{Journal, LayoutOptions, ensure_layout};
 use kedge_testkit::NatsServer;
 
@@ -26,14 +26,18 @@ pub fn new_run() -> RunId {
     RunId::generate()
 }
 
-fn env(run: &RunId, draft: Draft) -> Envelope {
-    Envelope::new(run.clone(), Timestamp::now(), draft)
+fn decision(run: &RunId, draft: Draft<Decision>) -> DecisionEnvelope {
+    DecisionEnvelope::new(run.clone(), Timestamp::now(), draft)
 }
 
-pub fn run_created(run: &RunId) -> Envelope {
-    env(
+fn input(run: &RunId, draft: Draft<Input>) -> InputEnvelope {
+    InputEnvelope::new(run.clone(), Timestamp::now(), draft)
+}
+
+pub fn run_created(run: &RunId) -> DecisionEnvelope {
+    decision(
         run,
-        Draft::new(Event::RunCreated(
+        Draft::new(Decision::RunCreated(
             RunCreated {
                 tenant: "t1".parse().unwrap(),
                 ..kedge_testkit::fixtures::run_created("test-agent", "hello")
@@ -43,14 +47,14 @@ pub fn run_created(run: &RunId) -> Envelope {
     )
 }
 
-pub fn run_started(run: &RunId) -> Envelope {
-    env(run, Draft::new(Event::RunStarted(RunStarted {})))
+pub fn run_started(run: &RunId) -> DecisionEnvelope {
+    decision(run, Draft::new(Decision::RunStarted(RunStarted {})))
 }
 
-pub fn step_completed(run: &RunId, step: u32) -> Envelope {
-    env(
+pub fn step_completed(run: &RunId, step: u32) -> DecisionEnvelope {
+    decision(
         run,
-        Draft::new(Event::StepCompleted(StepCompleted {
+        Draft::new(Decision::StepCompleted(StepCompleted {
             request_id: ModelRequestId::new(run, StepNo(step), Attempt(1)),
             message: AssistantMessage {
                 text: format!("step {step}"),
@@ -71,21 +75,18 @@ pub fn step_completed(run: &RunId, step: u32) -> Envelope {
     )
 }
 
-pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
+pub fn tool_requested(run: &RunId, step: u32, index: u32) -> DecisionEnvelope {
     let arguments = serde_json::json!({ "q": index });
-    env(
+    decision(
         run,
-        Draft::new(Event::ToolRequested(ToolRequested {
+        Draft::new(Decision::ToolRequested(ToolRequested {
             call_id: format!("call_{index}"),
             tool: "search".into(),
             args_digest: Digest::of_json(&arguments),
             arguments,
             redispatch: 0,
             expect_version: None,
-            timeout_secs: None,
-            network: false,
-            max_output_bytes: None,
-            retry: None,
+            limits: Default::default(),
             reversibility: None,
             compensates: None,
         }))
@@ -95,23 +96,23 @@ pub fn tool_requested(run: &RunId, step: u32, index: u32) -> Envelope {
 }
 
 /// One step.completed and three tool.requested: a typical group.
-pub fn step_group(run: &RunId, step: u32) -> Vec<Envelope> {
+pub fn step_group(run: &RunId, step: u32) -> Vec<DecisionEnvelope> {
     let mut g = vec![step_completed(run, step)];
     g.extend((0..3).map(|i| tool_requested(run, step, i)));
     g
 }
 
-pub fn user_message(run: &RunId, text: &str) -> Envelope {
-    env(
+pub fn user_message(run: &RunId, text: &str) -> InputEnvelope {
+    input(
         run,
-        Draft::new(Event::UserMessage(UserMessage { text: text.into() })),
+        Draft::new(Input::UserMessage(UserMessage { text: text.into() })),
     )
 }
 
-pub fn tool_started(run: &RunId, step: u32, index: u32) -> Envelope {
-    env(
+pub fn tool_started(run: &RunId, step: u32, index: u32) -> InputEnvelope {
+    input(
         run,
-        Draft::new(Event::ToolStarted(ToolStarted {
+        Draft::new(Input::ToolStarted(ToolStarted {
             runner: "runner-1".into(),
             attempt: 1,
         }))
@@ -120,14 +121,14 @@ pub fn tool_started(run: &RunId, step: u32, index: u32) -> Envelope {
     )
 }
 
-pub fn tool_result(run: &RunId, step: u32, index: u32) -> Envelope {
+pub fn tool_result(run: &RunId, step: u32, index: u32) -> InputEnvelope {
     tool_result_of(run, step, index, format!("result {index}"))
 }
 
-fn tool_result_of(run: &RunId, step: u32, index: u32, content: String) -> Envelope {
-    env(
+fn tool_result_of(run: &RunId, step: u32, index: u32, content: String) -> InputEnvelope {
+    input(
         run,
-        Draft::new(Event::ToolResult(ToolResult {
+        Draft::new(Input::ToolResult(ToolResult {
             content,
             is_error: false,
             stopped: false,
@@ -158,7 +159,7 @@ pub async fn publish_raw(
 
 /// A tool result of `size` bytes for operation `op` of step `step` (not compressible to a
 /// repeat: each line differs), large enough to go by reference when `size` > `INLINE_MAX`.
-pub fn long_tool_result(run: &RunId, step: u32, op: u32, size: usize) -> Envelope {
+pub fn long_tool_result(run: &RunId, step: u32, op: u32, size: usize) -> InputEnvelope {
     let mut content = String::with_capacity(size + 32);
     let mut i = 0u64;
     while content.len() < size {
