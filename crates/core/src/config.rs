@@ -3,6 +3,10 @@
 //! Every timeout of the runtime is a field here; [`Timeouts::check`] refuses a configuration that
 //! breaks a relation, naming the relation. Services call it when they load their configuration,
 //! so a bad combination fails at startup instead of as a double-executed tool in production.
+//!
+//! [`mcp`]: how to reach one MCP server, plain data shared by the configuration and the MCP client.
+
+pub mod mcp;
 
 use std::time::Duration;
 

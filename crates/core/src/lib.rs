@@ -9,7 +9,8 @@
 //! - [`agent`]: agent definitions (prompt, model, tools, policy, budget).
 //! - [`child`]: child runs (`run_agent`): the verdict on a call, the child's bundle and budget,
 //!   and the result a child gives its parent.
-//! - [`config`]: the timeouts and the relations between them.
+//! - [`config`]: the timeouts and the relations between them; how to reach an MCP server
+//!   ([`config::mcp`]).
 //! - [`task`]: the task submission and its validation.
 //! - [`tools`]: the built-in tools' schemas and a run's tool contract (what the model may call,
 //!   with what arguments).

@@ -86,13 +86,13 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::consumer::DeliverPolicy;
 use async_nats::jetstream::consumer::pull::OrderedConfig;
 use futures::StreamExt;
+use kedge_app::tasks::{Answer, Submission};
 use kedge_core::agent::AgentDefinition;
 use kedge_core::event::{AttemptOutcome, Trouble};
 use kedge_core::subjects::{PROVIDERS_BUCKET, RUNS_STREAM};
 use kedge_core::task::TaskSubmission;
 use kedge_core::{Envelope, Event, RunId, RunStatus};
 use kedge_journal::Journal;
-use kedge_runtime::tasks::{Answer, Submission};
 use kedge_testkit::NatsServer;
 use serde_json::{Value, json};
 use time::OffsetDateTime;
@@ -587,7 +587,7 @@ async fn submit(client: &async_nats::Client, agent: &str, key: String) -> Result
         tenant: "acme",
         caller: Some("bench"),
     };
-    match kedge_runtime::tasks::submit(client, &submission, Duration::from_secs(60)).await {
+    match kedge_app::tasks::submit(client, &submission, Duration::from_secs(60)).await {
         Ok(Answer::Accepted { run_id }) => Ok(run_id),
         Ok(Answer::Rejected { error }) => Err(format!("rejected: {error:?}")),
         Err(e) => Err(e.to_string()),

@@ -70,6 +70,7 @@ use std::time::{Duration, Instant};
 mod support;
 
 use futures::StreamExt;
+use kedge_app::tasks::{Answer, Submission};
 use kedge_core::agent::AgentDefinition;
 use kedge_core::event::{OutcomeResolved, Resolution, Timestamp};
 use kedge_core::fold::OpStatus;
@@ -77,7 +78,6 @@ use kedge_core::task::TaskSubmission;
 use kedge_core::{Draft, Event, RunId, RunState, RunStatus};
 use kedge_journal::Recorded;
 use kedge_mock_llm::{MockHandle, Scripts};
-use kedge_runtime::tasks::{Answer, Submission};
 use kedge_runtime::{Config, Runtime};
 use kedge_testkit::NatsServer;
 use serde_json::json;
@@ -512,7 +512,7 @@ impl Bench {
             tenant: "acme",
             caller: Some("bench"),
         };
-        match kedge_runtime::tasks::submit(&self.rt.client, &submission, Duration::from_secs(20))
+        match kedge_app::tasks::submit(&self.rt.client, &submission, Duration::from_secs(20))
             .await
             .expect("intake answered")
         {
@@ -1134,14 +1134,13 @@ async fn warm_up(b: &Bench) {
             tenant: "acme",
             caller: Some("bench"),
         };
-        let run =
-            match kedge_runtime::tasks::submit(&b.rt.client, &submission, Duration::from_secs(30))
-                .await
-                .expect("intake answered")
-            {
-                Answer::Accepted { run_id } => run_id,
-                Answer::Rejected { error } => panic!("warm-up rejected: {error:?}"),
-            };
+        let run = match kedge_app::tasks::submit(&b.rt.client, &submission, Duration::from_secs(30))
+            .await
+            .expect("intake answered")
+        {
+            Answer::Accepted { run_id } => run_id,
+            Answer::Rejected { error } => panic!("warm-up rejected: {error:?}"),
+        };
         let mut f = Follow::start(&b.rt, run).await;
         let ok = f
             .until(Instant::now() + Duration::from_secs(30), |f| {

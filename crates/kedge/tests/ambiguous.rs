@@ -45,7 +45,7 @@ async fn an_ambiguous_outcome_waits_for_a_person_then_continues() {
         // The operator's verdict, as `kedge resolve` and the bridge send it; sent twice (a
         // retried request), it lands once.
         let events = h.events(&run).await;
-        let first = kedge_runtime::inputs::resolve(
+        let first = kedge_app::inputs::resolve(
             &h.rt,
             &run,
             &events,
@@ -56,7 +56,7 @@ async fn an_ambiguous_outcome_waits_for_a_person_then_continues() {
         .await
         .expect("resolution journaled");
         assert!(!first.duplicate);
-        let again = kedge_runtime::inputs::resolve(
+        let again = kedge_app::inputs::resolve(
             &h.rt,
             &run,
             &events,

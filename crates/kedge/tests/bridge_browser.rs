@@ -112,7 +112,7 @@ async fn a_browser_eventsource_resumes_across_a_bridge_restart_and_sees_every_ev
         .expect("the question")
         .clone();
     let events = h.events(&run_id).await;
-    kedge_runtime::inputs::answer(&h.rt, &run_id, &events, &question, "yes".into())
+    kedge_app::inputs::answer(&h.rt, &run_id, &events, &question, "yes".into())
         .await
         .expect("answered");
     h.wait_for(&run_id, Duration::from_secs(30), |s| s.step.get() >= 4)

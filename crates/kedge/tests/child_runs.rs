@@ -269,8 +269,8 @@ async fn a_child_waiting_on_a_person_shows_in_the_parent_and_a_cancel_stops_both
         .await;
     // The parent's view lists the child and the question to answer on it.
     let events = h.events(&run).await;
-    let mut view = kedge_runtime::view::run_view(&state, &events);
-    kedge_runtime::view::add_children(&h.rt.journal, &state, &mut view).await;
+    let mut view = kedge_app::view::run_view(&state, &events);
+    kedge_app::view::add_children(&h.rt.journal, &state, &mut view).await;
     let waiting = view.waiting.expect("waiting");
     assert_eq!(waiting.on, WaitReason::Tool);
     assert_eq!(waiting.children.len(), 1, "{:?}", waiting.children);
@@ -582,8 +582,8 @@ async fn a_grandchild_waiting_on_a_person_shows_in_the_root_and_its_answer_flows
         .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingTool)
         .await;
     let events = h.events(&run).await;
-    let mut view = kedge_runtime::view::run_view(&state, &events);
-    kedge_runtime::view::add_children(&h.rt.journal, &state, &mut view).await;
+    let mut view = kedge_app::view::run_view(&state, &events);
+    kedge_app::view::add_children(&h.rt.journal, &state, &mut view).await;
     let waiting = view.waiting.expect("waiting");
     assert_eq!(waiting.children.len(), 1, "{:?}", waiting.children);
     assert_eq!(waiting.children[0].run_id, grandchild);

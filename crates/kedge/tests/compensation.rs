@@ -137,7 +137,7 @@ async fn cancel_compensates_ledger_once_across_a_tool_kill() {
         "the irreversible effect is listed, not undone"
     );
     // `kedge runs show`'s view lists them too.
-    let view = kedge_runtime::view::run_view(&state, &events);
+    let view = kedge_app::view::run_view(&state, &events);
     assert_eq!(view.effects, ended[0].operations);
     h.shutdown().await;
 }

@@ -39,7 +39,7 @@ async fn a_gated_run_waits_without_run_waiting() {
     assert_eq!(state.waiting_on(), Some(WaitReason::User));
     let events = h.events(&run).await;
     // What clients see: the run view, folded like every reader.
-    let view = kedge_runtime::view::run_view(&state, &events);
+    let view = kedge_app::view::run_view(&state, &events);
     assert_eq!(view.status, RunStatus::WaitingUser);
     assert_eq!(view.waiting.as_ref().map(|w| w.on), Some(WaitReason::User));
     let question = state.questions.keys().next().expect("a question").clone();

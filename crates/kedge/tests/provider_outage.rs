@@ -266,7 +266,7 @@ async fn a_run_waits_on_its_provider_visibly_and_goes_on_when_it_is_back() {
     // The run view says on what, since when and until when (the CLI, the console, the gateway
     // and the bridge all show this view).
     let events = h.events(&run).await;
-    let view = kedge_runtime::view::run_view(&state, &events);
+    let view = kedge_app::view::run_view(&state, &events);
     let shown = serde_json::to_value(&view).expect("json");
     assert_eq!(shown["status"], "waiting_provider");
     assert_eq!(shown["provider"]["trouble"], "rate_limited");

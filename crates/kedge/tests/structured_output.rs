@@ -48,11 +48,11 @@ async fn store(h: &Harness, name: &str, on_invalid: Option<&str>) {
     h.rt.agents.put(&def).await.expect("agent stored");
 }
 
-async fn view(h: &Harness, run: &kedge_core::ids::RunId) -> kedge_runtime::view::RunView {
+async fn view(h: &Harness, run: &kedge_core::ids::RunId) -> kedge_app::view::RunView {
     let state = h.state(run).await;
     let events = h.events(run).await;
     assert_schema_valid(&events);
-    kedge_runtime::view::run_view(&state, &events)
+    kedge_app::view::run_view(&state, &events)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

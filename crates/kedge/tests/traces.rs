@@ -160,13 +160,13 @@ async fn traced_run(via: Via, key: &str) -> Vec<Span> {
                 budget: None,
                 metadata: Default::default(),
             };
-            let submission = kedge_runtime::tasks::Submission {
+            let submission = kedge_app::tasks::Submission {
                 task: &task,
                 key,
                 tenant: "acme",
                 caller: Some("test"),
             };
-            let answer = kedge_runtime::tasks::submit_traced(
+            let answer = kedge_app::tasks::submit_traced(
                 &h.rt.client,
                 &kedge_core::subjects::task_for(&task.agent, &"acme".parse().expect("tenant")),
                 serde_json::to_vec(&task).expect("json").into(),

@@ -177,7 +177,7 @@ async fn an_ambiguous_operation_left_by_an_earlier_build_is_resolved_and_run_on_
         h.spawn_service(svc, "w-new-build");
     }
     let journal = h.events(&run).await;
-    kedge_runtime::inputs::resolve(
+    kedge_app::inputs::resolve(
         &h.rt,
         &run,
         &journal,

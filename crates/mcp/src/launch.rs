@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::config::StdioSandbox;
+use crate::StdioSandbox;
 
 /// Everything the configuration says about starting one stdio server.
 #[derive(Clone, Copy)]

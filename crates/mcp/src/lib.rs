@@ -70,15 +70,16 @@
 //! and `mcp_close`. A child's stderr is logged at debug level under target `kedge_mcp::stderr`,
 //! and its last lines are part of a connect error.
 
-mod config;
 mod connection;
 mod content;
 mod error;
 mod launch;
 mod pool;
 
-pub use config::{ServerConfig, StdioSandbox};
 pub use error::McpError;
+/// How to reach a server: plain data in the core, so that a configuration holds it without linking
+/// this client.
+pub use kedge_core::config::mcp::{ServerConfig, StdioSandbox};
 pub use launch::{Direct, Launch, Launcher, direct_command};
 pub use pool::{
     DEADLINE_META_KEY, DEFAULT_CONNECT_TIMEOUT, OPERATION_ID_META_KEY, Outcome, Pool, ToolInfo,

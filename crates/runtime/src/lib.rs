@@ -8,34 +8,28 @@
 //! - [`Runtime`]: the broker connection after the layout check, the journal, leases and the KV
 //!   stores every service uses.
 //! - [`agents`]: agent definitions in `kedge_agents`.
-//! - [`approvals`]: recording a person's approval decision.
-//! - [`callbacks`]: delivering external callbacks to the runs that wait for them.
-//! - [`inputs`]: every input an outside party may append (message, answer, cancel, approval,
-//!   callback), validated and given its dedup id ([`inputs::InputId`]) in one place.
 //! - [`idempotency`]: stored model responses and tool operation records in `kedge_idempotency`.
 //! - [`consumer`]: durable pull consumers from `nats/consumers/*.json`.
-//! - [`tasks`]: the client side of the task protocol (submit, intake's answer).
-//! - [`view`]: what clients see of a run (public events, event JSON, the run view), shared by the
-//!   HTTP bridge and the tenant gateway.
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
 //! - [`metrics`]: the Prometheus metrics every service counts (names, labels, the recorder and
 //!   the `/metrics` endpoint of `kedge serve`).
 //! - [`secure`]: the secured broker configuration (accounts, least-privilege users), rendered.
 //! - [`trace`]: the W3C `traceparent` a run carries, and joining a span to it.
 //!
+//! What outside parties may do to runs (inputs, tasks, approvals, callbacks) and what they see
+//! of them (the run view) is the application layer, `kedge-app`, above this crate: nothing here
+//! imports it (docs/ARCHITECTURE.md "Map of the house").
+//!
 //! Invariant: a service never starts against a broker that failed the layout check
 //! ([`Runtime::connect`] refuses), so no code below has to wonder whether a flag is set.
 
 pub mod agents;
-pub mod approvals;
-pub mod callbacks;
 pub mod config;
 pub mod connect;
 pub mod consumer;
 pub mod failpoint;
 pub mod health;
 pub mod idempotency;
-pub mod inputs;
 pub mod liveness;
 pub mod metrics;
 pub mod provider;
@@ -44,9 +38,7 @@ pub mod responder;
 pub mod retention;
 pub mod seal;
 pub mod secure;
-pub mod tasks;
 pub mod trace;
-pub mod view;
 
 /// A uniformly random `u64` for the jitter of a backoff (the core takes it as an input, so its
 /// decisions stay pure): the step's model-call retries and the tool's attempt retries draw here.

@@ -2,7 +2,7 @@
 //!
 //! [`purge_run`] removes one run's data from every place Kedge keeps it, after checking from the
 //! journal itself (not the projection, a cache) that the run is finished — ended, with nothing
-//! about to revive it ([`crate::view::finished`]) — and, when a cutoff is given, that it ended
+//! about to revive it ([`kedge_core::decide::finished`]) — and, when a cutoff is given, that it ended
 //! (its last `run.succeeded|failed|cancelled`) before the cutoff. A run that is not finished is
 //! never touched.
 //!
@@ -155,7 +155,7 @@ async fn purge_run_ended(
                 reason: e.to_string(),
             }
         })?;
-    if !crate::view::finished(&state) {
+    if !kedge_core::decide::finished(&state) {
         return Ok((
             Purged::NotFinished {
                 status: state.status,

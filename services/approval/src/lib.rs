@@ -22,7 +22,7 @@ use kedge_runtime::responder::{self, Busy, Listen};
 use kedge_runtime::{Runtime, RuntimeError};
 use serde::{Deserialize, Serialize};
 
-pub use kedge_runtime::approvals::DecisionRequest;
+pub use kedge_app::approvals::DecisionRequest;
 
 /// The answer to a decision request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -111,7 +111,7 @@ pub async fn decide(rt: &Runtime, run: &str, token: Option<&str>, body: &[u8]) -
         Ok(r) => r,
         Err(e) => return refused(422, format!("invalid decision: {e}")),
     };
-    match kedge_runtime::approvals::record_decision(rt, &run, approver, request).await {
+    match kedge_app::approvals::record_decision(rt, &run, approver, request).await {
         Ok(seq) => DecisionAnswer::Journaled { seq },
         Err(r) => refused(r.code, r.reason),
     }

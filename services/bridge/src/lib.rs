@@ -30,7 +30,7 @@ pub mod quota;
 pub mod sse;
 pub mod tenants;
 pub mod ticket;
-pub use kedge_runtime::view;
+pub use kedge_app::view;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -36,12 +36,13 @@ use std::time::Duration;
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use futures::StreamExt;
+use kedge_app::inputs::{self, Refusal};
+use kedge_app::view;
 use kedge_core::ids::{ApprovalId, QuestionId, RunId, TenantId};
 use kedge_core::subjects::{self, GatewayRequest};
 use kedge_core::task::TaskSubmission;
-use kedge_runtime::inputs::{self, Refusal};
 use kedge_runtime::responder::{self, Busy, Listen, Responder};
-use kedge_runtime::{Runtime, RuntimeError, view};
+use kedge_runtime::{Runtime, RuntimeError};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tracing::Instrument;
@@ -276,7 +277,7 @@ async fn task(
     }
     if let Some(u) = user {
         headers.insert(
-            kedge_runtime::tasks::CALLER_HEADER,
+            kedge_app::tasks::CALLER_HEADER,
             format!("{tenant}/{u}").as_str(),
         );
     }
@@ -292,7 +293,7 @@ async fn task(
     let answer = match ack {
         Ok(ack) => {
             let run_id = task.run_id.clone().unwrap_or_else(|| {
-                kedge_runtime::tasks::derive_run_id(tenant, msg_id.as_deref(), ack.sequence)
+                kedge_app::tasks::derive_run_id(tenant, msg_id.as_deref(), ack.sequence)
             });
             tracing::info!(run_id = %run_id, seq = ack.sequence, duplicate = ack.duplicate, "task forwarded");
             json!({
@@ -633,7 +634,7 @@ async fn approve(
     }
     let d: DecisionBody = body(payload)?;
     inputs::owned_run(rt, tenant, run).await?;
-    let request = kedge_runtime::approvals::DecisionRequest {
+    let request = kedge_app::approvals::DecisionRequest {
         approval_id: approval.clone(),
         verdict: d.verdict,
         args_digest: d.args_digest,

@@ -19,7 +19,7 @@
 //!
 //! Intake also answers external callbacks over NATS: a request on `agent.callback.<key>` (queue
 //! group `kedge-callbacks`; body = the payload, JSON or text; optional `Kedge-Delivery-Id`
-//! header) is delivered by [`kedge_runtime::callbacks::deliver`] and answered with its
+//! header) is delivered by [`kedge_app::callbacks::deliver`] and answered with its
 //! `Delivery` as JSON (`{"status": "accepted" | "early" | "duplicate" | "expired" | "closed" |
 //! "unknown_key", …}`).
 //!
@@ -57,7 +57,7 @@ use kedge_runtime::responder::{self, Busy, Listen, Responder};
 use kedge_runtime::{Runtime, RuntimeError, consumer, trace};
 use tracing::Instrument;
 
-pub use kedge_runtime::tasks::{
+pub use kedge_app::tasks::{
     Answer, CALLER_HEADER, DEFAULT_TENANT, REPLY_HEADER, Submission, SubmitError, derive_run_id,
     submit, submit_raw,
 };
@@ -151,7 +151,7 @@ async fn answer_callback(rt: Runtime, msg: async_nats::Message) {
         serde_json::Value::String(String::from_utf8_lossy(&msg.payload).into_owned())
     });
     let delivery_id = header(msg.headers.as_ref(), DELIVERY_ID_HEADER);
-    match kedge_runtime::callbacks::deliver(&rt, key, payload, delivery_id).await {
+    match kedge_app::callbacks::deliver(&rt, key, payload, delivery_id).await {
         Ok(d) => responder::reply(&rt.client, &msg, &d).await,
         Err(e) => {
             tracing::warn!(%key, error = %e, "callback not delivered");

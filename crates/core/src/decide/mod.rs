@@ -177,6 +177,15 @@ pub fn decide(state: &RunState) -> Next {
     }
 }
 
+/// Whether the run has ended and nothing is about to revive it: a terminal status with no user
+/// message waiting to start a new turn (the step service's own rule, [`decide`]). What clients
+/// are shown as `finished` (docs/API.md "SSE: `GET /v1/runs/{id}/events`": a stream ends after
+/// the event that makes this true) and the only runs retention purges (docs/RUNBOOK.md
+/// "Retention (purging finished runs)").
+pub fn finished(state: &RunState) -> bool {
+    state.status.is_terminal() && matches!(decide(state), Next::Idle(Idle::Terminal))
+}
+
 fn decide_base(state: &RunState) -> Next {
     let budget = &state.bundle.budget;
     // A cut-short decision group is finished before anything else (a group always ends by

@@ -3,8 +3,8 @@
 use std::process::ExitCode;
 
 use anyhow::bail;
+use kedge_app::inputs::InputId;
 use kedge_runtime::Runtime;
-use kedge_runtime::inputs::InputId;
 
 use super::DeadCmd;
 use super::inputs::send_input;

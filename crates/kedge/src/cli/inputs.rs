@@ -7,11 +7,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use kedge_app::inputs::InputId;
 use kedge_core::event::{Draft, Timestamp};
 use kedge_core::ids::{QuestionId, RunId};
 use kedge_core::subjects;
 use kedge_core::task::TaskSubmission;
-use kedge_runtime::inputs::InputId;
 use kedge_runtime::{Config, Runtime};
 
 use super::{Output, SubmitArgs, watch};
@@ -56,11 +56,11 @@ pub(super) fn uuid_like() -> String {
 /// `kedge message`.
 pub(super) async fn message(rt: &Runtime, run: &RunId, text: String) -> anyhow::Result<ExitCode> {
     let events = run_events(rt, run).await?;
-    report_input(kedge_runtime::inputs::message(rt, run, &events, text, None).await)
+    report_input(kedge_app::inputs::message(rt, run, &events, text, None).await)
 }
 
 /// Answers a run's question (`kedge answer`, and `kedge watch` on a terminal), through the
-/// same checks as the bridge and the gateway (`kedge_runtime::inputs`).
+/// same checks as the bridge and the gateway (`kedge_app::inputs`).
 pub(super) async fn send_answer(
     rt: &Runtime,
     run: &RunId,
@@ -68,7 +68,7 @@ pub(super) async fn send_answer(
     answer: String,
 ) -> anyhow::Result<ExitCode> {
     let events = run_events(rt, run).await?;
-    report_input(kedge_runtime::inputs::answer(rt, run, &events, &question, answer).await)
+    report_input(kedge_app::inputs::answer(rt, run, &events, &question, answer).await)
 }
 
 /// `kedge approve`: the decision goes to the approval service, which authenticates the token.
@@ -141,7 +141,7 @@ pub(super) async fn resolve(
     };
     let rt = Runtime::connect_existing(config).await?;
     let events = rt.journal.read(run, 0).await?;
-    let done = kedge_runtime::inputs::resolve(&rt, run, &events, op, resolution, by)
+    let done = kedge_app::inputs::resolve(&rt, run, &events, op, resolution, by)
         .await
         .map_err(|r| anyhow::anyhow!("refused ({}): {r}", r.status()))?;
     if done.duplicate {
@@ -159,7 +159,7 @@ pub(super) async fn resolve(
 pub(super) async fn cancel(rt: &Runtime, run: &RunId, reason: String) -> anyhow::Result<ExitCode> {
     let events = run_events(rt, run).await?;
     let by = Some("cli".to_owned());
-    report_input(kedge_runtime::inputs::cancel(rt, run, &events, reason, by).await)
+    report_input(kedge_app::inputs::cancel(rt, run, &events, reason, by).await)
 }
 
 /// A run's journal, for an operator's input (`kedge message|answer|cancel`: an operator may
@@ -177,7 +177,7 @@ pub(super) async fn run_events(
 
 /// Prints where an input was journaled (or that it already was); a refusal is the error.
 pub(super) fn report_input(
-    done: Result<kedge_runtime::inputs::Appended, kedge_runtime::inputs::Refusal>,
+    done: Result<kedge_app::inputs::Appended, kedge_app::inputs::Refusal>,
 ) -> anyhow::Result<ExitCode> {
     let done = done.map_err(|r| anyhow::anyhow!("refused ({}): {r}", r.status()))?;
     match (done.duplicate, done.seq) {

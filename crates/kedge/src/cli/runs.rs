@@ -47,7 +47,7 @@ pub(super) async fn status(rt: &Runtime, run: &RunId) -> anyhow::Result<ExitCode
     }
     let state = kedge_core::fold(page.events.iter().map(|r| (r.seq, &r.envelope)))?;
     println!("{}", timeline::status_line(&state));
-    if let Some(v) = kedge_runtime::view::result_validation(&page.events) {
+    if let Some(v) = kedge_app::view::result_validation(&page.events) {
         println!("{}", timeline::validation_line(&v));
     }
     // Messages on the run's subjects that are not events of the run: skipped by every
@@ -75,8 +75,8 @@ pub(super) async fn show_run(
         bail!("no run {run}");
     }
     let state = kedge_core::fold(events.iter().map(|r| (r.seq, &r.envelope)))?;
-    let mut view = kedge_runtime::view::run_view(&state, &events);
-    kedge_runtime::view::add_children(&rt.journal, &state, &mut view).await;
+    let mut view = kedge_app::view::run_view(&state, &events);
+    kedge_app::view::add_children(&rt.journal, &state, &mut view).await;
     if output != Output::Text {
         println!("{}", serde_json::to_string_pretty(&view)?);
         return Ok(ExitCode::SUCCESS);
@@ -104,7 +104,7 @@ pub(super) async fn show_run(
     }
     if let Some(result) = &view.result {
         println!("result: {}", result.output);
-        if let Some(v) = kedge_runtime::view::result_validation(&events) {
+        if let Some(v) = kedge_app::view::result_validation(&events) {
             println!("{}", timeline::validation_line(&v));
         }
     }
@@ -121,7 +121,7 @@ pub(super) async fn show_run(
 /// digest is the one its request carries: the approver approves exactly those arguments).
 pub(super) fn answer_lines(
     run: &RunId,
-    view: &kedge_runtime::view::RunView,
+    view: &kedge_app::view::RunView,
     events: &[kedge_journal::Recorded],
 ) -> Vec<String> {
     if let Some(p) = &view.provider {

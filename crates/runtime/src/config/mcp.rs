@@ -2,23 +2,25 @@
 //! servers' names, and `--dump-config`'s redaction of stdio servers' `env`. docs/CONFIG.md "MCP
 //! servers (`mcp_servers`)".
 
+use kedge_core::config::mcp::ServerConfig;
+
 use super::{Config, ConfigError, REDACTED};
 
 /// `mcp_servers` as `--dump-config` prints it: each stdio server's `env` values redacted.
 pub(super) fn redacted_mcp_env<S: serde::Serializer>(
-    servers: &std::collections::BTreeMap<String, kedge_mcp::ServerConfig>,
+    servers: &std::collections::BTreeMap<String, ServerConfig>,
     s: S,
 ) -> Result<S::Ok, S::Error> {
-    let shown: std::collections::BTreeMap<&String, kedge_mcp::ServerConfig> = servers
+    let shown: std::collections::BTreeMap<&String, ServerConfig> = servers
         .iter()
         .map(|(name, config)| {
             let config = match config {
-                kedge_mcp::ServerConfig::Stdio {
+                ServerConfig::Stdio {
                     command,
                     args,
                     env,
                     sandbox,
-                } => kedge_mcp::ServerConfig::Stdio {
+                } => ServerConfig::Stdio {
                     command: command.clone(),
                     args: args.clone(),
                     env: env

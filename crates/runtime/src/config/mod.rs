@@ -54,6 +54,7 @@ pub use workers::SandboxKind;
 
 use std::path::{Path, PathBuf};
 
+use kedge_core::config::mcp::ServerConfig;
 use kedge_core::config::{RelationError, Timeouts};
 use serde::{Deserialize, Serialize};
 
@@ -111,7 +112,7 @@ pub struct Config {
     /// server `<server>`; names are letters, digits and `-` (no `_`, so the split is unambiguous).
     /// `--dump-config` prints each stdio server's `env` values redacted (they may be secrets).
     #[serde(serialize_with = "redacted_mcp_env")]
-    pub mcp_servers: std::collections::BTreeMap<String, kedge_mcp::ServerConfig>,
+    pub mcp_servers: std::collections::BTreeMap<String, ServerConfig>,
     /// The HTTP bridge (`kedge serve bridge`).
     pub bridge: BridgeConfig,
     /// API keys by environment-variable name, for programs that embed Kedge (the demo, tests).
@@ -396,7 +397,7 @@ mod tests {
         c.bridge.tokens = BridgeConfig::parse_tokens("bridge-token-0123456789=acme").expect("ok");
         c.mcp_servers.insert(
             "search".into(),
-            kedge_mcp::ServerConfig::Stdio {
+            ServerConfig::Stdio {
                 command: "search-server".into(),
                 args: vec![],
                 env: [("SEARCH_API_KEY".to_owned(), "mcp-secret".to_owned())].into(),

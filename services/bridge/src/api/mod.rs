@@ -14,10 +14,10 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use kedge_app::inputs;
 use kedge_core::RunState;
 use kedge_core::ids::RunId;
 use kedge_journal::Recorded;
-use kedge_runtime::inputs;
 use serde_json::{Map, Value};
 
 use crate::Bridge;

@@ -7,9 +7,9 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use kedge_app::inputs;
 use kedge_core::ids::QuestionId;
 use kedge_core::task::MAX_INPUT_BYTES;
-use kedge_runtime::inputs;
 use serde_json::{Value, json};
 
 use crate::Bridge;
@@ -122,7 +122,7 @@ pub(crate) async fn approve(
     let comment = text(&obj, "comment", false, 4096)?;
     // Tenant isolation: another tenant's run is a 404.
     owned_run(&bridge, &caller, &run).await?;
-    let request = kedge_runtime::approvals::DecisionRequest {
+    let request = kedge_app::approvals::DecisionRequest {
         approval_id: approval.clone(),
         verdict,
         args_digest,
@@ -194,7 +194,7 @@ pub(crate) async fn callback(
     headers: HeaderMap,
     raw: std::result::Result<Bytes, BytesRejection>,
 ) -> Result<Response> {
-    use kedge_runtime::callbacks::Delivery;
+    use kedge_app::callbacks::Delivery;
     caller.require_write()?;
     let raw = body(raw, bridge.config.max_body_bytes)?;
     let payload: Value = if raw.is_empty() {

@@ -11,13 +11,13 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use kedge_app::inputs;
+use kedge_app::tasks::{Answer, Submission, SubmitError};
 use kedge_core::RunStatus;
 use kedge_core::event::{Digest, DigestError};
 use kedge_core::ids::RunId;
 use kedge_core::task::{MAX_TASK_BYTES, TaskSubmission};
 use kedge_journal::{BlobError, blob};
-use kedge_runtime::inputs;
-use kedge_runtime::tasks::{Answer, Submission, SubmitError};
 use serde_json::{Value, json};
 use tracing::Instrument;
 
@@ -94,7 +94,7 @@ pub(crate) async fn submit(
     let span = tracing::info_span!("submit", agent = %task.agent, tenant = %caller.tenant);
     kedge_runtime::trace::set_parent(&span, incoming.as_deref());
     let traceparent = kedge_runtime::trace::of_span(&span).or(incoming);
-    let answer = kedge_runtime::tasks::submit_traced(
+    let answer = kedge_app::tasks::submit_traced(
         &bridge.rt.client,
         &kedge_core::subjects::task_for(&task.agent, &caller.tenant),
         raw,

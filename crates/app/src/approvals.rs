@@ -9,9 +9,8 @@ use kedge_core::InputEnvelope;
 use kedge_core::event::{ApprovalDecided, Digest, Draft, Timestamp, Verdict};
 use kedge_core::fold::ApprovalStatus;
 use kedge_core::ids::{ApprovalId, RunId};
+use kedge_runtime::Runtime;
 use serde::{Deserialize, Serialize};
-
-use crate::Runtime;
 
 /// A decision as an approver sends it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

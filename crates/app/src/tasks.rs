@@ -105,7 +105,7 @@ pub async fn submit_raw(
 }
 
 /// [`submit_raw`] with the W3C `traceparent` the run joins (the `traceparent` header; see
-/// [`crate::trace`]).
+/// [`kedge_runtime::trace`]).
 pub async fn submit_traced(
     client: &async_nats::Client,
     subject: &str,
@@ -128,7 +128,7 @@ pub async fn submit_traced(
         headers.insert(CALLER_HEADER, caller);
     }
     if let Some(traceparent) = traceparent {
-        headers.insert(crate::trace::TRACEPARENT_HEADER, traceparent);
+        headers.insert(kedge_runtime::trace::TRACEPARENT_HEADER, traceparent);
     }
     let ack = js
         .publish_with_headers(subject.to_owned(), headers, body.clone())

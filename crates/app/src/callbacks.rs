@@ -20,9 +20,8 @@ use kedge_core::event::{CallbackReceived, Digest, Draft, Timestamp};
 use kedge_core::ids::{CallbackKey, RunId};
 use kedge_core::subjects;
 use kedge_journal::JournalError;
+use kedge_runtime::Runtime;
 use serde::Serialize;
-
-use crate::Runtime;
 
 /// What became of a delivered callback.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -143,7 +142,7 @@ async fn record_unknown(
         "payload_bytes": text.len(),
         "truncated": kept.len() < text.len(),
     });
-    crate::rejections::unknown_callback(&rt.js, &body)
+    kedge_runtime::rejections::unknown_callback(&rt.js, &body)
         .await
         .map_err(CallbackError::Record)?;
     tracing::warn!(%key, subject = subjects::REJECTED_CALLBACK, "callback for an unknown key recorded");

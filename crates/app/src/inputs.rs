@@ -20,9 +20,9 @@ use kedge_core::ids::{CallbackKey, OperationId, QuestionId, RunId, TenantId};
 pub use kedge_core::ids::InputId;
 use kedge_core::{RunState, fold};
 use kedge_journal::{JournalError, Recorded};
+use kedge_runtime::Runtime;
 use serde::Serialize;
 
-use crate::Runtime;
 use crate::approvals::DecisionRequest;
 use crate::callbacks::{CallbackError, Delivery};
 

@@ -1,4 +1,6 @@
-//! How to reach one MCP server ([`ServerConfig`]), and its JSON form.
+//! How to reach one MCP server ([`ServerConfig`]), and its JSON form: plain data, read by the
+//! configuration (`mcp_servers`, docs/CONFIG.md "MCP servers (`mcp_servers`)") and used by the MCP
+//! client, `kedge_mcp`, which re-exports it.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -21,7 +23,7 @@ use serde::{Deserialize, Serialize};
 /// in a configuration
 /// file is an error at startup rather than a silently ignored setting. A configuration file
 /// typically holds a map of them, `{"time": {"command": …}, "search": {"url": …}}`, which
-/// deserializes straight into the `BTreeMap` that [`Pool::new`](crate::Pool::new) takes.
+/// deserializes straight into the `BTreeMap` that `kedge_mcp::Pool::new` takes.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(try_from = "RawServerConfig", into = "RawServerConfig")]
 pub enum ServerConfig {
@@ -34,8 +36,8 @@ pub enum ServerConfig {
     /// wrappers).
     ///
     /// With `sandbox` ([`StdioSandbox`]) the child is confined: it is started by the pool's
-    /// [`Launcher`](crate::Launcher), which must be a sandboxing one (the tool service's);
-    /// [`Pool::new`](crate::Pool::new) refuses to start such a server.
+    /// `Launcher` (`kedge_mcp::Launcher`), which must be a sandboxing one (the tool service's);
+    /// `kedge_mcp::Pool::new` refuses to start such a server.
     Stdio {
         /// Program to run; looked up on `PATH` when it has no slash.
         command: String,
@@ -102,7 +104,7 @@ impl fmt::Debug for ServerConfig {
 ///  "sandbox": {"network": false, "read_only": ["/srv/mcp/server.js"]}}
 /// ```
 ///
-/// What confining means is the [`Launcher`](crate::Launcher)'s business; the tool service's
+/// What confining means is the pool's `Launcher`'s (`kedge_mcp::Launcher`) business; the tool service's
 /// (bubblewrap) gives the server a private, writable directory of its own as its whole writable
 /// file system, read-only `/usr` and the system libraries, the `read_only` paths (read-only, at
 /// the same place), no network unless `network`, and resource limits.

@@ -6,13 +6,12 @@
 //! and the business result (`result`, with its own `validation`) are reported separately.
 
 use bytes::Bytes;
-use kedge_core::decide::Idle;
 use kedge_core::event::{
     Budget, Event, EventType, OutputValidation, RunFailed, Timestamp, Usage, WaitReason,
 };
 use kedge_core::fold::{ApprovalStatus, OpStatus};
 use kedge_core::ids::{AgentName, OperationId, RunId, TenantId};
-use kedge_core::{Next, RunState, RunStatus};
+use kedge_core::{RunState, RunStatus};
 use kedge_journal::Recorded;
 use serde::Serialize;
 
@@ -100,12 +99,10 @@ pub fn delta_frame(payload: &[u8]) -> Option<Bytes> {
     Some(Bytes::from(format!("event: delta\ndata: {data}\n\n")))
 }
 
-/// Whether the run has ended and nothing is about to revive it: a terminal status with no user
-/// message waiting to start a new turn (the step service's own rule, [`kedge_core::decide`]).
-/// An SSE stream ends after the event that makes this true.
-pub fn finished(state: &RunState) -> bool {
-    state.status.is_terminal() && matches!(kedge_core::decide(state), Next::Idle(Idle::Terminal))
-}
+/// Whether the run has ended and nothing is about to revive it. An SSE stream ends after the
+/// event that makes this true. Pure, so it lives in the core, where retention (in the runtime)
+/// reads it too.
+pub use kedge_core::decide::finished;
 
 /// `GET /v1/runs/{id}`.
 #[derive(Debug, Clone, Serialize)]
