@@ -56,7 +56,7 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
         .await;
     let admin = h.runtime_as(Kind::Admin).await;
     // The projection has both runs.
-    kedge_bridge::rebuild(&admin).await.expect("rebuild");
+    kedge_projector::rebuild(&admin).await.expect("rebuild");
     let runs_keys = keys(&admin, "kedge_runs").await;
     assert!(runs_keys.iter().any(|k| k.ends_with(done.as_str())));
     let idem = keys(&admin, "kedge_idempotency").await;

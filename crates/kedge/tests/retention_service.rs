@@ -92,7 +92,7 @@ async fn the_retention_service_purges_finished_runs_everywhere_and_never_an_unfi
     assert!(workspace(&root, &done).join("notes.txt").exists());
     assert!(workspace(&root, &waiting).join("notes.txt").exists());
     let admin = h.runtime_as(Kind::Admin).await;
-    kedge_bridge::rebuild(&admin)
+    kedge_projector::rebuild(&admin)
         .await
         .expect("projection rebuilt");
     assert!(!keys_of(&admin, "kedge_idempotency", &done).await.is_empty());

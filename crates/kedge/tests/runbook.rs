@@ -141,7 +141,7 @@ async fn deployment() -> (Harness, Runs) {
     // the run moves on during a model call), so the recipe for a stored response finds one.
     h.spawn_process("step", "w-step", STORE_EVERY_ANSWER);
     spawn(&h.config, Kind::Projector, |rt| async move {
-        kedge_bridge::run_projector(rt, futures::future::pending())
+        kedge_projector::run(rt, futures::future::pending())
             .await
             .expect("projector");
     });

@@ -17,6 +17,8 @@
 //! - [`tasks`]: the client side of the task protocol (submit, intake's answer).
 //! - [`view`]: what clients see of a run (public events, event JSON, the run view), shared by the
 //!   HTTP bridge and the tenant gateway.
+//! - [`projection`]: the read side of the `kedge_runs` projection (the run summary, get, list),
+//!   shared by the bridge that reads it and the projector that writes it.
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
 //! - [`metrics`]: the Prometheus metrics every service counts (names, labels, the recorder and
 //!   the `/metrics` endpoint of `kedge serve`).
@@ -38,6 +40,7 @@ pub mod idempotency;
 pub mod inputs;
 pub mod liveness;
 pub mod metrics;
+pub mod projection;
 pub mod provider;
 pub mod rejections;
 pub mod responder;

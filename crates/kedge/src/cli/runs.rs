@@ -14,7 +14,7 @@ use crate::timeline;
 
 /// `kedge runs rebuild`.
 pub(super) async fn rebuild(rt: &Runtime) -> anyhow::Result<ExitCode> {
-    let report = kedge_bridge::rebuild(rt).await?;
+    let report = kedge_projector::rebuild(rt).await?;
     println!(
         "{} rebuilt: {} runs in the journal, {} written, {} unchanged, {} failed to fold, {} stale entries removed",
         subjects::RUNS_BUCKET,
@@ -199,7 +199,7 @@ pub(super) fn answer_lines(
 
 /// `kedge runs list`.
 pub(super) async fn list_runs(rt: &Runtime, args: ListArgs) -> anyhow::Result<ExitCode> {
-    let projection = kedge_bridge::projection::Projection::open(rt).await?;
+    let projection = kedge_runtime::projection::Projection::open(rt).await?;
     let mut runs = projection.list(&args.tenant).await?;
     runs.retain(|r| {
         (args.status.is_empty() || args.status.contains(&r.status))

@@ -111,7 +111,7 @@ pub async fn serve(
     }
     if wanted(Service::Projector) {
         start("projector", |rt, stop| {
-            boxed(kedge_bridge::run_projector(rt, stop))
+            boxed(kedge_projector::run(rt, stop))
         });
     }
     if services.contains(&Service::Bridge) {

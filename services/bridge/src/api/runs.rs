@@ -17,6 +17,7 @@ use kedge_core::ids::RunId;
 use kedge_core::task::{MAX_TASK_BYTES, TaskSubmission};
 use kedge_journal::{BlobError, blob};
 use kedge_runtime::inputs;
+use kedge_runtime::projection::RunSummary;
 use kedge_runtime::tasks::{Answer, Submission, SubmitError};
 use serde_json::{Value, json};
 use tracing::Instrument;
@@ -24,7 +25,6 @@ use tracing::Instrument;
 use crate::Bridge;
 use crate::auth::Caller;
 use crate::problem::Problem;
-use crate::projection::RunSummary;
 use crate::view::{self, Links};
 
 use super::{

@@ -4,8 +4,10 @@ use super::projector::{Inbox, Projected};
 use super::store::Known;
 use super::summary::Folded;
 use super::*;
-use crate::view;
+use kedge_core::RunStatus;
+use kedge_core::ids::{RunId, TenantId};
 use kedge_journal::Recorded;
+use kedge_runtime::view;
 
 fn run() -> RunId {
     RunId::generate()

@@ -4,9 +4,8 @@
 use kedge_core::event::Timestamp;
 use kedge_core::{FoldError, RunState, RunStatus};
 use kedge_journal::Recorded;
-
-use super::RunSummary;
-use crate::view;
+use kedge_runtime::projection::RunSummary;
+use kedge_runtime::view;
 
 /// The summary of a run's whole journal; `None` for a run with no events.
 pub fn summarize(events: &[Recorded]) -> Result<Option<RunSummary>, FoldError> {
