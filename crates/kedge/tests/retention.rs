@@ -10,7 +10,7 @@ use common::{Harness, STORE_EVERY_ANSWER, Svc};
 use futures::StreamExt;
 use kedge_core::RunStatus;
 use kedge_core::event::Timestamp;
-use kedge_runtime::retention::{self, PurgeOptions, Purged};
+use kedge_retention::{self as retention, PurgeOptions, Purged};
 use kedge_runtime::secure::Kind;
 use serde_json::json;
 

@@ -20,7 +20,7 @@ use common::{Harness, STORE_EVERY_ANSWER, Svc};
 use kedge_core::RunStatus;
 use kedge_core::event::Timestamp;
 use kedge_core::ids::RunId;
-use kedge_runtime::retention::{self, PurgeOptions, Purged};
+use kedge_retention::{self as retention, PurgeOptions, Purged};
 use kedge_runtime::secure::Kind;
 use kedge_runtime::{Config, Runtime};
 use serde_json::{Value, json};

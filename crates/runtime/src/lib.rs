@@ -44,7 +44,6 @@ pub mod projection;
 pub mod provider;
 pub mod rejections;
 pub mod responder;
-pub mod retention;
 pub mod seal;
 pub mod secure;
 pub mod tasks;

@@ -236,7 +236,7 @@ pub(super) async fn list_runs(rt: &Runtime, args: ListArgs) -> anyhow::Result<Ex
 
 /// `kedge runs purge`.
 pub(super) async fn purge(rt: &Runtime, args: PurgeArgs) -> anyhow::Result<ExitCode> {
-    use kedge_runtime::retention::{self, PurgeOptions, Purged};
+    use kedge_retention::{self as retention, PurgeOptions, Purged};
     let finished_before = match &args.finished_before {
         // The journal's own timestamp format (RFC 3339).
         Some(at) => Some(
@@ -290,8 +290,8 @@ pub(super) async fn purge(rt: &Runtime, args: PurgeArgs) -> anyhow::Result<ExitC
     })
 }
 
-pub(super) fn describe_purge(p: &kedge_runtime::retention::Purged) -> String {
-    use kedge_runtime::retention::Purged;
+pub(super) fn describe_purge(p: &kedge_retention::Purged) -> String {
+    use kedge_retention::Purged;
     match p {
         Purged::Purged {
             events,

@@ -106,7 +106,7 @@ pub async fn serve(
     }
     if services.contains(&Service::Retention) {
         start("retention", |rt, stop| {
-            boxed(kedge_reconciler::retention::run(rt, stop))
+            boxed(kedge_retention::run(rt, stop))
         });
     }
     if wanted(Service::Projector) {

@@ -2,7 +2,7 @@
 //!
 //! [`purge_run`] removes one run's data from every place Kedge keeps it, after checking from the
 //! journal itself (not the projection, a cache) that the run is finished — ended, with nothing
-//! about to revive it ([`crate::view::finished`]) — and, when a cutoff is given, that it ended
+//! about to revive it ([`kedge_runtime::view::finished`]) — and, when a cutoff is given, that it ended
 //! (its last `run.succeeded|failed|cancelled`) before the cutoff. A run that is not finished is
 //! never touched.
 //!
@@ -29,7 +29,7 @@
 //! # The retention policy
 //!
 //! [`apply_policy`] is one pass of the retention service (`kedge serve retention`, configured by
-//! [`crate::config::RetentionConfig`]). It does not list runs: it reads the journal's terminal
+//! [`kedge_runtime::config::RetentionConfig`]). It does not list runs: it reads the journal's terminal
 //! events (`agent.run.*.d.run.succeeded|failed|cancelled`, headers only, in stream order) from a
 //! cursor kept in `kedge_leases` under [`CURSOR_KEY`], purges the run of each one stored before
 //! the horizon (`now - finished_after`), and moves the cursor past them. It stops at the first
@@ -59,8 +59,8 @@ use kedge_core::subjects::{
 use kedge_journal::JournalError;
 use serde::{Deserialize, Serialize};
 
-use crate::Runtime;
-use crate::idempotency::IdempotencyStore;
+use kedge_runtime::Runtime;
+use kedge_runtime::idempotency::IdempotencyStore;
 
 /// What [`purge_run`] did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -101,7 +101,7 @@ pub enum RetentionError {
     #[error(transparent)]
     Journal(#[from] JournalError),
     #[error(transparent)]
-    Idempotency(#[from] crate::idempotency::IdempotencyError),
+    Idempotency(#[from] kedge_runtime::idempotency::IdempotencyError),
     #[error("run {run} does not fold: {reason}")]
     Fold { run: RunId, reason: String },
     #[error("archive of run {run}: {reason}")]
@@ -155,7 +155,7 @@ async fn purge_run_ended(
                 reason: e.to_string(),
             }
         })?;
-    if !crate::view::finished(&state) {
+    if !kedge_runtime::view::finished(&state) {
         return Ok((
             Purged::NotFinished {
                 status: state.status,
@@ -333,7 +333,7 @@ pub struct Cursor {
     pub at: Option<Timestamp>,
 }
 
-/// The retention policy one pass applies ([`crate::config::RetentionConfig`]).
+/// The retention policy one pass applies ([`kedge_runtime::config::RetentionConfig`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Policy {
     /// Runs finished longer ago than this are purged.
@@ -344,8 +344,8 @@ pub struct Policy {
     pub batch: usize,
 }
 
-impl From<&crate::config::RetentionConfig> for Policy {
-    fn from(c: &crate::config::RetentionConfig) -> Self {
+impl From<&kedge_runtime::config::RetentionConfig> for Policy {
+    fn from(c: &kedge_runtime::config::RetentionConfig) -> Self {
         Policy {
             finished_after: c.finished_after,
             archive: c.archive,
