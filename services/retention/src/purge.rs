@@ -61,6 +61,7 @@ use serde::{Deserialize, Serialize};
 
 use kedge_runtime::Runtime;
 use kedge_runtime::idempotency::IdempotencyStore;
+use kedge_runtime::projection;
 
 /// What [`purge_run`] did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -191,7 +192,7 @@ async fn purge_run_ended(
     filters.push((REJECTIONS_STREAM.into(), subjects::rejected_journal_of(run)));
     filters.push((
         RUNS_BUCKET_STREAM.into(),
-        kv_key(RUNS_BUCKET, &format!("{}.{run}", state.bundle.tenant)),
+        kv_key(RUNS_BUCKET, &projection::key(&state.bundle.tenant, run)),
     ));
     // The run's blobs: what its journal and its idempotency records hold by reference. Found
     // before anything is removed (the references go with the journal).
