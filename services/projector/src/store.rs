@@ -40,15 +40,6 @@ impl Writer {
         })
     }
 
-    /// The stored summary of a run.
-    pub async fn get(
-        &self,
-        tenant: &TenantId,
-        run: &RunId,
-    ) -> Result<Option<RunSummary>, ProjectionError> {
-        self.read.get(tenant, run).await
-    }
-
     /// Writes `summary` unless the stored one is newer (or, unless `overwrite_equal`, as new).
     pub async fn store(
         &self,
