@@ -103,7 +103,7 @@ pub enum Durable {
     Step,
     /// Work for the tool service, on the journal.
     Tool,
-    /// The runs projection (bridge), on the journal.
+    /// The runs projection (the projector service), on the journal.
     Projector,
     /// Timers to schedule, on the journal.
     Timer,

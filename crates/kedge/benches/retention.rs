@@ -17,7 +17,7 @@
 //!    file (as a tool would have); plus one run in 100 that stays waiting on an hour's timer
 //!    (never purged: the bench checks they all survive);
 //! 2. waits past the horizon (`--horizon-ms`, default 500), runs one retention pass
-//!    (`kedge_runtime::retention::apply_policy`) and one workspace sweep
+//!    (`kedge_retention::apply_policy`) and one workspace sweep
 //!    (`kedge_tool::workspaces::sweep`);
 //! 3. runs one reconciler scan (a `kedge_reconciler::Reconciler` kept across rounds, as the
 //!    service keeps it).
@@ -55,8 +55,8 @@ use kedge_core::event::{
 };
 use kedge_core::ids::RunId;
 use kedge_core::{RunStatus, fold};
+use kedge_retention::{Policy, apply_policy};
 use kedge_runtime::idempotency::IdempotencyStore;
-use kedge_runtime::retention::{Policy, apply_policy};
 use kedge_runtime::{Config, Runtime};
 use kedge_testkit::NatsServer;
 

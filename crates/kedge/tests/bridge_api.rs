@@ -228,6 +228,9 @@ async fn submit_answer_revive_list_history_and_rebuild() {
     // Stale never wins: an older summary is refused; a rebuild restores a deleted entry and
     // removes one whose run is not in the journal.
     let projection = bridge.bridge.projection.clone();
+    let writer = kedge_projector::Writer::open(&h.rt)
+        .await
+        .expect("projection writer");
     let acme: kedge_core::ids::TenantId = "acme".parse().expect("tenant");
     let run_id: kedge_core::ids::RunId = run.parse().expect("run id");
     let current = projection
@@ -239,11 +242,11 @@ async fn submit_answer_revive_list_history_and_rebuild() {
     older.seq -= 1;
     older.status = kedge_core::RunStatus::Running;
     assert_eq!(
-        projection.store(&older, false).await.expect("store"),
-        kedge_bridge::projection::Stored::Stale
+        writer.store(&older, false).await.expect("store"),
+        kedge_projector::Stored::Stale
     );
     let kv = h.rt.js.get_key_value("kedge_runs").await.expect("bucket");
-    kv.delete(kedge_bridge::projection::key(&acme, &run_id))
+    kv.delete(kedge_runtime::projection::key(&acme, &run_id))
         .await
         .expect("delete");
     kv.put(
@@ -253,7 +256,7 @@ async fn submit_answer_revive_list_history_and_rebuild() {
     .await
     .expect("put ghost");
     projector.abort();
-    let report = kedge_bridge::rebuild(&h.rt).await.expect("rebuild");
+    let report = kedge_projector::rebuild(&h.rt).await.expect("rebuild");
     assert_eq!(report.runs, 3, "{report:?}");
     assert_eq!(report.failed, 0);
     assert_eq!(report.removed, 1, "{report:?}");

@@ -49,7 +49,7 @@ fn spawn_timer(config: &Config) {
 
 fn spawn_projector(config: &Config) {
     spawn(config, Kind::Projector, |rt| async move {
-        kedge_bridge::run_projector(rt, futures::future::pending())
+        kedge_projector::run(rt, futures::future::pending())
             .await
             .expect("projector");
     });

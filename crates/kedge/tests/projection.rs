@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use common::Harness;
-use kedge_bridge::projection::{RunSummary, summarize};
 use kedge_core::decide::{ModelResponse, Next, complete_step, decide};
 use kedge_core::event::{
     AssistantMessage, Draft, Envelope, Event, EventKind, FinishReason, RunCreated, Timestamp,
@@ -19,6 +18,8 @@ use kedge_core::event::{
 };
 use kedge_core::ids::RunId;
 use kedge_core::{RunStatus, fold};
+use kedge_projector::summarize;
+use kedge_runtime::projection::RunSummary;
 use kedge_runtime::secure::Kind;
 use kedge_runtime::{Config, Runtime};
 use serde_json::json;
@@ -173,7 +174,7 @@ fn spawn_projector(config: &Config) {
     let config = common::as_kind(config, Kind::Projector);
     tokio::spawn(async move {
         let rt = Runtime::connect(config).await.expect("projector runtime");
-        kedge_bridge::run_projector(rt, futures::future::pending())
+        kedge_projector::run(rt, futures::future::pending())
             .await
             .expect("projector");
     });
@@ -211,7 +212,7 @@ async fn concurrent_deliveries_of_a_run_leave_the_fold_of_its_journal() {
     loop {
         let mut stale = Vec::new();
         for (run, summary) in &want {
-            let key = kedge_bridge::projection::key(&summary.tenant, run);
+            let key = kedge_runtime::projection::key(&summary.tenant, run);
             let stored: Option<RunSummary> = kv
                 .get(&key)
                 .await
@@ -248,7 +249,7 @@ async fn concurrent_deliveries_of_a_run_leave_the_fold_of_its_journal() {
     }
     // And the summaries are still those folds (nothing older landed late).
     for (run, summary) in &want {
-        let key = kedge_bridge::projection::key(&summary.tenant, run);
+        let key = kedge_runtime::projection::key(&summary.tenant, run);
         let stored: RunSummary =
             serde_json::from_slice(&kv.get(&key).await.expect("kv get").expect("stored summary"))
                 .expect("summary");
@@ -295,9 +296,9 @@ async fn a_write_from_what_the_projector_remembers_never_overwrites_a_newer_summ
     };
     // The projector stored turn 0's summary (and remembers its revision).
     let first = wait_projected(&h, &run).await;
-    let key = kedge_bridge::projection::key(&first.tenant, &run);
+    let key = kedge_runtime::projection::key(&first.tenant, &run);
     // Someone else (another projector, further ahead) stores a newer summary meanwhile.
-    let projection = kedge_bridge::projection::Projection::open(&h.rt)
+    let projection = kedge_projector::Writer::open(&h.rt)
         .await
         .expect("projection");
     let mut ahead = first.clone();
@@ -344,7 +345,7 @@ async fn count_writes(h: &Harness, key: &str) -> std::sync::Arc<std::sync::atomi
 async fn wait_projected(h: &Harness, run: &RunId) -> RunSummary {
     let want = folds(h, std::slice::from_ref(run)).await[run].clone();
     let kv = h.rt.js.get_key_value("kedge_runs").await.expect("bucket");
-    let key = kedge_bridge::projection::key(&want.tenant, run);
+    let key = kedge_runtime::projection::key(&want.tenant, run);
     let started = Instant::now();
     loop {
         let stored: Option<RunSummary> = kv
@@ -380,7 +381,7 @@ async fn a_busy_run_is_written_at_most_once_per_interval() {
     let mut chat = Chat::new();
     let run = chat.run.clone();
     let tenant = created().tenant;
-    let writes = count_writes(&h, &kedge_bridge::projection::key(&tenant, &run)).await;
+    let writes = count_writes(&h, &kedge_runtime::projection::key(&tenant, &run)).await;
     let started = Instant::now();
     for turn in 0..TURNS {
         // About three decisions per turn, each turn well after the last one's projection
@@ -414,7 +415,7 @@ async fn a_stopped_projector_leaves_no_decision_unprojected() {
     let config = common::as_kind(&h.config, Kind::Projector);
     let rt = Runtime::connect(config).await.expect("projector runtime");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let projector = tokio::spawn(kedge_bridge::run_projector(rt, async {
+    let projector = tokio::spawn(kedge_projector::run(rt, async {
         let _ = stopped.await;
     }));
     let mut chats = Vec::new();
@@ -427,7 +428,7 @@ async fn a_stopped_projector_leaves_no_decision_unprojected() {
     let started = Instant::now();
     for chat in &chats {
         let kv = h.rt.js.get_key_value("kedge_runs").await.expect("bucket");
-        let key = kedge_bridge::projection::key(&created().tenant, &chat.run);
+        let key = kedge_runtime::projection::key(&created().tenant, &chat.run);
         while kv.get(&key).await.expect("kv get").is_none() {
             assert!(started.elapsed() < WAIT, "a run was never first projected");
             tokio::time::sleep(Duration::from_millis(20)).await;

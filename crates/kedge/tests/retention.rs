@@ -10,7 +10,7 @@ use common::{Harness, STORE_EVERY_ANSWER, Svc};
 use futures::StreamExt;
 use kedge_core::RunStatus;
 use kedge_core::event::Timestamp;
-use kedge_runtime::retention::{self, PurgeOptions, Purged};
+use kedge_retention::{self as retention, PurgeOptions, Purged};
 use kedge_runtime::secure::Kind;
 use serde_json::json;
 
@@ -56,7 +56,7 @@ async fn a_finished_run_is_purged_everywhere_and_archived_and_an_unfinished_one_
         .await;
     let admin = h.runtime_as(Kind::Admin).await;
     // The projection has both runs.
-    kedge_bridge::rebuild(&admin).await.expect("rebuild");
+    kedge_projector::rebuild(&admin).await.expect("rebuild");
     let runs_keys = keys(&admin, "kedge_runs").await;
     assert!(runs_keys.iter().any(|k| k.ends_with(done.as_str())));
     let idem = keys(&admin, "kedge_idempotency").await;

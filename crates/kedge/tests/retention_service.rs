@@ -1,5 +1,5 @@
 //! The retention policy applied by a service: `kedge serve retention`
-//! (`kedge_reconciler::retention`) purges a finished run past the horizon everywhere (journal,
+//! (`kedge_retention`) purges a finished run past the horizon everywhere (journal,
 //! idempotency records, lease, projection, and the tool host removes its workspace), never
 //! touches an unfinished run, and two replicas at once do it once in effect; agent revisions stay
 //! readable however often the agent is edited while a run uses an old one.
@@ -14,7 +14,7 @@ use futures::StreamExt;
 use kedge_core::RunStatus;
 use kedge_core::event::Event;
 use kedge_core::ids::RunId;
-use kedge_runtime::retention::{self, CURSOR_KEY, Cursor, Policy};
+use kedge_retention::{self as retention, CURSOR_KEY, Cursor, Policy};
 use kedge_runtime::secure::Kind;
 use serde_json::json;
 
@@ -92,7 +92,7 @@ async fn the_retention_service_purges_finished_runs_everywhere_and_never_an_unfi
     assert!(workspace(&root, &done).join("notes.txt").exists());
     assert!(workspace(&root, &waiting).join("notes.txt").exists());
     let admin = h.runtime_as(Kind::Admin).await;
-    kedge_bridge::rebuild(&admin)
+    kedge_projector::rebuild(&admin)
         .await
         .expect("projection rebuilt");
     assert!(!keys_of(&admin, "kedge_idempotency", &done).await.is_empty());

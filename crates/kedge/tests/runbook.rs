@@ -20,7 +20,7 @@ use common::{Harness, STORE_EVERY_ANSWER, Svc};
 use kedge_core::RunStatus;
 use kedge_core::event::Timestamp;
 use kedge_core::ids::RunId;
-use kedge_runtime::retention::{self, PurgeOptions, Purged};
+use kedge_retention::{self as retention, PurgeOptions, Purged};
 use kedge_runtime::secure::Kind;
 use kedge_runtime::{Config, Runtime};
 use serde_json::{Value, json};
@@ -141,7 +141,7 @@ async fn deployment() -> (Harness, Runs) {
     // the run moves on during a model call), so the recipe for a stored response finds one.
     h.spawn_process("step", "w-step", STORE_EVERY_ANSWER);
     spawn(&h.config, Kind::Projector, |rt| async move {
-        kedge_bridge::run_projector(rt, futures::future::pending())
+        kedge_projector::run(rt, futures::future::pending())
             .await
             .expect("projector");
     });

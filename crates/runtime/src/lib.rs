@@ -10,6 +10,8 @@
 //! - [`agents`]: agent definitions in `kedge_agents`.
 //! - [`idempotency`]: stored model responses and tool operation records in `kedge_idempotency`.
 //! - [`consumer`]: durable pull consumers from `nats/consumers/*.json`.
+//! - [`projection`]: the read side of the `kedge_runs` projection (the run summary, get, list),
+//!   shared by the bridge that reads it and the projector that writes it.
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
 //! - [`metrics`]: the Prometheus metrics every service counts (names, labels, the recorder and
 //!   the `/metrics` endpoint of `kedge serve`).
@@ -32,10 +34,10 @@ pub mod health;
 pub mod idempotency;
 pub mod liveness;
 pub mod metrics;
+pub mod projection;
 pub mod provider;
 pub mod rejections;
 pub mod responder;
-pub mod retention;
 pub mod seal;
 pub mod secure;
 pub mod trace;

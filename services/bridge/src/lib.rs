@@ -1,4 +1,4 @@
-//! The bridge: Kedge's HTTP API and SSE, and the `kedge_runs` projection.
+//! The bridge: Kedge's HTTP API and SSE.
 //!
 //! Browsers and services reach Kedge here: submit a task, list and inspect runs, read a run's
 //! history, watch it live over SSE (resumable from any bridge), send a message, answer a
@@ -9,7 +9,8 @@
 //!
 //! Invariants:
 //! - **Stateless.** Every answer comes from the broker: the journal for anything about one run,
-//!   the `kedge_runs` projection ([`projection`]) for lists. A bridge keeps only caches of facts
+//!   the `kedge_runs` projection for lists (read through [`kedge_runtime::projection`]; the
+//!   projector service, `kedge_projector`, writes it). A bridge keeps only caches of facts
 //!   that never change (a run's tenant) and the live fan-out of runs being watched ([`sse`]), so
 //!   any number can run, and any can be restarted mid-stream: a client reconnects to any bridge
 //!   with `Last-Event-ID` and misses nothing.
@@ -25,7 +26,6 @@ pub mod api;
 pub mod auth;
 pub mod console;
 pub mod problem;
-pub mod projection;
 pub mod quota;
 pub mod sse;
 pub mod tenants;
@@ -44,12 +44,12 @@ use axum::routing::{MethodRouter, get, post};
 use axum::{Json, Router};
 use kedge_runtime::Runtime;
 use kedge_runtime::config::BridgeConfig;
+use kedge_runtime::projection::Projection;
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, Semaphore, watch};
 
 pub use auth::{Auth, Caller, Scope};
 pub use problem::Problem;
-pub use projection::{RebuildReport, RunSummary, rebuild, run_projector};
 
 /// The OpenAPI document (`schemas/openapi.json`), served at `/openapi.json`.
 pub const OPENAPI: &str = include_str!("../../../schemas/openapi.json");
@@ -104,7 +104,7 @@ pub struct Inner {
     pub config: BridgeConfig,
     pub auth: Auth,
     pub hub: Arc<sse::Hub>,
-    pub projection: projection::Projection,
+    pub projection: Projection,
     pub tenants: tenants::TenantCache,
     pub sse_slots: Arc<Semaphore>,
     /// Per-tenant limits: SSE connections and run starts ([`quota`]).
@@ -134,7 +134,7 @@ impl Bridge {
                 config.open_tenant
             );
         }
-        let projection = projection::Projection::open(&rt).await?;
+        let projection = Projection::open(&rt).await?;
         let (shutdown_tx, shutdown) = watch::channel(false);
         Ok(Bridge {
             inner: Arc::new(Inner {

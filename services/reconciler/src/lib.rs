@@ -40,10 +40,8 @@
 //! nudged, and errors are logged per run, never swallowed. A panic while checking one run is
 //! contained to that run (logged at error, the scan goes on).
 //!
-//! The crate also holds the retention service ([`retention`], `kedge serve retention`), a loop
-//! of its own run with its own credentials: the reconciler's user may not purge.
-
-pub mod retention;
+//! The retention service (`kedge serve retention`) is a crate of its own, `kedge_retention`:
+//! it runs with its own credentials, and the reconciler's user may not purge.
 
 use kedge_core::Input;
 use kedge_core::InputEnvelope;

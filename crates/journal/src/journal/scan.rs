@@ -349,11 +349,12 @@ impl Journal {
     }
 
     /// Removes the run's journal (`agent.run.<id>.>`) from the stream, up to and including
-    /// sequence `through`: for retention of finished runs only (`kedge_runtime::retention`
+    /// sequence `through`: for retention of finished runs only (`kedge_retention`
     /// checks that first, on the journal it read through `through`). A message that landed
     /// after that read (an input reviving the run) is not removed. Returns how many messages
     /// were removed (0 when there are none: purging twice is harmless). Needs the
-    /// `$JS.API.STREAM.PURGE` permission, which no service user has.
+    /// `$JS.API.STREAM.PURGE` permission, which of the service users only `retention` has
+    /// (docs/SECURITY.md "What each Kedge user may do").
     pub async fn purge_run(&self, run: &RunId, through: u64) -> Result<u64, JournalError> {
         wire::purge(
             &self.client,

@@ -14,7 +14,7 @@ use crate::timeline;
 
 /// `kedge runs rebuild`.
 pub(super) async fn rebuild(rt: &Runtime) -> anyhow::Result<ExitCode> {
-    let report = kedge_bridge::rebuild(rt).await?;
+    let report = kedge_projector::rebuild(rt).await?;
     println!(
         "{} rebuilt: {} runs in the journal, {} written, {} unchanged, {} failed to fold, {} stale entries removed",
         subjects::RUNS_BUCKET,
@@ -199,7 +199,7 @@ pub(super) fn answer_lines(
 
 /// `kedge runs list`.
 pub(super) async fn list_runs(rt: &Runtime, args: ListArgs) -> anyhow::Result<ExitCode> {
-    let projection = kedge_bridge::projection::Projection::open(rt).await?;
+    let projection = kedge_runtime::projection::Projection::open(rt).await?;
     let mut runs = projection.list(&args.tenant).await?;
     runs.retain(|r| {
         (args.status.is_empty() || args.status.contains(&r.status))
@@ -236,7 +236,7 @@ pub(super) async fn list_runs(rt: &Runtime, args: ListArgs) -> anyhow::Result<Ex
 
 /// `kedge runs purge`.
 pub(super) async fn purge(rt: &Runtime, args: PurgeArgs) -> anyhow::Result<ExitCode> {
-    use kedge_runtime::retention::{self, PurgeOptions, Purged};
+    use kedge_retention::{self as retention, PurgeOptions, Purged};
     let finished_before = match &args.finished_before {
         // The journal's own timestamp format (RFC 3339).
         Some(at) => Some(
@@ -290,8 +290,8 @@ pub(super) async fn purge(rt: &Runtime, args: PurgeArgs) -> anyhow::Result<ExitC
     })
 }
 
-pub(super) fn describe_purge(p: &kedge_runtime::retention::Purged) -> String {
-    use kedge_runtime::retention::Purged;
+pub(super) fn describe_purge(p: &kedge_retention::Purged) -> String {
+    use kedge_retention::Purged;
     match p {
         Purged::Purged {
             events,

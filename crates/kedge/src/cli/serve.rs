@@ -106,12 +106,12 @@ pub async fn serve(
     }
     if services.contains(&Service::Retention) {
         start("retention", |rt, stop| {
-            boxed(kedge_reconciler::retention::run(rt, stop))
+            boxed(kedge_retention::run(rt, stop))
         });
     }
     if wanted(Service::Projector) {
         start("projector", |rt, stop| {
-            boxed(kedge_bridge::run_projector(rt, stop))
+            boxed(kedge_projector::run(rt, stop))
         });
     }
     if services.contains(&Service::Bridge) {

@@ -118,7 +118,7 @@ pub fn spawn_projector(config: &Config) -> tokio::task::JoinHandle<()> {
     let config = secure::as_kind(config, kedge_runtime::secure::Kind::Projector);
     tokio::spawn(async move {
         let rt = Runtime::connect(config).await.expect("projector runtime");
-        kedge_bridge::run_projector(rt, futures::future::pending())
+        kedge_projector::run(rt, futures::future::pending())
             .await
             .expect("projector");
     })

@@ -8,7 +8,8 @@ use super::ConfigError;
 use super::duration::{duration_text, parse_duration};
 use super::env::flag;
 
-/// The retention policy: what `kedge serve retention` purges, and how often ([`crate::retention`]).
+/// The retention policy: what `kedge serve retention` purges, and how often (the service and the
+/// purge are `kedge_retention`).
 ///
 /// Durations are written with a unit: `"30d"`, `"12h"`, `"15m"`, `"90s"`, `"500ms"`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

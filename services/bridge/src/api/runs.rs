@@ -18,13 +18,13 @@ use kedge_core::event::{Digest, DigestError};
 use kedge_core::ids::RunId;
 use kedge_core::task::{MAX_TASK_BYTES, TaskSubmission};
 use kedge_journal::{BlobError, blob};
+use kedge_runtime::projection::RunSummary;
 use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::Bridge;
 use crate::auth::Caller;
 use crate::problem::Problem;
-use crate::projection::RunSummary;
 use crate::view::{self, Links};
 
 use super::{

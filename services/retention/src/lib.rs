@@ -1,21 +1,31 @@
-//! The retention service (`kedge serve retention`): applies the configured retention policy
-//! ([`kedge_runtime::config::RetentionConfig`]) every `retention.interval`, one
-//! [`kedge_runtime::retention::apply_policy`] pass at a time.
+//! The retention service (`kedge serve retention`, [`run`]): applies the configured retention
+//! policy ([`kedge_runtime::config::RetentionConfig`]) every `retention.interval`, one
+//! [`apply_policy`] pass at a time; and the purge itself ([`purge_run`], [`purge_finished`],
+//! also `kedge runs purge`). A service of its own, with a crate of its own (docs/ARCHITECTURE.md,
+//! "Map of the house"): nothing but this service and the binary's CLI purges, so the purge
+//! lives here and not in `kedge-runtime`; the policy's configuration stays in runtime's config.
 //!
 //! Any number of replicas may run: each pass starts from the cursor the replicas share, purging
-//! is idempotent and the cursor is saved with compare-and-set (see
-//! [`kedge_runtime::retention`]), so replicas at most repeat one batch of each other's work. Each
+//! is idempotent and the cursor is saved with compare-and-set (see the doc of the `purge`
+//! module: what goes, in which order, and how a pass follows its cursor), so replicas at most
+//! repeat one batch of each other's work. Each
 //! replica waits a random part of the interval before its first pass, so replicas started
 //! together do not run in step. With `retention.enabled` off the service only says so and idles.
 //!
 //! It needs the `retention` user's credentials (docs/SECURITY.md): no other service user may
 //! purge.
 
+mod purge;
+
 use std::future::Future;
 use std::time::Duration;
 
-use kedge_runtime::retention::{Policy, apply_policy};
 use kedge_runtime::{Runtime, RuntimeError};
+
+pub use purge::{
+    CURSOR_KEY, Cursor, PassReport, Policy, PurgeOptions, PurgeReport, Purged, RetentionError,
+    apply_policy, archive_name, purge_finished, purge_run,
+};
 
 /// Runs the retention policy until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {

@@ -2,9 +2,10 @@
 
 use futures::StreamExt;
 use kedge_runtime::Runtime;
+use kedge_runtime::projection::{ProjectionError, key};
 use serde::Serialize;
 
-use super::{Projection, ProjectionError, Stored, key};
+use super::{Stored, Writer};
 
 /// What [`rebuild`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
@@ -25,7 +26,7 @@ pub struct RebuildReport {
 /// its whole journal (written when at least as new as the stored one, so a concurrent projector
 /// is never overtaken by an older fold), and entries of runs not in the journal are removed.
 pub async fn rebuild(rt: &Runtime) -> Result<RebuildReport, ProjectionError> {
-    let projection = Projection::open(rt)
+    let projection = Writer::open(rt)
         .await
         .map_err(|e| ProjectionError::Kv(e.to_string()))?;
     let runs = rt

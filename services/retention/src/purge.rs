@@ -29,7 +29,7 @@
 //! # The retention policy
 //!
 //! [`apply_policy`] is one pass of the retention service (`kedge serve retention`, configured by
-//! [`crate::config::RetentionConfig`]). It does not list runs: it reads the journal's terminal
+//! [`kedge_runtime::config::RetentionConfig`]). It does not list runs: it reads the journal's terminal
 //! events (`agent.run.*.d.run.succeeded|failed|cancelled`, headers only, in stream order) from a
 //! cursor kept in `kedge_leases` under [`CURSOR_KEY`], purges the run of each one stored before
 //! the horizon (`now - finished_after`), and moves the cursor past them. It stops at the first
@@ -59,8 +59,9 @@ use kedge_core::subjects::{
 use kedge_journal::JournalError;
 use serde::{Deserialize, Serialize};
 
-use crate::Runtime;
-use crate::idempotency::IdempotencyStore;
+use kedge_runtime::Runtime;
+use kedge_runtime::idempotency::IdempotencyStore;
+use kedge_runtime::projection;
 
 /// What [`purge_run`] did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -101,7 +102,7 @@ pub enum RetentionError {
     #[error(transparent)]
     Journal(#[from] JournalError),
     #[error(transparent)]
-    Idempotency(#[from] crate::idempotency::IdempotencyError),
+    Idempotency(#[from] kedge_runtime::idempotency::IdempotencyError),
     #[error("run {run} does not fold: {reason}")]
     Fold { run: RunId, reason: String },
     #[error("archive of run {run}: {reason}")]
@@ -191,7 +192,7 @@ async fn purge_run_ended(
     filters.push((REJECTIONS_STREAM.into(), subjects::rejected_journal_of(run)));
     filters.push((
         RUNS_BUCKET_STREAM.into(),
-        kv_key(RUNS_BUCKET, &format!("{}.{run}", state.bundle.tenant)),
+        kv_key(RUNS_BUCKET, &projection::key(&state.bundle.tenant, run)),
     ));
     // The run's blobs: what its journal and its idempotency records hold by reference. Found
     // before anything is removed (the references go with the journal).
@@ -333,7 +334,7 @@ pub struct Cursor {
     pub at: Option<Timestamp>,
 }
 
-/// The retention policy one pass applies ([`crate::config::RetentionConfig`]).
+/// The retention policy one pass applies ([`kedge_runtime::config::RetentionConfig`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Policy {
     /// Runs finished longer ago than this are purged.
@@ -344,8 +345,8 @@ pub struct Policy {
     pub batch: usize,
 }
 
-impl From<&crate::config::RetentionConfig> for Policy {
-    fn from(c: &crate::config::RetentionConfig) -> Self {
+impl From<&kedge_runtime::config::RetentionConfig> for Policy {
+    fn from(c: &kedge_runtime::config::RetentionConfig) -> Self {
         Policy {
             finished_after: c.finished_after,
             archive: c.archive,

@@ -1,60 +1,43 @@
-//! The read and write side of the `kedge_runs` bucket: [`Projection`] (get, list, a
-//! compare-and-set store that never lets a stale summary win, project a run).
+//! The write side of the `kedge_runs` bucket: [`Writer`] (a compare-and-set store that never
+//! lets a stale summary win, project a run). The read side (get, list) is
+//! [`kedge_runtime::projection::Projection`], which the writer reads through.
 
 use async_nats::jetstream::Context;
-use async_nats::jetstream::kv::{self, Operation};
+use async_nats::jetstream::kv;
 use kedge_core::ids::{RunId, TenantId};
-use kedge_core::subjects::{self, RUNS_BUCKET, RUNS_BUCKET_STREAM};
+use kedge_core::subjects::RUNS_BUCKET;
 use kedge_journal::{Journal, Recorded};
+use kedge_runtime::projection::{Projection, ProjectionError, RunSummary, key};
 use kedge_runtime::{Runtime, RuntimeError};
 
 use super::summary::Folded;
-use super::{ProjectionError, RunSummary, Stored, key, summarize};
+use super::{Stored, summarize};
 
-/// Handle on the `kedge_runs` bucket.
+/// Write handle on the `kedge_runs` bucket.
 #[derive(Debug, Clone)]
-pub struct Projection {
+pub struct Writer {
     pub(super) kv: kv::Store,
     pub(super) js: Context,
     journal: Journal,
+    /// The read side, on the same bucket.
+    read: Projection,
 }
 
 const CAS_TRIES: usize = 16;
 
-impl Projection {
-    pub async fn open(rt: &Runtime) -> Result<Projection, RuntimeError> {
+impl Writer {
+    pub async fn open(rt: &Runtime) -> Result<Writer, RuntimeError> {
         let kv = rt
             .js
             .get_key_value(RUNS_BUCKET)
             .await
             .map_err(|e| RuntimeError::broker(format!("open bucket {RUNS_BUCKET}"), e))?;
-        Ok(Projection {
+        Ok(Writer {
+            read: Projection::on(kv.clone(), rt.journal.clone()),
             kv,
             js: rt.js.clone(),
             journal: rt.journal.clone(),
         })
-    }
-
-    /// The stored summary of a run.
-    pub async fn get(
-        &self,
-        tenant: &TenantId,
-        run: &RunId,
-    ) -> Result<Option<RunSummary>, ProjectionError> {
-        Ok(self.entry(&key(tenant, run)).await?.and_then(|(_, s)| s))
-    }
-
-    /// `(revision, summary)` of a live key; the summary is `None` when the value does not parse
-    /// (it is then overwritten by the next write).
-    async fn entry(&self, key: &str) -> Result<Option<(u64, Option<RunSummary>)>, ProjectionError> {
-        let entry = self
-            .kv
-            .entry(key)
-            .await
-            .map_err(|e| ProjectionError::Kv(e.to_string()))?;
-        Ok(entry
-            .filter(|e| e.operation == Operation::Put)
-            .map(|e| (e.revision, serde_json::from_slice(&e.value).ok())))
     }
 
     /// Writes `summary` unless the stored one is newer (or, unless `overwrite_equal`, as new).
@@ -69,7 +52,7 @@ impl Projection {
             .0)
     }
 
-    /// [`Projection::store`], starting from what the caller believes is stored: with a right
+    /// [`Writer::store`], starting from what the caller believes is stored: with a right
     /// guess the write is one request (a compare-and-set on the believed revision, or a create),
     /// with a wrong one the compare-and-set fails and the write goes on as without a guess (read
     /// the key, compare, compare-and-set). Returns what is stored afterwards.
@@ -110,7 +93,7 @@ impl Projection {
             }
         }
         for _ in 0..CAS_TRIES {
-            match self.entry(&key).await? {
+            match self.read.entry(&key).await? {
                 None => match self.kv.create(&key, value.clone()).await {
                     Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
                     Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
@@ -147,7 +130,7 @@ impl Projection {
             .map(|(summary, stored, _)| (summary, stored)))
     }
 
-    /// [`Projection::project`] of a run through at least `through`, an event of the run the
+    /// [`Writer::project`] of a run through at least `through`, an event of the run the
     /// broker acknowledged (the decision a projector handles): read without asking the stream
     /// leader where the run ends ([`Journal::read_through`]); a later event the read did not
     /// reach is projected on its own delivery. `hint`: what the caller believes is stored.
@@ -216,22 +199,6 @@ impl Projection {
         Ok(Some((summary, stored, known)))
     }
 
-    /// Every summary of a tenant (one pass over the bucket's keys `<tenant>.>`, by batched
-    /// direct gets: [`Journal::latest_per_subject`]). A summary rewritten meanwhile is listed
-    /// once, at its newer version; an entry that does not parse is left out.
-    pub async fn list(&self, tenant: &TenantId) -> Result<Vec<RunSummary>, ProjectionError> {
-        let filter = subjects::kv_key(RUNS_BUCKET, &format!("{tenant}.>"));
-        let entries = self
-            .journal
-            .latest_per_subject(RUNS_BUCKET_STREAM, &filter)
-            .await?;
-        Ok(entries
-            .iter()
-            .filter(|e| !e.deleted)
-            .filter_map(|e| serde_json::from_slice::<RunSummary>(&e.payload).ok())
-            .collect())
-    }
-
     /// Removes a run's summary (rebuild, for runs no longer in the journal).
     pub(super) async fn remove(&self, key: &str) -> Result<(), ProjectionError> {
         self.kv
@@ -250,7 +217,7 @@ pub(super) struct Known {
     pub(super) tenant: TenantId,
 }
 
-/// What a store starts from (see [`Projection::store_hinted`]).
+/// What a store starts from (see [`Writer::store_hinted`]).
 #[derive(Debug, Clone)]
 pub(super) enum Hint {
     /// Read the key first.

@@ -4,7 +4,9 @@ use super::projector::{Inbox, Projected};
 use super::store::Known;
 use super::summary::Folded;
 use super::*;
-use crate::view;
+use kedge_app::view;
+use kedge_core::RunStatus;
+use kedge_core::ids::{RunId, TenantId};
 use kedge_journal::Recorded;
 
 fn run() -> RunId {

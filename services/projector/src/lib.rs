@@ -1,4 +1,8 @@
-//! The `kedge_runs` projection: one summary per run, a cache of its journal.
+//! The projector: the service that writes the `kedge_runs` projection (`kedge serve projector`,
+//! [`run`]), one summary per run, a cache of its journal, and its rebuild ([`rebuild`], `kedge
+//! runs rebuild`). A service of its own, with a crate of its own: the bridge only reads the
+//! projection, through its read side in `kedge_runtime::projection` (the summary, get, list),
+//! which both import (docs/ARCHITECTURE.md, "Map of the house").
 //!
 //! Key `<tenant>.<run_id>`, value a JSON [`RunSummary`]. The summary is always the fold of the
 //! run's whole journal as read at one moment, and carries `seq`, the journal sequence it was folded
@@ -30,12 +34,8 @@
 //! its inbox entry for the next pass, so a busy agent loop costs a read and a write per
 //! interval instead of per decision (its first decision is projected at once; a stop projects
 //! what resting runs gathered before it returns).
-
-use kedge_core::event::{OutputValidation, Timestamp, Usage, WaitReason};
-use kedge_core::ids::{AgentName, RunId, TenantId};
-use kedge_core::{FoldError, RunStatus};
-use kedge_journal::JournalError;
-use serde::{Deserialize, Serialize};
+//!
+//! [`RunSummary`]: kedge_runtime::projection::RunSummary
 
 mod projector;
 mod rebuild;
@@ -44,54 +44,10 @@ mod summary;
 #[cfg(test)]
 mod tests;
 
-pub use projector::{PROJECTOR, run_projector};
+pub use projector::{PROJECTOR, run};
 pub use rebuild::{RebuildReport, rebuild};
-pub use store::Projection;
+pub use store::Writer;
 pub use summary::summarize;
-
-/// One run in `kedge_runs`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RunSummary {
-    pub run_id: RunId,
-    pub tenant: TenantId,
-    pub agent: AgentName,
-    pub status: RunStatus,
-    /// Ended, and nothing is about to revive it.
-    pub finished: bool,
-    pub turn: u32,
-    /// The last step started (0 before the first).
-    pub step: u32,
-    pub waiting_on: Option<WaitReason>,
-    pub usage: Usage,
-    /// Validation of the current turn's output, when the run succeeded.
-    pub validation: Option<OutputValidation>,
-    pub created_at: Timestamp,
-    pub updated_at: Timestamp,
-    /// The journal sequence this summary was folded through: its version.
-    pub seq: u64,
-}
-
-/// Why a projection operation failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ProjectionError {
-    #[error(transparent)]
-    Journal(#[from] JournalError),
-    #[error("run {run} does not fold: {source}")]
-    Fold { run: RunId, source: FoldError },
-    #[error("{bucket}: {0}", bucket = kedge_core::subjects::RUNS_BUCKET)]
-    Kv(String),
-}
-
-impl ProjectionError {
-    /// Worth trying again later (broker trouble), as opposed to a journal that cannot be folded.
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            ProjectionError::Journal(e) => e.is_retryable(),
-            ProjectionError::Fold { .. } => false,
-            ProjectionError::Kv(_) => true,
-        }
-    }
-}
 
 /// What a write did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,9 +55,4 @@ pub enum Stored {
     Written,
     /// The stored summary was as new or newer; nothing written.
     Stale,
-}
-
-/// The KV key of a run's summary.
-pub fn key(tenant: &TenantId, run: &RunId) -> String {
-    format!("{tenant}.{run}")
 }

@@ -1,5 +1,5 @@
-//! The projector: the durable consumer that keeps `kedge_runs` up to date ([`run_projector`]),
-//! one run at a time, resting runs between passes (see the module doc of [`super`]).
+//! The projector: the durable consumer that keeps `kedge_runs` up to date ([`run`]), one run
+//! at a time, resting runs between passes (see the crate's doc).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -14,7 +14,7 @@ use kedge_runtime::consumer::{Backoff, Verdict};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tokio::sync::{mpsc, watch};
 
-use super::Projection;
+use super::Writer;
 use super::store::{Hint, Known};
 use super::summary::Folded;
 
@@ -38,14 +38,11 @@ const PROJECTING: usize = 64;
 /// run whose journal does not fold or a subject that is not a run's event, it is given up on
 /// as a dead letter (`agent.rejected.dead.projector`, `kedge dead list`): the projection is a
 /// cache, a later decision of the run or `kedge runs rebuild` brings the summary up to date.
-pub async fn run_projector(
-    rt: Runtime,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), RuntimeError> {
+pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let workers = consumer::Workers::new(PROJECTING);
     let (stop, stopping) = watch::channel(false);
     let projector = Arc::new(Projector {
-        projection: Projection::open(&rt).await?,
+        projection: Writer::open(&rt).await?,
         projected: Projected::default(),
         folds: Folds::default(),
         inbox: Inbox::default(),
@@ -115,7 +112,7 @@ pub async fn run_projector(
 /// What the projector's handlers share.
 #[derive(Debug)]
 struct Projector {
-    projection: Projection,
+    projection: Writer,
     projected: Projected,
     folds: Folds,
     inbox: Inbox,
@@ -134,7 +131,7 @@ impl Projector {
     /// rests for the interval ([`Projector::rest`]) holding no slot, still in the inbox, so the
     /// deliveries of a busy run gather there and the next pass covers them all: a run's summary
     /// is written at most once per interval, not once per decision. `held` is the run's share of
-    /// the stop's wait (see [`run_projector`]).
+    /// the stop's wait (see [`run`]).
     async fn project_run(self: Arc<Self>, run: RunId, held: mpsc::Sender<()>) {
         use futures::FutureExt as _;
         while let Some(batch) = self.inbox.take(&run) {
@@ -182,7 +179,7 @@ impl Projector {
     /// Projects `run` through the latest of `batch`, its decisions' deliveries.
     async fn project(&self, run: &RunId, batch: &[Message]) -> Verdict {
         failpoint::panic_point("projector.project", run.as_str());
-        // Every delivery in the inbox has its metadata (see `run_projector`).
+        // Every delivery in the inbox has its metadata (see `run`).
         let through = batch
             .iter()
             .filter_map(|msg| msg.info().ok().map(|i| i.stream_sequence))

@@ -1,12 +1,11 @@
 //! Building a run's summary: the fold of its journal ([`summarize`]), and the fold the
 //! projector keeps between a run's decisions ([`Folded`]).
 
+use kedge_core::decide::finished;
 use kedge_core::event::Timestamp;
 use kedge_core::{FoldError, RunState, RunStatus};
 use kedge_journal::Recorded;
-
-use super::RunSummary;
-use crate::view;
+use kedge_runtime::projection::RunSummary;
 
 /// The summary of a run's whole journal; `None` for a run with no events.
 pub fn summarize(events: &[Recorded]) -> Result<Option<RunSummary>, FoldError> {
@@ -54,7 +53,7 @@ impl Folded {
             tenant: state.bundle.tenant.clone(),
             agent: state.bundle.agent.clone(),
             status: state.status,
-            finished: view::finished(state),
+            finished: finished(state),
             turn: state.turn,
             step: state.step.get(),
             waiting_on: state.waiting_on(),
