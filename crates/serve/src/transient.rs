@@ -2,6 +2,8 @@
 //! `kedge demo` start them here, through [`serve`] like the binary (docs/ARCHITECTURE.md
 //! "Tests"), so they are supervised, restarted, registered and drained the same way.
 
+use std::sync::{Arc, Mutex};
+
 use kedge_runtime::{Config, Runtime};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
@@ -30,7 +32,14 @@ pub struct Started(usize);
 struct Set {
     services: Vec<Service>,
     state: State,
+    /// The set's own connection, once made (none for [`TransientKedge::start_on`]: the caller's).
+    connection: Connection,
 }
+
+/// Where a set started by [`TransientKedge::start`] keeps its runtime, to close its connection
+/// when it ends however it ends: readiness keeps a handle on the last connection a [`serve`]
+/// registered, so dropping the set's handles alone would leave that one open.
+type Connection = Arc<Mutex<Option<Runtime>>>;
 
 #[derive(Debug)]
 enum State {
@@ -52,31 +61,44 @@ impl TransientKedge {
     /// Connects with `config` (the broker layout checked, as `kedge serve` does) and runs
     /// `services` through [`serve`] until stopped. Returns at once: the connection is made in
     /// the set's own task (so this must be called within a Tokio runtime), and one that fails
-    /// ends the set with that error ([`TransientKedge::wait`], [`TransientKedge::stop`]).
+    /// ends the set with that error ([`TransientKedge::wait`], [`TransientKedge::stop`]). The
+    /// connection is the set's own, closed when it ends (stopped, killed, or by itself).
     pub fn start(&mut self, config: Config, services: &[Service]) -> Started {
-        self.launch(services, |services, stop| async move {
+        let connection = Connection::default();
+        let slot = connection.clone();
+        self.launch(services, connection, |services, stop| async move {
             let rt = Runtime::connect(config)
                 .await
                 .map_err(|e| format!("connect: {e}"))?;
-            serve(rt, &services, stop)
+            if let Ok(mut slot) = slot.lock() {
+                *slot = Some(rt.clone());
+            }
+            let outcome = serve(rt, &services, stop)
                 .await
-                .map_err(|e| format!("{e:#}"))
+                .map_err(|e| format!("{e:#}"));
+            close(&slot).await;
+            outcome
         })
     }
 
     /// [`TransientKedge::start`] on a runtime already connected (its connection is shared with
     /// whoever else holds it).
     pub fn start_on(&mut self, rt: Runtime, services: &[Service]) -> Started {
-        self.launch(services, |services, stop| async move {
-            serve(rt, &services, stop)
-                .await
-                .map_err(|e| format!("{e:#}"))
-        })
+        self.launch(
+            services,
+            Connection::default(),
+            |services, stop| async move {
+                serve(rt, &services, stop)
+                    .await
+                    .map_err(|e| format!("{e:#}"))
+            },
+        )
     }
 
     fn launch<F>(
         &mut self,
         services: &[Service],
+        connection: Connection,
         run: impl FnOnce(Vec<Service>, Stopped) -> F,
     ) -> Started
     where
@@ -102,6 +124,7 @@ impl TransientKedge {
                 stop: Some(stop),
                 task,
             },
+            connection,
         });
         Started(self.sets.len() - 1)
     }
@@ -138,8 +161,9 @@ impl TransientKedge {
     }
 
     /// Kills a set: its services' runs are dropped where they are, with no drain, as when the
-    /// process dies (their connection closes once nothing holds it). Returns once its [`serve`]
-    /// is gone; its runs are cancelled at their next await.
+    /// process dies, and its own connection is closed (a [`TransientKedge::start_on`] runtime
+    /// is the caller's, and stays). Returns once its [`serve`] is gone; its runs are cancelled
+    /// at their next await.
     pub async fn kill(&mut self, which: Started) {
         let set = &mut self.sets[which.0];
         if let State::Running { task, .. } = &mut set.state {
@@ -147,6 +171,7 @@ impl TransientKedge {
             let _ = task.await;
             set.state = State::Ended(Ok(()));
         }
+        close(&set.connection).await;
     }
 
     /// Stops every set still running, all draining together, and waits for them; the first
@@ -178,6 +203,17 @@ impl TransientKedge {
 /// The stop future [`serve`] gets.
 type Stopped = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
+/// Closes a set's own connection, if it has one still open.
+async fn close(connection: &Connection) {
+    if let Some(rt) = take(connection) {
+        let _ = rt.client.drain().await;
+    }
+}
+
+fn take(connection: &Connection) -> Option<Runtime> {
+    connection.lock().ok().and_then(|mut rt| rt.take())
+}
+
 fn outcome(state: &State) -> anyhow::Result<()> {
     match state {
         State::Ended(Ok(())) => Ok(()),
@@ -191,6 +227,15 @@ impl Drop for TransientKedge {
         for set in &self.sets {
             if let State::Running { task, .. } = &set.state {
                 task.abort();
+            }
+            // Closing a connection only sends a command to its handler: a task of a moment,
+            // spawned while there is a runtime to spawn on.
+            if let Some(rt) = take(&set.connection)
+                && let Ok(handle) = tokio::runtime::Handle::try_current()
+            {
+                handle.spawn(async move {
+                    let _ = rt.client.drain().await;
+                });
             }
         }
     }
