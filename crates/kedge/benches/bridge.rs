@@ -211,10 +211,10 @@ async fn main() {
     });
     let def = kedge_core::agent::AgentDefinition::parse(def.to_string().as_bytes()).unwrap();
     rt.agents.put(&def).await.unwrap();
+    // Intake as `kedge serve intake` runs it, until the bench ends.
+    let mut services = kedge_serve::TransientKedge::new();
     let intake_rt = Runtime::connect(config.clone()).await.unwrap();
-    tokio::spawn(async move {
-        let _ = kedge_intake::run(intake_rt, futures::future::pending()).await;
-    });
+    services.start_on(intake_rt, &[kedge_serve::Service::Intake]);
     let bridge = start_bridge(&nats.url()).await;
     let api = Api::new(&bridge.base, Some(ACME));
     let origin = Instant::now();

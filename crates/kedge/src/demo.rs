@@ -29,7 +29,9 @@ use kedge_core::machine::RunStatus;
 use kedge_mock_llm::{MockHandle, Scripts};
 use kedge_runtime::{Config, Runtime};
 
-use crate::cli::{self, Service, SubmitArgs};
+use kedge_serve::{Service, TransientKedge};
+
+use crate::cli::{self, SubmitArgs};
 use crate::local_nats::LocalNats;
 use crate::timeline;
 
@@ -92,19 +94,13 @@ pub async fn run(args: DemoArgs, base: Config) -> anyhow::Result<ExitCode> {
     let revision = rt.agents.put(&def).await?;
     println!("▸ agent `{}` stored at revision {revision}", def.name);
 
-    let (stop_tx, _) = tokio::sync::broadcast::channel::<()>(1);
-    let stop = |tx: &tokio::sync::broadcast::Sender<()>| {
-        let mut rx = tx.subscribe();
-        async move {
-            let _ = rx.recv().await;
-        }
-    };
     let in_process: &[Service] = if args.crash {
         &[Service::Intake, Service::Tool]
     } else {
         &[Service::Intake, Service::Step, Service::Tool]
     };
-    let services = tokio::spawn(cli::serve(rt.clone(), in_process, stop(&stop_tx)));
+    let mut services = TransientKedge::new();
+    services.start_on(rt.clone(), in_process);
     let mut worker = if args.crash {
         println!(
             "▸ step worker runs as a separate process, armed to crash right after the model's answer is journaled, before its tool calls are requested"
@@ -130,8 +126,7 @@ pub async fn run(args: DemoArgs, base: Config) -> anyhow::Result<ExitCode> {
         follow(&rt, &run, &args, &config, &mut worker),
     )
     .await;
-    let _ = stop_tx.send(());
-    let _ = services.await;
+    let _ = services.shutdown().await;
     if let Some(mut w) = worker.take() {
         let _ = w.kill();
         let _ = w.wait();

@@ -12,8 +12,8 @@ use common::Harness;
 use kedge_core::event::Timestamp;
 use kedge_core::ids::{RunId, TimerId};
 use kedge_core::subjects::Durable;
-use kedge_runtime::secure::Kind;
-use kedge_runtime::{Config, Runtime, consumer, failpoint};
+use kedge_runtime::{Config, consumer, failpoint};
+use kedge_serve::Service;
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -26,33 +26,14 @@ async fn harness() -> Harness {
     .await
 }
 
-/// Runs a service in this process as the user of `kind` until the test ends.
-fn spawn<F, Fut>(config: &Config, kind: Kind, run: F)
-where
-    F: FnOnce(Runtime) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    let config = common::as_kind(config, kind);
-    tokio::spawn(async move {
-        let rt = Runtime::connect(config).await.expect("service runtime");
-        run(rt).await;
-    });
-}
-
+/// The timer service in this process (as its own user) until the test ends.
 fn spawn_timer(config: &Config) {
-    spawn(config, Kind::Timer, |rt| async move {
-        kedge_timer::run(rt, futures::future::pending())
-            .await
-            .expect("timer service");
-    });
+    common::spawn_detached(config, Service::Timer);
 }
 
+/// The projector in this process (as its own user) until the test ends.
 fn spawn_projector(config: &Config) {
-    spawn(config, Kind::Projector, |rt| async move {
-        kedge_projector::run(rt, futures::future::pending())
-            .await
-            .expect("projector");
-    });
+    common::spawn_detached(config, Service::Projector);
 }
 
 /// Publishes `payload` on `subject` as the test's admin.

@@ -997,28 +997,11 @@ async fn a_worker_on_the_minority_side_of_a_cluster_partition_is_billed_once() {
         )
         .await
         .expect("agent stored");
-    let (stop, _) = tokio::sync::broadcast::channel::<()>(1);
-    let spawn = |svc: Svc, config: Config| {
-        let mut rx = stop.subscribe();
-        tokio::spawn(async move {
-            let rt = Runtime::connect(config).await.expect("service runtime");
-            let stop = async move {
-                let _ = rx.recv().await;
-            };
-            match svc {
-                Svc::Intake => kedge_intake::run(rt, stop).await,
-                Svc::Step => kedge_step::run(rt, stop).await,
-                Svc::Tool => kedge_tool::run(rt, stop).await,
-                other => panic!("not used here: {other:?}"),
-            }
-            .expect("service ran");
-        })
-    };
-    let mut services = vec![
-        spawn(Svc::Intake, config(0, "w-intake")),
-        spawn(Svc::Tool, config(1, "w-tool")),
-        spawn(Svc::Step, config(2, "w-minor")),
-    ];
+    // Each service as `kedge serve <service>` runs it, with its own worker id and node.
+    let mut services = kedge_serve::TransientKedge::new();
+    services.start(config(0, "w-intake"), &[Svc::Intake.service()]);
+    services.start(config(1, "w-tool"), &[Svc::Tool.service()]);
+    services.start(config(2, "w-minor"), &[Svc::Step.service()]);
     let task = kedge_core::task::TaskSubmission {
         agent: "slow".parse().expect("agent name"),
         input: "go".into(),
@@ -1068,7 +1051,7 @@ async fn a_worker_on_the_minority_side_of_a_cluster_partition_is_billed_once() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // … a standby joins on the majority side, and hears its heartbeats name the run …
-    services.push(spawn(Svc::Step, config(0, "w-standby")));
+    services.start(config(0, "w-standby"), &[Svc::Step.service()]);
     tokio::time::sleep(Duration::from_millis(700)).await;
     // … and the worker's node is cut from the other two.
     cluster.cut_off(2, Duration::from_secs(5));
@@ -1149,8 +1132,5 @@ async fn a_worker_on_the_minority_side_of_a_cluster_partition_is_billed_once() {
         .filter(|r| matches!(&r.envelope.event, Event::StepCompleted(_)))
         .count();
     assert_eq!(completed, 2, "each step completed once");
-    let _ = stop.send(());
-    for s in services {
-        let _ = tokio::time::timeout(Duration::from_secs(30), s).await;
-    }
+    let _ = tokio::time::timeout(Duration::from_secs(30), services.shutdown()).await;
 }

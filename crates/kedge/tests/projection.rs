@@ -22,6 +22,7 @@ use kedge_projector::summarize;
 use kedge_runtime::projection::RunSummary;
 use kedge_runtime::secure::Kind;
 use kedge_runtime::{Config, Runtime};
+use kedge_serve::{Service, TransientKedge};
 use serde_json::json;
 
 /// Runs written before the projectors start (a backlog), and while they run.
@@ -170,14 +171,9 @@ async fn write_chats(h: &Harness, n: usize) -> Vec<RunId> {
     runs
 }
 
+/// A projector in this process (as its own user) until the test ends.
 fn spawn_projector(config: &Config) {
-    let config = common::as_kind(config, Kind::Projector);
-    tokio::spawn(async move {
-        let rt = Runtime::connect(config).await.expect("projector runtime");
-        kedge_projector::run(rt, futures::future::pending())
-            .await
-            .expect("projector");
-    });
+    common::spawn_detached(config, Service::Projector);
 }
 
 /// Each run's summary as the fold of its whole journal now.
@@ -414,10 +410,8 @@ async fn a_stopped_projector_leaves_no_decision_unprojected() {
     .await;
     let config = common::as_kind(&h.config, Kind::Projector);
     let rt = Runtime::connect(config).await.expect("projector runtime");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let projector = tokio::spawn(kedge_projector::run(rt, async {
-        let _ = stopped.await;
-    }));
+    let mut services = TransientKedge::new();
+    let projector = services.start_on(rt, &[Service::Projector]);
     let mut chats = Vec::new();
     for _ in 0..4 {
         let mut chat = Chat::new();
@@ -443,11 +437,9 @@ async fn a_stopped_projector_leaves_no_decision_unprojected() {
         "the runs' later decisions are held while they rest"
     );
     let stopping = Instant::now();
-    let _ = stop.send(());
-    tokio::time::timeout(WAIT, projector)
+    tokio::time::timeout(WAIT, services.stop(projector))
         .await
         .expect("the projector stops")
-        .expect("joins")
         .expect("stops cleanly");
     assert!(
         stopping.elapsed() < Duration::from_millis(interval_ms) / 2,

@@ -22,7 +22,7 @@ use kedge_core::event::Timestamp;
 use kedge_core::ids::RunId;
 use kedge_retention::{self as retention, PurgeOptions, Purged};
 use kedge_runtime::secure::Kind;
-use kedge_runtime::{Config, Runtime};
+use kedge_serve::Service;
 use serde_json::{Value, json};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -57,19 +57,6 @@ fn python() -> Result<Command, String> {
         ));
     }
     Ok(make())
-}
-
-/// Runs a service in this process as the user of `kind` until the test ends.
-fn spawn<F, Fut>(config: &Config, kind: Kind, run: F)
-where
-    F: FnOnce(Runtime) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    let config = common::as_kind(config, kind);
-    tokio::spawn(async move {
-        let rt = Runtime::connect(config).await.expect("service runtime");
-        run(rt).await;
-    });
 }
 
 /// The run's summary in `kedge_runs`, once its status is `status` (or panics).
@@ -140,16 +127,8 @@ async fn deployment() -> (Harness, Runs) {
     // A step worker that stores every answer in kedge_idempotency before committing it (as when
     // the run moves on during a model call), so the recipe for a stored response finds one.
     h.spawn_process("step", "w-step", STORE_EVERY_ANSWER);
-    spawn(&h.config, Kind::Projector, |rt| async move {
-        kedge_projector::run(rt, futures::future::pending())
-            .await
-            .expect("projector");
-    });
-    spawn(&h.config, Kind::Timer, |rt| async move {
-        kedge_timer::run(rt, futures::future::pending())
-            .await
-            .expect("timer service");
-    });
+    common::spawn_detached(&h.config, Service::Projector);
+    common::spawn_detached(&h.config, Service::Timer);
     h.agent("act", "act").await;
     h.agent("broken", "broken").await;
     h.agent("ask", "ask").await;

@@ -14,6 +14,7 @@ use kedge_core::event::{CancelRequested, Event, TimerFired, Timestamp};
 use kedge_core::ids::{RunId, TimerId};
 use kedge_journal::Recorded;
 use kedge_runtime::{Config, Runtime};
+use kedge_serve::{Service, Started, TransientKedge};
 use serde_json::json;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -27,10 +28,10 @@ fn waits(model: &str, seconds: u64) -> serde_json::Value {
     json!({"models": {model: {"steps": [wait_call(seconds), {"text": "rested"}]}}})
 }
 
-/// The timer service in this process, stoppable on its own.
+/// The timer service in this process (as `kedge serve timer` runs it), stoppable on its own.
 struct TimerService {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
+    services: TransientKedge,
+    timer: Started,
 }
 
 impl TimerService {
@@ -38,21 +39,16 @@ impl TimerService {
         let mut config = common::as_kind(config, kedge_runtime::secure::Kind::Timer);
         config.worker_id = worker.to_owned();
         let rt = Runtime::connect(config).await.expect("timer runtime");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(async move {
-            let stop = async move {
-                let _ = stopped.await;
-            };
-            if let Err(e) = kedge_timer::run(rt, stop).await {
-                panic!("timer service failed: {e}");
-            }
-        });
-        TimerService { stop, task }
+        let mut services = TransientKedge::new();
+        let timer = services.start_on(rt, &[Service::Timer]);
+        TimerService { services, timer }
     }
 
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.task).await;
+    async fn stop(mut self) {
+        let stopped = tokio::time::timeout(Duration::from_secs(10), self.services.stop(self.timer));
+        if let Ok(Err(e)) = stopped.await {
+            panic!("timer service failed: {e:#}");
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Command-line parsing and the subcommands: the clap command tree and [`run`], the dispatcher;
-//! each subcommand is a function in one of the modules below (`serve`: the process supervisor;
-//! `runs`: reading runs; `inputs`: submitting and steering them; `dead`, `agents`, `providers`,
-//! `mcp`).
+//! each subcommand is a function in one of the modules below (`serving`: `kedge serve`, a call
+//! into `kedge_serve`; `runs`: reading runs; `inputs`: submitting and steering them; `dead`,
+//! `agents`, `providers`, `mcp`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,13 +10,12 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use kedge_core::ids::{AgentName, QuestionId, RunId};
 use kedge_runtime::{Config, Runtime};
 
-mod serve;
+mod serving;
 #[cfg(feature = "mock-llm")]
-use serve::mock_llm;
-// For `kedge demo` (demo.rs), which serves in-process.
-#[cfg(feature = "mock-llm")]
-pub use serve::serve;
-use serve::{layout, serve_command};
+use serving::mock_llm;
+use serving::{layout, serve_command};
+// The services `kedge serve` runs, named on its command line.
+use kedge_serve::Service;
 
 mod runs;
 use runs::{journal, list_runs, purge, rebuild, show_run, status, watch};
@@ -317,26 +316,6 @@ pub struct PurgeArgs {
     /// Print the outcome as JSON.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Service {
-    All,
-    Intake,
-    Step,
-    Tool,
-    Approval,
-    Timer,
-    Reconciler,
-    /// The kedge_runs projection (part of `all`).
-    Projector,
-    /// The HTTP API and SSE (not part of `all`: it opens a port and needs tokens or open mode).
-    Bridge,
-    /// The tenants' NATS API (`kedge.t.<tenant>.>`; part of `all`).
-    Gateway,
-    /// The retention policy (`retention` in the config; not part of `all`: it runs with the
-    /// `retention` user's credentials, the one service user allowed to purge).
-    Retention,
 }
 
 #[derive(Debug, Subcommand)]

@@ -113,14 +113,14 @@ impl TestBridge {
     }
 }
 
-/// Runs the projector in this process until the returned handle is aborted.
+/// Runs the projector in this process, as `kedge serve projector` runs it, until the returned
+/// handle is aborted (which kills it: `kedge_serve::TransientKedge` dropped).
 pub fn spawn_projector(config: &Config) -> tokio::task::JoinHandle<()> {
     let config = secure::as_kind(config, kedge_runtime::secure::Kind::Projector);
     tokio::spawn(async move {
-        let rt = Runtime::connect(config).await.expect("projector runtime");
-        kedge_projector::run(rt, futures::future::pending())
-            .await
-            .expect("projector");
+        let mut services = kedge_serve::TransientKedge::new();
+        let projector = services.start(config, &[kedge_serve::Service::Projector]);
+        services.wait(projector).await.expect("projector");
     })
 }
 

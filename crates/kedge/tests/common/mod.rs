@@ -18,6 +18,7 @@ use kedge_mock_llm::{MockHandle, Scripts};
 use kedge_runtime::config::Secret;
 use kedge_runtime::secure::Kind;
 use kedge_runtime::{Config, Runtime};
+use kedge_serve::{Service, TransientKedge};
 use kedge_testkit::NatsServer;
 
 // Also included by `bridge_support` (the bridge bench uses that without `common`).
@@ -75,8 +76,8 @@ pub struct Harness {
     pub rt: Runtime,
     pub config: Config,
     pub dir: tempfile::TempDir,
-    stop: tokio::sync::broadcast::Sender<()>,
-    services: Vec<tokio::task::JoinHandle<()>>,
+    /// The services in this process, each started as its own `kedge serve` would run it.
+    services: TransientKedge,
     children: Vec<Child>,
     /// A test that cuts processes' broker connections sets this: a reply a process owed on a
     /// connection that dropped goes out on the next one, where the broker refuses it (its
@@ -84,6 +85,16 @@ pub struct Harness {
     /// subject. Those, and only those, are not counted as Kedge's users hitting permissions
     /// (docs/RUNBOOK.md "Permission violations after a dropped connection").
     pub replies_cut_off: bool,
+}
+
+/// The error lines of the in-process services (one that cannot start, one restarting after a
+/// failure) go to the output of the test that caused them, shown when it fails; `RUST_LOG` asks
+/// for more.
+pub fn log_errors() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
 }
 
 /// Short timeouts so that crash recovery happens within seconds.
@@ -124,6 +135,20 @@ pub enum Svc {
     Timer,
 }
 
+impl Svc {
+    /// The service `kedge serve` knows it by.
+    pub fn service(self) -> Service {
+        match self {
+            Svc::Intake => Service::Intake,
+            Svc::Step => Service::Step,
+            Svc::Tool => Service::Tool,
+            Svc::Approval => Service::Approval,
+            Svc::Gateway => Service::Gateway,
+            Svc::Timer => Service::Timer,
+        }
+    }
+}
+
 impl Harness {
     /// A broker, the mock with `script` (JSON), the agent `agent` on model `model`, and the
     /// given services running in this process.
@@ -137,6 +162,7 @@ impl Harness {
         services: &[Svc],
         tune: impl FnOnce(&mut Config),
     ) -> Harness {
+        log_errors();
         let nats = test_server().await;
         let mock = MockHandle::start(Scripts::from_value(script).expect("valid script")).await;
         let dir = tempfile::tempdir().expect("temp dir");
@@ -149,15 +175,13 @@ impl Harness {
         tune(&mut config);
         config.check().expect("valid tuned config");
         let rt = Runtime::connect(config.clone()).await.expect("runtime");
-        let (stop, _) = tokio::sync::broadcast::channel(1);
         let mut h = Harness {
             nats,
             mock,
             rt,
             config,
             dir,
-            stop,
-            services: Vec::new(),
+            services: TransientKedge::new(),
             children: Vec::new(),
             replies_cut_off: false,
         };
@@ -217,7 +241,8 @@ impl Harness {
             .expect("runtime of a kind")
     }
 
-    /// Runs a service in this process as worker `worker` (its own connection and runtime).
+    /// Runs a service in this process as worker `worker` (its own connection and runtime), as
+    /// `kedge serve <svc>` runs it (`kedge_serve::TransientKedge`).
     pub fn spawn_service(&mut self, svc: Svc, worker: &str) {
         self.spawn_service_with(svc, worker, |_| {});
     }
@@ -236,24 +261,7 @@ impl Harness {
         let mut config = as_kind(&self.config, kind);
         config.worker_id = worker.to_owned();
         edit(&mut config);
-        let mut rx = self.stop.subscribe();
-        self.services.push(tokio::spawn(async move {
-            let rt = Runtime::connect(config).await.expect("service runtime");
-            let stop = async move {
-                let _ = rx.recv().await;
-            };
-            let result = match svc {
-                Svc::Intake => kedge_intake::run(rt, stop).await,
-                Svc::Step => kedge_step::run(rt, stop).await,
-                Svc::Tool => kedge_tool::run(rt, stop).await,
-                Svc::Approval => kedge_approval::run(rt, stop).await,
-                Svc::Gateway => kedge_gateway::run(rt, stop).await,
-                Svc::Timer => kedge_timer::run(rt, stop).await,
-            };
-            if let Err(e) = result {
-                panic!("{svc:?} service failed: {e}");
-            }
-        }));
+        self.services.start(config, &[svc.service()]);
     }
 
     /// Runs `kedge serve <svc>` as a separate process, with failpoints armed (e.g.
@@ -491,17 +499,30 @@ impl Harness {
             .collect()
     }
 
-    /// Stops the in-process services and the child processes.
+    /// Stops the in-process services (they drain together) and the child processes.
     pub async fn shutdown(mut self) {
-        let _ = self.stop.send(());
-        for s in self.services.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(10), s).await;
+        if let Err(e) = self.services.shutdown().await {
+            eprintln!("an in-process service failed: {e:#}");
         }
         for mut c in self.children.drain(..) {
             let _ = c.kill();
             let _ = c.wait();
         }
     }
+}
+
+/// Runs `service` in this process, as `kedge serve <service>` runs it, connected as the user of
+/// its kind, until the test ends or the returned handle is aborted (which kills it).
+pub fn spawn_detached(config: &Config, service: Service) -> tokio::task::JoinHandle<()> {
+    let kind: Kind = service.name().parse().expect("a kind of Kedge user");
+    let config = as_kind(config, kind);
+    tokio::spawn(async move {
+        let mut services = TransientKedge::new();
+        let set = services.start(config, &[service]);
+        if let Err(e) = services.wait(set).await {
+            panic!("{service} service failed: {e:#}");
+        }
+    })
 }
 
 /// The permission violations of Kedge's services in a server log (`Publish Violation` /

@@ -1,60 +1,22 @@
-//! The process supervisor: `kedge serve` runs services in this process, each supervised and
-//! restarted with backoff, until SIGINT/SIGTERM; `kedge layout` and `kedge mock-llm`.
+//! Running Kedge: any subset of its services in one process, each supervised and restarted
+//! with backoff, until a shutdown future resolves (docs/ARCHITECTURE.md "Map of the house").
+//!
+//! This crate owns the orchestration every way of running Kedge shares: the [`Service`] names,
+//! [`serve`] (what `kedge serve` is: health registration, one supervisor per service, the
+//! bounded drain), [`supervise`] and its [`Backoff`], [`shutdown_signal`] (SIGINT/SIGTERM) and
+//! the durable consumers each service binds ([`durables_of`], what readiness waits for). The
+//! binary's `kedge serve` is a thin call into it; the end-to-end tests, the benches and
+//! `kedge demo` start services in their own process through [`TransientKedge`], which runs
+//! [`serve`] too (docs/ARCHITECTURE.md "Tests"), so nothing starts a service another way.
 
-use std::process::ExitCode;
 use std::time::Duration;
 
-#[cfg(feature = "mock-llm")]
-use anyhow::Context;
-use kedge_runtime::{Config, Runtime};
+use kedge_runtime::Runtime;
 
-use super::Service;
-
-/// `kedge serve`.
-pub(super) async fn serve_command(
-    config: Config,
-    services: &[Service],
-) -> anyhow::Result<ExitCode> {
-    // Bound before anything else: a port that is taken stops the process at once.
-    if let Some(addr) = &config.metrics_addr {
-        kedge_runtime::metrics::start(addr).await?;
-    }
-    let rt = Runtime::connect(config).await?;
-    serve(rt, services, shutdown_signal()).await?;
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `kedge layout`.
-pub(super) async fn layout(config: Config) -> anyhow::Result<ExitCode> {
-    let rt = Runtime::connect(config).await?;
-    println!(
-        "layout ok on nats-server {}",
-        rt.client.server_info().version
-    );
-    Ok(ExitCode::SUCCESS)
-}
-
-/// `kedge mock-llm`.
-#[cfg(feature = "mock-llm")]
-pub(super) async fn mock_llm(
-    port: u16,
-    script: Option<std::path::PathBuf>,
-) -> anyhow::Result<ExitCode> {
-    let text = match &script {
-        Some(p) => std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?,
-        None => crate::demo::SCRIPT.to_owned(),
-    };
-    let scripts = kedge_mock_llm::Scripts::from_json(&text)?;
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
-    println!("mock-llm listening on http://{}", listener.local_addr()?);
-    kedge_mock_llm::serve(
-        listener,
-        kedge_mock_llm::MockLlm::new(scripts),
-        shutdown_signal(),
-    )
-    .await?;
-    Ok(ExitCode::SUCCESS)
-}
+mod service;
+pub use service::Service;
+mod transient;
+pub use transient::{Started, TransientKedge};
 
 /// Runs the named services in this process until `shutdown`, then drains them.
 ///
@@ -69,18 +31,10 @@ pub async fn serve(
     use kedge_runtime::RuntimeError;
     let all = services.contains(&Service::All);
     let wanted = |s: Service| all || services.contains(&s);
-    let (tx, stopping) = tokio::sync::watch::channel(false);
-    let mut tasks = tokio::task::JoinSet::new();
+    let mut started: Vec<(&'static str, Runner<Runtime>)> = Vec::new();
     kedge_runtime::health::watch_connection(&rt.client);
-    let mut start = |name: &'static str, run: fn(Runtime, Stop) -> ServiceFuture| {
-        let rt = rt.clone();
-        kedge_runtime::health::expect_service(name, durables_of(name));
-        tasks.spawn(supervise(
-            name,
-            stopping.clone(),
-            Backoff::default(),
-            move |stop| run(rt.clone(), stop),
-        ));
+    let mut start = |name: &'static str, run: Runner<Runtime>| {
+        started.push((name, run));
     };
     fn boxed<E: std::fmt::Display>(
         f: impl std::future::Future<Output = Result<(), E>> + Send + 'static,
@@ -129,13 +83,39 @@ pub async fn serve(
     if wanted(Service::Gateway) {
         start("gateway", |rt, stop| boxed(kedge_gateway::run(rt, stop)));
     }
+    let drain = rt.config.timeouts.drain();
+    run_supervised(rt, started, Backoff::default(), drain, shutdown).await
+}
+
+/// How [`serve`] starts one run of a service: on the process's runtime (`R`; a test's stand-in
+/// in this crate's tests), until the stop future resolves.
+type Runner<R> = fn(R, Stop) -> ServiceFuture;
+
+/// The rest of [`serve`]: each service started under its own [`supervise`], shutdown turned into
+/// the stop every run sees, then the bounded drain; the first service that cannot start stops
+/// the others and is the error.
+async fn run_supervised<R: Clone + Send + 'static>(
+    rt: R,
+    started: Vec<(&'static str, Runner<R>)>,
+    backoff: Backoff,
+    drain: Duration,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (tx, stopping) = tokio::sync::watch::channel(false);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (name, run) in started {
+        let rt = rt.clone();
+        kedge_runtime::health::expect_service(name, durables_of(name));
+        tasks.spawn(supervise(name, stopping.clone(), backoff, move |stop| {
+            run(rt.clone(), stop)
+        }));
+    }
     let signal = tx.clone();
     tokio::spawn(async move {
         shutdown.await;
         kedge_runtime::health::draining();
         let _ = signal.send(true);
     });
-    let drain = rt.config.timeouts.drain();
     let mut stopped = tx.subscribe();
     // Shutting down: what is still in flight after the drain time is left; the process exits,
     // its connection closes, and the other workers adopt its work.
@@ -167,8 +147,8 @@ pub async fn serve(
     }
 }
 
-/// The durable consumers a service binds (what readiness waits for).
-pub(super) fn durables_of(service: &str) -> &'static [&'static str] {
+/// The durable consumers a service binds (what readiness waits for), by its [`Service::name`].
+pub fn durables_of(service: &str) -> &'static [&'static str] {
     match service {
         "intake" => &["intake"],
         "step" => &["step"],
@@ -225,7 +205,11 @@ pub async fn supervise(
         };
         let started = std::time::Instant::now();
         kedge_runtime::health::service_up(name);
-        let outcome = tokio::spawn(run(stop)).await;
+        let task = tokio::spawn(run(stop));
+        // A supervisor dropped (its `serve` ended after the drain time, or a [`TransientKedge`]
+        // killed) takes its run with it, as a process's exit does.
+        let _abort = AbortOnDrop(task.abort_handle());
+        let outcome = task.await;
         if *stopping.borrow() {
             return Ok(());
         }
@@ -255,6 +239,15 @@ pub async fn supervise(
             _ = rx.wait_for(|s| *s) => return Ok(()),
         }
         delay = (delay * 2).min(backoff.max);
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -361,3 +354,7 @@ mod tests {
         assert_eq!(supervisor.await.expect("joins"), Ok(()));
     }
 }
+
+// The tests of `serve` itself, with stand-in services.
+#[cfg(test)]
+mod serve_tests;
