@@ -309,8 +309,8 @@ pub async fn purge_finished(
 }
 
 /// The key of the retention service's cursor in `kedge_leases`: the journal sequence through
-/// which terminal events were handled (JSON [`Cursor`]).
-pub const CURSOR_KEY: &str = "retention.cursor";
+/// which terminal events were handled (JSON [`Cursor`]); the layout registry names it.
+pub const CURSOR_KEY: &str = kedge_core::subjects::RETENTION_CURSOR_KEY;
 
 /// The terminal events the retention service reads.
 const TERMINAL: [EventType; 3] = [

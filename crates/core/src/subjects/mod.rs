@@ -3,6 +3,10 @@
 //! journal" and "The broker layout"). A test (`crates/core/tests/layout_names.rs`) fails when a
 //! product source file outside this module spells one of these names.
 
+mod broker;
+
+pub use broker::*;
+
 use crate::event::{EventKind, EventType};
 use crate::ids::{AgentName, ApprovalId, QuestionId, RunId, TenantId, TimerId};
 
@@ -52,6 +56,10 @@ bucket!(
     "OBJ_"
 );
 
+/// The key of the retention service's cursor in [`LEASES_BUCKET`] (the journal sequence through
+/// which it handled terminal events): the one key of that bucket the retention user may write.
+pub const RETENTION_CURSOR_KEY: &str = "retention.cursor";
+
 /// The subject of key `key` of key-value bucket `bucket` (`$KV.<bucket>.<key>`; a key with
 /// wildcards makes a filter).
 pub fn kv_key(bucket: &str, key: &str) -> String {
@@ -68,30 +76,28 @@ pub fn object_chunks(bucket: &str, nuid: &str) -> String {
     format!("$O.{bucket}.C.{nuid}")
 }
 
-/// The prefix of the JetStream API, which answers on it with no responders when JetStream is
-/// off.
-pub const JS_API: &str = "$JS.API";
+/// Every subject of key-value bucket `bucket` (`$KV.<bucket>.>`): its keys, to write or watch.
+pub fn kv_all(bucket: &str) -> String {
+    kv_key(bucket, ANY_TAIL)
+}
 
-/// The JetStream API's account information request (`$JS.API.INFO`).
-pub const JS_API_INFO: &str = "$JS.API.INFO";
-
-/// The subjects of the JetStream API a user needs to create, read and pull durable consumer
-/// `name` of `stream`, and to acknowledge its messages.
-pub fn js_durable_use(stream: &str, name: &str) -> [String; 6] {
+/// Every subject of object store `bucket` a writer publishes: its chunks (`$O.<bucket>.C.>`)
+/// and its meta records (`$O.<bucket>.M.>`).
+pub fn object_writes(bucket: &str) -> [String; 2] {
     [
-        format!("{JS_API}.CONSUMER.CREATE.{stream}.{name}"),
-        format!("{JS_API}.CONSUMER.CREATE.{stream}.{name}.>"),
-        format!("{JS_API}.CONSUMER.DURABLE.CREATE.{stream}.{name}"),
-        format!("{JS_API}.CONSUMER.INFO.{stream}.{name}"),
-        format!("{JS_API}.CONSUMER.MSG.NEXT.{stream}.{name}"),
-        format!("$JS.ACK.{stream}.{name}.>"),
+        object_chunks(bucket, ANY_TAIL),
+        object_meta(bucket, ANY_TAIL),
     ]
 }
 
-/// The JetStream API subject that deletes durable consumer `name` of `stream`.
-pub fn js_durable_delete(stream: &str, name: &str) -> String {
-    format!("{JS_API}.CONSUMER.DELETE.{stream}.{name}")
-}
+/// Every subject of every object store (`$O.>`).
+pub const OBJECTS_ALL: &str = "$O.>";
+
+/// A subject wildcard standing for exactly one token (`*`).
+pub const ONE_TOKEN: &str = "*";
+
+/// A subject wildcard standing for one or more tokens at the end of a subject (`>`).
+pub const ANY_TAIL: &str = ">";
 
 /// The durable consumers of the layout; each one's configuration is
 /// `nats/consumers/<stream>/<name>.json`.
@@ -167,6 +173,9 @@ pub const TOOL_RESOLVE_QUEUE: &str = "kedge-tool";
 /// or tool process publishes heartbeats on `kedge.live.hb.<worker>` and answers pings on
 /// `kedge.live.ping.<worker>`. Core NATS only; nothing is stored.
 pub const LIVE_HEARTBEATS: &str = "kedge.live.hb.*";
+
+/// Every subject of the failure detector: heartbeats, pings and lease yields (`kedge.live.>`).
+pub const LIVE_ALL: &str = "kedge.live.>";
 
 /// The heartbeat subject of worker `worker` (a subject token: see [`is_token`]).
 pub fn live_heartbeat(worker: &str) -> String {
@@ -340,6 +349,18 @@ pub fn parse_event(subject: &str) -> Option<EventSubject> {
 /// Every subject of the journal (`agent.run.>`).
 pub const JOURNAL_ALL: &str = "agent.run.>";
 
+/// Every run's events of one kind (`agent.run.*.d.>`, every decision; `agent.run.*.i.>`, every
+/// input).
+pub fn kind_all_runs(kind: EventKind) -> String {
+    format!("agent.run.*.{}.{ANY_TAIL}", kind.token())
+}
+
+/// Every task subject (`agent.task.>`: the default tenant's and every tenant's).
+pub const TASKS_ALL: &str = "agent.task.>";
+
+/// Every run's token deltas (`agent.delta.*`).
+pub const DELTAS_ALL: &str = "agent.delta.*";
+
 /// The prefix of every subject of run `run` in the journal (`agent.run.<run>.`).
 pub fn run_prefix(run: &RunId) -> String {
     format!("agent.run.{run}.")
@@ -405,6 +426,12 @@ pub fn rejected_journal_of(run: &RunId) -> String {
     format!("agent.rejected.journal.{run}.>")
 }
 
+/// Every set-aside journal message of every run.
+pub const REJECTED_JOURNAL_ALL: &str = "agent.rejected.journal.>";
+
+/// Everything [`REJECTIONS_STREAM`] holds (`agent.rejected.>`).
+pub const REJECTED_ALL: &str = "agent.rejected.>";
+
 /// Where intake records a callback for a key no run waits on (in [`REJECTIONS_STREAM`]).
 pub const REJECTED_CALLBACK: &str = "agent.rejected.callback";
 
@@ -425,6 +452,9 @@ pub fn timer_scheduled(run: &RunId, timer: &TimerId) -> String {
 pub fn timer_fired(run: &RunId, timer: &TimerId) -> String {
     format!("kedge.timer.fired.{run}.{timer}")
 }
+
+/// Every pending schedule of every run (what the timer service publishes).
+pub const TIMERS_SCHEDULED_ALL: &str = "kedge.timer.sched.>";
 
 /// Every pending schedule of run `run`.
 pub fn timers_scheduled_of(run: &RunId) -> String {
@@ -641,6 +671,43 @@ mod tests {
             dead_letter(Durable::TimerFired),
             "agent.rejected.dead.timer-fired"
         );
+    }
+
+    #[test]
+    fn the_broker_apis_are_spelled_as_nats_server_expects() {
+        assert_eq!(
+            js_durable_use(RUNS_STREAM, Durable::Step.name()),
+            [
+                "$JS.API.CONSUMER.CREATE.KEDGE_RUNS.step",
+                "$JS.API.CONSUMER.CREATE.KEDGE_RUNS.step.>",
+                "$JS.API.CONSUMER.DURABLE.CREATE.KEDGE_RUNS.step",
+                "$JS.API.CONSUMER.INFO.KEDGE_RUNS.step",
+                "$JS.API.CONSUMER.MSG.NEXT.KEDGE_RUNS.step",
+                "$JS.ACK.KEDGE_RUNS.step.>",
+            ]
+        );
+        assert_eq!(
+            js_durable_delete(TASKS_STREAM, "intake"),
+            "$JS.API.CONSUMER.DELETE.KEDGE_TASKS.intake"
+        );
+        assert_eq!(
+            StreamApi::Purge.on(BLOBS_STREAM),
+            "$JS.API.STREAM.PURGE.OBJ_kedge_blobs"
+        );
+        assert_eq!(StreamApi::MsgGet.on(ONE_TOKEN), "$JS.API.STREAM.MSG.GET.*");
+        assert_eq!(StreamApi::Names.subject(), "$JS.API.STREAM.NAMES");
+        assert_eq!(ConsumerApi::Pause.on(ANY_TAIL), "$JS.API.CONSUMER.PAUSE.>");
+        assert_eq!(
+            js_direct_get(ONE_TOKEN),
+            ["$JS.API.DIRECT.GET.*", "$JS.API.DIRECT.GET.*.>"]
+        );
+        assert_eq!(
+            object_writes(BLOBS_BUCKET),
+            ["$O.kedge_blobs.C.>", "$O.kedge_blobs.M.>"]
+        );
+        assert_eq!(kv_all(LEASES_BUCKET), "$KV.kedge_leases.>");
+        assert_eq!(kind_all_runs(EventKind::Decision), "agent.run.*.d.>");
+        assert_eq!(kind_all_runs(EventKind::Input), "agent.run.*.i.>");
     }
 
     #[test]

@@ -1,15 +1,17 @@
-//! The secured broker configuration: NATS accounts and least-privilege users, rendered from data.
+//! The secured broker configuration: NATS accounts and least-privilege users, whose permissions
+//! are built from the layout registry ([`permissions`]), rendered for nats-server.
 //!
 //! The server decides who a connection is. This module writes the nats-server `accounts` block
 //! that says so (`kedge nats-config` is its command-line face; docs/SECURITY.md the threat model):
 //!
 //! - **`KEDGE`**, the account that owns the streams and buckets. One user per service kind
-//!   ([`Kind`]) holding only what that service does (`nats/secure/permissions.json`: only step and
-//!   intake may publish decisions, and intake only `run.created`; only tool runners subscribe to
-//!   the tool subjects; only the reconciler asks them to resolve; each kind pulls and acks only
-//!   its own durable consumers; nobody but `admin` may create, update, delete or purge a stream or
-//!   a consumer, or write agent definitions). `all` is the union of the services, for a process
-//!   that runs several (`kedge serve all`); `operator` is a person with the CLI.
+//!   ([`Kind`]) holding only what that service does ([`permissions`], built from the layout
+//!   registry; `nats/secure/permissions.json` shows them: only step and intake may publish
+//!   decisions, and intake only `run.created`; only tool runners subscribe to the tool subjects;
+//!   only the reconciler asks them to resolve; each kind pulls and acks only its own durable
+//!   consumers; nobody but `admin` may create, update, delete or purge a stream or a consumer,
+//!   or write agent definitions). `all` is the union of the services, for a process that runs
+//!   several (`kedge serve all`); `operator` is a person with the CLI.
 //! - **One account per tenant** (`TENANT_<name>`), with no JetStream of its own. It imports four
 //!   services of the `KEDGE` account, each exported to that account alone, and the import maps the
 //!   tenant's subjects into `kedge.t.<tenant>.…`, where the tenant gateway answers:
@@ -31,16 +33,17 @@
 //! Rendering is pure ([`render`]): the caller supplies each service user's identity (an nkey's
 //! public key or a password) and the tenants; no secret is generated here.
 
+pub mod permissions;
+
 use std::collections::BTreeMap;
 use std::fmt;
 
 use kedge_core::ids::TenantId;
-use kedge_core::subjects::{self, Durable};
+use kedge_core::subjects;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-/// The permissions of Kedge's users, as data (`nats/secure/permissions.json`).
-pub const PERMISSIONS: &str = include_str!("../../../nats/secure/permissions.json");
+pub use permissions::kind_permissions;
 
 /// The account that owns Kedge's streams and buckets.
 pub const KEDGE_ACCOUNT: &str = "KEDGE";
@@ -212,13 +215,11 @@ pub struct Spec {
     pub tenants: Vec<TenantSpec>,
 }
 
-/// A spec or permissions file that cannot be rendered.
+/// A spec that cannot be rendered.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SecureError {
     #[error("tenants spec: {0}")]
     Spec(String),
-    #[error("nats/secure/permissions.json: {0}")]
-    Permissions(String),
 }
 
 fn token_ok(s: &str) -> bool {
@@ -300,131 +301,6 @@ impl Spec {
     }
 }
 
-/// The permissions file, parsed.
-#[derive(Debug, Deserialize)]
-struct Permissions {
-    common: Rules,
-    deny_all_services: Rules,
-    kinds: BTreeMap<String, KindRules>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct Rules {
-    #[serde(default)]
-    publish: Vec<String>,
-    #[serde(default)]
-    subscribe: Vec<String>,
-}
-
-#[derive(Debug, Deserialize)]
-struct KindRules {
-    #[serde(default)]
-    durables: Vec<String>,
-    #[serde(default)]
-    publish: Vec<String>,
-    #[serde(default)]
-    subscribe: Vec<String>,
-    #[serde(default)]
-    allow_responses: Option<Value>,
-    /// Entries of `deny_all_services` not denied to this kind (its `publish` says what it may).
-    #[serde(default)]
-    lift: Vec<String>,
-}
-
-fn permissions() -> Result<Permissions, SecureError> {
-    serde_json::from_str(PERMISSIONS).map_err(|e| SecureError::Permissions(e.to_string()))
-}
-
-/// The layout's durable consumer a permissions entry `STREAM/name` names.
-fn durable_of(entry: &str) -> Result<Durable, SecureError> {
-    entry
-        .split_once('/')
-        .and_then(|(stream, name)| Durable::named(name).filter(|d| d.stream() == stream))
-        .ok_or_else(|| {
-            SecureError::Permissions(format!(
-                "durable `{entry}` is not STREAM/NAME of a durable consumer of the layout"
-            ))
-        })
-}
-
-/// The subjects a kind needs to use its durable consumer `STREAM/name`.
-fn durable_subjects(entry: &str) -> Result<Vec<String>, SecureError> {
-    let d = durable_of(entry)?;
-    Ok(subjects::js_durable_use(d.stream(), d.name()).to_vec())
-}
-
-/// The `permissions` object of a kind's user (`None` for admin: everything).
-pub fn kind_permissions(kind: Kind) -> Result<Option<Value>, SecureError> {
-    if kind == Kind::Admin {
-        return Ok(None);
-    }
-    let perms = permissions()?;
-    let members: Vec<Kind> = match kind {
-        Kind::All => Kind::SERVICES.to_vec(),
-        k => vec![k],
-    };
-    let mut publish: Vec<String> = perms.common.publish.clone();
-    let mut subscribe: Vec<String> = perms.common.subscribe.clone();
-    let mut own_durables = Vec::new();
-    let mut responses: Option<Value> = None;
-    let mut lifted: Vec<String> = Vec::new();
-    for k in &members {
-        let rules = perms.kinds.get(k.as_str()).ok_or_else(|| {
-            SecureError::Permissions(format!("no entry for kind `{}`", k.as_str()))
-        })?;
-        publish.extend(rules.publish.iter().cloned());
-        subscribe.extend(rules.subscribe.iter().cloned());
-        lifted.extend(rules.lift.iter().cloned());
-        for d in &rules.durables {
-            publish.extend(durable_subjects(d)?);
-            own_durables.push(d.clone());
-        }
-        if let Some(r) = &rules.allow_responses {
-            // The widest one wins (a map with `max` is wider than `true`).
-            responses = match (&responses, r) {
-                (Some(Value::Object(_)), _) => responses,
-                _ => Some(r.clone()),
-            };
-        }
-    }
-    // Other kinds' durables: never created, changed or pulled by this kind, even where a
-    // wildcard (ordered consumers on KEDGE_RUNS) would allow it.
-    let mut deny: Vec<String> = perms
-        .deny_all_services
-        .publish
-        .iter()
-        .filter(|d| !lifted.contains(d))
-        .cloned()
-        .collect();
-    for rules in perms.kinds.values() {
-        for d in &rules.durables {
-            // No kind deletes a durable consumer (only admin), not even its own.
-            let durable = durable_of(d)?;
-            deny.push(subjects::js_durable_delete(
-                durable.stream(),
-                durable.name(),
-            ));
-            if own_durables.contains(d) {
-                continue;
-            }
-            deny.extend(durable_subjects(d)?);
-        }
-    }
-    let dedup = |mut v: Vec<String>| {
-        v.sort();
-        v.dedup();
-        v
-    };
-    let mut p = json!({
-        "publish": {"allow": dedup(publish), "deny": dedup(deny)},
-        "subscribe": {"allow": dedup(subscribe), "deny": dedup(perms.deny_all_services.subscribe)},
-    });
-    if let Some(r) = responses {
-        p["allow_responses"] = r;
-    }
-    Ok(Some(p))
-}
-
 fn user_entry(identity: &Identity, permissions: Option<Value>) -> Value {
     let mut u = match identity {
         Identity::Nkey(k) => json!({ "nkey": k }),
@@ -444,7 +320,7 @@ fn tenant_user(spec: &UserSpec, approver: bool) -> Value {
     }
     let permissions = json!({
         "publish": {"allow": publish},
-        "subscribe": {"allow": ["_INBOX.>"]},
+        "subscribe": {"allow": [subjects::INBOXES]},
     });
     let identity = match (&spec.nkey, &spec.password) {
         (Some(k), _) => Identity::Nkey(k.clone()),
@@ -462,7 +338,7 @@ pub fn render(spec: &Spec, services: &BTreeMap<Kind, Identity>) -> Result<String
     spec.check()?;
     let mut kedge_users = Vec::new();
     for (kind, identity) in services {
-        kedge_users.push(user_entry(identity, kind_permissions(*kind)?));
+        kedge_users.push(user_entry(identity, kind_permissions(*kind)));
     }
     let mut exports = Vec::new();
     let mut accounts = serde_json::Map::new();
@@ -535,174 +411,6 @@ mod tests {
                 approvers: vec![user("alice")],
             }],
         }
-    }
-
-    fn allowed(kind: Kind, dir: &str) -> Vec<String> {
-        let p = kind_permissions(kind).expect("renders").expect("not admin");
-        serde_json::from_value(p[dir]["allow"].clone()).expect("list")
-    }
-
-    fn denied(kind: Kind) -> Vec<String> {
-        let p = kind_permissions(kind).expect("renders").expect("not admin");
-        serde_json::from_value(p["publish"]["deny"].clone()).expect("list")
-    }
-
-    #[test]
-    fn only_step_and_intake_write_decisions_and_intake_only_run_created() {
-        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
-            let publish = allowed(kind, "publish");
-            let decides = publish.iter().any(|s| s == "agent.run.*.d.>");
-            assert_eq!(
-                decides,
-                matches!(kind, Kind::Step | Kind::All),
-                "{kind}: {publish:?}"
-            );
-            let creates = publish.iter().any(|s| s == "agent.run.*.d.run.created");
-            assert_eq!(creates, matches!(kind, Kind::Intake | Kind::All), "{kind}");
-            assert!(
-                !publish
-                    .iter()
-                    .any(|s| s == ">" || s == "agent.>" || s == "agent.run.>"),
-                "{kind}"
-            );
-        }
-    }
-
-    #[test]
-    fn each_kind_appends_only_the_inputs_it_makes() {
-        let may = |kind: Kind, subject: &str| {
-            allowed(kind, "publish")
-                .iter()
-                .any(|s| s == subject || s == "agent.run.*.i.>")
-        };
-        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
-            assert_eq!(
-                may(kind, "agent.run.*.i.approval.decided"),
-                matches!(
-                    kind,
-                    Kind::Approval | Kind::Bridge | Kind::Gateway | Kind::Operator | Kind::All
-                ),
-                "{kind}"
-            );
-            // The step gives a parent its child run's result (and a refused run_agent call its
-            // refusal): it writes any decision of any run already, so this adds no power.
-            assert_eq!(
-                may(kind, "agent.run.*.i.tool.result"),
-                matches!(kind, Kind::Tool | Kind::Step | Kind::Operator | Kind::All),
-                "{kind}"
-            );
-        }
-        // Of inputs, the step appends only these three: a child's result, the cancel a
-        // cancelling parent sends its children, and the fleet's release of a run waiting on
-        // its model provider.
-        let step_inputs: Vec<String> = allowed(Kind::Step, "publish")
-            .into_iter()
-            .filter(|s| s.contains(".i."))
-            .collect();
-        assert_eq!(
-            step_inputs,
-            vec![
-                "agent.run.*.i.cancel.requested".to_owned(),
-                "agent.run.*.i.provider.released".to_owned(),
-                "agent.run.*.i.tool.result".to_owned()
-            ]
-        );
-        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
-            assert_eq!(
-                may(kind, "agent.run.*.i.provider.released"),
-                matches!(kind, Kind::Step | Kind::Operator | Kind::All),
-                "{kind}"
-            );
-        }
-    }
-
-    #[test]
-    fn only_tool_runners_hear_tool_requests_and_only_the_reconciler_asks_to_resolve() {
-        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
-            let subscribe = allowed(kind, "subscribe");
-            let hears = subscribe.iter().any(|s| s.starts_with("kedge.tool."));
-            assert_eq!(hears, matches!(kind, Kind::Tool | Kind::All), "{kind}");
-            let publish = allowed(kind, "publish");
-            let resolves = publish.iter().any(|s| s == "kedge.tool.resolve");
-            assert_eq!(
-                resolves,
-                matches!(kind, Kind::Reconciler | Kind::All),
-                "{kind}"
-            );
-        }
-    }
-
-    #[test]
-    fn only_retention_purges_and_only_the_streams_a_finished_run_has_data_in() {
-        let publish = allowed(Kind::Retention, "publish");
-        let purges: Vec<&String> = publish
-            .iter()
-            .filter(|s| s.starts_with("$JS.API.STREAM.PURGE."))
-            .collect();
-        assert_eq!(purges.len(), 7, "{purges:?}");
-        assert!(purges.iter().all(|s| !s.contains('>') && !s.contains('*')));
-        assert!(
-            !purges
-                .iter()
-                .any(|s| s.ends_with("KEDGE_TASKS") || s.ends_with("KV_kedge_agents"))
-        );
-        let deny = denied(Kind::Retention);
-        assert!(!deny.iter().any(|d| d == "$JS.API.STREAM.PURGE.>"));
-        for must in [
-            "$JS.API.STREAM.DELETE.>",
-            "$JS.API.STREAM.UPDATE.>",
-            "$JS.API.STREAM.MSG.DELETE.>",
-            "$KV.kedge_agents.>",
-        ] {
-            assert!(deny.iter().any(|d| d == must), "retention may {must}");
-        }
-        // Nothing that writes a run: no decisions, no inputs, no task.
-        assert!(
-            !publish
-                .iter()
-                .any(|s| s.starts_with("agent.") || s.starts_with("kedge.tool"))
-        );
-        assert!(
-            !Kind::SERVICES.contains(&Kind::Retention),
-            "not part of all"
-        );
-    }
-
-    #[test]
-    fn nobody_but_admin_deletes_purges_or_changes_agents_or_others_consumers() {
-        for kind in Kind::EVERY
-            .iter()
-            .copied()
-            .filter(|k| !matches!(k, Kind::Admin | Kind::Retention))
-        {
-            let deny = denied(kind);
-            for must in [
-                "$JS.API.STREAM.DELETE.>",
-                "$JS.API.STREAM.PURGE.>",
-                "$JS.API.STREAM.CREATE.>",
-                "$JS.API.STREAM.UPDATE.>",
-                "$JS.API.CONSUMER.DELETE.KEDGE_RUNS.step",
-                "$JS.API.CONSUMER.DELETE.KEDGE_TASKS.intake",
-                "$KV.kedge_agents.>",
-            ] {
-                assert!(deny.iter().any(|d| d == must), "{kind} may {must}");
-            }
-        }
-        // The step user may not touch the tool runners' durable, though ordered consumers on
-        // KEDGE_RUNS are allowed to it.
-        let deny = denied(Kind::Step);
-        assert!(
-            deny.iter()
-                .any(|d| d == "$JS.API.CONSUMER.CREATE.KEDGE_RUNS.tool.>")
-        );
-        assert!(deny.iter().any(|d| d == "$JS.ACK.KEDGE_RUNS.tool.>"));
-        assert!(!deny.iter().any(|d| d == "$JS.ACK.KEDGE_RUNS.step.>"));
-        assert!(
-            allowed(Kind::Step, "publish")
-                .iter()
-                .any(|d| d == "$JS.ACK.KEDGE_RUNS.step.>")
-        );
-        assert_eq!(kind_permissions(Kind::Admin).expect("renders"), None);
     }
 
     #[test]
