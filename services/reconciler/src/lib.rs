@@ -316,15 +316,11 @@ async fn check(
             // Journaled once per stuck dispatch, also past the stream's duplicate window: later
             // scans find it in the journal and only ask again.
             let key = kedge_core::ids::InputId::resolve_nudge(&op.op, op.dispatches);
-            if !events
+            let journaled = events
                 .iter()
-                .any(|r| r.msg_id.as_deref() == Some(key.as_str()))
-            {
-                if !rt.journal.append_input(&key, &nudge).await?.duplicate {
-                    kedge_runtime::metrics::reconciler_nudge(
-                        kedge_runtime::metrics::Nudge::Resolve,
-                    );
-                }
+                .any(|r| r.msg_id.as_deref() == Some(key.as_str()));
+            if !journaled && !rt.journal.append_input(&key, &nudge).await?.duplicate {
+                kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Resolve);
             }
             // As journaled: large arguments by reference, so the request fits a message.
             let payload = rt.journal.stored_form(&request.envelope).await?;

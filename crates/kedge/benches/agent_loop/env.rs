@@ -259,7 +259,7 @@ fn spawn_services(
             let result = match svc {
                 "intake" => kedge_intake::run(rt, stop).await,
                 "step" => kedge_step::run(rt, stop).await,
-                "projector" => kedge_bridge::projection::run_projector(rt, stop).await,
+                "projector" => kedge_projector::run(rt, stop).await,
                 _ => kedge_tool::run(rt, stop).await,
             };
             if let Err(e) = result {

@@ -28,8 +28,11 @@ pub async fn decisions(rt: &Runtime, s: &Sample, iters: usize, out: &mut Vec<OpC
         rt.journal
             .append_decisions(
                 &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
-                0,
-                &[with_run(&s.created, drun)],
+                kedge_core::ids::DecisionSeq::at(0),
+                &[
+                    kedge_core::DecisionEnvelope::try_from(with_run(&s.created, drun))
+                        .expect("a decision"),
+                ],
             )
             .await
             .expect("run.created")
@@ -46,8 +49,8 @@ pub async fn decisions(rt: &Runtime, s: &Sample, iters: usize, out: &mut Vec<OpC
                     .journal
                     .append_decisions(
                         &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
-                        expected,
-                        &[e],
+                        kedge_core::ids::DecisionSeq::at(expected),
+                        &[kedge_core::DecisionEnvelope::try_from(e).expect("a decision")],
                     )
                     .await
                     .expect("append 1");
@@ -60,14 +63,20 @@ pub async fn decisions(rt: &Runtime, s: &Sample, iters: usize, out: &mut Vec<OpC
         name: "append_decisions, 3 events (atomic batch)",
         stats: time_op(iters, |_| {
             let last = last.clone();
-            let es: Vec<Envelope> = s.group.iter().map(|e| with_run(e, drun)).collect();
+            let es: Vec<kedge_core::DecisionEnvelope> = s
+                .group
+                .iter()
+                .map(|e| {
+                    kedge_core::DecisionEnvelope::try_from(with_run(e, drun)).expect("a decision")
+                })
+                .collect();
             async move {
                 let expected = *last.lock().unwrap();
                 let a = rt
                     .journal
                     .append_decisions(
                         &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
-                        expected,
+                        kedge_core::ids::DecisionSeq::at(expected),
                         &es,
                     )
                     .await
@@ -83,7 +92,10 @@ pub async fn decisions(rt: &Runtime, s: &Sample, iters: usize, out: &mut Vec<OpC
             let e = with_run(&s.tool_result, drun);
             async move {
                 rt.journal
-                    .append_input(&e, &format!("bench:{i}:{}", uuid_like()))
+                    .append_input(
+                        &kedge_core::ids::InputId::arbitrary(format!("bench:{i}:{}", uuid_like())),
+                        &kedge_core::InputEnvelope::try_from(e).expect("an input"),
+                    )
                     .await
                     .expect("input");
             }
@@ -110,7 +122,13 @@ pub async fn alternatives(
         name: "alt: 3 decisions as 3 chained single appends",
         stats: time_op(iters, |_| {
             let last = last.clone();
-            let es: Vec<Envelope> = s.group.iter().map(|e| with_run(e, drun)).collect();
+            let es: Vec<kedge_core::DecisionEnvelope> = s
+                .group
+                .iter()
+                .map(|e| {
+                    kedge_core::DecisionEnvelope::try_from(with_run(e, drun)).expect("a decision")
+                })
+                .collect();
             async move {
                 for e in es {
                     let expected = *last.lock().unwrap();
@@ -118,7 +136,7 @@ pub async fn alternatives(
                         .journal
                         .append_decisions(
                             &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
-                            expected,
+                            kedge_core::ids::DecisionSeq::at(expected),
                             &[e],
                         )
                         .await
@@ -153,8 +171,8 @@ pub async fn alternatives(
                     .journal
                     .append_decisions(
                         &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
-                        expected,
-                        &[e],
+                        kedge_core::ids::DecisionSeq::at(expected),
+                        &[kedge_core::DecisionEnvelope::try_from(e).expect("a decision")],
                     )
                     .await
                     .expect("append big");
@@ -182,7 +200,13 @@ pub async fn contended(
     let background = {
         let rt = rt.clone();
         let stop = stop.clone();
-        let es: Vec<Envelope> = s.group.iter().map(|e| with_run(e, &brun)).collect();
+        let es: Vec<kedge_core::DecisionEnvelope> = s
+            .group
+            .iter()
+            .map(|e| {
+                kedge_core::DecisionEnvelope::try_from(with_run(e, &brun)).expect("a decision")
+            })
+            .collect();
         let first = with_run(&s.step_started, &brun);
         let brun = brun.clone();
         tokio::spawn(async move {
@@ -190,20 +214,26 @@ pub async fn contended(
                 .journal
                 .append_decisions(
                     &kedge_journal::DecisionWriter::unfenced(&brun, "w-bg"),
-                    0,
-                    &[first],
+                    kedge_core::ids::DecisionSeq::at(0),
+                    &[kedge_core::DecisionEnvelope::try_from(first).expect("a decision")],
                 )
                 .await
                 .expect("bg first")
                 .last_seq;
             let mut n = 0usize;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let es: Vec<Envelope> = es.iter().map(|e| with_run(e, &brun)).collect();
+                let es: Vec<kedge_core::DecisionEnvelope> = es
+                    .iter()
+                    .map(|e| {
+                        kedge_core::DecisionEnvelope::try_from(with_run(e, &brun))
+                            .expect("a decision")
+                    })
+                    .collect();
                 last = rt
                     .journal
                     .append_decisions(
                         &kedge_journal::DecisionWriter::unfenced(&brun, "w-bg"),
-                        last,
+                        kedge_core::ids::DecisionSeq::at(last),
                         &es,
                     )
                     .await
@@ -225,8 +255,8 @@ pub async fn contended(
                     .journal
                     .append_decisions(
                         &kedge_journal::DecisionWriter::unfenced(drun, "w-bench"),
-                        expected,
-                        &[e],
+                        kedge_core::ids::DecisionSeq::at(expected),
+                        &[kedge_core::DecisionEnvelope::try_from(e).expect("a decision")],
                     )
                     .await
                     .expect("append 1 (contended)");
@@ -241,7 +271,13 @@ pub async fn contended(
             let e = with_run(&s.tool_result, drun);
             async move {
                 rt.journal
-                    .append_input(&e, &format!("bench-hol:{i}:{}", uuid_like()))
+                    .append_input(
+                        &kedge_core::ids::InputId::arbitrary(format!(
+                            "bench-hol:{i}:{}",
+                            uuid_like()
+                        )),
+                        &kedge_core::InputEnvelope::try_from(e).expect("an input"),
+                    )
                     .await
                     .expect("input (contended)");
             }
@@ -288,21 +324,30 @@ pub async fn writers(rt: &Runtime, s: &Sample, out: &mut Vec<OpCost>) {
                     .journal
                     .append_decisions(
                         &kedge_journal::DecisionWriter::unfenced(&run, &writer),
-                        0,
-                        &[with_run(&first, &run)],
+                        kedge_core::ids::DecisionSeq::at(0),
+                        &[
+                            kedge_core::DecisionEnvelope::try_from(with_run(&first, &run))
+                                .expect("a decision"),
+                        ],
                     )
                     .await
                     .expect("first")
                     .last_seq;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let t = Instant::now();
-                    let es: Vec<Envelope> = group.iter().map(|e| with_run(e, &run)).collect();
+                    let es: Vec<kedge_core::DecisionEnvelope> = group
+                        .iter()
+                        .map(|e| {
+                            kedge_core::DecisionEnvelope::try_from(with_run(e, &run))
+                                .expect("a decision")
+                        })
+                        .collect();
                     if batch {
                         last = rt
                             .journal
                             .append_decisions(
                                 &kedge_journal::DecisionWriter::unfenced(&run, &writer),
-                                last,
+                                kedge_core::ids::DecisionSeq::at(last),
                                 &es,
                             )
                             .await
@@ -314,7 +359,7 @@ pub async fn writers(rt: &Runtime, s: &Sample, out: &mut Vec<OpCost>) {
                                 .journal
                                 .append_decisions(
                                     &kedge_journal::DecisionWriter::unfenced(&run, &writer),
-                                    last,
+                                    kedge_core::ids::DecisionSeq::at(last),
                                     &[e],
                                 )
                                 .await

@@ -55,7 +55,13 @@ async fn copy_run(rt: &Runtime, src: &[Recorded], n: usize) -> RunId {
         if e.event_type().kind() == kedge_core::EventKind::Decision {
             headers.insert(
                 "Nats-Msg-Id",
-                kedge_journal::journal::decision_msg_id(&run, 0, i, "bench-copy").as_str(),
+                kedge_journal::journal::decision_msg_id(
+                    &run,
+                    kedge_core::ids::DecisionSeq::at(0),
+                    i,
+                    "bench-copy",
+                )
+                .as_str(),
             );
         }
         rt.js
@@ -453,7 +459,10 @@ async fn wake(rt: &Runtime, s: &Sample, iters: usize, out: &mut Vec<OpCost>) {
             let msgs_ref = msgs_ref.clone();
             async move {
                 rt.journal
-                    .append_input(&e, &format!("wake:{i}:{}", uuid_like()))
+                    .append_input(
+                        &kedge_core::ids::InputId::arbitrary(format!("wake:{i}:{}", uuid_like())),
+                        &kedge_core::InputEnvelope::try_from(e).expect("an input"),
+                    )
                     .await
                     .expect("input");
                 let mut g = msgs_ref.lock().await;
