@@ -41,7 +41,8 @@ use async_nats::Client;
 use bytes::Bytes;
 use kedge_core::subjects::{
     AGENTS_STREAM, BLOBS_STREAM, IDEMPOTENCY_STREAM, LEASES_STREAM, PROVIDERS_STREAM,
-    REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, TASKS_STREAM, TIMERS_STREAM,
+    REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_STREAM, TASKS_STREAM,
+    TIMERS_STREAM,
 };
 use serde_json::Value;
 
@@ -91,6 +92,10 @@ pub const LAYOUT: &[(&str, &str)] = &[
     (
         AGENTS_STREAM,
         include_str!("../../../nats/kv/kedge_agents.json"),
+    ),
+    (
+        SECRETS_STREAM,
+        include_str!("../../../nats/kv/kedge_secrets.json"),
     ),
     (
         BLOBS_STREAM,

@@ -345,12 +345,15 @@ async fn a_tenant_runs_an_agent_end_to_end_over_nats_alone() {
 async fn a_follow_sent_before_intake_made_the_run_waits_for_it() {
     let Some(h) = harness().await else { return };
     let acme = Tenant::connect(&h, TENANTS[0].1).await;
-    let run = RunId::generate().to_string();
+    // The tenant chooses a run id and knows the run it makes (the id within its tenant).
+    let chosen = RunId::generate();
+    let run =
+        kedge_runtime::run_ids::chosen(&TENANTS[0].0.parse().expect("tenant"), &chosen).to_string();
     let ((live, why), ack) = tokio::join!(acme.follow(&run, 0, acme.answering(&run)), async {
         // The follow goes out first.
         tokio::time::sleep(Duration::from_millis(300)).await;
         acme.submit_task(
-            json!({"agent": "asker", "input": "go", "run_id": run}),
+            json!({"agent": "asker", "input": "go", "run_id": chosen}),
             "acme-early-1",
         )
         .await
