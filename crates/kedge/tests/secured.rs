@@ -403,6 +403,7 @@ async fn a_tenant_is_refused_everything_else_and_cannot_see_other_tenants() {
         format!("$JS.API.CONSUMER.CREATE.KEDGE_RUNS.spy.agent.run.{theirs}.>"),
         "$JS.API.DIRECT.GET.KV_kedge_runs".to_owned(),
         "$JS.API.DIRECT.GET.KV_kedge_agents.$KV.kedge_agents.asker".to_owned(),
+        format!("$JS.API.STREAM.MSG.GET.{SECRETS_STREAM}"),
     ] {
         acme.assert_refused(&subject, r#"{"seq": 1}"#).await;
     }
@@ -531,7 +532,12 @@ async fn a_tenant_cannot_take_or_probe_another_tenants_run_ids() {
     let keyless = {
         let reply = acme
             .client
-            .request("agent.task.asker", json!({"agent": "asker", "input": "keyless"}).to_string().into())
+            .request(
+                "agent.task.asker",
+                json!({"agent": "asker", "input": "keyless"})
+                    .to_string()
+                    .into(),
+            )
             .await
             .expect("the task is acknowledged");
         serde_json::from_slice::<Value>(&reply.payload).expect("a PubAck")
@@ -598,8 +604,14 @@ async fn each_kind_of_service_user_is_refused_what_is_not_its_job() {
         (Kind::All, "$JS.API.STREAM.PURGE.KEDGE_RUNS".to_owned()),
         (Kind::All, "$KV.kedge_agents.asker".to_owned()),
         // The run-id key: only the kinds that derive run ids may read it.
-        (Kind::Step, format!("$JS.API.STREAM.MSG.GET.{SECRETS_STREAM}")),
-        (Kind::Tool, format!("$JS.API.STREAM.MSG.GET.{SECRETS_STREAM}")),
+        (
+            Kind::Step,
+            format!("$JS.API.STREAM.MSG.GET.{SECRETS_STREAM}"),
+        ),
+        (
+            Kind::Tool,
+            format!("$JS.API.STREAM.MSG.GET.{SECRETS_STREAM}"),
+        ),
         (
             Kind::Step,
             "$JS.API.CONSUMER.DELETE.KEDGE_RUNS.step".to_owned(),
