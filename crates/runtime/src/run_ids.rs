@@ -126,7 +126,7 @@ impl RunIdKey {
         seq: u64,
     ) -> RunId {
         match (chosen, key) {
-            (Some(id), _) => chosen(tenant, id),
+            (Some(id), _) => self::chosen(tenant, id),
             (None, Some(k)) => self.keyed(tenant, k),
             (None, None) => self.keyless(tenant, seq),
         }
