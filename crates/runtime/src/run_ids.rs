@@ -17,7 +17,7 @@
 //! Every process that derives ids ([`load`]: intake, the tenant gateway, and the bridge and CLI
 //! when the broker answers a task as a duplicate) reads it there, so they agree with no
 //! configuration; one configured with `run_id_key` checks that the broker holds the same. The
-//! bucket has no direct gets, and only those kinds may read it (`nats/secure/permissions.json`).
+//! bucket has no direct gets, and only those kinds may read it (`crate::secure::permissions`).
 
 use async_nats::jetstream;
 use kedge_core::ids::{RunId, TenantId};
