@@ -4,14 +4,15 @@
 //! the body against the task schema, resolves the agent's current definition, and freezes the
 //! run bundle into `run.created`, written with the check that the run has no decision yet.
 //!
-//! Idempotency: the client's `Nats-Msg-Id` is the key. The run id is a keyed hash, under the
-//! broker-held run-id key ([`kedge_runtime::run_ids`]), of (tenant, the client's chosen run id),
-//! else of (tenant, key), so a task redelivered after intake crashed mid-way computes the same run
-//! and its `run.created` append is refused as already present: the same key never makes two runs,
-//! also after the stream's duplicate window. A task without a Msg-Id is keyed by (tenant, its
-//! stream sequence) (safe against redelivery, not against a client publishing twice). No tenant
-//! can compute another tenant's run ids, so none can take one first (docs/SECURITY.md, "Run
-//! ids"), and "a run with id … already exists" is only ever answered to the run's own tenant.
+//! Idempotency: the client's `Nats-Msg-Id` is the key. Run ids are made within the tenant
+//! ([`kedge_runtime::run_ids`]): a task that chose no run id gets a keyed hash, under the
+//! broker-held run-id key, of (tenant, key), so a task redelivered after intake crashed mid-way
+//! computes the same run and its `run.created` append is refused as already present: the same
+//! key never makes two runs, also after the stream's duplicate window. A task without a Msg-Id is
+//! keyed by (tenant, its stream sequence) (safe against redelivery, not against a client
+//! publishing twice); a chosen run id becomes a hash of (tenant, that id). No tenant can take
+//! another tenant's run id first (docs/SECURITY.md, "Run ids"), and "a run with id … already
+//! exists" is only ever answered to the run's own tenant.
 //!
 //! A task that fails validation, or that cannot be journaled for a reason retrying will not
 //! change, is acked (never retried), recorded on `agent.rejected.<agent>` (stream
