@@ -589,7 +589,9 @@ mod tests {
                 serde_json::from_str(json).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(&cfg.name, name);
             assert!(!cfg.subjects.is_empty(), "{name}");
-            assert!(cfg.allow_direct, "{name}");
+            // Direct gets everywhere but the secrets, which only the kinds allowed may read
+            // (docs/SECURITY.md, "Run ids").
+            assert_eq!(cfg.allow_direct, *name != SECRETS_STREAM, "{name}");
             let desired = desired_config(name, json, 3).expect("valid");
             assert_eq!(desired["num_replicas"], 3);
             // A stream equal to its own file has no mismatch.
