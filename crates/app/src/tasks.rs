@@ -1,11 +1,11 @@
 //! The client side of the task protocol (what intake answers on): submitting a task over NATS
 //! with its idempotency key and reading intake's answer, and the run id a task without one gets.
-//! Used by the CLI, the bridge and tests; intake itself derives run ids with [`derive_run_id`].
+//! Used by the CLI, the bridge and tests. Intake makes run ids with [`kedge_runtime::run_ids`]; a client
+//! derives one only when the broker answers its task as a duplicate (intake then does not).
 
 use std::time::Duration;
 
 use async_nats::HeaderMap;
-use kedge_core::event::Digest;
 use kedge_core::ids::{RunId, TenantId};
 use kedge_core::task::{TaskRejection, TaskSubmission};
 
@@ -26,22 +26,6 @@ pub use kedge_core::subjects::DEFAULT_TENANT;
 pub enum Answer {
     Accepted { run_id: RunId },
     Rejected { error: TaskRejection },
-}
-
-/// The run id of a task that named none: derived from (tenant, idempotency key), or from the
-/// task's stream sequence when it has no key.
-pub fn derive_run_id(tenant: &TenantId, key: Option<&str>, seq: u64) -> RunId {
-    let basis = match key {
-        Some(k) => format!("key\u{0}{tenant}\u{0}{k}"),
-        None => format!("seq\u{0}{seq}"),
-    };
-    let digest = Digest::of_bytes(basis.as_bytes());
-    let hex = digest.as_str().trim_start_matches("sha256:");
-    // 32 hex digits are valid run-id characters.
-    match format!("run_{}", &hex[..32]).parse() {
-        Ok(id) => id,
-        Err(_) => RunId::generate(),
-    }
 }
 
 /// Why [`submit`] got no answer.
@@ -137,7 +121,8 @@ pub async fn submit_traced(
     let ack = ack.await.map_err(|e| SubmitError::Publish(e.to_string()))?;
     if ack.duplicate {
         // The stream dropped it as a repeat of an earlier task with this key, so intake will not
-        // answer. The run is the one the first task made: its id is the client's, or derived.
+        // answer. The run is the one the first task made: derived, as intake does, from the
+        // tenant and the client's run id or key (docs/SECURITY.md, "Run ids").
         return duplicate_answer(client, submission, &body, wait).await;
     }
     let msg = tokio::time::timeout(wait, answers.next())
@@ -157,16 +142,15 @@ async fn duplicate_answer(
         .ok()
         .and_then(|v| v.get("run_id").and_then(|r| r.as_str()).map(str::to_owned))
         .and_then(|r| r.parse::<RunId>().ok());
-    let run_id = match chosen {
-        Some(id) => id,
-        None => {
-            let tenant: TenantId = submission
-                .tenant
-                .parse()
-                .map_err(|e: kedge_core::ids::IdError| SubmitError::Publish(e.to_string()))?;
-            derive_run_id(&tenant, Some(submission.key), 0)
-        }
-    };
+    let tenant: TenantId = submission
+        .tenant
+        .parse()
+        .map_err(|e: kedge_core::ids::IdError| SubmitError::Publish(e.to_string()))?;
+    let js = async_nats::jetstream::new(client.clone());
+    let ids = kedge_runtime::run_ids::load(&js, None)
+        .await
+        .map_err(|e| SubmitError::Publish(e.to_string()))?;
+    let run_id = ids.run_of(&tenant, chosen.as_ref(), Some(submission.key), 0);
     let journal = kedge_journal::Journal::new(client.clone());
     let deadline = tokio::time::Instant::now() + wait;
     loop {

@@ -24,8 +24,10 @@ pub struct TaskSubmission {
     pub agent: AgentName,
     /// The user's first message.
     pub input: String,
-    /// A run id of the client's choosing (`run_` + up to 64 of `[A-Za-z0-9_-]`), so it can watch
-    /// `agent.run.<run_id>.>` at once. Intake generates one when absent.
+    /// A run id of the client's choosing (`run_` + up to 64 of `[A-Za-z0-9_-]`), scoped to the
+    /// tenant: the run is `run_` + the first 32 hex digits of SHA-256 of
+    /// `chosen\0<tenant>\0<run_id>`, which the client can compute to follow it at once.
+    /// Intake generates one when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<RunId>,
     /// Tightens the agent's default budget; a field left out keeps the default.

@@ -41,7 +41,8 @@ use async_nats::Client;
 use bytes::Bytes;
 use kedge_core::subjects::{
     AGENTS_STREAM, BLOBS_STREAM, IDEMPOTENCY_STREAM, LEASES_STREAM, PROVIDERS_STREAM,
-    REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, TASKS_STREAM, TIMERS_STREAM,
+    REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_STREAM, TASKS_STREAM,
+    TIMERS_STREAM,
 };
 use serde_json::Value;
 
@@ -91,6 +92,10 @@ pub const LAYOUT: &[(&str, &str)] = &[
     (
         AGENTS_STREAM,
         include_str!("../../../nats/kv/kedge_agents.json"),
+    ),
+    (
+        SECRETS_STREAM,
+        include_str!("../../../nats/kv/kedge_secrets.json"),
     ),
     (
         BLOBS_STREAM,
@@ -584,7 +589,9 @@ mod tests {
                 serde_json::from_str(json).unwrap_or_else(|e| panic!("{name}: {e}"));
             assert_eq!(&cfg.name, name);
             assert!(!cfg.subjects.is_empty(), "{name}");
-            assert!(cfg.allow_direct, "{name}");
+            // Direct gets everywhere but the secrets, which only the kinds allowed may read
+            // (docs/SECURITY.md, "Run ids").
+            assert_eq!(cfg.allow_direct, *name != SECRETS_STREAM, "{name}");
             let desired = desired_config(name, json, 3).expect("valid");
             assert_eq!(desired["num_replicas"], 3);
             // A stream equal to its own file has no mismatch.

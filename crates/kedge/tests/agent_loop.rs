@@ -438,14 +438,15 @@ async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm(
     h.wait_terminal(&a, WAIT).await;
 
     let tenant: kedge_core::ids::TenantId = "acme".parse().expect("valid");
+    let ids = h.rt.run_ids().await.expect("the run-id key");
     assert_eq!(
-        kedge_intake::derive_run_id(&tenant, Some("same-key"), 0),
+        ids.keyed(&tenant, "same-key"),
         a,
         "the run id is derived from (tenant, key)"
     );
     // Intake crashed after writing run.created and before acking the task: the task comes back
     // (here under a new stream message, as after the duplicate window) and finds its run.
-    let crashed = kedge_intake::derive_run_id(&tenant, Some("crashed-key"), 0);
+    let crashed = ids.keyed(&tenant, "crashed-key");
     let Event::RunCreated(mut created) = h.events(&a).await[0].envelope.event.clone() else {
         panic!("first event is run.created")
     };

@@ -171,7 +171,10 @@ async fn inputs_published_before_a_run_exists_do_not_stop_it() {
     let script = json!({"models": {"me": {"steps": [{"text": "fine"}]}}});
     let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
     h.agent("early", "me").await;
-    let run: RunId = "run_early_bird".parse().expect("valid");
+    let chosen: RunId = "run_early_bird".parse().expect("valid");
+    // The run the task will make (the chosen id within the tenant), known to whoever may
+    // publish on the journal.
+    let run = h.chosen_run(&chosen);
     publish(
         &h,
         format!("agent.run.{run}.i.user.message"),
@@ -189,7 +192,7 @@ async fn inputs_published_before_a_run_exists_do_not_stop_it() {
     let task = TaskSubmission {
         agent: "early".parse().expect("agent"),
         input: "go".into(),
-        run_id: Some(run.clone()),
+        run_id: Some(chosen),
         budget: None,
         metadata: Default::default(),
     };
@@ -212,12 +215,13 @@ async fn a_panic_in_a_drive_is_contained_and_the_run_is_retried() {
     let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
     h.agent("panicky", "mp").await;
     h.agent("calm", "mq").await;
-    let run: RunId = "run_panicky".parse().expect("valid");
+    let chosen: RunId = "run_panicky".parse().expect("valid");
+    let run = h.chosen_run(&chosen);
     kedge_runtime::failpoint::arm_panic("step.drive", run.as_str(), 2);
     let task = TaskSubmission {
         agent: "panicky".parse().expect("agent"),
         input: "go".into(),
-        run_id: Some(run.clone()),
+        run_id: Some(chosen),
         budget: None,
         metadata: Default::default(),
     };
@@ -242,9 +246,10 @@ async fn a_task_intake_cannot_journal_is_answered_as_a_rejection_not_retried() {
     let script = json!({"models": {"mr": {"steps": [{"text": "never"}]}}});
     let h = Harness::start(script, &[Svc::Intake, Svc::Step]).await;
     h.agent("taken", "mr").await;
-    // Someone put garbage on the decision subject of the run id the task asks for: the run
-    // cannot be created (its first decision must be run.created), and retrying will not help.
-    let run: RunId = "run_squatted".parse().expect("valid");
+    // Someone who may publish on the journal put garbage on the decision subject of the run the
+    // task will make: the run cannot be created (its first decision must be run.created), and retrying will not help.
+    let chosen: RunId = "run_squatted".parse().expect("valid");
+    let run = h.chosen_run(&chosen);
     publish(
         &h,
         format!("agent.run.{run}.d.run.created"),
@@ -255,15 +260,16 @@ async fn a_task_intake_cannot_journal_is_answered_as_a_rejection_not_retried() {
     let task = TaskSubmission {
         agent: "taken".parse().expect("agent"),
         input: "go".into(),
-        run_id: Some(run.clone()),
+        run_id: Some(chosen),
         budget: None,
         metadata: Default::default(),
     };
     let t = Instant::now();
     match h.submit_task(&task, "task-squatted").await {
         kedge_intake::Answer::Rejected { error } => {
-            assert_eq!(error.field, "run_id");
-            assert!(error.reason.contains("already exists"), "{}", error.reason);
+            // Not the tenant's run: refused without saying that a run is there.
+            assert_eq!(error.field, "task", "{error:?}");
+            assert!(!error.reason.contains("already exists"), "{}", error.reason);
         }
         kedge_intake::Answer::Accepted { run_id } => panic!("accepted {run_id}"),
     }

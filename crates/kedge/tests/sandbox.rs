@@ -26,19 +26,22 @@ fn shell(command: &str, args: &[&str]) -> serde_json::Value {
     call("shell", json!({"command": command, "args": args}))
 }
 
-/// Submits a task for a run id of our choosing (so its workspace can be prepared first).
-async fn submit_as(h: &Harness, agent: &str, run: &RunId) {
+/// Submits a task for a run id of our choosing (so its workspace can be prepared first, at
+/// `h.chosen_run(chosen)`); the run it made.
+async fn submit_as(h: &Harness, agent: &str, chosen: &RunId) -> RunId {
     let task = TaskSubmission {
         agent: agent.parse().expect("agent name"),
         input: "go".into(),
-        run_id: Some(run.clone()),
+        run_id: Some(chosen.clone()),
         budget: None,
         metadata: Default::default(),
     };
-    match h.submit_task(&task, run.as_str()).await {
-        kedge_intake::Answer::Accepted { run_id } => assert_eq!(&run_id, run),
+    let run = h.chosen_run(chosen);
+    match h.submit_task(&task, chosen.as_str()).await {
+        kedge_intake::Answer::Accepted { run_id } => assert_eq!(run_id, run),
         kedge_intake::Answer::Rejected { error } => panic!("rejected: {error}"),
     }
+    run
 }
 
 /// The tool results of a run, by operation index (step 1 only).
@@ -122,9 +125,10 @@ async fn allowlisted_commands_and_file_tools_reach_nothing_outside_the_workspace
     ]}}});
     let h = Harness::start(script, &[Svc::Intake, Svc::Step, Svc::Tool]).await;
     h.agent("sx", "sx").await;
-    let run: RunId = format!("run_sbx_{}", std::process::id())
+    let chosen: RunId = format!("run_sbx_{}", std::process::id())
         .parse()
         .expect("run id");
+    let run = h.chosen_run(&chosen);
     // The run's workspace, prepared: symlinks out, an input, a file big enough for sort to
     // spill to temporary files (and so run a compress program).
     let ws = h.config.workspace_root.join(run.as_str());
@@ -137,7 +141,7 @@ async fn allowlisted_commands_and_file_tools_reach_nothing_outside_the_workspace
         .collect();
     std::fs::write(ws.join("big.txt"), big).expect("big input");
 
-    submit_as(&h, "sx", &run).await;
+    submit_as(&h, "sx", &chosen).await;
     let state = h.wait_terminal(&run, WAIT).await;
     assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
     let res = results(&h, &run).await;
@@ -315,8 +319,7 @@ async fn only_an_agent_whose_policy_grants_network_reaches_the_host() {
         .await;
     let mut out = Vec::new();
     for agent in ["offline", "online"] {
-        let run = RunId::generate();
-        submit_as(&h, agent, &run).await;
+        let run = submit_as(&h, agent, &RunId::generate()).await;
         let state = h.wait_terminal(&run, WAIT).await;
         assert_eq!(state.status, RunStatus::Succeeded, "{agent}");
         let (_, content, _) = results(&h, &run).await.pop().expect("a tool result");

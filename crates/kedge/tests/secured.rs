@@ -17,6 +17,7 @@ use common::{Harness, Svc, TENANTS, secured, tenant_password};
 use futures::StreamExt;
 use kedge_core::RunStatus;
 use kedge_core::ids::RunId;
+use kedge_core::subjects::SECRETS_STREAM;
 use kedge_runtime::secure::Kind;
 use serde_json::{Value, json};
 
@@ -345,12 +346,15 @@ async fn a_tenant_runs_an_agent_end_to_end_over_nats_alone() {
 async fn a_follow_sent_before_intake_made_the_run_waits_for_it() {
     let Some(h) = harness().await else { return };
     let acme = Tenant::connect(&h, TENANTS[0].1).await;
-    let run = RunId::generate().to_string();
+    // The tenant chooses a run id and knows the run it makes (the id within its tenant).
+    let chosen = RunId::generate();
+    let run =
+        kedge_runtime::run_ids::chosen(&TENANTS[0].0.parse().expect("tenant"), &chosen).to_string();
     let ((live, why), ack) = tokio::join!(acme.follow(&run, 0, acme.answering(&run)), async {
         // The follow goes out first.
         tokio::time::sleep(Duration::from_millis(300)).await;
         acme.submit_task(
-            json!({"agent": "asker", "input": "go", "run_id": run}),
+            json!({"agent": "asker", "input": "go", "run_id": chosen}),
             "acme-early-1",
         )
         .await
@@ -399,6 +403,7 @@ async fn a_tenant_is_refused_everything_else_and_cannot_see_other_tenants() {
         format!("$JS.API.CONSUMER.CREATE.KEDGE_RUNS.spy.agent.run.{theirs}.>"),
         "$JS.API.DIRECT.GET.KV_kedge_runs".to_owned(),
         "$JS.API.DIRECT.GET.KV_kedge_agents.$KV.kedge_agents.asker".to_owned(),
+        format!("$JS.API.STREAM.MSG.GET.{SECRETS_STREAM}"),
     ] {
         acme.assert_refused(&subject, r#"{"seq": 1}"#).await;
     }
@@ -489,6 +494,87 @@ async fn two_tenants_with_the_same_key_get_a_run_each() {
     }
 }
 
+/// A run id as Kedge made it before ids were keyed (an unkeyed hash anyone could compute).
+fn unkeyed_run_id(basis: &str) -> String {
+    let d = kedge_core::event::Digest::of_bytes(basis.as_bytes());
+    format!("run_{}", &d.as_str().trim_start_matches("sha256:")[..32])
+}
+
+/// A tenant computes the run ids another tenant's next tasks would have had under the old,
+/// unkeyed scheme (docs/SECURITY.md, "Run ids") and takes them first: tasks naming those ids
+/// and one with the same key. The other tenant's tasks are accepted and run as if nothing
+/// happened, the attacker gets runs of its own, and no answer tells it anything.
+#[tokio::test]
+async fn a_tenant_cannot_take_or_probe_another_tenants_run_ids() {
+    let Some(h) = harness().await else { return };
+    let acme = Tenant::connect(&h, TENANTS[0].1).await;
+    let evil = Tenant::connect(&h, TENANTS[1].1).await;
+    let key = "order-42";
+    // acme's next keyed task (Nats-Msg-Id `acme/<key>` once the gateway forwards it).
+    let acme_keyed = unkeyed_run_id(&format!("key\u{0}acme\u{0}acme/{key}"));
+    let squat = |id: &str| json!({"agent": "asker", "input": "squat", "run_id": id});
+    let mut evil_acks = vec![
+        evil.submit_task(squat(&acme_keyed), "evil-1").await,
+        // The same key: its own run, not acme's, and not a duplicate (nothing said about acme).
+        evil.submit("asker", "same key", key).await,
+    ];
+    // acme's next keyless task: the sequence after evil's own tasks, read from its PubAck.
+    let seq = evil_acks[1]["seq"].as_u64().expect("seq in the PubAck");
+    for n in 0..3u64 {
+        let id = unkeyed_run_id(&format!("seq\u{0}{}", seq + 4 + n));
+        evil_acks.push(evil.submit_task(squat(&id), &format!("evil-seq-{n}")).await);
+    }
+    for ack in &evil_acks {
+        assert!(ack.get("error").is_none(), "{ack}");
+        assert_eq!(ack["duplicate"], false, "{ack}");
+    }
+    // Now acme: a keyless task (the next sequence) and the keyed one.
+    let keyless = {
+        let reply = acme
+            .client
+            .request(
+                "agent.task.asker",
+                json!({"agent": "asker", "input": "keyless"})
+                    .to_string()
+                    .into(),
+            )
+            .await
+            .expect("the task is acknowledged");
+        serde_json::from_slice::<Value>(&reply.payload).expect("a PubAck")
+    };
+    assert_eq!(keyless["seq"].as_u64(), Some(seq + 4), "{keyless}");
+    let keyed = acme.submit("asker", "keyed", key).await;
+    let acme_runs = [(run_id(&keyless), "keyless"), (run_id(&keyed), "keyed")];
+    let evil_runs: Vec<String> = evil_acks.iter().map(run_id).collect();
+    for (run, input) in &acme_runs {
+        assert!(!evil_runs.contains(run), "{run} is one of evil's runs");
+        // Accepted, run, answered and succeeded: acme's own run, with acme's input.
+        let (events, why) = acme.follow(run, 0, acme.answering(run)).await;
+        assert_eq!(why, "finished", "{run}: {events:?}");
+        let state = h.state(&run.parse().expect("run id")).await;
+        assert_eq!(state.status, RunStatus::Succeeded, "{run}");
+        assert_eq!(state.bundle.tenant.as_str(), TENANTS[0].0);
+        assert_eq!(state.bundle.input, *input);
+        // And evil cannot see it.
+        let view = evil.ask(&format!("kedge.runs.{run}"), json!({})).await;
+        assert_eq!(view["error"]["status"], 404, "{view}");
+    }
+    assert_ne!(run_id(&keyed), acme_keyed, "not the old, computable id");
+    // evil's tasks made runs of evil's own, none at an id it named.
+    for (ack, named) in evil_runs.iter().zip(
+        std::iter::once(acme_keyed.clone())
+            .chain(std::iter::once(String::new()))
+            .chain((0..3).map(|n| unkeyed_run_id(&format!("seq\u{0}{}", seq + 4 + n)))),
+    ) {
+        assert_ne!(ack, &named);
+        let run: RunId = ack.parse().expect("run id");
+        let state = h
+            .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingUser)
+            .await;
+        assert_eq!(state.bundle.tenant.as_str(), TENANTS[1].0);
+    }
+}
+
 #[tokio::test]
 async fn each_kind_of_service_user_is_refused_what_is_not_its_job() {
     let Some(h) = harness().await else { return };
@@ -517,6 +603,15 @@ async fn each_kind_of_service_user_is_refused_what_is_not_its_job() {
         ),
         (Kind::All, "$JS.API.STREAM.PURGE.KEDGE_RUNS".to_owned()),
         (Kind::All, "$KV.kedge_agents.asker".to_owned()),
+        // The run-id key: only the kinds that derive run ids may read it.
+        (
+            Kind::Step,
+            format!("$JS.API.STREAM.MSG.GET.{SECRETS_STREAM}"),
+        ),
+        (
+            Kind::Tool,
+            format!("$JS.API.STREAM.MSG.GET.{SECRETS_STREAM}"),
+        ),
         (
             Kind::Step,
             "$JS.API.CONSUMER.DELETE.KEDGE_RUNS.step".to_owned(),

@@ -12,6 +12,7 @@
 //! - [`consumer`]: durable pull consumers from `nats/consumers/*.json`.
 //! - [`projection`]: the read side of the `kedge_runs` projection (the run summary, get, list),
 //!   shared by the bridge that reads it and the projector that writes it.
+//! - [`run_ids`]: the keyed derivation of run ids and its key, held in the broker.
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
 //! - [`metrics`]: the Prometheus metrics every service counts (names, labels, the recorder and
 //!   the `/metrics` endpoint of `kedge serve`).
@@ -38,6 +39,7 @@ pub mod projection;
 pub mod provider;
 pub mod rejections;
 pub mod responder;
+pub mod run_ids;
 pub mod seal;
 pub mod secure;
 pub mod trace;
@@ -102,6 +104,8 @@ pub struct Runtime {
     /// This process's view of the fleet's model endpoints, opened by the first service that
     /// needs it ([`Runtime::providers`]) and shared by the others.
     providers: Arc<tokio::sync::OnceCell<provider::Providers>>,
+    /// The key run ids are derived with, read on first use ([`Runtime::run_ids`]).
+    run_ids: Arc<tokio::sync::OnceCell<run_ids::RunIdKey>>,
 }
 
 impl Runtime {
@@ -161,6 +165,15 @@ impl Runtime {
             .map_err(|e| RuntimeError::broker(format!("open {}", subjects::PROVIDERS_BUCKET), e))
     }
 
+    /// The key run ids are derived with ([`run_ids`]), read from the broker on first use (only
+    /// the kinds that derive run ids may read it) and checked against a configured one.
+    pub async fn run_ids(&self) -> Result<run_ids::RunIdKey, run_ids::RunIdKeyError> {
+        self.run_ids
+            .get_or_try_init(|| run_ids::load(&self.js, self.config.run_id_key.as_ref()))
+            .await
+            .cloned()
+    }
+
     /// Connects ([`connect_client`]: credentials, TLS, inbox prefix from `config.nats`), checks
     /// (and creates where missing) the broker layout, and opens the stores.
     pub async fn connect(config: Config) -> Result<Runtime, RuntimeError> {
@@ -199,6 +212,13 @@ impl Runtime {
         };
         tracing::debug!(?report, "broker layout verified");
         let js = jetstream::new(client.clone());
+        if create {
+            // The run-id key is created with the layout (the first process, or `kedge layout` as
+            // admin): a process that may not create it only logs, the readers fail clearly.
+            if let Err(e) = run_ids::ensure(&js, config.run_id_key.as_ref()).await {
+                tracing::warn!(error = %e, "cannot ensure the run-id key");
+            }
+        }
         let kv = |bucket: &'static str| {
             let js = js.clone();
             async move {
@@ -234,6 +254,7 @@ impl Runtime {
             config: Arc::new(config),
             liveness: Arc::default(),
             providers: Arc::default(),
+            run_ids: Arc::default(),
         })
     }
 }

@@ -281,6 +281,19 @@ async fn task(
             format!("{tenant}/{u}").as_str(),
         );
     }
+    // The run id the task will have, made as intake makes it (docs/SECURITY.md, "Run ids").
+    let ids = match rt.run_ids().await {
+        Ok(ids) => ids,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot derive run ids");
+            return reply(
+                rt,
+                msg,
+                &refuse(503, "the task was not stored: try again".into()),
+            )
+            .await;
+        }
+    };
     let subject = subjects::task_for(agent, tenant);
     let ack = match rt
         .js
@@ -292,9 +305,12 @@ async fn task(
     };
     let answer = match ack {
         Ok(ack) => {
-            let run_id = task.run_id.clone().unwrap_or_else(|| {
-                kedge_app::tasks::derive_run_id(tenant, msg_id.as_deref(), ack.sequence)
-            });
+            let run_id = ids.run_of(
+                tenant,
+                task.run_id.as_ref(),
+                msg_id.as_deref(),
+                ack.sequence,
+            );
             tracing::info!(run_id = %run_id, seq = ack.sequence, duplicate = ack.duplicate, "task forwarded");
             json!({
                 "stream": ack.stream,

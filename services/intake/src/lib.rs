@@ -4,11 +4,15 @@
 //! the body against the task schema, resolves the agent's current definition, and freezes the
 //! run bundle into `run.created`, written with the check that the run has no decision yet.
 //!
-//! Idempotency: the client's `Nats-Msg-Id` is the key. When the client chose no run id, the run id
-//! is derived from (tenant, key), so a task redelivered after intake crashed mid-way computes the
-//! same run and its `run.created` append is refused as already present: the same key never makes
-//! two runs, also after the stream's duplicate window. A task without a Msg-Id is keyed by its
-//! stream sequence (safe against redelivery, not against a client publishing twice).
+//! Idempotency: the client's `Nats-Msg-Id` is the key. Run ids are made within the tenant
+//! ([`kedge_runtime::run_ids`]): a task that chose no run id gets a keyed hash, under the
+//! broker-held run-id key, of (tenant, key), so a task redelivered after intake crashed mid-way
+//! computes the same run and its `run.created` append is refused as already present: the same
+//! key never makes two runs, also after the stream's duplicate window. A task without a Msg-Id is
+//! keyed by (tenant, its stream sequence) (safe against redelivery, not against a client
+//! publishing twice); a chosen run id becomes a hash of (tenant, that id). No tenant can take
+//! another tenant's run id first (docs/SECURITY.md, "Run ids"), and "a run with id … already
+//! exists" is only ever answered to the run's own tenant.
 //!
 //! A task that fails validation, or that cannot be journaled for a reason retrying will not
 //! change, is acked (never retried), recorded on `agent.rejected.<agent>` (stream
@@ -58,8 +62,8 @@ use kedge_runtime::{Runtime, RuntimeError, consumer, trace};
 use tracing::Instrument;
 
 pub use kedge_app::tasks::{
-    Answer, CALLER_HEADER, DEFAULT_TENANT, REPLY_HEADER, Submission, SubmitError, derive_run_id,
-    submit, submit_raw,
+    Answer, CALLER_HEADER, DEFAULT_TENANT, REPLY_HEADER, Submission, SubmitError, submit,
+    submit_raw,
 };
 
 /// The durable consumer's name.
@@ -292,10 +296,12 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
             ),
         )));
     }
-    let run_id = match &task.run_id {
-        Some(id) => id.clone(),
-        None => derive_run_id(&tenant, key.as_deref(), seq),
-    };
+    // Within the tenant, under the server's key: no tenant can name another's run.
+    let ids = rt
+        .run_ids()
+        .await
+        .map_err(|e| Refusal::Retry(e.to_string()))?;
+    let run_id = ids.run_of(&tenant, task.run_id.as_ref(), key.as_deref(), seq);
     let mut created = RunCreated {
         agent: task.agent.clone(),
         agent_revision: revision,
@@ -344,9 +350,16 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
                 {
                     Ok(run_id)
                 }
+                // Only the run's own tenant learns that it exists (its chosen run id used again
+                // with another key); ids are scoped per tenant, so another tenant's run is here
+                // only by a hash collision, or a run's inputs were published before it: refused
+                // without a word about it.
+                Some(Event::RunCreated(c)) if c.tenant == tenant => Err(Refusal::Reject(
+                    TaskRejection::new("run_id", format!("a run with id {run_id} already exists")),
+                )),
                 _ => Err(Refusal::Reject(TaskRejection::new(
-                    "run_id",
-                    format!("a run with id {run_id} already exists"),
+                    "task",
+                    "the run could not be created; submit the task again with another key or run id",
                 ))),
             }
         }
@@ -511,25 +524,5 @@ mod tests {
         ] {
             assert!(!is_inbox(bad, &config), "{bad}");
         }
-    }
-
-    #[test]
-    fn derived_run_ids_are_stable_and_distinct() {
-        use kedge_core::ids::TenantId;
-        let t: TenantId = "acme".parse().expect("valid");
-        let u: TenantId = "other".parse().expect("valid");
-        assert_eq!(
-            derive_run_id(&t, Some("k1"), 1),
-            derive_run_id(&t, Some("k1"), 9)
-        );
-        assert_ne!(
-            derive_run_id(&t, Some("k1"), 1),
-            derive_run_id(&t, Some("k2"), 1)
-        );
-        assert_ne!(
-            derive_run_id(&t, Some("k1"), 1),
-            derive_run_id(&u, Some("k1"), 1)
-        );
-        assert_ne!(derive_run_id(&t, None, 1), derive_run_id(&t, None, 2));
     }
 }

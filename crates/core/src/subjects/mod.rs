@@ -49,6 +49,16 @@ bucket!(
     "KV_"
 );
 bucket!(
+    /// Server-held secrets (no direct gets: read only by the kinds whose permissions allow it).
+    SECRETS_BUCKET,
+    SECRETS_STREAM,
+    "kedge_secrets",
+    "KV_"
+);
+/// The key of [`SECRETS_BUCKET`] holding the key run ids are derived with (docs/SECURITY.md,
+/// "Run ids").
+pub const RUN_ID_KEY_ENTRY: &str = "run-ids";
+bucket!(
     /// The object store of what journal messages and records hold by reference.
     BLOBS_BUCKET,
     BLOBS_STREAM,

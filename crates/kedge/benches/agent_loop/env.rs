@@ -175,10 +175,11 @@ impl Env {
 
     /// Submits one run (the client picks its id) and waits for its terminal event.
     pub async fn run_one(&self, key: String) -> RunTiming {
-        let run = RunId::generate();
+        let chosen = RunId::generate();
+        let run = kedge_runtime::run_ids::chosen(&"bench".parse().expect("tenant"), &chosen);
         let rx = self.terminals.register(&run);
         let t0 = Instant::now();
-        self.submit(&run, &key).await;
+        self.submit(&chosen, &run, &key).await;
         let answered = Instant::now();
         let (at, ty) = tokio::time::timeout(RUN_TIMEOUT, rx)
             .await
@@ -192,11 +193,12 @@ impl Env {
         }
     }
 
-    pub async fn submit(&self, run: &RunId, key: &str) {
+    /// Submits a task choosing run id `chosen`, which makes run `run` (the id within the tenant).
+    pub async fn submit(&self, chosen: &RunId, run: &RunId, key: &str) {
         let task = TaskSubmission {
             agent: AGENT.parse().expect("agent name"),
             input: "go".into(),
-            run_id: Some(run.clone()),
+            run_id: Some(chosen.clone()),
             budget: None,
             metadata: Default::default(),
         };

@@ -74,16 +74,25 @@ pub async fn conc_round(
     all_runs: &mut Vec<RunId>,
 ) -> ConcRound {
     let pid = env.server_pids();
-    let runs: Vec<RunId> = (0..n).map(|_| RunId::generate()).collect();
+    let chosen: Vec<RunId> = (0..n).map(|_| RunId::generate()).collect();
+    let tenant = "bench".parse().expect("tenant");
+    let runs: Vec<RunId> = chosen
+        .iter()
+        .map(|c| kedge_runtime::run_ids::chosen(&tenant, c))
+        .collect();
     let rxs: Vec<_> = runs.iter().map(|r| env.terminals.register(r)).collect();
     let cpu0 = cpu_mark(&pid);
     let t0 = Instant::now();
     let env_ref = &*env;
-    let submits = runs.iter().enumerate().map(|(i, r)| async move {
-        let s = Instant::now();
-        env_ref.submit(r, &format!("{key}-{n}-{i}")).await;
-        ms(s.elapsed())
-    });
+    let submits = chosen
+        .iter()
+        .zip(&runs)
+        .enumerate()
+        .map(|(i, (c, r))| async move {
+            let s = Instant::now();
+            env_ref.submit(c, r, &format!("{key}-{n}-{i}")).await;
+            ms(s.elapsed())
+        });
     let submit_ms = futures::future::join_all(submits).await;
     let mut timings = Vec::new();
     for ((r, rx), sub) in runs.iter().zip(rxs).zip(submit_ms) {

@@ -349,6 +349,12 @@ impl Harness {
         }
     }
 
+    /// The run a task of the harness's tenant (`acme`) choosing run id `chosen` makes: the chosen
+    /// id within the tenant (`kedge_runtime::run_ids::chosen`).
+    pub fn chosen_run(&self, chosen: &RunId) -> RunId {
+        kedge_runtime::run_ids::chosen(&"acme".parse().expect("tenant"), chosen)
+    }
+
     pub async fn submit_task(&self, task: &TaskSubmission, key: &str) -> kedge_intake::Answer {
         let submission = kedge_intake::Submission {
             task,

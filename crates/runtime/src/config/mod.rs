@@ -24,7 +24,7 @@
 //! Each group of settings is a module with its struct(s), defaults, checks and variables:
 //! `nats` (connecting to NATS) and `layers` (the `nats` CLI context, flags and the `nats` CLI's
 //! variables), `workers` (the process, its workers and tools), `secrets` ([`Secret`], approvers,
-//! the seal key), `models`, `mcp`, `telemetry` (metrics and traces), `bridge`, `retention`,
+//! the seal key, the run-id key), `models`, `mcp`, `telemetry` (metrics and traces), `bridge`, `retention`,
 //! `providers` and `timeouts`; `duration` and `env` read values. This module holds [`Config`]
 //! itself and its loading: the file, the layers, the variables, the checks.
 
@@ -138,6 +138,11 @@ pub struct Config {
     /// sensitive: such values are journaled sealed with it ([`crate::seal`]). None (the default):
     /// runs of such agents are refused. Never printed.
     pub seal_key: Option<Secret>,
+    /// The key run ids are derived with (`KEDGE_RUN_ID_KEY`: 64 hex digits, 32 bytes;
+    /// [`crate::run_ids`]). None (the default): the one held in the broker, created at random
+    /// once. When set, the first process that ensures the layout stores it there, and every
+    /// process that has it checks that the broker holds the same. Never printed.
+    pub run_id_key: Option<Secret>,
     /// The retention policy (`kedge serve retention`) and the tool hosts' sweep of purged runs'
     /// workspaces. Off by default: see [`RetentionConfig`] and docs/CONFIG.md "Retention".
     pub retention: RetentionConfig,
@@ -175,6 +180,7 @@ impl Default for Config {
             metrics_addr: None,
             otlp_endpoint: None,
             seal_key: None,
+            run_id_key: None,
             retention: RetentionConfig::default(),
             providers: ProviderConfig::default(),
         }
@@ -207,6 +213,7 @@ impl std::fmt::Debug for Config {
             metrics_addr,
             otlp_endpoint,
             seal_key,
+            run_id_key,
             retention,
             providers,
         } = self;
@@ -235,6 +242,7 @@ impl std::fmt::Debug for Config {
             .field("metrics_addr", metrics_addr)
             .field("otlp_endpoint", &otlp_endpoint.as_deref().map(redact_url))
             .field("seal_key", seal_key)
+            .field("run_id_key", run_id_key)
             .field("retention", retention)
             .field("providers", providers)
             .finish()
@@ -334,6 +342,7 @@ impl Config {
         self.apply_mcp_env(&get)?;
         self.apply_metrics_env(&get);
         self.apply_seal_key_env(&get);
+        self.apply_run_id_key_env(&get);
         self.apply_otlp_env(&get);
         self.bridge.apply_env(&get)?;
         self.retention.apply_env(&get)?;
@@ -353,6 +362,7 @@ impl Config {
         self.providers.check()?;
         self.check_metrics_addr()?;
         self.check_seal_key()?;
+        self.check_run_id_key()?;
         self.check_otlp_endpoint()?;
         self.models.check()
     }

@@ -1,7 +1,7 @@
-//! Values never printed: [`Secret`] (passwords, tokens, the seal key) and [`REDACTED`], what
+//! Values never printed: [`Secret`] (passwords, tokens, the seal and run-id keys) and [`REDACTED`], what
 //! `Debug` and `--dump-config` print instead; and the operator's secrets that are settings of
 //! their own, listed in docs/CONFIG.md's table: the approvers by token (`KEDGE_APPROVER_TOKENS`)
-//! and the seal key (`KEDGE_SEAL_KEY`).
+//! the seal key (`KEDGE_SEAL_KEY`) and the run-id key (`KEDGE_RUN_ID_KEY`).
 
 use serde::{Deserialize, Serialize};
 
@@ -90,6 +90,24 @@ impl Config {
         if let Some(v) = get("KEDGE_SEAL_KEY") {
             self.seal_key = non_empty(Some(v)).map(|v| Secret::new(v.trim()));
         }
+    }
+
+    /// Applies `KEDGE_RUN_ID_KEY` (blank: none).
+    pub(super) fn apply_run_id_key_env(&mut self, get: &impl Fn(&'static str) -> Option<String>) {
+        if let Some(v) = get("KEDGE_RUN_ID_KEY") {
+            self.run_id_key = non_empty(Some(v)).map(|v| Secret::new(v.trim()));
+        }
+    }
+
+    /// A run-id key, when given, is one [`crate::run_ids::RunIdKey::from_hex`] reads.
+    pub(super) fn check_run_id_key(&self) -> Result<(), ConfigError> {
+        if let Some(key) = &self.run_id_key {
+            crate::run_ids::RunIdKey::from_hex(key.expose()).map_err(|e| ConfigError::Invalid {
+                field: "run_id_key",
+                reason: e.to_string(),
+            })?;
+        }
+        Ok(())
     }
 
     /// A seal key, when given, is one [`crate::seal::SealKey::from_hex`] reads.

@@ -20,8 +20,8 @@ use kedge_core::subjects::{
     IMPORT_REPLIES, INBOXES, JOURNAL_ALL, JS_API_ADMINISTRATION, JS_API_INFO, JS_FLOW_CONTROL,
     LEASES_BUCKET, LEASES_STREAM, LIVE_ALL, OBJECTS_ALL, ONE_TOKEN, PROVIDERS_BUCKET,
     PROVIDERS_STREAM, REJECTED_ALL, REJECTED_CALLBACK, REJECTED_JOURNAL_ALL, REJECTIONS_STREAM,
-    RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, SYS_ALL, StreamApi, TASKS_ALL,
-    TIMERS_SCHEDULED_ALL, TIMERS_STREAM, TOOL_INSPECT, TOOL_RESOLVE,
+    RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_BUCKET, SECRETS_STREAM, SYS_ALL,
+    StreamApi, TASKS_ALL, TIMERS_SCHEDULED_ALL, TIMERS_STREAM, TOOL_INSPECT, TOOL_RESOLVE,
 };
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
@@ -100,6 +100,13 @@ fn blobs() -> [String; 2] {
     subjects::object_writes(BLOBS_BUCKET)
 }
 
+/// Reading the run-id key (`kedge_secrets` has no direct gets, so a message get is the only
+/// read): denied to every kind but the ones that derive run ids, which lift it
+/// (docs/SECURITY.md, "Run ids").
+fn secrets_read() -> String {
+    StreamApi::MsgGet.on(SECRETS_STREAM)
+}
+
 /// Creating a consumer on `stream`: an ephemeral one (no name) or a named one.
 fn consumer_create(stream: &str) -> [String; 2] {
     let create = ConsumerApi::Create.on(stream);
@@ -141,7 +148,8 @@ pub fn common() -> Rules {
 
 /// What no kind but admin may publish (deny wins over allow), unless its [`KindRules::lift`]
 /// names the entry: changing, deleting, purging, snapshotting or restoring streams, pausing
-/// consumers, the account, meta-group and server APIs, writing agents, object stores, `$SYS`.
+/// consumers, the account, meta-group and server APIs, writing agents, object stores, `$SYS`,
+/// reading the run-id key.
 pub fn deny_all_services() -> Rules {
     let mut publish: Vec<String> = [
         StreamApi::Create,
@@ -162,6 +170,7 @@ pub fn deny_all_services() -> Rules {
     publish.push(subjects::kv_all(AGENTS_BUCKET));
     publish.push(OBJECTS_ALL.to_owned());
     publish.push(SYS_ALL.to_owned());
+    publish.push(secrets_read());
     Rules {
         publish,
         subscribe: Vec::new(),
@@ -199,7 +208,7 @@ fn intake() -> KindRules {
                 inboxes; delivers callbacks"
             .to_owned(),
         durables: vec![Durable::Intake],
-        lift: vec![OBJECTS_ALL.to_owned()],
+        lift: vec![OBJECTS_ALL.to_owned(), secrets_read()],
         publish,
         subscribe: vec![CALLBACKS_ALL.to_owned()],
         allow_responses: Some(Responses::One),
@@ -387,7 +396,7 @@ fn bridge() -> KindRules {
                 inputs, lists and follows runs"
             .to_owned(),
         durables: Vec::new(),
-        lift: vec![OBJECTS_ALL.to_owned()],
+        lift: vec![OBJECTS_ALL.to_owned(), secrets_read()],
         publish,
         subscribe: vec![DELTAS_ALL.to_owned()],
         allow_responses: None,
@@ -405,7 +414,7 @@ fn gateway() -> KindRules {
                 reads and follows only its runs, appends its inputs"
             .to_owned(),
         durables: Vec::new(),
-        lift: vec![OBJECTS_ALL.to_owned()],
+        lift: vec![OBJECTS_ALL.to_owned(), secrets_read()],
         publish,
         subscribe: vec![subjects::gateway_requests()],
         allow_responses: Some(Responses::Stream {
@@ -437,7 +446,7 @@ fn operator() -> KindRules {
                 (agents are stored as admin)"
             .to_owned(),
         durables: Vec::new(),
-        lift: vec![OBJECTS_ALL.to_owned()],
+        lift: vec![OBJECTS_ALL.to_owned(), secrets_read()],
         publish,
         subscribe: vec![DELTAS_ALL.to_owned(), JOURNAL_ALL.to_owned()],
         allow_responses: None,
@@ -546,7 +555,9 @@ pub fn document() -> String {
              `deny_all_services` is denied to every kind but `admin` (deny wins over allow), \
              except the entries a kind's `lift` names (`retention`'s says which streams it may \
              purge; the kinds that write events or records that may go by reference lift \
-             `{OBJECTS_ALL}` and may write only the object store `{BLOBS_BUCKET}`). `durables` \
+             `{OBJECTS_ALL}` and may write only the object store `{BLOBS_BUCKET}`; the kinds that \
+             derive run ids, intake, bridge, gateway and operator, lift the read of \
+             `{SECRETS_BUCKET}`, docs/SECURITY.md \"Run ids\"). `durables` \
              are expanded per consumer: a kind may create, read and pull only its own durable \
              consumers, and no kind but admin deletes a durable consumer. Ephemeral (ordered) \
              consumers for reads are allowed on the journal."
