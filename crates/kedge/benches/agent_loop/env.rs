@@ -112,8 +112,7 @@ pub struct Env {
     pub config: Config,
     pub rt: Runtime,
     pub terminals: Arc<Terminals>,
-    stop: tokio::sync::broadcast::Sender<()>,
-    services: Vec<tokio::task::JoinHandle<()>>,
+    services: kedge_serve::TransientKedge,
     watcher: tokio::task::JoinHandle<()>,
     pub submitted: usize,
 }
@@ -152,8 +151,7 @@ impl Env {
             .put(&agent_definition(&mock.base_url()))
             .await
             .expect("agent stored");
-        let (stop, _) = tokio::sync::broadcast::channel(1);
-        let services = spawn_services(&config, &stop, projector);
+        let services = start_services(&config, projector);
         let (terminals, watcher) = watch_terminals(&rt).await;
         Env {
             nats,
@@ -162,7 +160,6 @@ impl Env {
             config,
             rt,
             terminals,
-            stop,
             services,
             watcher,
             submitted: 0,
@@ -218,9 +215,8 @@ impl Env {
     }
 
     pub async fn stop_services(&mut self) {
-        let _ = self.stop.send(());
-        for s in self.services.drain(..) {
-            let _ = tokio::time::timeout(Duration::from_secs(10), s).await;
+        if let Err(e) = self.services.shutdown().await {
+            panic!("a service failed: {e:#}");
         }
     }
 
@@ -232,42 +228,24 @@ impl Env {
     }
 }
 
-/// Intake, step and tool (and the projector, with `projector`), each a task of this process on
-/// a connection of its own, until `stop` fires.
-fn spawn_services(
-    config: &Config,
-    stop: &tokio::sync::broadcast::Sender<()>,
-    projector: bool,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let mut services = Vec::new();
-    let services_run = [
-        ("intake", "w-intake"),
-        ("step", "w-step"),
-        ("tool", "w-tool"),
-        ("projector", "w-projector"),
+/// Intake, step and tool (and the projector, with `projector`), each started in this process
+/// as `kedge serve` starts it, on a connection and under a worker id of its own.
+fn start_services(config: &Config, projector: bool) -> kedge_serve::TransientKedge {
+    use kedge_serve::Service;
+    let mut services = kedge_serve::TransientKedge::new();
+    let each = [
+        (Service::Intake, "w-intake"),
+        (Service::Step, "w-step"),
+        (Service::Tool, "w-tool"),
+        (Service::Projector, "w-projector"),
     ];
-    for (svc, worker) in services_run
+    for (service, worker) in each
         .into_iter()
-        .filter(|(svc, _)| projector || *svc != "projector")
+        .filter(|(service, _)| projector || *service != Service::Projector)
     {
         let mut c = config.clone();
         c.worker_id = worker.to_owned();
-        let mut rx = stop.subscribe();
-        services.push(tokio::spawn(async move {
-            let rt = Runtime::connect(c).await.expect("service runtime");
-            let stop = async move {
-                let _ = rx.recv().await;
-            };
-            let result = match svc {
-                "intake" => kedge_intake::run(rt, stop).await,
-                "step" => kedge_step::run(rt, stop).await,
-                "projector" => kedge_projector::run(rt, stop).await,
-                _ => kedge_tool::run(rt, stop).await,
-            };
-            if let Err(e) = result {
-                panic!("{svc} service failed: {e}");
-            }
-        }));
+        services.start(c, &[service]);
     }
     services
 }
