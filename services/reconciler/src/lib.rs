@@ -250,25 +250,7 @@ async fn check(
     };
     let age = time::OffsetDateTime::now_utc() - last.stored_at;
     let quiet = age >= stall_after;
-    // A run whose last event is the writer settling it (waiting, ended, parked for a person) has
-    // had nothing since that could make it runnable: no need to read its journal, nor to look
-    // at it again before a new event lands on it.
-    // A run waiting on its tools is read: one of them may be stuck.
-    let settled = match last.event_type {
-        Some(
-            EventType::RunSucceeded
-            | EventType::RunFailed
-            | EventType::RunCancelled
-            | EventType::RunUnknown,
-        ) => true,
-        Some(EventType::RunWaiting) => !matches!(
-            last.envelope.map(|e| e.event),
-            Some(Event::RunWaiting(RunWaiting {
-                on: WaitReason::Tool
-            }))
-        ),
-        _ => false,
-    };
+    let settled = settles(last.event_type, last.envelope.as_ref().map(|e| &e.event));
     if settled {
         return Ok(Verdict::Settled { quiet });
     }
@@ -291,43 +273,7 @@ async fn check(
     );
     let stuck = state.ops_stuck_since(cutoff);
     if !stuck.is_empty() {
-        let mut asked = Vec::new();
-        for op in stuck {
-            // The operation's latest dispatch, as journaled: what the runner executes.
-            let Some(request) = events.iter().rev().find(|r| {
-                r.envelope.op.as_ref() == Some(&op.op)
-                    && matches!(r.envelope.event, Event::ToolRequested(_))
-            }) else {
-                continue;
-            };
-            let nudge = InputEnvelope::new(
-                run.clone(),
-                Timestamp::now(),
-                Draft::new(Input::Nudge(Nudge {
-                    reason: format!(
-                        "operation {} stuck since {} (no outcome after tool_timeout + tool_grace = {} ms); \
-                         a tool runner was asked to resolve it",
-                        op.op,
-                        op.since,
-                        abandoned_after.as_millis()
-                    ),
-                })),
-            );
-            // Journaled once per stuck dispatch, also past the stream's duplicate window: later
-            // scans find it in the journal and only ask again.
-            let key = kedge_core::ids::InputId::resolve_nudge(&op.op, op.dispatches);
-            let journaled = events
-                .iter()
-                .any(|r| r.msg_id.as_deref() == Some(key.as_str()));
-            if !journaled && !rt.journal.append_input(&key, &nudge).await?.duplicate {
-                kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Resolve);
-            }
-            // As journaled: large arguments by reference, so the request fits a message.
-            let payload = rt.journal.stored_form(&request.envelope).await?;
-            ask_to_resolve(rt, op.op.clone(), payload.to_vec());
-            asked.push(op.op.clone());
-        }
-        return Ok(Verdict::Resolving(asked));
+        return resolve_stuck(rt, run, &events, stuck, abandoned_after).await;
     }
     let runnable = match decide(&state) {
         Next::Idle(_) => false,
@@ -356,6 +302,88 @@ async fn check(
             Verdict::Quiet
         });
     }
+    nudge_stalled(rt, run, &state, last.seq, age).await
+}
+
+/// Whether a run whose last event is this one is settled: the writer ended it, or parked it
+/// waiting on a person, a timer or a callback (not on its tools, one of which may be stuck), so
+/// nothing since could have made it runnable and its journal need not be read, nor looked at
+/// again before a new event lands on it.
+fn settles(event_type: Option<EventType>, event: Option<&Event>) -> bool {
+    match event_type {
+        Some(
+            EventType::RunSucceeded
+            | EventType::RunFailed
+            | EventType::RunCancelled
+            | EventType::RunUnknown,
+        ) => true,
+        Some(EventType::RunWaiting) => !matches!(
+            event,
+            Some(Event::RunWaiting(RunWaiting {
+                on: WaitReason::Tool
+            }))
+        ),
+        _ => false,
+    }
+}
+
+/// Operations `stuck` past `abandoned_after` with no outcome: each is nudged once per dispatch
+/// in the run's journal (`events`) and sent, as journaled, to `kedge.tool.resolve`.
+async fn resolve_stuck(
+    rt: &Runtime,
+    run: &RunId,
+    events: &[kedge_journal::Recorded],
+    stuck: Vec<&kedge_core::fold::ToolOp>,
+    abandoned_after: Duration,
+) -> Result<Verdict, ReconcileError> {
+    let mut asked = Vec::new();
+    for op in stuck {
+        // The operation's latest dispatch, as journaled: what the runner executes.
+        let Some(request) = events.iter().rev().find(|r| {
+            r.envelope.op.as_ref() == Some(&op.op)
+                && matches!(r.envelope.event, Event::ToolRequested(_))
+        }) else {
+            continue;
+        };
+        let nudge = InputEnvelope::new(
+            run.clone(),
+            Timestamp::now(),
+            Draft::new(Input::Nudge(Nudge {
+                reason: format!(
+                    "operation {} stuck since {} (no outcome after tool_timeout + tool_grace = {} ms); \
+                     a tool runner was asked to resolve it",
+                    op.op,
+                    op.since,
+                    abandoned_after.as_millis()
+                ),
+            })),
+        );
+        // Journaled once per stuck dispatch, also past the stream's duplicate window: later
+        // scans find it in the journal and only ask again.
+        let key = kedge_core::ids::InputId::resolve_nudge(&op.op, op.dispatches);
+        let journaled = events
+            .iter()
+            .any(|r| r.msg_id.as_deref() == Some(key.as_str()));
+        if !journaled && !rt.journal.append_input(&key, &nudge).await?.duplicate {
+            kedge_runtime::metrics::reconciler_nudge(kedge_runtime::metrics::Nudge::Resolve);
+        }
+        // As journaled: large arguments by reference, so the request fits a message.
+        let payload = rt.journal.stored_form(&request.envelope).await?;
+        ask_to_resolve(rt, op.op.clone(), payload.to_vec());
+        asked.push(op.op.clone());
+    }
+    Ok(Verdict::Resolving(asked))
+}
+
+/// A runnable run nobody holds and nothing happened on for a while: nudged once per last event
+/// (`last_seq`, the event the quiet verdict stands on), unless a worker holds its lease.
+async fn nudge_stalled(
+    rt: &Runtime,
+    run: &RunId,
+    state: &kedge_core::RunState,
+    last_seq: u64,
+    age: time::Duration,
+) -> Result<Verdict, ReconcileError> {
     match rt.leases.holder(run).await {
         Ok(Some(lease)) => {
             tracing::debug!(run_id = %run, owner = %lease.owner, "quiet but leased; not nudging");
@@ -377,7 +405,7 @@ async fn check(
     );
     // Keyed by the last event the quiet verdict stands on, not the state's: a replica whose
     // read came after another's nudge landed (the nudge its last event) would key a second one.
-    let key = kedge_core::ids::InputId::nudge(run, last.seq);
+    let key = kedge_core::ids::InputId::nudge(run, last_seq);
     if rt.journal.append_input(&key, &nudge).await?.duplicate {
         // Another replica nudged this same state.
         return Ok(Verdict::Quiet);
@@ -486,4 +514,41 @@ fn ask_to_resolve(rt: &Runtime, op: OperationId, payload: Vec<u8>) {
             ),
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn waiting(on: WaitReason) -> Event {
+        Event::RunWaiting(RunWaiting { on })
+    }
+
+    #[test]
+    fn a_run_is_settled_by_its_end_or_a_wait_on_anything_but_its_tools() {
+        for ended in [
+            EventType::RunSucceeded,
+            EventType::RunFailed,
+            EventType::RunCancelled,
+            EventType::RunUnknown,
+        ] {
+            assert!(settles(Some(ended), None), "{ended}");
+        }
+        for on in [WaitReason::User, WaitReason::Approval, WaitReason::External] {
+            let event = waiting(on);
+            assert!(settles(Some(EventType::RunWaiting), Some(&event)), "{on:?}");
+        }
+        // Waiting on its tools: one of them may be stuck, so the journal is read.
+        let tools = waiting(WaitReason::Tool);
+        assert!(!settles(Some(EventType::RunWaiting), Some(&tools)));
+        // Anything else may leave it runnable; a message set aside names no type.
+        for other in [
+            EventType::StepCompleted,
+            EventType::ToolResult,
+            EventType::RunCancelling,
+        ] {
+            assert!(!settles(Some(other), None), "{other}");
+        }
+        assert!(!settles(None, None));
+    }
 }
