@@ -173,43 +173,8 @@ async fn purge_run_ended(
         return Ok((Purged::TooRecent { ended_at }, ended_seq));
     }
     let events = (page.events.len() + page.set_aside.len()) as u64;
-    let mut record_keys: Vec<String> = page
-        .events
-        .iter()
-        .filter_map(|r| match &r.envelope.event {
-            Event::StepStarted(s) => Some(IdempotencyStore::model_key(&s.request_id)),
-            _ => None,
-        })
-        .collect();
-    record_keys.extend(state.ops.keys().map(IdempotencyStore::op_key));
-    let mut filters: Vec<(String, String)> = record_keys
-        .iter()
-        .map(|key| (IDEMPOTENCY_STREAM.into(), kv_key(IDEMPOTENCY_BUCKET, key)))
-        .collect();
-    filters.push((LEASES_STREAM.into(), kv_key(LEASES_BUCKET, run.as_str())));
-    filters.push((TIMERS_STREAM.into(), subjects::timers_scheduled_of(run)));
-    filters.push((TIMERS_STREAM.into(), subjects::timers_fired_of(run)));
-    filters.push((REJECTIONS_STREAM.into(), subjects::rejected_journal_of(run)));
-    filters.push((
-        RUNS_BUCKET_STREAM.into(),
-        kv_key(RUNS_BUCKET, &projection::key(&state.bundle.tenant, run)),
-    ));
-    // The run's blobs: what its journal and its idempotency records hold by reference. Found
-    // before anything is removed (the references go with the journal).
-    let mut blobs: Vec<Digest> = rt
-        .journal
-        .blob_references(run)
-        .await?
-        .into_iter()
-        .map(|(_, r)| r.digest)
-        .collect();
-    for key in &record_keys {
-        if let Some(r) = rt.idempotency.blob_of(key).await? {
-            blobs.push(r.digest);
-        }
-    }
-    blobs.sort();
-    blobs.dedup();
+    let (record_keys, filters) = records_of(run, page.events.iter().map(|r| &r.envelope), &state);
+    let blobs = blobs_of(rt, run, &record_keys).await?;
     if opts.dry_run {
         return Ok((
             Purged::Purged {
@@ -262,6 +227,61 @@ async fn purge_run_ended(
         },
         ended_seq,
     ))
+}
+
+/// What a finished run left outside its journal, as (stream, subject filter) pairs to purge:
+/// its idempotency records (`model.<request>` of every step started, `op.<operation>` of every
+/// operation; their keys are returned too), its lease, its timers' schedules and firings, its
+/// set-aside records and its summary in `kedge_runs`.
+fn records_of<'a>(
+    run: &RunId,
+    events: impl Iterator<Item = &'a kedge_core::Envelope>,
+    state: &kedge_core::RunState,
+) -> (Vec<String>, Vec<(String, String)>) {
+    let mut record_keys: Vec<String> = events
+        .filter_map(|e| match &e.event {
+            Event::StepStarted(s) => Some(IdempotencyStore::model_key(&s.request_id)),
+            _ => None,
+        })
+        .collect();
+    record_keys.extend(state.ops.keys().map(IdempotencyStore::op_key));
+    let mut filters: Vec<(String, String)> = record_keys
+        .iter()
+        .map(|key| (IDEMPOTENCY_STREAM.into(), kv_key(IDEMPOTENCY_BUCKET, key)))
+        .collect();
+    filters.push((LEASES_STREAM.into(), kv_key(LEASES_BUCKET, run.as_str())));
+    filters.push((TIMERS_STREAM.into(), subjects::timers_scheduled_of(run)));
+    filters.push((TIMERS_STREAM.into(), subjects::timers_fired_of(run)));
+    filters.push((REJECTIONS_STREAM.into(), subjects::rejected_journal_of(run)));
+    filters.push((
+        RUNS_BUCKET_STREAM.into(),
+        kv_key(RUNS_BUCKET, &projection::key(&state.bundle.tenant, run)),
+    ));
+    (record_keys, filters)
+}
+
+/// The run's blobs: what its journal and its idempotency records (`record_keys`) hold by
+/// reference. Found before anything is removed (the references go with the journal).
+async fn blobs_of(
+    rt: &Runtime,
+    run: &RunId,
+    record_keys: &[String],
+) -> Result<Vec<Digest>, RetentionError> {
+    let mut blobs: Vec<Digest> = rt
+        .journal
+        .blob_references(run)
+        .await?
+        .into_iter()
+        .map(|(_, r)| r.digest)
+        .collect();
+    for key in record_keys {
+        if let Some(r) = rt.idempotency.blob_of(key).await? {
+            blobs.push(r.digest);
+        }
+    }
+    blobs.sort();
+    blobs.dedup();
+    Ok(blobs)
 }
 
 /// What [`purge_finished`] did over the whole journal.
@@ -560,5 +580,42 @@ mod tests {
                 "agent.run.*.d.run.cancelled"
             ]
         );
+    }
+
+    #[test]
+    fn a_runs_records_are_named_from_its_journal() {
+        for (path, journal) in kedge_core::fixtures::recorded_journals() {
+            let state = kedge_core::fold::fold(journal.iter().map(|(seq, e)| (*seq, e)))
+                .expect("a recorded journal folds");
+            let run = &state.run_id;
+            let (keys, filters) = records_of(run, journal.iter().map(|(_, e)| e), &state);
+            let steps = journal
+                .iter()
+                .filter(|(_, e)| matches!(e.event, Event::StepStarted(_)))
+                .count();
+            assert_eq!(keys.len(), steps + state.ops.len(), "{}", path.display());
+            for key in &keys {
+                let idem = (
+                    IDEMPOTENCY_STREAM.to_owned(),
+                    kv_key(IDEMPOTENCY_BUCKET, key),
+                );
+                assert!(filters.contains(&idem), "{key}");
+            }
+            for (stream, filter) in [
+                (LEASES_STREAM, kv_key(LEASES_BUCKET, run.as_str())),
+                (TIMERS_STREAM, subjects::timers_scheduled_of(run)),
+                (TIMERS_STREAM, subjects::timers_fired_of(run)),
+                (REJECTIONS_STREAM, subjects::rejected_journal_of(run)),
+            ] {
+                assert!(filters.contains(&(stream.to_owned(), filter)), "{stream}");
+            }
+            assert_eq!(filters.len(), keys.len() + 5, "{}", path.display());
+            // Every filter names this run alone (or a record of it): nothing of another run.
+            assert!(
+                filters.iter().all(|(_, f)| !f.contains('*') && !f.ends_with('>')
+                    || f.contains(run.as_str())),
+                "{filters:?}"
+            );
+        }
     }
 }
