@@ -54,6 +54,22 @@ struct Attempt<'a> {
     probe: bool,
 }
 
+impl Attempt<'_> {
+    /// The step's decisions with a fresh `response` of this attempt.
+    fn complete(&self, state: &RunState, response: ModelResponse) -> Vec<Draft<Decision>> {
+        complete_step(
+            state,
+            self.plan.step,
+            self.plan.attempt,
+            self.plan.request_id.clone(),
+            response,
+            false,
+            Timestamp::now(),
+            self.contract,
+        )
+    }
+}
+
 impl Driver {
     /// Takes the step `plan` of the run ([`Next::Step`](kedge_core::decide::Next::Step)), in
     /// the step's span.
@@ -337,16 +353,7 @@ impl Driver {
             return Err(DriveError::LeaseLost);
         }
         read?;
-        let drafts = complete_step(
-            state,
-            plan.step,
-            plan.attempt,
-            plan.request_id.clone(),
-            response,
-            false,
-            Timestamp::now(),
-            at.contract,
-        );
+        let drafts = at.complete(state, response);
         self.commit(state, w, drafts).await?;
         Ok(())
     }
@@ -362,17 +369,7 @@ impl Driver {
         response: ModelResponse,
         stored: &StoredResponse,
     ) -> Result<(), DriveError> {
-        let plan = at.plan;
-        let drafts = complete_step(
-            state,
-            plan.step,
-            plan.attempt,
-            plan.request_id.clone(),
-            response,
-            false,
-            Timestamp::now(),
-            at.contract,
-        );
+        let drafts = at.complete(state, response);
         let committed = self.commit(state, w, drafts).await;
         if let Ok(true) = committed {
             return Ok(());
@@ -382,7 +379,7 @@ impl Driver {
         let put = self
             .rt
             .idempotency
-            .store_response(&plan.request_id, stored)
+            .store_response(&at.plan.request_id, stored)
             .await;
         failpoint::hit("step.after_model_stored");
         match (committed, put) {
