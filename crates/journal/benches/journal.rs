@@ -443,7 +443,11 @@ async fn run(args: Args) {
         let run = runs[if i >= n { n + (usize::MAX - i) } else { i }].clone();
         async move {
             leases
-                .acquire(&run, "bench", Duration::from_secs(30))
+                .acquire(
+                    &run,
+                    &"bench".parse().expect("worker id"),
+                    Duration::from_secs(30),
+                )
                 .await
                 .unwrap();
         }
@@ -453,7 +457,11 @@ async fn run(args: Args) {
 
     let run = RunId::generate();
     let mut lease = leases
-        .acquire(&run, "bench", Duration::from_secs(30))
+        .acquire(
+            &run,
+            &"bench".parse().expect("worker id"),
+            Duration::from_secs(30),
+        )
         .await
         .unwrap();
     let mut samples = Vec::with_capacity(n);

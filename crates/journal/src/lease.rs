@@ -20,6 +20,7 @@ use std::time::Duration;
 use async_nats::{Client, HeaderMap};
 use bytes::Bytes;
 use kedge_core::RunId;
+use kedge_core::ids::WorkerId;
 use kedge_core::subjects::LEASES_BUCKET;
 use serde::{Deserialize, Serialize};
 
@@ -45,7 +46,7 @@ pub struct Released {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
     pub run: RunId,
-    pub owner: String,
+    pub owner: WorkerId,
     /// Sequence of the lease's last write: the fencing token. Grows with every renewal.
     pub revision: u64,
     /// Time to live of each write; the lease expires this long after its last renewal.
@@ -57,10 +58,10 @@ pub struct Lease {
 struct Held;
 
 impl Lease {
-    fn held(run: &RunId, owner: &str, revision: u64, ttl: Duration) -> Lease {
+    fn held(run: &RunId, owner: &WorkerId, revision: u64, ttl: Duration) -> Lease {
         Lease {
             run: run.clone(),
-            owner: owner.to_owned(),
+            owner: owner.clone(),
             revision,
             ttl,
             _held: Held,
@@ -69,8 +70,11 @@ impl Lease {
 
     /// The writer of the run's decisions for this holding, named `<worker>-<revision>` after the
     /// revision it was acquired at (a writer made after a renewal gets another name).
-    pub fn writer(&self, worker: &str) -> crate::DecisionWriter {
-        crate::DecisionWriter::new(self.run.clone(), format!("{worker}-{}", self.revision))
+    pub fn writer(&self) -> crate::DecisionWriter {
+        crate::DecisionWriter::new(
+            self.run.clone(),
+            format!("{}-{}", self.owner, self.revision),
+        )
     }
 }
 
@@ -96,9 +100,6 @@ pub enum LeaseError {
     /// TTLs are whole seconds, at least one.
     #[error("lease TTL {0:?} is not a whole number of seconds >= 1")]
     InvalidTtl(Duration),
-    /// Owner names are printable ASCII without spaces.
-    #[error("invalid lease owner `{0}`")]
-    InvalidOwner(String),
     /// Retryable broker trouble.
     #[error("leases unavailable during {op}: {reason}")]
     Unavailable { op: &'static str, reason: String },
@@ -112,7 +113,7 @@ impl LeaseError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             LeaseError::Held { .. } | LeaseError::Lost { .. } => ErrorKind::Conflict,
-            LeaseError::InvalidTtl(_) | LeaseError::InvalidOwner(_) => ErrorKind::Invalid,
+            LeaseError::InvalidTtl(_) => ErrorKind::Invalid,
             LeaseError::Unavailable { .. } => ErrorKind::Unavailable,
             LeaseError::Rejected { .. } => ErrorKind::Other,
         }
@@ -146,13 +147,6 @@ pub fn ttl_secs(ttl: Duration) -> Result<u64, LeaseError> {
         return Err(LeaseError::InvalidTtl(ttl));
     }
     Ok(ttl.as_secs())
-}
-
-fn check_owner(owner: &str) -> Result<(), LeaseError> {
-    if owner.is_empty() || owner.len() > 256 || !owner.chars().all(|c| c.is_ascii_graphic()) {
-        return Err(LeaseError::InvalidOwner(owner.to_owned()));
-    }
-    Ok(())
 }
 
 /// A delete or purge marker, or the marker the server leaves when a key's TTL runs out.
@@ -238,7 +232,7 @@ impl Leases {
     pub async fn acquire_after(
         &self,
         run: &RunId,
-        owner: &str,
+        owner: &WorkerId,
         ttl: Duration,
         hint: Option<Released>,
     ) -> Result<Lease, LeaseError> {
@@ -257,14 +251,13 @@ impl Leases {
     pub async fn retake(
         &self,
         run: &RunId,
-        owner: &str,
+        owner: &WorkerId,
         ttl: Duration,
         hint: Released,
     ) -> Result<Option<Lease>, LeaseError> {
         let secs = ttl_secs(ttl)?;
-        check_owner(owner)?;
         let value = LeaseValue {
-            owner: owner.to_owned(),
+            owner: owner.to_string(),
             ttl_secs: secs,
         };
         match self.write(run, hint.seq, secs, Some(&value)).await {
@@ -279,13 +272,12 @@ impl Leases {
     pub async fn acquire(
         &self,
         run: &RunId,
-        owner: &str,
+        owner: &WorkerId,
         ttl: Duration,
     ) -> Result<Lease, LeaseError> {
         let secs = ttl_secs(ttl)?;
-        check_owner(owner)?;
         let value = LeaseValue {
-            owner: owner.to_owned(),
+            owner: owner.to_string(),
             ttl_secs: secs,
         };
         // The first look may come from a replica; after losing a race, ask the leader.
@@ -303,7 +295,7 @@ impl Leases {
             };
             match self.write(run, expected, secs, Some(&value)).await {
                 Ok(revision) => {
-                    tracing::debug!(run_id = %run, owner, revision, "lease acquired");
+                    tracing::debug!(run_id = %run, %owner, revision, "lease acquired");
                     return Ok(Lease::held(run, owner, revision, ttl));
                 }
                 Err(e) if e.is_wrong_last() => leader = true,
@@ -326,19 +318,18 @@ impl Leases {
     pub async fn take_over(
         &self,
         run: &RunId,
-        owner: &str,
+        owner: &WorkerId,
         ttl: Duration,
         revision: u64,
     ) -> Result<Lease, LeaseError> {
         let secs = ttl_secs(ttl)?;
-        check_owner(owner)?;
         let value = LeaseValue {
-            owner: owner.to_owned(),
+            owner: owner.to_string(),
             ttl_secs: secs,
         };
         match self.write(run, revision, secs, Some(&value)).await {
             Ok(new) => {
-                tracing::info!(run_id = %run, owner, revision = new, "lease taken over from a gone holder");
+                tracing::info!(run_id = %run, %owner, revision = new, "lease taken over from a gone holder");
                 Ok(Lease::held(run, owner, new, ttl))
             }
             Err(e) if e.is_wrong_last() => Err(LeaseError::Lost {
@@ -355,7 +346,7 @@ impl Leases {
     pub async fn renew(&self, lease: &Lease) -> Result<Lease, LeaseError> {
         let secs = ttl_secs(lease.ttl)?;
         let value = LeaseValue {
-            owner: lease.owner.clone(),
+            owner: lease.owner.to_string(),
             ttl_secs: secs,
         };
         match self
@@ -419,14 +410,6 @@ mod tests {
         assert!(ttl_secs(Duration::ZERO).is_err());
         assert!(ttl_secs(Duration::from_millis(1500)).is_err());
         assert!(ttl_secs(Duration::from_millis(500)).is_err());
-    }
-
-    #[test]
-    fn owners_are_header_safe() {
-        assert!(check_owner("step-7@host").is_ok());
-        assert!(check_owner("").is_err());
-        assert!(check_owner("a b").is_err());
-        assert!(check_owner("a\nb").is_err());
     }
 
     fn msg(headers: &[(&str, &str)], payload: &[u8]) -> StoredMessage {

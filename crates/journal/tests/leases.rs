@@ -24,7 +24,7 @@ async fn acquire_when_free(
 ) -> (kedge_journal::Lease, Duration) {
     let start = Instant::now();
     loop {
-        match leases.acquire(run, owner, ttl).await {
+        match leases.acquire(run, &worker(owner), ttl).await {
             Ok(l) => return (l, start.elapsed()),
             Err(LeaseError::Held { .. }) if start.elapsed() < within => {
                 tokio::time::sleep(Duration::from_millis(50)).await
@@ -39,10 +39,16 @@ async fn acquire_hold_renew_release_and_the_revision_grows() {
     let (_server, leases) = leases().await;
     let run = new_run();
     let ttl = Duration::from_secs(30);
-    let a = leases.acquire(&run, "worker-a", ttl).await.unwrap();
-    assert_eq!(a.owner, "worker-a");
+    let a = leases
+        .acquire(&run, &worker("worker-a"), ttl)
+        .await
+        .unwrap();
+    assert_eq!(a.owner.as_str(), "worker-a");
 
-    let held = leases.acquire(&run, "worker-b", ttl).await.unwrap_err();
+    let held = leases
+        .acquire(&run, &worker("worker-b"), ttl)
+        .await
+        .unwrap_err();
     assert_eq!(
         held,
         LeaseError::Held {
@@ -67,7 +73,10 @@ async fn acquire_hold_renew_release_and_the_revision_grows() {
 
     leases.release(a2.clone()).await.unwrap();
     assert_eq!(leases.holder(&run).await.unwrap(), None);
-    let b = leases.acquire(&run, "worker-b", ttl).await.unwrap();
+    let b = leases
+        .acquire(&run, &worker("worker-b"), ttl)
+        .await
+        .unwrap();
     assert!(b.revision > a2.revision);
     assert!(matches!(
         leases.renew(&a2).await,
@@ -79,11 +88,13 @@ async fn acquire_hold_renew_release_and_the_revision_grows() {
     ));
 
     assert!(matches!(
-        leases.acquire(&run, "w", Duration::from_millis(1500)).await,
+        leases
+            .acquire(&run, &worker("w"), Duration::from_millis(1500))
+            .await,
         Err(LeaseError::InvalidTtl(_))
     ));
     assert!(matches!(
-        leases.acquire(&run, "w", Duration::ZERO).await,
+        leases.acquire(&run, &worker("w"), Duration::ZERO).await,
         Err(LeaseError::InvalidTtl(_))
     ));
 }
@@ -93,7 +104,7 @@ async fn a_lease_expires_after_its_ttl_and_can_be_taken_over() {
     let (_server, leases) = leases().await;
     let run = new_run();
     let a = leases
-        .acquire(&run, "worker-a", Duration::from_secs(1))
+        .acquire(&run, &worker("worker-a"), Duration::from_secs(1))
         .await
         .unwrap();
     let (b, took) = acquire_when_free(
@@ -131,7 +142,10 @@ async fn renewing_keeps_a_lease_and_a_renewed_lease_still_expires() {
     let run = new_run();
     let ttl = Duration::from_secs(2);
     let start = Instant::now();
-    let a = leases.acquire(&run, "worker-a", ttl).await.unwrap();
+    let a = leases
+        .acquire(&run, &worker("worker-a"), ttl)
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let a = leases.renew(&a).await.unwrap();
     let renewed_at = start.elapsed();
@@ -139,7 +153,7 @@ async fn renewing_keeps_a_lease_and_a_renewed_lease_still_expires() {
     tokio::time::sleep(Duration::from_millis(2500).saturating_sub(start.elapsed())).await;
     assert!(start.elapsed() < renewed_at + ttl);
     assert!(matches!(
-        leases.acquire(&run, "worker-b", ttl).await,
+        leases.acquire(&run, &worker("worker-b"), ttl).await,
         Err(LeaseError::Held { revision, .. }) if revision == a.revision
     ));
     // Not renewed again: it expires about one TTL after the renewal.
@@ -156,26 +170,32 @@ async fn a_release_hint_takes_the_lease_back_only_while_nobody_took_it_since() {
     let (_server, leases) = leases().await;
     let run = new_run();
     let ttl = Duration::from_secs(10);
-    let a = leases.acquire(&run, "worker-a", ttl).await.unwrap();
+    let a = leases
+        .acquire(&run, &worker("worker-a"), ttl)
+        .await
+        .unwrap();
     let released = leases.release(a).await.unwrap();
     // Nobody took it since: the hint works.
     let a2 = leases
-        .acquire_after(&run, "worker-a", ttl, Some(released))
+        .acquire_after(&run, &worker("worker-a"), ttl, Some(released))
         .await
         .unwrap();
     // Held: a stale hint does not take it from the holder.
     assert!(matches!(
         leases
-            .acquire_after(&run, "worker-b", ttl, Some(released))
+            .acquire_after(&run, &worker("worker-b"), ttl, Some(released))
             .await,
         Err(LeaseError::Held { .. })
     ));
     let released2 = leases.release(a2).await.unwrap();
-    let b = leases.acquire(&run, "worker-b", ttl).await.unwrap();
+    let b = leases
+        .acquire(&run, &worker("worker-b"), ttl)
+        .await
+        .unwrap();
     leases.release(b).await.unwrap();
     // Someone took and released it since: the old hint misses, the fallback still acquires.
     let a3 = leases
-        .acquire_after(&run, "worker-a", ttl, Some(released2))
+        .acquire_after(&run, &worker("worker-a"), ttl, Some(released2))
         .await
         .unwrap();
     assert_eq!(
@@ -190,23 +210,31 @@ async fn a_gone_holders_lease_is_taken_over_at_once_by_exactly_one_taker() {
     let (_server, leases) = leases().await;
     let run = new_run();
     let ttl = Duration::from_secs(30);
-    let a = leases.acquire(&run, "worker-a", ttl).await.unwrap();
-    let Err(LeaseError::Held { owner, revision }) = leases.acquire(&run, "worker-b", ttl).await
+    let a = leases
+        .acquire(&run, &worker("worker-a"), ttl)
+        .await
+        .unwrap();
+    let Err(LeaseError::Held { owner, revision }) =
+        leases.acquire(&run, &worker("worker-b"), ttl).await
     else {
         panic!("held by a");
     };
     assert_eq!(owner, "worker-a");
     // Two takers race on the revision they saw: one wins, long before the TTL.
+    let (wb, wc) = (worker("worker-b"), worker("worker-c"));
     let (b, c) = tokio::join!(
-        leases.take_over(&run, "worker-b", ttl, revision),
-        leases.take_over(&run, "worker-c", ttl, revision)
+        leases.take_over(&run, &wb, ttl, revision),
+        leases.take_over(&run, &wc, ttl, revision)
     );
     let won = match (b, c) {
         (Ok(l), Err(LeaseError::Lost { .. })) | (Err(LeaseError::Lost { .. }), Ok(l)) => l,
         other => panic!("exactly one taker wins: {other:?}"),
     };
     assert!(won.revision > a.revision);
-    assert_eq!(leases.holder(&run).await.unwrap().unwrap().owner, won.owner);
+    assert_eq!(
+        leases.holder(&run).await.unwrap().unwrap().owner,
+        won.owner.as_str()
+    );
     // The old holder is fenced: its renewal and release fail.
     assert!(matches!(
         leases.renew(&a).await,
@@ -219,7 +247,9 @@ async fn a_gone_holders_lease_is_taken_over_at_once_by_exactly_one_taker() {
     // A holder that renewed since the taker looked keeps its lease.
     let renewed = leases.renew(&won).await.unwrap();
     assert!(matches!(
-        leases.take_over(&run, "worker-d", ttl, won.revision).await,
+        leases
+            .take_over(&run, &worker("worker-d"), ttl, won.revision)
+            .await,
         Err(LeaseError::Lost { .. })
     ));
     assert_eq!(

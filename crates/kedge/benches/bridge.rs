@@ -200,7 +200,7 @@ async fn main() {
     let nats = NatsServer::start().await;
     let config = Config {
         nats_urls: vec![nats.url()],
-        worker_id: "bench".into(),
+        worker_id: "bench".parse().expect("worker id"),
         ..Config::default()
     };
     let rt = Runtime::connect(config.clone()).await.expect("runtime");

@@ -294,7 +294,7 @@ async fn bench(o: Opts) {
     let config = Config {
         nats_urls: vec![server.url()],
         workspace_root: workspaces.clone(),
-        worker_id: "bench-retention".into(),
+        worker_id: "bench-retention".parse().expect("worker id"),
         ..Config::default()
     };
     let rt = Runtime::connect(config).await.unwrap();

@@ -988,7 +988,7 @@ async fn bench(o: Opts) {
     let config = Config {
         nats_urls: vec![server.url()],
         workspace_root: workspace.clone(),
-        worker_id: "bench-observer".into(),
+        worker_id: "bench-observer".parse().expect("worker id"),
         ..Config::default()
     };
     let rt = Arc::new(Runtime::connect(config).await.unwrap());

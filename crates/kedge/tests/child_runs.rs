@@ -487,7 +487,9 @@ async fn the_childs_worker_killed_mid_model_call_is_replaced_while_the_parent_wa
     for (w, _) in workers {
         let mut sub =
             h.rt.client
-                .subscribe(kedge_core::subjects::live_heartbeat(w))
+                .subscribe(kedge_core::subjects::live_heartbeat(
+                    &w.parse().expect("worker id"),
+                ))
                 .await
                 .expect("subscribe");
         tokio::time::timeout(WAIT, futures::StreamExt::next(&mut sub))

@@ -23,11 +23,17 @@ async fn held_taken_over_once_and_released() {
     let d = Digest::of_bytes(b"args");
 
     assert!(matches!(
-        ids.claim(&op, &d, "a", 0, LONG).await.expect("claim"),
+        ids.claim(&op, &d, &common::worker("a"), 0, LONG)
+            .await
+            .expect("claim"),
         Claim::Fresh { .. }
     ));
     // Young: a live runner.
-    match ids.claim(&op, &d, "b", 0, LONG).await.expect("claim") {
+    match ids
+        .claim(&op, &d, &common::worker("b"), 0, LONG)
+        .await
+        .expect("claim")
+    {
         Claim::Held {
             runner,
             retry_in,
@@ -40,9 +46,10 @@ async fn held_taken_over_once_and_released() {
         other => panic!("held expected: {other:?}"),
     }
     // Old (abandonment age zero): of two concurrent takers exactly one wins.
+    let (wb, wc) = (common::worker("b"), common::worker("c"));
     let (b, c) = tokio::join!(
-        ids.claim(&op, &d, "b", 0, Duration::ZERO),
-        ids.claim(&op, &d, "c", 0, Duration::ZERO)
+        ids.claim(&op, &d, &wb, 0, Duration::ZERO),
+        ids.claim(&op, &d, &wc, 0, Duration::ZERO)
     );
     let outcomes = [b.expect("claim"), c.expect("claim")];
     let won = outcomes
@@ -51,7 +58,11 @@ async fn held_taken_over_once_and_released() {
         .count();
     assert_eq!(won, 1, "{outcomes:?}");
     // A later dispatch the journal ordered takes over however young the record is.
-    let revision = match ids.claim(&op, &d, "d", 1, LONG).await.expect("claim") {
+    let revision = match ids
+        .claim(&op, &d, &common::worker("d"), 1, LONG)
+        .await
+        .expect("claim")
+    {
         Claim::TakenOver {
             revision,
             redispatched: true,
@@ -60,24 +71,32 @@ async fn held_taken_over_once_and_released() {
         other => panic!("taken over expected: {other:?}"),
     };
     // Given back: that dispatch never runs again; the next one claims it afresh.
-    ids.release(&op, revision, &d, "d", 1)
+    ids.release(&op, revision, &d, &common::worker("d"), 1)
         .await
         .expect("release");
     assert_eq!(
-        ids.claim(&op, &d, "e", 1, Duration::ZERO)
+        ids.claim(&op, &d, &common::worker("e"), 1, Duration::ZERO)
             .await
             .expect("claim"),
         Claim::Released
     );
     assert!(matches!(
-        ids.claim(&op, &d, "e", 2, LONG).await.expect("claim"),
+        ids.claim(&op, &d, &common::worker("e"), 2, LONG)
+            .await
+            .expect("claim"),
         Claim::Fresh { .. }
     ));
     // Other arguments under the same id: a conflict, whatever the record's age.
     assert!(matches!(
-        ids.claim(&op, &Digest::of_bytes(b"other"), "f", 2, Duration::ZERO)
-            .await
-            .expect("claim"),
+        ids.claim(
+            &op,
+            &Digest::of_bytes(b"other"),
+            &common::worker("f"),
+            2,
+            Duration::ZERO
+        )
+        .await
+        .expect("claim"),
         Claim::Conflict { .. }
     ));
     h.shutdown().await;
@@ -96,7 +115,7 @@ async fn a_later_attempt_never_supersedes_a_running_one() {
     let d = Digest::of_bytes(b"args");
     let base = claim_dispatch(0, 1, true);
     assert!(matches!(
-        ids.claim_attempt(&op, &d, "a", base, base, LONG)
+        ids.claim_attempt(&op, &d, &common::worker("a"), base, base, LONG)
             .await
             .expect("claim"),
         Claim::Fresh { .. }
@@ -104,7 +123,7 @@ async fn a_later_attempt_never_supersedes_a_running_one() {
     // Attempt 2 while attempt 1 runs on a live runner: held.
     let second = claim_dispatch(0, 2, true);
     assert!(matches!(
-        ids.claim_attempt(&op, &d, "b", second, base, LONG)
+        ids.claim_attempt(&op, &d, &common::worker("b"), second, base, LONG)
             .await
             .expect("claim"),
         Claim::Held { .. }
@@ -112,7 +131,7 @@ async fn a_later_attempt_never_supersedes_a_running_one() {
     // Its runner gone: superseded without a confirm query (attempt 2 is claimed only once the
     // journal holds attempt 1's failure; its runner died before giving the record back).
     assert!(matches!(
-        ids.claim_from(&op, &d, "b", second, base, LONG, Some("a"))
+        ids.claim_from(&op, &d, &common::worker("b"), second, base, LONG, Some("a"))
             .await
             .expect("claim"),
         Claim::TakenOver {
@@ -122,7 +141,7 @@ async fn a_later_attempt_never_supersedes_a_running_one() {
     ));
     // The same attempt of a gone runner is taken over, but asked about first.
     assert!(matches!(
-        ids.claim_from(&op, &d, "c", second, base, LONG, Some("b"))
+        ids.claim_from(&op, &d, &common::worker("c"), second, base, LONG, Some("b"))
             .await
             .expect("claim"),
         Claim::TakenOver {
@@ -133,9 +152,16 @@ async fn a_later_attempt_never_supersedes_a_running_one() {
     // A later dispatch supersedes a running attempt of an earlier one.
     let next_dispatch = claim_dispatch(1, 1, true);
     assert!(matches!(
-        ids.claim_attempt(&op, &d, "c", next_dispatch, next_dispatch, LONG)
-            .await
-            .expect("claim"),
+        ids.claim_attempt(
+            &op,
+            &d,
+            &common::worker("c"),
+            next_dispatch,
+            next_dispatch,
+            LONG
+        )
+        .await
+        .expect("claim"),
         Claim::TakenOver {
             redispatched: true,
             ..

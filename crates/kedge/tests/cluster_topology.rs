@@ -289,7 +289,7 @@ async fn deploy(mock: &MockHandle) -> Deployment {
     let mut config = Config {
         nats_urls: cluster.urls(),
         replicas: 3,
-        worker_id: "w-topology-test".into(),
+        worker_id: "w-topology-test".parse().expect("worker id"),
         ..Config::default()
     };
     config.nats.nkey_seed_file = Some(secure.join("keys/admin.nk"));

@@ -128,7 +128,7 @@ async fn a_parked_lease_goes_to_another_step_worker_that_asks_for_it() {
     let parked = held_by(&h, &run, "w-main-step").await;
 
     // Garbage on the yield subject is answered with nothing and lets nothing go.
-    let yield_subject = kedge_core::subjects::live_yield("w-main-step");
+    let yield_subject = kedge_core::subjects::live_yield(&common::worker("w-main-step"));
     for garbage in ["not a run id", "", "run_nobody_has"] {
         let answer =
             h.rt.client
@@ -146,7 +146,7 @@ async fn a_parked_lease_goes_to_another_step_worker_that_asks_for_it() {
     // Another step worker, woken for the run, asks the holder (alive) for the lease and drives
     // the run (finding it waiting on its tool) instead of being turned away busy.
     let mut config = h.config.clone();
-    config.worker_id = "w-other-step".into();
+    config.worker_id = "w-other-step".parse().expect("worker id");
     let rt = Runtime::connect(config).await.expect("second runtime");
     let liveness = rt.liveness().await.expect("liveness");
     let (cancels, _) = tokio::sync::broadcast::channel(16);

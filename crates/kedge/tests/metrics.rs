@@ -571,7 +571,9 @@ async fn heartbeat_of(h: &Harness, worker: &str) {
     use futures::StreamExt as _;
     let mut sub =
         h.rt.client
-            .subscribe(kedge_core::subjects::live_heartbeat(worker))
+            .subscribe(kedge_core::subjects::live_heartbeat(
+                &worker.parse().expect("worker id"),
+            ))
             .await
             .expect("subscribe");
     tokio::time::timeout(Duration::from_secs(30), sub.next())

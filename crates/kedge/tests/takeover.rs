@@ -34,7 +34,9 @@ fn call(name: &str, args: serde_json::Value) -> serde_json::Value {
 async fn heartbeat_of(h: &Harness, worker: &str) {
     let mut sub =
         h.rt.client
-            .subscribe(kedge_core::subjects::live_heartbeat(worker))
+            .subscribe(kedge_core::subjects::live_heartbeat(
+                &worker.parse().expect("worker id"),
+            ))
             .await
             .expect("subscribe");
     tokio::time::timeout(Duration::from_secs(30), sub.next())
@@ -273,7 +275,12 @@ async fn a_lease_lost_mid_model_call_keeps_the_paid_answer_for_the_next_holder()
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     h.rt.leases
-        .take_over(&run, "w-vanished", holder.ttl, holder.revision)
+        .take_over(
+            &run,
+            &common::worker("w-vanished"),
+            holder.ttl,
+            holder.revision,
+        )
         .await
         .expect("taken");
     let state = h.wait_terminal(&run, WAIT).await;

@@ -37,7 +37,7 @@ struct TimerService {
 impl TimerService {
     async fn start(config: &Config, worker: &str) -> TimerService {
         let mut config = common::as_kind(config, kedge_runtime::secure::Kind::Timer);
-        config.worker_id = worker.to_owned();
+        config.worker_id = worker.parse().expect("worker id");
         let rt = Runtime::connect(config).await.expect("timer runtime");
         let mut services = TransientKedge::new();
         let timer = services.start_on(rt, &[Service::Timer]);

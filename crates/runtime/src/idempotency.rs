@@ -15,7 +15,7 @@ use async_nats::jetstream::kv::{Operation, Store, UpdateErrorKind};
 use bytes::Bytes;
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::Digest;
-use kedge_core::ids::{ModelRequestId, OperationId, RunId};
+use kedge_core::ids::{ModelRequestId, OperationId, RunId, WorkerId};
 use kedge_journal::blob::INLINE_MAX;
 use kedge_journal::{BlobError, BlobRef, Blobs};
 use serde::{Deserialize, Serialize};
@@ -321,7 +321,7 @@ impl IdempotencyStore {
         &self,
         op: &OperationId,
         args_digest: &Digest,
-        runner: &str,
+        runner: &WorkerId,
         dispatch: u32,
         abandoned_after: Duration,
     ) -> Result<Claim, IdempotencyError> {
@@ -348,7 +348,7 @@ impl IdempotencyStore {
         &self,
         op: &OperationId,
         args_digest: &Digest,
-        runner: &str,
+        runner: &WorkerId,
         code: u32,
         dispatch_from: u32,
         abandoned_after: Duration,
@@ -379,7 +379,7 @@ impl IdempotencyStore {
         &self,
         op: &OperationId,
         args_digest: &Digest,
-        runner: &str,
+        runner: &WorkerId,
         dispatch: u32,
         supersedes_below: u32,
         abandoned_after: Duration,
@@ -387,7 +387,7 @@ impl IdempotencyStore {
     ) -> Result<Claim, IdempotencyError> {
         let mine = |state| OpRecord {
             args_digest: args_digest.clone(),
-            runner: runner.to_owned(),
+            runner: runner.to_string(),
             dispatch,
             state,
         };
@@ -494,12 +494,12 @@ impl IdempotencyStore {
         op: &OperationId,
         revision: u64,
         args_digest: &Digest,
-        runner: &str,
+        runner: &WorkerId,
         dispatch: u32,
     ) -> Result<(), IdempotencyError> {
         let rec = OpRecord {
             args_digest: args_digest.clone(),
-            runner: runner.to_owned(),
+            runner: runner.to_string(),
             dispatch,
             state: OpState::Released,
         };
@@ -514,14 +514,14 @@ impl IdempotencyStore {
         op: &OperationId,
         revision: u64,
         args_digest: &Digest,
-        runner: &str,
+        runner: &WorkerId,
         content: &str,
         is_error: bool,
         how: Finished,
     ) -> Result<(), IdempotencyError> {
         let rec = OpRecord {
             args_digest: args_digest.clone(),
-            runner: runner.to_owned(),
+            runner: runner.to_string(),
             dispatch: 0,
             state: OpState::Done {
                 content: content.to_owned(),

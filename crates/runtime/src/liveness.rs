@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::{Client, RequestErrorKind};
 use futures::StreamExt as _;
-use kedge_core::ids::{OperationId, RunId};
+use kedge_core::ids::{OperationId, RunId, WorkerId};
 use kedge_core::subjects::{self, LIVE_HEARTBEATS};
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
@@ -106,7 +106,7 @@ impl Beat {
 /// A process found gone, and what its last heartbeat said it held.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Death {
-    pub worker: String,
+    pub worker: WorkerId,
     pub held: Beat,
     /// How long its heartbeats had been silent when the broker said it is gone.
     pub silent_for: Duration,
@@ -134,7 +134,7 @@ struct Peer {
 
 struct Inner {
     client: Client,
-    me: String,
+    me: WorkerId,
     /// This process among those that may (wrongly) share its worker id.
     instance: String,
     /// When another process last heartbeat under this worker id (milliseconds after `started`,
@@ -149,7 +149,7 @@ struct Inner {
     /// [`Liveness::hold_run`]).
     released: Mutex<HashMap<RunId, Instant>>,
     ops: Mutex<BTreeSet<OperationId>>,
-    peers: Mutex<HashMap<String, Peer>>,
+    peers: Mutex<HashMap<WorkerId, Peer>>,
     deaths: broadcast::Sender<Death>,
 }
 
@@ -209,19 +209,10 @@ impl Liveness {
     /// the last clone is dropped.
     pub async fn start(
         client: Client,
-        worker: &str,
+        worker: &WorkerId,
         heartbeat: Duration,
         suspect_after: Duration,
     ) -> Result<Liveness, RuntimeError> {
-        if !subjects::is_token(worker) {
-            return Err(RuntimeError::broker(
-                "liveness",
-                format!(
-                    "worker id `{}` is not a subject token",
-                    worker.escape_debug()
-                ),
-            ));
-        }
         let pings = client
             .subscribe(subjects::live_ping(worker))
             .await
@@ -233,7 +224,7 @@ impl Liveness {
         let (deaths, _) = broadcast::channel(256);
         let inner = Arc::new(Inner {
             client,
-            me: worker.to_owned(),
+            me: worker.clone(),
             instance: uuid::Uuid::new_v4().simple().to_string(),
             id_shared_at: std::sync::atomic::AtomicU64::new(0),
             started: Instant::now(),
@@ -249,12 +240,12 @@ impl Liveness {
         tokio::spawn(send_heartbeats(Arc::downgrade(&inner)));
         tokio::spawn(watch_heartbeats(Arc::downgrade(&inner), beats));
         tokio::spawn(probe_suspects(Arc::downgrade(&inner)));
-        tracing::info!(worker, ?heartbeat, ?suspect_after, "liveness started");
+        tracing::info!(worker = %worker, ?heartbeat, ?suspect_after, "liveness started");
         Ok(Liveness { inner })
     }
 
     /// This process's worker id.
-    pub fn worker(&self) -> &str {
+    pub fn worker(&self) -> &WorkerId {
         &self.inner.me
     }
 
@@ -339,7 +330,7 @@ impl Liveness {
     }
 
     /// When this process last heard `worker`'s heartbeat (`None`: never, or long forgotten).
-    pub fn last_heard(&self, worker: &str) -> Option<Instant> {
+    pub fn last_heard(&self, worker: &WorkerId) -> Option<Instant> {
         self.inner
             .peers
             .lock()
@@ -349,8 +340,8 @@ impl Liveness {
 
     /// Whether `worker` is gone: this process itself never is; one whose heartbeat arrived
     /// within `suspect_after` is alive without asking; any other is pinged.
-    pub async fn is_gone(&self, worker: &str) -> bool {
-        if worker == self.inner.me {
+    pub async fn is_gone(&self, worker: &WorkerId) -> bool {
+        if *worker == self.inner.me {
             return false;
         }
         let recent = self.inner.peers.lock().is_ok_and(|peers| {
@@ -366,11 +357,7 @@ impl Liveness {
 }
 
 /// Pings `worker`, waiting at most `wait` for its answer.
-pub async fn ping(client: &Client, worker: &str, wait: Duration) -> Verdict {
-    if !subjects::is_token(worker) {
-        // Not a name a Kedge process can have: nobody answers for it.
-        return Verdict::Gone;
-    }
+pub async fn ping(client: &Client, worker: &WorkerId, wait: Duration) -> Verdict {
     let request = async_nats::Request::new().timeout(Some(wait));
     match client
         .send_request(subjects::live_ping(worker), request)
@@ -455,9 +442,6 @@ async fn watch_heartbeats(inner: Weak<Inner>, mut beats: async_nats::Subscriber)
         let Some(worker) = subjects::parse_live_heartbeat(msg.subject.as_str()) else {
             continue;
         };
-        if !subjects::is_token(worker) {
-            continue;
-        }
         // A heartbeat that does not parse still says its sender is alive.
         let held = serde_json::from_slice::<Beat>(&msg.payload).ok();
         if worker == live.me {
@@ -490,14 +474,14 @@ async fn watch_heartbeats(inner: Weak<Inner>, mut beats: async_nats::Subscriber)
             return;
         };
         let now = Instant::now();
-        if let Some(peer) = peers.get_mut(worker) {
+        if let Some(peer) = peers.get_mut(&worker) {
             peer.seen = now;
             if let Some(held) = held {
                 held.onto(&mut peer.held);
             }
         } else if peers.len() < MAX_PEERS {
             peers.insert(
-                worker.to_owned(),
+                worker,
                 Peer {
                     seen: now,
                     held: held.map_or_else(Beat::default, |h| {

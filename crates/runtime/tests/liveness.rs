@@ -15,22 +15,26 @@ async fn client(server: &NatsServer) -> async_nats::Client {
     async_nats::connect(server.url()).await.expect("connects")
 }
 
+fn worker(name: &str) -> kedge_core::ids::WorkerId {
+    name.parse().expect("worker id")
+}
+
 #[tokio::test]
 async fn a_closed_connection_is_gone_with_what_it_held() {
     let server = NatsServer::start().await;
-    let watcher = Liveness::start(client(&server).await, "w-watch", BEAT, SUSPECT)
+    let watcher = Liveness::start(client(&server).await, &worker("w-watch"), BEAT, SUSPECT)
         .await
         .expect("starts");
     let mut deaths = watcher.deaths();
     let doomed_client = client(&server).await;
-    let doomed = Liveness::start(doomed_client.clone(), "w-doomed", BEAT, SUSPECT)
+    let doomed = Liveness::start(doomed_client.clone(), &worker("w-doomed"), BEAT, SUSPECT)
         .await
         .expect("starts");
     let run = RunId::generate();
     let _hold = doomed.hold_run(&run).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
-        ping(&doomed_client, "w-doomed", SUSPECT).await,
+        ping(&doomed_client, &worker("w-doomed"), SUSPECT).await,
         Verdict::Alive
     );
     // The process's connection closes (what a kill -9 does to it): the server drops its
@@ -42,7 +46,7 @@ async fn a_closed_connection_is_gone_with_what_it_held() {
         .await
         .expect("found gone in time")
         .expect("a death");
-    assert_eq!(death.worker, "w-doomed");
+    assert_eq!(death.worker.as_str(), "w-doomed");
     assert_eq!(death.held.runs, vec![run]);
     assert!(watcher.id_is_unique());
 }
@@ -50,13 +54,13 @@ async fn a_closed_connection_is_gone_with_what_it_held() {
 #[tokio::test]
 async fn two_live_processes_sharing_a_worker_id_notice_it() {
     let server = NatsServer::start().await;
-    let alone = Liveness::start(client(&server).await, "w-alone", BEAT, SUSPECT)
+    let alone = Liveness::start(client(&server).await, &worker("w-alone"), BEAT, SUSPECT)
         .await
         .expect("starts");
-    let a = Liveness::start(client(&server).await, "w-same", BEAT, SUSPECT)
+    let a = Liveness::start(client(&server).await, &worker("w-same"), BEAT, SUSPECT)
         .await
         .expect("starts");
-    let b = Liveness::start(client(&server).await, "w-same", BEAT, SUSPECT)
+    let b = Liveness::start(client(&server).await, &worker("w-same"), BEAT, SUSPECT)
         .await
         .expect("starts");
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -83,7 +87,7 @@ async fn a_run_held_again_right_after_its_release_is_not_announced_again() {
     watch.flush().await.expect("flush");
     let live = Liveness::start(
         client(&server).await,
-        "w-again",
+        &worker("w-again"),
         Duration::from_secs(30),
         Duration::from_secs(60),
     )

@@ -482,7 +482,7 @@ pub async fn apply_policy(rt: &Runtime, policy: Policy) -> Result<PassReport, Re
         if advanced > through {
             let value = serde_json::to_vec(&Cursor {
                 through: advanced,
-                by: rt.config.worker_id.clone(),
+                by: rt.config.worker_id.to_string(),
                 at: Some(Timestamp::now()),
             })
             .map_err(|e| cursor_err(&e))?;

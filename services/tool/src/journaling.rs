@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kedge_core::event::{Draft, Timestamp, ToolRequested, ToolResult};
-use kedge_core::ids::{InputId, OperationId};
+use kedge_core::ids::{InputId, OperationId, WorkerId};
 use kedge_core::tools::ToolErrorClass;
 use kedge_runtime::Runtime;
 use kedge_runtime::idempotency::Finished;
@@ -174,7 +174,7 @@ pub(crate) async fn record(
     op: &OperationId,
     revision: u64,
     req: &ToolRequested,
-    runner: &str,
+    runner: &WorkerId,
     out: &Output,
     how: Finished,
 ) -> Result<(), ToolError> {

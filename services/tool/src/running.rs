@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kedge_core::event::{Draft, Timestamp, ToolRequested, ToolStarted};
-use kedge_core::ids::{InputId, OperationId, RunId};
+use kedge_core::ids::{InputId, OperationId, RunId, WorkerId};
 use kedge_core::tools::{GiveUp, ToolErrorClass, Verdict, claim_dispatch};
 use kedge_runtime::idempotency::{Finished, IdempotencyError};
 use kedge_runtime::metrics::{self, ToolOutcome};
@@ -77,7 +77,7 @@ pub(crate) struct Handling<'a> {
     pub(crate) op: &'a OperationId,
     pub(crate) req: &'a ToolRequested,
     /// This runner (the process's `worker_id`): who the record is claimed for.
-    pub(crate) runner: &'a String,
+    pub(crate) runner: &'a WorkerId,
     /// What the tool's name refers to.
     pub(crate) target: Target,
     /// How old a `running` record must be to be taken for abandoned (`op_abandoned_after`).
@@ -211,7 +211,7 @@ async fn start_and_run(
         op.run().clone(),
         Timestamp::now(),
         Draft::new(Input::ToolStarted(ToolStarted {
-            runner: runner.clone(),
+            runner: runner.to_string(),
             attempt,
         }))
         .step(op.step())

@@ -7,7 +7,7 @@ use std::ops::ControlFlow;
 use std::time::Duration;
 
 use kedge_core::event::{Event, EventType, ToolRequested};
-use kedge_core::ids::OperationId;
+use kedge_core::ids::{OperationId, WorkerId};
 use kedge_core::tools::claim_dispatch;
 use kedge_runtime::idempotency::{Claim, Finished};
 use kedge_runtime::metrics::{self, ConfirmResult, Takeover, ToolOutcome};
@@ -51,7 +51,7 @@ pub(crate) async fn take_over_gone(
             runner: holder,
             dispatch,
             ..
-        } if ctx.liveness.is_gone(holder).await => Some((holder.clone(), *dispatch)),
+        } if holder_is_gone(ctx, holder).await => Some((holder.clone(), *dispatch)),
         _ => None,
     };
     let may_still_land = matches!(target, Target::Mcp { .. })
@@ -102,6 +102,15 @@ pub(crate) async fn take_over_gone(
         }
     }
     Ok(early)
+}
+
+/// Whether the runner a record names is gone: a name that is no worker id is no Kedge
+/// process's (nobody heartbeats or answers for it).
+async fn holder_is_gone(ctx: &Ctx, holder: &str) -> bool {
+    match holder.parse::<WorkerId>() {
+        Ok(worker) => ctx.liveness.is_gone(&worker).await,
+        Err(_) => true,
+    }
 }
 
 /// Whether a record held by a gone runner (claimed under `held_dispatch`) is taken over at
@@ -244,7 +253,7 @@ async fn already_journaled(
     op: &OperationId,
     revision: u64,
     req: &ToolRequested,
-    runner: &str,
+    runner: &WorkerId,
 ) -> Result<bool, ToolError> {
     let results = rt
         .journal

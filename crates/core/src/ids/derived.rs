@@ -113,12 +113,6 @@ impl fmt::Display for OperationId {
     }
 }
 
-impl fmt::Debug for OperationId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "OperationId({self})")
-    }
-}
-
 impl FromStr for OperationId {
     type Err = IdError;
     fn from_str(s: &str) -> Result<Self, IdError> {
@@ -131,27 +125,8 @@ impl FromStr for OperationId {
     }
 }
 
-impl TryFrom<String> for OperationId {
-    type Error = IdError;
-    fn try_from(s: String) -> Result<Self, IdError> {
-        s.parse()
-    }
-}
-
-impl From<OperationId> for String {
-    fn from(id: OperationId) -> String {
-        id.to_string()
-    }
-}
-
-impl JsonSchema for OperationId {
-    fn schema_name() -> Cow<'static, str> {
-        "OperationId".into()
-    }
-    fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        json_schema!({ "type": "string", "pattern": "^op_[A-Za-z0-9_-]+_[0-9]+_[0-9]+$" })
-    }
-}
+string_form!(OperationId, "^op_[A-Za-z0-9_-]+_[0-9]+_[0-9]+$", |id| id
+    .to_string());
 
 impl RunId {
     /// The child run an operation of `run_agent` starts (docs/ARCHITECTURE.md "Child runs"):
@@ -294,12 +269,6 @@ impl fmt::Display for ModelRequestId {
     }
 }
 
-impl fmt::Debug for ModelRequestId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ModelRequestId({self})")
-    }
-}
-
 impl FromStr for ModelRequestId {
     type Err = IdError;
     fn from_str(s: &str) -> Result<Self, IdError> {
@@ -312,27 +281,9 @@ impl FromStr for ModelRequestId {
     }
 }
 
-impl TryFrom<String> for ModelRequestId {
-    type Error = IdError;
-    fn try_from(s: String) -> Result<Self, IdError> {
-        s.parse()
-    }
-}
-
-impl From<ModelRequestId> for String {
-    fn from(id: ModelRequestId) -> String {
-        id.to_string()
-    }
-}
-
-impl JsonSchema for ModelRequestId {
-    fn schema_name() -> Cow<'static, str> {
-        "ModelRequestId".into()
-    }
-    fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        json_schema!({ "type": "string", "pattern": "^req_[A-Za-z0-9_-]+_[0-9]+_[0-9]+$" })
-    }
-}
+string_form!(ModelRequestId, "^req_[A-Za-z0-9_-]+_[0-9]+_[0-9]+$", |id| {
+    id.to_string()
+});
 
 #[cfg(test)]
 mod tests {

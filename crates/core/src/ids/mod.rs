@@ -14,6 +14,41 @@
 //! (agents, tenants); `input` the deduplication ids of journal inputs; `seq` a decision's stream
 //! sequence.
 
+/// The impls every id with a string form shares: parsed from a `String` through its `FromStr`
+/// (so serde validates what it decodes), turned back into one by `$into`, written
+/// `Name(value)` by `Debug`, and a string matching `$pattern` in the JSON Schemas (`schemas/`).
+macro_rules! string_form {
+    ($name:ident, $pattern:expr, |$id:ident| $into:expr) => {
+        impl TryFrom<String> for $name {
+            type Error = IdError;
+            fn try_from(s: String) -> Result<Self, IdError> {
+                s.parse()
+            }
+        }
+
+        impl From<$name> for String {
+            fn from($id: $name) -> String {
+                $into
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!(stringify!($name), "({})"), self)
+            }
+        }
+
+        impl JsonSchema for $name {
+            fn schema_name() -> Cow<'static, str> {
+                stringify!($name).into()
+            }
+            fn json_schema(_: &mut SchemaGenerator) -> Schema {
+                json_schema!({ "type": "string", "pattern": $pattern })
+            }
+        }
+    };
+}
+
 mod derived;
 mod input;
 mod name;
@@ -28,7 +63,7 @@ use serde::{Deserialize, Serialize};
 
 pub use derived::{ModelRequestId, OperationId};
 pub use input::InputId;
-pub use name::{AgentName, TenantId};
+pub use name::{AgentName, TenantId, WorkerId};
 pub use seq::DecisionSeq;
 
 /// Longest body (after the prefix) accepted for a run id. Derived ids (operations, questions)
@@ -116,42 +151,17 @@ macro_rules! prefixed_id {
             }
         }
 
-        impl TryFrom<String> for $name {
-            type Error = IdError;
-            fn try_from(s: String) -> Result<Self, IdError> {
-                s.parse()
-            }
-        }
-
-        impl From<$name> for String {
-            fn from(id: $name) -> String {
-                id.0
-            }
-        }
-
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(&self.0)
             }
         }
 
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, "{}({})", stringify!($name), self.0)
-            }
-        }
-
-        impl JsonSchema for $name {
-            fn schema_name() -> Cow<'static, str> {
-                stringify!($name).into()
-            }
-            fn json_schema(_: &mut SchemaGenerator) -> Schema {
-                json_schema!({
-                    "type": "string",
-                    "pattern": concat!("^", $prefix, "[A-Za-z0-9_-]{1,", $max_lit, "}$"),
-                })
-            }
-        }
+        string_form!(
+            $name,
+            concat!("^", $prefix, "[A-Za-z0-9_-]{1,", $max_lit, "}$"),
+            |id| id.0
+        );
     };
 }
 
@@ -295,5 +305,21 @@ mod tests {
         let agent: AgentName = "research-bot".parse().expect("valid");
         assert_eq!(agent.as_str(), "research-bot");
         assert!("a.b".parse::<AgentName>().is_err());
+    }
+
+    #[test]
+    fn worker_ids_are_subject_tokens() {
+        let fresh = WorkerId::generate();
+        assert!(fresh.as_str().starts_with("w-") && fresh.as_str().len() == 14);
+        assert_eq!(fresh.as_str().parse::<WorkerId>(), Ok(fresh.clone()));
+        assert_eq!(
+            serde_json::to_string(&"step-7".parse::<WorkerId>().expect("valid")).expect("ser"),
+            "\"step-7\""
+        );
+        for bad in ["", "step-7@host", "a b", "a.b", "a*", "w>"] {
+            assert!(bad.parse::<WorkerId>().is_err(), "{bad}");
+        }
+        assert!("w".repeat(129).parse::<WorkerId>().is_err());
+        assert!(serde_json::from_str::<WorkerId>("\"a.b\"").is_err());
     }
 }

@@ -1,4 +1,4 @@
-//! Unprefixed names used as subject tokens: agent names and tenants.
+//! Unprefixed names used as subject tokens: agent names, tenants and workers.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -40,42 +40,17 @@ macro_rules! token_name {
             }
         }
 
-        impl TryFrom<String> for $name {
-            type Error = IdError;
-            fn try_from(s: String) -> Result<Self, IdError> {
-                s.parse()
-            }
-        }
-
-        impl From<$name> for String {
-            fn from(id: $name) -> String {
-                id.0
-            }
-        }
-
         impl fmt::Display for $name {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(&self.0)
             }
         }
 
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, "{}({})", stringify!($name), self.0)
-            }
-        }
-
-        impl JsonSchema for $name {
-            fn schema_name() -> Cow<'static, str> {
-                stringify!($name).into()
-            }
-            fn json_schema(_: &mut SchemaGenerator) -> Schema {
-                json_schema!({
-                    "type": "string",
-                    "pattern": concat!("^[A-Za-z0-9_-]{1,", stringify!($max), "}$"),
-                })
-            }
-        }
+        string_form!(
+            $name,
+            concat!("^[A-Za-z0-9_-]{1,", stringify!($max), "}$"),
+            |id| id.0
+        );
     };
 }
 
@@ -89,3 +64,21 @@ token_name!(
     TenantId,
     64
 );
+token_name!(
+    /// A Kedge process's worker: who holds a run's lease, runs an operation, leads a provider's
+    /// release, and heartbeats on `kedge.live.<worker>` (so it must be a subject token). What a
+    /// broker record names as a holder is read as a plain string and parsed here before a
+    /// subject is built from it.
+    WorkerId,
+    128
+);
+
+impl WorkerId {
+    /// A fresh worker id, `w-` and 12 hex digits: what a process without a configured id is.
+    pub fn generate() -> Self {
+        Self(format!(
+            "w-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..12]
+        ))
+    }
+}

@@ -8,7 +8,7 @@ mod broker;
 pub use broker::*;
 
 use crate::event::{EventKind, EventType};
-use crate::ids::{AgentName, ApprovalId, QuestionId, RunId, TenantId, TimerId};
+use crate::ids::{AgentName, ApprovalId, QuestionId, RunId, TenantId, TimerId, WorkerId};
 
 /// Task intake stream (work-queue retention), subjects `agent.task.>`.
 pub const TASKS_STREAM: &str = "KEDGE_TASKS";
@@ -187,25 +187,25 @@ pub const LIVE_HEARTBEATS: &str = "kedge.live.hb.*";
 /// Every subject of the failure detector: heartbeats, pings and lease yields (`kedge.live.>`).
 pub const LIVE_ALL: &str = "kedge.live.>";
 
-/// The heartbeat subject of worker `worker` (a subject token: see [`is_token`]).
-pub fn live_heartbeat(worker: &str) -> String {
+/// The heartbeat subject of worker `worker`.
+pub fn live_heartbeat(worker: &WorkerId) -> String {
     format!("kedge.live.hb.{worker}")
 }
 
-/// The worker a heartbeat's subject names (unchecked: see [`is_token`]).
-pub fn parse_live_heartbeat(subject: &str) -> Option<&str> {
-    subject.strip_prefix("kedge.live.hb.")
+/// The worker a heartbeat's subject names, when it is a worker id.
+pub fn parse_live_heartbeat(subject: &str) -> Option<WorkerId> {
+    subject.strip_prefix("kedge.live.hb.")?.parse().ok()
 }
 
 /// The ping subject of worker `worker`.
-pub fn live_ping(worker: &str) -> String {
+pub fn live_ping(worker: &WorkerId) -> String {
     format!("kedge.live.ping.{worker}")
 }
 
 /// The lease-yield subject of worker `worker`: a step worker woken for a run whose lease
 /// `worker` keeps parked after a drive asks it there to let go (core NATS request, the run id
 /// as payload; the answer is the release marker's sequence, or empty when nothing was parked).
-pub fn live_yield(worker: &str) -> String {
+pub fn live_yield(worker: &WorkerId) -> String {
     format!("kedge.live.yield.{worker}")
 }
 

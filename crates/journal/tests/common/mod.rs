@@ -22,6 +22,11 @@ pub async fn setup() -> (NatsServer, Journal) {
     (server, Journal::new(client))
 }
 
+/// The worker id `name` (a test's own, always valid).
+pub fn worker(name: &str) -> kedge_core::ids::WorkerId {
+    name.parse().expect("worker id")
+}
+
 pub fn new_run() -> RunId {
     RunId::generate()
 }

@@ -244,7 +244,7 @@ fn start_services(config: &Config, projector: bool) -> kedge_serve::TransientKed
         .filter(|(service, _)| projector || *service != Service::Projector)
     {
         let mut c = config.clone();
-        c.worker_id = worker.to_owned();
+        c.worker_id = worker.parse().expect("worker id");
         services.start(c, &[service]);
     }
     services

@@ -50,7 +50,7 @@ pub fn bench_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
     let mut config = Config {
         nats_urls: vec![nats_url.to_owned()],
         workspace_root: workspace.to_owned(),
-        worker_id: worker.to_owned(),
+        worker_id: worker.parse().expect("worker id"),
         ..Config::default()
     };
     config

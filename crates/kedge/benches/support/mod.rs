@@ -27,7 +27,7 @@ pub async fn writer_runtime(
     let config = kedge_runtime::Config {
         nats_urls: vec![server.url()],
         workspace_root: dir.join("ws"),
-        worker_id: "bench-writer".into(),
+        worker_id: "bench-writer".parse().expect("worker id"),
         ..kedge_runtime::Config::default()
     };
     kedge_runtime::Runtime::connect(config).await.unwrap()

@@ -90,6 +90,11 @@ pub struct Harness {
 /// The error lines of the in-process services (one that cannot start, one restarting after a
 /// failure) go to the output of the test that caused them, shown when it fails; `RUST_LOG` asks
 /// for more.
+/// The worker id `name` (a test's own, always valid).
+pub fn worker(name: &str) -> kedge_core::ids::WorkerId {
+    name.parse().expect("worker id")
+}
+
 pub fn log_errors() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -102,7 +107,7 @@ pub fn fast_config(nats_url: &str, workspace: &Path, worker: &str) -> Config {
     let mut config = Config {
         nats_urls: vec![nats_url.to_owned()],
         workspace_root: workspace.to_owned(),
-        worker_id: worker.to_owned(),
+        worker_id: worker.parse().expect("worker id"),
         ..Config::default()
     };
     config
@@ -259,7 +264,7 @@ impl Harness {
             Svc::Timer => Kind::Timer,
         };
         let mut config = as_kind(&self.config, kind);
-        config.worker_id = worker.to_owned();
+        config.worker_id = worker.parse().expect("worker id");
         edit(&mut config);
         self.services.start(config, &[svc.service()]);
     }

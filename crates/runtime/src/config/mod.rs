@@ -56,6 +56,7 @@ use std::path::{Path, PathBuf};
 
 use kedge_core::config::mcp::ServerConfig;
 use kedge_core::config::{RelationError, Timeouts};
+use kedge_core::ids::WorkerId;
 use serde::{Deserialize, Serialize};
 
 use crate::connect::redact_url;
@@ -80,7 +81,7 @@ pub struct Config {
     pub replicas: usize,
     /// This process's name in leases, operation records and `tool.started` (default: a random
     /// `w-…`).
-    pub worker_id: String,
+    pub worker_id: WorkerId,
     /// Where the built-in file tools keep each run's workspace (`<root>/<run_id>/`).
     pub workspace_root: PathBuf,
     /// Commands the `shell` tool may run.
@@ -157,7 +158,7 @@ impl Default for Config {
             nats_urls: vec![DEFAULT_NATS_URL.into()],
             nats: NatsConfig::default(),
             replicas: 1,
-            worker_id: format!("w-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]),
+            worker_id: WorkerId::generate(),
             workspace_root: PathBuf::from(".kedge/workspaces"),
             shell_allowlist: [
                 "ls", "cat", "echo", "wc", "grep", "head", "tail", "sort", "date",

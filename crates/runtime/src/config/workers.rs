@@ -42,7 +42,14 @@ impl Config {
             self.replicas = num("KEDGE_REPLICAS", &v)?;
         }
         if let Some(v) = get("KEDGE_WORKER_ID") {
-            self.worker_id = v;
+            self.worker_id = v
+                .parse()
+                .map_err(|e: kedge_core::ids::IdError| ConfigError::Env {
+                    var: "KEDGE_WORKER_ID",
+                    reason: format!(
+                        "{e} (it names the worker's liveness subjects: 1 to 128 of A-Z a-z 0-9 _ -)"
+                    ),
+                })?;
         }
         if let Some(v) = get("KEDGE_WORKSPACE_ROOT") {
             self.workspace_root = PathBuf::from(v);
@@ -62,21 +69,12 @@ impl Config {
         Ok(())
     }
 
-    /// The replicas, the worker id and the concurrency limits.
+    /// The replicas and the concurrency limits (a worker id is valid by its type).
     pub(super) fn check_workers(&self) -> Result<(), ConfigError> {
         if !matches!(self.replicas, 1..=5) {
             return Err(ConfigError::Invalid {
                 field: "replicas",
                 reason: format!("{} is not between 1 and 5", self.replicas),
-            });
-        }
-        if !kedge_core::subjects::is_token(&self.worker_id) {
-            return Err(ConfigError::Invalid {
-                field: "worker_id",
-                reason: format!(
-                    "`{}` must be 1 to 128 of A-Z a-z 0-9 _ - (it names the worker's liveness subjects)",
-                    self.worker_id.escape_debug()
-                ),
             });
         }
         if self.step_concurrency == 0 || self.tool_concurrency == 0 {
@@ -86,5 +84,34 @@ impl Config {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::env_of;
+
+    #[test]
+    fn a_worker_id_is_a_subject_token_from_the_environment_and_from_a_file() {
+        let mut c = Config::default();
+        assert!(
+            c.worker_id.as_str().starts_with("w-"),
+            "a fresh id by default"
+        );
+        c.apply_workers_env(&env_of(&[("KEDGE_WORKER_ID", "step-a-1".into())]))
+            .expect("a token");
+        assert_eq!(c.worker_id.as_str(), "step-a-1");
+        for bad in ["", "a.b", "a b", "w>", "é", &"w".repeat(129)] {
+            let err = c
+                .apply_workers_env(&env_of(&[("KEDGE_WORKER_ID", bad.to_owned())]))
+                .expect_err(bad);
+            assert!(err.to_string().contains("KEDGE_WORKER_ID"), "{err}");
+        }
+        let from_file: Result<Config, _> = serde_json::from_str(r#"{"worker_id": "a.b"}"#);
+        assert!(
+            from_file.is_err(),
+            "a file's worker id is checked as it is read"
+        );
     }
 }

@@ -39,6 +39,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
+use kedge_core::ids::WorkerId;
 use kedge_core::subjects::PROVIDERS_BUCKET;
 use serde::Serialize;
 
@@ -102,7 +103,7 @@ struct Inner {
     kv: kv::Store,
     js: jetstream::Context,
     config: ProviderConfig,
-    worker: String,
+    worker: WorkerId,
     view: Mutex<View>,
 }
 
@@ -119,7 +120,7 @@ impl Providers {
     pub async fn open(
         js: jetstream::Context,
         config: ProviderConfig,
-        worker: &str,
+        worker: &WorkerId,
     ) -> Result<Providers, ProviderError> {
         let kv = js
             .get_key_value(PROVIDERS_BUCKET)
@@ -130,7 +131,7 @@ impl Providers {
                 kv,
                 js,
                 config,
-                worker: worker.to_owned(),
+                worker: worker.clone(),
                 view: Mutex::default(),
             }),
         };

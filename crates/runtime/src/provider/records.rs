@@ -3,7 +3,7 @@
 //! kind of record.
 
 use kedge_core::event::{ModelSpec, Timestamp};
-use kedge_core::ids::{RunId, TenantId};
+use kedge_core::ids::{RunId, TenantId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 use super::LEAD_FOR;
@@ -97,11 +97,12 @@ impl Lead {
     /// What `worker` does about the lead it sees (`held`: the lead and its revision) at `now`:
     /// its own lead is renewed once less than half of [`LEAD_FOR`] is left, another's is taken
     /// once it has run out.
-    pub(super) fn step(held: Option<&(Lead, u64)>, worker: &str, now: Timestamp) -> LeadStep {
+    pub(super) fn step(held: Option<&(Lead, u64)>, worker: &WorkerId, now: Timestamp) -> LeadStep {
         let renew_after = now.saturating_add(LEAD_FOR / 2);
+        let mine = |l: &Lead| l.worker == worker.as_str();
         match held {
-            Some((l, _)) if l.worker == worker && l.until > renew_after => LeadStep::Keep,
-            Some((l, _)) if l.worker != worker && l.until > now => LeadStep::Leave,
+            Some((l, _)) if mine(l) && l.until > renew_after => LeadStep::Keep,
+            Some((l, _)) if !mine(l) && l.until > now => LeadStep::Leave,
             Some((_, rev)) => LeadStep::Write(Some(*rev)),
             None => LeadStep::Write(None),
         }
@@ -152,6 +153,7 @@ mod tests {
     #[test]
     fn a_releaser_keeps_its_lead_renews_it_at_half_time_and_takes_one_run_out() {
         use crate::provider::fixtures::at;
+        let w = |name: &str| name.parse::<WorkerId>().expect("worker id");
         let lead = |worker: &str, until: i64| {
             (
                 Lead {
@@ -161,23 +163,23 @@ mod tests {
                 7,
             )
         };
-        assert_eq!(Lead::step(None, "w1", at(0)), LeadStep::Write(None));
+        assert_eq!(Lead::step(None, &w("w1"), at(0)), LeadStep::Write(None));
         // Its own: kept while more than half of it is left, then renewed over its revision.
         assert_eq!(
-            Lead::step(Some(&lead("w1", 3)), "w1", at(0)),
+            Lead::step(Some(&lead("w1", 3)), &w("w1"), at(0)),
             LeadStep::Keep
         );
         assert_eq!(
-            Lead::step(Some(&lead("w1", 3)), "w1", at(2)),
+            Lead::step(Some(&lead("w1", 3)), &w("w1"), at(2)),
             LeadStep::Write(Some(7))
         );
         // Another's: left alone until it runs out, then taken over its revision.
         assert_eq!(
-            Lead::step(Some(&lead("w2", 3)), "w1", at(2)),
+            Lead::step(Some(&lead("w2", 3)), &w("w1"), at(2)),
             LeadStep::Leave
         );
         assert_eq!(
-            Lead::step(Some(&lead("w2", 3)), "w1", at(3)),
+            Lead::step(Some(&lead("w2", 3)), &w("w1"), at(3)),
             LeadStep::Write(Some(7))
         );
     }

@@ -114,7 +114,7 @@ impl Providers {
             LeadStep::Write(revision) => revision,
         };
         let lead = Lead {
-            worker: self.inner.worker.clone(),
+            worker: self.inner.worker.to_string(),
             until: now.saturating_add(LEAD_FOR),
         };
         match self.write(&lead_key(id), &lead, revision).await {

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{AckKind, Message};
-use kedge_core::ids::RunId;
+use kedge_core::ids::{RunId, WorkerId};
 use kedge_core::subjects;
 use kedge_journal::{Lease, LeaseError, Released};
 use kedge_runtime::Runtime;
@@ -266,34 +266,48 @@ impl Driver {
         }
         match self.rt.leases.acquire(run, &cfg.worker_id, ttl).await {
             Ok(lease) => Ok(fresh(lease)),
-            // Held by a process that is gone (the broker has no connection for it), or by this
-            // process itself (one drive per run per process, so such a lease is left over from
-            // an earlier holding whose release failed, possibly before a restart under the same
-            // worker id; unless another live process heartbeats under that id): take it over now
-            // instead of waiting out its TTL.
-            Err(LeaseError::Held { owner, revision })
-                if (owner == cfg.worker_id && self.liveness.id_is_unique())
-                    || self.liveness.is_gone(&owner).await =>
-            {
-                self.take_over(run, &owner, revision, at).await
+            Err(LeaseError::Held { owner, revision }) => {
+                self.held_by(run, &owner, revision, at).await
             }
-            // A live worker holds it: between two drives it keeps the lease parked, and lets go
-            // when asked.
-            Err(LeaseError::Held { owner, .. }) if owner != cfg.worker_id => {
-                self.ask_to_yield(run, &owner).await
-            }
-            Err(LeaseError::Held { .. }) => Ok(None),
             Err(e) => Err(e.into()),
         }
     }
 
-    /// Takes `run`'s lease over from `owner`, a holder that is gone or this process itself (see
-    /// [`Driver::acquire`]), at the lease's `revision`; `at`: when the acquire began. `None`
-    /// when another worker took it first.
-    async fn take_over(
+    /// `run`'s lease is held by `owner` (as the broker names it) at `revision`. Held by a
+    /// process that is gone (the broker has no connection for it), or by this process itself
+    /// (one drive per run per process, so such a lease is left over from an earlier holding
+    /// whose release failed, possibly before a restart under the same worker id; unless another
+    /// live process heartbeats under that id): taken over now instead of waiting out its TTL.
+    /// Held by a live worker: between two drives it keeps the lease parked, and lets go when
+    /// asked.
+    async fn held_by(
         &self,
         run: &RunId,
         owner: &str,
+        revision: u64,
+        at: Instant,
+    ) -> Result<Option<Holding>, DriveError> {
+        // A name that is no worker id is no Kedge process's: nobody heartbeats or answers for it.
+        let Ok(owner) = owner.parse::<WorkerId>() else {
+            return self.take_over(run, None, revision, at).await;
+        };
+        let mine = owner == self.rt.config.worker_id;
+        if (mine && self.liveness.id_is_unique()) || self.liveness.is_gone(&owner).await {
+            self.take_over(run, Some(&owner), revision, at).await
+        } else if mine {
+            Ok(None)
+        } else {
+            self.ask_to_yield(run, &owner).await
+        }
+    }
+
+    /// Takes `run`'s lease over from `owner`, a holder that is gone or this process itself
+    /// (`None`: a holder whose name is no worker id; see [`Driver::held_by`]), at the lease's
+    /// `revision`; `at`: when the acquire began. `None` when another worker took it first.
+    async fn take_over(
+        &self,
+        run: &RunId,
+        owner: Option<&WorkerId>,
         revision: u64,
         at: Instant,
     ) -> Result<Option<Holding>, DriveError> {
@@ -307,14 +321,14 @@ impl Driver {
             .await
         {
             Ok(lease) => {
-                tracing::warn!(run_id = %run, previous = %owner, "took over the run from a holder that is gone");
+                tracing::warn!(run_id = %run, previous = owner.map_or("(no worker id)", WorkerId::as_str), "took over the run from a holder that is gone");
                 let heard = self.adopted.lock().ok().and_then(|mut a| a.remove(run));
                 metrics::takeover(Takeover::Run, heard.map(|at| at.elapsed()));
                 // Its model call in flight may still deliver (a dropped connection is
                 // not a dead process): remembered for `await_interrupted_answer`.
-                if owner != cfg.worker_id {
+                if owner != Some(&cfg.worker_id) {
                     let last = heard
-                        .or_else(|| self.liveness.last_heard(owner))
+                        .or_else(|| owner.and_then(|o| self.liveness.last_heard(o)))
                         .unwrap_or_else(std::time::Instant::now);
                     if let Ok(mut taken) = self.taken_from.lock() {
                         remember(&mut taken, run.clone(), last);
@@ -323,7 +337,7 @@ impl Driver {
                 Ok(fresh(lease))
             }
             // Our own parked lease, released by its expiry meanwhile: taken afresh.
-            Err(LeaseError::Lost { .. }) if owner == cfg.worker_id => {
+            Err(LeaseError::Lost { .. }) if owner == Some(&cfg.worker_id) => {
                 match self.rt.leases.acquire(run, &cfg.worker_id, ttl).await {
                     Ok(lease) => Ok(fresh(lease)),
                     Err(LeaseError::Held { .. }) => Ok(None),
@@ -339,10 +353,11 @@ impl Driver {
     /// ([`Driver::yield_parked`]), and takes it if so. `None` (busy) when the owner is driving
     /// the run, does not answer in [`YIELD_TIMEOUT`] or runs a build without parking (no
     /// responders), or another worker took the lease first.
-    async fn ask_to_yield(&self, run: &RunId, owner: &str) -> Result<Option<Holding>, DriveError> {
-        if !subjects::is_token(owner) {
-            return Ok(None);
-        }
+    async fn ask_to_yield(
+        &self,
+        run: &RunId,
+        owner: &WorkerId,
+    ) -> Result<Option<Holding>, DriveError> {
         let request = async_nats::Request::new()
             .payload(run.as_str().to_owned().into())
             .timeout(Some(YIELD_TIMEOUT));
@@ -389,7 +404,7 @@ impl Driver {
     /// lease cannot be read for is not committed: it is stored for whoever holds the run).
     pub(super) async fn still_holds(&self, run: &RunId) -> bool {
         match self.rt.leases.holder(run).await {
-            Ok(Some(h)) => h.owner == self.rt.config.worker_id,
+            Ok(Some(h)) => h.owner == self.rt.config.worker_id.as_str(),
             Ok(None) | Err(_) => false,
         }
     }

@@ -259,7 +259,7 @@ impl Driver {
         };
         // The right to write the run's decisions comes from the lease; its name is stable for
         // this holding, so a retried append is recognised as ours.
-        let writer = holding.lease.writer(&cfg.worker_id);
+        let writer = holding.lease.writer();
         let mut w = Writing {
             writer: &writer,
             stale_through: None,

@@ -289,7 +289,11 @@ pub async fn contended(
         stats: time_op(iters.min(200), |i| async move {
             let l = rt
                 .leases
-                .acquire(&runs[i % runs.len()], "w-bench2", ttl)
+                .acquire(
+                    &runs[i % runs.len()],
+                    &"w-bench2".parse().expect("worker id"),
+                    ttl,
+                )
                 .await;
             if let Ok(l) = l {
                 let _ = rt.leases.release(l).await;

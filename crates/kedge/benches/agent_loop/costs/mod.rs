@@ -190,7 +190,11 @@ async fn leases(rt: &Runtime, runs: &[RunId], ttl: Duration, iters: usize, out: 
             async move {
                 let l = rt
                     .leases
-                    .acquire(&runs[i % runs.len()], "w-bench", ttl)
+                    .acquire(
+                        &runs[i % runs.len()],
+                        &"w-bench".parse().expect("worker id"),
+                        ttl,
+                    )
                     .await
                     .expect("acquire");
                 held.lock().unwrap().insert(i, l);
@@ -235,7 +239,12 @@ async fn leases(rt: &Runtime, runs: &[RunId], ttl: Duration, iters: usize, out: 
             async move {
                 let hint = markers.lock().unwrap().remove(&i);
                 rt.leases
-                    .acquire_after(&runs[i % runs.len()], "w-bench", ttl, hint)
+                    .acquire_after(
+                        &runs[i % runs.len()],
+                        &"w-bench".parse().expect("worker id"),
+                        ttl,
+                        hint,
+                    )
                     .await
                     .expect("acquire");
             }
@@ -395,7 +404,13 @@ async fn idempotency(rt: &Runtime, s: &Sample, iters: usize, out: &mut Vec<OpCos
                 let op = OperationId::new(krun, StepNo(i as u32 + 1), 0);
                 match rt
                     .idempotency
-                    .claim(&op, digest, "w-bench", 0, Duration::from_secs(70))
+                    .claim(
+                        &op,
+                        digest,
+                        &"w-bench".parse().expect("worker id"),
+                        0,
+                        Duration::from_secs(70),
+                    )
                     .await
                     .expect("claim")
                 {
@@ -423,7 +438,7 @@ async fn idempotency(rt: &Runtime, s: &Sample, iters: usize, out: &mut Vec<OpCos
                             &op,
                             rev,
                             digest,
-                            "w-bench",
+                            &"w-bench".parse().expect("worker id"),
                             "recorded: 5",
                             false,
                             kedge_runtime::idempotency::Finished::Ran,
