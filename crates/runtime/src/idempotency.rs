@@ -16,6 +16,7 @@ use bytes::Bytes;
 use kedge_core::decide::ModelResponse;
 use kedge_core::event::Digest;
 use kedge_core::ids::{ModelRequestId, OperationId, RunId, WorkerId};
+use kedge_core::tools::supersedes;
 use kedge_journal::blob::INLINE_MAX;
 use kedge_journal::{BlobError, BlobRef, Blobs};
 use serde::{Deserialize, Serialize};
@@ -436,12 +437,10 @@ impl IdempotencyStore {
                         .unwrap_or_default();
                     let holder_gone = gone.is_some_and(|g| g == rec.runner);
                     let abandoned = holder_gone || age >= abandoned_after;
-                    // Only an earlier dispatch is superseded while it runs. An earlier attempt
-                    // of this one still running is held; once abandoned it is superseded too:
-                    // the caller claims a later attempt only because the journal holds the
-                    // earlier one's failure (its runner died before giving the record back).
+                    // Only an earlier dispatch is superseded while it runs; an earlier attempt
+                    // of this one once abandoned (`kedge_core::tools::supersedes`).
                     let redispatched =
-                        rec.dispatch < supersedes_below || (abandoned && rec.dispatch < dispatch);
+                        supersedes(rec.dispatch, dispatch, supersedes_below, abandoned);
                     if !redispatched && !abandoned {
                         return Ok(Claim::Held {
                             runner: rec.runner,

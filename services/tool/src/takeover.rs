@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use kedge_core::event::{Event, EventType, ToolRequested};
 use kedge_core::ids::{OperationId, WorkerId};
-use kedge_core::tools::claim_dispatch;
+use kedge_core::tools::{claim_dispatch, supersedes};
 use kedge_runtime::idempotency::{Claim, Finished};
 use kedge_runtime::metrics::{self, ConfirmResult, Takeover, ToolOutcome};
 use kedge_runtime::{Runtime, failpoint};
@@ -62,7 +62,12 @@ pub(crate) async fn take_over_gone(
             .is_some_and(|p| p.rerun_safe(&req.tool));
     let mut early = None;
     if let Some((holder, dispatch)) = gone_holder {
-        let take_over = takes_over_at_once(h.retried, dispatch, code, may_still_land)
+        // The gone runner's record is taken over at once, before any status query, when the
+        // journal superseded it (an earlier attempt whose failure it holds) or its call cannot
+        // still land (not a remote call, or one of a tool safe to run again).
+        let first = claim_dispatch(req.redispatch, 1, h.retried);
+        let take_over = supersedes(dispatch, code, first, true)
+            || !may_still_land
             || {
                 early = target.early_confirm(&ctx.env, &ctx.mcp, op).await;
                 early.as_ref().inspect(|c| count_confirm(c));
@@ -94,7 +99,7 @@ pub(crate) async fn take_over_gone(
                     &req.args_digest,
                     h.runner,
                     code,
-                    claim_dispatch(req.redispatch, 1, h.retried),
+                    first,
                     h.abandoned_after,
                     Some(holder.as_str()),
                 )
@@ -111,15 +116,6 @@ async fn holder_is_gone(ctx: &Ctx, holder: &str) -> bool {
         Ok(worker) => ctx.liveness.is_gone(&worker).await,
         Err(_) => true,
     }
-}
-
-/// Whether a record held by a gone runner (claimed under `held_dispatch`) is taken over at
-/// once, before any status query, by the attempt claiming under `code`: it is an earlier
-/// attempt whose failure the journal holds (under a retry policy, a lower number), or the call
-/// cannot still land (not a remote call, or one of a tool safe to run again).
-fn takes_over_at_once(retried: bool, held_dispatch: u32, code: u32, may_still_land: bool) -> bool {
-    let attempt_finished = retried && held_dispatch < code;
-    attempt_finished || !may_still_land
 }
 
 /// What the status query asked before a takeover ([`Target::early_confirm`]) says of a remote
@@ -281,41 +277,7 @@ async fn already_journaled(
 
 #[cfg(test)]
 mod tests {
-    use kedge_core::tools::claim_dispatch;
-
     use super::*;
-
-    #[test]
-    fn a_gone_runners_call_that_cannot_still_land_is_taken_over_at_once() {
-        // A built-in (or a tool safe to run again): nothing of it goes on without its runner.
-        let code = claim_dispatch(0, 1, false);
-        assert!(takes_over_at_once(false, code, code, false));
-        let code = claim_dispatch(0, 1, true);
-        assert!(takes_over_at_once(true, code, code, false));
-    }
-
-    #[test]
-    fn a_gone_runners_remote_call_of_this_attempt_waits() {
-        // The call may still take effect on its server: the deadline, or an early status
-        // query, decides; not the takeover.
-        let code = claim_dispatch(0, 1, false);
-        assert!(!takes_over_at_once(false, code, code, true));
-        let code = claim_dispatch(2, 3, true);
-        assert!(!takes_over_at_once(true, code, code, true));
-    }
-
-    #[test]
-    fn an_earlier_attempt_whose_failure_is_journaled_is_superseded_at_once() {
-        // Under a retry policy the attempt due now claims above the gone runner's record of
-        // the failed one: nothing of that one can still land that the journal does not hold.
-        let held = claim_dispatch(0, 1, true);
-        let now = claim_dispatch(0, 2, true);
-        assert!(takes_over_at_once(true, held, now, true));
-        // Not an earlier attempt: a later record (a newer dispatch's) is not superseded.
-        assert!(!takes_over_at_once(true, now, held, true));
-        // Without a policy the numbers are dispatches, not attempts: no failure is journaled.
-        assert!(!takes_over_at_once(false, 0, 1, true));
-    }
 
     #[test]
     fn only_a_confirmed_early_answer_takes_over_and_only_in_flight_asks_again() {

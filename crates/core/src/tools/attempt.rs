@@ -24,6 +24,19 @@ pub fn claim_dispatch(dispatch: u32, attempt: u32, retried: bool) -> u32 {
         .saturating_add(attempt.clamp(1, STRIDE) - 1)
 }
 
+/// Whether a claim under `code` takes over a `running` record claimed under `held` as
+/// superseded, without a confirm query (what the record's call did, the journal already moved
+/// past): a record of an earlier dispatch (below `supersedes_below`, the first number of the
+/// claimer's dispatch: [`claim_dispatch`] of its attempt 1) at once, even while its runner still
+/// runs (the journal ordered the later dispatch); a record of an earlier attempt of the
+/// claimer's own dispatch (below `code`) only once its runner is gone or its record abandoned
+/// (`holder_gone`): the journal holds that attempt's failure, and nothing starts beside a live
+/// attempt. One rule for every taker: the operation record's claim and the takeover of a gone
+/// runner's operation (docs/ARCHITECTURE.md "Tool retries").
+pub fn supersedes(held: u32, code: u32, supersedes_below: u32, holder_gone: bool) -> bool {
+    held < supersedes_below || (holder_gone && held < code)
+}
+
 /// Where an operation under a retry policy stands in one dispatch, from its journaled
 /// `tool.attempt`s: the attempt to make next, and when it is due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +126,36 @@ mod tests {
         // A later dispatch supersedes every attempt of an earlier one.
         assert!(claim_dispatch(1, 1, true) > claim_dispatch(0, MAX_TOOL_ATTEMPTS, true));
         assert_eq!(claim_dispatch(u32::MAX, 5, true), u32::MAX, "saturates");
+    }
+
+    #[test]
+    fn an_earlier_dispatch_is_superseded_at_once_and_an_earlier_attempt_once_its_runner_is_gone() {
+        for gone in [false, true] {
+            // Without a policy the numbers are dispatches: an earlier one is superseded even
+            // while its runner runs; the same one never.
+            let (d0, d1) = (claim_dispatch(0, 1, false), claim_dispatch(1, 1, false));
+            assert!(supersedes(d0, d1, d1, gone));
+            assert!(!supersedes(d1, d1, d1, gone));
+            // Under a policy: every attempt of an earlier dispatch, at once.
+            let first = claim_dispatch(1, 1, true);
+            for a in 1..=MAX_TOOL_ATTEMPTS {
+                assert!(supersedes(claim_dispatch(0, a, true), first, first, gone));
+            }
+        }
+        // An earlier attempt of the same dispatch (its failure journaled): only once its runner
+        // is gone or its record abandoned, never beside a live one.
+        let (first, held, now) = (
+            claim_dispatch(2, 1, true),
+            claim_dispatch(2, 2, true),
+            claim_dispatch(2, 3, true),
+        );
+        assert!(supersedes(held, now, first, true));
+        assert!(!supersedes(held, now, first, false));
+        // The attempt being claimed, or a later record (a newer dispatch's): never.
+        assert!(!supersedes(now, now, first, true));
+        assert!(!supersedes(now, held, first, true));
+        let later = claim_dispatch(3, 1, true);
+        assert!(!supersedes(later, now, first, true));
     }
 
     #[test]

@@ -31,7 +31,7 @@ mod limits;
 mod retry;
 mod rules;
 
-pub use attempt::{NextAttempt, claim_dispatch, next_attempt};
+pub use attempt::{NextAttempt, claim_dispatch, next_attempt, supersedes};
 pub use builtin::{BUILTINS, Builtin, builtin};
 pub use contract::{ArgumentError, Contract, Refusal, check_schema};
 pub use limits::RunLimits;
