@@ -610,6 +610,14 @@ mod tests {
                 assert!(filters.contains(&(stream.to_owned(), filter)), "{stream}");
             }
             assert_eq!(filters.len(), keys.len() + 5, "{}", path.display());
+            // Each purge is of a stream the retention user may purge (its permissions are built
+            // from the same list).
+            for (stream, _) in &filters {
+                assert!(
+                    subjects::PURGED_STREAMS.contains(&stream.as_str()),
+                    "{stream}"
+                );
+            }
             // Every filter names this run alone (or a record of it): nothing of another run.
             assert!(
                 filters.iter().all(|(_, f)| !f.contains('*') && !f.ends_with('>')

@@ -66,6 +66,21 @@ bucket!(
     "OBJ_"
 );
 
+/// The streams a finished run has data in, which retention purges it from (named one by one:
+/// never the tasks or the agents): the journal, the operation and model-answer records, its
+/// lease, its summary in the runs projection, its timers, what was set aside of it, and its
+/// blobs. The retention user's permissions are built from this list, and retention's tests check
+/// that every purge it makes is of one of these streams.
+pub const PURGED_STREAMS: [&str; 7] = [
+    RUNS_STREAM,
+    IDEMPOTENCY_STREAM,
+    LEASES_STREAM,
+    RUNS_BUCKET_STREAM,
+    TIMERS_STREAM,
+    REJECTIONS_STREAM,
+    BLOBS_STREAM,
+];
+
 /// The key of the retention service's cursor in [`LEASES_BUCKET`] (the journal sequence through
 /// which it handled terminal events): the one key of that bucket the retention user may write.
 pub const RETENTION_CURSOR_KEY: &str = "retention.cursor";
