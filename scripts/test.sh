@@ -29,6 +29,8 @@ cargo clippy --workspace --all-targets -- -D warnings
 # The services as they ship (no dev-dependencies, so no `unfenced-writer`): a decision writer
 # comes only from a held lease.
 cargo check --workspace --lib --bins
+# The API docs build without a broken or private link.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 # The binary without the mock model (`--no-default-features`: no `kedge demo`, no `kedge mock-llm`).
 cargo check -p kedge --no-default-features
 # Unit, integration and doc tests. Benches (harness = false binaries that print numbers) are

@@ -4,8 +4,8 @@
 //! - [`event`]: the journal envelope and every event type, split into decisions and inputs.
 //! - [`subjects`]: stream, bucket and subject names (the broker layout).
 //! - [`machine`]: the run state machine as one declared transition table.
-//! - [`fold`]: `fold(journal) -> RunState`.
-//! - [`decide`]: what the step service should do next, as pure functions of the state.
+//! - [`fold`](mod@fold): `fold(journal) -> RunState`.
+//! - [`decide`](mod@decide): what the step service should do next, as pure functions of the state.
 //! - [`agent`]: agent definitions (prompt, model, tools, policy, budget).
 //! - [`child`]: child runs (`run_agent`): the verdict on a call, the child's bundle and budget,
 //!   and the result a child gives its parent.

@@ -17,7 +17,7 @@
 //! since the recorded group was decided a moment before its envelopes were stamped.
 //!
 //! Version gates ([`crate::event::Gate`]): a group is decided taking anew only the gates whose
-//! marker (`run.gated`) it carries, right after its first decision ([`markers_after`]), besides
+//! marker (`run.gated`) it carries, right after its first decision (`markers_after`), besides
 //! those the run marked before; a journal without markers is decided on every gate's old
 //! branch, as the build that wrote it did.
 //!

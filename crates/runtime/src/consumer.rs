@@ -223,7 +223,7 @@ const HAND_BACK_FOR: Duration = Duration::from_secs(2);
 /// The buffered messages are taken first and the stream (with its subscription, so its open
 /// pull request finds no interest) is dropped before any NAK: a handed-back message cannot be
 /// delivered to this process again and bounce here, burning the consumer's `max_deliver`.
-/// Bounded by [`HAND_BACK_FOR`]. Returns how many messages were handed back.
+/// Bounded by `HAND_BACK_FOR`. Returns how many messages were handed back.
 pub async fn hand_back(mut messages: pull::Stream, consumer: Durable) -> usize {
     use futures::StreamExt as _;
     let until = tokio::time::Instant::now() + HAND_BACK_FOR;

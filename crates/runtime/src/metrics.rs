@@ -56,6 +56,9 @@ macro_rules! metrics_table {
     ($($const:ident = $name:literal, $kind:ident, [$($label:literal),*], $help:literal;)*) => {
         $(
             #[doc = $help]
+            // The help texts name subjects such as `agent.rejected.<agent>` as Prometheus shows
+            // them, not as HTML.
+            #[allow(rustdoc::invalid_html_tags)]
             pub const $const: &str = $name;
         )*
         /// Every metric a Kedge process exports (docs/RUNBOOK.md "Metrics" lists the same).

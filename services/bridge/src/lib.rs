@@ -158,7 +158,7 @@ impl Bridge {
         let _ = self.shutdown_tx.send(true);
     }
 
-    /// Ready: connected, and the layout check passed within [`LAYOUT_CHECK_EVERY`].
+    /// Ready: connected, and the layout check passed within `LAYOUT_CHECK_EVERY`.
     pub async fn ready(&self) -> Result<(), String> {
         use async_nats::connection::State;
         if self.rt.client.connection_state() != State::Connected {

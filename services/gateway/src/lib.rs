@@ -56,7 +56,7 @@ pub const MAX_IN_FLIGHT: usize = 1024;
 pub const FOLLOW_FOR: Duration = Duration::from_secs(60);
 
 /// How long a follow waits for a run not made yet (its task just acknowledged) before it is
-/// refused as not found (see [`owned_or_pending`]).
+/// refused as not found (see `owned_or_pending`).
 pub const PENDING_RUN_WAIT: Duration = Duration::from_secs(3);
 
 /// Follows one tenant may have open on one gateway process at once (each holds a request slot

@@ -26,8 +26,8 @@ const PROJECTING: usize = 64;
 
 /// Runs the projector until `shutdown` resolves.
 ///
-/// Deliveries are handled per run, [`PROJECTING`] runs at once: a delivery of a run already
-/// being projected joins it ([`Inbox`]), and one read, fold and store covers every decision of
+/// Deliveries are handled per run, `PROJECTING` runs at once: a delivery of a run already
+/// being projected joins it (`Inbox`), and one read, fold and store covers every decision of
 /// the run that arrived meanwhile (a backlog of a run's decisions, a burst of a live run). A
 /// delivery is acknowledged only once a summary folded through it is stored (or found stored),
 /// so a process killed midway leaves the rest to redelivery. At most one projection of a run is

@@ -3,7 +3,7 @@
 //! Driven by the journal's own events through the durable pull consumer `step` (a run's
 //! `run.created` and every input wake it; there is no separate wake queue and no polling). For a
 //! woken run it takes the run's lease, folds the journal, and loops on
-//! [`kedge_core::decide`] until the run is idle:
+//! [`kedge_core::decide()`] until the run is idle:
 //!
 //! - `Commit(decisions)`: append them with the optimistic-concurrency check;
 //! - `Step(plan)`: journal `step.started` (intent before effect), call the model while renewing

@@ -46,7 +46,7 @@ impl Target {
 
     /// The confirm query for an operation whose runner is gone; `None` when running it again is
     /// harmless (idempotent built-ins, unknown tools). An MCP tool is asked through its server's
-    /// status tool when it has one ([`mcp_status`]).
+    /// status tool when it has one (`mcp_status`).
     pub async fn confirm(&self, env: &Env, mcp: &Pool, op: &OperationId) -> Option<Confirm> {
         match self {
             Target::Builtin(t) if !t.idempotent() => Some(env.confirm(*t, op).await),

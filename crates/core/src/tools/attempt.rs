@@ -56,7 +56,7 @@ impl NextAttempt {
 
     /// Where the dispatch stands after `failed`, a `tool.attempt` of it journaled at `at` (its
     /// envelope's time), or `None` when `failed` changes nothing: the one rule for reading a
-    /// `tool.attempt`, which the fold ([`crate::fold`]) and the runners both apply.
+    /// `tool.attempt`, which the fold ([`crate::fold()`]) and the runners both apply.
     ///
     /// A failure is taken only if it is later than what is known (attempts are numbered up,
     /// a repeat changes nothing) and a real attempt: numbers outside 1..=[`MAX_TOOL_ATTEMPTS`]

@@ -100,7 +100,7 @@ enum Check {
 
 /// The right to append one run's decisions: the single-writer rule as a type. Made only by
 /// [`crate::Lease::writer`] from a lease this process acquired (or, for benches and tests of the
-/// journal itself, [`DecisionWriter::unfenced`] behind the `unfenced-writer` feature). Its name,
+/// journal itself, `DecisionWriter::unfenced` behind the `unfenced-writer` feature). Its name,
 /// `<worker>-<lease revision>`, goes into every decision's `Nats-Msg-Id`, so a retried append is
 /// recognised as this holding's own.
 ///
@@ -264,7 +264,7 @@ impl Journal {
     /// leader (two round trips, one after the other) and the append is checked against the
     /// first, as [`Journal::append_decision_current`]'s is: every decision append of a run is
     /// checked on the same subject, `agent.run.<id>.>`, which is what makes a clustered
-    /// stream's leader refuse one while another is in flight (see [`Check`]). An input that
+    /// stream's leader refuse one while another is in flight (see `Check`). An input that
     /// lands between the look and the append only makes it look again (for up to the
     /// journal's request timeout of inputs in a row). Errors: [`JournalError::Conflict`] when
     /// another decision was appended since `expected_last` (a zombie writer whose lease was

@@ -240,7 +240,7 @@ impl Providers {
             .collect()
     }
 
-    /// Releases waiting runs, until its task is aborted: every [`TICK`], for each endpoint with runs
+    /// Releases waiting runs, until its task is aborted: every `TICK`, for each endpoint with runs
     /// waiting whose lead this process holds, the probe due (open) or the next runs at
     /// `release_per_second` (closed, recovering). Runs in every step process; the leads keep
     /// it to one releaser per endpoint.

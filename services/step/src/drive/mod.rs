@@ -185,7 +185,7 @@ impl Driver {
     /// the broker has acknowledged): the run is read up to it without asking the stream leader
     /// where the run ends. `None` (an adopted run) reads with the leader's check. `absorbed`:
     /// that newest wake, when it is not `msg` but one a drive in progress absorbed (its chain
-    /// may be read, see [`Driver::refresh`]).
+    /// may be read, see `Driver::refresh`).
     pub async fn drive(
         &self,
         run: &RunId,
