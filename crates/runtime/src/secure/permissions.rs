@@ -20,8 +20,9 @@ use kedge_core::subjects::{
     IMPORT_REPLIES, INBOXES, JOURNAL_ALL, JS_API_ADMINISTRATION, JS_API_INFO, JS_FLOW_CONTROL,
     LEASES_BUCKET, LEASES_STREAM, LIVE_ALL, OBJECTS_ALL, ONE_TOKEN, PROVIDERS_BUCKET,
     PROVIDERS_STREAM, REJECTED_ALL, REJECTED_CALLBACK, REJECTED_JOURNAL_ALL, REJECTIONS_STREAM,
-    RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_BUCKET, SECRETS_STREAM, SYS_ALL,
-    StreamApi, TASKS_ALL, TIMERS_SCHEDULED_ALL, TIMERS_STREAM, TOOL_INSPECT, TOOL_RESOLVE,
+    RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_BUCKET, SECRETS_STREAM, SLOTS_BUCKET,
+    SLOTS_STREAM, SYS_ALL, StreamApi, TASKS_ALL, TIMERS_SCHEDULED_ALL, TIMERS_STREAM, TOOL_INSPECT,
+    TOOL_RESOLVE,
 };
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
@@ -228,6 +229,8 @@ fn step() -> KindRules {
         all_runs(EventType::CancelRequested),
         all_runs(EventType::ProviderReleased),
         subjects::kv_all(PROVIDERS_BUCKET),
+        subjects::kv_all(SLOTS_BUCKET),
+        all_runs(EventType::SlotGranted),
     ];
     publish.extend(watch(PROVIDERS_STREAM));
     publish.push(LIVE_ALL.to_owned());
@@ -236,8 +239,9 @@ fn step() -> KindRules {
         about: format!(
             "the single writer of a run's decisions: leases, model calls, stored responses, token \
              deltas, target checks, liveness heartbeats and pings, the fleet's view of each model \
-             endpoint ({PROVIDERS_BUCKET}); of inputs only a run's release from its wait on the \
-             provider, a child run's result to its parent (and a run_agent refusal) and a \
+             endpoint ({PROVIDERS_BUCKET}), the slots of concurrency keys ({SLOTS_BUCKET}); of \
+             inputs only a run's release from its wait on the provider, a slot handed to a \
+             waiting run, a child run's result to its parent (and a run_agent refusal) and a \
              cancelling parent's cancel of its children"
         ),
         durables: vec![Durable::Step],
@@ -310,11 +314,21 @@ fn timer() -> KindRules {
 }
 
 fn reconciler() -> KindRules {
+    let mut publish = vec![
+        all_runs(EventType::Nudge),
+        TOOL_RESOLVE.to_owned(),
+        subjects::kv_all(SLOTS_BUCKET),
+        all_runs(EventType::SlotGranted),
+    ];
+    publish.extend(watch(SLOTS_STREAM));
     KindRules {
-        about: "nudges stalled runs and asks tool runners to resolve stuck operations".to_owned(),
+        about: format!(
+            "nudges stalled runs, asks tool runners to resolve stuck operations, frees the slots \
+             of concurrency keys ({SLOTS_BUCKET}) that finished or vanished runs kept"
+        ),
         durables: Vec::new(),
         lift: Vec::new(),
-        publish: vec![all_runs(EventType::Nudge), TOOL_RESOLVE.to_owned()],
+        publish,
         subscribe: Vec::new(),
         allow_responses: None,
     }
