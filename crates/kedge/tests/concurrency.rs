@@ -425,7 +425,9 @@ async fn a_slot_a_vanished_run_kept_is_recovered_by_the_reconciler() {
     // Nothing frees it but the recovery: still queued a while later.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(h.state(&run).await.status, RunStatus::Queued);
-    let (freed, woken) = kedge_reconciler::slots::recover(&h.rt)
+    // One pass of the reconciler's recovery, as its user (on the secured layout, its rights).
+    let rec = h.runtime_as(kedge_runtime::secure::Kind::Reconciler).await;
+    let (freed, woken) = kedge_reconciler::slots::recover(&rec)
         .await
         .expect("a recovery pass");
     assert_eq!((freed, woken), (1, 1));

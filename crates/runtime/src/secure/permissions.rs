@@ -643,9 +643,9 @@ mod tests {
                 "{kind}"
             );
         }
-        // Of inputs, the step appends only these three: a child's result, the cancel a
-        // cancelling parent sends its children, and the fleet's release of a run waiting on
-        // its model provider.
+        // Of inputs, the step appends only these four: a child's result, the cancel a
+        // cancelling parent sends its children, the fleet's release of a run waiting on its
+        // model provider, and a slot of a concurrency key handed to a waiting run.
         let step_inputs: Vec<String> = allowed(Kind::Step, "publish")
             .into_iter()
             .filter(|s| s.contains(".i."))
@@ -655,9 +655,22 @@ mod tests {
             vec![
                 "agent.run.*.i.cancel.requested".to_owned(),
                 "agent.run.*.i.provider.released".to_owned(),
+                "agent.run.*.i.slot.granted".to_owned(),
                 "agent.run.*.i.tool.result".to_owned()
             ]
         );
+        // Slots are handed on by the run that gives one back (the step) or by the reconciler's
+        // recovery (docs/ARCHITECTURE.md "Concurrency keys and priorities").
+        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
+            assert_eq!(
+                may(kind, "agent.run.*.i.slot.granted"),
+                matches!(
+                    kind,
+                    Kind::Step | Kind::Reconciler | Kind::Operator | Kind::All
+                ),
+                "{kind}"
+            );
+        }
         for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
             assert_eq!(
                 may(kind, "agent.run.*.i.provider.released"),
