@@ -457,3 +457,66 @@ async fn a_slot_a_vanished_run_kept_is_recovered_by_the_reconciler() {
     }
     h.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_to_a_finished_run_waits_for_a_slot_like_a_new_run() {
+    let script = json!({"models": {
+        "long": {"steps": [{"text": "held", "delay_ms": 3000}]},
+        "short": {"steps": [{"text": "first", "delay_ms": 50}, {"text": "second", "delay_ms": 50}]},
+    }});
+    let h = harness(script).await;
+    h.agent("holder", "long").await;
+    h.agent("chat", "short").await;
+    let key = Some(("desk-{metadata.desk}", 1));
+    let meta = json!({"desk": 3});
+    let chat = submit_as(&h, "acme", &task("chat", meta.clone(), key, None), "chat").await;
+    let state = h.wait_terminal(&chat, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    // Its slot was given back at its end: another run of the key takes it and holds it.
+    let holder = submit_as(&h, "acme", &task("holder", meta.clone(), key, None), "hold").await;
+    h.wait_for(&holder, WAIT, |s| s.status == RunStatus::Running)
+        .await;
+    // A message continues the chat: its next turn waits for the key like a new run would.
+    h.input(
+        &chat,
+        Event::UserMessage(kedge_core::event::UserMessage {
+            text: "and then?".into(),
+        }),
+        "msg-again",
+    )
+    .await;
+    let state = h.wait_for(&chat, WAIT, |s| s.queued.is_some()).await;
+    assert_eq!(state.status, RunStatus::Succeeded, "it waits to be revived");
+    assert_eq!(state.turn, 1);
+    assert!(
+        !h.state(&holder).await.status.is_terminal(),
+        "the holder ended before the chat queued: the test proves nothing"
+    );
+    // Once the holder ends, the chat is revived and answers its second turn.
+    let held = {
+        let s = h.wait_terminal(&holder, WAIT).await;
+        assert_eq!(s.status, RunStatus::Succeeded);
+        busy(&h, &holder).await
+    };
+    let state = h
+        .wait_for(&chat, WAIT, |s| {
+            s.turn == 2 && s.status == RunStatus::Succeeded
+        })
+        .await;
+    assert_eq!(state.output.as_deref(), Some("second"));
+    let revived_at = h
+        .events(&chat)
+        .await
+        .iter()
+        .find(|r| matches!(r.envelope.event, Event::RunRevived(_)))
+        .map(|r| r.envelope.at)
+        .expect("revived");
+    assert!(
+        held.1 <= revived_at,
+        "the chat's second turn ran while the key was full"
+    );
+    h.check_replay(&chat, "concurrency-revived").await;
+    let rec = record(&h, "acme", "desk-3").await.expect("a record");
+    assert!(rec.is_idle(), "{rec:?}");
+    h.shutdown().await;
+}
