@@ -66,7 +66,9 @@ pub fn is_public(t: EventType) -> bool {
         | EventType::RunCompensating
         | EventType::ProviderWaiting
         | EventType::ProviderReleased
-        | EventType::ContextCompacted => true,
+        | EventType::ContextCompacted
+        | EventType::RunQueued
+        | EventType::SlotGranted => true,
         EventType::Nudge => false,
     }
 }
@@ -127,6 +129,11 @@ pub struct RunView {
     /// decide (`kedge providers` shows each endpoint's next probe).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider: Option<ProviderView>,
+    /// While the run waits for a slot of its concurrency key (`run.queued`, docs/ARCHITECTURE.md
+    /// "Concurrency keys and priorities"): the key, its limit, the run's priority and its place
+    /// among the key's waiting runs when it began waiting (1 = next).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued: Option<kedge_core::event::RunQueued>,
     pub usage: UsageView,
     pub budget: Budget,
     /// The business result of a succeeded run, with its own validation status.
@@ -369,6 +376,7 @@ pub fn run_view(state: &RunState, events: &[Recorded]) -> RunView {
         current_step,
         waiting,
         provider,
+        queued: state.queued.clone(),
         usage: UsageView {
             currency: state.bundle.model.currency().map(str::to_owned),
             ..state.usage.into()

@@ -225,6 +225,7 @@ pub fn created(
             op: op.clone(),
             ancestors: lineage(&parent.bundle),
         }),
+        concurrency: None,
     })
 }
 

@@ -34,6 +34,7 @@ pub fn run_created(agent: &str, input: &str) -> RunCreated {
         metadata: Default::default(),
         traceparent: None,
         parent: None,
+        concurrency: None,
     }
 }
 

@@ -9,6 +9,8 @@
 //! - [`agent`]: agent definitions (prompt, model, tools, policy, budget).
 //! - [`child`]: child runs (`run_agent`): the verdict on a call, the child's bundle and budget,
 //!   and the result a child gives its parent.
+//! - [`concurrency`]: concurrency keys and priorities: key templates, the waiting order, the
+//!   slot record's transitions.
 //! - [`config`]: the timeouts and the relations between them; how to reach an MCP server
 //!   ([`config::mcp`]).
 //! - [`task`]: the task submission and its validation.
@@ -24,6 +26,7 @@ pub mod agent;
 pub mod answers;
 pub mod child;
 pub mod compensation;
+pub mod concurrency;
 pub mod config;
 pub mod context;
 pub mod decide;

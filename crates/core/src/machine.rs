@@ -304,6 +304,14 @@ pub const TRANSITIONS: &[Transition] = &[
         from: &[R, WT, WU, WA, WE, WP],
         to: Target::Stay,
     },
+    // The run's concurrency key is at its limit (docs/ARCHITECTURE.md "Concurrency keys and
+    // priorities"): a queued run waits to start, a finished one with a message waits to be
+    // revived; bookkeeping, the status stays.
+    Transition {
+        event: EventType::RunQueued,
+        from: &[Q, S, F],
+        to: Target::Stay,
+    },
 ];
 
 /// The row for a decision type; `None` for inputs.
@@ -471,13 +479,23 @@ mod tests {
     #[test]
     fn terminal_statuses_are_never_left_except_by_revive() {
         for terminal in RunStatus::ALL.iter().filter(|s| s.is_terminal()) {
-            for (event, to) in successors(*terminal) {
+            // `run.queued` is bookkeeping there (a message waits for a slot): it stays.
+            for (event, to) in successors(*terminal)
+                .into_iter()
+                .filter(|(_, to)| to != terminal)
+            {
                 assert_eq!(event, EventType::RunRevived, "{terminal} left by {event}");
                 assert_eq!(to, RunStatus::Running);
                 assert_ne!(*terminal, RunStatus::Cancelled, "cancelled is final");
             }
         }
         assert!(successors(RunStatus::Cancelled).is_empty());
+        assert_eq!(
+            apply(Some(RunStatus::Succeeded), EventType::RunQueued, None),
+            Ok(RunStatus::Succeeded)
+        );
+        assert!(apply(Some(RunStatus::Cancelled), EventType::RunQueued, None).is_err());
+        assert!(apply(Some(RunStatus::Running), EventType::RunQueued, None).is_err());
         assert_eq!(
             apply(Some(RunStatus::Succeeded), EventType::RunRevived, None),
             Ok(RunStatus::Running)

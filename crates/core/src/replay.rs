@@ -11,7 +11,8 @@
 //!
 //! What the code does not decide is taken from the journal as a fact: the model's response (in
 //! `step.completed`) and a failed model call's outcome (`model.attempt`), a compaction of the
-//! model's context (`context.compacted`, which may cut a group short), inputs of any kind, and
+//! model's context (`context.compacted`, which may cut a group short), a wait for a slot of the
+//! run's concurrency key (`run.queued`, which the key's record decided), inputs of any kind, and
 //! the target version a tool runner reported for an approval request. Instants the code computes
 //! from the clock (`fire_at`, `expires_at`) are compared with a tolerance ([`CLOCK_SLACK_SECS`]),
 //! since the recorded group was decided a moment before its envelopes were stamped.
@@ -96,8 +97,10 @@ pub fn check(events: &[(u64, Envelope)], contract: &Contract) -> Result<Checked,
         // A compaction of the model's context is the step service's (its estimate of the
         // window, or the provider's refusal of a request as too long): a fact, like a model's
         // answer. It may cut a group short (a revival's, a refused attempt's failure), and
-        // what follows it is decided again from the state it leaves.
-        if let Event::ContextCompacted(_) = &env.event {
+        // what follows it is decided again from the state it leaves. So is a run's wait for a
+        // slot of its concurrency key (`run.queued`): the key's record said so, not the journal
+        // (docs/ARCHITECTURE.md "Concurrency keys and priorities"); it is a group of its own.
+        if let Event::ContextCompacted(_) | Event::RunQueued(_) = &env.event {
             expected.clear();
             state.apply(*seq, env)?;
             base = state.clone();

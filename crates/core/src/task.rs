@@ -36,6 +36,15 @@ pub struct TaskSubmission {
     /// Free-form metadata, copied into `run.created`.
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub metadata: serde_json::Map<String, serde_json::Value>,
+    /// At most `limit` runs of the key the template `key` expands to over this task, in its
+    /// tenant, run at once; the others wait `queued` (docs/API.md "Tasks"). Absent: the agent's
+    /// `concurrency`, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<crate::concurrency::ConcurrencySpec>,
+    /// The run's place among its key's waiting runs: higher first, -1000..=1000. Absent: the
+    /// agent's `priority`, else 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
 }
 
 /// Per-task budget limits.
@@ -118,7 +127,19 @@ impl TaskSubmission {
         let obj = value
             .as_object()
             .ok_or_else(|| TaskRejection::new("body", "must be a JSON object"))?;
-        check_known(obj, "", &["agent", "input", "run_id", "budget", "metadata"])?;
+        check_known(
+            obj,
+            "",
+            &[
+                "agent",
+                "input",
+                "run_id",
+                "budget",
+                "metadata",
+                "concurrency",
+                "priority",
+            ],
+        )?;
         let budget = match obj.get("budget") {
             Some(serde_json::Value::Object(b)) => {
                 check_known(
@@ -149,12 +170,20 @@ impl TaskSubmission {
             run_id: field(obj, "", "run_id")?,
             budget,
             metadata: field(obj, "", "metadata")?.unwrap_or_default(),
+            concurrency: field(obj, "", "concurrency")?,
+            priority: field(obj, "", "priority")?,
         };
         task.validate()?;
         Ok(task)
     }
 
     fn validate(&self) -> Result<(), TaskRejection> {
+        if let Some(c) = &self.concurrency {
+            c.validate("concurrency")?;
+        }
+        if let Some(p) = self.priority {
+            crate::concurrency::check_priority("priority", p)?;
+        }
         if self.input.trim().is_empty() {
             return Err(TaskRejection::new("input", "must not be empty"));
         }
@@ -251,6 +280,20 @@ mod tests {
         .expect("valid");
         assert_eq!(t.agent.as_str(), "demo");
         assert_eq!(t.run_id.map(String::from).as_deref(), Some("run_x1"));
+        let t = TaskSubmission::parse(
+            br#"{"agent":"demo","input":"hi","metadata":{"ticket":7},"priority":-3,
+                 "concurrency":{"key":"ticket-{metadata.ticket}","limit":1}}"#,
+        )
+        .expect("valid");
+        assert_eq!(t.priority, Some(-3));
+        let c = t.concurrency.expect("a key");
+        let run = c
+            .resolve("concurrency", &t.agent, &t.metadata, -3)
+            .expect("expands");
+        assert_eq!(
+            (run.key.as_str(), run.limit, run.priority),
+            ("ticket-7", 1, -3)
+        );
     }
 
     #[test]
@@ -290,6 +333,30 @@ mod tests {
                 "budget.max_attempts_per_step",
             ),
             (b"not json", "body"),
+            (
+                br#"{"agent":"demo","input":"hi","concurrency":{"key":"{x}","limit":1}}"#,
+                "concurrency.key",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","concurrency":{"key":"k","limit":0}}"#,
+                "concurrency.limit",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","concurrency":{"key":"k"}}"#,
+                "concurrency",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","concurrency":{"key":"k","limit":1,"x":1}}"#,
+                "concurrency",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","priority":1001}"#,
+                "priority",
+            ),
+            (
+                br#"{"agent":"demo","input":"hi","priority":"high"}"#,
+                "priority",
+            ),
         ];
         for (body, field) in cases {
             let err = TaskSubmission::parse(body).expect_err("rejected");

@@ -580,6 +580,8 @@ async fn submit(client: &async_nats::Client, agent: &str, key: String) -> Result
         run_id: None,
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     let submission = Submission {
         task: &task,

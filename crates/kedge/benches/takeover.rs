@@ -500,6 +500,8 @@ impl Bench {
             run_id: None,
             budget: None,
             metadata: Default::default(),
+            concurrency: None,
+            priority: None,
         };
         let key = format!(
             "takeover-{}-{trial}-{}",
@@ -1126,6 +1128,8 @@ async fn warm_up(b: &Bench) {
             run_id: None,
             budget: None,
             metadata: Default::default(),
+            concurrency: None,
+            priority: None,
         };
         let key = format!("warm-{i}-{}", std::process::id());
         let submission = Submission {

@@ -485,6 +485,8 @@ async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm(
         run_id: None,
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     let sub = |key: &'static str| kedge_intake::Submission {
         task: &placeholder,
@@ -533,6 +535,8 @@ async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm(
                 run_id: None,
                 budget: None,
                 metadata: Default::default(),
+                concurrency: None,
+                priority: None,
             },
             "too-big",
         )

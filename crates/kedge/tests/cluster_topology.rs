@@ -395,6 +395,8 @@ async fn submit(client: &async_nats::Client, key: &str) -> RunId {
         run_id: None,
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     let submission = kedge_intake::Submission {
         task: &task,

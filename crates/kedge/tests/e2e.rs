@@ -28,6 +28,7 @@ mod cli_existing;
 mod cli_watch;
 mod cluster_topology;
 mod compensation;
+mod concurrency;
 mod console_browser;
 mod context_window;
 mod dead_letters;

@@ -195,6 +195,8 @@ async fn inputs_published_before_a_run_exists_do_not_stop_it() {
         run_id: Some(chosen),
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     match h.submit_task(&task, "task-early").await {
         kedge_intake::Answer::Accepted { run_id } => assert_eq!(run_id, run),
@@ -224,6 +226,8 @@ async fn a_panic_in_a_drive_is_contained_and_the_run_is_retried() {
         run_id: Some(chosen),
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     match h.submit_task(&task, "task-panicky").await {
         kedge_intake::Answer::Accepted { run_id } => assert_eq!(run_id, run),
@@ -263,6 +267,8 @@ async fn a_task_intake_cannot_journal_is_answered_as_a_rejection_not_retried() {
         run_id: Some(chosen),
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     let t = Instant::now();
     match h.submit_task(&task, "task-squatted").await {

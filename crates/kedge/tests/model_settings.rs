@@ -243,6 +243,8 @@ async fn max_cost_stops_a_run_at_its_models_price() {
             ..Default::default()
         }),
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     match h.submit_task(&task("unpriced", 1.0), "task-unpriced").await {
         kedge_intake::Answer::Rejected { error } => {

@@ -1040,6 +1040,8 @@ async fn a_worker_on_the_minority_side_of_a_cluster_partition_is_billed_once() {
         run_id: None,
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     let submission = kedge_intake::Submission {
         task: &task,

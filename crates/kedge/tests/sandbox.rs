@@ -35,6 +35,8 @@ async fn submit_as(h: &Harness, agent: &str, chosen: &RunId) -> RunId {
         run_id: Some(chosen.clone()),
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     let run = h.chosen_run(chosen);
     match h.submit_task(&task, chosen.as_str()).await {

@@ -659,6 +659,8 @@ async fn an_agent_is_started_only_by_the_tenants_it_allows() {
         run_id: None,
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     let as_tenant = |tenant: &'static str, key: &'static str| {
         let client = h.rt.client.clone();

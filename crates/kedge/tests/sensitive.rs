@@ -57,6 +57,8 @@ fn task() -> TaskSubmission {
             .as_object()
             .cloned()
             .unwrap_or_default(),
+        concurrency: None,
+        priority: None,
     }
 }
 

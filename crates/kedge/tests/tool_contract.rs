@@ -115,6 +115,8 @@ async fn a_task_with_an_absurd_deadline_is_rejected_naming_the_field() {
             ..Default::default()
         }),
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     match h.submit_task(&task, "task-deadline").await {
         kedge_intake::Answer::Rejected { error } => {

@@ -159,6 +159,8 @@ async fn traced_run(via: Via, key: &str) -> Vec<Span> {
                 run_id: None,
                 budget: None,
                 metadata: Default::default(),
+                concurrency: None,
+                priority: None,
             };
             let submission = kedge_app::tasks::Submission {
                 task: &task,

@@ -42,6 +42,7 @@ pub mod responder;
 pub mod run_ids;
 pub mod seal;
 pub mod secure;
+pub mod slots;
 pub mod trace;
 
 /// A uniformly random `u64` for the jitter of a backoff (the core takes it as an input, so its

@@ -34,6 +34,11 @@ pub struct RunSummary {
     /// The last step started (0 before the first).
     pub step: u32,
     pub waiting_on: Option<WaitReason>,
+    /// While the run waits for a slot of its concurrency key: the key, its limit, its priority
+    /// and its place when it began waiting (docs/ARCHITECTURE.md "Concurrency keys and
+    /// priorities"). Absent in summaries written before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queued: Option<kedge_core::event::RunQueued>,
     pub usage: Usage,
     /// Validation of the current turn's output, when the run succeeded.
     pub validation: Option<OutputValidation>,

@@ -323,6 +323,15 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         metadata: task.metadata.clone(),
         traceparent: trace::accept(header(headers, trace::TRACEPARENT_HEADER)),
         parent: None,
+        // Expanded over the task before any field is sealed (docs/ARCHITECTURE.md "Concurrency
+        // keys and priorities").
+        concurrency: kedge_core::concurrency::for_task(
+            &task,
+            def.concurrency.as_ref(),
+            def.priority,
+            &def.sensitive_task_fields,
+        )
+        .map_err(Refusal::Reject)?,
     };
     seal_task_fields(rt, &def, &run_id, &mut created)?;
     let created = DecisionEnvelope::new(

@@ -57,6 +57,7 @@ impl Folded {
             turn: state.turn,
             step: state.step.get(),
             waiting_on: state.waiting_on(),
+            queued: state.queued.clone(),
             usage: state.usage,
             // The validation of the run's last success (a revived run's is cleared).
             validation: match state.status {

@@ -57,6 +57,8 @@ use kedge_core::subjects;
 use kedge_journal::JournalError;
 use kedge_runtime::{Runtime, RuntimeError};
 
+pub mod slots;
+
 /// What one scan found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ScanReport {
@@ -103,6 +105,13 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 "reconciler scan"
             ),
             Err(e) => tracing::warn!(error = %e, "reconciler scan failed"),
+        }
+        match slots::recover(&reconciler.rt).await {
+            Ok((0, 0)) => {}
+            Ok((freed, woken)) => {
+                tracing::info!(freed, woken, "slots of concurrency keys recovered")
+            }
+            Err(e) => tracing::warn!(error = %e, "slots recovery failed"),
         }
     }
     tracing::info!("reconciler stopped");
@@ -275,6 +284,10 @@ async fn check(
     if !stuck.is_empty() {
         return resolve_stuck(rt, run, &events, stuck, abandoned_after).await;
     }
+    if state.queued.is_some() && state.cancel_requested.is_none() {
+        // Waits for a slot: nothing to nudge (see `settles`).
+        return Ok(Verdict::Settled { quiet });
+    }
     let runnable = match decide(&state) {
         Next::Idle(_) => false,
         Next::Commit(_) | Next::Step(_) | Next::Finish(_) => true,
@@ -311,11 +324,14 @@ async fn check(
 /// again before a new event lands on it.
 fn settles(event_type: Option<EventType>, event: Option<&Event>) -> bool {
     match event_type {
+        // A run waiting for a slot of its concurrency key: `slot.granted` wakes it (a grant
+        // lost with its releaser is sent again by the slots' recovery, `slots::recover`).
         Some(
             EventType::RunSucceeded
             | EventType::RunFailed
             | EventType::RunCancelled
-            | EventType::RunUnknown,
+            | EventType::RunUnknown
+            | EventType::RunQueued,
         ) => true,
         Some(EventType::RunWaiting) => !matches!(
             event,

@@ -93,6 +93,13 @@ pub struct AgentDefinition {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(max = 86400))]
     pub fallback_after_secs: Option<u64>,
+    /// The concurrency key of this agent's runs when a task names none (docs/CONFIG.md "Agent
+    /// definitions"): at most `limit` runs of one expanded `key` run at once per tenant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<crate::concurrency::ConcurrencySpec>,
+    /// The priority of this agent's runs when a task names none (-1000..=1000, default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
 }
 
 /// Most fallback models an agent may list.

@@ -120,6 +120,7 @@ impl AgentDefinition {
         self.check_policies(&seen)?;
         self.check_sensitive_task_fields()?;
         self.check_compensation()?;
+        self.check_concurrency()?;
         check_budget(&self.budget, "budget.")
             .map_err(|(field, reason)| DefinitionError { field, reason })?;
         in_range(
@@ -131,6 +132,22 @@ impl AgentDefinition {
         let tool_names: Vec<&str> = self.tools.iter().map(|t| t.name.as_str()).collect();
         self.check_model(&tool_names)?;
         self.check_fallbacks(&tool_names)
+    }
+
+    /// The default concurrency key's template and limit, and the default priority
+    /// (docs/ARCHITECTURE.md "Concurrency keys and priorities").
+    fn check_concurrency(&self) -> Result<(), DefinitionError> {
+        let reject = |r: crate::task::TaskRejection| DefinitionError {
+            field: r.field,
+            reason: r.reason,
+        };
+        if let Some(c) = &self.concurrency {
+            c.validate("concurrency").map_err(reject)?;
+        }
+        if let Some(p) = self.priority {
+            crate::concurrency::check_priority("priority", p).map_err(reject)?;
+        }
+        Ok(())
     }
 
     /// The tools: names, schemas, and `run_agent`'s agents. Returns the tools' names.
@@ -583,5 +600,33 @@ mod tests {
         v["policy"] = serde_json::json!({"shell": {"retry": {"on": ["flaky"]}}});
         let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("unknown class");
         assert!(e.reason.contains("flaky"), "{e}");
+    }
+
+    #[test]
+    fn a_default_concurrency_key_and_priority_are_checked_naming_the_field() {
+        let mut v = def();
+        v["concurrency"] = serde_json::json!({"key": "{metadata.customer}", "limit": 3});
+        v["priority"] = serde_json::json!(5);
+        let d = AgentDefinition::parse(v.to_string().as_bytes()).expect("valid");
+        assert_eq!(d.concurrency.as_ref().map(|c| c.limit), Some(3));
+        assert_eq!(d.priority, Some(5));
+        for (bad, field) in [
+            (
+                serde_json::json!({"key": "{nope}", "limit": 3}),
+                "concurrency.key",
+            ),
+            (
+                serde_json::json!({"key": "k", "limit": 0}),
+                "concurrency.limit",
+            ),
+        ] {
+            v["concurrency"] = bad;
+            let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("refused");
+            assert_eq!(e.field, field, "{e}");
+        }
+        v["concurrency"] = serde_json::json!({"key": "k", "limit": 1});
+        v["priority"] = serde_json::json!(-1001);
+        let e = AgentDefinition::parse(v.to_string().as_bytes()).expect_err("refused");
+        assert_eq!(e.field, "priority");
     }
 }

@@ -58,6 +58,10 @@ pub enum Idle {
     Unknown,
     /// The model provider is in trouble: the fleet releases the run when it may call again.
     WaitingProvider,
+    /// The run's concurrency key is at its limit: a `slot.granted` wakes it (docs/ARCHITECTURE.md
+    /// "Concurrency keys and priorities"). Said by the writer, which asks the key's record;
+    /// `decide` itself never answers it.
+    Queued,
 }
 
 /// A model call to make.

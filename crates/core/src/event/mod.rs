@@ -46,8 +46,9 @@ pub use digest::{Digest, DigestError, SeqDigest};
 pub use envelope::{DecisionEnvelope, Draft, Envelope, EnvelopeError, InputEnvelope};
 pub use run::{
     Budget, CancelRequested, FailureReason, Gate, Nudge, OpFate, OpSummary, OutputRejected,
-    OutputValidation, RunCancelled, RunCancelling, RunCreated, RunFailed, RunGated, RunResumed,
-    RunRevived, RunStarted, RunSucceeded, RunUnknown, RunWaiting, UserMessage, WaitReason,
+    OutputValidation, RunCancelled, RunCancelling, RunCreated, RunFailed, RunGated, RunQueued,
+    RunResumed, RunRevived, RunStarted, RunSucceeded, RunUnknown, RunWaiting, SlotGranted,
+    UserMessage, WaitReason,
 };
 pub use step::{
     AssistantMessage, AttemptOutcome, CompactionCause, CompactionSummary, ContextCompacted,
@@ -299,6 +300,7 @@ events! {
         RunCompensating(RunCompensating) = "run.compensating";
         ProviderWaiting(ProviderWaiting) = "provider.waiting";
         ContextCompacted(ContextCompacted) = "context.compacted";
+        RunQueued(RunQueued) = "run.queued";
     }
     inputs {
         UserMessage(UserMessage) = "user.message";
@@ -317,6 +319,7 @@ events! {
         TargetMoved(TargetMoved) = "target.moved";
         Nudge(Nudge) = "nudge";
         ProviderReleased(ProviderReleased) = "provider.released";
+        SlotGranted(SlotGranted) = "slot.granted";
     }
 }
 

@@ -141,10 +141,35 @@ pub struct RunCreated {
     /// operation whose result this run's final answer becomes. Absent on a run from a task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<ParentLink>,
+    /// The run's concurrency key, expanded, its limit and the run's priority
+    /// (docs/ARCHITECTURE.md "Concurrency keys and priorities"). Absent: the run takes no slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<crate::concurrency::RunConcurrency>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, JsonSchema)]
 pub struct RunStarted {}
+
+/// The run's concurrency key is at its limit: the run waits (its status stays `queued`, or
+/// `succeeded`/`failed` for a message that would revive it) until a slot of the key is handed to
+/// it (`slot.granted`). Journaled once per wait, with its place when it began waiting.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct RunQueued {
+    /// The expanded key (within the run's tenant).
+    pub key: String,
+    pub limit: u32,
+    /// Its place among the key's waiting runs when it began waiting (1 = next).
+    pub place: u32,
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// A slot of the run's concurrency key was handed to it (by the run that released it, or by
+/// the reconciler): the run's writer is woken to start it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct SlotGranted {
+    pub key: String,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 pub struct RunWaiting {

@@ -32,9 +32,9 @@ impl RunState {
                 // The table refuses a second `run.created` before we get here.
                 return Err(Self::inconsistent(seq, env, "second run.created"));
             }
-            DecisionRef::RunStarted(_)
-            | DecisionRef::RunWaiting(_)
-            | DecisionRef::RunResumed(_) => {}
+            DecisionRef::RunStarted(_) => self.queued = None,
+            DecisionRef::RunWaiting(_) | DecisionRef::RunResumed(_) => {}
+            DecisionRef::RunQueued(q) => self.queued = Some(q.clone()),
             DecisionRef::StepStarted(started) => self.step_started(seq, env, started)?,
             DecisionRef::ModelAttempt(attempt) => self.model_attempt(seq, env, attempt)?,
             DecisionRef::StepCompleted(done) => self.step_completed(seq, env, done)?,
@@ -62,7 +62,10 @@ impl RunState {
             }
             // Idempotent: a second marker of the same gate changes nothing.
             DecisionRef::RunGated(g) => self.gates = self.gates.with(g.gate),
-            DecisionRef::RunRevived(r) => self.run_revived(seq, env, r)?,
+            DecisionRef::RunRevived(r) => {
+                self.queued = None;
+                self.run_revived(seq, env, r)?;
+            }
             DecisionRef::OutputRejected(r) => self.output_rejected(seq, env, r)?,
             DecisionRef::RunSucceeded(s) => {
                 self.output = Some(s.output.clone());

@@ -83,6 +83,7 @@ pub fn waits_on(decision: DecisionRef<'_>) -> Option<WaitReason> {
         },
         DecisionRef::RunCreated(_)
         | DecisionRef::RunStarted(_)
+        | DecisionRef::RunQueued(_)
         | DecisionRef::StepStarted(_)
         | DecisionRef::ModelAttempt(_)
         | DecisionRef::StepCompleted(_)

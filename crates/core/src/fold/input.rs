@@ -72,6 +72,9 @@ impl RunState {
                 .is_some_and(|op| op.move_target(m, env.at)),
             InputRef::Nudge(_) => !self.status.is_terminal(),
             InputRef::ProviderReleased(r) => self.provider_released(r),
+            // A wake only: the run's writer asks its key's record again (docs/ARCHITECTURE.md
+            // "Concurrency keys and priorities"); it counts while the run waits for a slot.
+            InputRef::SlotGranted(_) => self.queued.is_some(),
         }
     }
 

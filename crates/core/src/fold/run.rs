@@ -187,6 +187,9 @@ pub struct RunState {
     /// What of the transcript the model reads, once the context was compacted
     /// (`context.compacted`, [`crate::context`]).
     pub compaction: Option<crate::context::Compaction>,
+    /// The run waits for a slot of its concurrency key (`run.queued`, until `run.started` or
+    /// `run.revived`): which key, its limit, its place when it began waiting.
+    pub queued: Option<crate::event::RunQueued>,
 }
 
 impl RunState {
@@ -239,6 +242,7 @@ impl RunState {
             compensation: None,
             provider: None,
             compaction: None,
+            queued: None,
         })
     }
 

@@ -72,6 +72,11 @@ impl InputId {
     pub fn provider_released(run: &RunId, since: u64) -> InputId {
         InputId(format!("provider.released:{run}:{since}"))
     }
+    /// A slot of the run's concurrency key handed to it (`record_revision`: the revision of the
+    /// key's record that made it a holder), so a releaser that repeats itself wakes it once.
+    pub fn slot_granted(run: &RunId, record_revision: u64) -> InputId {
+        InputId(format!("slot.granted:{run}:{record_revision}"))
+    }
     /// An operator's retry of a run whose wake became dead letter `dead_seq`
     /// (`kedge dead retry`).
     pub fn dead_retry(run: &RunId, dead_seq: u64) -> InputId {

@@ -55,6 +55,22 @@ bucket!(
     "kedge_secrets",
     "KV_"
 );
+bucket!(
+    /// The slots of concurrency keys: one record per key of a tenant, `<tenant>.<key digest>`
+    /// ([`slot_key`]), listing the runs holding its slots and the runs waiting
+    /// (docs/ARCHITECTURE.md "Concurrency keys and priorities").
+    SLOTS_BUCKET,
+    SLOTS_STREAM,
+    "kedge_slots",
+    "KV_"
+);
+
+/// The key of concurrency key `key` of `tenant` in [`SLOTS_BUCKET`]: `<tenant>.<32 hex digits
+/// of SHA-256 of the key>` (tenant-scoped: another tenant's same key is another record).
+pub fn slot_key(tenant: &TenantId, key: &str) -> String {
+    format!("{tenant}.{}", crate::concurrency::key_digest(key))
+}
+
 /// The key of [`SECRETS_BUCKET`] holding the key run ids are derived with (docs/SECURITY.md,
 /// "Run ids").
 pub const RUN_ID_KEY_ENTRY: &str = "run-ids";

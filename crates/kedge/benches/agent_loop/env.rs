@@ -198,6 +198,8 @@ impl Env {
             run_id: Some(chosen.clone()),
             budget: None,
             metadata: Default::default(),
+            concurrency: None,
+            priority: None,
         };
         let submission = kedge_intake::Submission {
             task: &task,

@@ -35,6 +35,8 @@ pub async fn submit(rt: &Runtime, args: &SubmitArgs) -> anyhow::Result<RunId> {
         run_id: args.run_id.clone(),
         budget: None,
         metadata: Default::default(),
+        concurrency: None,
+        priority: None,
     };
     let key = args.key.clone().unwrap_or_else(uuid_like);
     let submission = kedge_intake::Submission {

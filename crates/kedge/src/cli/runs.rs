@@ -134,6 +134,12 @@ pub(super) fn answer_lines(
             "  the fleet releases it when the endpoint answers again (`kedge providers` shows the next probe)".into(),
         ];
     }
+    if let Some(q) = &view.queued {
+        return vec![format!(
+            "queued: concurrency key {:?} is at its limit of {}; place {} when it began waiting (priority {}); starts when a slot frees",
+            q.key, q.limit, q.place, q.priority
+        )];
+    }
     let Some(w) = &view.waiting else {
         return Vec::new();
     };

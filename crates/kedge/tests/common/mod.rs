@@ -347,6 +347,8 @@ impl Harness {
             run_id: None,
             budget: None,
             metadata: Default::default(),
+            concurrency: None,
+            priority: None,
         };
         match self.submit_task(&task, key).await {
             kedge_intake::Answer::Accepted { run_id } => run_id,

@@ -20,8 +20,8 @@ use kedge_core::subjects::{
     JS_API_ADMINISTRATION, JS_API_INFO, JS_FLOW_CONTROL, LEASES_BUCKET, LIVE_ALL, OBJECTS_ALL,
     ONE_TOKEN, PROVIDERS_BUCKET, PROVIDERS_STREAM, PURGED_STREAMS, REJECTED_ALL, REJECTED_CALLBACK,
     REJECTED_JOURNAL_ALL, RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_BUCKET,
-    SECRETS_STREAM, SYS_ALL, StreamApi, TASKS_ALL, TIMERS_SCHEDULED_ALL, TOOL_INSPECT,
-    TOOL_RESOLVE,
+    SECRETS_STREAM, SLOTS_BUCKET, SLOTS_STREAM, SYS_ALL, StreamApi, TASKS_ALL,
+    TIMERS_SCHEDULED_ALL, TOOL_INSPECT, TOOL_RESOLVE,
 };
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
@@ -228,6 +228,8 @@ fn step() -> KindRules {
         all_runs(EventType::CancelRequested),
         all_runs(EventType::ProviderReleased),
         subjects::kv_all(PROVIDERS_BUCKET),
+        subjects::kv_all(SLOTS_BUCKET),
+        all_runs(EventType::SlotGranted),
     ];
     publish.extend(watch(PROVIDERS_STREAM));
     publish.push(LIVE_ALL.to_owned());
@@ -236,8 +238,9 @@ fn step() -> KindRules {
         about: format!(
             "the single writer of a run's decisions: leases, model calls, stored responses, token \
              deltas, target checks, liveness heartbeats and pings, the fleet's view of each model \
-             endpoint ({PROVIDERS_BUCKET}); of inputs only a run's release from its wait on the \
-             provider, a child run's result to its parent (and a run_agent refusal) and a \
+             endpoint ({PROVIDERS_BUCKET}), the slots of concurrency keys ({SLOTS_BUCKET}); of \
+             inputs only a run's release from its wait on the provider, a slot handed to a \
+             waiting run, a child run's result to its parent (and a run_agent refusal) and a \
              cancelling parent's cancel of its children"
         ),
         durables: vec![Durable::Step],
@@ -310,11 +313,21 @@ fn timer() -> KindRules {
 }
 
 fn reconciler() -> KindRules {
+    let mut publish = vec![
+        all_runs(EventType::Nudge),
+        TOOL_RESOLVE.to_owned(),
+        subjects::kv_all(SLOTS_BUCKET),
+        all_runs(EventType::SlotGranted),
+    ];
+    publish.extend(watch(SLOTS_STREAM));
     KindRules {
-        about: "nudges stalled runs and asks tool runners to resolve stuck operations".to_owned(),
+        about: format!(
+            "nudges stalled runs, asks tool runners to resolve stuck operations, frees the slots \
+             of concurrency keys ({SLOTS_BUCKET}) that finished or vanished runs kept"
+        ),
         durables: Vec::new(),
         lift: Vec::new(),
-        publish: vec![all_runs(EventType::Nudge), TOOL_RESOLVE.to_owned()],
+        publish,
         subscribe: Vec::new(),
         allow_responses: None,
     }
@@ -617,9 +630,9 @@ mod tests {
                 "{kind}"
             );
         }
-        // Of inputs, the step appends only these three: a child's result, the cancel a
-        // cancelling parent sends its children, and the fleet's release of a run waiting on
-        // its model provider.
+        // Of inputs, the step appends only these four: a child's result, the cancel a
+        // cancelling parent sends its children, the fleet's release of a run waiting on its
+        // model provider, and a slot of a concurrency key handed to a waiting run.
         let step_inputs: Vec<String> = allowed(Kind::Step, "publish")
             .into_iter()
             .filter(|s| s.contains(".i."))
@@ -629,9 +642,22 @@ mod tests {
             vec![
                 "agent.run.*.i.cancel.requested".to_owned(),
                 "agent.run.*.i.provider.released".to_owned(),
+                "agent.run.*.i.slot.granted".to_owned(),
                 "agent.run.*.i.tool.result".to_owned()
             ]
         );
+        // Slots are handed on by the run that gives one back (the step) or by the reconciler's
+        // recovery (docs/ARCHITECTURE.md "Concurrency keys and priorities").
+        for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
+            assert_eq!(
+                may(kind, "agent.run.*.i.slot.granted"),
+                matches!(
+                    kind,
+                    Kind::Step | Kind::Reconciler | Kind::Operator | Kind::All
+                ),
+                "{kind}"
+            );
+        }
         for kind in Kind::EVERY.iter().copied().filter(|k| *k != Kind::Admin) {
             assert_eq!(
                 may(kind, "agent.run.*.i.provider.released"),

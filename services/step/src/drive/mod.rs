@@ -27,6 +27,7 @@ mod model;
 mod precondition;
 mod provider;
 mod set_aside;
+mod slots;
 mod step;
 
 use kedge_core::Decision;
@@ -87,6 +88,9 @@ pub enum DriveError {
     /// An approval request needs the target's version and no tool runner gave it.
     #[error("precondition query for `{tool}`: {reason}")]
     Precondition { tool: String, reason: String },
+    /// `kedge_slots` (the slots of concurrency keys) could not be read or written now.
+    #[error(transparent)]
+    Slots(#[from] kedge_runtime::slots::SlotError),
     /// The drive panicked (a bug): contained by the service, retried a bounded number of times.
     #[error("the drive panicked: {0}")]
     Panicked(String),
@@ -105,10 +109,12 @@ impl DriveError {
             DriveError::Provider(ProviderError::Unavailable(_)) => true,
             DriveError::NoRun => true,
             DriveError::Precondition { .. } => true,
+            DriveError::Slots(kedge_runtime::slots::SlotError::Unavailable(_)) => true,
             DriveError::Lease(_)
             | DriveError::Fold(_)
             | DriveError::Idempotency(_)
             | DriveError::Agent(_)
+            | DriveError::Slots(_)
             | DriveError::Panicked(_) => false,
         }
     }
@@ -146,6 +152,8 @@ pub struct Driver {
     /// Leases kept after drives that left their runs waiting on tools ([`Parked`]).
     parked: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Parked>>>,
     park_ids: Arc<AtomicU64>,
+    /// The slots of concurrency keys (`kedge_slots`), opened on first use.
+    slots: Arc<tokio::sync::OnceCell<kedge_runtime::slots::Slots>>,
 }
 
 impl std::fmt::Debug for Driver {
@@ -175,6 +183,7 @@ impl Driver {
             children: Arc::default(),
             parked: Arc::default(),
             park_ids: Arc::default(),
+            slots: Arc::default(),
         }
     }
 
@@ -334,6 +343,9 @@ impl Driver {
             match decide(state) {
                 Next::Idle(why) => {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
+                    if why == Idle::Terminal {
+                        self.release_slot(state).await;
+                    }
                     self.tend_children(state, w.writer).await?;
                     self.tend_provider_wait(state, waited).await?;
                     return Ok(why);
@@ -341,9 +353,11 @@ impl Driver {
                 Next::Commit(drafts) => {
                     self.commit(state, w, drafts).await?;
                 }
-                Next::Step(plan) => {
-                    self.step(state, w, *plan, lost).await?;
-                }
+                Next::Step(plan) => match self.admit(state, w, &plan).await? {
+                    slots::Admit::Go => self.step(state, w, *plan, lost).await?,
+                    slots::Admit::Wait => return Ok(Idle::Queued),
+                    slots::Admit::Again => {}
+                },
                 Next::Finish(cut) => {
                     tracing::warn!(run_id = %run, step = %cut.step, landed = cut.landed, "finishing a step's decisions cut short");
                     let contract = match self.definition(state).await? {
