@@ -4,8 +4,10 @@
 //! product source file outside this module spells one of these names.
 
 mod broker;
+mod schedules;
 
 pub use broker::*;
+pub use schedules::ScheduleVerb;
 
 use crate::event::{EventKind, EventType};
 use crate::ids::{AgentName, ApprovalId, QuestionId, RunId, TenantId, TimerId};
@@ -548,32 +550,6 @@ pub enum GatewayRequest {
     },
 }
 
-/// What a tenant's schedule request does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScheduleVerb {
-    List,
-    Get,
-    Put,
-    Pause,
-    Resume,
-    Delete,
-    Trigger,
-}
-
-impl ScheduleVerb {
-    fn of_token(token: &str) -> Option<ScheduleVerb> {
-        Some(match token {
-            "get" => ScheduleVerb::Get,
-            "put" => ScheduleVerb::Put,
-            "pause" => ScheduleVerb::Pause,
-            "resume" => ScheduleVerb::Resume,
-            "delete" => ScheduleVerb::Delete,
-            "trigger" => ScheduleVerb::Trigger,
-            _ => return None,
-        })
-    }
-}
-
 /// Parses `kedge.t.<tenant>.<request…>`; the reason when it is not one.
 pub fn parse_gateway(subject: &str) -> Result<(TenantId, GatewayRequest), String> {
     let rest = subject
@@ -728,29 +704,6 @@ mod tests {
                 "kedge.schedules.>"
             ]
         );
-        let (_, r) = parse_gateway("kedge.t.acme.schedules.list").expect("list");
-        assert_eq!(
-            r,
-            GatewayRequest::Schedule {
-                verb: ScheduleVerb::List,
-                name: String::new()
-            }
-        );
-        let (_, r) = parse_gateway("kedge.t.acme.schedules.morning.pause").expect("pause");
-        assert_eq!(
-            r,
-            GatewayRequest::Schedule {
-                verb: ScheduleVerb::Pause,
-                name: "morning".into()
-            }
-        );
-        for bad in [
-            "kedge.t.acme.schedules",
-            "kedge.t.acme.schedules.morning",
-            "kedge.t.acme.schedules.morning.explode",
-        ] {
-            assert!(parse_gateway(bad).is_err(), "{bad}");
-        }
     }
 
     #[test]
