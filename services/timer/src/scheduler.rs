@@ -69,7 +69,10 @@ pub async fn run(rt: Runtime, mut stop: watch::Receiver<bool>) {
         if *stop.borrow() {
             break;
         }
-        let sleep = pass(&rt, &schedules, started, &mut failures).await;
+        let wake_at = pass(&rt, &schedules, started, &mut failures).await;
+        // Until the earliest next instant (measured after the pass, however long it took).
+        let sleep = u64::try_from((wake_at.0 - Timestamp::now().0).whole_milliseconds())
+            .map_or(Duration::ZERO, Duration::from_millis);
         tokio::select! {
             _ = stop.changed() => break,
             _ = tokio::time::sleep(sleep) => {}
@@ -78,23 +81,32 @@ pub async fn run(rt: Runtime, mut stop: watch::Receiver<bool>) {
     tracing::info!("scheduler stopped");
 }
 
-/// One pass: handles every due record; how long to sleep before the next.
+/// One pass: handles every due record; when to wake for the next (at most [`REFRESH`] on).
 async fn pass(
     rt: &Runtime,
     schedules: &Schedules,
     started: Timestamp,
     failures: &mut HashMap<String, u32>,
-) -> Duration {
+) -> Timestamp {
+    let now = Timestamp::now();
+    let mut wake_at = now.saturating_add(REFRESH);
     let records = match schedules.all().await {
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(error = %e, "scheduler cannot read the schedules");
-            return REFRESH;
+            return wake_at;
         }
     };
-    let now = Timestamp::now();
-    let mut sleep = REFRESH;
     for stored in records {
+        // Its next instant after now (a due one's too, so that the sleep does not pass it).
+        let next = if stored.record.paused {
+            None
+        } else {
+            stored.record.spec.next_after(schedule::floor_secs(now))
+        };
+        if let Some(next) = next.filter(|n| *n < wake_at) {
+            wake_at = next;
+        }
         if is_due(&stored.record, now) {
             let key = stored.key.clone();
             match handle(rt, schedules, stored, started).await {
@@ -107,12 +119,9 @@ async fn pass(
                     tracing::warn!(schedule = %key, error = %e, failures = *n, "cannot fire the schedule yet");
                 }
             }
-        } else if let Some(next) = stored.record.next_fire(now) {
-            let wait = (next.0 - now.0).unsigned_abs();
-            sleep = sleep.min(wait);
         }
     }
-    sleep
+    wake_at
 }
 
 /// Whether `record` has anything to do at `now`: an instant due, a trigger, a waiting firing.
