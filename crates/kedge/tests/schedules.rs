@@ -521,6 +521,29 @@ async fn a_tenant_sees_and_changes_only_its_own_schedules_and_they_fire_as_its_r
     let list = ask(&acme, "kedge.schedules.list", json!({})).await;
     assert_eq!(list["schedules"][0]["name"], "morning", "{list}");
     assert!(list["schedules"][0]["next_fire_at"].is_string(), "{list}");
+    // Paused, it fires nothing but a trigger, once.
+    let paused = ask(&acme, "kedge.schedules.morning.pause", json!({})).await;
+    assert_eq!(paused["paused"], true, "{paused}");
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let triggered = ask(&acme, "kedge.schedules.morning.trigger", json!({})).await;
+    let at = triggered["state"]["triggered"]
+        .as_str()
+        .and_then(|t| {
+            time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
+        })
+        .map(|t| t.unix_timestamp())
+        .expect("the trigger's instant");
+    eventually(WAIT, "the triggered firing", || async {
+        fired(&h, "morning").await.contains_key(&at).then_some(())
+    })
+    .await;
+    let before = fired(&h, "morning").await.len();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(
+        fired(&h, "morning").await.len(),
+        before,
+        "a paused schedule fired"
+    );
     let deleted = ask(&acme, "kedge.schedules.morning.delete", json!({})).await;
     assert_eq!(deleted["deleted"], "morning", "{deleted}");
 }

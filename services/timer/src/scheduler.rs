@@ -127,7 +127,8 @@ async fn pass(
 /// Whether `record` has anything to do at `now`: an instant due, a trigger, a waiting firing.
 fn is_due(record: &ScheduleRecord, now: Timestamp) -> bool {
     if record.paused {
-        return false;
+        // Paused: only a trigger fires.
+        return record.state.triggered.is_some();
     }
     record.state.triggered.is_some()
         || record.state.queued.is_some()
@@ -156,6 +157,7 @@ async fn handle(
         let mut fire: Vec<Timestamp> = Vec::new();
         if let Some(q) = state.queued
             && !running
+            && !record.paused
         {
             fire.push(q);
             state.queued = None;
@@ -170,7 +172,11 @@ async fn handle(
         let grace =
             schedule::from_unix(now.0.unix_timestamp() - schedule::ON_TIME_GRACE_SECS as i64);
         let on_time_from = if grace > started { grace } else { started };
-        let plan = record.spec.plan(handled, now, on_time_from);
+        let plan = if record.paused {
+            schedule::Plan::default()
+        } else {
+            record.spec.plan(handled, now, on_time_from)
+        };
         if plan.missed {
             state.missed += 1;
         }
@@ -191,7 +197,7 @@ async fn handle(
         if let Some(latest) = record
             .spec
             .latest_at_or_before(now)
-            .filter(|l| *l > handled)
+            .filter(|l| *l > handled && !record.paused)
         {
             state.last_instant = Some(latest);
         }
