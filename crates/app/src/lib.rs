@@ -9,6 +9,8 @@
 //!   HTTP bridge, the tenant gateway and the CLI.
 //! - [`approvals`]: recording a person's approval decision.
 //! - [`callbacks`]: delivering external callbacks to the runs that wait for them.
+//! - [`schedules`]: what a tenant may do to its schedules (put, list, pause, resume, delete,
+//!   trigger), shared by the bridge, the tenant gateway and the CLI.
 //!
 //! It imports `kedge-core`, `kedge-journal` and `kedge-runtime` (the process plumbing: the
 //! [`kedge_runtime::Runtime`] handles, traces, rejections) and nothing above them; the runtime
@@ -18,5 +20,6 @@
 pub mod approvals;
 pub mod callbacks;
 pub mod inputs;
+pub mod schedules;
 pub mod tasks;
 pub mod view;

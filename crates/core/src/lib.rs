@@ -37,6 +37,7 @@ pub mod fold;
 pub mod ids;
 pub mod machine;
 pub mod replay;
+pub mod schedule;
 pub mod schema;
 pub mod settings;
 pub mod subjects;

@@ -41,8 +41,8 @@ use async_nats::Client;
 use bytes::Bytes;
 use kedge_core::subjects::{
     AGENTS_STREAM, BLOBS_STREAM, IDEMPOTENCY_STREAM, LEASES_STREAM, PROVIDERS_STREAM,
-    REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_STREAM, SLOTS_STREAM, TASKS_STREAM,
-    TIMERS_STREAM,
+    REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, SCHEDULES_STREAM, SECRETS_STREAM,
+    SLOTS_STREAM, TASKS_STREAM, TIMERS_STREAM,
 };
 use serde_json::Value;
 
@@ -104,6 +104,10 @@ pub const LAYOUT: &[(&str, &str)] = &[
     (
         BLOBS_STREAM,
         include_str!("../../../nats/objects/kedge_blobs.json"),
+    ),
+    (
+        SCHEDULES_STREAM,
+        include_str!("../../../nats/kv/kedge_schedules.json"),
     ),
 ];
 

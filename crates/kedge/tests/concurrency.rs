@@ -310,7 +310,9 @@ async fn priorities_reorder_waiting_runs_and_the_queued_reason_is_visible() {
 async fn heartbeat_of(h: &Harness, worker: &str) {
     let mut sub =
         h.rt.client
-            .subscribe(kedge_core::subjects::live_heartbeat(&common::worker(worker)))
+            .subscribe(kedge_core::subjects::live_heartbeat(&common::worker(
+                worker,
+            )))
             .await
             .expect("subscribe");
     tokio::time::timeout(Duration::from_secs(30), sub.next())

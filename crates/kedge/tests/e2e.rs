@@ -52,6 +52,7 @@ mod retention;
 mod retention_service;
 mod runbook;
 mod sandbox;
+mod schedules;
 mod secured;
 mod sensitive;
 mod structured_output;

@@ -13,6 +13,7 @@
 //! - [`projection`]: the read side of the `kedge_runs` projection (the run summary, get, list),
 //!   shared by the bridge that reads it and the projector that writes it.
 //! - [`run_ids`]: the keyed derivation of run ids and its key, held in the broker.
+//! - [`schedules`]: the `kedge_schedules` bucket: schedules and their state, by compare-and-set.
 //! - [`failpoint`]: crash injection for the fault tests (`KEDGE_FAILPOINTS`).
 //! - [`metrics`]: the Prometheus metrics every service counts (names, labels, the recorder and
 //!   the `/metrics` endpoint of `kedge serve`).
@@ -40,6 +41,7 @@ pub mod provider;
 pub mod rejections;
 pub mod responder;
 pub mod run_ids;
+pub mod schedules;
 pub mod seal;
 pub mod secure;
 pub mod slots;

@@ -148,6 +148,7 @@
     if (!session.who) return;
     nav.append(
       h("a", { href: "#/" }, "Runs"),
+      h("a", { href: "#/schedules" }, "Schedules"),
       h("span", { class: "who", "data-scope": session.who.scope },
         "tenant " + session.who.tenant + " · " + session.who.scope),
       h("button", { type: "button", id: "signout", onclick: () => signOut() }, "Sign out"),
@@ -202,7 +203,59 @@
     const hash = location.hash || "#/";
     const m = /^#\/runs\/([^/?#]+)$/.exec(hash);
     if (m) return runPage(decodeURIComponent(m[1]));
+    if (hash === "#/schedules") return schedulesPage();
     return runsPage();
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Schedules page (docs/API.md, "Schedules"): the tenant's schedules and their next fire time.
+  // ------------------------------------------------------------------------------------------
+
+  function schedulesPage() {
+    const err = h("div", { class: "error", role: "alert" });
+    const tbody = h("tbody");
+    const table = h("table", { class: "runs", id: "schedules" },
+      h("caption", { class: "muted" }, "Each firing starts a run; updates live"),
+      h("thead", {}, h("tr", {}, ["Schedule", "Agent", "When", "Next fire", "State", "Fired", "Skipped", "Last run"].map((c) => h("th", { scope: "col" }, c)))),
+      tbody);
+    main().replaceChildren(h("h1", {}, "Schedules"), err, table);
+    let timer = null;
+    let stopped = false;
+    async function load() {
+      try {
+        const data = await api("GET", "/v1/schedules");
+        if (stopped) return;
+        err.textContent = "";
+        const items = data.schedules || [];
+        tbody.replaceChildren(...items.map((s) => {
+          const spec = s.schedule || {};
+          const st = s.state || {};
+          const when = spec.cron ? "cron " + spec.cron + " (" + (spec.time_zone || "UTC") + ")" : "every " + spec.interval_secs + " s";
+          const last = st.last_run ? h("a", { href: "#/runs/" + enc(st.last_run) }, st.last_run) : "—";
+          return h("tr", { "data-schedule": s.name },
+            h("td", { class: "id", "data-label": "Schedule" }, s.name),
+            h("td", { "data-label": "Agent" }, spec.agent || ""),
+            h("td", { "data-label": "When" }, when + " · " + (spec.overlap || "") + " · catch-up " + (spec.catch_up || "")),
+            h("td", { "data-label": "Next fire", "data-k": "next" }, s.next_fire_at ? fmtTime(s.next_fire_at) : "—"),
+            h("td", { "data-label": "State" }, s.paused ? "paused" : "active"),
+            h("td", { "data-label": "Fired" }, String(st.fired || 0)),
+            h("td", { "data-label": "Skipped" }, String(st.skipped || 0)),
+            h("td", { class: "id", "data-label": "Last run" }, last));
+        }));
+        if (items.length === 0) tbody.append(h("tr", {}, h("td", { colspan: 8, class: "muted" }, "No schedules.")));
+      } catch (e) {
+        if (!stopped) err.textContent = e.message;
+      }
+    }
+    function poll() {
+      clearTimeout(timer);
+      timer = setTimeout(async () => {
+        if (!document.hidden) await load();
+        if (!stopped) poll();
+      }, LIST_POLL_MS);
+    }
+    stopCurrent = () => { stopped = true; clearTimeout(timer); };
+    load().then(poll);
   }
 
   // ------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ use axum::extract::{DefaultBodyLimit, FromRequestParts};
 use axum::http::Method;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{MethodRouter, get, post};
+use axum::routing::{MethodRouter, delete, get, post, put};
 use axum::{Json, Router};
 use kedge_runtime::Runtime;
 use kedge_runtime::config::BridgeConfig;
@@ -71,6 +71,13 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("POST", "/v1/runs/{id}/sse-ticket"),
     ("POST", "/v1/callbacks/{key}"),
     ("GET", "/v1/whoami"),
+    ("GET", "/v1/schedules"),
+    ("GET", "/v1/schedules/{name}"),
+    ("PUT", "/v1/schedules/{name}"),
+    ("DELETE", "/v1/schedules/{name}"),
+    ("POST", "/v1/schedules/{name}/pause"),
+    ("POST", "/v1/schedules/{name}/resume"),
+    ("POST", "/v1/schedules/{name}/trigger"),
     ("GET", "/healthz"),
     ("GET", "/readyz"),
     ("GET", "/openapi.json"),
@@ -245,6 +252,13 @@ fn handler_for(method: &str, path: &str) -> Option<MethodRouter<Bridge>> {
         ("POST", "/v1/runs/{id}/sse-ticket") => post(api::sse_ticket),
         ("POST", "/v1/callbacks/{key}") => post(api::callback),
         ("GET", "/v1/whoami") => get(api::whoami),
+        ("GET", "/v1/schedules") => get(api::schedules::list),
+        ("GET", "/v1/schedules/{name}") => get(api::schedules::get),
+        ("PUT", "/v1/schedules/{name}") => put(api::schedules::put),
+        ("DELETE", "/v1/schedules/{name}") => delete(api::schedules::delete),
+        ("POST", "/v1/schedules/{name}/pause") => post(api::schedules::pause),
+        ("POST", "/v1/schedules/{name}/resume") => post(api::schedules::resume),
+        ("POST", "/v1/schedules/{name}/trigger") => post(api::schedules::trigger),
         ("GET", "/healthz") => get(api::healthz),
         ("GET", "/readyz") => get(api::readyz),
         ("GET", "/openapi.json") => get(openapi),

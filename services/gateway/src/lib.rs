@@ -30,6 +30,8 @@
 //! The server's `Nats-Request-Info` header (the imports `share` it; the server overwrites any
 //! the sender set) is checked when present: its account must be the tenant's.
 
+mod schedules;
+
 use std::future::Future;
 use std::time::Duration;
 
@@ -158,6 +160,9 @@ async fn dispatch(
     let result = match request {
         GatewayRequest::Task { agent } => return task(rt, msg, tenant, &agent, user).await,
         GatewayRequest::Follow { run } => return follow(rt, msg, tenant, &run).await,
+        GatewayRequest::Schedule { verb, name } => {
+            return schedules::handle(rt, msg, tenant, verb, name).await;
+        }
         GatewayRequest::Get { run } => get(rt, tenant, &run).await,
         GatewayRequest::History { run } => history(rt, tenant, &run, &msg.payload).await,
         GatewayRequest::Message { run } => message(rt, tenant, &run, &msg.payload).await,

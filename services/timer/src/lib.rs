@@ -76,6 +76,7 @@
 //!   `…timer-fired`, `kedge dead list`), as is a poison message at once. A panic while handling a
 //!   message is contained and counts as a failed delivery.
 
+pub mod scheduler;
 pub mod wire;
 
 use kedge_core::Input;
@@ -126,6 +127,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .await
         .map_err(|e| RuntimeError::broker("timer-fired consumer", e))?;
     let workers = consumer::Workers::new(CONCURRENCY);
+    // The scheduler fires schedules beside the timers (docs/ARCHITECTURE.md, "Schedules").
+    let (stop_scheduler, scheduler_stop) = tokio::sync::watch::channel(false);
+    let mut scheduler = scheduler::Guard(tokio::spawn(scheduler::run(rt.clone(), scheduler_stop)));
     tracing::info!(worker = %rt.config.worker_id, "timer service started");
     tokio::pin!(shutdown);
     let ended = loop {
@@ -168,6 +172,10 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     consumer::hand_back(scheduled, SCHEDULED_CONSUMER).await;
     consumer::hand_back(fired, FIRED_CONSUMER).await;
     workers.drain().await;
+    let _ = stop_scheduler.send(true);
+    if let Err(e) = (&mut scheduler.0).await {
+        tracing::error!(error = %e, "the scheduler ended abnormally");
+    }
     match ended {
         None => {
             tracing::info!("timer service stopped");

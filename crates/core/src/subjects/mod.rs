@@ -4,8 +4,10 @@
 //! product source file outside this module spells one of these names.
 
 mod broker;
+mod schedules;
 
 pub use broker::*;
+pub use schedules::ScheduleVerb;
 
 use crate::event::{EventKind, EventType};
 use crate::ids::{AgentName, ApprovalId, QuestionId, RunId, TenantId, TimerId, WorkerId};
@@ -71,6 +73,18 @@ pub fn slot_key(tenant: &TenantId, key: &str) -> String {
     format!("{tenant}.{}", crate::concurrency::key_digest(key))
 }
 
+bucket!(
+    /// Schedules (docs/ARCHITECTURE.md, "Schedules"): key `<tenant>.<name>`, value the
+    /// schedule's spec and its state (`kedge_core::schedule::ScheduleRecord`).
+    SCHEDULES_BUCKET,
+    SCHEDULES_STREAM,
+    "kedge_schedules",
+    "KV_"
+);
+/// The key filter of every schedule of `tenant` in [`SCHEDULES_BUCKET`] (`<tenant>.*`).
+pub fn schedules_of(tenant: &TenantId) -> String {
+    format!("{tenant}.{ONE_TOKEN}")
+}
 /// The key of [`SECRETS_BUCKET`] holding the key run ids are derived with (docs/SECURITY.md,
 /// "Run ids").
 pub const RUN_ID_KEY_ENTRY: &str = "run-ids";
@@ -559,6 +573,12 @@ pub enum GatewayRequest {
         run: RunId,
         approval: ApprovalId,
     },
+    /// `schedules.list` (`name` empty) or `schedules.<name>.<verb>`: the tenant's schedules
+    /// (docs/API.md, "Schedules"). The name is unchecked here.
+    Schedule {
+        verb: ScheduleVerb,
+        name: String,
+    },
 }
 
 /// Parses `kedge.t.<tenant>.<request…>`; the reason when it is not one.
@@ -592,6 +612,14 @@ pub fn parse_gateway(subject: &str) -> Result<(TenantId, GatewayRequest), String
         ["callback", key] => GatewayRequest::Callback {
             key: (*key).to_owned(),
         },
+        ["schedules", "list"] => GatewayRequest::Schedule {
+            verb: ScheduleVerb::List,
+            name: String::new(),
+        },
+        ["schedules", name, verb] => GatewayRequest::Schedule {
+            verb: ScheduleVerb::of_token(verb).ok_or("unknown schedule request")?,
+            name: (*name).to_owned(),
+        },
         ["approve", approver, r, a] => GatewayRequest::Approve {
             approver: (*approver).to_owned(),
             run: run(r)?,
@@ -604,13 +632,15 @@ pub fn parse_gateway(subject: &str) -> Result<(TenantId, GatewayRequest), String
 
 /// What a tenant's account imports from Kedge's, as (the gateway subject's tail after
 /// `kedge.t.<tenant>.`, the subject the tenant publishes): a tenant publishes
-/// `agent.task.<agent>`, `kedge.runs.<run>[.<verb>…]`, `kedge.callback.<key>` and (an approver)
-/// `kedge.approve.<approver>.<run>.<approval>`, and the broker maps each to its gateway subject.
-pub const TENANT_IMPORTS: [(&str, &str); 4] = [
+/// `agent.task.<agent>`, `kedge.runs.<run>[.<verb>…]`, `kedge.callback.<key>`,
+/// `kedge.schedules.…` and (an approver) `kedge.approve.<approver>.<run>.<approval>`, and the
+/// broker maps each to its gateway subject.
+pub const TENANT_IMPORTS: [(&str, &str); 5] = [
     ("task.*", "agent.task.*"),
     ("runs.>", "kedge.runs.>"),
     ("callback.*", "kedge.callback.*"),
     ("approve.>", "kedge.approve.>"),
+    ("schedules.>", "kedge.schedules.>"),
 ];
 
 /// What a tenant's user may publish: every import but approvals, which only an approver
@@ -698,7 +728,12 @@ mod tests {
         }
         assert_eq!(
             tenant_publish(),
-            ["agent.task.*", "kedge.runs.>", "kedge.callback.*"]
+            [
+                "agent.task.*",
+                "kedge.runs.>",
+                "kedge.callback.*",
+                "kedge.schedules.>"
+            ]
         );
     }
 

@@ -38,6 +38,9 @@ use providers::providers;
 mod mcp;
 use mcp::mcp_tools;
 
+mod schedules;
+use schedules::{SchedulesCmd, schedules_command};
+
 #[derive(Debug, Parser)]
 #[command(
     name = "kedge",
@@ -201,6 +204,10 @@ pub enum Command {
     /// The configured MCP servers (`mcp_servers`).
     #[command(subcommand)]
     Mcp(McpCmd),
+    /// A tenant's schedules: an agent's task fired on a cron expression or an interval
+    /// (docs/RUNBOOK.md, "Schedules").
+    #[command(subcommand)]
+    Schedules(SchedulesCmd),
     /// The fleet's view of each model endpoint (kedge_providers): its breaker (closed, open:
     /// only probes go out, recovering: the waiting runs are being released), since when, the
     /// last error, the next probe and how many runs wait on it.
@@ -395,6 +402,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         #[cfg(feature = "mock-llm")]
         Command::Demo(args) => crate::demo::run(args, config).await,
         Command::Dead(cmd) => dead(&Runtime::connect_existing(config).await?, cmd).await,
+        Command::Schedules(cmd) => {
+            schedules_command(&Runtime::connect_existing(config).await?, cmd).await
+        }
         Command::Providers { output } => {
             providers(&Runtime::connect_existing(config).await?, output).await
         }

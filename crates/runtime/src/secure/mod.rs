@@ -12,7 +12,7 @@
 //!   consumers; nobody but `admin` may create, update, delete or purge a stream or a consumer,
 //!   or write agent definitions). `all` is the union of the services, for a process that runs
 //!   several (`kedge serve all`); `operator` is a person with the CLI.
-//! - **One account per tenant** (`TENANT_<name>`), with no JetStream of its own. It imports four
+//! - **One account per tenant** (`TENANT_<name>`), with no JetStream of its own. It imports five
 //!   services of the `KEDGE` account, each exported to that account alone, and the import maps the
 //!   tenant's subjects into `kedge.t.<tenant>.…`, where the tenant gateway answers:
 //!
@@ -20,6 +20,7 @@
 //!   | --- | --- |
 //!   | `agent.task.<agent>` (with `Nats-Msg-Id`) | `kedge.t.<tenant>.task.<agent>` |
 //!   | `kedge.runs.<run>[.history\|.follow\|.message\|.answer.<q>\|.cancel]` | `kedge.t.<tenant>.runs.…` |
+//!   | `kedge.schedules.list`, `kedge.schedules.<name>.<verb>` | `kedge.t.<tenant>.schedules.…` |
 //!   | `kedge.callback.<key>` | `kedge.t.<tenant>.callback.<key>` |
 //!   | `kedge.approve.<approver>.<run>.<approval>` (approvers only) | `kedge.t.<tenant>.approve.…` |
 //!

@@ -19,8 +19,8 @@ use kedge_core::subjects::{
     ConsumerApi, DELTAS_ALL, Durable, IDEMPOTENCY_BUCKET, IMPORT_REPLIES, INBOXES, JOURNAL_ALL,
     JS_API_ADMINISTRATION, JS_API_INFO, JS_FLOW_CONTROL, LEASES_BUCKET, LIVE_ALL, OBJECTS_ALL,
     ONE_TOKEN, PROVIDERS_BUCKET, PROVIDERS_STREAM, PURGED_STREAMS, REJECTED_ALL, REJECTED_CALLBACK,
-    REJECTED_JOURNAL_ALL, RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_BUCKET,
-    SECRETS_STREAM, SLOTS_BUCKET, SLOTS_STREAM, SYS_ALL, StreamApi, TASKS_ALL,
+    REJECTED_JOURNAL_ALL, RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, SCHEDULES_BUCKET,
+    SECRETS_BUCKET, SECRETS_STREAM, SLOTS_BUCKET, SLOTS_STREAM, SYS_ALL, StreamApi, TASKS_ALL,
     TIMERS_SCHEDULED_ALL, TOOL_INSPECT, TOOL_RESOLVE,
 };
 use serde::ser::SerializeStruct;
@@ -298,14 +298,22 @@ fn approval() -> KindRules {
 
 fn timer() -> KindRules {
     KindRules {
-        about: "schedules durable timers and journals their firings".to_owned(),
+        about: format!(
+            "schedules durable timers and journals their firings; fires schedules \
+             (docs/ARCHITECTURE.md, \"Schedules\"): moves their state in {SCHEDULES_BUCKET}, \
+             submits each firing's task for the schedule's tenant, cancels the previous run \
+             (cancel_previous) and reads the run-id key to know the run it made"
+        ),
         durables: vec![Durable::Timer, Durable::TimerFired],
-        lift: Vec::new(),
+        lift: vec![secrets_read()],
         publish: vec![
             TIMERS_SCHEDULED_ALL.to_owned(),
             all_runs(EventType::TimerFired),
             subjects::dead_letter(Durable::Timer),
             subjects::dead_letter(Durable::TimerFired),
+            subjects::kv_all(SCHEDULES_BUCKET),
+            TASKS_ALL.to_owned(),
+            all_runs(EventType::CancelRequested),
         ],
         subscribe: Vec::new(),
         allow_responses: None,
@@ -384,6 +392,8 @@ fn tenant_inputs() -> Vec<String> {
         ]
         .map(all_runs),
     );
+    // The tenant's schedules (docs/ARCHITECTURE.md, "Schedules"), by compare-and-set.
+    publish.push(subjects::kv_all(SCHEDULES_BUCKET));
     publish
 }
 
@@ -438,6 +448,7 @@ fn operator() -> KindRules {
         ConsumerApi::List.on(ANY_TAIL),
     ];
     publish.extend(ephemeral(RUNS_BUCKET_STREAM));
+    publish.push(subjects::kv_all(SCHEDULES_BUCKET));
     publish.extend(consumer_create(AGENTS_STREAM));
     publish.extend(watch(PROVIDERS_STREAM));
     publish.extend(blobs());
@@ -557,7 +568,7 @@ pub fn document() -> String {
              except the entries a kind's `lift` names (`retention`'s says which streams it may \
              purge; the kinds that write events or records that may go by reference lift \
              `{OBJECTS_ALL}` and may write only the object store `{BLOBS_BUCKET}`; the kinds that \
-             derive run ids, intake, bridge, gateway and operator, lift the read of \
+             derive run ids, intake, timer (its scheduler), bridge, gateway and operator, lift the read of \
              `{SECRETS_BUCKET}`, docs/SECURITY.md \"Run ids\"). `durables` \
              are expanded per consumer: a kind may create, read and pull only its own durable \
              consumers, and no kind but admin deletes a durable consumer. Ephemeral (ordered) \

@@ -28,6 +28,7 @@ mod events;
 mod health;
 mod run_inputs;
 mod runs;
+pub(crate) mod schedules;
 
 pub(crate) use events::{events, sse_ticket};
 pub(crate) use health::{healthz, method_not_allowed, not_found, readyz, whoami};
