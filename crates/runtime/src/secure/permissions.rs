@@ -19,9 +19,10 @@ use kedge_core::subjects::{
     CALLBACKS_ALL, ConsumerApi, DELTAS_ALL, Durable, IDEMPOTENCY_BUCKET, IDEMPOTENCY_STREAM,
     IMPORT_REPLIES, INBOXES, JOURNAL_ALL, JS_API_ADMINISTRATION, JS_API_INFO, JS_FLOW_CONTROL,
     LEASES_BUCKET, LEASES_STREAM, LIVE_ALL, OBJECTS_ALL, ONE_TOKEN, PROVIDERS_BUCKET,
-    PROVIDERS_STREAM, REJECTED_ALL, REJECTED_CALLBACK, REJECTED_JOURNAL_ALL, REJECTIONS_STREAM,
-    RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM, SECRETS_BUCKET, SECRETS_STREAM, SYS_ALL,
-    StreamApi, TASKS_ALL, TIMERS_SCHEDULED_ALL, TIMERS_STREAM, TOOL_INSPECT, TOOL_RESOLVE,
+    PROVIDERS_STREAM, QUOTAS_BUCKET, QUOTAS_STREAM, REJECTED_ALL, REJECTED_CALLBACK,
+    REJECTED_JOURNAL_ALL, REJECTIONS_STREAM, RUNS_BUCKET, RUNS_BUCKET_STREAM, RUNS_STREAM,
+    SECRETS_BUCKET, SECRETS_STREAM, SYS_ALL, StreamApi, TASKS_ALL, TIMERS_SCHEDULED_ALL,
+    TIMERS_STREAM, TOOL_INSPECT, TOOL_RESOLVE,
 };
 use serde::ser::SerializeStruct;
 use serde::{Serialize, Serializer};
@@ -201,12 +202,14 @@ fn intake() -> KindRules {
         all_runs(EventType::CallbackReceived),
         REJECTED_ALL.to_owned(),
         INBOXES.to_owned(),
+        subjects::kv_all(QUOTAS_BUCKET),
     ];
     publish.extend(blobs());
     KindRules {
-        about: "turns tasks into runs: the one decision it writes is run.created; answers on \
-                inboxes; delivers callbacks"
-            .to_owned(),
+        about: format!(
+            "turns tasks into runs: the one decision it writes is run.created; answers on \
+             inboxes; delivers callbacks; admits runs under the tenants' quotas ({QUOTAS_BUCKET})"
+        ),
         durables: vec![Durable::Intake],
         lift: vec![OBJECTS_ALL.to_owned(), secrets_read()],
         publish,
@@ -228,6 +231,7 @@ fn step() -> KindRules {
         all_runs(EventType::CancelRequested),
         all_runs(EventType::ProviderReleased),
         subjects::kv_all(PROVIDERS_BUCKET),
+        subjects::kv_all(QUOTAS_BUCKET),
     ];
     publish.extend(watch(PROVIDERS_STREAM));
     publish.push(LIVE_ALL.to_owned());
@@ -236,7 +240,7 @@ fn step() -> KindRules {
         about: format!(
             "the single writer of a run's decisions: leases, model calls, stored responses, token \
              deltas, target checks, liveness heartbeats and pings, the fleet's view of each model \
-             endpoint ({PROVIDERS_BUCKET}); of inputs only a run's release from its wait on the \
+             endpoint ({PROVIDERS_BUCKET}), the tenants' model usage and ended runs ({QUOTAS_BUCKET}); of inputs only a run's release from its wait on the \
              provider, a child run's result to its parent (and a run_agent refusal) and a \
              cancelling parent's cancel of its children"
         ),
@@ -310,11 +314,20 @@ fn timer() -> KindRules {
 }
 
 fn reconciler() -> KindRules {
+    let mut publish = vec![
+        all_runs(EventType::Nudge),
+        TOOL_RESOLVE.to_owned(),
+        subjects::kv_all(QUOTAS_BUCKET),
+    ];
+    publish.extend(watch(QUOTAS_STREAM));
     KindRules {
-        about: "nudges stalled runs and asks tool runners to resolve stuck operations".to_owned(),
+        about: format!(
+            "nudges stalled runs and asks tool runners to resolve stuck operations; counts out \
+             of the tenants' quotas ({QUOTAS_BUCKET}) the runs that ended uncounted"
+        ),
         durables: Vec::new(),
         lift: Vec::new(),
-        publish: vec![all_runs(EventType::Nudge), TOOL_RESOLVE.to_owned()],
+        publish,
         subscribe: Vec::new(),
         allow_responses: None,
     }
@@ -390,11 +403,13 @@ fn bridge() -> KindRules {
     let mut publish = tenant_inputs();
     publish.push(all_runs(EventType::OutcomeResolved));
     publish.push(REJECTED_CALLBACK.to_owned());
+    publish.push(subjects::kv_all(QUOTAS_BUCKET));
     publish.extend(blobs());
     KindRules {
-        about: "the HTTP API: submits for the tenant its token names, appends that tenant's \
-                inputs, lists and follows runs"
-            .to_owned(),
+        about: format!(
+            "the HTTP API: submits for the tenant its token names (admitting its runs under the \
+             tenant's quotas, {QUOTAS_BUCKET}), appends that tenant's inputs, lists and follows runs"
+        ),
         durables: Vec::new(),
         lift: vec![OBJECTS_ALL.to_owned(), secrets_read()],
         publish,
@@ -408,11 +423,14 @@ fn gateway() -> KindRules {
     publish.push(REJECTED_CALLBACK.to_owned());
     publish.push(IMPORT_REPLIES.to_owned());
     publish.push(INBOXES.to_owned());
+    publish.push(subjects::kv_all(QUOTAS_BUCKET));
     publish.extend(blobs());
     KindRules {
-        about: "the tenants' NATS API: forwards a tenant's tasks with its name in the subject, \
-                reads and follows only its runs, appends its inputs"
-            .to_owned(),
+        about: format!(
+            "the tenants' NATS API: forwards a tenant's tasks with its name in the subject \
+             (admitting their runs under the tenant's quotas, {QUOTAS_BUCKET}), reads and follows \
+             only its runs, appends its inputs"
+        ),
         durables: Vec::new(),
         lift: vec![OBJECTS_ALL.to_owned(), secrets_read()],
         publish,
@@ -439,6 +457,7 @@ fn operator() -> KindRules {
     publish.extend(ephemeral(RUNS_BUCKET_STREAM));
     publish.extend(consumer_create(AGENTS_STREAM));
     publish.extend(watch(PROVIDERS_STREAM));
+    publish.extend(watch(QUOTAS_STREAM));
     publish.extend(blobs());
     KindRules {
         about: "a person with the kedge CLI: reads everything, submits, answers, approves, \

@@ -26,6 +26,7 @@ mod holding;
 mod model;
 mod precondition;
 mod provider;
+mod quota;
 mod set_aside;
 mod step;
 
@@ -336,10 +337,18 @@ impl Driver {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
                     self.tend_children(state, w.writer).await?;
                     self.tend_provider_wait(state, waited).await?;
+                    if state.status.is_terminal() {
+                        self.count_active(state, false).await;
+                    }
                     return Ok(why);
                 }
                 Next::Commit(drafts) => {
-                    self.commit(state, w, drafts).await?;
+                    let revived = drafts
+                        .iter()
+                        .any(|d| matches!(d.event, kedge_core::Decision::RunRevived(_)));
+                    if self.commit(state, w, drafts).await? && revived {
+                        self.count_active(state, true).await;
+                    }
                 }
                 Next::Step(plan) => {
                     self.step(state, w, *plan, lost).await?;
