@@ -406,3 +406,109 @@ async fn a_tenant_over_its_tokens_of_the_day_waits_for_the_next_day_and_others_g
         .count();
     assert!(held >= 1, "the held attempt is journaled");
 }
+
+/// A run that ended without being counted out (a step process killed between the run's end and
+/// its count-out, simulated by counting it in again) and a task admitted that never became a run
+/// hold slots of the tenant's unfinished runs until the reconciler's repair counts them out;
+/// `kedge tenants usage` shows the tenant's use against its limits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reconciler_repairs_counts_a_crash_left_and_the_cli_shows_usage() {
+    let quotas = json!({
+        "tenants": {"acme": {"max_active_runs": 2}},
+        "repair_secs": 1
+    });
+    let q = quotas.clone();
+    let h = Harness::start_with(script(), &[Svc::Intake, Svc::Step, Svc::Tool], move |c| {
+        c.quotas = serde_json::from_value(q).expect("quotas");
+    })
+    .await;
+    h.agent("quick", "quick").await;
+    h.agent("ask", "ask").await;
+    let acme = tenant("acme");
+    let counts = h.rt.quotas().await.expect("quotas");
+    let done = h.submit("quick", "go", "r-1").await;
+    h.wait_for(&done, WAIT, |s| s.status == RunStatus::Succeeded)
+        .await;
+    let deadline = Instant::now() + WAIT;
+    while !counts.active(&acme).await.expect("active").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the ended run was never counted out"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // What a crash leaves: the ended run still counted, and a run admitted but never created.
+    counts.restore(&acme, &done).await.expect("counted in");
+    let ghost: RunId = format!("run_{:032x}", 7).parse().expect("run id");
+    counts
+        .admit(&acme, &ghost)
+        .await
+        .expect("quotas")
+        .expect("admitted");
+    assert!(matches!(
+        intake_submit(&h, "ask", "r-2").await,
+        Door::Refused(why, 10) if why.contains("max_active_runs")
+    ));
+    // The reconciler's repair counts both out (the ghost after two passes without a journal).
+    let _reconciler = common::spawn_detached(&h.config, kedge_serve::Service::Reconciler);
+    let deadline = Instant::now() + WAIT;
+    while !counts.active(&acme).await.expect("active").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the repair never counted them out"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(matches!(
+        intake_submit(&h, "ask", "r-3").await,
+        Door::Admitted
+    ));
+
+    // `kedge tenants usage`, as the operator.
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kedge"));
+    cmd.args(["tenants", "usage", "acme", "-o", "json"])
+        .env("KEDGE_NATS_URL", h.nats.url())
+        .env("KEDGE_QUOTAS", quotas.to_string());
+    for (k, v) in common::kind_env(&h.config, kedge_runtime::secure::Kind::Operator) {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("kedge runs");
+    assert!(out.status.success(), "{out:?}");
+    let rows: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(rows[0]["tenant"], "acme", "{rows}");
+    assert_eq!(rows[0]["active_runs"], 1, "{rows}");
+    assert_eq!(rows[0]["limits"]["max_active_runs"], 2, "{rows}");
+    assert!(rows[0]["today"]["calls"].as_u64() >= Some(1), "{rows}");
+}
+
+/// With `on_exceeded: fail` a run of a tenant over its tokens of the day fails, naming the
+/// quota, instead of waiting; the model is not called for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_whose_quota_says_fail_has_its_run_fail_naming_the_quota() {
+    let h = Harness::start_with(script(), &[Svc::Intake, Svc::Step, Svc::Tool], |c| {
+        c.quotas.tenants.insert(
+            tenant("acme"),
+            QuotaLimits {
+                tokens_per_day: 1,
+                on_exceeded: kedge_core::quota::OnExceeded::Fail,
+                ..QuotaLimits::default()
+            },
+        );
+    })
+    .await;
+    h.agent("acme-talk", "acme-talk").await;
+    let first = h.submit("acme-talk", "one", "f-1").await;
+    let s = h.wait_for(&first, WAIT, |s| s.status.is_terminal()).await;
+    assert_eq!(s.status, RunStatus::Succeeded);
+    let calls = h.mock.requests("acme-talk").len();
+    let second = h.submit("acme-talk", "two", "f-2").await;
+    let s = h.wait_for(&second, WAIT, |s| s.status.is_terminal()).await;
+    assert_eq!(s.status, RunStatus::Failed);
+    let failure = s.failure.as_ref().expect("the failure");
+    assert_eq!(
+        failure.reason,
+        kedge_core::event::FailureReason::QuotaExceeded
+    );
+    assert!(failure.message.contains("tokens_per_day"), "{failure:?}");
+    assert_eq!(h.mock.requests("acme-talk").len(), calls, "no call for it");
+}
