@@ -315,7 +315,7 @@ async fn run_quotas_hold_for_the_fleet_at_every_door() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_over_its_tokens_of_the_day_waits_for_the_next_day_and_others_go_on() {
-    const DAY: u64 = 8;
+    const DAY: u64 = 12;
     let h = Harness::start_with(script(), &[Svc::Intake, Svc::Step, Svc::Tool], |c| {
         // A short "day": the window rolls within the test.
         c.quotas.day_secs = DAY;
