@@ -36,6 +36,7 @@ pub mod fixtures;
 pub mod fold;
 pub mod ids;
 pub mod machine;
+pub mod quota;
 pub mod replay;
 pub mod schedule;
 pub mod schema;

@@ -99,6 +99,10 @@ pub struct TaskRejection {
     /// The offending field (`input`, `budget.max_steps`, …), or `body` for the whole message.
     pub field: String,
     pub reason: String,
+    /// Seconds after which the same task may be accepted: set when a tenant quota refused it
+    /// (`field` is `quota.<name>`; docs/ARCHITECTURE.md "Quotas").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_secs: Option<u64>,
 }
 
 impl TaskRejection {
@@ -106,6 +110,16 @@ impl TaskRejection {
         Self {
             field: field.into(),
             reason: reason.into(),
+            retry_after_secs: None,
+        }
+    }
+
+    /// The rejection of a task a tenant quota refused.
+    pub fn quota(e: &crate::quota::Exceeded) -> Self {
+        Self {
+            field: format!("quota.{}", e.quota.as_str()),
+            reason: e.reason(),
+            retry_after_secs: Some(e.retry_after_secs),
         }
     }
 }

@@ -41,8 +41,8 @@ use async_nats::Client;
 use bytes::Bytes;
 use kedge_core::subjects::{
     AGENTS_STREAM, BLOBS_STREAM, IDEMPOTENCY_STREAM, LEASES_STREAM, PROVIDERS_STREAM,
-    REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, SCHEDULES_STREAM, SECRETS_STREAM,
-    SLOTS_STREAM, TASKS_STREAM, TIMERS_STREAM,
+    QUOTAS_STREAM, REJECTIONS_STREAM, RUNS_BUCKET_STREAM, RUNS_STREAM, SCHEDULES_STREAM,
+    SECRETS_STREAM, SLOTS_STREAM, TASKS_STREAM, TIMERS_STREAM,
 };
 use serde_json::Value;
 
@@ -92,6 +92,10 @@ pub const LAYOUT: &[(&str, &str)] = &[
     (
         SLOTS_STREAM,
         include_str!("../../../nats/kv/kedge_slots.json"),
+    ),
+    (
+        QUOTAS_STREAM,
+        include_str!("../../../nats/kv/kedge_quotas.json"),
     ),
     (
         AGENTS_STREAM,

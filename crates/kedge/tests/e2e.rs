@@ -46,6 +46,7 @@ mod model_settings;
 mod partition;
 mod projection;
 mod provider_outage;
+mod quotas;
 mod real_model;
 mod reconciler;
 mod retention;

@@ -38,6 +38,7 @@ pub mod liveness;
 pub mod metrics;
 pub mod projection;
 pub mod provider;
+pub mod quota;
 pub mod rejections;
 pub mod responder;
 pub mod run_ids;
@@ -107,6 +108,8 @@ pub struct Runtime {
     /// This process's view of the fleet's model endpoints, opened by the first service that
     /// needs it ([`Runtime::providers`]) and shared by the others.
     providers: Arc<tokio::sync::OnceCell<provider::Providers>>,
+    /// The fleet's quota counts, opened on first use ([`Runtime::quotas`]).
+    quotas: Arc<tokio::sync::OnceCell<quota::Quotas>>,
     /// The key run ids are derived with, read on first use ([`Runtime::run_ids`]).
     run_ids: Arc<tokio::sync::OnceCell<run_ids::RunIdKey>>,
 }
@@ -166,6 +169,15 @@ impl Runtime {
             .await
             .cloned()
             .map_err(|e| RuntimeError::broker(format!("open {}", subjects::PROVIDERS_BUCKET), e))
+    }
+
+    /// The fleet's quota counts ([`quota::Quotas`], docs/ARCHITECTURE.md "Quotas"), opened on
+    /// first use.
+    pub async fn quotas(&self) -> Result<quota::Quotas, quota::QuotaError> {
+        self.quotas
+            .get_or_try_init(|| quota::Quotas::open(self.js.clone(), self.config.quotas.clone()))
+            .await
+            .cloned()
     }
 
     /// The key run ids are derived with ([`run_ids`]), read from the broker on first use (only
@@ -257,6 +269,7 @@ impl Runtime {
             config: Arc::new(config),
             liveness: Arc::default(),
             providers: Arc::default(),
+            quotas: Arc::default(),
             run_ids: Arc::default(),
         })
     }

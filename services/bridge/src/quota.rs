@@ -3,6 +3,9 @@
 //! (N bridges allow N times as much): they protect a bridge and its broker from one tenant, they
 //! are not billing. Unfinished runs per tenant are counted from the runs projection
 //! (`max_active_runs`, see `api::submit`).
+//!
+//! The tenant's own quotas, counted once for the fleet (`quotas.*`, docs/ARCHITECTURE.md
+//! "Quotas"), are checked here too ([`admit_in_fleet`]), before the task is published.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,6 +15,45 @@ use axum::http::StatusCode;
 use kedge_core::ids::TenantId;
 
 use crate::problem::Problem;
+
+/// Admits the run of `task` under `tenant`'s quotas counted once for the fleet
+/// (docs/ARCHITECTURE.md "Quotas"), before the task is published: a refusal is a 429 with
+/// `Retry-After` and the task never reaches the broker (so the client's retry with the same
+/// `Idempotency-Key` is a new task, not a duplicate). Intake admits the same run again without
+/// counting it twice.
+pub async fn admit_in_fleet(
+    rt: &kedge_runtime::Runtime,
+    tenant: &TenantId,
+    task: &kedge_core::task::TaskSubmission,
+    msg_id: &str,
+) -> Result<(), Problem> {
+    let quotas = rt
+        .quotas()
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string(), 1))?;
+    if !quotas.enabled() {
+        return Ok(());
+    }
+    let ids = rt
+        .run_ids()
+        .await
+        .map_err(|e| Problem::unavailable(e.to_string(), 1))?;
+    let run = ids.run_of(tenant, task.run_id.as_ref(), Some(msg_id), 0);
+    match quotas.admit(tenant, &run).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(too_many(e.reason(), e.retry_after_secs)),
+        Err(e) => Err(Problem::unavailable(e.to_string(), 1)),
+    }
+}
+
+/// The answer to a task intake rejected: 429 with `Retry-After` for a quota, else 422 naming
+/// the field.
+pub fn rejected(error: kedge_core::task::TaskRejection) -> Problem {
+    match error.retry_after_secs {
+        Some(secs) => too_many(error.reason, secs),
+        None => Problem::invalid(error.field, error.reason),
+    }
+}
 
 /// 429 with a `Retry-After`.
 pub fn too_many(detail: impl Into<String>, retry_after: u64) -> Problem {

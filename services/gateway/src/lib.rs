@@ -299,6 +299,12 @@ async fn task(
             .await;
         }
     };
+    // The tenant's quotas (docs/ARCHITECTURE.md "Quotas"): a task with a key admits its run
+    // now (intake admits it again without counting); one without is checked, and intake
+    // decides. Refused: the JetStream error names the quota, and the task is not stored.
+    if let Some(refused) = quota_refusal(rt, tenant, &ids, &task, msg_id.as_deref()).await {
+        return reply(rt, msg, &refuse(refused.0, refused.1)).await;
+    }
     let subject = subjects::task_for(agent, tenant);
     let ack = match rt
         .js
@@ -330,6 +336,37 @@ async fn task(
         }
     };
     reply(rt, msg, &answer).await;
+}
+
+/// Why the tenant's quotas refuse its task now (the code and description of the JetStream
+/// error answered), if they do.
+async fn quota_refusal(
+    rt: &Runtime,
+    tenant: &TenantId,
+    ids: &kedge_runtime::run_ids::RunIdKey,
+    task: &TaskSubmission,
+    msg_id: Option<&str>,
+) -> Option<(u16, String)> {
+    let quotas = match rt.quotas().await {
+        Ok(q) if !q.enabled() => return None,
+        Ok(q) => q,
+        Err(e) => return Some((503, format!("the task was not stored: {e}"))),
+    };
+    let decided = match msg_id {
+        Some(key) => {
+            let run = ids.run_of(tenant, task.run_id.as_ref(), Some(key), 0);
+            quotas.admit(tenant, &run).await
+        }
+        None => quotas.check(tenant).await,
+    };
+    match decided {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => {
+            let r = kedge_core::task::TaskRejection::quota(&e);
+            Some((429, format!("task rejected: {}: {}", r.field, r.reason)))
+        }
+        Err(e) => Some((503, format!("the task was not stored: {e}"))),
+    }
 }
 
 async fn get(rt: &Runtime, tenant: &TenantId, run: &RunId) -> Result<Value, Refusal> {

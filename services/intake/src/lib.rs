@@ -51,7 +51,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::Message;
 use futures::FutureExt;
 use kedge_core::event::{Draft, Event, RunCreated, Timestamp};
-use kedge_core::ids::RunId;
+use kedge_core::ids::{RunId, TenantId};
 use kedge_core::subjects::{self, Durable, TaskSubject};
 use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::{ErrorKind, JournalError};
@@ -334,6 +334,10 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         .map_err(Refusal::Reject)?,
     };
     seal_task_fields(rt, &def, &run_id, &mut created)?;
+    // The tenant's quotas, once for the fleet (docs/ARCHITECTURE.md "Quotas"): the last check
+    // before the run exists. A run the bridge admitted before publishing is admitted again
+    // without counting.
+    admit(rt, &tenant, &run_id).await?;
     let created = DecisionEnvelope::new(
         run_id.clone(),
         Timestamp::now(),
@@ -373,6 +377,23 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
             }
         }
         Err(e) => Err(journal_refusal(&e)),
+    }
+}
+
+/// Admits the run under its tenant's quotas, or refuses the task naming the quota (with when
+/// to try again); the quotas unavailable is broker trouble, retried.
+async fn admit(rt: &Runtime, tenant: &TenantId, run_id: &RunId) -> Result<(), Refusal> {
+    let quotas = rt
+        .quotas()
+        .await
+        .map_err(|e| Refusal::Retry(e.to_string()))?;
+    if !quotas.enabled() {
+        return Ok(());
+    }
+    match quotas.admit(tenant, run_id).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(exceeded)) => Err(Refusal::Reject(TaskRejection::quota(&exceeded))),
+        Err(e) => Err(Refusal::Retry(e.to_string())),
     }
 }
 

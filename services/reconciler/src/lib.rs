@@ -43,6 +43,8 @@
 //! The retention service (`kedge serve retention`) is a crate of its own, `kedge_retention`:
 //! it runs with its own credentials, and the reconciler's user may not purge.
 
+pub mod quotas;
+
 use kedge_core::Input;
 use kedge_core::InputEnvelope;
 use std::collections::BTreeSet;
@@ -90,6 +92,8 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let every = (rt.config.timeouts.stall_after() / 2).max(Duration::from_secs(1));
     tracing::info!(worker = %rt.config.worker_id, every_ms = every.as_millis() as u64, "reconciler started");
     tokio::pin!(shutdown);
+    // The tenants' unfinished-run counts (docs/ARCHITECTURE.md "Quotas"), on their own clock.
+    let repair = tokio::spawn(quotas::repair_loop(rt.clone()));
     let mut reconciler = Reconciler::new(rt);
     loop {
         tokio::select! {
@@ -114,6 +118,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             Err(e) => tracing::warn!(error = %e, "slots recovery failed"),
         }
     }
+    repair.abort();
     tracing::info!("reconciler stopped");
     Ok(())
 }

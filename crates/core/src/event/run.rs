@@ -81,6 +81,9 @@ pub enum FailureReason {
     /// The model provider stayed unavailable (or over its rate limit) for the step's whole
     /// `provider_wait`; the message names the endpoint and its last error.
     ProviderUnavailable,
+    /// The run's tenant was over its model tokens or cost of the day and its quota says
+    /// `on_exceeded: fail` (docs/ARCHITECTURE.md "Quotas"); the message names the quota.
+    QuotaExceeded,
 }
 
 /// How an operation ended, as listed by `run.cancelled`.

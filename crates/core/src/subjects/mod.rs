@@ -51,6 +51,36 @@ bucket!(
     "KV_"
 );
 bucket!(
+    /// Tenant quotas, counted once for the fleet (docs/ARCHITECTURE.md "Quotas"): each
+    /// tenant's run admissions ([`quota_admissions_key`]) and model usage per day window
+    /// ([`quota_usage_key`]).
+    QUOTAS_BUCKET,
+    QUOTAS_STREAM,
+    "kedge_quotas",
+    "KV_"
+);
+/// The key of [`QUOTAS_BUCKET`] holding `tenant`'s run admissions (runs started in the current
+/// minute window, unfinished runs): `runs.<tenant>`.
+pub fn quota_admissions_key(tenant: &TenantId) -> String {
+    format!("runs.{tenant}")
+}
+/// The key of [`QUOTAS_BUCKET`] holding `tenant`'s model usage in day window `day`:
+/// `usage.<tenant>.<day>`.
+pub fn quota_usage_key(tenant: &TenantId, day: u64) -> String {
+    format!("usage.{tenant}.{day}")
+}
+/// The filter of every tenant's run admissions in [`QUOTAS_BUCKET`] (`runs.*`).
+pub const QUOTA_ADMISSIONS_ALL: &str = "runs.*";
+/// The tenant and day window of a [`quota_usage_key`], if `key` is one.
+pub fn parse_quota_usage_key(key: &str) -> Option<(TenantId, u64)> {
+    let (tenant, day) = key.strip_prefix("usage.")?.rsplit_once('.')?;
+    Some((tenant.parse().ok()?, day.parse().ok()?))
+}
+/// The tenant of a [`quota_admissions_key`], if `key` is one.
+pub fn parse_quota_admissions_key(key: &str) -> Option<TenantId> {
+    key.strip_prefix("runs.")?.parse().ok()
+}
+bucket!(
     /// Server-held secrets (no direct gets: read only by the kinds whose permissions allow it).
     SECRETS_BUCKET,
     SECRETS_STREAM,

@@ -35,6 +35,9 @@ use agents::agents;
 mod providers;
 use providers::providers;
 
+mod tenants;
+use tenants::{TenantsCmd, tenants};
+
 mod mcp;
 use mcp::mcp_tools;
 
@@ -216,6 +219,9 @@ pub enum Command {
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// Tenants and their quotas (kedge_quotas): `kedge tenants usage`.
+    #[command(subcommand)]
+    Tenants(TenantsCmd),
     /// Write the secured nats-server configuration (accounts, least-privilege users, one account
     /// per tenant) and each kind's nkey; see docs/SECURITY.md.
     NatsConfig(crate::nats_config::NatsConfigArgs),
@@ -408,6 +414,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Providers { output } => {
             providers(&Runtime::connect_existing(config).await?, output).await
         }
+        Command::Tenants(cmd) => tenants(&Runtime::connect_existing(config).await?, cmd).await,
         Command::Runs(RunsCmd::Rebuild) => rebuild(&Runtime::connect_existing(config).await?).await,
         Command::Completion { shell } => completion(shell),
         Command::Runs(RunsCmd::Show { run, output }) => {

@@ -25,7 +25,7 @@
 //! `nats` (connecting to NATS) and `layers` (the `nats` CLI context, flags and the `nats` CLI's
 //! variables), `workers` (the process, its workers and tools), `secrets` ([`Secret`], approvers,
 //! the seal key, the run-id key), `models`, `mcp`, `telemetry` (metrics and traces), `bridge`, `retention`,
-//! `providers` and `timeouts`; `duration` and `env` read values. This module holds [`Config`]
+//! `providers`, `quotas` and `timeouts`; `duration` and `env` read values. This module holds [`Config`]
 //! itself and its loading: the file, the layers, the variables, the checks.
 
 mod bridge;
@@ -36,6 +36,7 @@ mod mcp;
 mod models;
 mod nats;
 mod providers;
+mod quotas;
 mod retention;
 mod secrets;
 mod telemetry;
@@ -48,6 +49,7 @@ pub use layers::{Flags, context_path};
 pub use models::{ModelPolicy, is_loopback_url};
 pub use nats::{DEFAULT_INBOX_PREFIX, DEFAULT_NATS_URL, NatsConfig};
 pub use providers::{EndpointLimit, ProviderConfig};
+pub use quotas::QuotasConfig;
 pub use retention::RetentionConfig;
 pub use secrets::{REDACTED, Secret};
 pub use workers::SandboxKind;
@@ -150,6 +152,8 @@ pub struct Config {
     /// How the fleet rides out a model provider's outages and rate limits
     /// ([`crate::provider`], docs/CONFIG.md "Provider trouble").
     pub providers: ProviderConfig,
+    /// Tenant quotas, counted once for the fleet ([`crate::quota`], docs/CONFIG.md "Quotas").
+    pub quotas: QuotasConfig,
 }
 
 impl Default for Config {
@@ -184,6 +188,7 @@ impl Default for Config {
             run_id_key: None,
             retention: RetentionConfig::default(),
             providers: ProviderConfig::default(),
+            quotas: QuotasConfig::default(),
         }
     }
 }
@@ -217,6 +222,7 @@ impl std::fmt::Debug for Config {
             run_id_key,
             retention,
             providers,
+            quotas,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
         let api_keys: Vec<&String> = api_keys.keys().collect();
@@ -246,6 +252,7 @@ impl std::fmt::Debug for Config {
             .field("run_id_key", run_id_key)
             .field("retention", retention)
             .field("providers", providers)
+            .field("quotas", quotas)
             .finish()
     }
 }
@@ -348,6 +355,7 @@ impl Config {
         self.bridge.apply_env(&get)?;
         self.retention.apply_env(&get)?;
         self.providers.apply_env(&get)?;
+        self.quotas.apply_env(&get)?;
         self.apply_timeouts_env(&get)
     }
 
@@ -361,6 +369,7 @@ impl Config {
         self.bridge.check()?;
         self.retention.check()?;
         self.providers.check()?;
+        self.quotas.check()?;
         self.check_metrics_addr()?;
         self.check_seal_key()?;
         self.check_run_id_key()?;

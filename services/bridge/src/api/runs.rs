@@ -77,6 +77,7 @@ pub(crate) async fn submit(
         }
     }
     let msg_id = format!("{}/{key}", caller.tenant);
+    crate::quota::admit_in_fleet(&bridge.rt, &caller.tenant, &task, &msg_id).await?;
     let submission = Submission {
         task: &task,
         key: &msg_id,
@@ -117,7 +118,7 @@ pub(crate) async fn submit(
             }
             Ok(response)
         }
-        Ok(Answer::Rejected { error }) => Err(Problem::invalid(error.field, error.reason)),
+        Ok(Answer::Rejected { error }) => Err(crate::quota::rejected(error)),
         Err(SubmitError::NoAnswer(_)) => Err(Problem::unavailable(
             format!(
                 "the task is queued but intake did not answer within {wait:?}; repeat the request \

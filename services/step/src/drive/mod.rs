@@ -26,6 +26,7 @@ mod holding;
 mod model;
 mod precondition;
 mod provider;
+mod quota;
 mod set_aside;
 mod slots;
 mod step;
@@ -348,10 +349,18 @@ impl Driver {
                     }
                     self.tend_children(state, w.writer).await?;
                     self.tend_provider_wait(state, waited).await?;
+                    if state.status.is_terminal() {
+                        self.count_active(state, false).await;
+                    }
                     return Ok(why);
                 }
                 Next::Commit(drafts) => {
-                    self.commit(state, w, drafts).await?;
+                    let revived = drafts
+                        .iter()
+                        .any(|d| matches!(d.event, kedge_core::Decision::RunRevived(_)));
+                    if self.commit(state, w, drafts).await? && revived {
+                        self.count_active(state, true).await;
+                    }
                 }
                 Next::Step(plan) => match self.admit(state, w, &plan).await? {
                     slots::Admit::Go => self.step(state, w, *plan, lost).await?,

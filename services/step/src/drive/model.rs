@@ -44,7 +44,11 @@ impl Driver {
             providers.learn(endpoint, &called.spec.name, learned).await;
         }
         match &result {
-            Ok(_) => providers.report_success(endpoint).await,
+            Ok(response) => {
+                providers.report_success(endpoint).await;
+                self.record_quota_usage(state, &called.spec, &response.usage)
+                    .await;
+            }
             Err(CallError::Model(e)) => {
                 if let Some(report) = trouble_report(e, probe) {
                     providers.report_trouble(endpoint, &report).await;

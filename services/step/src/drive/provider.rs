@@ -67,9 +67,16 @@ impl Driver {
             .as_ref()
             .filter(|p| p.step == plan.step)
             .map_or(now, |p| p.since);
-        let waiter = queue.waiter(state, since, now.saturating_add(backoff));
+        let not_before = trouble
+            .not_before
+            .unwrap_or_else(|| now.saturating_add(backoff));
+        let waiter = queue.waiter(state, since, not_before);
         queue.providers.wait(queue.endpoint, &waiter).await?;
-        let bound = self.rt.config.providers.wait;
+        // A wait for a quota's window to roll is bounded from the window's end on.
+        let bound = self.rt.config.providers.wait
+            + trouble.not_before.map_or(Duration::ZERO, |nb| {
+                (nb.0 - now.0).try_into().unwrap_or(Duration::ZERO)
+            });
         let met = trouble.met;
         let committed = self
             .commit_attempt_end(state, w, &plan.request_id, |state| {
@@ -141,6 +148,8 @@ pub(super) struct ProviderTrouble<'a> {
     pub(super) met: TroubleMet,
     pub(super) retry_after: Option<Duration>,
     pub(super) why: metrics::ProviderWait,
+    /// Not released before this (a tenant over its quota of the day: the window's end).
+    pub(super) not_before: Option<Timestamp>,
 }
 
 impl<'a> ProviderTrouble<'a> {
@@ -166,6 +175,7 @@ impl<'a> ProviderTrouble<'a> {
             },
             retry_after: None,
             why,
+            not_before: None,
         }
     }
 
@@ -185,6 +195,7 @@ impl<'a> ProviderTrouble<'a> {
                 Trouble::Unavailable => metrics::ProviderWait::Unavailable,
                 Trouble::RateLimited => metrics::ProviderWait::RateLimited,
             },
+            not_before: None,
         }
     }
 }

@@ -211,6 +211,10 @@ impl Driver {
         // A run released to its own model had its slot reserved by its release.
         let reserved = plan.released.is_some() && !to_fallback;
         let turn = turn.as_ref().filter(|_| !reserved);
+        // The tenant's tokens and cost of the day (docs/ARCHITECTURE.md "Quotas").
+        if let Some(over) = self.quota_holds(state).await {
+            return self.hold_for_quota(state, w, &plan, &queue, over).await;
+        }
         if let Some(wait) = hold_or_admit(route, &primary, called, turn, &providers).await {
             return self.wait_on_provider(state, w, &plan, &queue, wait).await;
         }
