@@ -105,7 +105,11 @@ fn product_sources() -> Vec<(String, String)> {
             .expect("under the repo")
             .to_string_lossy()
             .replace('\\', "/");
-        if rel.starts_with(REGISTRY) || NOT_PRODUCT.iter().any(|n| rel.starts_with(n)) {
+        // A unit-test module kept in a file of its own (`#[cfg(test)] mod tests;`) is a test.
+        if rel.starts_with(REGISTRY)
+            || NOT_PRODUCT.iter().any(|n| rel.starts_with(n))
+            || rel.ends_with("/tests.rs")
+        {
             continue;
         }
         let text = std::fs::read_to_string(&path).expect("readable source");
