@@ -10,7 +10,7 @@ pub const TASKS_STREAM: &str = "KEDGE_TASKS";
 /// The journal stream (limits retention, file storage), subjects `agent.run.>`.
 pub const RUNS_STREAM: &str = "KEDGE_RUNS";
 /// Durable timers (limits retention, message schedules): `kedge.timer.sched.<run>.<timer>` and
-/// `kedge.timer.fired.<run>.<timer>` (see [`timer_scheduled`]).
+/// `kedge.timer.fired.<run>.<timer>` (see [`super::timer_scheduled`]).
 pub const TIMERS_STREAM: &str = "KEDGE_TIMERS";
 /// What was set aside (30 days): refused tasks `agent.rejected.<agent>`, journal messages that
 /// failed their checks `agent.rejected.journal.<run>.<seq>`, dead letters
