@@ -31,6 +31,7 @@ pub mod config;
 pub mod connect;
 pub mod consumer;
 pub mod failpoint;
+pub mod fair;
 pub mod health;
 pub mod idempotency;
 pub mod liveness;
@@ -42,6 +43,7 @@ pub mod responder;
 pub mod run_ids;
 pub mod seal;
 pub mod secure;
+pub mod tenants;
 pub mod trace;
 
 /// A uniformly random `u64` for the jitter of a backoff (the core takes it as an input, so its

@@ -25,12 +25,13 @@
 //! `nats` (connecting to NATS) and `layers` (the `nats` CLI context, flags and the `nats` CLI's
 //! variables), `workers` (the process, its workers and tools), `secrets` ([`Secret`], approvers,
 //! the seal key, the run-id key), `models`, `mcp`, `telemetry` (metrics and traces), `bridge`, `retention`,
-//! `providers` and `timeouts`; `duration` and `env` read values. This module holds [`Config`]
+//! `providers`, `fairness` and `timeouts`; `duration` and `env` read values. This module holds [`Config`]
 //! itself and its loading: the file, the layers, the variables, the checks.
 
 mod bridge;
 mod duration;
 mod env;
+mod fairness;
 mod layers;
 mod mcp;
 mod models;
@@ -44,6 +45,7 @@ mod workers;
 
 pub use bridge::{BridgeConfig, BridgeToken, MAX_RUNS_LIST_INTERVAL_MS};
 pub use duration::{format_duration, parse_duration};
+pub use fairness::FairnessConfig;
 pub use layers::{Flags, context_path};
 pub use models::{ModelPolicy, is_loopback_url};
 pub use nats::{DEFAULT_INBOX_PREFIX, DEFAULT_NATS_URL, NatsConfig};
@@ -150,6 +152,9 @@ pub struct Config {
     /// How the fleet rides out a model provider's outages and rate limits
     /// ([`crate::provider`], docs/CONFIG.md "Provider trouble").
     pub providers: ProviderConfig,
+    /// How intake, step and tool share their work among tenants (docs/CONFIG.md "Fairness
+    /// across tenants").
+    pub fairness: FairnessConfig,
 }
 
 impl Default for Config {
@@ -184,6 +189,7 @@ impl Default for Config {
             run_id_key: None,
             retention: RetentionConfig::default(),
             providers: ProviderConfig::default(),
+            fairness: FairnessConfig::default(),
         }
     }
 }
@@ -217,6 +223,7 @@ impl std::fmt::Debug for Config {
             run_id_key,
             retention,
             providers,
+            fairness,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
         let api_keys: Vec<&String> = api_keys.keys().collect();
@@ -246,6 +253,7 @@ impl std::fmt::Debug for Config {
             .field("run_id_key", run_id_key)
             .field("retention", retention)
             .field("providers", providers)
+            .field("fairness", fairness)
             .finish()
     }
 }
@@ -348,6 +356,7 @@ impl Config {
         self.bridge.apply_env(&get)?;
         self.retention.apply_env(&get)?;
         self.providers.apply_env(&get)?;
+        self.fairness.apply_env(&get)?;
         self.apply_timeouts_env(&get)
     }
 
@@ -361,6 +370,7 @@ impl Config {
         self.bridge.check()?;
         self.retention.check()?;
         self.providers.check()?;
+        self.fairness.check()?;
         self.check_metrics_addr()?;
         self.check_seal_key()?;
         self.check_run_id_key()?;
