@@ -34,6 +34,7 @@ mod dead_letters;
 mod demo;
 mod deploy_compose;
 mod examples;
+mod fairness;
 mod forged;
 mod gates;
 mod health;
