@@ -7,6 +7,7 @@
 //! cargo bench -p kedge --bench noisy_neighbour -- --runs 3000 --every-ms 100 --idle-secs 10
 //! KEDGE_BENCH_NOISY_RUNS=500 cargo bench -p kedge --bench noisy_neighbour
 //! KEDGE_BIN=/path/to/old/kedge cargo bench -p kedge --bench noisy_neighbour -- --quick
+//! cargo bench -p kedge --bench noisy_neighbour -- --quick --concurrency 16
 //! ```
 //!
 //! Setup (black-box, like the outage bench): one nats-server (kedge-testkit: free port,
@@ -71,6 +72,8 @@ struct Opts {
     every: Duration,
     idle: Duration,
     cap: Duration,
+    /// `step_concurrency` and `tool_concurrency` of the serve process (none: the defaults).
+    concurrency: Option<usize>,
 }
 
 fn opts() -> Opts {
@@ -82,6 +85,7 @@ fn opts() -> Opts {
         every: Duration::from_millis(100),
         idle: Duration::from_secs(10),
         cap: Duration::from_secs(1800),
+        concurrency: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -99,6 +103,7 @@ fn opts() -> Opts {
             "--every-ms" => o.every = Duration::from_millis(num("--every-ms").max(1)),
             "--idle-secs" => o.idle = Duration::from_secs(num("--idle-secs").max(1)),
             "--cap-secs" => o.cap = Duration::from_secs(num("--cap-secs")),
+            "--concurrency" => o.concurrency = Some(num("--concurrency").max(1) as usize),
             // cargo bench passes --bench.
             "--bench" => {}
             other => panic!("unknown option {other}"),
@@ -519,7 +524,7 @@ async fn bench(o: Opts) {
     let mock = start_mock(&mut children, &script_file).await;
     let workspace = dir.path().join("workspaces");
     std::fs::create_dir_all(&workspace).unwrap();
-    let env: Vec<(String, String)> = [
+    let mut env: Vec<(String, String)> = [
         ("KEDGE_NATS_URL", server.url()),
         ("KEDGE_WORKER_ID", "bench-serve".to_owned()),
         (
@@ -533,6 +538,12 @@ async fn bench(o: Opts) {
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
     .collect();
+    if let Some(n) = o.concurrency {
+        let file = dir.path().join("kedge.json");
+        let config = json!({"step_concurrency": n, "tool_concurrency": n});
+        std::fs::write(&file, config.to_string()).unwrap();
+        env.push(("KEDGE_CONFIG".into(), file.to_string_lossy().into_owned()));
+    }
     children.spawn("serve", &["serve", "all"], &env);
     rt.agents
         .put(&agent_definition(&mock))
@@ -540,9 +551,12 @@ async fn bench(o: Opts) {
         .expect("store the agent");
     println!(
         "noisy neighbour: A ({A}) bursts {} runs, B ({B}) one run every {:?}; one `kedge serve \
-         all`{}; load average {}",
+         all`{}{}; load average {}",
         o.runs,
         o.every,
+        o.concurrency
+            .map(|n| format!(", step and tool concurrency {n}"))
+            .unwrap_or_default(),
         std::env::var("KEDGE_BIN")
             .map(|b| format!(" ({b})"))
             .unwrap_or_default(),

@@ -10,6 +10,10 @@
 //! run's `run.created`. A run whose tenant cannot be resolved (no `run.created`, broker
 //! trouble) goes in the shared lane; a miss is not remembered, so a run created a moment later
 //! is resolved on its next delivery.
+//!
+//! The cache is the process's, shared by its services: in `kedge serve all` the tool service
+//! finds the runs the step service saw created. (A run id is derived from its tenant,
+//! docs/SECURITY.md "Run ids", so two brokers' runs of one id are one tenant's.)
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -77,15 +81,13 @@ impl Generations {
 }
 
 impl RunTenants {
+    /// Reads misses through `journal`; the cache is the process's.
     pub fn new(journal: Journal) -> Self {
-        Self::with_capacity(journal, CACHED_RUNS)
-    }
-
-    fn with_capacity(journal: Journal, capacity: usize) -> Self {
-        Self {
-            journal,
-            cache: Arc::new(Mutex::new(Generations::new(capacity))),
-        }
+        static CACHE: std::sync::OnceLock<Arc<Mutex<Generations>>> = std::sync::OnceLock::new();
+        let cache = CACHE
+            .get_or_init(|| Arc::new(Mutex::new(Generations::new(CACHED_RUNS))))
+            .clone();
+        Self { journal, cache }
     }
 
     /// Remembers that `run` is `tenant`'s (from a state folded out of the run's journal).

@@ -80,7 +80,7 @@ async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
     let mut again = consumer
         .fetch()
         .max_messages(NOISY + QUIET)
-        .expires(Duration::from_secs(3))
+        .expires(Duration::from_secs(10))
         .messages()
         .await
         .expect("fetch");
