@@ -35,6 +35,8 @@
 //! `KEDGE_BIN=<path>` runs another `kedge` binary as the service (a build from before the fair
 //! feed: the same bench measures arrival order).
 
+#![allow(clippy::unwrap_used)]
+
 #[path = "support/mod.rs"]
 mod support;
 use support::{run_bench, writer_runtime};

@@ -35,7 +35,7 @@ pub enum Tenancy {
     /// tenant). The server routes a tenant's tasks to its subject (docs/SECURITY.md).
     Task,
     /// A journal event: its run's tenant ([`RunTenants`]).
-    Run(RunTenants),
+    Run(Box<RunTenants>),
 }
 
 impl Tenancy {

@@ -154,7 +154,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             consumer::max_ack_pending(CONSUMER),
         ),
         rt.config.fairness.weights(),
-        Tenancy::Run(RunTenants::new(rt.journal.clone())),
+        Tenancy::Run(Box::new(RunTenants::new(rt.journal.clone()))),
         rt.config.timeouts.step_ack_wait(),
     );
     let (cancels, _) = tokio::sync::broadcast::channel(1024);

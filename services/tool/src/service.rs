@@ -143,7 +143,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             consumer::max_ack_pending(CONSUMER),
         ),
         rt.config.fairness.weights(),
-        Tenancy::Run(RunTenants::new(rt.journal.clone())),
+        Tenancy::Run(Box::new(RunTenants::new(rt.journal.clone()))),
         rt.config.timeouts.tool_ack_wait(),
     );
     // Kept requests come back here; the service's stop hands them back to the broker.
