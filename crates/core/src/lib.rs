@@ -31,6 +31,7 @@ pub mod config;
 pub mod context;
 pub mod decide;
 pub mod event;
+pub mod fairness;
 #[cfg(any(test, feature = "test-util"))]
 pub mod fixtures;
 pub mod fold;

@@ -35,6 +35,7 @@ mod dead_letters;
 mod demo;
 mod deploy_compose;
 mod examples;
+mod fairness;
 mod forged;
 mod gates;
 mod health;

@@ -122,6 +122,17 @@ pub fn max_deliver(name: Durable) -> Option<i64> {
         .and_then(|(_, max)| *max)
 }
 
+/// The `max_ack_pending` of consumer `name`'s file (deliveries the server lets it hold
+/// unacknowledged: what bounds a fair feed's window, [`crate::fair`]); 1000 when the file does
+/// not say.
+pub fn max_ack_pending(name: Durable) -> usize {
+    config(name, Duration::from_secs(1))
+        .ok()
+        .and_then(|c| usize::try_from(c.max_ack_pending).ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(1000)
+}
+
 /// How many times the server delivered `msg` (1 the first time; 1 if it does not say).
 pub fn deliveries(msg: &async_nats::jetstream::Message) -> i64 {
     msg.info().map(|i| i.delivered).unwrap_or(1).max(1)

@@ -32,6 +32,7 @@ pub mod config;
 pub mod connect;
 pub mod consumer;
 pub mod failpoint;
+pub mod fair;
 pub mod health;
 pub mod idempotency;
 pub mod liveness;
@@ -46,6 +47,7 @@ pub mod schedules;
 pub mod seal;
 pub mod secure;
 pub mod slots;
+pub mod tenants;
 pub mod trace;
 
 /// A uniformly random `u64` for the jitter of a backoff (the core takes it as an input, so its

@@ -57,6 +57,7 @@ use kedge_core::task::{TaskRejection, TaskSubmission};
 use kedge_journal::{ErrorKind, JournalError};
 use kedge_runtime::agents::AgentError;
 use kedge_runtime::consumer::{Backoff, Verdict};
+use kedge_runtime::fair::{self, FairFeed, Tenancy};
 use kedge_runtime::responder::{self, Busy, Listen, Responder};
 use kedge_runtime::{Runtime, RuntimeError, consumer, trace};
 use tracing::Instrument;
@@ -68,6 +69,10 @@ pub use kedge_app::tasks::{
 
 /// The durable consumer's name.
 const CONSUMER: Durable = Durable::Intake;
+/// Tasks handled at once by one intake process.
+const WORKERS: usize = 64;
+/// The intake consumer's ack wait.
+const ACK_WAIT: Duration = Duration::from_secs(30);
 /// Redelivery delays of a task that cannot be handled now (doubled per delivery up to the cap;
 /// the consumer's `max_deliver` bounds the tries, and the last one is answered).
 const BACKOFF: Backoff = Backoff {
@@ -77,12 +82,22 @@ const BACKOFF: Backoff = Backoff {
 
 /// Runs intake until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let consumer = consumer::durable(&rt.js, CONSUMER, Duration::from_secs(30)).await?;
-    let mut messages = consumer
+    let consumer = consumer::durable(&rt.js, CONSUMER, ACK_WAIT).await?;
+    let messages = consumer
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("intake consumer", e))?;
-    let workers = consumer::Workers::new(64);
+    let workers = consumer::Workers::new(WORKERS);
+    // Tasks are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
+    // tenants"): the tenant is the subject's.
+    let feed = FairFeed::start(
+        messages,
+        CONSUMER,
+        fair::window(WORKERS, consumer::max_ack_pending(CONSUMER)),
+        rt.config.fairness.weights(),
+        Tenancy::Task,
+        ACK_WAIT,
+    );
     // Callbacks are answered beside the tasks, and stop with them: when this function returns
     // (a stop, or an error the supervisor restarts it for), `stop` is dropped.
     let callbacks = subscribe_callbacks(&rt).await?;
@@ -103,7 +118,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     loop {
         let (slot, msg) = tokio::select! {
             _ = &mut shutdown => break,
-            next = workers.next(&mut messages, CONSUMER) => match next {
+            next = feed.next(&workers) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -122,7 +137,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             }
         });
     }
-    consumer::hand_back(messages, CONSUMER).await;
+    feed.hand_back().await;
     workers.drain().await;
     drop(stop);
     let _ = answering.await;

@@ -50,7 +50,9 @@ use kedge_core::ids::RunId;
 use kedge_core::subjects::Durable;
 use kedge_model::ModelClient;
 use kedge_runtime::consumer::{Backoff, Verdict};
+use kedge_runtime::fair::{self, FairFeed, Tenancy};
 use kedge_runtime::responder::{self, Busy, Listen, Responder};
+use kedge_runtime::tenants::RunTenants;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
 pub use drive::{DriveError, Driver, Outcome};
@@ -138,10 +140,23 @@ async fn answer_yields(
 /// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let consumer = consumer::durable(&rt.js, CONSUMER, rt.config.timeouts.step_ack_wait()).await?;
-    let mut messages = consumer
+    let messages = consumer
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("step consumer", e))?;
+    // Wakes are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
+    // tenants"): a run's tenant is read from its run.created.
+    let feed = FairFeed::start(
+        messages,
+        CONSUMER,
+        fair::window(
+            rt.config.step_concurrency,
+            consumer::max_ack_pending(CONSUMER),
+        ),
+        rt.config.fairness.weights(),
+        Tenancy::Run(Box::new(RunTenants::new(rt.journal.clone()))),
+        rt.config.timeouts.step_ack_wait(),
+    );
     let (cancels, _) = tokio::sync::broadcast::channel(1024);
     // In-flight model calls of a cancelled run are aborted at once (a missed notification only
     // lets the call run to its end; the commit after it still sees the cancel).
@@ -189,7 +204,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 }
                 continue;
             }
-            next = drives.workers.next(&mut messages, CONSUMER) => match next {
+            next = feed.next(&drives.workers) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -203,7 +218,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         drives.start(parsed.run_id, Some(msg), Some(slot)).await;
     }
     // Drain: hand back the wakes pulled and not started, then wait for every in-flight drive.
-    consumer::hand_back(messages, CONSUMER).await;
+    feed.hand_back().await;
     drives.workers.drain().await;
     yields.abort();
     releaser.abort();

@@ -11,7 +11,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::verify::CheckError;
-use async_nats::jetstream::consumer::pull;
 use async_nats::jetstream::{AckKind, Message};
 use futures::{FutureExt, StreamExt};
 use kedge_core::event::ToolRequested;
@@ -20,8 +19,10 @@ use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects::Durable;
 use kedge_core::subjects::{TOOL_INSPECT, TOOL_RESOLVE, TOOL_RESOLVE_QUEUE};
 use kedge_runtime::consumer::{Backoff, Verdict as Settle};
+use kedge_runtime::fair::{self, FairFeed, Tenancy};
 use kedge_runtime::liveness::{Death, Liveness};
 use kedge_runtime::responder::{Busy, Listen, Responder};
+use kedge_runtime::tenants::RunTenants;
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tokio::sync::{mpsc, watch};
 use tracing::Instrument;
@@ -128,10 +129,23 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let watching = rt
         .on_cancel_requests(move |run| stopping.stop_run(&run))
         .await?;
-    let mut messages = consumer
+    let messages = consumer
         .messages()
         .await
         .map_err(|e| RuntimeError::broker("tool consumer", e))?;
+    // Requests are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
+    // tenants"): a run's tenant is read from its run.created.
+    let feed = FairFeed::start(
+        messages,
+        CONSUMER,
+        fair::window(
+            rt.config.tool_concurrency,
+            consumer::max_ack_pending(CONSUMER),
+        ),
+        rt.config.fairness.weights(),
+        Tenancy::Run(Box::new(RunTenants::new(rt.journal.clone()))),
+        rt.config.timeouts.tool_ack_wait(),
+    );
     // Kept requests come back here; the service's stop hands them back to the broker.
     let (again, mut kept) = mpsc::unbounded_channel::<Again>();
     let (stop, stopping) = watch::channel(false);
@@ -207,7 +221,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 }
                 continue;
             }
-            next = workers.next(&mut messages, CONSUMER) => match next {
+            next = feed.next(&workers) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -215,7 +229,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         let ctx = ctx.clone();
         workers.run(slot, async move { handle(&ctx, msg, 0).await });
     }
-    wind_down(&ctx, messages, &stop, &workers, kept, sweeper).await;
+    wind_down(&ctx, feed, &stop, &workers, kept, sweeper).await;
     let _ = answering.await;
     watching.abort();
     tracing::info!("tool service stopped");
@@ -250,13 +264,13 @@ async fn adopt_all(ctx: &Arc<Ctx>, workers: &consumer::Workers, death: Death) {
 /// connections closed.
 async fn wind_down(
     ctx: &Ctx,
-    messages: pull::Stream,
+    feed: FairFeed,
     stop: &watch::Sender<bool>,
     workers: &consumer::Workers,
     mut kept: mpsc::UnboundedReceiver<Again>,
     sweeper: tokio::task::JoinHandle<()>,
 ) {
-    consumer::hand_back(messages, CONSUMER).await;
+    feed.hand_back().await;
     // Kept requests go back to the broker with the rest of their wait (a handler that keeps one
     // from now on hands it back at once), as do those waiting to be handled anew.
     let _ = stop.send(true);

@@ -25,12 +25,13 @@
 //! `nats` (connecting to NATS) and `layers` (the `nats` CLI context, flags and the `nats` CLI's
 //! variables), `workers` (the process, its workers and tools), `secrets` ([`Secret`], approvers,
 //! the seal key, the run-id key), `models`, `mcp`, `telemetry` (metrics and traces), `bridge`, `retention`,
-//! `providers`, `quotas` and `timeouts`; `duration` and `env` read values. This module holds [`Config`]
+//! `providers`, `quotas`, `fairness` and `timeouts`; `duration` and `env` read values. This module holds [`Config`]
 //! itself and its loading: the file, the layers, the variables, the checks.
 
 mod bridge;
 mod duration;
 mod env;
+mod fairness;
 mod layers;
 mod mcp;
 mod models;
@@ -45,6 +46,7 @@ mod workers;
 
 pub use bridge::{BridgeConfig, BridgeToken, MAX_RUNS_LIST_INTERVAL_MS};
 pub use duration::{format_duration, parse_duration};
+pub use fairness::FairnessConfig;
 pub use layers::{Flags, context_path};
 pub use models::{ModelPolicy, is_loopback_url};
 pub use nats::{DEFAULT_INBOX_PREFIX, DEFAULT_NATS_URL, NatsConfig};
@@ -154,6 +156,9 @@ pub struct Config {
     pub providers: ProviderConfig,
     /// Tenant quotas, counted once for the fleet ([`crate::quota`], docs/CONFIG.md "Quotas").
     pub quotas: QuotasConfig,
+    /// How intake, step and tool share their work among tenants (docs/CONFIG.md "Fairness
+    /// across tenants").
+    pub fairness: FairnessConfig,
 }
 
 impl Default for Config {
@@ -189,6 +194,7 @@ impl Default for Config {
             retention: RetentionConfig::default(),
             providers: ProviderConfig::default(),
             quotas: QuotasConfig::default(),
+            fairness: FairnessConfig::default(),
         }
     }
 }
@@ -223,6 +229,7 @@ impl std::fmt::Debug for Config {
             retention,
             providers,
             quotas,
+            fairness,
         } = self;
         let urls: Vec<String> = nats_urls.iter().map(|u| redact_url(u)).collect();
         let api_keys: Vec<&String> = api_keys.keys().collect();
@@ -253,6 +260,7 @@ impl std::fmt::Debug for Config {
             .field("retention", retention)
             .field("providers", providers)
             .field("quotas", quotas)
+            .field("fairness", fairness)
             .finish()
     }
 }
@@ -356,6 +364,7 @@ impl Config {
         self.retention.apply_env(&get)?;
         self.providers.apply_env(&get)?;
         self.quotas.apply_env(&get)?;
+        self.fairness.apply_env(&get)?;
         self.apply_timeouts_env(&get)
     }
 
@@ -370,6 +379,7 @@ impl Config {
         self.retention.check()?;
         self.providers.check()?;
         self.quotas.check()?;
+        self.fairness.check()?;
         self.check_metrics_addr()?;
         self.check_seal_key()?;
         self.check_run_id_key()?;

@@ -1,0 +1,344 @@
+//! Fair order of work across tenants (docs/ARCHITECTURE.md "Fairness across tenants").
+//!
+//! A [`FairQueue`] holds the work a service has taken from a shared consumer and not started,
+//! in one FIFO lane per tenant (and a [`Lane::Shared`] lane for work whose tenant is not known),
+//! and hands it out by weighted round robin: each lane with work in turn gives up to its weight
+//! of items (a deficit round robin where every item costs one), then goes to the back of the
+//! ring. Within a lane, items leave in the order they came. The total is bounded: a full queue
+//! refuses more (the caller stops taking from the broker until items leave).
+//!
+//! Pure: no clock, no I/O; the async shell (kedge-runtime's fair feed) decides when to push,
+//! pop, and keep its deliveries alive.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use crate::ids::TenantId;
+
+/// Which lane a piece of work waits in.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Lane {
+    /// Work of a tenant (its run's `run.created` names it, or the task's subject).
+    Tenant(TenantId),
+    /// Work whose tenant could not be resolved: one lane shared by all of it, with weight 1.
+    Shared,
+}
+
+/// Per-tenant weights (`fairness.weights`): a tenant of weight `w` gets up to `w` items per
+/// turn; a tenant not named has weight 1. The shared lane always has weight 1.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Weights {
+    by_tenant: BTreeMap<TenantId, u32>,
+}
+
+/// The largest weight a tenant may be given: a weight is how many items one turn hands out in
+/// a row, so a huge one would be the unfairness this prevents.
+pub const MAX_WEIGHT: u32 = 1000;
+
+impl Weights {
+    /// The weights given; each must be in `1..=MAX_WEIGHT`.
+    pub fn new(by_tenant: BTreeMap<TenantId, u32>) -> Result<Self, String> {
+        if let Some((tenant, w)) = by_tenant.iter().find(|(_, w)| **w == 0 || **w > MAX_WEIGHT) {
+            return Err(format!(
+                "tenant `{tenant}` has weight {w}; a weight is 1 to {MAX_WEIGHT}"
+            ));
+        }
+        Ok(Self { by_tenant })
+    }
+
+    /// The weight of `lane` (1 unless configured).
+    pub fn of(&self, lane: &Lane) -> u32 {
+        match lane {
+            Lane::Tenant(t) => self.by_tenant.get(t).copied().unwrap_or(1),
+            Lane::Shared => 1,
+        }
+    }
+}
+
+/// One lane's waiting items and what is left of its current turn.
+#[derive(Debug)]
+struct LaneQueue<T> {
+    items: VecDeque<T>,
+    /// Items the lane may still hand out in its current turn (0: its turn starts afresh).
+    credit: u32,
+}
+
+/// Bounded per-lane FIFO queues handed out by weighted round robin (the module's docs).
+#[derive(Debug)]
+pub struct FairQueue<T> {
+    lanes: HashMap<Lane, LaneQueue<T>>,
+    /// The lanes with items, in turn order; the front one is handing out.
+    ring: VecDeque<Lane>,
+    weights: Weights,
+    len: usize,
+    capacity: usize,
+}
+
+impl<T> FairQueue<T> {
+    /// An empty queue holding at most `capacity` items (at least 1).
+    pub fn new(capacity: usize, weights: Weights) -> Self {
+        Self {
+            lanes: HashMap::new(),
+            ring: VecDeque::new(),
+            weights,
+            len: 0,
+            capacity: capacity.max(1),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Whether [`FairQueue::push`] would refuse.
+    pub fn is_full(&self) -> bool {
+        self.len >= self.capacity
+    }
+
+    /// How many items wait in `lane`.
+    pub fn waiting(&self, lane: &Lane) -> usize {
+        self.lanes.get(lane).map_or(0, |l| l.items.len())
+    }
+
+    /// Queues `item` at the back of `lane`; a lane that had nothing joins the back of the ring.
+    /// A full queue hands the item back.
+    pub fn push(&mut self, lane: Lane, item: T) -> Result<(), T> {
+        if self.is_full() {
+            return Err(item);
+        }
+        let queue = self.lanes.entry(lane.clone()).or_insert_with(|| LaneQueue {
+            items: VecDeque::new(),
+            credit: 0,
+        });
+        if queue.items.is_empty() {
+            queue.credit = 0;
+            self.ring.push_back(lane);
+        }
+        queue.items.push_back(item);
+        self.len += 1;
+        Ok(())
+    }
+
+    /// The next item in fair order, with its lane; `None` when empty.
+    pub fn pop(&mut self) -> Option<(Lane, T)> {
+        let lane = self.ring.front()?.clone();
+        let weight = self.weights.of(&lane);
+        let queue = self.lanes.get_mut(&lane)?;
+        if queue.credit == 0 {
+            queue.credit = weight;
+        }
+        let item = queue.items.pop_front()?;
+        queue.credit -= 1;
+        self.len -= 1;
+        if queue.items.is_empty() {
+            // An emptied lane leaves the ring and forgets its turn (no credit is saved up).
+            self.lanes.remove(&lane);
+            self.ring.pop_front();
+        } else if queue.credit == 0 {
+            self.ring.rotate_left(1);
+        }
+        Some((lane, item))
+    }
+
+    /// Every waiting item, for the shell to look at (e.g. how long each has waited).
+    pub fn items_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.lanes.values_mut().flat_map(|l| l.items.iter_mut())
+    }
+
+    /// Takes every waiting item out (a stop hands them back), in fair order.
+    pub fn drain(&mut self) -> Vec<T> {
+        let mut out = Vec::with_capacity(self.len);
+        while let Some((_, item)) = self.pop() {
+            out.push(item);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(name: &str) -> Lane {
+        Lane::Tenant(name.parse().expect("tenant"))
+    }
+
+    fn weights(pairs: &[(&str, u32)]) -> Weights {
+        Weights::new(
+            pairs
+                .iter()
+                .map(|(n, w)| (n.parse().expect("tenant"), *w))
+                .collect(),
+        )
+        .expect("valid weights")
+    }
+
+    fn order(q: &mut FairQueue<(char, u32)>) -> String {
+        std::iter::from_fn(|| q.pop().map(|(_, (c, _))| c)).collect()
+    }
+
+    #[test]
+    fn one_tenant_is_first_in_first_out() {
+        let mut q = FairQueue::new(100, Weights::default());
+        for i in 0..10 {
+            q.push(t("a"), i).expect("room");
+        }
+        let got: Vec<_> = std::iter::from_fn(|| q.pop().map(|(_, i)| i)).collect();
+        assert_eq!(got, (0..10).collect::<Vec<_>>());
+        assert!(q.is_empty());
+        assert!(q.pop().is_none());
+    }
+
+    #[test]
+    fn a_late_tenant_is_served_within_one_turn_of_a_backlog() {
+        let mut q = FairQueue::new(10_000, Weights::default());
+        for i in 0..1000 {
+            q.push(t("a"), ('a', i)).expect("room");
+        }
+        // A's first item is out, then B arrives behind A's 999 others.
+        assert_eq!(q.pop().map(|(_, (c, _))| c), Some('a'));
+        q.push(t("b"), ('b', 0)).expect("room");
+        // A's lane, alone in the ring, started its next turn; B joined behind it.
+        assert_eq!(q.pop().map(|(_, (c, _))| c), Some('a'));
+        assert_eq!(q.pop().map(|(_, (c, _))| c), Some('b'), "B's one run next");
+        assert_eq!(q.len(), 998);
+    }
+
+    #[test]
+    fn equal_tenants_alternate_and_keep_their_own_order() {
+        let mut q = FairQueue::new(100, Weights::default());
+        for i in 0..3 {
+            q.push(t("a"), ('a', i)).expect("room");
+        }
+        for i in 0..3 {
+            q.push(t("b"), ('b', i)).expect("room");
+        }
+        q.push(Lane::Shared, ('s', 0)).expect("room");
+        let mut seen = Vec::new();
+        while let Some((lane, item)) = q.pop() {
+            seen.push((lane, item));
+        }
+        let letters: String = seen.iter().map(|(_, (c, _))| *c).collect();
+        assert_eq!(letters, "absabab");
+        for lane in [t("a"), t("b")] {
+            let nums: Vec<u32> = seen
+                .iter()
+                .filter(|(l, _)| *l == lane)
+                .map(|(_, (_, n))| *n)
+                .collect();
+            assert_eq!(nums, vec![0, 1, 2], "{lane:?} in arrival order");
+        }
+    }
+
+    #[test]
+    fn weights_give_that_many_items_per_turn() {
+        let mut q = FairQueue::new(100, weights(&[("acme", 3)]));
+        for i in 0..7 {
+            q.push(t("acme"), ('A', i)).expect("room");
+            q.push(t("b"), ('b', i)).expect("room");
+        }
+        assert_eq!(order(&mut q), "AAAbAAAbAbbbbb");
+    }
+
+    #[test]
+    fn shares_over_a_long_backlog_follow_the_weights() {
+        let mut q = FairQueue::new(10_000, weights(&[("x", 2), ("z", 5)]));
+        for i in 0..2000 {
+            for (c, lane) in [('x', t("x")), ('y', t("y")), ('z', t("z"))] {
+                q.push(lane, (c, i)).expect("room");
+            }
+        }
+        let first: Vec<char> = (0..800)
+            .filter_map(|_| q.pop().map(|(_, (c, _))| c))
+            .collect();
+        let count = |c| first.iter().filter(|x| **x == c).count();
+        assert_eq!((count('x'), count('y'), count('z')), (200, 100, 500));
+    }
+
+    #[test]
+    fn an_emptied_lane_saves_no_credit() {
+        let mut q = FairQueue::new(100, weights(&[("acme", 3)]));
+        q.push(t("acme"), ('A', 0)).expect("room");
+        q.push(t("b"), ('b', 0)).expect("room");
+        q.push(t("b"), ('b', 1)).expect("room");
+        assert_eq!(q.pop().map(|(_, (c, _))| c), Some('A'));
+        // acme's lane emptied after one of its three: it rejoins at the back, with a new turn.
+        for i in 1..5 {
+            q.push(t("acme"), ('A', i)).expect("room");
+        }
+        assert_eq!(order(&mut q), "bAAAbA");
+    }
+
+    #[test]
+    fn a_lane_that_refills_mid_turn_keeps_its_place() {
+        let mut q = FairQueue::new(100, weights(&[("acme", 2)]));
+        q.push(t("acme"), ('A', 0)).expect("room");
+        q.push(t("acme"), ('A', 1)).expect("room");
+        q.push(t("b"), ('b', 0)).expect("room");
+        assert_eq!(q.pop().map(|(_, (c, _))| c), Some('A'));
+        q.push(t("acme"), ('A', 2)).expect("room");
+        assert_eq!(order(&mut q), "AbA");
+    }
+
+    #[test]
+    fn the_total_is_bounded_and_a_refused_item_comes_back() {
+        let mut q = FairQueue::new(3, Weights::default());
+        for i in 0..3 {
+            q.push(t("a"), i).expect("room");
+        }
+        assert!(q.is_full());
+        assert_eq!(q.push(t("b"), 9), Err(9), "full, whatever the lane");
+        assert_eq!(q.len(), 3);
+        q.pop();
+        assert!(!q.is_full());
+        q.push(t("b"), 9).expect("room again");
+        assert_eq!(q.waiting(&t("b")), 1);
+        assert_eq!(q.waiting(&t("a")), 2);
+        assert_eq!(FairQueue::<u8>::new(0, Weights::default()).capacity(), 1);
+    }
+
+    #[test]
+    fn drain_takes_everything_and_nothing_is_lost_or_doubled() {
+        let mut q = FairQueue::new(1000, weights(&[("a", 4)]));
+        let mut pushed = Vec::new();
+        for i in 0..300u32 {
+            let lane = match i % 7 {
+                0 => Lane::Shared,
+                1 | 2 => t("b"),
+                _ => t("a"),
+            };
+            q.push(lane, i).expect("room");
+            pushed.push(i);
+            if i % 5 == 0 {
+                let (_, got) = q.pop().expect("an item");
+                pushed.retain(|x| *x != got);
+            }
+        }
+        for item in q.items_mut() {
+            *item += 1000;
+        }
+        let mut rest = q.drain();
+        rest.sort_unstable();
+        let expected: Vec<u32> = pushed.iter().map(|x| x + 1000).collect();
+        assert_eq!(rest, expected);
+        assert!(q.is_empty());
+        assert_eq!(q.len(), 0);
+    }
+
+    #[test]
+    fn weights_are_checked() {
+        assert!(Weights::new([("a".parse().expect("t"), 0)].into()).is_err());
+        assert!(Weights::new([("a".parse().expect("t"), MAX_WEIGHT + 1)].into()).is_err());
+        let w = weights(&[("a", MAX_WEIGHT)]);
+        assert_eq!(w.of(&t("a")), MAX_WEIGHT);
+        assert_eq!(w.of(&t("other")), 1);
+        assert_eq!(w.of(&Lane::Shared), 1);
+    }
+}

@@ -1,0 +1,637 @@
+//! Noisy neighbour: one tenant's burst of runs against another tenant's steady trickle, as
+//! deployed (docs/ARCHITECTURE.md "Fairness across tenants").
+//!
+//! ```text
+//! cargo bench -p kedge --bench noisy_neighbour                    # N = 10000
+//! cargo bench -p kedge --bench noisy_neighbour -- --quick         # N = 1000, shorter idle phase
+//! cargo bench -p kedge --bench noisy_neighbour -- --runs 3000 --every-ms 100 --idle-secs 10
+//! KEDGE_BENCH_NOISY_RUNS=500 cargo bench -p kedge --bench noisy_neighbour
+//! KEDGE_BIN=/path/to/old/kedge cargo bench -p kedge --bench noisy_neighbour -- --quick
+//! cargo bench -p kedge --bench noisy_neighbour -- --quick --concurrency 16
+//! ```
+//!
+//! Setup (black-box, like the outage bench): one nats-server (kedge-testkit: free port,
+//! temporary store); `kedge mock-llm` as its own process; one `kedge serve all` process on
+//! default settings, configured by its environment alone. The bench is a client from outside:
+//! it stores the agent, publishes tasks on `agent.task.<agent>.<tenant>` and follows the
+//! journal's `run.created` and terminal decisions with an ordered consumer.
+//!
+//! Workload: each run is one model call asking for `list_files`, the tool call, and a final
+//! answer (each model answer after 20 ms). Tenant `acme` (A) publishes N tasks at once (all
+//! published, the broker's acks awaited, before anything else); tenant `globex` (B) submits one
+//! task every `--every-ms` (100) and waits for intake's answer. B's latency is submit → its
+//! terminal decision seen.
+//!
+//! Three phases in one sitting, on one `kedge serve all`:
+//! 1. **B idle**: B alone for `--idle-secs` (10; 5 with `--quick`): B's p50/p99.
+//! 2. **A alone**: A's burst: A's throughput = N / (burst → A's last run ended).
+//! 3. **A + B**: A's burst again while B submits until A's last run ended: B's p50/p99 and A's
+//!    throughput, printed as ratios to phases 1 and 2.
+//!
+//! Goals: B's p50 within 1.5× of idle, p99 within 3×, A's throughput within 10 % of A alone.
+//! The machine's load average is printed beside them (a shared machine's noise). Not a
+//! pass/fail test: it prints numbers (and checks every run succeeded).
+//!
+//! `KEDGE_BIN=<path>` runs another `kedge` binary as the service (a build from before the fair
+//! feed: the same bench measures arrival order).
+
+#![allow(clippy::unwrap_used)]
+
+#[path = "support/mod.rs"]
+mod support;
+use support::{run_bench, writer_runtime};
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::DeliverPolicy;
+use async_nats::jetstream::consumer::pull::OrderedConfig;
+use futures::StreamExt;
+use kedge_app::tasks::{Answer, CALLER_HEADER, Submission};
+use kedge_core::RunId;
+use kedge_core::agent::AgentDefinition;
+use kedge_core::event::{Event, EventType};
+use kedge_core::subjects::{self, RUNS_STREAM};
+use kedge_core::task::TaskSubmission;
+use kedge_journal::Journal;
+use kedge_testkit::NatsServer;
+use serde_json::{Value, json};
+
+const KEY_VAR: &str = "KEDGE_BENCH_API_KEY";
+const AGENT: &str = "noisy-bench";
+const MODEL: &str = "noisy-bench";
+const A: &str = "acme";
+const B: &str = "globex";
+/// Tasks of A's burst whose broker acks are awaited at once.
+const PUBLISH_IN_FLIGHT: usize = 512;
+
+struct Opts {
+    runs: usize,
+    every: Duration,
+    idle: Duration,
+    cap: Duration,
+    /// `step_concurrency` and `tool_concurrency` of the serve process (none: the defaults).
+    concurrency: Option<usize>,
+}
+
+fn opts() -> Opts {
+    let mut o = Opts {
+        runs: std::env::var("KEDGE_BENCH_NOISY_RUNS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(10_000),
+        every: Duration::from_millis(100),
+        idle: Duration::from_secs(10),
+        cap: Duration::from_secs(1800),
+        concurrency: None,
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut num = |name: &str| -> u64 {
+            args.next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{name} needs a number"))
+        };
+        match a.as_str() {
+            "--quick" => {
+                o.runs = o.runs.min(1000);
+                o.idle = Duration::from_secs(5);
+            }
+            "--runs" => o.runs = num("--runs") as usize,
+            "--every-ms" => o.every = Duration::from_millis(num("--every-ms").max(1)),
+            "--idle-secs" => o.idle = Duration::from_secs(num("--idle-secs").max(1)),
+            "--cap-secs" => o.cap = Duration::from_secs(num("--cap-secs")),
+            "--concurrency" => o.concurrency = Some(num("--concurrency").max(1) as usize),
+            // cargo bench passes --bench.
+            "--bench" => {}
+            other => panic!("unknown option {other}"),
+        }
+    }
+    assert!(o.runs > 0, "--runs must be at least 1");
+    o
+}
+
+// ---------------------------------------------------------------------------------------------
+// The processes
+
+/// The processes this bench started: killed by their pid and reaped when dropped.
+struct Children {
+    procs: Vec<(String, Child)>,
+    log_dir: PathBuf,
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.procs {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Children {
+    /// `kedge <args>` (or `KEDGE_BIN`) with no `KEDGE_*` variable of ours, `env` added.
+    fn spawn(&mut self, name: &str, args: &[&str], env: &[(String, String)]) {
+        let log = std::fs::File::create(self.log_dir.join(format!("{name}.log"))).unwrap();
+        let out = std::fs::File::create(self.log_dir.join(format!("{name}.out"))).unwrap();
+        let mut cmd = match std::env::var_os("KEDGE_BIN") {
+            Some(bin) => {
+                let mut c = Command::new(bin);
+                c.args(args);
+                for (k, _) in std::env::vars_os() {
+                    if k.to_string_lossy().starts_with("KEDGE_") {
+                        c.env_remove(k);
+                    }
+                }
+                c
+            }
+            None => support::kedge_command(args),
+        };
+        cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(log);
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn kedge {}: {e}", args.join(" ")));
+        self.procs.push((name.to_owned(), child));
+    }
+
+    fn dead(&mut self) -> Option<String> {
+        self.procs
+            .iter_mut()
+            .find_map(|(name, child)| match child.try_wait() {
+                Ok(None) => None,
+                Ok(Some(status)) => Some(format!("{name} exited ({status})")),
+                Err(e) => Some(format!("{name}: {e}")),
+            })
+    }
+
+    fn log_tail(&self, name: &str) -> String {
+        let text =
+            std::fs::read_to_string(self.log_dir.join(format!("{name}.log"))).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+/// Starts `kedge mock-llm` on a free port; its base URL.
+async fn start_mock(children: &mut Children, script_file: &Path) -> String {
+    let script = script_file.to_string_lossy().into_owned();
+    children.spawn(
+        "mock-llm",
+        &["mock-llm", "--port", "0", "--script", &script],
+        &[("KEDGE_LOG".into(), "warn".into())],
+    );
+    let out = children.log_dir.join("mock-llm.out");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        if let Some(url) = text
+            .lines()
+            .find_map(|l| l.strip_prefix("mock-llm listening on "))
+        {
+            return url.trim().to_owned();
+        }
+        if let Some(dead) = children.dead() {
+            panic!("{dead}\n{}", children.log_tail("mock-llm"));
+        }
+        assert!(Instant::now() < deadline, "kedge mock-llm did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn script() -> Value {
+    let step = json!({"tool_calls": [{"name": "list_files", "arguments": {}}], "delay_ms": 20});
+    json!({"models": {MODEL: {"steps": [step, {"text": "done", "delay_ms": 20}]}}})
+}
+
+fn agent_definition(mock: &str) -> AgentDefinition {
+    let def = json!({
+        "name": AGENT,
+        "system_prompt": "noisy neighbour bench",
+        "model": {"provider": "openai", "name": MODEL, "base_url": format!("{mock}/v1")},
+        "api_key_env": KEY_VAR,
+        "tools": [{"name": "list_files", "description": "List the run's workspace",
+                   "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}],
+        "budget": {"max_steps": 10, "max_tokens": 1000000, "max_attempts_per_step": 3}
+    });
+    AgentDefinition::parse(def.to_string().as_bytes()).expect("a valid agent definition")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The journal, as a client sees it
+
+#[derive(Default, Clone)]
+struct Seen {
+    tenant: Option<String>,
+    ended: Option<(Instant, EventType)>,
+}
+
+#[derive(Default)]
+struct View {
+    runs: HashMap<RunId, Seen>,
+    last_seq: u64,
+}
+
+type Shared = Arc<Mutex<View>>;
+
+fn lock(view: &Shared) -> std::sync::MutexGuard<'_, View> {
+    view.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+const ENDS: [EventType; 3] = [
+    EventType::RunSucceeded,
+    EventType::RunFailed,
+    EventType::RunCancelled,
+];
+
+/// Follows every run's `run.created` and terminal decision into `view`.
+async fn observe(js: async_nats::jetstream::Context, journal: Journal, view: Shared) {
+    let filters: Vec<String> = std::iter::once(EventType::RunCreated)
+        .chain(ENDS)
+        .map(subjects::event_all_runs)
+        .collect();
+    loop {
+        let start = lock(&view).last_seq + 1;
+        let Ok(stream) = js.get_stream_no_info(RUNS_STREAM).await else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        let config = OrderedConfig {
+            filter_subjects: filters.clone(),
+            deliver_policy: DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            },
+            ..Default::default()
+        };
+        let Ok(consumer) = stream.create_consumer(config).await else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        let Ok(mut messages) = consumer.messages().await else {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            continue;
+        };
+        while let Some(Ok(msg)) = messages.next().await {
+            let at = Instant::now();
+            let Ok(info) = msg.info() else { continue };
+            let seq = info.stream_sequence;
+            let Some(parsed) = subjects::parse_event(&msg.subject) else {
+                continue;
+            };
+            let tenant = if parsed.event_type == EventType::RunCreated {
+                match journal.open(&msg.payload).await {
+                    Ok(env) => match env.event {
+                        Event::RunCreated(c) => Some(c.tenant.to_string()),
+                        _ => None,
+                    },
+                    Err(_) => None,
+                }
+            } else {
+                None
+            };
+            let mut v = lock(&view);
+            v.last_seq = v.last_seq.max(seq);
+            let seen = v.runs.entry(parsed.run_id).or_default();
+            if tenant.is_some() {
+                seen.tenant = tenant;
+            } else if seen.ended.is_none() {
+                seen.ended = Some((at, parsed.event_type));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tenants
+
+fn task() -> TaskSubmission {
+    TaskSubmission {
+        agent: AGENT.parse().expect("an agent name"),
+        input: "go".into(),
+        run_id: None,
+        budget: None,
+        metadata: Default::default(),
+        concurrency: None,
+        priority: None,
+    }
+}
+
+/// One of B's tasks, answered: its run.
+async fn submit(client: &async_nats::Client, tenant: &str, key: &str) -> RunId {
+    let task = task();
+    let submission = Submission {
+        task: &task,
+        key,
+        tenant,
+        caller: Some("bench"),
+    };
+    match kedge_app::tasks::submit(client, &submission, Duration::from_secs(600)).await {
+        Ok(Answer::Accepted { run_id }) => run_id,
+        Ok(Answer::Rejected { error }) => panic!("rejected: {error:?}"),
+        Err(e) => panic!("submit: {e}"),
+    }
+}
+
+/// A's burst: `n` tasks published at once (no answer asked for); returns when the broker has
+/// stored them all.
+async fn burst(client: &async_nats::Client, n: usize, tag: &str) {
+    let js = async_nats::jetstream::new(client.clone());
+    let subject = subjects::task_for(&AGENT.parse().expect("agent"), &A.parse().expect("tenant"));
+    let body: bytes::Bytes = serde_json::to_vec(&task()).unwrap().into();
+    let pid = std::process::id();
+    futures::stream::iter(0..n)
+        .map(|i| {
+            let (js, subject, body) = (js.clone(), subject.clone(), body.clone());
+            async move {
+                let mut headers = HeaderMap::new();
+                headers.insert("Nats-Msg-Id", format!("noisy-{pid}-{tag}-{i}").as_str());
+                headers.insert(CALLER_HEADER, "bench");
+                let ack = js
+                    .publish_with_headers(subject, headers, body)
+                    .await
+                    .expect("publish a task");
+                ack.await.expect("the broker stores the task");
+            }
+        })
+        .buffer_unordered(PUBLISH_IN_FLIGHT)
+        .collect::<Vec<()>>()
+        .await;
+}
+
+/// B's trickle: one task every `every` until `until` says stop; each run with its submit time.
+async fn trickle(
+    client: async_nats::Client,
+    every: Duration,
+    tag: &'static str,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Vec<(Instant, RunId)> {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut pending = Vec::new();
+    let pid = std::process::id();
+    for i in 0.. {
+        tick.tick().await;
+        if *stop.borrow() {
+            break;
+        }
+        let client = client.clone();
+        pending.push(tokio::spawn(async move {
+            let t0 = Instant::now();
+            let run = submit(&client, B, &format!("trickle-{pid}-{tag}-{i}")).await;
+            (t0, run)
+        }));
+    }
+    let mut out = Vec::new();
+    for p in pending {
+        out.push(p.await.expect("a submit task"));
+    }
+    out
+}
+
+/// Waits until every run of `runs` ended (panics past `cap`, or when a process died); the
+/// time each took from its submit.
+async fn latencies(
+    view: &Shared,
+    runs: &[(Instant, RunId)],
+    cap: Duration,
+    children: &mut Children,
+) -> Vec<Duration> {
+    let deadline = Instant::now() + cap;
+    loop {
+        let done: Option<Vec<Duration>> = {
+            let v = lock(view);
+            runs.iter()
+                .map(|(t0, run)| {
+                    let (at, ty) = v.runs.get(run)?.ended?;
+                    assert_eq!(ty, EventType::RunSucceeded, "run {run} ended {ty}");
+                    Some(at.duration_since(*t0))
+                })
+                .collect()
+        };
+        if let Some(d) = done {
+            return d;
+        }
+        check_alive(children, deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn check_alive(children: &mut Children, deadline: Instant) {
+    if let Some(dead) = children.dead() {
+        panic!("{dead}\n{}", children.log_tail("serve"));
+    }
+    assert!(Instant::now() < deadline, "runs not ended within the cap");
+}
+
+/// A's runs ended so far (those created since `from_count` runs of A were known), and the time
+/// of the last end.
+fn a_ended(view: &Shared) -> (usize, Option<Instant>) {
+    let v = lock(view);
+    let mut n = 0;
+    let mut last = None;
+    for s in v.runs.values() {
+        if s.tenant.as_deref() == Some(A)
+            && let Some((at, ty)) = s.ended
+        {
+            assert_eq!(ty, EventType::RunSucceeded, "one of A's runs ended {ty}");
+            n += 1;
+            last = last.max(Some(at));
+        }
+    }
+    (n, last)
+}
+
+/// A's burst of `n` runs on top of the `before` ended already; A's throughput (runs/s from the
+/// burst's start to its last run's end).
+async fn drain_a(
+    client: &async_nats::Client,
+    view: &Shared,
+    n: usize,
+    tag: &str,
+    cap: Duration,
+    children: &mut Children,
+) -> f64 {
+    let (before, _) = a_ended(view);
+    let t0 = Instant::now();
+    burst(client, n, tag).await;
+    println!(
+        "  A's {n} tasks published in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let deadline = Instant::now() + cap;
+    loop {
+        let (ended, last) = a_ended(view);
+        if ended >= before + n {
+            let secs = last
+                .unwrap_or_else(Instant::now)
+                .duration_since(t0)
+                .as_secs_f64();
+            return n as f64 / secs;
+        }
+        check_alive(children, deadline);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1000.0
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The bench
+
+fn main() {
+    let o = opts();
+    run_bench(async move {
+        tokio::select! {
+            () = bench(o) => {}
+            _ = tokio::signal::ctrl_c() => eprintln!("interrupted: stopping the processes"),
+        }
+    });
+}
+
+async fn bench(o: Opts) {
+    let server = NatsServer::start().await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let log_dir = dir.path().join("logs");
+    std::fs::create_dir_all(&log_dir).unwrap();
+    let mut children = Children {
+        procs: Vec::new(),
+        log_dir,
+    };
+    let rt = writer_runtime(&server, dir.path()).await;
+    let view: Shared = Arc::default();
+    let observer = tokio::spawn(observe(rt.js.clone(), rt.journal.clone(), view.clone()));
+
+    let script_file = dir.path().join("script.json");
+    std::fs::write(&script_file, script().to_string()).unwrap();
+    let mock = start_mock(&mut children, &script_file).await;
+    let workspace = dir.path().join("workspaces");
+    std::fs::create_dir_all(&workspace).unwrap();
+    let mut env: Vec<(String, String)> = [
+        ("KEDGE_NATS_URL", server.url()),
+        ("KEDGE_WORKER_ID", "bench-serve".to_owned()),
+        (
+            "KEDGE_WORKSPACE_ROOT",
+            workspace.to_string_lossy().into_owned(),
+        ),
+        ("KEDGE_MODEL_KEYS", KEY_VAR.into()),
+        (KEY_VAR, "bench-key".into()),
+        ("KEDGE_LOG", "warn".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    if let Some(n) = o.concurrency {
+        let file = dir.path().join("kedge.json");
+        let config = json!({"step_concurrency": n, "tool_concurrency": n});
+        std::fs::write(&file, config.to_string()).unwrap();
+        env.push(("KEDGE_CONFIG".into(), file.to_string_lossy().into_owned()));
+    }
+    children.spawn("serve", &["serve", "all"], &env);
+    rt.agents
+        .put(&agent_definition(&mock))
+        .await
+        .expect("store the agent");
+    println!(
+        "noisy neighbour: A ({A}) bursts {} runs, B ({B}) one run every {:?}; one `kedge serve \
+         all`{}{}; load average {}",
+        o.runs,
+        o.every,
+        o.concurrency
+            .map(|n| format!(", step and tool concurrency {n}"))
+            .unwrap_or_default(),
+        std::env::var("KEDGE_BIN")
+            .map(|b| format!(" ({b})"))
+            .unwrap_or_default(),
+        loadavg()
+    );
+    // Warm-up: a few runs of each tenant through every service.
+    let warm: Vec<(Instant, RunId)> = futures::future::join_all((0..4).map(|i| {
+        let client = rt.client.clone();
+        async move {
+            let tenant = if i % 2 == 0 { A } else { B };
+            (
+                Instant::now(),
+                submit(&client, tenant, &format!("warm-{i}")).await,
+            )
+        }
+    }))
+    .await;
+    latencies(&view, &warm, Duration::from_secs(120), &mut children).await;
+
+    // 1. B idle.
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let b = tokio::spawn(trickle(rt.client.clone(), o.every, "idle", stop));
+    tokio::time::sleep(o.idle).await;
+    let _ = stop_tx.send(true);
+    let runs = b.await.expect("the trickle");
+    let mut idle = latencies(&view, &runs, o.cap, &mut children).await;
+    idle.sort();
+    println!(
+        "1. B idle: {} runs, p50 {:.1} ms, p99 {:.1} ms (load {})",
+        idle.len(),
+        pct(&idle, 0.5),
+        pct(&idle, 0.99),
+        loadavg()
+    );
+
+    // 2. A alone.
+    let alone = drain_a(&rt.client, &view, o.runs, "alone", o.cap, &mut children).await;
+    println!("2. A alone: {alone:.1} runs/s (load {})", loadavg());
+
+    // 3. A + B.
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let b = tokio::spawn(trickle(rt.client.clone(), o.every, "mixed", stop));
+    let mixed = drain_a(&rt.client, &view, o.runs, "mixed", o.cap, &mut children).await;
+    let _ = stop_tx.send(true);
+    let runs = b.await.expect("the trickle");
+    let mut busy = latencies(&view, &runs, o.cap, &mut children).await;
+    busy.sort();
+    println!(
+        "3. A + B: A {mixed:.1} runs/s; B {} runs, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms \
+         (load {})",
+        busy.len(),
+        pct(&busy, 0.5),
+        pct(&busy, 0.99),
+        pct(&busy, 1.0),
+        loadavg()
+    );
+    let (p50, p99, thr) = (
+        pct(&busy, 0.5) / pct(&idle, 0.5),
+        pct(&busy, 0.99) / pct(&idle, 0.99),
+        mixed / alone,
+    );
+    let mark = |ok: bool| if ok { "met" } else { "NOT met" };
+    println!(
+        "SUMMARY noisy_neighbour runs={} B_p50_ratio={p50:.2} ({}, goal <= 1.5) \
+         B_p99_ratio={p99:.2} ({}, goal <= 3) A_throughput_ratio={thr:.2} ({}, goal >= 0.9) \
+         load={}",
+        o.runs,
+        mark(p50 <= 1.5),
+        mark(p99 <= 3.0),
+        mark(thr >= 0.9),
+        loadavg()
+    );
+    observer.abort();
+}
