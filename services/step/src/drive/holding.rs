@@ -321,7 +321,7 @@ impl Driver {
             .await
         {
             Ok(lease) => {
-                tracing::warn!(run_id = %run, previous = owner.map_or("(no worker id)", WorkerId::as_str), "took over the run from a holder that is gone");
+                tracing::warn!(run_id = %run, previous = %owner.map_or("(no worker id)", WorkerId::as_str), "took over the run from a holder that is gone");
                 let heard = self.adopted.lock().ok().and_then(|mut a| a.remove(run));
                 metrics::takeover(Takeover::Run, heard.map(|at| at.elapsed()));
                 // Its model call in flight may still deliver (a dropped connection is
