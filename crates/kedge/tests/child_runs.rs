@@ -485,18 +485,8 @@ async fn the_childs_worker_killed_mid_model_call_is_replaced_while_the_parent_wa
         ("w-b", h.spawn_process("step", "w-b", "")),
     ];
     for (w, _) in workers {
-        let mut sub =
-            h.rt.client
-                .subscribe(kedge_core::subjects::live_heartbeat(
-                    &w.parse().expect("worker id"),
-                ))
-                .await
-                .expect("subscribe");
-        tokio::time::timeout(WAIT, futures::StreamExt::next(&mut sub))
-            .await
-            .unwrap_or_else(|_| panic!("no heartbeat from {w}"));
+        h.heartbeat_of(w).await;
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let run = h
         .submit("captain", "Plan the voyage.", "task-kill-child")
         .await;

@@ -14,7 +14,6 @@ use crate::common;
 use std::time::{Duration, Instant};
 
 use common::{Harness, Svc, assert_schema_valid};
-use futures::StreamExt;
 use kedge_core::RunStatus;
 use kedge_core::concurrency::{ConcurrencySpec, SlotRecord};
 use kedge_core::event::{Event, Timestamp};
@@ -306,21 +305,6 @@ async fn priorities_reorder_waiting_runs_and_the_queued_reason_is_visible() {
     h.shutdown().await;
 }
 
-/// Waits until worker `worker` has published a heartbeat (it is up and watching the others).
-async fn heartbeat_of(h: &Harness, worker: &str) {
-    let mut sub =
-        h.rt.client
-            .subscribe(kedge_core::subjects::live_heartbeat(&common::worker(
-                worker,
-            )))
-            .await
-            .expect("subscribe");
-    tokio::time::timeout(Duration::from_secs(30), sub.next())
-        .await
-        .unwrap_or_else(|_| panic!("no heartbeat from {worker}"));
-    tokio::time::sleep(Duration::from_millis(300)).await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slot_held_by_a_step_process_killed_9_is_handed_on() {
     let script = json!({"models": {
@@ -335,7 +319,7 @@ async fn a_slot_held_by_a_step_process_killed_9_is_handed_on() {
         ("w-b", h.spawn_process("step", "w-b", "")),
     ];
     for (w, _) in workers {
-        heartbeat_of(&h, w).await;
+        h.heartbeat_of(w).await;
     }
     let key = Some(("ticket-{metadata.ticket}", 1));
     let meta = json!({"ticket": 42});

@@ -566,23 +566,6 @@ fn the_parser_refuses_what_prometheus_refuses() {
     }
 }
 
-/// Waits until worker `worker` has published a heartbeat (it is up and watching the others).
-async fn heartbeat_of(h: &Harness, worker: &str) {
-    use futures::StreamExt as _;
-    let mut sub =
-        h.rt.client
-            .subscribe(kedge_core::subjects::live_heartbeat(
-                &worker.parse().expect("worker id"),
-            ))
-            .await
-            .expect("subscribe");
-    tokio::time::timeout(Duration::from_secs(30), sub.next())
-        .await
-        .unwrap_or_else(|_| panic!("no heartbeat from {worker}"));
-    // One more beat: it has had time to hear the others'.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_counts_the_takeover_its_latency_and_the_model_call_it_did_not_pay_twice() {
     // Both workers abort right after the model answered and the answer was stored; whichever
@@ -606,8 +589,8 @@ async fn a_standby_counts_the_takeover_its_latency_and_the_model_call_it_did_not
             &[("KEDGE_METRICS_ADDR", addrs[1].clone())],
         ),
     ];
-    heartbeat_of(&h, "w-a").await;
-    heartbeat_of(&h, "w-b").await;
+    h.heartbeat_of("w-a").await;
+    h.heartbeat_of("w-b").await;
     let run = h.submit("once", "go", "task-takeover").await;
     let end = h.wait_terminal(&run, WAIT).await;
     assert_eq!(end.status, RunStatus::Succeeded);

@@ -14,7 +14,6 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{Harness, Svc, assert_schema_valid};
-use futures::StreamExt;
 use kedge_core::RunStatus;
 use kedge_core::config::Timeouts;
 use kedge_core::event::Event;
@@ -28,22 +27,6 @@ const TAKEN_OVER_WITHIN: Duration = Duration::from_secs(12);
 
 fn call(name: &str, args: serde_json::Value) -> serde_json::Value {
     json!({"name": name, "arguments": args})
-}
-
-/// Waits until worker `worker` has published a heartbeat (it is up and watching the others).
-async fn heartbeat_of(h: &Harness, worker: &str) {
-    let mut sub =
-        h.rt.client
-            .subscribe(kedge_core::subjects::live_heartbeat(
-                &worker.parse().expect("worker id"),
-            ))
-            .await
-            .expect("subscribe");
-    tokio::time::timeout(Duration::from_secs(30), sub.next())
-        .await
-        .unwrap_or_else(|_| panic!("no heartbeat from {worker}"));
-    // One more beat: it has had time to hear the others'.
-    tokio::time::sleep(Duration::from_millis(300)).await;
 }
 
 /// Waits until the run's first step has started and returns the worker holding its lease.
@@ -116,7 +99,7 @@ async fn a_worker_killed_mid_model_call_is_replaced_by_the_standby_after_the_rec
         ("w-b", h.spawn_process_with_env("all", "w-b", "", &grace)),
     ];
     for (w, _) in workers {
-        heartbeat_of(&h, w).await;
+        h.heartbeat_of(w).await;
     }
     let run = h.submit("slow", "go", "task-kill-model").await;
     let holder = driver_of(&h, &run).await;
@@ -158,11 +141,11 @@ async fn a_paused_worker_keeps_its_run_and_its_paid_call() {
     let mut h = harness(script, &[Svc::Intake]).await;
     h.agent("slow", "slow").await;
     let a = h.spawn_process("step", "w-a", "");
-    heartbeat_of(&h, "w-a").await;
+    h.heartbeat_of("w-a").await;
     let run = h.submit("slow", "go", "task-pause").await;
     driven_by(&h, &run, "w-a").await;
     h.spawn_process("step", "w-b", "");
-    heartbeat_of(&h, "w-b").await;
+    h.heartbeat_of("w-b").await;
 
     // Silent for 2 s (several times the suspicion threshold), connection open: alive.
     let pid = h.pid(a);
@@ -202,7 +185,7 @@ async fn a_runner_killed_mid_tool_call_is_replaced_by_the_standby_at_once() {
         ("w-tb", h.spawn_process_with_env("tool", "w-tb", "", &env)),
     ];
     for (w, _) in runners {
-        heartbeat_of(&h, w).await;
+        h.heartbeat_of(w).await;
     }
     let run = h.submit("sleeper", "go", "task-kill-tool").await;
     // Killed the moment its `tool.started` is journaled.

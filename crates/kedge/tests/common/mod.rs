@@ -374,6 +374,24 @@ impl Harness {
             .expect("intake answered")
     }
 
+    /// Waits (at most 30 s) until worker `worker` has published a heartbeat (it is up and
+    /// watching the others), then one beat more, so it has heard the others'.
+    pub async fn heartbeat_of(&self, worker: &str) {
+        use futures::StreamExt as _;
+        let mut sub = self
+            .rt
+            .client
+            .subscribe(kedge_core::subjects::live_heartbeat(
+                &crate::common::worker(worker),
+            ))
+            .await
+            .expect("subscribe");
+        tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .unwrap_or_else(|_| panic!("no heartbeat from {worker}"));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
     pub async fn events(&self, run: &RunId) -> Vec<Recorded> {
         self.rt.journal.read(run, 0).await.expect("journal read")
     }
