@@ -47,6 +47,22 @@ pub struct TaskSubmission {
     pub priority: Option<i32>,
 }
 
+impl TaskSubmission {
+    /// A task of `agent` with `input` and nothing else: no chosen run id, the agent's budget,
+    /// concurrency and priority, no metadata.
+    pub fn new(agent: AgentName, input: impl Into<String>) -> Self {
+        TaskSubmission {
+            agent,
+            input: input.into(),
+            run_id: None,
+            budget: None,
+            metadata: Default::default(),
+            concurrency: None,
+            priority: None,
+        }
+    }
+}
+
 /// Per-task budget limits.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

@@ -312,15 +312,7 @@ async fn observe(js: async_nats::jetstream::Context, journal: Journal, view: Sha
 // Tenants
 
 fn task() -> TaskSubmission {
-    TaskSubmission {
-        agent: AGENT.parse().expect("an agent name"),
-        input: "go".into(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    }
+    TaskSubmission::new(AGENT.parse().expect("an agent name"), "go")
 }
 
 /// One of B's tasks, answered: its run.

@@ -574,15 +574,7 @@ async fn providers(js: &async_nats::jetstream::Context) -> (Vec<(String, String)
 // Submitting
 
 async fn submit(client: &async_nats::Client, agent: &str, key: String) -> Result<RunId, String> {
-    let task = TaskSubmission {
-        agent: agent.parse().expect("an agent name"),
-        input: "go".into(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    };
+    let task = TaskSubmission::new(agent.parse().expect("an agent name"), "go");
     let submission = Submission {
         task: &task,
         key: &key,

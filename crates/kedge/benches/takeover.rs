@@ -494,15 +494,7 @@ impl Bench {
         });
         let def = AgentDefinition::parse(def.to_string().as_bytes()).unwrap();
         self.rt.agents.put(&def).await.unwrap();
-        let task = TaskSubmission {
-            agent: agent.parse().unwrap(),
-            input: "go".into(),
-            run_id: None,
-            budget: None,
-            metadata: Default::default(),
-            concurrency: None,
-            priority: None,
-        };
+        let task = TaskSubmission::new(agent.parse().unwrap(), "go");
         let key = format!(
             "takeover-{}-{trial}-{}",
             scenario.name(),
@@ -1122,15 +1114,7 @@ async fn warm_up(b: &Bench) {
         .await
         .unwrap();
     for i in 0..2 {
-        let task = TaskSubmission {
-            agent: "takeover-warm".parse().unwrap(),
-            input: "hi".into(),
-            run_id: None,
-            budget: None,
-            metadata: Default::default(),
-            concurrency: None,
-            priority: None,
-        };
+        let task = TaskSubmission::new("takeover-warm".parse().unwrap(), "hi");
         let key = format!("warm-{i}-{}", std::process::id());
         let submission = Submission {
             task: &task,

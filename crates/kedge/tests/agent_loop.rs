@@ -479,15 +479,7 @@ async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm(
     h.wait_terminal(&crashed, WAIT).await;
 
     // Malformed tasks: each is answered with the field at fault and the services keep going.
-    let placeholder = TaskSubmission {
-        agent: "idem".parse().expect("valid"),
-        input: String::new(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    };
+    let placeholder = TaskSubmission::new("idem".parse().expect("valid"), String::new());
     let sub = |key: &'static str| kedge_intake::Submission {
         task: &placeholder,
         key,
@@ -529,15 +521,7 @@ async fn one_msg_id_makes_one_run_and_a_malformed_task_is_rejected_without_harm(
     let big = "x".repeat(kedge_core::task::MAX_INPUT_BYTES + 1);
     let answer = h
         .submit_task(
-            &TaskSubmission {
-                agent: "idem".parse().expect("valid"),
-                input: big,
-                run_id: None,
-                budget: None,
-                metadata: Default::default(),
-                concurrency: None,
-                priority: None,
-            },
+            &TaskSubmission::new("idem".parse().expect("valid"), big),
             "too-big",
         )
         .await;

@@ -389,15 +389,10 @@ impl Deployment {
 /// Submits a task through intake, retrying with the same key (an answer lost to a killed intake
 /// or a failing-over node); panics after 60 s.
 async fn submit(client: &async_nats::Client, key: &str) -> RunId {
-    let task = TaskSubmission {
-        agent: "topology".parse().expect("agent name"),
-        input: format!("task {key}"),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    };
+    let task = TaskSubmission::new(
+        "topology".parse().expect("agent name"),
+        format!("task {key}"),
+    );
     let submission = kedge_intake::Submission {
         task: &task,
         key,

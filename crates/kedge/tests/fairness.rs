@@ -19,15 +19,7 @@ const BACKLOG: usize = 200;
 const WAIT: Duration = Duration::from_secs(120);
 
 async fn submit(h: &Harness, tenant: &str, key: &str) -> RunId {
-    let task = TaskSubmission {
-        agent: AGENT.parse().expect("agent name"),
-        input: "go".into(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    };
+    let task = TaskSubmission::new(AGENT.parse().expect("agent name"), "go");
     let submission = kedge_intake::Submission {
         task: &task,
         key,

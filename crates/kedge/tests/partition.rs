@@ -1034,15 +1034,7 @@ async fn a_worker_on_the_minority_side_of_a_cluster_partition_is_billed_once() {
     services.start(config(0, "w-intake"), &[Svc::Intake.service()]);
     services.start(config(1, "w-tool"), &[Svc::Tool.service()]);
     services.start(config(2, "w-minor"), &[Svc::Step.service()]);
-    let task = kedge_core::task::TaskSubmission {
-        agent: "slow".parse().expect("agent name"),
-        input: "go".into(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    };
+    let task = kedge_core::task::TaskSubmission::new("slow".parse().expect("agent name"), "go");
     let submission = kedge_intake::Submission {
         task: &task,
         key: "minority",

@@ -98,15 +98,7 @@ async fn gateway_submit(client: &async_nats::Client, agent: &str, key: &str) -> 
 
 /// A task published to intake directly (the harness's operator connection), for tenant `acme`.
 async fn intake_submit(h: &Harness, agent: &str, key: &str) -> Door {
-    let task = TaskSubmission {
-        agent: agent.parse().expect("agent"),
-        input: "go".into(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    };
+    let task = TaskSubmission::new(agent.parse().expect("agent"), "go");
     match h.submit_task(&task, key).await {
         kedge_intake::Answer::Accepted { .. } => Door::Admitted,
         kedge_intake::Answer::Rejected { error } => {
@@ -372,15 +364,7 @@ async fn a_tenant_over_its_tokens_of_the_day_waits_for_the_next_day_and_others_g
         "no call while over"
     );
     // Another tenant goes on meanwhile.
-    let task = TaskSubmission {
-        agent: "globex-talk".parse().expect("agent"),
-        input: "three".into(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    };
+    let task = TaskSubmission::new("globex-talk".parse().expect("agent"), "three");
     let submission = kedge_intake::Submission {
         task: &task,
         key: "t-3",

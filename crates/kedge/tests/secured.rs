@@ -653,15 +653,7 @@ async fn an_agent_is_started_only_by_the_tenants_it_allows() {
     let mut def = (*stored).clone();
     def.tenants = Some(vec!["acme".parse().expect("tenant")]);
     h.rt.agents.put(&def).await.expect("stored again");
-    let task = kedge_core::task::TaskSubmission {
-        agent: name.clone(),
-        input: "hi".into(),
-        run_id: None,
-        budget: None,
-        metadata: Default::default(),
-        concurrency: None,
-        priority: None,
-    };
+    let task = kedge_core::task::TaskSubmission::new(name.clone(), "hi");
     let as_tenant = |tenant: &'static str, key: &'static str| {
         let client = h.rt.client.clone();
         let task = task.clone();

@@ -153,15 +153,7 @@ async fn traced_run(via: Via, key: &str) -> Vec<Span> {
     let run = match via {
         Via::Nats => {
             // A task published over NATS with the client's trace context in its header.
-            let task = TaskSubmission {
-                agent: "traced".parse().expect("agent name"),
-                input: "go".into(),
-                run_id: None,
-                budget: None,
-                metadata: Default::default(),
-                concurrency: None,
-                priority: None,
-            };
+            let task = TaskSubmission::new("traced".parse().expect("agent name"), "go");
             let submission = kedge_app::tasks::Submission {
                 task: &task,
                 key,

@@ -341,15 +341,7 @@ impl Harness {
 
     /// Submits a task and returns the accepted run id (panics on a rejection).
     pub async fn submit(&self, agent: &str, input: &str, key: &str) -> RunId {
-        let task = TaskSubmission {
-            agent: agent.parse().expect("agent name"),
-            input: input.into(),
-            run_id: None,
-            budget: None,
-            metadata: Default::default(),
-            concurrency: None,
-            priority: None,
-        };
+        let task = TaskSubmission::new(agent.parse().expect("agent name"), input);
         match self.submit_task(&task, key).await {
             kedge_intake::Answer::Accepted { run_id } => run_id,
             kedge_intake::Answer::Rejected { error } => panic!("rejected: {error}"),
