@@ -134,6 +134,42 @@ async fn a_worker_killed_mid_model_call_is_replaced_by_the_standby_after_the_rec
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_run_whose_drive_fails_is_driven_again_without_waiting_for_a_redelivery() {
+    let script = json!({"models": {"slow": {"steps": [
+        {"text": "thinking", "delay_ms": 3000},
+    ]}}});
+    let mut h = harness(script, &[Svc::Intake]).await;
+    h.agent("slow", "slow").await;
+    let grace = [("KEDGE_RECONNECT_GRACE_MS", GRACE_MS.to_owned())];
+    let a = h.spawn_process_with_env("step", "w-a", "", &grace);
+    h.heartbeat_of("w-a").await;
+    let run = h.submit("slow", "go", "task-adopt-fails").await;
+    driven_by(&h, &run, "w-a").await;
+    // The standby runs in this process, and its first two drives of the run fail (as they do
+    // while the broker cannot answer yet; here a contained panic). The run's wake is held by
+    // the killed worker: it comes back only after the step's ack wait (30 s).
+    kedge_runtime::failpoint::arm_panic("step.drive", run.as_str(), 2);
+    h.spawn_service_with(Svc::Step, "w-b", |c| {
+        c.timeouts = Timeouts::default();
+        c.timeouts.reconnect_grace_ms = GRACE_MS.parse().expect("grace");
+    });
+    h.heartbeat_of("w-b").await;
+    let killed = Instant::now();
+    h.kill9(a);
+    let state = h.wait_terminal(&run, WAIT).await;
+    let took = killed.elapsed();
+    assert_eq!(state.status, RunStatus::Succeeded, "{:?}", state.failure);
+    assert!(
+        took < TAKEN_OVER_WITHIN,
+        "the standby finished the run {took:?} after the kill: it waited for the wake's redelivery"
+    );
+    // The killed call was never answered; no attempt was called twice.
+    let calls = h.mock.calls();
+    assert!(calls.by_request_id.values().all(|n| *n == 1), "{calls:?}");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_worker_keeps_its_run_and_its_paid_call() {
     let script = json!({"models": {"slow": {"steps": [
         {"text": "thinking", "delay_ms": 3000},

@@ -82,23 +82,219 @@ pub async fn durable(
     Ok(consumer)
 }
 
-/// The next message a consumer delivers; hiccups (missed heartbeats, a reconnect) are logged
-/// and skipped. `None` once the stream has ended. Cancel-safe (for `select!`).
-pub async fn next_message(
-    messages: &mut pull::Stream,
-    consumer: Durable,
-) -> Option<async_nats::jetstream::Message> {
-    use futures::StreamExt as _;
-    loop {
-        match messages.next().await {
-            Some(Ok(msg)) => {
-                crate::metrics::delivered(consumer, deliveries(&msg));
-                return Some(msg);
+/// How long a pull request of a service's consumer waits at the server; an idle consumer asks
+/// again this often, and a request the server lost without a word is asked again after this
+/// and 5 s more (the client's own rule).
+const PULL_EXPIRES: Duration = Duration::from_secs(10);
+/// The server's sign of life on an idle pull request (below half of `PULL_EXPIRES`, as the
+/// server requires).
+const PULL_HEARTBEAT: Duration = Duration::from_secs(3);
+/// The first wait before a pull stream is opened again after a request was not served; doubled
+/// per failure in a row, at most `REOPEN_CAP`.
+const REOPEN_FIRST: Duration = Duration::from_millis(100);
+const REOPEN_CAP: Duration = Duration::from_secs(2);
+/// The most messages taken from a closing stream's buffer.
+const DRAIN_AT_MOST: usize = 10_000;
+
+/// A durable consumer's deliveries, as a service takes them.
+///
+/// The client's pull stream keeps one pull request open at the server. When a request is not
+/// served — no server answers for the consumer yet (a new cluster still electing its leader,
+/// a node coming back), the server falls silent on it (no idle heartbeat for twice its
+/// interval: the request was lost in a consumer leader change or a partition), or answers it
+/// with a status the client does not know — the client does not ask again until the request's
+/// expiry passes plus 5 s, however many deliveries wait: a service would take nothing for
+/// that long.
+/// So such a stream is closed (what the client already holds is kept and handed out first)
+/// and opened again after a short, growing delay (docs/ARCHITECTURE.md "Conventions every
+/// service keeps").
+pub struct Deliveries {
+    consumer: PullConsumer,
+    name: Durable,
+    stream: Option<pull::Stream>,
+    /// Taken from a stream closed to be opened again; handed out before anything new.
+    buffered: std::collections::VecDeque<async_nats::jetstream::Message>,
+    /// When the stream may be opened again.
+    reopen_at: Option<tokio::time::Instant>,
+    /// Requests not served since the last delivery.
+    failures: u32,
+}
+
+impl std::fmt::Debug for Deliveries {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Deliveries")
+            .field("consumer", &self.name)
+            .field("open", &self.stream.is_some())
+            .field("buffered", &self.buffered.len())
+            .field("failures", &self.failures)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Deliveries {
+    /// Gets or creates the durable consumer `name` ([`durable`]) and opens its deliveries.
+    pub async fn open(
+        js: &Context,
+        name: Durable,
+        ack_wait: Duration,
+    ) -> Result<Self, RuntimeError> {
+        let consumer = durable(js, name, ack_wait).await?;
+        Self::of(consumer, name).await
+    }
+
+    /// The deliveries of `consumer`, reported as `name`'s.
+    pub async fn of(consumer: PullConsumer, name: Durable) -> Result<Self, RuntimeError> {
+        let stream = pull_stream(&consumer)
+            .await
+            .map_err(|e| RuntimeError::broker(format!("consumer {name}"), e))?;
+        Ok(Self {
+            consumer,
+            name,
+            stream: Some(stream),
+            buffered: std::collections::VecDeque::new(),
+            reopen_at: None,
+            failures: 0,
+        })
+    }
+
+    /// The consumer's name.
+    pub fn name(&self) -> Durable {
+        self.name
+    }
+
+    /// The next delivery. Hiccups (a missed heartbeat, a reconnect) are logged and skipped; a
+    /// request the server could not serve opens the stream again (the type's docs). `None`
+    /// once the stream has ended (the consumer was deleted). Cancel-safe (for `select!`).
+    pub async fn next(&mut self) -> Option<async_nats::jetstream::Message> {
+        use async_nats::jetstream::consumer::pull::MessagesErrorKind;
+        use futures::StreamExt as _;
+        let consumer = self.name;
+        loop {
+            if let Some(msg) = self.buffered.pop_front() {
+                return Some(self.delivered(msg));
             }
-            Some(Err(e)) => tracing::warn!(%consumer, error = %e, "consumer hiccup"),
-            None => return None,
+            let Some(stream) = self.stream.as_mut() else {
+                if let Some(at) = self.reopen_at {
+                    tokio::time::sleep_until(at).await;
+                }
+                match pull_stream(&self.consumer).await {
+                    Ok(stream) => {
+                        self.stream = Some(stream);
+                        self.reopen_at = None;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%consumer, error = %e, "could not open the consumer's deliveries; trying again");
+                        self.failed();
+                    }
+                }
+                continue;
+            };
+            match stream.next().await {
+                Some(Ok(msg)) => return Some(self.delivered(msg)),
+                Some(Err(e)) => match e.kind() {
+                    MessagesErrorKind::NoResponders
+                    | MessagesErrorKind::MissingHeartbeat
+                    | MessagesErrorKind::Other => {
+                        tracing::warn!(%consumer, error = %e, "a pull request was not served; asking again");
+                        self.close_for_reopen();
+                    }
+                    // A request not sent (the connection is down: the client asks again once
+                    // it is back), or the end of the stream (the consumer is gone; `None`
+                    // follows).
+                    _ => tracing::warn!(%consumer, error = %e, "consumer hiccup"),
+                },
+                None => return None,
+            }
         }
     }
+
+    fn delivered(&mut self, msg: async_nats::jetstream::Message) -> async_nats::jetstream::Message {
+        self.failures = 0;
+        crate::metrics::delivered(self.name, deliveries(&msg));
+        msg
+    }
+
+    /// Closes the stream, keeping what its client holds, and sets when to open it again.
+    fn close_for_reopen(&mut self) {
+        use futures::{FutureExt as _, StreamExt as _};
+        if let Some(mut stream) = self.stream.take() {
+            for _ in 0..DRAIN_AT_MOST {
+                match stream.next().now_or_never() {
+                    Some(Some(Ok(msg))) => self.buffered.push_back(msg),
+                    Some(Some(Err(_))) => {}
+                    Some(None) | None => break,
+                }
+            }
+        }
+        self.failed();
+    }
+
+    fn failed(&mut self) {
+        self.failures = self.failures.saturating_add(1);
+        let delay = retry_delay(i64::from(self.failures), REOPEN_FIRST, REOPEN_CAP);
+        self.reopen_at = Some(tokio::time::Instant::now() + delay);
+    }
+
+    /// On a graceful stop, hands back at once what was pulled and not handed out: the client
+    /// pulls in batches (200 messages per request), so a stopping process may hold wakes or
+    /// operation requests no handler took. Each is NAKed without delay, so another process
+    /// gets it now instead of after the ack wait (30 s for the step, 90 s for the tool).
+    ///
+    /// The buffered messages are taken first and the stream (with its subscription, so its
+    /// open pull request finds no interest) is dropped before any NAK: a handed-back message
+    /// cannot be delivered to this process again and bounce here, burning the consumer's
+    /// `max_deliver`. Bounded by `HAND_BACK_FOR`. Returns how many messages were handed back.
+    pub async fn hand_back(self) -> usize {
+        use futures::StreamExt as _;
+        let consumer = self.name;
+        let mut pulled: Vec<_> = self.buffered.into_iter().collect();
+        if let Some(mut messages) = self.stream {
+            let until = tokio::time::Instant::now() + HAND_BACK_FOR;
+            loop {
+                let quiet = HAND_BACK_QUIET
+                    .min(until.saturating_duration_since(tokio::time::Instant::now()));
+                match tokio::time::timeout(quiet, messages.next()).await {
+                    Ok(Some(Ok(msg))) => pulled.push(msg),
+                    Ok(Some(Err(_))) => {}
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        }
+        let mut handed = 0;
+        for msg in pulled {
+            match msg
+                .ack_with(async_nats::jetstream::AckKind::Nak(None))
+                .await
+            {
+                Ok(()) => handed += 1,
+                Err(e) => {
+                    let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
+                    tracing::debug!(%consumer, seq, error = %e, "could not hand a message back; it is redelivered after the ack wait");
+                }
+            }
+        }
+        if handed > 0 {
+            tracing::info!(
+                %consumer,
+                handed,
+                "handed back the messages pulled and not started"
+            );
+        }
+        handed
+    }
+}
+
+/// A pull stream of a service's consumer (the server's default batch, `PULL_EXPIRES`,
+/// `PULL_HEARTBEAT`).
+async fn pull_stream(
+    consumer: &PullConsumer,
+) -> Result<pull::Stream, async_nats::jetstream::consumer::StreamError> {
+    consumer
+        .stream()
+        .expires(PULL_EXPIRES)
+        .heartbeat(PULL_HEARTBEAT)
+        .messages()
+        .await
 }
 
 /// The `max_deliver` of consumer `name`'s file; `None` when unbounded (or unknown). The files
@@ -215,62 +411,54 @@ pub async fn settle(
             return crate::rejections::dead_letter(js, consumer, msg, &reason).await;
         }
     };
-    if let Err(e) = msg.ack_with(kind).await {
-        tracing::warn!(%consumer, subject = %msg.subject, error = %e, "ack failed; the message will be redelivered");
-    }
-}
-
-/// How long [`hand_back`] waits for one more message before it deems the consumer's buffer
-/// empty.
-const HAND_BACK_QUIET: Duration = Duration::from_millis(50);
-/// The most time [`hand_back`] spends.
-const HAND_BACK_FOR: Duration = Duration::from_secs(2);
-
-/// On a graceful stop, hands back at once what the consumer's stream pulled and nothing
-/// started: the client pulls in batches (200 messages per request), so a stopping process may
-/// hold wakes or operation requests no handler took. Each is NAKed without delay, so another
-/// process gets it now instead of after the ack wait (30 s for the step, 90 s for the tool).
-///
-/// The buffered messages are taken first and the stream (with its subscription, so its open
-/// pull request finds no interest) is dropped before any NAK: a handed-back message cannot be
-/// delivered to this process again and bounce here, burning the consumer's `max_deliver`.
-/// Bounded by `HAND_BACK_FOR`. Returns how many messages were handed back.
-pub async fn hand_back(mut messages: pull::Stream, consumer: Durable) -> usize {
-    use futures::StreamExt as _;
-    let until = tokio::time::Instant::now() + HAND_BACK_FOR;
-    let mut pulled = Vec::new();
-    loop {
-        let quiet =
-            HAND_BACK_QUIET.min(until.saturating_duration_since(tokio::time::Instant::now()));
-        match tokio::time::timeout(quiet, messages.next()).await {
-            Ok(Some(Ok(msg))) => pulled.push(msg),
-            Ok(Some(Err(_))) => {}
-            Ok(None) | Err(_) => break,
-        }
-    }
-    drop(messages);
-    let mut handed = 0;
-    for msg in pulled {
-        match msg
-            .ack_with(async_nats::jetstream::AckKind::Nak(None))
-            .await
-        {
-            Ok(()) => handed += 1,
-            Err(e) => {
-                let seq = msg.info().map(|i| i.stream_sequence).unwrap_or_default();
-                tracing::debug!(%consumer, seq, error = %e, "could not hand a message back; it is redelivered after the ack wait");
+    match kind {
+        async_nats::jetstream::AckKind::Nak(_) => hand_back_confirmed(consumer, msg, kind).await,
+        _ => {
+            // A lost ack costs a redelivery after the ack wait, which every handler takes as
+            // done (the journal says so): not worth a round trip on every delivery.
+            if let Err(e) = msg.ack_with(kind).await {
+                tracing::warn!(%consumer, subject = %msg.subject, error = %e, "ack failed; the message will be redelivered");
             }
         }
     }
-    if handed > 0 {
-        tracing::info!(
-            %consumer,
-            handed,
-            "handed back the messages pulled and not started"
-        );
-    }
-    handed
 }
+
+/// How long the server's confirmation of a hand-back is waited for, per try.
+const CONFIRM_WAIT: Duration = Duration::from_secs(2);
+/// Tries of a hand-back before it is left to the ack wait.
+const CONFIRM_TRIES: u32 = 3;
+
+/// Hands `msg` back (`kind`, a NAK) and waits for the server to confirm it, trying again
+/// when it does not. An unconfirmed NAK may have been lost on its way (a consumer leader
+/// change, a route not yet back after a partition): the message would wait for the whole ack
+/// wait (30 s for a step's wake, 90 s for an operation) instead of its delay, and with it the
+/// run. A NAK of a delivery that is no longer pending changes nothing at the server, so a
+/// repeated one is harmless.
+async fn hand_back_confirmed(
+    consumer: Durable,
+    msg: &async_nats::jetstream::Message,
+    kind: async_nats::jetstream::AckKind,
+) {
+    for attempt in 1..=CONFIRM_TRIES {
+        let error = match tokio::time::timeout(CONFIRM_WAIT, msg.double_ack_with(kind)).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no confirmation".to_owned(),
+        };
+        if attempt == CONFIRM_TRIES {
+            tracing::warn!(%consumer, subject = %msg.subject, %error, "hand-back not confirmed; the message comes back after the ack wait");
+        } else {
+            tracing::debug!(%consumer, subject = %msg.subject, %error, attempt, "hand-back not confirmed; sending it again");
+            tokio::time::sleep(Duration::from_millis(200) * attempt).await;
+        }
+    }
+}
+
+/// How long [`Deliveries::hand_back`] waits for one more message before it deems the
+/// consumer's buffer empty.
+const HAND_BACK_QUIET: Duration = Duration::from_millis(50);
+/// The most time [`Deliveries::hand_back`] spends.
+const HAND_BACK_FOR: Duration = Duration::from_secs(2);
 
 /// Runs handlers with at most `n` at once; [`Workers::drain`] waits for those in flight (a
 /// service's graceful stop).
@@ -325,15 +513,14 @@ impl Workers {
 
     /// The consumer's next message together with a free slot to handle it. The slot is taken
     /// first, so no message is ever held waiting for one: on a graceful stop, what was pulled
-    /// and not started is all in the stream, for [`hand_back`]. Cancel-safe (for `select!`).
-    /// `None` once the stream has ended.
+    /// and not started is with `deliveries`, for [`Deliveries::hand_back`]. Cancel-safe (for
+    /// `select!`). `None` once the stream has ended.
     pub async fn next(
         &self,
-        messages: &mut pull::Stream,
-        consumer: Durable,
+        deliveries: &mut Deliveries,
     ) -> Option<(Slot, async_nats::jetstream::Message)> {
         let slot = self.slot().await;
-        let msg = next_message(messages, consumer).await?;
+        let msg = deliveries.next().await?;
         Some((slot, msg))
     }
 

@@ -18,14 +18,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream::consumer::pull;
 use async_nats::jetstream::{AckKind, Message};
 use kedge_core::fairness::{FairQueue, Lane, Weights};
 use kedge_core::subjects::{self, Durable};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
-use crate::consumer::{self, Slot, Workers};
+use crate::consumer::{Deliveries, Slot, Workers};
 use crate::tenants::RunTenants;
 
 /// How a delivery's tenant is found.
@@ -72,7 +71,7 @@ pub struct FairFeed {
     shared: Arc<Shared>,
     consumer: Durable,
     stop: watch::Sender<bool>,
-    reader: tokio::task::JoinHandle<pull::Stream>,
+    reader: tokio::task::JoinHandle<Deliveries>,
 }
 
 impl std::fmt::Debug for FairFeed {
@@ -93,11 +92,10 @@ pub fn window(concurrency: usize, max_ack_pending: usize) -> usize {
 }
 
 impl FairFeed {
-    /// Starts taking `messages` (of `consumer`, whose ack wait is `ack_wait`) into a window of at
-    /// most `window` deliveries, each in the lane `tenancy` finds for it.
+    /// Starts taking `messages` (of a consumer whose ack wait is `ack_wait`) into a window of
+    /// at most `window` deliveries, each in the lane `tenancy` finds for it.
     pub fn start(
-        messages: pull::Stream,
-        consumer: Durable,
+        messages: Deliveries,
         window: usize,
         weights: Weights,
         tenancy: Tenancy,
@@ -110,14 +108,8 @@ impl FairFeed {
             ended: std::sync::atomic::AtomicBool::new(false),
         });
         let (stop, stopped) = watch::channel(false);
-        let reader = tokio::spawn(read(
-            messages,
-            consumer,
-            shared.clone(),
-            tenancy,
-            ack_wait,
-            stopped,
-        ));
+        let consumer = messages.name();
+        let reader = tokio::spawn(read(messages, shared.clone(), tenancy, ack_wait, stopped));
         Self {
             shared,
             consumer,
@@ -149,13 +141,13 @@ impl FairFeed {
 
     /// Stops taking deliveries and hands back (NAK, no delay) what the client pulled and what
     /// waits in the window, so another process takes it at once (bounded like
-    /// [`consumer::hand_back`]). Returns how many were handed back.
+    /// [`Deliveries::hand_back`]). Returns how many were handed back.
     pub async fn hand_back(self) -> usize {
         let _ = self.stop.send(true);
         let mut handed = match self.reader.await {
             // The stream is dropped inside before any NAK (a handed-back delivery cannot come
             // back here).
-            Ok(messages) => consumer::hand_back(messages, self.consumer).await,
+            Ok(messages) => messages.hand_back().await,
             Err(_) => 0,
         };
         let waiting = match self.shared.queue.lock() {
@@ -178,13 +170,13 @@ impl FairFeed {
 /// The feed's reader: takes deliveries into the window while it has room, keeps those waiting
 /// long alive; returns the stream when told to stop.
 async fn read(
-    mut messages: pull::Stream,
-    consumer: Durable,
+    mut messages: Deliveries,
     shared: Arc<Shared>,
     tenancy: Tenancy,
     ack_wait: Duration,
     mut stopped: watch::Receiver<bool>,
-) -> pull::Stream {
+) -> Deliveries {
+    let consumer = messages.name();
     let keep_alive_after = ack_wait / 3;
     let mut tick = tokio::time::interval((ack_wait / 6).max(Duration::from_millis(100)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -202,7 +194,7 @@ async fn read(
         };
         let next = async {
             room.await;
-            consumer::next_message(&mut messages, consumer).await
+            messages.next().await
         };
         tokio::select! {
             _ = stopped.changed() => break,

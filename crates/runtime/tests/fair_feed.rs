@@ -8,7 +8,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::StreamExt as _;
 use kedge_core::fairness::Weights;
 use kedge_core::subjects::{Durable, TASKS_ALL, parse_task, task_for};
-use kedge_runtime::consumer::Workers;
+use kedge_runtime::consumer::{Deliveries, Workers};
 use kedge_runtime::fair::{FairFeed, Tenancy};
 use kedge_testkit::NatsServer;
 
@@ -52,15 +52,10 @@ async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
         })
         .await
         .expect("consumer");
-    let messages = consumer.messages().await.expect("messages");
-    let feed = FairFeed::start(
-        messages,
-        Durable::Intake,
-        100,
-        Weights::default(),
-        Tenancy::Task,
-        ACK_WAIT,
-    );
+    let messages = Deliveries::of(consumer.clone(), Durable::Intake)
+        .await
+        .expect("messages");
+    let feed = FairFeed::start(messages, 100, Weights::default(), Tenancy::Task, ACK_WAIT);
     // Everything is in the window, then held there three ack waits.
     tokio::time::sleep(ACK_WAIT * 3).await;
     let workers = Workers::new(1);

@@ -6,14 +6,15 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::StreamExt as _;
-use kedge_runtime::consumer::{Workers, hand_back};
+use kedge_core::subjects::Durable;
+use kedge_runtime::consumer::{Deliveries, Workers};
 use kedge_testkit::NatsServer;
 
 /// Far longer than the test may take: a message seen again before it comes from a hand-back.
 const ACK_WAIT: Duration = Duration::from_secs(120);
 const MESSAGES: usize = 20;
 
-async fn setup(server: &NatsServer) -> (jetstream::Context, pull::Stream) {
+async fn setup(server: &NatsServer) -> (jetstream::Context, Deliveries) {
     let client = async_nats::connect(server.url()).await.expect("connects");
     let js = jetstream::new(client);
     let stream = js
@@ -40,7 +41,9 @@ async fn setup(server: &NatsServer) -> (jetstream::Context, pull::Stream) {
         })
         .await
         .expect("consumer");
-    let messages = consumer.messages().await.expect("messages");
+    let messages = Deliveries::of(consumer, Durable::Step)
+        .await
+        .expect("messages");
     (js, messages)
 }
 
@@ -51,13 +54,10 @@ async fn what_was_pulled_and_not_started_goes_back_at_once() {
     // The stopping process took one message (a handler started on it) and its client has
     // pulled the rest in the same batch.
     let workers = Workers::new(1);
-    let (slot, started) = workers
-        .next(&mut messages, kedge_core::subjects::Durable::Step)
-        .await
-        .expect("a message");
+    let (slot, started) = workers.next(&mut messages).await.expect("a message");
     let started_seq = started.info().expect("info").stream_sequence;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let handed = hand_back(messages, kedge_core::subjects::Durable::Step).await;
+    let handed = messages.hand_back().await;
     assert_eq!(
         handed,
         MESSAGES - 1,

@@ -82,17 +82,12 @@ const BACKOFF: Backoff = Backoff {
 
 /// Runs intake until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let consumer = consumer::durable(&rt.js, CONSUMER, ACK_WAIT).await?;
-    let messages = consumer
-        .messages()
-        .await
-        .map_err(|e| RuntimeError::broker("intake consumer", e))?;
+    let messages = consumer::Deliveries::open(&rt.js, CONSUMER, ACK_WAIT).await?;
     let workers = consumer::Workers::new(WORKERS);
     // Tasks are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
     // tenants"): the tenant is the subject's.
     let feed = FairFeed::start(
         messages,
-        CONSUMER,
         fair::window(WORKERS, consumer::max_ack_pending(CONSUMER)),
         rt.config.fairness.weights(),
         Tenancy::Task,

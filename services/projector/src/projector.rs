@@ -51,11 +51,8 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         workers: workers.clone(),
         stopping,
     });
-    let consumer = consumer::durable(&rt.js, PROJECTOR, Duration::from_secs(30)).await?;
-    let mut messages = consumer
-        .messages()
-        .await
-        .map_err(|e| RuntimeError::broker("projector consumer", e))?;
+    let mut messages =
+        consumer::Deliveries::open(&rt.js, PROJECTOR, Duration::from_secs(30)).await?;
     // Every handler and resting run holds a clone; all are gone once every delivery taken is
     // settled.
     let (held, mut all_settled) = mpsc::channel::<()>(1);
@@ -64,7 +61,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     loop {
         let (slot, msg) = tokio::select! {
             _ = &mut shutdown => break,
-            next = workers.next(&mut messages, PROJECTOR) => match next {
+            next = workers.next(&mut messages) => match next {
                 Some(next) => next,
                 None => break,
             },
@@ -94,7 +91,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         let held = held.clone();
         workers.run(slot, async move { projector.project_run(run, held).await });
     }
-    consumer::hand_back(messages, PROJECTOR).await;
+    messages.hand_back().await;
     // Resting runs are projected at once, with what they hold.
     let _ = stop.send(true);
     drop(held);

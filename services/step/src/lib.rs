@@ -68,6 +68,10 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 /// fold): retried a bounded number of times in case it was transient, then a dead letter.
 const FAIL_DELAY: Duration = Duration::from_secs(2);
 const FAIL_MAX: Duration = Duration::from_secs(60);
+/// Drives of an adopted run (one without a wake of its own) after the first failed: each after
+/// [`RETRY_DELAY`] doubled per try up to [`RETRY_MAX`]; past them the run is left to the
+/// reconciler's nudge.
+const ADOPT_TRIES: u32 = 8;
 /// The durable consumer's name (and the dead letters' subject token).
 const CONSUMER: Durable = Durable::Step;
 
@@ -139,16 +143,12 @@ async fn answer_yields(
 
 /// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let consumer = consumer::durable(&rt.js, CONSUMER, rt.config.timeouts.step_ack_wait()).await?;
-    let messages = consumer
-        .messages()
-        .await
-        .map_err(|e| RuntimeError::broker("step consumer", e))?;
+    let messages =
+        consumer::Deliveries::open(&rt.js, CONSUMER, rt.config.timeouts.step_ack_wait()).await?;
     // Wakes are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
     // tenants"): a run's tenant is read from its run.created.
     let feed = FairFeed::start(
         messages,
-        CONSUMER,
         fair::window(
             rt.config.step_concurrency,
             consumer::max_ack_pending(CONSUMER),
@@ -168,11 +168,13 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .await?;
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
+    let (readopt, mut readopts) = tokio::sync::mpsc::unbounded_channel();
     let drives = Drives {
         driver: drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness),
         active: Arc::default(),
         workers: consumer::Workers::new(rt.config.step_concurrency),
         js: rt.js.clone(),
+        readopt,
     };
     let yields = answer_yields(&rt, drives.driver.clone()).await?;
     // Releases the runs waiting on a model provider when the fleet may call it again
@@ -194,7 +196,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                         for run in death.held.runs {
                             drives.driver.adopting(&run, last_heard);
                             tracing::info!(run_id = %run, worker = %death.worker, "adopting a run of a gone worker");
-                            drives.start(run, None, None).await;
+                            drives.start(run, Wake::Adopted { tries: 0 }, None).await;
                         }
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
@@ -202,6 +204,10 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => {}
                 }
+                continue;
+            }
+            Some((run, tries)) = readopts.recv() => {
+                drives.start(run, Wake::Adopted { tries }, None).await;
                 continue;
             }
             next = feed.next(&drives.workers) => match next {
@@ -215,7 +221,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             let _ = msg.ack_with(AckKind::Term).await;
             continue;
         };
-        drives.start(parsed.run_id, Some(msg), Some(slot)).await;
+        drives
+            .start(parsed.run_id, Wake::Delivered(msg), Some(slot))
+            .await;
     }
     // Drain: hand back the wakes pulled and not started, then wait for every in-flight drive.
     feed.hand_back().await;
@@ -228,6 +236,17 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     Ok(())
 }
 
+/// Why a run is driven.
+enum Wake {
+    /// A wake the consumer delivered: settled after the drive, so a failed drive is tried again
+    /// on its redelivery.
+    Delivered(Message),
+    /// Adopted from a gone worker, after `tries` drives of it failed. Nothing is redelivered for
+    /// it (and a wake of the run delivered meanwhile may have been absorbed by this drive and
+    /// acknowledged), so a failed drive is tried again from here ([`ADOPT_TRIES`]).
+    Adopted { tries: u32 },
+}
+
 /// Starts drives: at most one per run in this process (a wake for a run being driven is folded
 /// into that drive), at most `step_concurrency` at once.
 struct Drives {
@@ -235,12 +254,18 @@ struct Drives {
     active: Active,
     workers: consumer::Workers,
     js: async_nats::jetstream::Context,
+    /// Adopted runs to drive again (after their failed drive's delay).
+    readopt: tokio::sync::mpsc::UnboundedSender<(RunId, u32)>,
 }
 
 impl Drives {
-    /// Drives `run_id`, woken by `msg` (settled after the drive) or, without one, adopted from
-    /// a gone worker; on `slot` when one is reserved already, else on the next free one.
-    async fn start(&self, run_id: RunId, msg: Option<Message>, slot: Option<consumer::Slot>) {
+    /// Drives `run_id` for `wake`; on `slot` when one is reserved already, else on the next
+    /// free one.
+    async fn start(&self, run_id: RunId, wake: Wake, slot: Option<consumer::Slot>) {
+        let (msg, tries) = match wake {
+            Wake::Delivered(msg) => (Some(msg), 0),
+            Wake::Adopted { tries } => (None, tries),
+        };
         // Whether a drive of this run is already in progress here (then it absorbs this wake).
         let seq = msg.as_ref().and_then(wake_seq);
         let msg = msg.map(Arc::new);
@@ -282,6 +307,7 @@ impl Drives {
         let driver = self.driver.clone();
         let active = self.active.clone();
         let js = self.js.clone();
+        let readopt = self.readopt.clone();
         let slot = match slot {
             Some(slot) => slot,
             None => self.workers.slot().await,
@@ -324,12 +350,33 @@ impl Drives {
                     Some(msg) => settle(&js, &run_id, &msg, result).await,
                     None => {
                         if let Err(e) = result {
-                            tracing::warn!(run_id = %run_id, error = %e, "adopted run not driven; its wake's redelivery will retry");
+                            readopt_later(readopt, run_id, tries, &e);
                         }
                     }
                 }
             });
     }
+}
+
+/// Drives an adopted run again after its drive failed (`tries` failed before), after a delay
+/// growing per try; past [`ADOPT_TRIES`] the reconciler's nudge covers it.
+fn readopt_later(
+    readopt: tokio::sync::mpsc::UnboundedSender<(RunId, u32)>,
+    run_id: RunId,
+    tries: u32,
+    error: &DriveError,
+) {
+    if tries >= ADOPT_TRIES {
+        tracing::warn!(run_id = %run_id, %error, tries, "adopted run not driven; left to the reconciler's nudge");
+        return;
+    }
+    let delay = consumer::retry_delay(i64::from(tries) + 1, RETRY_DELAY, RETRY_MAX);
+    tracing::warn!(run_id = %run_id, %error, retry_in_ms = delay.as_millis() as u64, "adopted run not driven; driving it again");
+    tokio::spawn(async move {
+        tokio::time::sleep(delay).await;
+        // Closed: the service is stopping (the run's lease lapses for another worker).
+        let _ = readopt.send((run_id, tries + 1));
+    });
 }
 
 /// Settles a wake after its drive ([`consumer::settle`]): acked when the run is idle; handed

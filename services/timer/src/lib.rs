@@ -116,16 +116,8 @@ fn backoff(rt: &Runtime) -> Backoff {
 
 /// Runs the timer service until `shutdown` resolves, then lets in-flight messages finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let scheduled = consumer::durable(&rt.js, SCHEDULED_CONSUMER, ACK_WAIT).await?;
-    let fired = consumer::durable(&rt.js, FIRED_CONSUMER, ACK_WAIT).await?;
-    let mut scheduled = scheduled
-        .messages()
-        .await
-        .map_err(|e| RuntimeError::broker("timer consumer", e))?;
-    let mut fired = fired
-        .messages()
-        .await
-        .map_err(|e| RuntimeError::broker("timer-fired consumer", e))?;
+    let mut scheduled = consumer::Deliveries::open(&rt.js, SCHEDULED_CONSUMER, ACK_WAIT).await?;
+    let mut fired = consumer::Deliveries::open(&rt.js, FIRED_CONSUMER, ACK_WAIT).await?;
     let workers = consumer::Workers::new(CONCURRENCY);
     // The scheduler fires schedules beside the timers (docs/ARCHITECTURE.md, "Schedules").
     let (stop_scheduler, scheduler_stop) = tokio::sync::watch::channel(false);
@@ -140,11 +132,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         };
         let (msg, kind) = tokio::select! {
             _ = &mut shutdown => break None,
-            next = consumer::next_message(&mut scheduled, SCHEDULED_CONSUMER) => match next {
+            next = scheduled.next() => match next {
                 Some(msg) => (msg, Kind::Scheduled),
                 None => break Some(SCHEDULED_CONSUMER),
             },
-            next = consumer::next_message(&mut fired, FIRED_CONSUMER) => match next {
+            next = fired.next() => match next {
                 Some(msg) => (msg, Kind::Fired),
                 None => break Some(FIRED_CONSUMER),
             },
@@ -169,8 +161,8 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 consumer::settle(&rt.js, kind.consumer(), &msg, verdict).await;
             });
     };
-    consumer::hand_back(scheduled, SCHEDULED_CONSUMER).await;
-    consumer::hand_back(fired, FIRED_CONSUMER).await;
+    scheduled.hand_back().await;
+    fired.hand_back().await;
     workers.drain().await;
     let _ = stop_scheduler.send(true);
     if let Err(e) = (&mut scheduler.0).await {

@@ -129,15 +129,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let watching = rt
         .on_cancel_requests(move |run| stopping.stop_run(&run))
         .await?;
-    let messages = consumer
-        .messages()
-        .await
-        .map_err(|e| RuntimeError::broker("tool consumer", e))?;
+    let messages = consumer::Deliveries::of(consumer, CONSUMER).await?;
     // Requests are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
     // tenants"): a run's tenant is read from its run.created.
     let feed = FairFeed::start(
         messages,
-        CONSUMER,
         fair::window(
             rt.config.tool_concurrency,
             consumer::max_ack_pending(CONSUMER),
