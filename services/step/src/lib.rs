@@ -222,7 +222,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             continue;
         };
         drives
-            .start(parsed.run_id, Wake::Delivered(msg), Some(slot))
+            .start(parsed.run_id, Wake::Delivered(Box::new(msg)), Some(slot))
             .await;
     }
     // Drain: hand back the wakes pulled and not started, then wait for every in-flight drive.
@@ -240,7 +240,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
 enum Wake {
     /// A wake the consumer delivered: settled after the drive, so a failed drive is tried again
     /// on its redelivery.
-    Delivered(Message),
+    Delivered(Box<Message>),
     /// Adopted from a gone worker, after `tries` drives of it failed. Nothing is redelivered for
     /// it (and a wake of the run delivered meanwhile may have been absorbed by this drive and
     /// acknowledged), so a failed drive is tried again from here ([`ADOPT_TRIES`]).
@@ -263,7 +263,7 @@ impl Drives {
     /// free one.
     async fn start(&self, run_id: RunId, wake: Wake, slot: Option<consumer::Slot>) {
         let (msg, tries) = match wake {
-            Wake::Delivered(msg) => (Some(msg), 0),
+            Wake::Delivered(msg) => (Some(*msg), 0),
             Wake::Adopted { tries } => (None, tries),
         };
         // Whether a drive of this run is already in progress here (then it absorbs this wake).
