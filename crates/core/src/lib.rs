@@ -22,6 +22,7 @@
 //! Invariant: a run's state is a function of its journal alone (principle 1); everything
 //! time- or configuration-dependent arrives as a recorded event or in the frozen run bundle.
 
+pub mod admission;
 pub mod agent;
 pub mod answers;
 pub mod child;

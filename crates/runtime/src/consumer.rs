@@ -460,12 +460,14 @@ const HAND_BACK_QUIET: Duration = Duration::from_millis(50);
 /// The most time [`Deliveries::hand_back`] spends.
 const HAND_BACK_FOR: Duration = Duration::from_secs(2);
 
-/// Runs handlers with at most `n` at once; [`Workers::drain`] waits for those in flight (a
-/// service's graceful stop).
+/// Runs handlers with at most `n` at once (fewer while the process is short of CPU, when
+/// [`Workers::adaptive`]); [`Workers::drain`] waits for those in flight (a service's graceful
+/// stop).
 #[derive(Debug, Clone)]
 pub struct Workers {
     permits: std::sync::Arc<tokio::sync::Semaphore>,
     n: u32,
+    admission: Option<std::sync::Arc<crate::admission::Admission>>,
 }
 
 /// A reserved handler slot of [`Workers`] (freed when the handler it is given to ends).
@@ -475,12 +477,36 @@ pub struct Slot {
 }
 
 impl Workers {
+    /// At most `n` handlers at once, always.
     pub fn new(n: usize) -> Self {
         let n = u32::try_from(n.max(1)).unwrap_or(u32::MAX);
         Self {
             permits: std::sync::Arc::new(tokio::sync::Semaphore::new(n as usize)),
             n,
+            admission: None,
         }
+    }
+
+    /// At most `n` handlers at once, fewer while the process is short of CPU (adaptive
+    /// admission, docs/ARCHITECTURE.md "Fairness across tenants"), when `adaptive`; `service`
+    /// names them in logs. Must be called inside a Tokio runtime.
+    pub fn adaptive(n: usize, adaptive: bool, service: &'static str) -> Self {
+        let mut workers = Self::new(n);
+        if adaptive {
+            workers.admission = Some(crate::admission::Admission::start(
+                &workers.permits,
+                workers.n as usize,
+                service,
+            ));
+        }
+        workers
+    }
+
+    /// How many handlers may run at once now.
+    pub fn limit(&self) -> usize {
+        self.admission
+            .as_ref()
+            .map_or(self.n as usize, |a| a.limit())
     }
 
     /// Waits for a free slot and runs `task` on it.
@@ -491,9 +517,11 @@ impl Workers {
 
     /// Waits for a free slot. Cancel-safe.
     pub async fn slot(&self) -> Slot {
-        Slot {
-            _permit: self.permits.clone().acquire_owned().await.ok(),
+        let permit = self.permits.clone().acquire_owned().await.ok();
+        if let Some(admission) = &self.admission {
+            admission.taken(&self.permits, self.n as usize);
         }
+        Slot { _permit: permit }
     }
 
     /// Runs `task` on `slot`, which it frees when it ends.
@@ -526,6 +554,9 @@ impl Workers {
 
     /// Waits until every running handler has finished.
     pub async fn drain(&self) {
+        if let Some(admission) = &self.admission {
+            admission.stop(&self.permits);
+        }
         let _ = self.permits.acquire_many(self.n).await;
     }
 }

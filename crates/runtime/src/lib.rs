@@ -27,6 +27,7 @@
 //! Invariant: a service never starts against a broker that failed the layout check
 //! ([`Runtime::connect`] refuses), so no code below has to wonder whether a flag is set.
 
+mod admission;
 pub mod agents;
 pub mod config;
 pub mod connect;

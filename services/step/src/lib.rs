@@ -172,7 +172,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let drives = Drives {
         driver: drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness),
         active: Arc::default(),
-        workers: consumer::Workers::new(rt.config.step_concurrency),
+        workers: consumer::Workers::adaptive(
+            rt.config.step_concurrency,
+            rt.config.adaptive_concurrency,
+            "step",
+        ),
         js: rt.js.clone(),
         readopt,
     };

@@ -148,7 +148,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let ctx = Arc::new(Ctx::new(&rt, sandbox, running, liveness, again, stopping));
     // Results an earlier process on this workspace root held and could not journal.
     tokio::spawn(redeliver_held(ctx.clone()));
-    let workers = consumer::Workers::new(rt.config.tool_concurrency);
+    let workers = consumer::Workers::adaptive(
+        rt.config.tool_concurrency,
+        rt.config.adaptive_concurrency,
+        "tool",
+    );
     // Workspaces of purged runs (retention): this host's own sweep.
     let sweeper = tokio::spawn(workspaces::sweeper(
         rt.config.workspace_root.clone(),

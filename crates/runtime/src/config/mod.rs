@@ -107,6 +107,11 @@ pub struct Config {
     pub step_concurrency: usize,
     /// Tool operations a tool worker runs at once.
     pub tool_concurrency: usize,
+    /// Lower the intake, step and tool services' concurrency while the process is short of CPU
+    /// (`KEDGE_ADAPTIVE_CONCURRENCY`, default on), so that work waits in the fair queue where
+    /// tenants take turns (docs/ARCHITECTURE.md "Fairness across tenants"). Off: the configured
+    /// concurrency always.
+    pub adaptive_concurrency: bool,
     /// Largest tool result kept inline in the journal, in bytes; longer output is truncated with
     /// a note.
     pub max_tool_output_bytes: usize,
@@ -180,6 +185,7 @@ impl Default for Config {
             park_leases: true,
             step_concurrency: 256,
             tool_concurrency: 64,
+            adaptive_concurrency: true,
             max_tool_output_bytes: 64 * 1024,
             timeouts: Timeouts::default(),
             mcp_servers: Default::default(),
@@ -215,6 +221,7 @@ impl std::fmt::Debug for Config {
             park_leases,
             step_concurrency,
             tool_concurrency,
+            adaptive_concurrency,
             max_tool_output_bytes,
             timeouts,
             mcp_servers,
@@ -246,6 +253,7 @@ impl std::fmt::Debug for Config {
             .field("park_leases", park_leases)
             .field("step_concurrency", step_concurrency)
             .field("tool_concurrency", tool_concurrency)
+            .field("adaptive_concurrency", adaptive_concurrency)
             .field("max_tool_output_bytes", max_tool_output_bytes)
             .field("timeouts", timeouts)
             .field("mcp_servers", mcp_servers)
