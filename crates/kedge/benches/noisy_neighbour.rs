@@ -8,6 +8,8 @@
 //! KEDGE_BENCH_NOISY_RUNS=500 cargo bench -p kedge --bench noisy_neighbour
 //! KEDGE_BIN=/path/to/old/kedge cargo bench -p kedge --bench noisy_neighbour -- --quick
 //! cargo bench -p kedge --bench noisy_neighbour -- --quick --concurrency 16
+//! KEDGE_ADAPTIVE_CONCURRENCY=0 cargo bench -p kedge --bench noisy_neighbour -- --quick
+//! KEDGE_BENCH_SERVE_LOG=warn,kedge_runtime::admission=debug cargo bench -p kedge --bench noisy_neighbour
 //! ```
 //!
 //! Setup (black-box, like the outage bench): one nats-server (kedge-testkit: free port,
@@ -33,7 +35,9 @@
 //! pass/fail test: it prints numbers (and checks every run succeeded).
 //!
 //! `KEDGE_BIN=<path>` runs another `kedge` binary as the service (a build from before the fair
-//! feed: the same bench measures arrival order).
+//! feed: the same bench measures arrival order). The serve process inherits the bench's
+//! environment: `KEDGE_ADAPTIVE_CONCURRENCY=0` measures the configured concurrency without
+//! adaptive admission.
 
 #![allow(clippy::unwrap_used)]
 
@@ -472,6 +476,47 @@ async fn drain_a(
     }
 }
 
+/// Where B's runs spent their time: for each pair of consecutive events of a run's journal
+/// (in the order first seen), the median gap between their times, in ms, over `runs`.
+async fn hops(journal: &Journal, runs: &[(Instant, RunId)]) -> Vec<(String, f64)> {
+    let mut order: Vec<String> = Vec::new();
+    let mut gaps: HashMap<String, Vec<Duration>> = HashMap::new();
+    for (_, run) in runs {
+        let Ok(events) = journal.read(run, 0).await else {
+            continue;
+        };
+        for pair in events.windows(2) {
+            let (a, b) = (&pair[0].envelope, &pair[1].envelope);
+            let hop = format!("{} → {}", a.event_type(), b.event_type());
+            let gap = (b.at.0 - a.at.0).unsigned_abs();
+            if !gaps.contains_key(&hop) {
+                order.push(hop.clone());
+            }
+            gaps.entry(hop).or_default().push(gap);
+        }
+    }
+    order
+        .into_iter()
+        .map(|hop| {
+            let mut g = gaps.remove(&hop).unwrap_or_default();
+            g.sort();
+            (hop, pct(&g, 0.5))
+        })
+        .collect()
+}
+
+/// B's hops idle and busy, side by side.
+fn print_hops(idle: &[(String, f64)], busy: &[(String, f64)]) {
+    println!("  B's journal, median gap between consecutive events (idle → with A's backlog):");
+    for (hop, busy_ms) in busy {
+        let idle_ms = idle
+            .iter()
+            .find(|(h, _)| h == hop)
+            .map_or(f64::NAN, |(_, ms)| *ms);
+        println!("    {hop:<44} {idle_ms:>8.1} ms → {busy_ms:>8.1} ms");
+    }
+}
+
 fn pct(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -529,7 +574,10 @@ async fn bench(o: Opts) {
         ),
         ("KEDGE_MODEL_KEYS", KEY_VAR.into()),
         (KEY_VAR, "bench-key".into()),
-        ("KEDGE_LOG", "warn".into()),
+        (
+            "KEDGE_LOG",
+            std::env::var("KEDGE_BENCH_SERVE_LOG").unwrap_or_else(|_| "warn".into()),
+        ),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v))
@@ -547,11 +595,14 @@ async fn bench(o: Opts) {
         .expect("store the agent");
     println!(
         "noisy neighbour: A ({A}) bursts {} runs, B ({B}) one run every {:?}; one `kedge serve \
-         all`{}{}; load average {}",
+         all`{}{}{}; load average {}",
         o.runs,
         o.every,
         o.concurrency
             .map(|n| format!(", step and tool concurrency {n}"))
+            .unwrap_or_default(),
+        std::env::var("KEDGE_ADAPTIVE_CONCURRENCY")
+            .map(|v| format!(", KEDGE_ADAPTIVE_CONCURRENCY={v}"))
             .unwrap_or_default(),
         std::env::var("KEDGE_BIN")
             .map(|b| format!(" ({b})"))
@@ -580,6 +631,7 @@ async fn bench(o: Opts) {
     let runs = b.await.expect("the trickle");
     let mut idle = latencies(&view, &runs, o.cap, &mut children).await;
     idle.sort();
+    let idle_hops = hops(&rt.journal, &runs).await;
     println!(
         "1. B idle: {} runs, p50 {:.1} ms, p99 {:.1} ms (load {})",
         idle.len(),
@@ -609,6 +661,7 @@ async fn bench(o: Opts) {
         pct(&busy, 1.0),
         loadavg()
     );
+    print_hops(&idle_hops, &hops(&rt.journal, &runs).await);
     let (p50, p99, thr) = (
         pct(&busy, 0.5) / pct(&idle, 0.5),
         pct(&busy, 0.99) / pct(&idle, 0.99),
@@ -626,4 +679,10 @@ async fn bench(o: Opts) {
         loadavg()
     );
     observer.abort();
+    if std::env::var_os("KEDGE_BENCH_SERVE_LOG").is_some() {
+        let kept = std::env::temp_dir().join("noisy_neighbour-serve.log");
+        if std::fs::copy(children.log_dir.join("serve.log"), &kept).is_ok() {
+            println!("  the serve process's log: {}", kept.display());
+        }
+    }
 }

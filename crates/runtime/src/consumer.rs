@@ -17,6 +17,7 @@ use async_nats::jetstream::consumer::{PullConsumer, pull};
 use kedge_core::subjects::Durable;
 
 use crate::RuntimeError;
+pub use crate::admission::Probe;
 
 /// The configuration file of each of the layout's durable consumers (their names and streams
 /// are in the registry, [`Durable`]).
@@ -487,15 +488,17 @@ impl Workers {
         }
     }
 
-    /// At most `n` handlers at once, fewer while the process is short of CPU (adaptive
-    /// admission, docs/ARCHITECTURE.md "Fairness across tenants"), when `adaptive`; `service`
-    /// names them in logs. Must be called inside a Tokio runtime.
-    pub fn adaptive(n: usize, adaptive: bool, service: &'static str) -> Self {
+    /// At most `n` handlers at once, fewer while the work meets delays of its own making
+    /// (adaptive admission, docs/ARCHITECTURE.md "Fairness across tenants") measured by
+    /// `probe`; none: `n` always. `service` names them in logs. Must be called inside a Tokio
+    /// runtime.
+    pub fn adaptive(n: usize, probe: Option<Probe>, service: &'static str) -> Self {
         let mut workers = Self::new(n);
-        if adaptive {
+        if let Some(probe) = probe {
             workers.admission = Some(crate::admission::Admission::start(
                 &workers.permits,
                 workers.n as usize,
+                probe,
                 service,
             ));
         }

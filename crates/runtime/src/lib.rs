@@ -141,6 +141,24 @@ impl Runtime {
         }))
     }
 
+    /// How service `service`'s handlers are admitted ([`consumer::Workers::adaptive`]): `None`
+    /// when `adaptive_concurrency` is off; a round trip through the broker on the worker's own
+    /// liveness subjects when the service may use them (`broker`: the step and tool services,
+    /// docs/SECURITY.md), else the scheduling lag alone.
+    pub fn admission_probe(&self, service: &str, broker: bool) -> Option<consumer::Probe> {
+        if !self.config.adaptive_concurrency {
+            return None;
+        }
+        Some(if broker {
+            consumer::Probe::Broker {
+                client: self.client.clone(),
+                subject: kedge_core::subjects::live_probe(&self.config.worker_id, service),
+            }
+        } else {
+            consumer::Probe::Scheduling
+        })
+    }
+
     /// This process's failure detector ([`liveness::Liveness`]), started on first use with the
     /// configured worker id, heartbeat and suspicion threshold.
     pub async fn liveness(&self) -> Result<liveness::Liveness, RuntimeError> {

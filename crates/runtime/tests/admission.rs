@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kedge_runtime::consumer::Workers;
+use kedge_runtime::consumer::{Probe, Workers};
 
 const MAX: usize = 64;
 /// Far beyond what a decision takes (one every 100 ms): a bound against a limit that never
@@ -28,7 +28,7 @@ async fn until(what: &str, workers: &Workers, ok: impl Fn(usize) -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_starved_process_lowers_the_limit_and_a_calm_busy_one_raises_it_back() {
-    let workers = Workers::adaptive(MAX, true, "test");
+    let workers = Workers::adaptive(MAX, Some(Probe::Scheduling), "test");
     assert_eq!(workers.limit(), MAX);
 
     // Handlers that only wait (a model, a tool) add no lag: the limit stays whole.
@@ -92,7 +92,7 @@ async fn a_starved_process_lowers_the_limit_and_a_calm_busy_one_raises_it_back()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fixed_workers_keep_their_concurrency_however_starved() {
-    let workers = Workers::adaptive(MAX, false, "test");
+    let workers = Workers::adaptive(MAX, None, "test");
     let busy = Instant::now();
     let hog = tokio::spawn(async move {
         while busy.elapsed() < Duration::from_secs(1) {

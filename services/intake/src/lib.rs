@@ -83,7 +83,8 @@ const BACKOFF: Backoff = Backoff {
 /// Runs intake until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let messages = consumer::Deliveries::open(&rt.js, CONSUMER, ACK_WAIT).await?;
-    let workers = consumer::Workers::adaptive(WORKERS, rt.config.adaptive_concurrency, "intake");
+    let workers =
+        consumer::Workers::adaptive(WORKERS, rt.admission_probe("intake", false), "intake");
     // Tasks are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
     // tenants"): the tenant is the subject's.
     let feed = FairFeed::start(

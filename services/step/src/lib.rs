@@ -174,7 +174,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         active: Arc::default(),
         workers: consumer::Workers::adaptive(
             rt.config.step_concurrency,
-            rt.config.adaptive_concurrency,
+            rt.admission_probe("step", true),
             "step",
         ),
         js: rt.js.clone(),

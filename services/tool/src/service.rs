@@ -150,7 +150,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     tokio::spawn(redeliver_held(ctx.clone()));
     let workers = consumer::Workers::adaptive(
         rt.config.tool_concurrency,
-        rt.config.adaptive_concurrency,
+        rt.admission_probe("tool", true),
         "tool",
     );
     // Workspaces of purged runs (retention): this host's own sweep.

@@ -120,6 +120,12 @@ pub fn live_yield(worker: &WorkerId) -> String {
     format!("kedge.live.yield.{worker}")
 }
 
+/// The subject on which a service of worker `worker` sends itself a message to time a round
+/// trip through the broker (adaptive admission, `kedge_runtime::consumer::Workers::adaptive`).
+pub fn live_probe(worker: &WorkerId, service: &str) -> String {
+    format!("kedge.live.probe.{worker}.{service}")
+}
+
 /// The queue group of a step process's yield subscription (one member: the subject is the
 /// worker's own).
 pub const YIELD_QUEUE: &str = "kedge-yield";
