@@ -9,16 +9,18 @@
 //! where tenants take turns, instead of inside the process, where everything in flight shares
 //! the CPU and one tenant's next step runs as slowly as another tenant's backlog.
 //!
-//! Decrease is multiplicative (a quarter off per interval over the target), increase additive
-//! (an eighth more) and only when the limit was what held work back (every slot was in use):
-//! the limit settles where the process is busy but not queueing inside.
+//! Decrease is multiplicative (a quarter off per interval over the target, down to a quarter of
+//! the configured concurrency), increase additive (an eighth more) and only when the limit was
+//! what held work back (every slot was in use): the limit settles where the work is busy but
+//! not queueing.
 
 use std::time::Duration;
 
-/// The lowest limit the rule sets (or the configured concurrency, when lower).
+/// The lowest limit the rule sets: a quarter of the configured concurrency, at least this (or
+/// the configured concurrency, when lower).
 pub const MIN_LIMIT: usize = 8;
-/// The scheduling lag above which the limit comes down.
-pub const TARGET_LAG: Duration = Duration::from_millis(4);
+/// The delay above which the limit comes down.
+pub const TARGET_LAG: Duration = Duration::from_millis(8);
 
 /// The adaptive limit of one service's handlers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,7 +37,7 @@ impl Limit {
         let max = max.max(1);
         Self {
             max,
-            min: MIN_LIMIT.min(max),
+            min: (max / 4).max(MIN_LIMIT).min(max),
             target: TARGET_LAG,
             limit: max,
         }
@@ -87,10 +89,15 @@ mod tests {
         for _ in 0..40 {
             l.observe(LATE, 0);
         }
-        assert_eq!(l.current(), MIN_LIMIT);
-        // A configured concurrency below the floor is the floor.
-        let mut small = Limit::new(3);
-        assert_eq!(small.observe(LATE, 3), 3);
+        assert_eq!(l.current(), 64, "a quarter of the configured concurrency");
+        let mut small = Limit::new(20);
+        for _ in 0..40 {
+            small.observe(LATE, 20);
+        }
+        assert_eq!(small.current(), MIN_LIMIT, "at least MIN_LIMIT");
+        // A configured concurrency below MIN_LIMIT is the floor.
+        let mut tiny = Limit::new(3);
+        assert_eq!(tiny.observe(LATE, 3), 3);
         assert_eq!(Limit::new(0).max(), 1);
     }
 
@@ -100,13 +107,14 @@ mod tests {
         for _ in 0..20 {
             l.observe(LATE, 64);
         }
-        assert_eq!(l.current(), MIN_LIMIT);
+        let floor = l.current();
+        assert_eq!(floor, 16);
         // Calm, but not every slot in use: the limit is not what holds work back.
-        assert_eq!(l.observe(CALM, MIN_LIMIT - 1), MIN_LIMIT);
+        assert_eq!(l.observe(CALM, floor - 1), floor);
         // Between half the target and the target: held.
-        assert_eq!(l.observe(TARGET_LAG * 3 / 4, MIN_LIMIT), MIN_LIMIT);
+        assert_eq!(l.observe(TARGET_LAG * 3 / 4, floor), floor);
         // Calm and full: an eighth more (at least one), up to the configured concurrency.
-        assert_eq!(l.observe(CALM, MIN_LIMIT), MIN_LIMIT + 1);
+        assert_eq!(l.observe(CALM, floor), floor + 2);
         let mut last = l.current();
         while last < 64 {
             let next = l.observe(CALM, last);

@@ -107,10 +107,11 @@ pub struct Config {
     pub step_concurrency: usize,
     /// Tool operations a tool worker runs at once.
     pub tool_concurrency: usize,
-    /// Lower the intake, step and tool services' concurrency while the process is short of CPU
-    /// (`KEDGE_ADAPTIVE_CONCURRENCY`, default on), so that work waits in the fair queue where
-    /// tenants take turns (docs/ARCHITECTURE.md "Fairness across tenants"). Off: the configured
-    /// concurrency always.
+    /// Lower the intake, step and tool services' concurrency while their work queues in the
+    /// broker or for the CPU (`KEDGE_ADAPTIVE_CONCURRENCY`, default off), so that it waits in
+    /// the fair queue where tenants take turns: another tenant's latency under one tenant's
+    /// backlog for that backlog's throughput (docs/ARCHITECTURE.md "Fairness across tenants").
+    /// Off: the configured concurrency always.
     pub adaptive_concurrency: bool,
     /// Largest tool result kept inline in the journal, in bytes; longer output is truncated with
     /// a note.
@@ -185,7 +186,7 @@ impl Default for Config {
             park_leases: true,
             step_concurrency: 256,
             tool_concurrency: 64,
-            adaptive_concurrency: true,
+            adaptive_concurrency: false,
             max_tool_output_bytes: 64 * 1024,
             timeouts: Timeouts::default(),
             mcp_servers: Default::default(),
