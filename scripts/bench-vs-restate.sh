@@ -484,7 +484,7 @@ head = f"  {'':<{lw}}" + "".join(f" {c['name']:>{bw}}" for c in cols)
 print(head)
 def cpu_rows(key, what):
     b = f"  {'CPU ms/action ' + what + ': broker':<{lw}}"
-    r = f"  {'  runtime (Kedge serve or process / Restate node service+client)':<{lw}}"
+    r = f"  {'  runtime (Kedge serve or process / Restate node+client)':<{lw}}"
     cl = f"  {'  client (Kedge bench process, as deployed)':<{lw}}"
     client_key = "client64" if key == "cpu64_split" else "client_seq"
     for c in cols:
