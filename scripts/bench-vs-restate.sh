@@ -10,12 +10,20 @@
 #                                                # over the same window)
 #   scripts/bench-vs-restate.sh --quick          # agent_loop --quick; Restate 20 workflows / 8 s
 #   scripts/bench-vs-restate.sh --kedge-only     # skip the peer (prints Kedge alone)
+#   scripts/bench-vs-restate.sh --in-process     # Kedge's services inside the bench process (the
+#                                                # diagnostic topology) instead of as deployed
 #   scripts/bench-vs-restate.sh --verbose        # also stream agent_loop's full report
 #   scripts/bench-vs-restate.sh --quick --rounds 3
 #                                                # then 2 more rounds of the peer and Kedge (default
 #                                                # sync only), alternating: each figure's ratio per
 #                                                # round and the median, which the goals are judged on
 #   scripts/bench-vs-restate.sh -- --runs 20     # anything after `--` goes to agent_loop
+#
+# Kedge is measured as deployed (agent_loop's default): `kedge serve all` a process of its own,
+# `kedge mock-llm` another, the bench process only a client; the table's Kedge CPU splits into
+# nats-server, `kedge serve`, the mock model and the client. `--in-process` runs agent_loop with
+# `--in-process` (the services inside the bench process, as the sittings before the deployed mode
+# were measured); `-- --split` runs one `kedge serve <service>` process per service.
 #
 # The peer is not part of this repository: RESTATE_PEER_SRC must name its directory (the script
 # refuses to start without it, unless --kedge-only). It is restate-server 1.7 and its TypeScript
@@ -48,12 +56,14 @@ OUT="$ROOT/target/bench-vs-restate/$(date -u +%Y%m%dT%H%M%SZ)"
 quick=0
 peer=1
 verbose=0
+in_process=0
 rounds=1
 bench_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) quick=1 ;;
         --kedge-only | --no-peer) peer=0 ;;
+        --in-process) in_process=1 ;;
         --verbose | -v) verbose=1 ;;
         --rounds)
             rounds="${2:-}"
@@ -117,6 +127,9 @@ fi
 # Kedge's sequential runs are as many as the peer's latency workflows, and its closed-loop window
 # is the peer's (64 runs always in flight, as its throughput mode); after `--` they can be changed.
 bench_args=(--runs "$peer_workflows" --sustain "$peer_seconds" "${bench_args[@]}")
+if [ "$in_process" = 1 ]; then
+    bench_args=(--in-process "${bench_args[@]}")
+fi
 
 mkdir -p "$OUT"
 say() { echo "bench-vs-restate: $*" >&2; }
@@ -334,6 +347,8 @@ def kedge_col(m):
         "cpu64": sum(c["cpu_ms_per_action"].values()) if c else None,
         "cpu64_split": (c["cpu_ms_per_action"]["nats_server"], c["cpu_ms_per_action"]["kedge"]) if c else None,
         "cpu_seq_split": (s["cpu_ms_per_action"]["nats_server"], s["cpu_ms_per_action"]["kedge"]),
+        "client64": c["cpu_ms_per_action"].get("client") if c else None,
+        "client_seq": s["cpu_ms_per_action"].get("client"),
         "calls_per_step": m["model_calls_per_step"],
         "mode": m,
     }
@@ -416,6 +431,9 @@ if kcols:
           f" (journal run.created -> run.succeeded: " + ", ".join(f"{f(k['run_p50_journal'], 1)} ms" for k in kcols) + ");")
     print(f"  @64 = {kc['rate_how']}. Model calls per step: "
           + ", ".join(f(k["calls_per_step"], 3) for k in kcols) + ".")
+    topo = kc["mode"].get("topology", "in process")
+    print(f"  Kedge topology: {topo}" + (" (the services inside the bench process)" if topo == "in process"
+          else " (`kedge serve` and `kedge mock-llm` processes of their own, the bench a client)") + ".")
 
 # Further rounds: the peer and Kedge's default sync alternating; each figure's ratio per round and
 # the median, on which the goals are judged (a burst of other work lands in one system's turn).
@@ -466,17 +484,23 @@ head = f"  {'':<{lw}}" + "".join(f" {c['name']:>{bw}}" for c in cols)
 print(head)
 def cpu_rows(key, what):
     b = f"  {'CPU ms/action ' + what + ': broker':<{lw}}"
-    r = f"  {'  runtime (Kedge process / Restate node service+client)':<{lw}}"
+    r = f"  {'  runtime (Kedge serve or process / Restate node+client)':<{lw}}"
+    cl = f"  {'  client (Kedge bench process, as deployed)':<{lw}}"
+    client_key = "client64" if key == "cpu64_split" else "client_seq"
     for c in cols:
         sp = c.get(key)
         b += f" {f(sp[0] if sp else None):>{bw}}"
         r += f" {f(sp[1] if sp else None):>{bw}}"
+        cl += f" {f(c.get(client_key)):>{bw}}"
     print(b)
     print(r)
+    if any(c.get(client_key) is not None for c in cols):
+        print(cl)
 cpu_rows("cpu64_split", "@64")
 cpu_rows("cpu_seq_split", "sequential")
-print("    (broker = nats-server for Kedge, restate-server for Restate; the runtime of Kedge is the bench process:")
-print("    services + client, without the mock model, which serves on a thread of its own: its CPU is the row")
+print("    (broker = nats-server for Kedge, restate-server for Restate; the runtime of Kedge is, as deployed, the")
+print("    `kedge serve` process(es), the client its own row; in process, the bench process: services + client.")
+print("    Without the mock model either way (`kedge mock-llm`, or its thread in process): its CPU is the row")
 print("    below, a model's work, where Restate's `llm` step is a canned answer; Restate sequential ~ its CPU")
 print("    cores x mean run / 40 actions)")
 mrow = f"  {'CPU ms/action of the mock model (@64 / sequential)':<{lw}}"

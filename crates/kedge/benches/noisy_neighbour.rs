@@ -43,11 +43,10 @@
 
 #[path = "support/mod.rs"]
 mod support;
-use support::{run_bench, writer_runtime};
+use support::deployed::{Children, Deployed, MODEL_KEY_VAR as KEY_VAR};
+use support::run_bench;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -62,10 +61,8 @@ use kedge_core::event::{Event, EventType};
 use kedge_core::subjects::{self, RUNS_STREAM};
 use kedge_core::task::TaskSubmission;
 use kedge_journal::Journal;
-use kedge_testkit::NatsServer;
 use serde_json::{Value, json};
 
-const KEY_VAR: &str = "KEDGE_BENCH_API_KEY";
 const AGENT: &str = "noisy-bench";
 const MODEL: &str = "noisy-bench";
 const A: &str = "acme";
@@ -121,93 +118,6 @@ fn opts() -> Opts {
 
 // ---------------------------------------------------------------------------------------------
 // The processes
-
-/// The processes this bench started: killed by their pid and reaped when dropped.
-struct Children {
-    procs: Vec<(String, Child)>,
-    log_dir: PathBuf,
-}
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for (_, child) in &mut self.procs {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Children {
-    /// `kedge <args>` (or `KEDGE_BIN`) with no `KEDGE_*` variable of ours, `env` added.
-    fn spawn(&mut self, name: &str, args: &[&str], env: &[(String, String)]) {
-        let log = std::fs::File::create(self.log_dir.join(format!("{name}.log"))).unwrap();
-        let out = std::fs::File::create(self.log_dir.join(format!("{name}.out"))).unwrap();
-        let mut cmd = match std::env::var_os("KEDGE_BIN") {
-            Some(bin) => {
-                let mut c = Command::new(bin);
-                c.args(args);
-                for (k, _) in std::env::vars_os() {
-                    if k.to_string_lossy().starts_with("KEDGE_") {
-                        c.env_remove(k);
-                    }
-                }
-                c
-            }
-            None => support::kedge_command(args),
-        };
-        cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(log);
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn kedge {}: {e}", args.join(" ")));
-        self.procs.push((name.to_owned(), child));
-    }
-
-    fn dead(&mut self) -> Option<String> {
-        self.procs
-            .iter_mut()
-            .find_map(|(name, child)| match child.try_wait() {
-                Ok(None) => None,
-                Ok(Some(status)) => Some(format!("{name} exited ({status})")),
-                Err(e) => Some(format!("{name}: {e}")),
-            })
-    }
-
-    fn log_tail(&self, name: &str) -> String {
-        let text =
-            std::fs::read_to_string(self.log_dir.join(format!("{name}.log"))).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-}
-
-/// Starts `kedge mock-llm` on a free port; its base URL.
-async fn start_mock(children: &mut Children, script_file: &Path) -> String {
-    let script = script_file.to_string_lossy().into_owned();
-    children.spawn(
-        "mock-llm",
-        &["mock-llm", "--port", "0", "--script", &script],
-        &[("KEDGE_LOG".into(), "warn".into())],
-    );
-    let out = children.log_dir.join("mock-llm.out");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let text = std::fs::read_to_string(&out).unwrap_or_default();
-        if let Some(url) = text
-            .lines()
-            .find_map(|l| l.strip_prefix("mock-llm listening on "))
-        {
-            return url.trim().to_owned();
-        }
-        if let Some(dead) = children.dead() {
-            panic!("{dead}\n{}", children.log_tail("mock-llm"));
-        }
-        assert!(Instant::now() < deadline, "kedge mock-llm did not start");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 fn script() -> Value {
     let step = json!({"tool_calls": [{"name": "list_files", "arguments": {}}], "delay_ms": 20});
@@ -421,7 +331,7 @@ async fn latencies(
 
 fn check_alive(children: &mut Children, deadline: Instant) {
     if let Some(dead) = children.dead() {
-        panic!("{dead}\n{}", children.log_tail("serve"));
+        panic!("{dead}\n{}", children.log_tail(30));
     }
     assert!(Instant::now() < deadline, "runs not ended within the cap");
 }
@@ -548,47 +458,25 @@ fn main() {
 }
 
 async fn bench(o: Opts) {
-    let server = NatsServer::start().await;
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let log_dir = dir.path().join("logs");
-    std::fs::create_dir_all(&log_dir).unwrap();
-    let mut children = Children {
-        procs: Vec::new(),
-        log_dir,
-    };
-    let rt = writer_runtime(&server, dir.path()).await;
+    let mut deployed = Deployed::start(false, None).await;
+    deployed.children.set_bin(std::env::var_os("KEDGE_BIN"));
+    let rt = deployed.client_runtime().await;
     let view: Shared = Arc::default();
     let observer = tokio::spawn(observe(rt.js.clone(), rt.journal.clone(), view.clone()));
 
-    let script_file = dir.path().join("script.json");
-    std::fs::write(&script_file, script().to_string()).unwrap();
-    let mock = start_mock(&mut children, &script_file).await;
-    let workspace = dir.path().join("workspaces");
-    std::fs::create_dir_all(&workspace).unwrap();
-    let mut env: Vec<(String, String)> = [
-        ("KEDGE_NATS_URL", server.url()),
-        ("KEDGE_WORKER_ID", "bench-serve".to_owned()),
-        (
-            "KEDGE_WORKSPACE_ROOT",
-            workspace.to_string_lossy().into_owned(),
-        ),
-        ("KEDGE_MODEL_KEYS", KEY_VAR.into()),
-        (KEY_VAR, "bench-key".into()),
-        (
-            "KEDGE_LOG",
-            std::env::var("KEDGE_BENCH_SERVE_LOG").unwrap_or_else(|_| "warn".into()),
-        ),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v))
-    .collect();
+    let mock = deployed.start_mock(&script()).await;
+    let mut env = deployed.serve_env("bench-serve");
+    if let Ok(filter) = std::env::var("KEDGE_BENCH_SERVE_LOG") {
+        env.push(("KEDGE_LOG".into(), filter));
+    }
     if let Some(n) = o.concurrency {
-        let file = dir.path().join("kedge.json");
+        let file = deployed.dir.path().join("kedge.json");
         let config = json!({"step_concurrency": n, "tool_concurrency": n});
         std::fs::write(&file, config.to_string()).unwrap();
         env.push(("KEDGE_CONFIG".into(), file.to_string_lossy().into_owned()));
     }
-    children.spawn("serve", &["serve", "all"], &env);
+    deployed.serve("serve", &["all"], &env);
+    let children = &mut deployed.children;
     rt.agents
         .put(&agent_definition(&mock))
         .await
@@ -621,7 +509,7 @@ async fn bench(o: Opts) {
         }
     }))
     .await;
-    latencies(&view, &warm, Duration::from_secs(120), &mut children).await;
+    latencies(&view, &warm, Duration::from_secs(120), children).await;
 
     // 1. B idle.
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
@@ -629,7 +517,7 @@ async fn bench(o: Opts) {
     tokio::time::sleep(o.idle).await;
     let _ = stop_tx.send(true);
     let runs = b.await.expect("the trickle");
-    let mut idle = latencies(&view, &runs, o.cap, &mut children).await;
+    let mut idle = latencies(&view, &runs, o.cap, children).await;
     idle.sort();
     let idle_hops = hops(&rt.journal, &runs).await;
     println!(
@@ -641,16 +529,16 @@ async fn bench(o: Opts) {
     );
 
     // 2. A alone.
-    let alone = drain_a(&rt.client, &view, o.runs, "alone", o.cap, &mut children).await;
+    let alone = drain_a(&rt.client, &view, o.runs, "alone", o.cap, children).await;
     println!("2. A alone: {alone:.1} runs/s (load {})", loadavg());
 
     // 3. A + B.
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let b = tokio::spawn(trickle(rt.client.clone(), o.every, "mixed", stop));
-    let mixed = drain_a(&rt.client, &view, o.runs, "mixed", o.cap, &mut children).await;
+    let mixed = drain_a(&rt.client, &view, o.runs, "mixed", o.cap, children).await;
     let _ = stop_tx.send(true);
     let runs = b.await.expect("the trickle");
-    let mut busy = latencies(&view, &runs, o.cap, &mut children).await;
+    let mut busy = latencies(&view, &runs, o.cap, children).await;
     busy.sort();
     println!(
         "3. A + B: A {mixed:.1} runs/s; B {} runs, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms \

@@ -74,12 +74,12 @@
 
 #[path = "support/mod.rs"]
 mod support;
-use support::{run_bench, writer_runtime};
+use support::deployed::{Children, Deployed, MODEL_KEY_VAR as KEY_VAR};
+use support::run_bench;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -93,11 +93,9 @@ use kedge_core::subjects::{PROVIDERS_BUCKET, RUNS_STREAM};
 use kedge_core::task::TaskSubmission;
 use kedge_core::{Envelope, Event, RunId, RunStatus};
 use kedge_journal::Journal;
-use kedge_testkit::NatsServer;
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 
-const KEY_VAR: &str = "KEDGE_BENCH_API_KEY";
 const AGENT: &str = "outage-bench";
 const MODEL: &str = "outage-bench";
 const WARM_AGENT: &str = "outage-warm";
@@ -221,83 +219,6 @@ fn opts() -> Opts {
 // ---------------------------------------------------------------------------------------------
 // The processes
 
-/// The processes this bench started: killed by their pid and reaped when dropped, also when
-/// the bench panics or is interrupted.
-struct Children {
-    procs: Vec<(String, Child)>,
-    log_dir: PathBuf,
-}
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for (_, child) in &mut self.procs {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Children {
-    /// `kedge <args>` with no `KEDGE_*` variable of ours, `env` added, output to `<name>.log`
-    /// (stdout to `<name>.out` when `stdout_file`).
-    fn spawn(&mut self, name: &str, args: &[&str], env: &[(String, String)], stdout_file: bool) {
-        let log = std::fs::File::create(self.log_dir.join(format!("{name}.log")))
-            .expect("create a log file");
-        let stdout = if stdout_file {
-            std::fs::File::create(self.log_dir.join(format!("{name}.out")))
-                .expect("create an output file")
-        } else {
-            log.try_clone().expect("clone the log file")
-        };
-        let mut cmd = support::kedge_command(args);
-        cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(log);
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn kedge {}: {e}", args.join(" ")));
-        self.procs.push((name.to_owned(), child));
-    }
-
-    /// The first process that is no longer running, with its exit status.
-    fn dead(&mut self) -> Option<String> {
-        self.procs
-            .iter_mut()
-            .find_map(|(name, child)| match child.try_wait() {
-                Ok(None) => None,
-                Ok(Some(status)) => Some(format!("{name} exited ({status})")),
-                Err(e) => Some(format!("{name}: {e}")),
-            })
-    }
-
-    fn log_tail(&self, lines: usize) -> String {
-        let mut out = String::new();
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&self.log_dir)
-            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
-            .unwrap_or_default();
-        files.sort();
-        for f in files {
-            let text = std::fs::read_to_string(&f).unwrap_or_default();
-            let all: Vec<&str> = text.lines().collect();
-            if all.is_empty() {
-                continue;
-            }
-            let from = all.len().saturating_sub(lines);
-            let _ = writeln!(
-                out,
-                "  --- {} (last {} lines)",
-                f.display(),
-                all.len() - from
-            );
-            for l in &all[from..] {
-                let _ = writeln!(out, "  {l}");
-            }
-        }
-        out
-    }
-}
-
 /// The mock model's script: the bench's model (three `list_files` steps, then the answer, each
 /// after 50 ms; with `rpm`, its `requests_per_minute`) and the warm-up's.
 fn script(rpm: Option<u32>) -> Value {
@@ -358,42 +279,6 @@ impl Mock {
             "{method} {path}: {status} {text}"
         );
     }
-}
-
-/// Starts `kedge mock-llm` on a free port and waits (at most 30 s) for the line naming it.
-async fn start_mock(children: &mut Children, script_file: &Path) -> Mock {
-    let script = script_file.to_string_lossy().into_owned();
-    children.spawn(
-        "mock-llm",
-        &["mock-llm", "--port", "0", "--script", &script],
-        &[("KEDGE_LOG".into(), "warn".into())],
-        true,
-    );
-    let out = children.log_dir.join("mock-llm.out");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let base = loop {
-        let text = std::fs::read_to_string(&out).unwrap_or_default();
-        if let Some(url) = text
-            .lines()
-            .find_map(|l| l.strip_prefix("mock-llm listening on "))
-        {
-            break url.trim().to_owned();
-        }
-        if let Some(dead) = children.dead() {
-            panic!("{dead}\n{}", children.log_tail(20));
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kedge mock-llm did not say where it listens within 30 s\n{}",
-            children.log_tail(20)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(10))
-        .build()
-        .expect("an HTTP client");
-    Mock { http, base }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -615,58 +500,53 @@ fn main() {
 }
 
 async fn bench(o: Opts) {
-    let server = NatsServer::start().await;
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let log_dir = o.logs.clone().unwrap_or_else(|| dir.path().join("logs"));
-    std::fs::create_dir_all(&log_dir).expect("the log directory");
-    let mut children = Children {
-        procs: Vec::new(),
-        log_dir: log_dir.clone(),
-    };
-    let rt = writer_runtime(&server, dir.path()).await;
+    let mut deployed = Deployed::start(false, o.logs.clone()).await;
+    let log_dir = deployed.children.log_dir.clone();
+    let rt = deployed.client_runtime().await;
     let view: Shared = Arc::default();
     let observer = tokio::spawn(observe(rt.js.clone(), rt.journal.clone(), view.clone()));
     let _stop_observer = AbortOnDrop(observer);
 
-    let script_file = dir.path().join("script.json");
-    std::fs::write(&script_file, script(None).to_string()).expect("write the script");
-    let mock = start_mock(&mut children, &script_file).await;
+    let mock = Mock {
+        http: reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .expect("an HTTP client"),
+        base: deployed.start_mock(&script(None)).await,
+    };
 
-    let workspace = dir.path().join("workspaces");
-    std::fs::create_dir_all(&workspace).expect("the workspace root");
     for n in 1..=o.steps {
         let id = format!("bench-serve-{n}");
-        let env: Vec<(String, String)> = [
-            ("KEDGE_NATS_URL", server.url()),
-            ("KEDGE_WORKER_ID", id.clone()),
-            (
-                "KEDGE_WORKSPACE_ROOT",
-                workspace.to_string_lossy().into_owned(),
-            ),
-            ("KEDGE_MODEL_KEYS", KEY_VAR.into()),
-            (KEY_VAR, "bench-key".into()),
-            ("KEDGE_LOG", o.log_filter.clone()),
-            ("KEDGE_PROVIDER_PROBE_INTERVAL", o.probe_interval.clone()),
-            (
-                "KEDGE_PROVIDER_MAX_PROBE_INTERVAL",
-                o.max_probe_interval.clone(),
-            ),
-            (
-                "KEDGE_PROVIDER_RELEASE_PER_SECOND",
-                o.release_per_second.to_string(),
-            ),
-        ]
-        .into_iter()
-        .chain(o.rpm.filter(|_| !o.learn).map(|rpm| {
-            (
-                "KEDGE_PROVIDER_LIMITS",
-                json!([{"requests_per_minute": rpm}]).to_string(),
+        let env: Vec<(String, String)> = deployed
+            .serve_env(&id)
+            .into_iter()
+            .filter(|(k, _)| k != "KEDGE_LOG")
+            .chain(
+                [
+                    ("KEDGE_LOG", o.log_filter.clone()),
+                    ("KEDGE_PROVIDER_PROBE_INTERVAL", o.probe_interval.clone()),
+                    (
+                        "KEDGE_PROVIDER_MAX_PROBE_INTERVAL",
+                        o.max_probe_interval.clone(),
+                    ),
+                    (
+                        "KEDGE_PROVIDER_RELEASE_PER_SECOND",
+                        o.release_per_second.to_string(),
+                    ),
+                ]
+                .into_iter()
+                .chain(o.rpm.filter(|_| !o.learn).map(|rpm| {
+                    (
+                        "KEDGE_PROVIDER_LIMITS",
+                        json!([{"requests_per_minute": rpm}]).to_string(),
+                    )
+                }))
+                .map(|(k, v)| (k.to_owned(), v)),
             )
-        }))
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
-        children.spawn(&id, &["serve", "all"], &env, false);
+            .collect();
+        deployed.serve(&id, &["all"], &env);
     }
+    let children = &mut deployed.children;
     let rpm = o.rpm.map_or_else(|| "none".into(), |r| r.to_string());
     println!(
         "outage bench: {} runs, {:?} of `{}`, {} `kedge serve all` process(es), probe_interval {}, \
@@ -690,7 +570,7 @@ async fn bench(o: Opts) {
         .put(&agent_definition(AGENT, MODEL, &mock))
         .await
         .expect("store the agent");
-    warm_up(&rt.client, &view, &mut children, o.steps).await;
+    warm_up(&rt.client, &view, children, o.steps).await;
     mock.control(reqwest::Method::POST, "/_mock/reset", None)
         .await;
 

@@ -1,6 +1,10 @@
-//! The in-process topology of one environment: a nats-server of its own (or a three-node
-//! cluster), the mock model, intake + step + tool (and the projector with `--with-projector`)
-//! as tasks of this process, each on its own connection, and a watcher of terminal events.
+//! The topology of one environment and the client that drives it. As deployed (the default): a
+//! nats-server of its own, `kedge mock-llm` and `kedge serve all` (or, `--split`, one `kedge
+//! serve <service>` per service) as processes of their own, this process only a client. In
+//! process (`--in-process`): a nats-server of its own (or a three-node cluster), the mock model
+//! on a thread, intake + step + tool (and the projector with `--with-projector`) as tasks of
+//! this process, each on its own connection. Either way a watcher of terminal events (an
+//! ordered consumer, as a client follows runs).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -15,7 +19,8 @@ use kedge_runtime::{Config, Runtime};
 use kedge_testkit::tls::Pki;
 use kedge_testkit::{NatsCluster, NatsServer, ServerOptions};
 
-use crate::measure::{ms, start_mock};
+use crate::measure::{Cpu, ProcsMark, ms, start_mock};
+use crate::support::deployed::Deployed;
 use crate::workload::{agent_definition, bench_config, script};
 use crate::{AGENT, RUN_TIMEOUT};
 
@@ -105,22 +110,60 @@ impl Broker {
     }
 }
 
+/// Where Kedge runs: in this process (`--in-process`) or as deployed (the default).
+enum Topology {
+    /// The broker, the mock model on a thread, the services as tasks of this process.
+    InProcess {
+        nats: Broker,
+        mock: MockHandle,
+        services: kedge_serve::TransientKedge,
+        _dir: tempfile::TempDir,
+    },
+    /// nats-server, `kedge mock-llm` and `kedge serve` process(es); this process is a client.
+    Deployed(Box<Deployment>),
+}
+
+/// The deployed topology's processes, by pid for the CPU accounting.
+struct Deployment {
+    procs: Deployed,
+    /// The mock model's base URL (its `/_mock/calls` counts the calls).
+    mock_url: String,
+    mock_pid: u32,
+    /// Each `kedge serve` process: the services it runs, its pid.
+    serves: Vec<(String, u32)>,
+    http: reqwest::Client,
+}
+
+/// The services of `kedge serve all`, each a process of its own with `--split` (as
+/// kedge-serve's `Service` names them).
+pub const SPLIT: [&str; 8] = [
+    "intake",
+    "step",
+    "tool",
+    "projector",
+    "reconciler",
+    "timer",
+    "approval",
+    "gateway",
+];
+
 pub struct Env {
-    pub nats: Broker,
-    pub mock: MockHandle,
-    _dir: tempfile::TempDir,
-    pub config: Config,
+    /// The bench's own runtime: the client (submits, the watcher, reading the journal back),
+    /// and in process the op costs' subject.
     pub rt: Runtime,
+    /// In process, the services' configuration; deployed, the client's (whose workspace root
+    /// is the serve processes': the ledger is read from it).
+    pub config: Config,
     pub terminals: Arc<Terminals>,
-    services: kedge_serve::TransientKedge,
+    topology: Topology,
     watcher: tokio::task::JoinHandle<()>,
     pub submitted: usize,
 }
 
 impl Env {
-    /// With `tls`, the server offers TLS and verifies client certificates, and every Kedge
-    /// connection requires TLS (CA + client certificate); `extra_config` is appended to the
-    /// server's configuration.
+    /// In process. With `tls`, the server offers TLS and verifies client certificates, and
+    /// every Kedge connection requires TLS (CA + client certificate); `extra_config` is appended
+    /// to the server's configuration.
     pub async fn start(
         sync_always: bool,
         tls: Option<&Pki>,
@@ -154,20 +197,208 @@ impl Env {
         let services = start_services(&config, projector);
         let (terminals, watcher) = watch_terminals(&rt).await;
         Env {
-            nats,
-            mock,
-            _dir: dir,
-            config,
             rt,
+            config,
             terminals,
-            services,
+            topology: Topology::InProcess {
+                nats,
+                mock,
+                services,
+                _dir: dir,
+            },
             watcher,
             submitted: 0,
         }
     }
 
+    /// As deployed: a nats-server (`sync_always`), `kedge mock-llm` and `kedge serve all` (or,
+    /// `split`, one `kedge serve <service>` per service of `all`), each its own process on
+    /// default settings but for what the workload needs (the ledger tool, the model's key, the
+    /// workspace root, a worker id; `park: false` adds `KEDGE_PARK_LEASES=0`). This process
+    /// only connects as a client.
+    pub async fn start_deployed(sync_always: bool, park: bool, split: bool) -> Env {
+        let mut procs = Deployed::start(sync_always, None).await;
+        let mock_url = procs.start_mock(&script()).await;
+        let mock_pid = procs.children.pid("mock-llm").expect("mock-llm started");
+        let mut config = Config {
+            nats_urls: vec![procs.server.url()],
+            workspace_root: procs.workspace.clone(),
+            worker_id: "w-bench-client".parse().expect("worker id"),
+            ..Config::default()
+        };
+        config.park_leases = park;
+        config.check().expect("valid client config");
+        let rt = Runtime::connect(config.clone()).await.expect("runtime");
+        rt.agents
+            .put(&agent_definition(&mock_url))
+            .await
+            .expect("agent stored");
+        let groups: Vec<(String, Vec<&str>)> = if split {
+            SPLIT.iter().map(|s| ((*s).to_owned(), vec![*s])).collect()
+        } else {
+            vec![("all".to_owned(), vec!["all"])]
+        };
+        let mut serves = Vec::new();
+        for (name, services) in groups {
+            let mut env = procs.serve_env(&format!("w-{name}"));
+            env.push(("KEDGE_LEDGER_TOOL".into(), "1".into()));
+            if !park {
+                env.push(("KEDGE_PARK_LEASES".into(), "0".into()));
+            }
+            let pid = procs.serve(&format!("serve-{name}"), &services, &env);
+            serves.push((name, pid));
+        }
+        let (terminals, watcher) = watch_terminals(&rt).await;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .expect("an HTTP client");
+        Env {
+            rt,
+            config,
+            terminals,
+            topology: Topology::Deployed(Box::new(Deployment {
+                procs,
+                mock_url,
+                mock_pid,
+                serves,
+                http,
+            })),
+            watcher,
+            submitted: 0,
+        }
+    }
+
+    /// Whether Kedge runs as deployed (its own processes), not in this process.
+    pub fn deployed(&self) -> bool {
+        matches!(self.topology, Topology::Deployed(_))
+    }
+
+    /// The processes, as the report's heading names them.
+    pub fn describe(&self) -> String {
+        match &self.topology {
+            Topology::InProcess { .. } => "in process: intake + step + tool (+ the projector with --with-projector) as tasks of this process, the mock model on a thread of its own".to_owned(),
+            Topology::Deployed(d) => {
+                let serves: Vec<String> = d
+                    .serves
+                    .iter()
+                    .map(|(name, pid)| format!("`kedge serve {name}` (pid {pid})"))
+                    .collect();
+                format!(
+                    "deployed: {}, `kedge mock-llm` (pid {}), nats-server (pid {}); this process is only a client",
+                    serves.join(", "),
+                    d.mock_pid,
+                    self.server_pids()
+                        .first()
+                        .map_or_else(|| "?".to_owned(), u32::to_string)
+                )
+            }
+        }
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        match &self.topology {
+            Topology::InProcess { nats, .. } => nats.urls(),
+            Topology::Deployed(d) => vec![d.procs.server.url()],
+        }
+    }
+
     pub fn server_pids(&self) -> Vec<u32> {
-        self.nats.pids()
+        match &self.topology {
+            Topology::InProcess { nats, .. } => nats.pids(),
+            Topology::Deployed(d) => d.procs.server_pid().into_iter().collect(),
+        }
+    }
+
+    /// The mock model in this process (the op costs call it); panics when deployed.
+    pub fn mock_handle(&self) -> &MockHandle {
+        match &self.topology {
+            Topology::InProcess { mock, .. } => mock,
+            Topology::Deployed(_) => panic!("the mock model is a process of its own"),
+        }
+    }
+
+    /// The mock model's counters: (calls, request ids called more than once).
+    pub async fn model_calls(&self) -> (u64, usize) {
+        match &self.topology {
+            Topology::InProcess { mock, .. } => {
+                let calls = mock.calls();
+                let repeated = calls.by_request_id.values().filter(|&&n| n != 1).count();
+                (calls.total, repeated)
+            }
+            Topology::Deployed(d) => {
+                let v: serde_json::Value = d
+                    .http
+                    .get(format!("{}/_mock/calls", d.mock_url))
+                    .send()
+                    .await
+                    .expect("GET /_mock/calls")
+                    .json()
+                    .await
+                    .expect("the mock's call counts");
+                let repeated = v["by_request_id"]
+                    .as_object()
+                    .map_or(0, |m| m.values().filter(|n| n.as_u64() != Some(1)).count());
+                (v["total"].as_u64().expect("total calls"), repeated)
+            }
+        }
+    }
+
+    /// The pids whose CPU a phase counts beside the server's and this process's: deployed, the
+    /// serve processes then the mock model's.
+    fn proc_pids(&self) -> Vec<u32> {
+        match &self.topology {
+            Topology::InProcess { .. } => Vec::new(),
+            Topology::Deployed(d) => d
+                .serves
+                .iter()
+                .map(|(_, pid)| *pid)
+                .chain([d.mock_pid])
+                .collect(),
+        }
+    }
+
+    /// The CPU ticks of every process now ([`Env::cpu_since`]).
+    pub fn cpu_mark(&self) -> ProcsMark {
+        ProcsMark::now(&self.server_pids(), &self.proc_pids())
+    }
+
+    /// CPU ms by process since `mark`.
+    pub fn cpu_since(&self, mark: &ProcsMark) -> Cpu {
+        let (server, me, mock_thread) = mark.base_since(&self.server_pids());
+        match &self.topology {
+            Topology::InProcess { .. } => Cpu {
+                server,
+                kedge: me,
+                mock: mock_thread,
+                client: None,
+                by_process: Vec::new(),
+            },
+            Topology::Deployed(d) => {
+                let procs = mark.procs_since(&self.proc_pids());
+                let by_process: Vec<(String, f64)> = d
+                    .serves
+                    .iter()
+                    .zip(&procs)
+                    .map(|((name, _), v)| (name.clone(), *v))
+                    .collect();
+                Cpu {
+                    server,
+                    kedge: by_process.iter().map(|(_, v)| v).sum(),
+                    mock: procs.last().copied().unwrap_or(0.0),
+                    client: Some(me),
+                    by_process,
+                }
+            }
+        }
+    }
+
+    /// Deployed: the end of every process's log (for a run that does not end).
+    fn logs(&self) -> String {
+        match &self.topology {
+            Topology::InProcess { .. } => String::new(),
+            Topology::Deployed(d) => d.procs.children.log_tail(30),
+        }
     }
 
     /// Submits one run (the client picks its id) and waits for its terminal event.
@@ -178,11 +409,7 @@ impl Env {
         let t0 = Instant::now();
         self.submit(&chosen, &run, &key).await;
         let answered = Instant::now();
-        let (at, ty) = tokio::time::timeout(RUN_TIMEOUT, rx)
-            .await
-            .unwrap_or_else(|_| panic!("run {run} not terminal after {RUN_TIMEOUT:?}"))
-            .expect("terminal watcher alive");
-        assert_eq!(ty, "run.succeeded", "run {run} ended {ty}");
+        let (at, _) = self.terminal(&run, rx).await;
         RunTiming {
             run,
             submit: ms(answered - t0),
@@ -190,7 +417,28 @@ impl Env {
         }
     }
 
-    /// Submits a task choosing run id `chosen`, which makes run `run` (the id within the tenant).
+    /// Waits for `run`'s terminal event (`rx`, from [`Terminals::register`]), which must be
+    /// `run.succeeded`; panics after [`RUN_TIMEOUT`] with the processes' logs (deployed).
+    pub async fn terminal(
+        &self,
+        run: &RunId,
+        rx: tokio::sync::oneshot::Receiver<(Instant, String)>,
+    ) -> (Instant, String) {
+        let (at, ty) = tokio::time::timeout(RUN_TIMEOUT, rx)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "run {run} not terminal after {RUN_TIMEOUT:?}\n{}",
+                    self.logs()
+                )
+            })
+            .expect("terminal watcher alive");
+        assert_eq!(ty, "run.succeeded", "run {run} ended {ty}");
+        (at, ty)
+    }
+
+    /// Submits a task choosing run id `chosen`, which makes run `run` (the id within the tenant):
+    /// a client's request to `agent.task.<agent>.<tenant>`, answered by intake.
     pub async fn submit(&self, chosen: &RunId, run: &RunId, key: &str) {
         let task = TaskSubmission {
             agent: AGENT.parse().expect("agent name"),
@@ -209,24 +457,36 @@ impl Env {
         };
         match kedge_intake::submit(&self.rt.client, &submission, Duration::from_secs(30))
             .await
-            .expect("intake answered")
+            .unwrap_or_else(|e| panic!("intake answered: {e}\n{}", self.logs()))
         {
             kedge_intake::Answer::Accepted { run_id } => assert_eq!(&run_id, run),
             kedge_intake::Answer::Rejected { error } => panic!("rejected: {error:?}"),
         }
     }
 
+    /// In process: stops the services (the op costs run on an idle server). Deployed: checks
+    /// that every process still runs (they stop with the environment).
     pub async fn stop_services(&mut self) {
-        if let Err(e) = self.services.shutdown().await {
-            panic!("a service failed: {e:#}");
+        match &mut self.topology {
+            Topology::InProcess { services, .. } => {
+                if let Err(e) = services.shutdown().await {
+                    panic!("a service failed: {e:#}");
+                }
+            }
+            Topology::Deployed(d) => {
+                if let Some(dead) = d.procs.children.dead() {
+                    panic!("{dead}\n{}", d.procs.children.log_tail(30));
+                }
+            }
         }
     }
 
+    /// Stops everything: the services, the watcher, the mock model, the broker (deployed: every
+    /// process, by pid).
     pub async fn shutdown(mut self) {
         self.stop_services().await;
         self.watcher.abort();
-        drop(self.mock);
-        drop(self.nats);
+        drop(self.topology);
     }
 }
 

@@ -18,14 +18,15 @@ pub fn json_summary(results: &[ModeResult], o: &Opts, load_start: &str) -> serde
             let conc: Vec<serde_json::Value> = r
                 .conc
                 .iter()
-                .map(|(n, elapsed, rate, c, (cs, cm))| {
+                .map(|(n, elapsed, rate, c, cpu)| {
                     serde_json::json!({
                         "runs": n,
                         "elapsed_ms": elapsed,
                         "actions_per_s": rate,
                         "action": stats_json(&stats(&c.actions())),
                         "run_journal": stats_json(&stats(&c.journal_wall)),
-                        "cpu_ms_per_action": {"nats_server": cs, "kedge": cm},
+                        "cpu_ms_per_action": cpu.json(),
+                        "cpu_ms_per_action_by_serve_process": cpu.json_by_process(),
                     })
                 })
                 .collect();
@@ -57,6 +58,8 @@ pub fn json_summary(results: &[ModeResult], o: &Opts, load_start: &str) -> serde
             serde_json::json!({
                 "label": r.label,
                 "sync_always": r.sync_always,
+                "topology": r.topology,
+                "deployed": r.topology != "in process",
                 "loadavg_before": r.load.0,
                 "loadavg_after": r.load.1,
                 "sequential": {
@@ -66,7 +69,8 @@ pub fn json_summary(results: &[ModeResult], o: &Opts, load_start: &str) -> serde
                     "tool_action": stats_json(&stats(&r.seq.tool)),
                     "run_client": stats_json(&stats(&r.seq.client_wall)),
                     "run_journal": stats_json(&stats(&r.seq.journal_wall)),
-                    "cpu_ms_per_action": {"nats_server": r.seq_cpu.0, "kedge": r.seq_cpu.1, "mock_model": r.seq_mock_cpu},
+                    "cpu_ms_per_action": r.seq_cpu.json(),
+                    "cpu_ms_per_action_by_serve_process": r.seq_cpu.json_by_process(),
                 },
                 "concurrency": conc,
                 "sustained": r.sustained.as_ref().map(|s| serde_json::json!({
@@ -74,7 +78,8 @@ pub fn json_summary(results: &[ModeResult], o: &Opts, load_start: &str) -> serde
                     "window_s": s.window_s,
                     "actions": s.actions,
                     "actions_per_s": s.actions_per_s,
-                    "cpu_ms_per_action": {"nats_server": s.cpu.0, "kedge": s.cpu.1, "mock_model": s.mock_cpu},
+                    "cpu_ms_per_action": s.cpu.json(),
+                    "cpu_ms_per_action_by_serve_process": s.cpu.json_by_process(),
                     "runs": s.runs,
                     "drain_s": s.drain_s,
                 })),
@@ -85,6 +90,7 @@ pub fn json_summary(results: &[ModeResult], o: &Opts, load_start: &str) -> serde
         .collect();
     serde_json::json!({
         "bench": "kedge-agent_loop",
+        "topology": if o.in_process { "in process" } else if o.split { "deployed, split" } else { "deployed" },
         "k_iterations": K,
         "actions_per_run": ACTIONS,
         "sequential_runs": o.runs,

@@ -1,20 +1,50 @@
 //! The agent loop end to end: per-action overhead, run latency, throughput, and where a step's
-//! time goes.
+//! time goes — by default measured on Kedge as deployed: `kedge serve all` a process of its own,
+//! driven by this process as a client.
 //!
 //! ```text
-//! cargo bench -p kedge --bench agent_loop                          # both durability settings
+//! cargo bench -p kedge --bench agent_loop                          # both durability settings, deployed
+//! cargo bench -p kedge --bench agent_loop -- --split               # one `kedge serve <service>` process per service
+//! cargo bench -p kedge --bench agent_loop -- --in-process          # the services in this process (diagnostic: op costs)
 //! cargo bench -p kedge --bench agent_loop -- --quick               # fewer runs and iterations
 //! cargo bench -p kedge --bench agent_loop -- --runs 20 --default-only
 //! cargo bench -p kedge --bench agent_loop -- --sync-always-only --no-trace
-//! cargo bench -p kedge --bench agent_loop -- --tls-compare         # plain TCP vs TLS, same run
+//! cargo bench -p kedge --bench agent_loop -- --tls-compare         # plain TCP vs TLS, same run (in process)
 //! cargo bench -p kedge --bench agent_loop -- --tls-compare --tls-reps 6 --runs 20
 //! cargo bench -p kedge --bench agent_loop -- --json FILE         # also write the key figures as JSON
 //! cargo bench -p kedge --bench agent_loop -- --sustain 15        # closed-loop window, s (0: none)
-//! cargo bench -p kedge --bench agent_loop -- --cluster           # a 3-node cluster, R3 streams
+//! cargo bench -p kedge --bench agent_loop -- --cluster           # a 3-node cluster, R3 streams (in process)
 //! cargo bench -p kedge --bench agent_loop -- --no-park           # leases released after every drive
-//! cargo bench -p kedge --bench agent_loop -- --with-projector    # the projector runs too (serve all)
+//! cargo bench -p kedge --bench agent_loop -- --with-projector    # in process, the projector too
 //! scripts/bench-vs-restate.sh [--quick]         # Restate first, then this bench: one table, ratios
 //! ```
+//!
+//! **Two topologies.** *Deployed* (the default) measures what users run: a nats-server of its
+//! own (kedge-testkit: free port, temporary store; `sync_interval: always` in that setting),
+//! `kedge mock-llm` as its own process (the same script as in process), and `kedge serve all`
+//! as its own process on default settings but for what the workload needs
+//! (`KEDGE_LEDGER_TOOL=1`, the model's key, the workspace root, a worker id; `--no-park` adds
+//! `KEDGE_PARK_LEASES=0`), started from the binary built with the bench (`../support`,
+//! `Deployed`). This process is only a client: it stores the agent, submits each task to
+//! `agent.task.<agent>.<tenant>` (waiting for intake's answer, choosing the run id), follows
+//! the runs' terminal decisions with an ordered consumer, and reads the journal back after each
+//! measured phase for the journal-stamp figures. `serve all` runs every service of `all`,
+//! the projector (the runs list) among them, as users run it. CPU per action is split by
+//! process from /proc/<pid>/stat (utime + stime) over each measured phase: nats-server, `kedge
+//! serve`, `kedge mock-llm` and the client (this process). `--split` runs one `kedge serve
+//! <service>` process per service of `all` (intake, step, tool, projector, reconciler, timer,
+//! approval, gateway), each with its own worker id, so that the `kedge serve` CPU splits by
+//! service too (eight connections and processes instead of one: a diagnostic, not what a
+//! single-host deployment runs). Every process is killed by its pid when the bench ends, panics
+//! or is interrupted. What cannot apply as deployed is skipped and says so: the op costs (they
+//! call the services' APIs from inside this process). The wiretap and the readback are a
+//! client's and run in both.
+//!
+//! *In process* (`--in-process`, the diagnostic and the figures recorded before the deployed
+//! mode): intake + step + tool run as tasks of this process, the mock model on a thread. The
+//! throughput figures are not comparable between the two: in process, the services and the
+//! client share one process and one allocator, and the projector does not run (unless
+//! `--with-projector`). `--cluster`, `--tls-compare` and `--with-projector` run in process.
 //!
 //! **Side by side with Restate**: `scripts/bench-vs-restate.sh` runs the Restate peer (not part of
 //! this repository: the directory `RESTATE_PEER_SRC` names, which the script requires unless
@@ -28,10 +58,10 @@
 //!
 //! Workload (the one the peers were measured on): K = 20 iterations of one model call (mock, zero
 //! latency) then one `ledger_append` tool call — 40 journaled actions per run — then a final text
-//! answer. Everything runs here: a nats-server of its own (kedge-testkit), the strict mock model,
-//! and intake + step + tool in this process (as the end-to-end tests run them), each service on
-//! its own connection. The projector (the runs list's cache, `kedge_runs`) does not run unless
-//! `--with-projector` is given: the Restate peer keeps no such list.
+//! answer. In process, everything runs here: a nats-server of its own (kedge-testkit), the strict
+//! mock model, and intake + step + tool in this process (as the end-to-end tests run them), each
+//! service on its own connection. The projector (the runs list's cache, `kedge_runs`) does not
+//! run in process unless `--with-projector` is given: the Restate peer keeps no such list.
 //!
 //! Throughput two ways: batches of 1, 16 and 64 runs submitted at once, timed until the last one
 //! ends (latency under load; a batch's ramp-up and tail run with fewer runs in flight), and a
@@ -53,11 +83,12 @@
 //! - **client clock**: submit → terminal event seen by an ordered consumer (what a watcher sees).
 //! - **a wiretap** (one core subscription on `>`, only during one extra traced run) counts the
 //!   broker operations per action and times each request → reply as the server answered it.
-//! - **op costs**: the same public APIs the services call (leases, journal, idempotency KV),
-//!   timed in a loop on the same server, one request in flight.
-//! - **CPU**: utime+stime of nats-server and of this process per phase, from /proc; the mock
-//!   model serves on a thread of its own, whose CPU is printed apart and left out of the
-//!   process's (a model's work: the Restate peer's `llm` step is a canned answer).
+//! - **op costs** (in process only): the same public APIs the services call (leases, journal,
+//!   idempotency KV), timed in a loop on the same server, one request in flight.
+//! - **CPU**: utime+stime per phase, from /proc. Deployed: of each process (nats-server, every
+//!   `kedge serve`, `kedge mock-llm`, this client). In process: of nats-server and of this
+//!   process; the mock model serves on a thread of its own, whose CPU is printed apart and left
+//!   out of the process's (a model's work: the Restate peer's `llm` step is a canned answer).
 //!
 //! `--tls-compare` measures the cost of TLS instead: two environments side by side, one
 //! over plain TCP and one where every Kedge connection (runtime, services, watcher) speaks TLS
@@ -66,7 +97,8 @@
 //! concurrency rounds alternate between the two, plain/tls then tls/plain (ABBA, so a drifting
 //! machine load falls on both alike), and the figures are printed side by side with the ratio
 //! TLS / plain. One durability setting: default sync unless `--sync-always-only`; no wiretap,
-//! no op costs. Measured once (2 cores, load average ~3, default sync, `--tls-reps 12 --runs 30`):
+//! no op costs; in process. Measured once (2 cores, load average ~3, default sync,
+//! `--tls-reps 12 --runs 30`):
 //! TLS 1.3 adds ~0.11 ms to an action's p50 (1.43 -> 1.54 ms, x1.08), ~4 ms to a 40-action run
 //! (x1.07), ~9% CPU per action on both sides, and takes 5-8% off throughput (paired medians
 //! 0.92 sequential, 0.93 / 0.95 / 0.94 at 1 / 16 / 64 runs at once).
@@ -75,8 +107,8 @@
 //! model was called exactly once per step, and that the ledger has one line per operation.
 //!
 //! The modules, by role: [`workload`] (the agent, its script and the services' configuration),
-//! [`env`] (the in-process topology of one environment: broker, mock model, services, the
-//! terminal watcher), [`phases`] (sequential runs, batches, the closed loop, the checks),
+//! [`env`] (the topology of one environment, deployed or in process: broker, mock model,
+//! services, the terminal watcher), [`phases`] (sequential runs, batches, the closed loop, the checks),
 //! [`mode`] (one durability setting end to end), [`readback`] (a run read back into figures),
 //! [`tap`] (the wiretap), [`costs`] (the op costs), [`measure`] (statistics and CPU
 //! accounting), [`report`] and [`json`] (what is printed and written), [`tls`]
@@ -84,9 +116,13 @@
 
 #![allow(clippy::unwrap_used)]
 
-/// The allocator the `kedge` binary runs with (its main.rs): the services run in this process.
+/// The allocator the `kedge` binary runs with (its main.rs): in process (`--in-process`) the
+/// services run in this process.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[path = "../support/mod.rs"]
+mod support;
 
 mod costs;
 mod env;
@@ -141,8 +177,14 @@ struct Opts {
     no_park: bool,
     /// `--with-projector`: the projector runs beside intake, step and tool (as in `kedge serve
     /// all`), keeping `kedge_runs` in step with every decision; without it the runs list is
-    /// not kept, as the Restate peer keeps none.
+    /// not kept, as the Restate peer keeps none. In process only: `kedge serve all` runs it.
     projector: bool,
+    /// `--in-process`: the services run in this process (the diagnostic: op costs); by
+    /// default Kedge runs as deployed, `kedge serve all` a process of its own.
+    in_process: bool,
+    /// `--split`: deployed, one `kedge serve <service>` process per service of `all`, so that
+    /// the CPU per action splits by service.
+    split: bool,
 }
 
 fn opts() -> Opts {
@@ -160,6 +202,8 @@ fn opts() -> Opts {
         cluster: false,
         no_park: false,
         projector: false,
+        in_process: false,
+        split: false,
     };
     let mut runs: Option<usize> = None;
     let mut sustain: Option<f64> = None;
@@ -201,6 +245,8 @@ fn opts() -> Opts {
             "--cluster" => o.cluster = true,
             "--no-park" => o.no_park = true,
             "--with-projector" => o.projector = true,
+            "--in-process" => o.in_process = true,
+            "--split" => o.split = true,
             // `cargo bench` passes `--bench`; ignore it and anything else.
             _ => {}
         }
@@ -211,6 +257,22 @@ fn opts() -> Opts {
     if let Some(s) = sustain {
         o.sustain_s = s;
     }
+    // What only the in-process topology has: a cluster, TLS, the projector left out.
+    let needs_in_process = [
+        (o.cluster, "--cluster"),
+        (o.tls_compare, "--tls-compare"),
+        (o.projector, "--with-projector"),
+    ];
+    for (given, flag) in needs_in_process {
+        if given && !o.in_process {
+            println!("{flag} runs in process (as --in-process)");
+            o.in_process = true;
+        }
+    }
+    if o.split && o.in_process {
+        println!("--split is for the deployed topology: ignored in process");
+        o.split = false;
+    }
     o
 }
 
@@ -220,48 +282,67 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
+    // Interrupted (SIGINT, SIGTERM), the bench's future is dropped: the processes it started
+    // are killed by pid.
     runtime.block_on(async move {
-        let started = Instant::now();
-        println!(
-            "agent_loop bench: K = {K} (model + ledger_append) per run = {ACTIONS} actions + final answer; {} sequential runs; concurrency {:?}; op-cost iterations {}; {} cores",
-            o.runs,
-            o.concurrency,
-            o.micro_iters,
-            std::thread::available_parallelism().map_or(0, |n| n.get())
-        );
-        let load_start = loadavg();
-        println!(
-            "nats-server: {}{}; load average {} (other processes on these cores inflate every figure: compare ratios within one run)",
-            kedge_testkit::nats_server_binary().display(),
-            if o.cluster {
-                " (three nodes on this machine, three replicas)"
-            } else {
-                ""
-            },
-            load_start
-        );
-        if o.tls_compare {
-            tls::tls_compare(&o).await;
-            println!();
-            println!("total bench time {:.1} s", started.elapsed().as_secs_f64());
-            return;
-        }
-        let mut results = Vec::new();
-        if o.default_mode {
-            results.push(mode::run_mode("default sync", false, &o).await);
-        }
-        if o.always_mode {
-            results.push(mode::run_mode("sync always", true, &o).await);
-        }
-        report::print_summary(&results);
-        println!();
-        println!("total bench time {:.1} s", started.elapsed().as_secs_f64());
-        if let Some(path) = &o.json {
-            let summary = json::json_summary(&results, &o, &load_start);
-            let text = serde_json::to_string_pretty(&summary).expect("JSON summary");
-            std::fs::write(path, text + "\n")
-                .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
-            println!("key figures written to {}", path.display());
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("a SIGTERM handler");
+        tokio::select! {
+            () = bench(o) => {}
+            _ = tokio::signal::ctrl_c() => eprintln!("interrupted: stopping the processes"),
+            _ = term.recv() => eprintln!("terminated: stopping the processes"),
         }
     });
+}
+
+async fn bench(o: Opts) {
+    let started = Instant::now();
+    println!(
+        "agent_loop bench: K = {K} (model + ledger_append) per run = {ACTIONS} actions + final answer; Kedge {}; {} sequential runs; concurrency {:?}; op-cost iterations {}; {} cores",
+        if o.in_process {
+            "in this process (--in-process)"
+        } else if o.split {
+            "as deployed, one `kedge serve <service>` process per service (--split)"
+        } else {
+            "as deployed: `kedge serve all` a process of its own, this process a client"
+        },
+        o.runs,
+        o.concurrency,
+        o.micro_iters,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let load_start = loadavg();
+    println!(
+        "nats-server: {}{}; load average {} (other processes on these cores inflate every figure: compare ratios within one run)",
+        kedge_testkit::nats_server_binary().display(),
+        if o.cluster {
+            " (three nodes on this machine, three replicas)"
+        } else {
+            ""
+        },
+        load_start
+    );
+    if o.tls_compare {
+        tls::tls_compare(&o).await;
+        println!();
+        println!("total bench time {:.1} s", started.elapsed().as_secs_f64());
+        return;
+    }
+    let mut results = Vec::new();
+    if o.default_mode {
+        results.push(mode::run_mode("default sync", false, &o).await);
+    }
+    if o.always_mode {
+        results.push(mode::run_mode("sync always", true, &o).await);
+    }
+    report::print_summary(&results);
+    println!();
+    println!("total bench time {:.1} s", started.elapsed().as_secs_f64());
+    if let Some(path) = &o.json {
+        let summary = json::json_summary(&results, &o, &load_start);
+        let text = serde_json::to_string_pretty(&summary).expect("JSON summary");
+        std::fs::write(path, text + "\n")
+            .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+        println!("key figures written to {}", path.display());
+    }
 }

@@ -1,5 +1,7 @@
-//! Statistics over measured values, and CPU accounting: utime + stime of nats-server and of this
-//! process per phase, from /proc, with the mock model's thread counted apart.
+//! Statistics over measured values, and CPU accounting: utime + stime per phase, from /proc, of
+//! nats-server and of this process, the mock model's thread counted apart (in process), or of
+//! each process of the deployment (deployed: nats-server, every `kedge serve`, `kedge mock-llm`
+//! and this process, the client).
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -124,6 +126,139 @@ pub fn cpu_since(from: CpuMark, server_pids: &[u32]) -> (f64, f64) {
         (now.server.saturating_sub(from.server)) as f64 * tick_ms(),
         me.saturating_sub(mock) as f64 * tick_ms(),
     )
+}
+
+/// CPU ms of a phase (or per action: [`Cpu::per`]) by process.
+#[derive(Debug, Clone, Default)]
+pub struct Cpu {
+    /// nats-server (the three nodes with `--cluster`).
+    pub server: f64,
+    /// Kedge: in process, this process without the mock model's thread (services + client);
+    /// deployed, the `kedge serve` processes.
+    pub kedge: f64,
+    /// The mock model: its thread in process, the `kedge mock-llm` process deployed.
+    pub mock: f64,
+    /// Deployed only: this process, the client (submits, the terminal watcher).
+    pub client: Option<f64>,
+    /// Deployed only: each `kedge serve` process by the services it runs (`all`, or one
+    /// service each with `--split`); they add up to `kedge`.
+    pub by_process: Vec<(String, f64)>,
+}
+
+impl Cpu {
+    /// Every figure divided by `n` (actions).
+    pub fn per(&self, n: f64) -> Cpu {
+        Cpu {
+            server: self.server / n,
+            kedge: self.kedge / n,
+            mock: self.mock / n,
+            client: self.client.map(|c| c / n),
+            by_process: self
+                .by_process
+                .iter()
+                .map(|(name, v)| (name.clone(), v / n))
+                .collect(),
+        }
+    }
+
+    /// Every process together.
+    pub fn total(&self) -> f64 {
+        self.server + self.kedge + self.mock + self.client.unwrap_or(0.0)
+    }
+
+    /// One line: each process's figure (ms per action when so divided).
+    pub fn describe(&self) -> String {
+        match self.client {
+            None => format!(
+                "nats-server {:.3}, kedge process (services + client) {:.3}, mock model (its own thread) {:.3}",
+                self.server, self.kedge, self.mock
+            ),
+            Some(client) => {
+                let split = if self.by_process.len() > 1 {
+                    let parts: Vec<String> = self
+                        .by_process
+                        .iter()
+                        .map(|(name, v)| format!("{name} {v:.3}"))
+                        .collect();
+                    format!(" ({})", parts.join(", "))
+                } else {
+                    String::new()
+                };
+                format!(
+                    "nats-server {:.3}, kedge serve {:.3}{split}, kedge mock-llm {:.3}, client (this process) {:.3}",
+                    self.server, self.kedge, self.mock, client
+                )
+            }
+        }
+    }
+
+    /// The short form of a table cell: server / kedge (/ client, deployed).
+    pub fn cell(&self) -> String {
+        match self.client {
+            None => format!("{:.3} / {:.3}", self.server, self.kedge),
+            Some(c) => format!("{:.3} / {:.3} / {:.3}", self.server, self.kedge, c),
+        }
+    }
+
+    /// The JSON object of the `--json` file: `nats_server`, `kedge`, `mock_model` and, deployed,
+    /// `client` (their sum is every process's CPU).
+    pub fn json(&self) -> serde_json::Value {
+        let mut v = serde_json::json!({
+            "nats_server": self.server,
+            "kedge": self.kedge,
+            "mock_model": self.mock,
+        });
+        if let Some(c) = self.client {
+            v["client"] = serde_json::json!(c);
+        }
+        v
+    }
+
+    /// Deployed: the `kedge serve` processes by the services they run (JSON); else null.
+    pub fn json_by_process(&self) -> serde_json::Value {
+        if self.by_process.is_empty() {
+            return serde_json::Value::Null;
+        }
+        self.by_process
+            .iter()
+            .map(|(name, v)| (name.clone(), serde_json::json!(v)))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    }
+}
+
+/// The CPU ticks of a set of processes at one moment ([`ProcsMark::since`]).
+#[derive(Clone)]
+pub struct ProcsMark {
+    base: CpuMark,
+    procs: Vec<u64>,
+}
+
+impl ProcsMark {
+    /// Now: the server's, this process's, the mock thread's and each of `procs`'s ticks.
+    pub fn now(server_pids: &[u32], procs: &[u32]) -> ProcsMark {
+        ProcsMark {
+            base: cpu_mark(server_pids),
+            procs: procs.iter().map(|p| cpu_ticks(*p).unwrap_or(0)).collect(),
+        }
+    }
+
+    /// CPU ms of each of `procs` (as given to [`ProcsMark::now`]) since this mark.
+    pub fn procs_since(&self, procs: &[u32]) -> Vec<f64> {
+        procs
+            .iter()
+            .zip(&self.procs)
+            .map(|(p, before)| {
+                cpu_ticks(*p).unwrap_or(0).saturating_sub(*before) as f64 * tick_ms()
+            })
+            .collect()
+    }
+
+    /// (server, this process without the mock thread, the mock thread) CPU ms since this mark.
+    pub fn base_since(&self, server_pids: &[u32]) -> (f64, f64, f64) {
+        let (server, me) = cpu_since(self.base, server_pids);
+        (server, me, mock_cpu_since(self.base))
+    }
 }
 
 /// CPU milliseconds of the mock model's thread since `from`.

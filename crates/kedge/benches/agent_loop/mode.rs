@@ -1,5 +1,6 @@
-//! One durability setting, end to end: an environment of its own, warm-up, sequential runs,
-//! batches, the closed loop, the traced run, the op costs, and the checks.
+//! One durability setting, end to end: an environment of its own (deployed, or in process),
+//! warm-up, sequential runs, batches, the closed loop, the traced run, the op costs (in process
+//! only), and the checks.
 
 use std::time::{Duration, Instant};
 
@@ -7,7 +8,7 @@ use kedge_core::ids::RunId;
 
 use crate::costs::op_costs;
 use crate::env::{Env, RunTiming};
-use crate::measure::{cpu_mark, cpu_since, loadavg, mock_cpu_since, ms, stats};
+use crate::measure::{Cpu, loadavg, ms, stats};
 use crate::phases::{
     ConcRound, Sustained, check_ledger, conc_round, model_calls_per_step, sustained,
 };
@@ -26,10 +27,11 @@ pub struct ModeResult {
     /// The closed-loop phase (`--sustain 0`: none).
     pub sustained: Option<Sustained>,
     pub calls_per_step: f64,
-    /// CPU ms per action during the sequential runs: (nats-server, kedge process).
-    pub seq_cpu: (f64, f64),
-    /// CPU ms per action of the mock model's thread during the sequential runs.
-    pub seq_mock_cpu: f64,
+    /// CPU ms per action during the sequential runs, by process.
+    pub seq_cpu: Cpu,
+    /// Whether Kedge ran as deployed (its own processes), and how ("deployed", "deployed,
+    /// split", "in process").
+    pub topology: &'static str,
     /// The wiretap of the traced run (`--no-trace`: none).
     pub tap: Option<TapReport>,
     /// Load average before and after this setting's measurements.
@@ -37,12 +39,11 @@ pub struct ModeResult {
 }
 
 /// The sequential runs of one setting: their timings, what was collected from them, and the
-/// CPU ms per action of the server, this process and the mock model's thread.
+/// CPU ms per action by process.
 struct Sequential {
     timings: Vec<RunTiming>,
     seq: Collected,
-    cpu: (f64, f64),
-    mock_cpu: f64,
+    cpu: Cpu,
 }
 
 pub async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeResult {
@@ -59,7 +60,21 @@ pub async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeR
     println!("================================================================================");
     let load_before = loadavg();
     println!("  load average before: {load_before}");
-    let mut env = Env::start(sync_always, None, "", o.cluster, !o.no_park, o.projector).await;
+    let (mut env, topology) = if o.in_process {
+        let env = Env::start(sync_always, None, "", o.cluster, !o.no_park, o.projector).await;
+        (env, "in process")
+    } else if o.split {
+        (
+            Env::start_deployed(sync_always, !o.no_park, true).await,
+            "deployed, split",
+        )
+    } else {
+        (
+            Env::start_deployed(sync_always, !o.no_park, false).await,
+            "deployed",
+        )
+    };
+    println!("  {}", env.describe());
 
     // Warm-up: connections, HTTP pool, agent cache, consumers.
     let mut all_runs: Vec<RunId> = Vec::new();
@@ -92,13 +107,20 @@ pub async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeR
 
     // 5: op costs, on an idle server (the services would drive the runs the bench writes).
     env.stop_services().await;
-    let sample = sequential
-        .timings
-        .last()
-        .map(|t| t.run.clone())
-        .expect("a sequential run");
-    let (costs, _) = op_costs(&env, &sample, o.micro_iters).await;
-    print_costs(&costs, &sequential.seq);
+    if env.deployed() {
+        println!();
+        println!(
+            "  Op costs: not measured as deployed (they time the services' own APIs from inside this process; --in-process measures them)"
+        );
+    } else {
+        let sample = sequential
+            .timings
+            .last()
+            .map(|t| t.run.clone())
+            .expect("a sequential run");
+        let (costs, _) = op_costs(&env, &sample, o.micro_iters).await;
+        print_costs(&costs, &sequential.seq);
+    }
 
     // The ledger: exactly one line per operation.
     check_ledger(&env, &all_runs, "");
@@ -114,7 +136,7 @@ pub async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeR
         sustained,
         calls_per_step,
         seq_cpu: sequential.cpu,
-        seq_mock_cpu: sequential.mock_cpu,
+        topology,
         tap,
         load: (load_before, load_after),
     }
@@ -122,9 +144,8 @@ pub async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeR
 
 /// `o.runs` runs one at a time, read back and printed with the CPU they took.
 async fn sequential(env: &mut Env, label: &str, o: &Opts, all_runs: &mut Vec<RunId>) -> Sequential {
-    let pid = env.server_pids();
     let mut seq_timings = Vec::new();
-    let cpu0 = cpu_mark(&pid);
+    let cpu0 = env.cpu_mark();
     let seq_t0 = Instant::now();
     for i in 0..o.runs {
         let t = env.run_one(format!("{label}-seq-{i}")).await;
@@ -132,27 +153,22 @@ async fn sequential(env: &mut Env, label: &str, o: &Opts, all_runs: &mut Vec<Run
         env.submitted += 1;
     }
     let seq_elapsed = ms(seq_t0.elapsed());
-    let (cpu_srv, cpu_me) = cpu_since(cpu0, &pid);
-    let cpu_mock = mock_cpu_since(cpu0);
+    let cpu = env.cpu_since(&cpu0);
     let mut seq = Collected::default();
     collect(env, &seq_timings, &mut seq).await;
     all_runs.extend(seq_timings.iter().map(|t| t.run.clone()));
 
     print_sequential(&seq, o.runs);
     let n_actions = (o.runs * ACTIONS) as f64;
-    let seq_cpu = (cpu_srv / n_actions, cpu_me / n_actions);
     println!(
-        "  CPU during the sequential runs: nats-server {:.3} ms/action, kedge process (services + client) {:.3} ms/action, mock model (its own thread) {:.3} ms/action; {:.0}% of one core busy in total",
-        cpu_srv / n_actions,
-        cpu_me / n_actions,
-        cpu_mock / n_actions,
-        (cpu_srv + cpu_me + cpu_mock) / seq_elapsed * 100.0
+        "  CPU ms/action during the sequential runs: {}; {:.0}% of one core busy in total",
+        cpu.per(n_actions).describe(),
+        cpu.total() / seq_elapsed * 100.0
     );
     Sequential {
         timings: seq_timings,
         seq,
-        cpu: seq_cpu,
-        mock_cpu: cpu_mock / n_actions,
+        cpu: cpu.per(n_actions),
     }
 }
 
@@ -166,7 +182,7 @@ async fn concurrency(
     println!();
     println!("  Throughput (submit all, wait for all terminal; actions/s = 40 x N / elapsed)");
     println!(
-        "  {:>5} {:>10} {:>12} {:>14} {:>14} {:>12} {:>12}  CPU ms/action (server / kedge)",
+        "  {:>5} {:>10} {:>12} {:>14} {:>14} {:>12} {:>12}  CPU ms/action ({})",
         "runs",
         "elapsed ms",
         "actions/s",
@@ -174,16 +190,28 @@ async fn concurrency(
         "action p99 ms",
         "run p50 ms",
         "run max ms",
+        if env.deployed() {
+            "server / kedge serve / client"
+        } else {
+            "server / kedge"
+        },
     );
     let mut conc = Vec::new();
     for (round, &n) in o.concurrency.iter().enumerate() {
         let r = conc_round(env, &format!("{label}-c{round}"), n, all_runs).await;
-        let (n, elapsed, rate, c, (cs, cm)) = &r;
+        let (n, elapsed, rate, c, cpu) = &r;
         let a = stats(&c.actions());
         let w = stats(&c.journal_wall);
         println!(
-            "  {:>5} {:>10.1} {:>12.0} {:>14.3} {:>14.3} {:>12.1} {:>12.1}  {:.3} / {:.3}",
-            n, elapsed, rate, a.p50, a.p99, w.p50, w.max, cs, cm
+            "  {:>5} {:>10.1} {:>12.0} {:>14.3} {:>14.3} {:>12.1} {:>12.1}  {}",
+            n,
+            elapsed,
+            rate,
+            a.p50,
+            a.p99,
+            w.p50,
+            w.max,
+            cpu.cell()
         );
         conc.push(r);
     }
@@ -214,15 +242,13 @@ async fn closed_loop(
     .await;
     println!();
     println!(
-        "  Closed loop, {} runs always in flight ({:.1} s ramp, then {:.1} s measured): {:.0} actions/s ({} actions); CPU {:.3} ms/action server + {:.3} kedge + {:.3} mock model; {} runs in all, drained {:.1} s after the window",
+        "  Closed loop, {} runs always in flight ({:.1} s ramp, then {:.1} s measured): {:.0} actions/s ({} actions); CPU ms/action: {}; {} runs in all, drained {:.1} s after the window",
         s.in_flight,
         ramp.as_secs_f64(),
         s.window_s,
         s.actions_per_s,
         s.actions,
-        s.cpu.0,
-        s.cpu.1,
-        s.mock_cpu,
+        s.cpu.describe(),
         s.runs,
         s.drain_s
     );
@@ -231,7 +257,7 @@ async fn closed_loop(
 
 /// One more run under the wiretap, analysed and printed.
 async fn traced(env: &mut Env, label: &str, all_runs: &mut Vec<RunId>) -> TapReport {
-    let (tap_client, store, task) = start_tap(&env.nats.urls()[0]).await;
+    let (tap_client, store, task) = start_tap(&env.urls()[0]).await;
     let t = env.run_one(format!("{label}-traced")).await;
     env.submitted += 1;
     all_runs.push(t.run.clone());

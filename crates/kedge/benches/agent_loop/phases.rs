@@ -8,30 +8,29 @@ use std::time::{Duration, Instant};
 use kedge_core::ids::RunId;
 
 use crate::env::{Env, RunTiming};
-use crate::measure::{cpu_mark, cpu_since, mock_cpu_since, ms};
+use crate::measure::{Cpu, ms};
 use crate::readback::{Collected, collect};
-use crate::{ACTIONS, K, RUN_TIMEOUT};
+use crate::{ACTIONS, K};
 
-/// One concurrency round: (runs, elapsed ms, actions/s, what was collected, CPU ms/action of
-/// the server and of this process).
-pub type ConcRound = (usize, f64, f64, Collected, (f64, f64));
+/// One concurrency round: (runs, elapsed ms, actions/s, what was collected, CPU ms per action
+/// by process).
+pub type ConcRound = (usize, f64, f64, Collected, Cpu);
 
 /// Model calls per step over `all_runs` (printed, prefixed with `who`); run before anything else
 /// calls the mock.
 pub async fn model_calls_per_step(env: &Env, all_runs: &[RunId], who: &str) -> f64 {
-    let calls = env.mock.calls();
+    let (total_calls, repeated) = env.model_calls().await;
     let mut total_steps = 0u64;
     for r in all_runs {
         let evs = env.rt.journal.read(r, 0).await.expect("read");
         let s = kedge_core::fold(evs.iter().map(|x| (x.seq, &x.envelope))).expect("fold");
         total_steps += u64::from(s.step.get());
     }
-    let repeated = calls.by_request_id.values().filter(|&&n| n != 1).count();
-    let calls_per_step = calls.total as f64 / total_steps as f64;
+    let calls_per_step = total_calls as f64 / total_steps as f64;
     println!();
     println!(
         "  {who}Model calls per step: {} calls / {} steps over {} runs = {:.3}  (request ids called more than once: {repeated})",
-        calls.total,
+        total_calls,
         total_steps,
         all_runs.len(),
         calls_per_step
@@ -73,7 +72,6 @@ pub async fn conc_round(
     n: usize,
     all_runs: &mut Vec<RunId>,
 ) -> ConcRound {
-    let pid = env.server_pids();
     let chosen: Vec<RunId> = (0..n).map(|_| RunId::generate()).collect();
     let tenant = "bench".parse().expect("tenant");
     let runs: Vec<RunId> = chosen
@@ -81,7 +79,7 @@ pub async fn conc_round(
         .map(|c| kedge_runtime::run_ids::chosen(&tenant, c))
         .collect();
     let rxs: Vec<_> = runs.iter().map(|r| env.terminals.register(r)).collect();
-    let cpu0 = cpu_mark(&pid);
+    let cpu0 = env.cpu_mark();
     let t0 = Instant::now();
     let env_ref = &*env;
     let submits = chosen
@@ -96,11 +94,7 @@ pub async fn conc_round(
     let submit_ms = futures::future::join_all(submits).await;
     let mut timings = Vec::new();
     for ((r, rx), sub) in runs.iter().zip(rxs).zip(submit_ms) {
-        let (at, ty) = tokio::time::timeout(RUN_TIMEOUT, rx)
-            .await
-            .unwrap_or_else(|_| panic!("run {r} not terminal"))
-            .expect("watcher");
-        assert_eq!(ty, "run.succeeded", "run {r} ended {ty}");
+        let (at, _) = env.terminal(r, rx).await;
         timings.push(RunTiming {
             run: r.clone(),
             submit: sub,
@@ -108,14 +102,14 @@ pub async fn conc_round(
         });
     }
     let elapsed = timings.iter().map(|t| t.wall).fold(0.0, f64::max);
-    let (cs, cm) = cpu_since(cpu0, &pid);
+    let cpu = env.cpu_since(&cpu0);
     env.submitted += n;
     let mut c = Collected::default();
     collect(env, &timings, &mut c).await;
     all_runs.extend(runs.iter().cloned());
     let rate = (ACTIONS * n) as f64 / (elapsed / 1e3);
     let na = (ACTIONS * n) as f64;
-    (n, elapsed, rate, c, (cs / na, cm / na))
+    (n, elapsed, rate, c, cpu.per(na))
 }
 
 /// The closed-loop phase: `n` runs always in flight (each of `n` loops submits its next run as
@@ -129,10 +123,8 @@ pub struct Sustained {
     /// tool, one tool call), as the peer counts its `llm` and `tool` steps.
     pub actions: u64,
     pub actions_per_s: f64,
-    /// CPU ms per action in the window: (nats-server, kedge process without the mock model).
-    pub cpu: (f64, f64),
-    /// CPU ms per action of the mock model's thread in the window.
-    pub mock_cpu: f64,
+    /// CPU ms per action in the window, by process.
+    pub cpu: Cpu,
     /// Runs completed over the whole phase (ramp, window and drain).
     pub runs: usize,
     /// From the end of the window until every loop's last run ended, s.
@@ -154,7 +146,6 @@ pub async fn sustained(
     window: Duration,
     all_runs: &mut Vec<RunId>,
 ) -> Sustained {
-    let pid = env.server_pids();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let env_ref = &*env;
     let stop_ref = &stop;
@@ -168,24 +159,17 @@ pub async fn sustained(
     }));
     let measure = async {
         tokio::time::sleep(ramp).await;
-        let (lines0, cpu0, t0) = (ledger_lines(env_ref), cpu_mark(&pid), Instant::now());
+        let (lines0, cpu0, t0) = (ledger_lines(env_ref), env_ref.cpu_mark(), Instant::now());
         tokio::time::sleep(window).await;
-        let (lines1, cpu, mock, secs) = (
+        let (lines1, cpu, secs) = (
             ledger_lines(env_ref),
-            cpu_since(cpu0, &pid),
-            mock_cpu_since(cpu0),
+            env_ref.cpu_since(&cpu0),
             t0.elapsed().as_secs_f64(),
         );
         stop_ref.store(true, std::sync::atomic::Ordering::Relaxed);
-        (
-            2 * lines1.saturating_sub(lines0),
-            cpu,
-            mock,
-            secs,
-            Instant::now(),
-        )
+        (2 * lines1.saturating_sub(lines0), cpu, secs, Instant::now())
     };
-    let (runs, (actions, (cs, cm), mock, secs, stopped)) = futures::join!(loops, measure);
+    let (runs, (actions, cpu, secs, stopped)) = futures::join!(loops, measure);
     let drain_s = stopped.elapsed().as_secs_f64();
     let runs: Vec<RunId> = runs.into_iter().flatten().collect();
     env.submitted += runs.len();
@@ -197,8 +181,7 @@ pub async fn sustained(
         window_s: secs,
         actions,
         actions_per_s: actions as f64 / secs,
-        cpu: (cs / per, cm / per),
-        mock_cpu: mock / per,
+        cpu: cpu.per(per),
         runs: count,
         drain_s,
     }

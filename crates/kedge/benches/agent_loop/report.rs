@@ -264,6 +264,15 @@ pub fn print_costs(costs: &[OpCost], seq: &Collected) {
     );
 }
 
+/// The summary's short name of a topology.
+fn short_topology(t: &str) -> &str {
+    match t {
+        "deployed" => "deployed",
+        "deployed, split" => "split",
+        _ => "in-proc",
+    }
+}
+
 pub fn print_summary(results: &[ModeResult]) {
     println!();
     println!("================================================================================");
@@ -291,7 +300,7 @@ pub fn print_summary(results: &[ModeResult]) {
             });
         println!(
             "  {:<26} {:>18} {:>16} {:>18} {:>16}",
-            format!("Kedge ({})", r.label),
+            format!("Kedge ({}, {})", r.label, short_topology(r.topology)),
             format!("{:.3} (p99 {:.2})", a.p50, a.p99),
             format!("{:.1} ({:.1} jrnl)", w.p50, jw.p50),
             at64.unwrap_or_else(|| "-".into()),
@@ -313,11 +322,20 @@ pub fn print_summary(results: &[ModeResult]) {
     for r in results {
         println!();
         println!("  {} throughput by concurrency:", r.label);
-        for (n, elapsed, rate, c, (cs, cm)) in &r.conc {
+        for (n, elapsed, rate, c, cpu) in &r.conc {
             let a = stats(&c.actions());
             println!(
-                "    {n:>3} runs: {rate:7.0} actions/s ({elapsed:.0} ms), action p50 {:.3} ms, CPU {:.3} ms/action server + {:.3} kedge",
-                a.p50, cs, cm
+                "    {n:>3} runs: {rate:7.0} actions/s ({elapsed:.0} ms), action p50 {:.3} ms, CPU ms/action: {}",
+                a.p50,
+                cpu.describe()
+            );
+        }
+        if let Some(s) = &r.sustained {
+            println!(
+                "    closed loop of {}: {:.0} actions/s, CPU ms/action: {}",
+                s.in_flight,
+                s.actions_per_s,
+                s.cpu.describe()
             );
         }
     }

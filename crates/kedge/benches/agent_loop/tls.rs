@@ -216,7 +216,8 @@ async fn sequential_rep(v: &mut Variant, o: &Opts, rep: usize) {
 async fn concurrency_rep(v: &mut Variant, rep: usize, round: usize, n: usize) {
     let key = format!("{}-r{rep}-c{round}", v.label);
     let r = conc_round(&mut v.env, &key, n, &mut v.all_runs).await;
-    let (n, elapsed, rate, c, (cs, cm)) = &r;
+    let (n, elapsed, rate, c, cpu) = &r;
+    let (cs, cm) = (cpu.server, cpu.kedge);
     let a = stats(&c.actions());
     let w = stats(&c.journal_wall);
     println!(
@@ -354,8 +355,8 @@ fn print_tls_level(plain: &Variant, tls: &Variant, round: usize, n: usize) {
         }
         let elapsed: f64 = rounds.iter().map(|r| r.1).sum();
         let na = (ACTIONS * n * rounds.len()) as f64;
-        let cs = rounds.iter().map(|r| r.4.0).sum::<f64>() / rounds.len() as f64;
-        let cm = rounds.iter().map(|r| r.4.1).sum::<f64>() / rounds.len() as f64;
+        let cs = rounds.iter().map(|r| r.4.server).sum::<f64>() / rounds.len() as f64;
+        let cm = rounds.iter().map(|r| r.4.kedge).sum::<f64>() / rounds.len() as f64;
         let rates: Vec<String> = rounds.iter().map(|r| format!("{:.0}", r.2)).collect();
         (c, na / (elapsed / 1e3), cs, cm, rates)
     };

@@ -1,6 +1,7 @@
 //! What the benches that fill the journal and watch `kedge serve` processes share: a run's
 //! `run.created` as the core would freeze it, the JetStream API by hand, /proc figures, and the
-//! `kedge` command with none of the bench's own `KEDGE_*` variables.
+//! `kedge` command with none of the bench's own `KEDGE_*` variables, and Kedge as deployed
+//! ([`deployed`]: nats-server, `kedge mock-llm` and `kedge serve` processes).
 //! Included with `#[path]`; not a bench target of its own.
 
 #![allow(dead_code, clippy::unwrap_used)]
@@ -8,6 +9,8 @@
 use std::process::{Child, Command};
 
 use kedge_core::event::RunCreated;
+
+pub mod deployed;
 
 /// A `run.created` of agent `agent` (tenant `acme`, the mock model) with `input`.
 pub fn created(agent: &str, input: &str) -> RunCreated {

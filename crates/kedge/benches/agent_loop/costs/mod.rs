@@ -519,7 +519,7 @@ async fn model_call(env: &Env, src: &[Recorded], iters: usize, out: &mut Vec<OpC
     let client = kedge_model::ModelClient::new();
     let other = RunId::generate();
     let request_id = ModelRequestId::new(&other, plan.step, plan.attempt);
-    let model_calls_before = env.mock.total_calls();
+    let model_calls_before = env.mock_handle().total_calls();
     out.push(OpCost {
         name: "model call, step-10 context (HTTP, mock)",
         stats: time_op(iters.min(200), |_| {
@@ -543,7 +543,7 @@ async fn model_call(env: &Env, src: &[Recorded], iters: usize, out: &mut Vec<OpC
         })
         .await,
     });
-    (env.mock.total_calls() - model_calls_before) as usize
+    (env.mock_handle().total_calls() - model_calls_before) as usize
 }
 
 /// Pure CPU: fold + decide over a 60-event prefix (what every drive does after its read), and
