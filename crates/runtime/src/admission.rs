@@ -236,6 +236,7 @@ async fn control(
     service: &'static str,
 ) {
     let mut trip = Trip::open(probe).await;
+    crate::metrics::admission_limit(service, rule.current());
     let mut delay = Duration::ZERO;
     let mut ticks = 0;
     loop {
@@ -265,6 +266,7 @@ async fn control(
             return;
         }
         if limit != before {
+            crate::metrics::admission_limit(service, limit);
             tracing::debug!(
                 service,
                 limit,

@@ -139,6 +139,8 @@ metrics_table! {
         "Runs waiting on their model provider, fleet-wide, as this process's view of the kedge_providers bucket has them.";
     PROVIDER_BREAKERS_OPEN = "kedge_provider_breakers_open", Gauge, [],
         "Model endpoints whose fleet-wide breaker is open (failing: only probes go out), as this process sees them.";
+    ADMISSION_LIMIT = "kedge_admission_limit", Gauge, ["service"],
+        "Handlers the service may run at once now, with adaptive_concurrency on (its configured concurrency while its work does not queue).";
 }
 
 /// Upper bounds of every histogram's buckets, in seconds (a model call may take minutes).
@@ -398,6 +400,11 @@ pub fn provider_released(probe: bool) {
     } else {
         counter!(PROVIDER_RELEASES, "kind" => "release").increment(1);
     }
+}
+
+/// Service `service`'s adaptive admission limit ([`ADMISSION_LIMIT`]).
+pub fn admission_limit(service: &'static str, limit: usize) {
+    gauge!(ADMISSION_LIMIT, "service" => service).set(limit as f64);
 }
 
 /// The fleet's provider trouble as this process sees it: runs waiting, breakers open.
