@@ -44,7 +44,7 @@
 #[path = "support/mod.rs"]
 mod support;
 use support::deployed::{Children, Deployed, MODEL_KEY_VAR as KEY_VAR};
-use support::run_bench;
+use support::{read_proc, run_bench};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -427,6 +427,29 @@ fn print_hops(idle: &[(String, f64)], busy: &[(String, f64)]) {
     }
 }
 
+/// The CPU ticks of the processes that do the work: nats-server, `kedge serve`, the mock model.
+fn cpu_ticks(pids: &[(&'static str, u32)]) -> Vec<u64> {
+    pids.iter()
+        .map(|(_, pid)| read_proc(*pid).cpu_ticks)
+        .collect()
+}
+
+/// CPU ms per run of A between two readings (`runs` ran in between), per process.
+fn cpu_per_run(pids: &[(&'static str, u32)], before: &[u64], runs: usize) -> String {
+    // Linux's USER_HZ: 100 ticks a second.
+    const MS_PER_TICK: f64 = 10.0;
+    cpu_ticks(pids)
+        .iter()
+        .zip(before)
+        .zip(pids)
+        .map(|((after, before), (name, _))| {
+            let ms = after.saturating_sub(*before) as f64 * MS_PER_TICK / runs.max(1) as f64;
+            format!("{name} {ms:.2}")
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn pct(sorted: &[Duration], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -475,7 +498,15 @@ async fn bench(o: Opts) {
         std::fs::write(&file, config.to_string()).unwrap();
         env.push(("KEDGE_CONFIG".into(), file.to_string_lossy().into_owned()));
     }
-    deployed.serve("serve", &["all"], &env);
+    let serve = deployed.serve("serve", &["all"], &env);
+    let pids: Vec<(&'static str, u32)> = [
+        ("nats-server", deployed.server_pid()),
+        ("kedge serve", Some(serve)),
+        ("mock-llm", deployed.children.pid("mock-llm")),
+    ]
+    .into_iter()
+    .filter_map(|(name, pid)| Some((name, pid?)))
+    .collect();
     let children = &mut deployed.children;
     rt.agents
         .put(&agent_definition(&mock))
@@ -529,13 +560,20 @@ async fn bench(o: Opts) {
     );
 
     // 2. A alone.
+    let before = cpu_ticks(&pids);
     let alone = drain_a(&rt.client, &view, o.runs, "alone", o.cap, children).await;
-    println!("2. A alone: {alone:.1} runs/s (load {})", loadavg());
+    println!(
+        "2. A alone: {alone:.1} runs/s; CPU ms per run: {} (load {})",
+        cpu_per_run(&pids, &before, o.runs),
+        loadavg()
+    );
 
     // 3. A + B.
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let b = tokio::spawn(trickle(rt.client.clone(), o.every, "mixed", stop));
+    let before = cpu_ticks(&pids);
     let mixed = drain_a(&rt.client, &view, o.runs, "mixed", o.cap, children).await;
+    let mixed_cpu = cpu_per_run(&pids, &before, o.runs);
     let _ = stop_tx.send(true);
     let runs = b.await.expect("the trickle");
     let mut busy = latencies(&view, &runs, o.cap, children).await;
@@ -549,6 +587,7 @@ async fn bench(o: Opts) {
         pct(&busy, 1.0),
         loadavg()
     );
+    println!("  CPU ms per run of A (B's few runs included): {mixed_cpu}");
     print_hops(&idle_hops, &hops(&rt.journal, &runs).await);
     let (p50, p99, thr) = (
         pct(&busy, 0.5) / pct(&idle, 0.5),
