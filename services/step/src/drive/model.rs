@@ -46,8 +46,7 @@ impl Driver {
         match &result {
             Ok(response) => {
                 providers.report_success(endpoint).await;
-                self.record_quota_usage(state, &called.spec, &response.usage)
-                    .await;
+                self.record_quota_usage(state, &called.spec, &response.usage);
             }
             Err(CallError::Model(e)) => {
                 if let Some(report) = trouble_report(e, probe) {

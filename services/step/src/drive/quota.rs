@@ -90,25 +90,26 @@ impl Driver {
         self.wait_on_provider(state, w, plan, queue, trouble).await
     }
 
-    /// Adds a model call's reported `usage` to the run's tenant's day.
-    pub(super) async fn record_quota_usage(
-        &self,
-        state: &RunState,
-        model: &ModelSpec,
-        usage: &Usage,
-    ) {
-        let Ok(quotas) = self.rt.quotas().await else {
-            return;
-        };
-        if !quotas.enabled() {
-            return;
-        }
-        if let Err(e) = quotas
-            .record_usage(&state.bundle.tenant, usage, model.price.as_ref())
-            .await
-        {
-            tracing::warn!(error = %e, "could not count the model call against the tenant's quota");
-        }
+    /// Adds a model call's reported `usage` to the run's tenant's day, in a task of its own:
+    /// the paid answer is not held for the bucket's read and compare-and-set (it is committed
+    /// to the journal meanwhile, so a crash or a slow broker here cannot cost a second call),
+    /// and a count that cannot be written is logged, as before.
+    pub(super) fn record_quota_usage(&self, state: &RunState, model: &ModelSpec, usage: &Usage) {
+        let rt = self.rt.clone();
+        let tenant = state.bundle.tenant.clone();
+        let price = model.price.clone();
+        let usage = *usage;
+        tokio::spawn(async move {
+            let Ok(quotas) = rt.quotas().await else {
+                return;
+            };
+            if !quotas.enabled() {
+                return;
+            }
+            if let Err(e) = quotas.record_usage(&tenant, &usage, price.as_ref()).await {
+                tracing::warn!(error = %e, "could not count the model call against the tenant's quota");
+            }
+        });
     }
 
     /// A run that ended (its drive ends idle in a terminal status) is counted out of its
