@@ -201,6 +201,15 @@ impl Runtime {
             .cloned()
     }
 
+    /// The tenant quotas when any tenant has a limit, else `None` without asking the broker
+    /// (a door or a step of a fleet without quotas never fails on the bucket).
+    pub async fn quotas_if_any(&self) -> Result<Option<quota::Quotas>, quota::QuotaError> {
+        if !self.config.quotas.any() {
+            return Ok(None);
+        }
+        self.quotas().await.map(Some)
+    }
+
     /// The key run ids are derived with ([`run_ids`]), read from the broker on first use (only
     /// the kinds that derive run ids may read it) and checked against a configured one.
     pub async fn run_ids(&self) -> Result<run_ids::RunIdKey, run_ids::RunIdKeyError> {

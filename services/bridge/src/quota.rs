@@ -27,13 +27,13 @@ pub async fn admit_in_fleet(
     task: &kedge_core::task::TaskSubmission,
     msg_id: &str,
 ) -> Result<(), Problem> {
-    let quotas = rt
-        .quotas()
+    let Some(quotas) = rt
+        .quotas_if_any()
         .await
-        .map_err(|e| Problem::unavailable(e.to_string(), 1))?;
-    if !quotas.enabled() {
+        .map_err(|e| Problem::unavailable(e.to_string(), 1))?
+    else {
         return Ok(());
-    }
+    };
     let ids = rt
         .run_ids()
         .await

@@ -347,9 +347,9 @@ async fn quota_refusal(
     task: &TaskSubmission,
     msg_id: Option<&str>,
 ) -> Option<(u16, String)> {
-    let quotas = match rt.quotas().await {
-        Ok(q) if !q.enabled() => return None,
-        Ok(q) => q,
+    let quotas = match rt.quotas_if_any().await {
+        Ok(None) => return None,
+        Ok(Some(q)) => q,
         Err(e) => return Some((503, format!("the task was not stored: {e}"))),
     };
     let decided = match msg_id {

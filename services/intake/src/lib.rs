@@ -394,13 +394,13 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
 /// Admits the run under its tenant's quotas, or refuses the task naming the quota (with when
 /// to try again); the quotas unavailable is broker trouble, retried.
 async fn admit(rt: &Runtime, tenant: &TenantId, run_id: &RunId) -> Result<(), Refusal> {
-    let quotas = rt
-        .quotas()
+    let Some(quotas) = rt
+        .quotas_if_any()
         .await
-        .map_err(|e| Refusal::Retry(e.to_string()))?;
-    if !quotas.enabled() {
+        .map_err(|e| Refusal::Retry(e.to_string()))?
+    else {
         return Ok(());
-    }
+    };
     match quotas.admit(tenant, run_id).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(exceeded)) => Err(Refusal::Reject(TaskRejection::quota(&exceeded))),

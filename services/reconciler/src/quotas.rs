@@ -32,10 +32,9 @@ pub async fn repair_once(
     rt: &Runtime,
     absent: &mut BTreeSet<(TenantId, RunId)>,
 ) -> Result<usize, String> {
-    let quotas = rt.quotas().await.map_err(|e| e.to_string())?;
-    if !quotas.enabled() {
+    let Some(quotas) = rt.quotas_if_any().await.map_err(|e| e.to_string())? else {
         return Ok(0);
-    }
+    };
     let mut still_absent = BTreeSet::new();
     let mut counted_out = 0;
     for tenant in quotas.tenants().await.map_err(|e| e.to_string())? {

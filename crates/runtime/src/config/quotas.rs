@@ -43,6 +43,11 @@ impl Default for QuotasConfig {
     }
 }
 
+/// The highest `runs_per_minute` a tenant may be given.
+pub const MAX_RUNS_PER_MINUTE: u32 = 5_000;
+/// The highest `max_active_runs` a tenant may be given.
+pub const MAX_ACTIVE_RUNS: u32 = 10_000;
+
 impl QuotasConfig {
     /// The limits as a policy (what the core decides with).
     pub fn policy(&self) -> QuotaPolicy {
@@ -50,6 +55,12 @@ impl QuotasConfig {
             default: self.default.clone(),
             tenants: self.tenants.clone(),
         }
+    }
+
+    /// Whether any tenant has any limit (without a limit, no door and no step touches the
+    /// quotas bucket).
+    pub fn any(&self) -> bool {
+        self.default.any() || self.tenants.values().any(QuotaLimits::any)
     }
 
     /// The windows' lengths.
@@ -79,6 +90,13 @@ impl QuotasConfig {
             if !l.cost_per_day.is_finite() || l.cost_per_day < 0.0 {
                 return invalid(format!(
                     "{who}: cost_per_day must be a finite amount of at least 0"
+                ));
+            }
+            // A tenant's admissions record lists the run ids these allow (one write of the whole
+            // record per admission, under the broker's 1 MB message limit).
+            if l.runs_per_minute > MAX_RUNS_PER_MINUTE || l.max_active_runs > MAX_ACTIVE_RUNS {
+                return invalid(format!(
+                    "{who}: runs_per_minute is at most {MAX_RUNS_PER_MINUTE} and max_active_runs at most {MAX_ACTIVE_RUNS}"
                 ));
             }
         }
@@ -124,6 +142,9 @@ mod tests {
         q.default.cost_per_day = -1.0;
         assert!(q.check().is_err());
         q.default.cost_per_day = 0.0;
+        q.default.max_active_runs = MAX_ACTIVE_RUNS + 1;
+        assert!(q.check().is_err());
+        q.default.max_active_runs = 0;
         q.minute_secs = 0;
         assert!(q.check().is_err());
         let bad = env_of(&[("KEDGE_QUOTAS", r#"{"default": {"runs": 1}}"#.into())]);

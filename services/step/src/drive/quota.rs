@@ -22,9 +22,9 @@ use super::{DriveError, Driver};
 impl Driver {
     /// The quota of the day that holds the run's tenant now, if one does.
     pub(super) async fn quota_holds(&self, state: &RunState) -> Option<Exceeded> {
-        let quotas = match self.rt.quotas().await {
-            Ok(q) if q.enabled() => q,
-            Ok(_) => return None,
+        let quotas = match self.rt.quotas_if_any().await {
+            Ok(Some(q)) => q,
+            Ok(None) => return None,
             Err(e) => {
                 tracing::warn!(error = %e, "tenant quotas unavailable; the call goes on");
                 return None;
@@ -95,6 +95,11 @@ impl Driver {
     /// to the journal meanwhile, so a crash or a slow broker here cannot cost a second call),
     /// and a count that cannot be written is logged, as before.
     pub(super) fn record_quota_usage(&self, state: &RunState, model: &ModelSpec, usage: &Usage) {
+        // Every tenant's calls are counted once any tenant has a limit (`kedge tenants usage`
+        // shows them); none without quotas.
+        if !self.rt.config.quotas.any() {
+            return;
+        }
         let rt = self.rt.clone();
         let tenant = state.bundle.tenant.clone();
         let price = model.price.clone();
@@ -103,9 +108,6 @@ impl Driver {
             let Ok(quotas) = rt.quotas().await else {
                 return;
             };
-            if !quotas.enabled() {
-                return;
-            }
             if let Err(e) = quotas.record_usage(&tenant, &usage, price.as_ref()).await {
                 tracing::warn!(error = %e, "could not count the model call against the tenant's quota");
             }
@@ -121,12 +123,9 @@ impl Driver {
         if !revived && !ended {
             return;
         }
-        let Ok(quotas) = self.rt.quotas().await else {
+        let Ok(Some(quotas)) = self.rt.quotas_if_any().await else {
             return;
         };
-        if !quotas.enabled() {
-            return;
-        }
         let (tenant, run) = (&state.bundle.tenant, &state.run_id);
         let counted = if ended {
             quotas.release(tenant, run).await
