@@ -413,7 +413,11 @@ pub async fn settle(
         }
     };
     match kind {
-        async_nats::jetstream::AckKind::Nak(_) => hand_back_confirmed(consumer, msg, kind).await,
+        // Confirmed beside the handler: its slot is free at once, also while the broker does
+        // not answer.
+        async_nats::jetstream::AckKind::Nak(_) => {
+            tokio::spawn(hand_back_confirmed(consumer, msg.clone(), kind));
+        }
         _ => {
             // A lost ack costs a redelivery after the ack wait, which every handler takes as
             // done (the journal says so): not worth a round trip on every delivery.
@@ -437,7 +441,7 @@ const CONFIRM_TRIES: u32 = 3;
 /// repeated one is harmless.
 async fn hand_back_confirmed(
     consumer: Durable,
-    msg: &async_nats::jetstream::Message,
+    msg: async_nats::jetstream::Message,
     kind: async_nats::jetstream::AckKind,
 ) {
     for attempt in 1..=CONFIRM_TRIES {
