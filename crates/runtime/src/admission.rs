@@ -171,6 +171,9 @@ struct Trip {
     client: async_nats::Client,
     subject: String,
     replies: async_nats::Subscriber,
+    /// A random prefix of this probe's payloads, so that nobody else's message on the subject
+    /// (another process under the same worker id, a forger) ends a wait.
+    nonce: String,
     sent: u64,
     base: Base,
 }
@@ -185,6 +188,7 @@ impl Trip {
                 client,
                 subject,
                 replies,
+                nonce: uuid::Uuid::new_v4().simple().to_string(),
                 sent: 0,
                 base: Base::new(),
             }),
@@ -199,7 +203,7 @@ impl Trip {
     async fn queueing(&mut self) -> Duration {
         use futures::StreamExt as _;
         self.sent += 1;
-        let tag = self.sent.to_string();
+        let tag = format!("{}.{}", self.nonce, self.sent);
         let asked = Instant::now();
         if self
             .client
