@@ -98,12 +98,9 @@ async fn pass(
         }
     };
     for stored in records {
-        // Its next instant after now (a due one's too, so that the sleep does not pass it).
-        let next = if stored.record.paused {
-            None
-        } else {
-            stored.record.spec.next_after(schedule::floor_secs(now))
-        };
+        // Its next instant after now and after what it handled (a due one's too, so that the
+        // sleep does not pass it).
+        let next = stored.record.next_fire(now);
         if let Some(next) = next.filter(|n| *n < wake_at) {
             wake_at = next;
         }
