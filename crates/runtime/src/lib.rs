@@ -29,6 +29,7 @@
 
 mod admission;
 pub mod agents;
+mod cas;
 pub mod config;
 pub mod connect;
 pub mod consumer;

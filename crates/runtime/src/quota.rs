@@ -125,28 +125,10 @@ impl Quotas {
         revision: u64,
     ) -> Result<bool, QuotaError> {
         let body = Bytes::from(serde_json::to_vec(value).map_err(unavailable)?);
-        let result = if revision == 0 {
-            self.kv.create(key, body).await.map(|_| ()).map_err(|e| {
-                matches!(e.kind(), kv::CreateErrorKind::AlreadyExists)
-                    .then_some(())
-                    .ok_or_else(|| unavailable(e))
-            })
-        } else {
-            self.kv
-                .update(key, body, revision)
-                .await
-                .map(|_| ())
-                .map_err(|e| {
-                    matches!(e.kind(), kv::UpdateErrorKind::WrongLastRevision)
-                        .then_some(())
-                        .ok_or_else(|| unavailable(e))
-                })
-        };
-        match result {
-            Ok(()) => Ok(true),
-            Err(Ok(())) => Ok(false),
-            Err(Err(e)) => Err(e),
-        }
+        let written = crate::cas::write(&self.kv, key, body, (revision != 0).then_some(revision))
+            .await
+            .map_err(unavailable)?;
+        Ok(written.is_some())
     }
 
     /// Changes the record at `key` with `change` (`None`: nothing to write) by compare-and-set;

@@ -75,8 +75,7 @@ impl Slots {
         fresh: impl Fn() -> SlotRecord,
         change: impl Fn(&mut SlotRecord) -> T,
     ) -> Result<(T, Option<u64>), SlotError> {
-        let mut last = String::new();
-        for _ in 0..TRIES {
+        for attempt in 0..TRIES {
             let current = self.read_at(at).await?;
             let (mut record, revision) = match current {
                 Some((r, rev)) => (r, Some(rev)),
@@ -88,22 +87,19 @@ impl Slots {
                 return Ok((answer, None));
             }
             let bytes = bytes::Bytes::from(serde_json::to_vec(&record).map_err(unavailable)?);
-            let written = match revision {
-                Some(r) => self
-                    .kv
-                    .update(at, bytes, r)
-                    .await
-                    .map_err(|e| e.to_string()),
-                None => self.kv.create(at, bytes).await.map_err(|e| e.to_string()),
-            };
-            match written {
-                Ok(rev) => return Ok((answer, Some(rev))),
-                // Another writer changed the record (or broker trouble): read it again.
-                Err(e) => last = e,
+            match crate::cas::write(&self.kv, at, bytes, revision).await {
+                Ok(Some(rev)) => return Ok((answer, Some(rev))),
+                // Another writer changed the record: read it again, after a pause that grows.
+                Ok(None) => {
+                    let pause = 1 + u64::from(attempt).min(20);
+                    tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                }
+                // Broker trouble: the caller's bounded retry decides, not this loop.
+                Err(e) => return Err(SlotError::Unavailable(format!("{at}: {e}"))),
             }
         }
         Err(SlotError::Unavailable(format!(
-            "no compare-and-set on {at} landed in {TRIES} tries: {last}"
+            "{at}: {TRIES} compare-and-set conflicts in a row"
         )))
     }
 
