@@ -266,47 +266,8 @@ async fn handle(rt: &Runtime, msg: &Message) {
 async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal> {
     let headers = msg.headers.as_ref();
     let task = TaskSubmission::parse(&msg.payload).map_err(Refusal::Reject)?;
-    let TaskSubject {
-        agent: subject_agent,
-        tenant,
-    } = subjects::parse_task(&msg.subject)
-        .map_err(|e| Refusal::Reject(TaskRejection::new("subject", e.to_string())))?;
-    if subject_agent != task.agent {
-        return Err(Refusal::Reject(TaskRejection::new(
-            "agent",
-            format!(
-                "the task names agent `{}` but was published for agent `{subject_agent}`",
-                task.agent
-            ),
-        )));
-    }
+    let (tenant, revision, def) = agent_for(rt, &msg.subject, &task).await?;
     let key = header(headers, "Nats-Msg-Id").map(str::to_owned);
-    let no_such_agent = || {
-        Refusal::Reject(TaskRejection::new(
-            "agent",
-            format!("no agent named `{}`", task.agent),
-        ))
-    };
-    let (revision, def) = rt.agents.latest(&task.agent).await.map_err(|e| match e {
-        AgentError::NotFound(_) => no_such_agent(),
-        AgentError::Unavailable(r) => Refusal::Retry(r),
-        other => Refusal::Reject(TaskRejection::new("agent", other.to_string())),
-    })?;
-    if !def.allows_tenant(&tenant) {
-        // To a tenant the agent is not shared with, it does not exist.
-        tracing::warn!(agent = %task.agent, %tenant, "task for an agent this tenant may not start");
-        return Err(no_such_agent());
-    }
-    if task.budget.as_ref().is_some_and(|b| b.max_cost.is_some()) && def.model.price.is_none() {
-        // A cost limit that nothing would count is refused, not silently ignored.
-        return Err(Refusal::Reject(TaskRejection::new(
-            "budget.max_cost",
-            format!(
-                "agent `{}` has no model.price, so the run's cost is not counted",
-                task.agent
-            ),
-        )));
-    }
     // Within the tenant, under the server's key: no tenant can name another's run.
     let ids = rt
         .run_ids()
@@ -361,33 +322,102 @@ async fn accept(rt: &Runtime, msg: &Message, seq: u64) -> Result<RunId, Refusal>
         }
         Err(JournalError::Duplicate { .. }) => Ok(run_id),
         Err(JournalError::Conflict { .. }) => {
-            // The run exists. The same task again (same tenant and key) is the same run.
-            // Its run.created (inputs may precede it: anyone may publish on a run id).
-            let created = rt
-                .journal
-                .read_type(&run_id, kedge_core::event::EventType::RunCreated)
-                .await
-                .map_err(|e| journal_refusal(&e))?;
-            match created.first().map(|r| &r.envelope.event) {
-                Some(Event::RunCreated(c))
-                    if c.tenant == tenant && key.is_some() && c.idempotency_key == key =>
-                {
-                    Ok(run_id)
-                }
-                // Only the run's own tenant learns that it exists (its chosen run id used again
-                // with another key); ids are scoped per tenant, so another tenant's run is here
-                // only by a hash collision, or a run's inputs were published before it: refused
-                // without a word about it.
-                Some(Event::RunCreated(c)) if c.tenant == tenant => Err(Refusal::Reject(
-                    TaskRejection::new("run_id", format!("a run with id {run_id} already exists")),
-                )),
-                _ => Err(Refusal::Reject(TaskRejection::new(
-                    "task",
-                    "the run could not be created; submit the task again with another key or run id",
-                ))),
-            }
+            existing_run(rt, run_id, &tenant, key.as_deref()).await
         }
         Err(e) => Err(journal_refusal(&e)),
+    }
+}
+
+/// The task's tenant, from its subject, and the agent it names, as its latest revision: refused
+/// when the subject and the task disagree, the agent does not exist or is not shared with the
+/// tenant, or the task's budget asks for what nothing would count.
+async fn agent_for(
+    rt: &Runtime,
+    subject: &str,
+    task: &TaskSubmission,
+) -> Result<
+    (
+        TenantId,
+        u64,
+        std::sync::Arc<kedge_core::agent::AgentDefinition>,
+    ),
+    Refusal,
+> {
+    let TaskSubject {
+        agent: subject_agent,
+        tenant,
+    } = subjects::parse_task(subject)
+        .map_err(|e| Refusal::Reject(TaskRejection::new("subject", e.to_string())))?;
+    if subject_agent != task.agent {
+        return Err(Refusal::Reject(TaskRejection::new(
+            "agent",
+            format!(
+                "the task names agent `{}` but was published for agent `{subject_agent}`",
+                task.agent
+            ),
+        )));
+    }
+    let no_such_agent = || {
+        Refusal::Reject(TaskRejection::new(
+            "agent",
+            format!("no agent named `{}`", task.agent),
+        ))
+    };
+    let (revision, def) = rt.agents.latest(&task.agent).await.map_err(|e| match e {
+        AgentError::NotFound(_) => no_such_agent(),
+        AgentError::Unavailable(r) => Refusal::Retry(r),
+        other => Refusal::Reject(TaskRejection::new("agent", other.to_string())),
+    })?;
+    if !def.allows_tenant(&tenant) {
+        // To a tenant the agent is not shared with, it does not exist.
+        tracing::warn!(agent = %task.agent, %tenant, "task for an agent this tenant may not start");
+        return Err(no_such_agent());
+    }
+    if task.budget.as_ref().is_some_and(|b| b.max_cost.is_some()) && def.model.price.is_none() {
+        // A cost limit that nothing would count is refused, not silently ignored.
+        return Err(Refusal::Reject(TaskRejection::new(
+            "budget.max_cost",
+            format!(
+                "agent `{}` has no model.price, so the run's cost is not counted",
+                task.agent
+            ),
+        )));
+    }
+    Ok((tenant, revision, def))
+}
+
+/// The answer to a task whose run id is taken: the same task again (same tenant and key) is
+/// the same run; otherwise refused, and only the run's own tenant learns that it exists.
+async fn existing_run(
+    rt: &Runtime,
+    run_id: RunId,
+    tenant: &TenantId,
+    key: Option<&str>,
+) -> Result<RunId, Refusal> {
+    // The run exists. The same task again (same tenant and key) is the same run.
+    // Its run.created (inputs may precede it: anyone may publish on a run id).
+    let created = rt
+        .journal
+        .read_type(&run_id, kedge_core::event::EventType::RunCreated)
+        .await
+        .map_err(|e| journal_refusal(&e))?;
+    match created.first().map(|r| &r.envelope.event) {
+        Some(Event::RunCreated(c))
+            if c.tenant == *tenant && key.is_some() && c.idempotency_key.as_deref() == key =>
+        {
+            Ok(run_id)
+        }
+        // Only the run's own tenant learns that it exists (its chosen run id used again
+        // with another key); ids are scoped per tenant, so another tenant's run is here
+        // only by a hash collision, or a run's inputs were published before it: refused
+        // without a word about it.
+        Some(Event::RunCreated(c)) if c.tenant == *tenant => Err(Refusal::Reject(
+            TaskRejection::new("run_id", format!("a run with id {run_id} already exists")),
+        )),
+        _ => Err(Refusal::Reject(TaskRejection::new(
+            "task",
+            "the run could not be created; submit the task again with another key or run id",
+        ))),
     }
 }
 

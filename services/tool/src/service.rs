@@ -165,31 +165,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         .await
         .map_err(|e| RuntimeError::broker("subscribe to resolve requests", e))?;
     // Precondition queries are answered beside the operations, and stop with the service.
-    let inspects = Responder::subscribe(
-        &rt.client,
-        Listen {
-            what: "precondition queries",
-            subject: TOOL_INSPECT.to_owned(),
-            queue: TOOL_RESOLVE_QUEUE,
-            bound: INSPECTS_IN_FLIGHT,
-            busy: Busy::Wait,
-        },
-    )
-    .await?;
-    let answering = tokio::spawn({
-        let (ctx, mut stopping) = (ctx.clone(), ctx.stopping.clone());
-        async move {
-            let shutdown = async move {
-                let _ = stopping.wait_for(|stopped| *stopped).await;
-            };
-            inspects
-                .run(shutdown, |query| {
-                    let ctx = ctx.clone();
-                    async move { answer_inspect(&ctx, query).await }
-                })
-                .await;
-        }
-    });
+    let answering = answer_inspects(&rt, &ctx).await?;
     tracing::info!(worker = %rt.config.worker_id, "tool service started");
     tokio::pin!(shutdown);
     loop {
@@ -238,6 +214,36 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
 
 /// Precondition queries answered at once by one tool process (more wait in the subscription).
 const INSPECTS_IN_FLIGHT: usize = 64;
+
+/// Answers precondition queries beside the operations until the service stops.
+async fn answer_inspects(
+    rt: &Runtime,
+    ctx: &Arc<Ctx>,
+) -> Result<tokio::task::JoinHandle<()>, RuntimeError> {
+    let inspects = Responder::subscribe(
+        &rt.client,
+        Listen {
+            what: "precondition queries",
+            subject: TOOL_INSPECT.to_owned(),
+            queue: TOOL_RESOLVE_QUEUE,
+            bound: INSPECTS_IN_FLIGHT,
+            busy: Busy::Wait,
+        },
+    )
+    .await?;
+    let (ctx, mut stopping) = (ctx.clone(), ctx.stopping.clone());
+    Ok(tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stopping.wait_for(|stopped| *stopped).await;
+        };
+        inspects
+            .run(shutdown, |query| {
+                let ctx = ctx.clone();
+                async move { answer_inspect(&ctx, query).await }
+            })
+            .await;
+    }))
+}
 
 /// Takes over the operations a runner found gone held (its last heartbeat named them), each
 /// through [`adopt`]; when it was last heard is kept for the takeover's latency.
