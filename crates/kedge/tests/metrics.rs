@@ -467,6 +467,21 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         get(&after, "kedge_dead_letters_total", &[("consumer", "step")]),
         0.0
     );
+    // The projector folded the run from the decisions it was delivered, fetching what lay
+    // between them by the links of the run-wide checks: no batched read of the run's subjects
+    // (one read per pass walked every message stored since, however many other runs').
+    let projected = scrape_until(&http, &addr, "the run's end projected by links", |s| {
+        get(s, "kedge_projector_reads_total", &[("how", "linked")]) >= 2.0
+    })
+    .await;
+    assert_eq!(
+        get(
+            &projected,
+            "kedge_projector_reads_total",
+            &[("how", "batched")]
+        ),
+        0.0
+    );
     // The tokens counted are the run's, as journaled.
     let (mut input, mut output) = (0u64, 0u64);
     for r in h.events(&run).await {

@@ -81,6 +81,8 @@ metrics_table! {
         "Steps this process completed (step.completed journaled), reused responses included.";
     STEP_READS = "kedge_step_reads_total", Counter, ["how"],
         "Reads of what landed on a run since the step's state of it, by how: chained (the two messages the tool service linked with run-wide checks, read by sequence), batched (a batched direct get of the run's subjects).";
+    PROJECTOR_READS = "kedge_projector_reads_total", Counter, ["how"],
+        "Reads of a run's new events by the projector, by how: linked (from the decisions delivered, back to its fold by the run-wide checks' links, what it lacked fetched by sequence), batched (a batched direct get of the run's subjects).";
     MODEL_CALLS = "kedge_model_calls_total", Counter, ["outcome"],
         "Model call attempts by outcome: ok, error, cancelled.";
     MODEL_ERRORS = "kedge_model_errors_total", Counter, ["class", "kind"],
@@ -427,6 +429,22 @@ pub fn step_read(how: StepRead) {
         StepRead::Batched => "batched",
     };
     counter!(STEP_READS, "how" => how).increment(1);
+}
+
+/// How the projector read what landed on a run ([`PROJECTOR_READS`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProjectorRead {
+    Linked,
+    Batched,
+}
+
+/// The projector read a run's new events `how`.
+pub fn projector_read(how: ProjectorRead) {
+    let how = match how {
+        ProjectorRead::Linked => "linked",
+        ProjectorRead::Batched => "batched",
+    };
+    counter!(PROJECTOR_READS, "how" => how).increment(1);
 }
 
 /// How a model call attempt ended.

@@ -29,6 +29,10 @@
 //! each unfinished run it follows (bounded), so a decision costs a read of the events after the
 //! last one folded, not of the whole journal again: that made every loop of a run cost a read
 //! and fold of everything before it (agent_loop `--with-projector`: 400 → 1,450 actions/s).
+//! That read follows the links of the decisions it was delivered back to the fold, fetching
+//! only the messages between them by sequence ([`kedge_journal::Journal::read_linked`]), and
+//! reads the run's subjects only when a link is missing (docs/ARCHITECTURE.md "The bridge and
+//! the runs projection").
 //! And it writes a run at most once per `bridge.runs_list_interval_ms` (250 ms): after a
 //! projection the run rests, holding no slot, and the decisions delivered meanwhile gather in
 //! its inbox entry for the next pass, so a busy agent loop costs a read and a write per

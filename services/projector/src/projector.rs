@@ -10,6 +10,7 @@ use async_nats::jetstream::Message;
 use kedge_core::EventType;
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{self, Durable};
+use kedge_journal::Delivered;
 use kedge_runtime::consumer::{Backoff, Verdict};
 use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tokio::sync::{mpsc, watch};
@@ -197,9 +198,20 @@ impl Projector {
         // Taken out while the run is projected (one handler at a time projects a run), put back
         // once its summary is stored.
         let folded = self.folds.take(run);
+        let delivered: Vec<Delivered<'_>> = batch
+            .iter()
+            .filter_map(|msg| {
+                Some(Delivered {
+                    seq: msg.info().ok()?.stream_sequence,
+                    subject: msg.subject.as_str(),
+                    headers: msg.headers.as_ref(),
+                    payload: &msg.payload,
+                })
+            })
+            .collect();
         match self
             .projection
-            .project_through(run, through, hint, folded)
+            .project_through(run, through, &delivered, hint, folded)
             .await
         {
             Ok(Some((summary, _, known, folded))) => {

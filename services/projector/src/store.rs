@@ -6,7 +6,8 @@ use async_nats::jetstream::Context;
 use async_nats::jetstream::kv;
 use kedge_core::ids::{RunId, TenantId};
 use kedge_core::subjects::RUNS_BUCKET;
-use kedge_journal::{Journal, Recorded};
+use kedge_journal::{Delivered, Journal, Recorded};
+use kedge_runtime::metrics::{self, ProjectorRead};
 use kedge_runtime::projection::{Projection, ProjectionError, RunSummary, key};
 use kedge_runtime::{Runtime, RuntimeError};
 
@@ -131,33 +132,43 @@ impl Writer {
     }
 
     /// [`Writer::project`] of a run through at least `through`, an event of the run the
-    /// broker acknowledged (the decision a projector handles): read without asking the stream
-    /// leader where the run ends ([`Journal::read_through`]); a later event the read did not
-    /// reach is projected on its own delivery. `hint`: what the caller believes is stored.
-    /// `folded`: the run's fold as this process last left it; only the events after it are
-    /// read (a fold that no longer applies is started over from the whole journal). Returns
-    /// the fold through the read besides.
+    /// broker acknowledged (the decision a projector handles), `delivered` the decisions of the
+    /// run the projector holds: read by their links back to the fold
+    /// ([`Journal::read_linked`]: the run's other messages fetched by sequence, no walk of the
+    /// stream), else without asking the stream leader where the run ends
+    /// ([`Journal::read_through`]); a later event the read did not reach is projected on its
+    /// own delivery. `hint`: what the caller believes is stored. `folded`: the run's fold as
+    /// this process last left it; only the events after it are read (a fold that no longer
+    /// applies is started over from the whole journal). Returns the fold through the read
+    /// besides.
     pub(super) async fn project_through(
         &self,
         run: &RunId,
         through: u64,
+        delivered: &[Delivered<'_>],
         hint: Hint,
         folded: Option<Folded>,
     ) -> Result<Option<(RunSummary, Stored, Known, Folded)>, ProjectionError> {
         let folded = match folded {
             Some(mut known) if known.state.last_seq < through => {
                 let after = known.state.last_seq;
-                let events = self.journal.read_through(run, after, through).await?.events;
+                let events = self.events_after(run, after, through, delivered).await?;
                 match known.apply(&events) {
                     Ok(()) => Some(known),
                     Err(e) => {
                         tracing::warn!(run_id = %run, error = %e, "the kept fold does not take the run's new events; folding the whole journal");
-                        self.fold_through(run, through).await?
+                        self.fold(
+                            run,
+                            &self.journal.read_through(run, 0, through).await?.events,
+                        )?
                     }
                 }
             }
             Some(known) => Some(known),
-            None => self.fold_through(run, through).await?,
+            None => {
+                let events = self.events_after(run, 0, through, delivered).await?;
+                self.fold(run, &events)?
+            }
         };
         let Some(folded) = folded else {
             return Ok(None);
@@ -167,14 +178,28 @@ impl Writer {
         Ok(Some((summary, stored, known, folded)))
     }
 
-    /// The fold of the run's whole journal through at least `through`; `None` for no events.
-    async fn fold_through(
+    /// The run's events after `after` through at least `through`: by the links of the
+    /// `delivered` decisions when they reach `after`, else read.
+    async fn events_after(
         &self,
         run: &RunId,
+        after: u64,
         through: u64,
-    ) -> Result<Option<Folded>, ProjectionError> {
-        let events = self.journal.read_through(run, 0, through).await?.events;
-        Folded::of(&events).map_err(|source| ProjectionError::Fold {
+        delivered: &[Delivered<'_>],
+    ) -> Result<Vec<Recorded>, ProjectionError> {
+        if let Some(page) = self.journal.read_linked(run, after, delivered).await?
+            && page.events.last().is_some_and(|r| r.seq >= through)
+        {
+            metrics::projector_read(ProjectorRead::Linked);
+            return Ok(page.events);
+        }
+        metrics::projector_read(ProjectorRead::Batched);
+        Ok(self.journal.read_through(run, after, through).await?.events)
+    }
+
+    /// The fold of `events`, a run's whole journal through some sequence; `None` for none.
+    fn fold(&self, run: &RunId, events: &[Recorded]) -> Result<Option<Folded>, ProjectionError> {
+        Folded::of(events).map_err(|source| ProjectionError::Fold {
             run: run.clone(),
             source,
         })

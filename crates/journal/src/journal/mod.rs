@@ -3,6 +3,7 @@
 //! The [`Journal`] handle is defined here; its methods live with their role: `append`
 //! (decisions, inputs, run creation, decision message ids), `decode` (what a stored message is:
 //! an event, set aside, or held by reference), `read` (a run's events after a sequence, pages),
+//! `linked` (a run's events from messages held back to a sequence, by the checks' links),
 //! `tail` (the live tail) and `scan` (whole-stream queries, purges, last-event lookups).
 //!
 //! Invariants this module keeps (principles 1–3):
@@ -49,6 +50,7 @@ use crate::wire;
 
 mod append;
 mod decode;
+mod linked;
 mod read;
 mod scan;
 mod tail;

@@ -43,7 +43,7 @@ const MAX_LANES: usize = 64;
 /// `Nats-Expected-Last-Subject-Sequence`, when its `-Subject` is the run's whole tree. The
 /// broker stores a message so checked only if the run's last message then was at that
 /// sequence, and keeps the headers with it, so whoever reads the message reads the check.
-fn checked_after(headers: Option<&HeaderMap>, run: &RunId) -> Option<u64> {
+pub(super) fn checked_after(headers: Option<&HeaderMap>, run: &RunId) -> Option<u64> {
     let headers = headers?;
     let scope = headers
         .get(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT)?
@@ -73,7 +73,7 @@ pub struct ReadPage {
 
 impl ReadPage {
     /// Adds what `decode` made of a message.
-    fn push(&mut self, run: &RunId, d: Decoded) {
+    pub(super) fn push(&mut self, run: &RunId, d: Decoded) {
         match d {
             Decoded::Event(r) => self.events.push(r),
             Decoded::Skip => {}
@@ -690,7 +690,11 @@ impl Journal {
 
     /// Resolves the messages of a page that hold their data by reference, putting each event
     /// (or what is set aside) in its place.
-    async fn resolve_page(&self, run: &RunId, page: &mut ReadPage) -> Result<(), JournalError> {
+    pub(super) async fn resolve_page(
+        &self,
+        run: &RunId,
+        page: &mut ReadPage,
+    ) -> Result<(), JournalError> {
         for m in std::mem::take(&mut page.by_reference) {
             let decoded = self.resolve(run, m).await?;
             match decoded {

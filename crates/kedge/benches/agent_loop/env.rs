@@ -236,7 +236,13 @@ impl Env {
         let groups: Vec<(String, Vec<&str>)> = if split {
             SPLIT.iter().map(|s| ((*s).to_owned(), vec![*s])).collect()
         } else {
-            vec![("all".to_owned(), vec!["all"])]
+            // A diagnostic: `KEDGE_BENCH_SERVICES="intake step tool"` leaves the others out, to
+            // price what each always-on service costs per action.
+            let services: Vec<&str> = match services_var() {
+                Some(list) => list.split_whitespace().collect(),
+                None => vec!["all"],
+            };
+            vec![("all".to_owned(), services)]
         };
         let mut serves = Vec::new();
         for (name, services) in groups {
@@ -549,4 +555,16 @@ pub struct RunTiming {
     pub submit: f64,
     /// Submit → terminal event seen, ms.
     pub wall: f64,
+}
+
+/// `KEDGE_BENCH_SERVICES`, read once and kept for the bench's life (the services `kedge serve`
+/// runs instead of `all`).
+fn services_var() -> Option<&'static str> {
+    static VAR: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    VAR.get_or_init(|| {
+        std::env::var("KEDGE_BENCH_SERVICES")
+            .ok()
+            .filter(|s| !s.trim().is_empty())
+    })
+    .as_deref()
 }
