@@ -104,8 +104,8 @@ impl Journal {
     /// `None` when the links do not reach `after`: a message on the way was stored without a
     /// check (an input from outside), one is not the run's or is missing where it was asked
     /// (a replica that trails), a held message is not on the way (the broker's check passed
-    /// over a message in flight on a clustered stream), more than [`LINKED_FETCH_MAX`] would be
-    /// fetched or in more than [`LINKED_ROUNDS_MAX`] steps, or `after` is 0 and the run's
+    /// over a message in flight on a clustered stream), more than 512 would be fetched or in
+    /// more than 16 steps, or `after` is 0 and the run's
     /// first decision is not held: read the usual way. The same trust in the same check as
     /// [`Journal::read_chained`]. Messages set aside on the way are in the page's `set_aside`.
     pub async fn read_linked(
