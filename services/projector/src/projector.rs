@@ -351,12 +351,12 @@ impl Projected {
 /// decision costs a read of what is new, not of its whole journal (which made every loop of a
 /// run cost a read of everything before it). A run is kept only while it is not finished: a
 /// finished run's journal may be purged by retention, and a run revived later is folded anew
-/// from its journal. Bounded like [`Projected`]: started over when full.
+/// from its journal. Bounded: when full, one kept fold makes room for the next.
 #[derive(Debug, Default)]
 struct Folds(Mutex<HashMap<RunId, Folded>>);
 
-/// Runs [`Folds`] keeps before it starts over (each with its transcript so far).
-const FOLDED_RUNS: usize = 1_024;
+/// Runs [`Folds`] keeps (each with its transcript so far).
+const FOLDED_RUNS: usize = 4_096;
 
 impl Folds {
     fn take(&self, run: &RunId) -> Option<Folded> {
@@ -365,8 +365,13 @@ impl Folds {
 
     fn keep(&self, run: &RunId, folded: Folded) {
         if let Ok(mut m) = self.0.lock() {
-            if m.len() >= FOLDED_RUNS {
-                m.clear();
+            if m.len() >= FOLDED_RUNS
+                && !m.contains_key(run)
+                && let Some(evicted) = m.keys().next().cloned()
+            {
+                // One run's fold makes room, not all of them: with more runs in flight than
+                // the bound (a burst), starting over made every pass fold a whole journal.
+                m.remove(&evicted);
             }
             m.insert(run.clone(), folded);
         }

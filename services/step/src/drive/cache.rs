@@ -79,7 +79,7 @@ fn fold_merged<'a>(
     Ok(())
 }
 
-/// Runs whose folded state is kept between drives; beyond it the cache starts over.
+/// Runs whose folded state is kept between drives; beyond it one state makes room for another.
 pub(super) const CACHE_RUNS: usize = 10_000;
 
 /// A wake stored longer ago than this is a backlog (a fresh process catching up on the
@@ -138,6 +138,16 @@ impl Driver {
         through: Option<u64>,
     ) -> Result<Option<RunState>, DriveError> {
         let page = self.read(run, 0, through).await?;
+        self.fold_whole(run, page).await
+    }
+
+    /// The run's state from `page`, its whole journal as read; `None` for a run with no
+    /// `run.created`.
+    async fn fold_whole(
+        &self,
+        run: &RunId,
+        page: kedge_journal::ReadPage,
+    ) -> Result<Option<RunState>, DriveError> {
         if !page.set_aside.is_empty() {
             self.record_set_aside(run, &page.set_aside).await;
         }
@@ -291,11 +301,26 @@ impl Driver {
                     chained,
                 }))
             }
-            None => Ok(self.load(run, through).await?.map(|state| Read {
-                state,
-                skipped: Skipped::new(),
-                chained: false,
-            })),
+            None => {
+                // A run's first drive is woken by its `run.created`: the wake is the whole run
+                // (what came before it is no part of the fold), read by no request at all.
+                let first = match wake {
+                    Some(wake) => self.rt.journal.read_linked(run, 0, &[wake]).await?,
+                    None => None,
+                };
+                let state = match first {
+                    Some(page) if page.events.last().map(|r| r.seq) == through => {
+                        metrics::step_read(StepRead::Linked);
+                        self.fold_whole(run, page).await?
+                    }
+                    _ => self.load(run, through).await?,
+                };
+                Ok(state.map(|state| Read {
+                    state,
+                    skipped: Skipped::new(),
+                    chained: false,
+                }))
+            }
         }
     }
 
@@ -303,8 +328,13 @@ impl Driver {
     /// finished run's with nothing pending).
     pub(super) fn keep(&self, state: RunState, skipped: Skipped) {
         if let Ok(mut cache) = self.cache.lock() {
-            if cache.len() >= CACHE_RUNS {
-                cache.clear();
+            if cache.len() >= CACHE_RUNS
+                && !cache.contains_key(&state.run_id)
+                && let Some(evicted) = cache.keys().next().cloned()
+            {
+                // One run's state makes room, not all of them: with more runs in flight than
+                // the bound (a burst), starting over made every drive fold a whole journal.
+                cache.remove(&evicted);
             }
             if !state.status.is_terminal() || !state.pending_messages.is_empty() {
                 cache.insert(state.run_id.clone(), (state, skipped));
