@@ -463,6 +463,15 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         get(&after, "kedge_step_reads_total", &[("how", "chained")]),
         1.0
     );
+    // Its first drive folded the run.created that woke it, with no read.
+    assert_eq!(
+        get(&after, "kedge_step_reads_total", &[("how", "linked")]),
+        1.0
+    );
+    assert_eq!(
+        get(&after, "kedge_step_reads_total", &[("how", "batched")]),
+        0.0
+    );
     assert_eq!(
         get(&after, "kedge_dead_letters_total", &[("consumer", "step")]),
         0.0
