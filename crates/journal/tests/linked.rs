@@ -147,6 +147,12 @@ async fn a_run_is_read_back_by_its_links_from_what_was_delivered() {
             "after {after}"
         );
     }
+    // From nothing folded with only the newest held: back to run.created one link at a time
+    // (16 steps here, as many as a read by links walks).
+    assert_eq!(
+        linked(&journal, &run, 0, &[stored(&js, tip).await]).await,
+        Some(all.iter().filter(|(s, _)| *s <= tip).cloned().collect())
+    );
     // Nothing held after `after`: nothing to read.
     assert_eq!(linked(&journal, &run, tip, &known).await, Some(Vec::new()));
     // An `after` that is not the run's message: the links pass it by.
@@ -171,5 +177,44 @@ async fn a_run_is_read_back_by_its_links_from_what_was_delivered() {
     assert_eq!(
         linked(&journal, &run, group.first_seq - 1, &newest).await,
         Some(want)
+    );
+}
+
+#[tokio::test]
+async fn a_short_run_is_read_back_from_its_newest_message_to_its_creation() {
+    let (server, journal) = setup().await;
+    let js = async_nats::jetstream::new(server.client().await);
+    let run = new_run();
+    let created = journal
+        .create_run(&RunCreator::intake(), &run_created(&run))
+        .await
+        .unwrap();
+    let writer = DecisionWriter::unfenced(&run, "step");
+    let group = journal
+        .append_decisions(&writer, created.last_decision(), &step_group(&run, 1))
+        .await
+        .unwrap();
+    let started = journal
+        .append_input_after(
+            &InputId::arbitrary("s-1"),
+            &tool_started(&run, 1, 0),
+            Some(group.last_seq),
+        )
+        .await
+        .unwrap();
+    let result = journal
+        .append_input_after(
+            &InputId::arbitrary("r-1"),
+            &tool_result(&run, 1, 0),
+            Some(started.seq),
+        )
+        .await
+        .unwrap();
+    assert!(started.chained && result.chained);
+    // A process that holds no state of the run, woken by its tool's result.
+    let wake = [stored(&js, result.seq).await];
+    assert_eq!(
+        linked(&journal, &run, 0, &wake).await,
+        Some(read(&journal, &run, 0).await)
     );
 }

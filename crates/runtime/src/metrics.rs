@@ -80,7 +80,7 @@ metrics_table! {
     STEPS_COMPLETED = "kedge_steps_completed_total", Counter, [],
         "Steps this process completed (step.completed journaled), reused responses included.";
     STEP_READS = "kedge_step_reads_total", Counter, ["how"],
-        "Reads of what landed on a run since the step's state of it, by how: chained (the two messages the tool service linked with run-wide checks, read by sequence), linked (a run's first drive, woken by its run.created: no request), batched (a batched direct get of the run's subjects).";
+        "Reads of what landed on a run since the step's state of it, by how: chained (the two messages the tool service linked with run-wide checks, read by sequence), linked (a state read back from its wake to its run.created by the links: a first drive's wake is that, no request), batched (a batched direct get of the run's subjects).";
     PROJECTOR_READS = "kedge_projector_reads_total", Counter, ["how"],
         "Reads of a run's new events by the projector, by how: linked (from the decisions delivered, back to its fold by the run-wide checks' links, what it lacked fetched by sequence), batched (a batched direct get of the run's subjects).";
     MODEL_CALLS = "kedge_model_calls_total", Counter, ["outcome"],

@@ -104,9 +104,10 @@ impl Journal {
     /// `None` when the links do not reach `after`: a message on the way was stored without a
     /// check (an input from outside), one is not the run's or is missing where it was asked
     /// (a replica that trails), a held message is not on the way (the broker's check passed
-    /// over a message in flight on a clustered stream), more than 512 would be fetched or in
-    /// more than 16 steps, or `after` is 0 and the run's
-    /// first decision is not held: read the usual way. The same trust in the same check as
+    /// over a message in flight on a clustered stream), or more than 512 would be fetched or in
+    /// more than 16 steps (a run read from nothing, `after` 0, back to its `run.created` one
+    /// link at a time: a short run's whole journal, a long one's left to a read): read the
+    /// usual way. The same trust in the same check as
     /// [`Journal::read_chained`]. Messages set aside on the way are in the page's `set_aside`.
     pub async fn read_linked(
         &self,
@@ -132,11 +133,6 @@ impl Journal {
         let Some(&tip) = held.keys().next_back() else {
             return Ok(Some(ReadPage::default()));
         };
-        if after == 0 && !held.values().any(|m| link(m, run) == Link::First) {
-            // From nothing folded the links must end at the run's first decision: without it
-            // held, the walk would fetch the whole run one link at a time.
-            return Ok(None);
-        }
         let tree = subjects::run_all(run);
         let tree = tree.trim_end_matches('>');
         let (mut fetched, mut rounds) = (0, 0);

@@ -302,8 +302,10 @@ impl Driver {
                 }))
             }
             None => {
-                // A run's first drive is woken by its `run.created`: the wake is the whole run
-                // (what came before it is no part of the fold), read by no request at all.
+                // A run not kept here (its first drive, a state evicted, another process's run
+                // taken over): read back from the wake by its links to its `run.created` (the
+                // first drive's wake is that: no request at all), a short run's journal by
+                // sequence instead of a read that walks the stream between its messages.
                 let first = match wake {
                     Some(wake) => self.rt.journal.read_linked(run, 0, &[wake]).await?,
                     None => None,
