@@ -313,7 +313,7 @@ impl<M> Inbox<M> {
 /// a backlog of a run's decisions, a fresh projector over a journal that grew without one,
 /// costs one read, not one per decision), and the next write of the run is a compare-and-set
 /// on the revision it left, with no read of the key. Bounded like the step's cache of states:
-/// started over when full.
+/// when full, one run makes room for another.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Projected(Arc<Mutex<HashMap<RunId, Known>>>);
 
@@ -333,8 +333,13 @@ impl Projected {
 
     pub(super) fn note(&self, run: &RunId, known: Known) {
         if let Ok(mut m) = self.0.lock() {
-            if m.len() >= PROJECTED_RUNS && !m.contains_key(run) {
-                m.clear();
+            if m.len() >= PROJECTED_RUNS
+                && !m.contains_key(run)
+                && let Some(evicted) = m.keys().next().cloned()
+            {
+                // One run makes room (see `Folds::keep`): starting over made a burst's every
+                // write read its key first.
+                m.remove(&evicted);
             }
             match m.get_mut(run) {
                 Some(k) if (k.seq, k.revision) >= (known.seq, known.revision) => {}
