@@ -310,17 +310,24 @@ impl Driver {
                     Some(wake) => self.rt.journal.read_linked(run, 0, &[wake]).await?,
                     None => None,
                 };
+                // What the links stepped over is noted as skipped, as for a chained wake (see
+                // `refresh`): checked by a later batched read, and at once by a drive under a
+                // lease someone else may have held meanwhile.
+                let mut skipped = Skipped::new();
                 let state = match first {
                     Some(page) if page.events.last().map(|r| r.seq) == through => {
                         metrics::step_read(StepRead::Linked);
+                        for pair in page.events.windows(2) {
+                            skipped.extend(gap(pair[0].seq, pair[1].seq));
+                        }
                         self.fold_whole(run, page).await?
                     }
                     _ => self.load(run, through).await?,
                 };
                 Ok(state.map(|state| Read {
                     state,
-                    skipped: Skipped::new(),
-                    chained: false,
+                    chained: !skipped.is_empty(),
+                    skipped,
                 }))
             }
         }
