@@ -99,11 +99,15 @@ fn stored_long_ago(published: time::OffsetDateTime, now: time::OffsetDateTime) -
     now - published > time::Duration::try_from(BACKLOG_AGE).unwrap_or(time::Duration::MAX)
 }
 
-/// Notes `value` for `key` in one of this process's per-run memories, which start over once
-/// they hold [`CACHE_RUNS`] runs.
-pub(super) fn remember<K: Eq + Hash, V>(map: &mut HashMap<K, V>, key: K, value: V) {
-    if map.len() >= CACHE_RUNS {
-        map.clear();
+/// Notes `value` for `key` in one of this process's per-run memories, which hold at most
+/// [`CACHE_RUNS`] runs: when full, one of them makes room (not all: a burst of more runs than
+/// that would forget every run at once, and with it, e.g., that nobody else held their leases).
+pub(super) fn remember<K: Eq + Hash + Clone, V>(map: &mut HashMap<K, V>, key: K, value: V) {
+    if map.len() >= CACHE_RUNS
+        && !map.contains_key(&key)
+        && let Some(evicted) = map.keys().next().cloned()
+    {
+        map.remove(&evicted);
     }
     map.insert(key, value);
 }
@@ -453,7 +457,7 @@ mod tests {
     }
 
     #[test]
-    fn a_per_run_memory_starts_over_once_it_holds_cache_runs() {
+    fn a_full_per_run_memory_makes_room_for_one_run_at_a_time() {
         let mut small = HashMap::new();
         remember(&mut small, "a", 1);
         remember(&mut small, "b", 2);
@@ -466,7 +470,11 @@ mod tests {
         }
         assert_eq!(full.len(), CACHE_RUNS);
         remember(&mut full, CACHE_RUNS, 0);
-        assert_eq!(full.len(), 1);
+        assert_eq!(full.len(), CACHE_RUNS, "one run made room");
         assert_eq!(full.get(&CACHE_RUNS), Some(&0));
+        // A run already there is noted again in its place.
+        remember(&mut full, CACHE_RUNS, 1);
+        assert_eq!(full.len(), CACHE_RUNS);
+        assert_eq!(full.get(&CACHE_RUNS), Some(&1));
     }
 }
