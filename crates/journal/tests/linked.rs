@@ -12,21 +12,6 @@ use kedge_core::ids::InputId;
 use kedge_core::{Envelope, RunId};
 use kedge_journal::{DecisionWriter, Delivered, Journal, RunCreator};
 
-/// The message at `seq` as a consumer of the stream delivers it: its stored headers with it.
-async fn stored(js: &async_nats::jetstream::Context, seq: u64) -> StreamMessage {
-    let stream = js.get_stream("KEDGE_RUNS").await.unwrap();
-    stream.direct_get(seq).await.unwrap()
-}
-
-fn delivered(m: &StreamMessage) -> Delivered<'_> {
-    Delivered {
-        seq: m.sequence,
-        subject: m.subject.as_str(),
-        headers: Some(&m.headers),
-        payload: &m.payload,
-    }
-}
-
 async fn read(journal: &Journal, run: &RunId, after: u64) -> Vec<(u64, Envelope)> {
     let read = journal.read(run, after).await.unwrap();
     read.into_iter().map(|r| (r.seq, r.envelope)).collect()

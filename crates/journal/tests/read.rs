@@ -10,9 +10,7 @@ use common::*;
 use futures::StreamExt;
 use kedge_core::ids::{DecisionSeq, InputId};
 use kedge_core::{DecisionEnvelope, Envelope, EventKind, RunId};
-use kedge_journal::{
-    DecisionWriter, Delivered, InputAppended, Journal, JournalError, Recorded, RunCreator,
-};
+use kedge_journal::{DecisionWriter, InputAppended, Journal, JournalError, Recorded, RunCreator};
 
 /// Writes a run of `n` decisions and inputs (groups included), interleaved with another run's
 /// events; returns what was written with its sequences.
@@ -549,24 +547,6 @@ async fn a_read_through_a_known_sequence_returns_the_run_up_to_it_and_after() {
         .await
         .unwrap();
     assert_eq!(page.events.len(), 10);
-}
-
-/// The message at `seq` as a consumer of the stream delivers it: its stored headers with it.
-async fn stored(
-    js: &async_nats::jetstream::Context,
-    seq: u64,
-) -> async_nats::jetstream::message::StreamMessage {
-    let stream = js.get_stream("KEDGE_RUNS").await.unwrap();
-    stream.direct_get(seq).await.unwrap()
-}
-
-fn delivered(m: &async_nats::jetstream::message::StreamMessage) -> Delivered<'_> {
-    Delivered {
-        seq: m.sequence,
-        subject: m.subject.as_str(),
-        headers: Some(&m.headers),
-        payload: &m.payload,
-    }
 }
 
 /// Whether `wake` is read by its chain from `after`.

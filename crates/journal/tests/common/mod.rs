@@ -174,3 +174,24 @@ pub fn long_tool_result(run: &RunId, step: u32, op: u32, size: usize) -> InputEn
     content.truncate(size);
     tool_result_of(run, step, op, content)
 }
+
+/// The message at `seq` as a consumer of the stream delivers it: its stored headers with it.
+pub async fn stored(
+    js: &async_nats::jetstream::Context,
+    seq: u64,
+) -> async_nats::jetstream::message::StreamMessage {
+    let stream = js.get_stream("KEDGE_RUNS").await.unwrap();
+    stream.direct_get(seq).await.unwrap()
+}
+
+/// `m` as the journal reads a delivered message.
+pub fn delivered(
+    m: &async_nats::jetstream::message::StreamMessage,
+) -> kedge_journal::Delivered<'_> {
+    kedge_journal::Delivered {
+        seq: m.sequence,
+        subject: m.subject.as_str(),
+        headers: Some(&m.headers),
+        payload: &m.payload,
+    }
+}
