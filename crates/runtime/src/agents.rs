@@ -192,12 +192,25 @@ impl AgentStore {
             .map_err(|e| AgentError::Unavailable(e.to_string()))?;
         match entry {
             Some(e) if e.operation == Operation::Put => {
+                // A revision's content never changes: parsed (and its digests and contract
+                // computed) once, not per task.
+                if let Some(known) = self.known(name, e.revision) {
+                    return Ok((e.revision, known.def.clone()));
+                }
                 let revision =
                     self.remember(name, e.revision, Self::parse(name, e.revision, &e.value)?);
                 Ok((e.revision, revision.def.clone()))
             }
             _ => Err(AgentError::NotFound(name.clone())),
         }
+    }
+
+    /// The revision as this store already parsed it, if it did.
+    fn known(&self, name: &AgentName, revision: u64) -> Option<Arc<Revision>> {
+        self.cache
+            .lock()
+            .ok()
+            .and_then(|cache| cache.get(&(name.clone(), revision)).cloned())
     }
 
     /// A definition at a given revision (what a run froze).
@@ -215,10 +228,8 @@ impl AgentStore {
         name: &AgentName,
         revision: u64,
     ) -> Result<Arc<Revision>, AgentError> {
-        if let Ok(cache) = self.cache.lock()
-            && let Some(known) = cache.get(&(name.clone(), revision))
-        {
-            return Ok(known.clone());
+        if let Some(known) = self.known(name, revision) {
+            return Ok(known);
         }
         // The copy (every revision but possibly the newest has one), then the key's history.
         let copy = self

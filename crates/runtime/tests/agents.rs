@@ -1,6 +1,6 @@
 //! An agent revision read back carries what every step of its runs checks and uses: its digests
 //! and its tool contract, computed once per revision, and an older revision keeps its own after
-//! the agent is edited.
+//! the agent is edited; the latest revision, asked for every task, is parsed once as well.
 
 use std::sync::Arc;
 
@@ -48,5 +48,17 @@ async fn a_revision_carries_its_digests_and_one_contract() {
     let old = fresh.revision(&first.name, r1).await.expect("r1");
     let new = fresh.revision(&first.name, r2).await.expect("r2");
     assert_ne!(old.tools_digest(), new.tools_digest());
+    // The latest revision, asked per task, is parsed once too: the same definition back while
+    // the agent is not edited, the new one once it is.
+    let latest = AgentStore::new(js.get_key_value("kedge_agents").await.expect("bucket"));
+    let (rev, a) = latest.latest(&first.name).await.expect("latest");
+    let (again, b) = latest.latest(&first.name).await.expect("latest");
+    assert_eq!((rev, again), (r2, r2));
+    assert!(Arc::ptr_eq(&a, &b), "parsed once");
+    let third = definition("Be kind.", &["read_file"]);
+    let r3 = store.put(&third).await.expect("stored");
+    let (rev, c) = latest.latest(&first.name).await.expect("latest");
+    assert_eq!(rev, r3);
+    assert_eq!(*c, third);
     drop(server);
 }
