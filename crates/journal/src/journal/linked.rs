@@ -38,26 +38,44 @@ enum Link {
     Unknown,
 }
 
-fn link(m: &StoredMessage, run: &RunId) -> Link {
-    if let Some(prev) = checked_after(Some(&m.headers), run) {
-        return Link::After(prev);
-    }
-    let decision = m
-        .header(wire::MSG_ID)
-        .and_then(parse_decision_msg_id)
-        .filter(|id| id.run == *run && m.subject.starts_with(&decisions_prefix(run)));
-    match decision {
-        Some(id) if id.index > 0 => Link::After(m.seq.saturating_sub(1)),
-        Some(id) if id.expected_last == 0 => Link::First,
-        _ => Link::Unknown,
+/// What a run's messages are checked on: `agent.run.<id>.d.>` (its decisions) and the prefix
+/// `agent.run.<id>.d.` of a decision's subject.
+struct Scope {
+    decisions: String,
+    prefix: String,
+}
+
+impl Scope {
+    fn of(run: &RunId) -> Scope {
+        let decisions = subjects::run_decisions(run);
+        let prefix = decisions.trim_end_matches('>').to_owned();
+        Scope { decisions, prefix }
     }
 }
 
-/// `agent.run.<id>.d.`: what a decision subject of the run starts with.
-fn decisions_prefix(run: &RunId) -> String {
-    subjects::run_decisions(run)
-        .trim_end_matches('>')
-        .to_owned()
+fn link(m: &StoredMessage, run: &RunId, scope: &Scope) -> Link {
+    if let Some(prev) = checked_after(Some(&m.headers), run) {
+        return Link::After(prev);
+    }
+    // The run's first decision, as the broker checked it when storing it: stored only if the
+    // run had no decision then (a message id could say so of any decision; the check cannot).
+    if m.header(wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT) == Some(scope.decisions.as_str())
+        && m.header(wire::EXPECTED_LAST_SUBJECT_SEQ) == Some("0")
+    {
+        return Link::First;
+    }
+    // A group's later decisions: stored right after the one before them (an atomic batch is
+    // stored contiguously). A wrong claim costs nothing: the message at `seq - 1` is fetched
+    // and must be the run's, and nothing lies between the two.
+    let later_in_group = m
+        .header(wire::MSG_ID)
+        .and_then(parse_decision_msg_id)
+        .is_some_and(|id| id.run == *run && id.index > 0 && m.subject.starts_with(&scope.prefix));
+    if later_in_group {
+        Link::After(m.seq.saturating_sub(1))
+    } else {
+        Link::Unknown
+    }
 }
 
 /// Where a walk down the links from the newest held message ended.
@@ -71,14 +89,20 @@ enum Walk {
     Broken,
 }
 
-fn walk(held: &BTreeMap<u64, StoredMessage>, run: &RunId, after: u64, tip: u64) -> Walk {
+fn walk(
+    held: &BTreeMap<u64, StoredMessage>,
+    run: &RunId,
+    scope: &Scope,
+    after: u64,
+    tip: u64,
+) -> Walk {
     let mut chain = vec![tip];
     let mut at = tip;
     loop {
         let Some(m) = held.get(&at) else {
             return Walk::Missing;
         };
-        match link(m, run) {
+        match link(m, run, scope) {
             Link::After(prev) if prev == after => return Walk::Complete(chain),
             Link::After(prev) if prev < after || prev >= at => return Walk::Broken,
             Link::After(prev) => {
@@ -133,11 +157,12 @@ impl Journal {
         let Some(&tip) = held.keys().next_back() else {
             return Ok(Some(ReadPage::default()));
         };
+        let scope = Scope::of(run);
         let tree = subjects::run_all(run);
         let tree = tree.trim_end_matches('>');
         let (mut fetched, mut rounds) = (0, 0);
         let chain = loop {
-            match walk(&held, run, after, tip) {
+            match walk(&held, run, &scope, after, tip) {
                 Walk::Complete(chain) => break chain,
                 Walk::Broken => return Ok(None),
                 Walk::Missing => {}
@@ -145,7 +170,7 @@ impl Journal {
             // Every link into what is not held yet, fetched at once.
             let missing: BTreeSet<u64> = held
                 .values()
-                .filter_map(|m| match link(m, run) {
+                .filter_map(|m| match link(m, run, &scope) {
                     Link::After(prev) if prev > after && !held.contains_key(&prev) => Some(prev),
                     _ => None,
                 })
@@ -223,30 +248,47 @@ mod tests {
         message(seq, "d.tool.requested", headers)
     }
 
+    /// A run's first decision as `create_run` stores it: checked on the run having none.
+    fn first(seq: u64) -> StoredMessage {
+        let mut m = decision(seq, 0, 0);
+        m.headers.insert(wire::EXPECTED_LAST_SUBJECT_SEQ, "0");
+        m.headers.insert(
+            wire::EXPECTED_LAST_SUBJECT_SEQ_SUBJECT,
+            subjects::run_decisions(&run()).as_str(),
+        );
+        m
+    }
+
     fn held(messages: Vec<StoredMessage>) -> BTreeMap<u64, StoredMessage> {
         messages.into_iter().map(|m| (m.seq, m)).collect()
     }
 
     #[test]
     fn a_message_names_the_one_before_it_by_its_check_or_its_place_in_a_group() {
-        assert_eq!(link(&checked(9, 4), &run()), Link::After(4));
+        let (r, scope) = (run(), Scope::of(&run()));
+        assert_eq!(link(&checked(9, 4), &r, &scope), Link::After(4));
         // A group's later decisions follow the first contiguously.
-        assert_eq!(link(&decision(12, 3, 1), &run()), Link::After(11));
-        // A run's first decision.
-        assert_eq!(link(&decision(2, 0, 0), &run()), Link::First);
+        assert_eq!(link(&decision(12, 3, 1), &r, &scope), Link::After(11));
+        // A run's first decision, by the broker's check.
+        assert_eq!(link(&first(2), &r, &scope), Link::First);
+        // A message id alone does not make a decision the run's first.
+        assert_eq!(link(&decision(2, 0, 0), &r, &scope), Link::Unknown);
         // An input from outside, or another run's decision id.
         assert_eq!(
-            link(&message(5, "i.user.message", HeaderMap::new()), &run()),
+            link(&message(5, "i.user.message", HeaderMap::new()), &r, &scope),
             Link::Unknown
         );
         let mut other = decision(12, 3, 1);
         other.subject = "agent.run.run_other.d.tool.requested".into();
-        assert_eq!(link(&other, &run()), Link::Unknown);
+        assert_eq!(link(&other, &r, &scope), Link::Unknown);
     }
 
     #[test]
     fn a_walk_reaches_after_names_what_is_missing_or_breaks() {
-        let r = run();
+        let (r, scope) = (run(), Scope::of(&run()));
+        let walk = |h: &BTreeMap<u64, StoredMessage>, r: &RunId, after, tip| {
+            walk(h, r, &scope, after, tip)
+        };
         // 10 <- 7 <- 4 (after): complete, newest first.
         let h = held(vec![checked(7, 4), checked(10, 7)]);
         assert_eq!(walk(&h, &r, 4, 10), Walk::Complete(vec![10, 7]));
@@ -259,7 +301,7 @@ mod tests {
         let h = held(vec![message(10, "i.user.message", HeaderMap::new())]);
         assert_eq!(walk(&h, &r, 4, 10), Walk::Broken);
         // From nothing folded, the run's first decision ends the walk; past it, it breaks.
-        let h = held(vec![decision(3, 0, 0), checked(5, 3)]);
+        let h = held(vec![first(3), checked(5, 3)]);
         assert_eq!(walk(&h, &r, 0, 5), Walk::Complete(vec![5, 3]));
         assert_eq!(walk(&h, &r, 1, 5), Walk::Broken);
         // A link that points forward is broken, not followed.
