@@ -25,6 +25,7 @@
 pub mod admission;
 pub mod agent;
 pub mod answers;
+pub mod bounded;
 pub mod child;
 pub mod compensation;
 pub mod concurrency;

@@ -30,10 +30,7 @@ impl TenantCache {
     /// Remembers a run's tenant learned elsewhere (from a full journal read).
     pub fn remember(&self, run: &RunId, tenant: &TenantId) {
         if let Ok(mut map) = self.map.lock() {
-            if map.len() >= MAX_ENTRIES {
-                map.clear();
-            }
-            map.insert(run.clone(), tenant.clone());
+            kedge_core::bounded::insert(&mut map, run.clone(), tenant.clone(), MAX_ENTRIES);
         }
     }
 

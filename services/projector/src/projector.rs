@@ -333,19 +333,11 @@ impl Projected {
 
     pub(super) fn note(&self, run: &RunId, known: Known) {
         if let Ok(mut m) = self.0.lock() {
-            if m.len() >= PROJECTED_RUNS
-                && !m.contains_key(run)
-                && let Some(evicted) = m.keys().next().cloned()
-            {
-                // One run makes room (see `Folds::keep`): starting over made a burst's every
-                // write read its key first.
-                m.remove(&evicted);
-            }
             match m.get_mut(run) {
                 Some(k) if (k.seq, k.revision) >= (known.seq, known.revision) => {}
                 Some(k) => *k = known,
                 None => {
-                    m.insert(run.clone(), known);
+                    kedge_core::bounded::insert(&mut m, run.clone(), known, PROJECTED_RUNS);
                 }
             }
         }
@@ -370,15 +362,7 @@ impl Folds {
 
     fn keep(&self, run: &RunId, folded: Folded) {
         if let Ok(mut m) = self.0.lock() {
-            if m.len() >= FOLDED_RUNS
-                && !m.contains_key(run)
-                && let Some(evicted) = m.keys().next().cloned()
-            {
-                // One run's fold makes room, not all of them: with more runs in flight than
-                // the bound (a burst), starting over made every pass fold a whole journal.
-                m.remove(&evicted);
-            }
-            m.insert(run.clone(), folded);
+            kedge_core::bounded::insert(&mut m, run.clone(), folded, FOLDED_RUNS);
         }
     }
 }

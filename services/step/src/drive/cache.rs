@@ -103,13 +103,7 @@ fn stored_long_ago(published: time::OffsetDateTime, now: time::OffsetDateTime) -
 /// [`CACHE_RUNS`] runs: when full, one of them makes room (not all: a burst of more runs than
 /// that would forget every run at once, and with it, e.g., that nobody else held their leases).
 pub(super) fn remember<K: Eq + Hash + Clone, V>(map: &mut HashMap<K, V>, key: K, value: V) {
-    if map.len() >= CACHE_RUNS
-        && !map.contains_key(&key)
-        && let Some(evicted) = map.keys().next().cloned()
-    {
-        map.remove(&evicted);
-    }
-    map.insert(key, value);
+    kedge_core::bounded::insert(map, key, value, CACHE_RUNS);
 }
 
 /// The sequences between `after` and `seq` (both excluded), when there are any: what a state
@@ -340,18 +334,10 @@ impl Driver {
     /// Keeps a run's state, with what its appends `skipped`, for its next drive here (not a
     /// finished run's with nothing pending).
     pub(super) fn keep(&self, state: RunState, skipped: Skipped) {
-        if let Ok(mut cache) = self.cache.lock() {
-            if cache.len() >= CACHE_RUNS
-                && !cache.contains_key(&state.run_id)
-                && let Some(evicted) = cache.keys().next().cloned()
-            {
-                // One run's state makes room, not all of them: with more runs in flight than
-                // the bound (a burst), starting over made every drive fold a whole journal.
-                cache.remove(&evicted);
-            }
-            if !state.status.is_terminal() || !state.pending_messages.is_empty() {
-                cache.insert(state.run_id.clone(), (state, skipped));
-            }
+        if let Ok(mut cache) = self.cache.lock()
+            && (!state.status.is_terminal() || !state.pending_messages.is_empty())
+        {
+            remember(&mut cache, state.run_id.clone(), (state, skipped));
         }
     }
 }
