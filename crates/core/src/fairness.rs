@@ -23,6 +23,64 @@ pub enum Lane {
     Shared,
 }
 
+/// How much else of its tenant's work a service holds when it takes an item from a lane
+/// ([`FairQueue::pop`]): waiting behind it, and handed out before it and not finished
+/// ([`InFlight`]). It tells the service which of its two connections to the broker the item's
+/// work goes out on (docs/ARCHITECTURE.md "Fairness across tenants").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pace {
+    /// Less than [`BACKLOG_FROM`] other items: a tenant keeping up, whose next operations
+    /// should not queue behind another tenant's thousands.
+    Light,
+    /// A backlog: its work shares the connection every backlog uses.
+    Backlogged,
+}
+
+/// Other items of a lane (waiting or in flight) from which its tenant is backlogged.
+pub const BACKLOG_FROM: usize = 8;
+
+impl Pace {
+    /// The pace of a lane with `others` items besides the one taken (waiting behind it or in
+    /// flight).
+    pub fn of(others: usize) -> Pace {
+        if others < BACKLOG_FROM {
+            Pace::Light
+        } else {
+            Pace::Backlogged
+        }
+    }
+}
+
+/// The items of each lane handed out and not finished yet (the shell says when one ends).
+#[derive(Debug, Default)]
+pub struct InFlight {
+    by_lane: HashMap<Lane, usize>,
+}
+
+impl InFlight {
+    /// An item of `lane` was handed out; returns how many of the lane were in flight before it.
+    pub fn start(&mut self, lane: &Lane) -> usize {
+        let n = self.by_lane.entry(lane.clone()).or_insert(0);
+        *n += 1;
+        *n - 1
+    }
+
+    /// An item of `lane` handed out has finished (a lane with none left is forgotten).
+    pub fn end(&mut self, lane: &Lane) {
+        if let Some(n) = self.by_lane.get_mut(lane) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.by_lane.remove(lane);
+            }
+        }
+    }
+
+    /// How many items of `lane` are in flight.
+    pub fn of(&self, lane: &Lane) -> usize {
+        self.by_lane.get(lane).copied().unwrap_or(0)
+    }
+}
+
 /// Per-tenant weights (`fairness.weights`): a tenant of weight `w` gets up to `w` items per
 /// turn; a tenant not named has weight 1. The shared lane always has weight 1.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -182,6 +240,64 @@ mod tests {
 
     fn order(q: &mut FairQueue<(char, u32)>) -> String {
         std::iter::from_fn(|| q.pop().map(|(_, (c, _))| c)).collect()
+    }
+
+    #[test]
+    fn a_lane_is_backlogged_from_the_threshold_on_and_light_below_it() {
+        assert_eq!(Pace::of(0), Pace::Light);
+        assert_eq!(Pace::of(BACKLOG_FROM - 1), Pace::Light);
+        assert_eq!(Pace::of(BACKLOG_FROM), Pace::Backlogged);
+        assert_eq!(Pace::of(10_000), Pace::Backlogged);
+        // What a service sees after each pop: a burst's lane stays backlogged until its last
+        // few items, a trickle's lane is light.
+        let mut q = FairQueue::new(100, Weights::default());
+        let (a, b) = (t("a"), t("b"));
+        for i in 0..20 {
+            q.push(a.clone(), i).expect("room");
+        }
+        q.push(b.clone(), 100).expect("room");
+        let mut paces = Vec::new();
+        while let Some((lane, _)) = q.pop() {
+            paces.push((lane.clone(), Pace::of(q.waiting(&lane))));
+        }
+        // Work in flight counts as much as work waiting: a tenant whose queue empties as fast
+        // as it fills but holds many handlers is backlogged; its finished work no longer counts.
+        let mut flying = InFlight::default();
+        for _ in 0..BACKLOG_FROM {
+            flying.start(&a);
+        }
+        assert_eq!(Pace::of(flying.start(&a)), Pace::Backlogged);
+        assert_eq!(Pace::of(flying.start(&b)), Pace::Light);
+        for _ in 0..3 {
+            flying.end(&a);
+        }
+        assert_eq!(flying.of(&a), BACKLOG_FROM - 2);
+        assert_eq!(Pace::of(flying.of(&a)), Pace::Light);
+        for _ in 0..100 {
+            flying.end(&a);
+        }
+        assert_eq!(flying.of(&a), 0);
+        assert_eq!(flying.start(&a), 0, "a lane with none left starts over");
+        let of = |l: &Lane| {
+            paces
+                .iter()
+                .filter(|(x, _)| x == l)
+                .map(|(_, p)| *p)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(of(&b), vec![Pace::Light]);
+        let a_paces = of(&a);
+        assert_eq!(a_paces.len(), 20);
+        assert!(
+            a_paces[..20 - BACKLOG_FROM]
+                .iter()
+                .all(|p| *p == Pace::Backlogged)
+        );
+        assert!(
+            a_paces[20 - BACKLOG_FROM..]
+                .iter()
+                .all(|p| *p == Pace::Light)
+        );
     }
 
     #[test]

@@ -479,6 +479,19 @@ pub struct Workers {
 #[derive(Debug)]
 pub struct Slot {
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// What else lives as long as the handler (the fair feed's count of its tenant's work in
+    /// flight, [`crate::fair::FairFeed::next`]).
+    _held: Option<Box<dyn std::fmt::Debug + Send + Sync>>,
+}
+
+impl Slot {
+    /// The slot, keeping `held` until the handler it is given to ends.
+    pub(crate) fn holding(self, held: impl std::fmt::Debug + Send + Sync + 'static) -> Slot {
+        Slot {
+            _held: Some(Box::new(held)),
+            ..self
+        }
+    }
 }
 
 impl Workers {
@@ -528,7 +541,10 @@ impl Workers {
         if let Some(admission) = &self.admission {
             admission.taken(&self.permits, self.n as usize);
         }
-        Slot { _permit: permit }
+        Slot {
+            _permit: permit,
+            _held: None,
+        }
     }
 
     /// Runs `task` on `slot`, which it frees when it ends.
@@ -539,11 +555,25 @@ impl Workers {
     /// task) copied it twice per message; boxed, it is copied once and the wrapper holds a
     /// pointer.
     pub fn run(&self, slot: Slot, task: impl std::future::Future<Output = ()> + Send + 'static) {
-        let task = Box::pin(task);
-        tokio::spawn(async move {
+        self.run_on(None, slot, task);
+    }
+
+    /// [`Workers::run`] on `executor`'s threads (a light lane's, [`crate::Runtime::executor`]),
+    /// or the caller's Tokio runtime when `None`.
+    pub fn run_on(
+        &self,
+        executor: Option<&tokio::runtime::Handle>,
+        slot: Slot,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let task = Box::pin(async move {
             task.await;
             drop(slot);
         });
+        match executor {
+            Some(executor) => drop(executor.spawn(task)),
+            None => drop(tokio::spawn(task)),
+        }
     }
 
     /// The consumer's next message together with a free slot to handle it. The slot is taken

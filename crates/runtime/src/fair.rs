@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message};
-use kedge_core::fairness::{FairQueue, Lane, Weights};
+use kedge_core::fairness::{FairQueue, InFlight, Lane, Pace, Weights};
 use kedge_core::subjects::{self, Durable};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
@@ -51,6 +51,41 @@ impl Tenancy {
     }
 }
 
+/// What a delivery's work goes out on: `light` (the process's light lane, when it has one:
+/// [`crate::Runtime::light_lane`]) for a tenant with no backlog behind it, else `shared` (the
+/// connection every backlog uses); counted in [`crate::metrics::LANE_WORK`]
+/// (docs/ARCHITECTURE.md "Fairness across tenants").
+pub fn lane<'a, T>(consumer: Durable, pace: Pace, shared: &'a T, light: Option<&'a T>) -> &'a T {
+    let picked = match (pace, light) {
+        (Pace::Light, Some(light)) => Some(light),
+        (Pace::Light | Pace::Backlogged, _) => None,
+    };
+    crate::metrics::lane_work(consumer, picked.is_some());
+    picked.unwrap_or(shared)
+}
+
+/// A delivery of `lane` handed to a handler, counted in flight until its slot is freed.
+struct LaneHeld {
+    shared: Arc<Shared>,
+    lane: Lane,
+}
+
+impl std::fmt::Debug for LaneHeld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneHeld")
+            .field("lane", &self.lane)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for LaneHeld {
+    fn drop(&mut self) {
+        if let Ok(mut flying) = self.shared.in_flight.lock() {
+            flying.end(&self.lane);
+        }
+    }
+}
+
 /// A delivery waiting in the window, and when the server last heard of it.
 struct Waiting {
     msg: Message,
@@ -59,6 +94,8 @@ struct Waiting {
 
 struct Shared {
     queue: Mutex<FairQueue<Waiting>>,
+    /// Each lane's deliveries handed to handlers that have not ended ([`LaneHeld`]).
+    in_flight: Mutex<InFlight>,
     /// Signalled when a delivery is queued or the consumer's stream ended.
     ready: Notify,
     /// Signalled when a delivery leaves the window.
@@ -103,6 +140,7 @@ impl FairFeed {
     ) -> Self {
         let shared = Arc::new(Shared {
             queue: Mutex::new(FairQueue::new(window, weights)),
+            in_flight: Mutex::default(),
             ready: Notify::new(),
             room: Notify::new(),
             ended: std::sync::atomic::AtomicBool::new(false),
@@ -119,18 +157,32 @@ impl FairFeed {
     }
 
     /// The next delivery in fair order, with a free slot of `workers` to handle it (taken first,
-    /// like [`Workers::next`]). Cancel-safe (for `select!`). `None` once the consumer's stream
-    /// has ended and the window is empty.
-    pub async fn next(&self, workers: &Workers) -> Option<(Slot, Message)> {
+    /// like [`Workers::next`]) and its tenant's [`Pace`]: whether the tenant has a backlog here
+    /// (deliveries waiting behind it or handled now, counted until their slots are freed),
+    /// which tells the connection its work goes out on ([`lane`]). Cancel-safe (for
+    /// `select!`). `None` once the consumer's stream has ended and the window is empty.
+    pub async fn next(&self, workers: &Workers) -> Option<(Slot, Message, Pace)> {
         let slot = workers.slot().await;
         loop {
             let ready = self.shared.ready.notified();
             tokio::pin!(ready);
             ready.as_mut().enable();
-            let popped = self.shared.queue.lock().ok().and_then(|mut q| q.pop());
-            if let Some((_, waiting)) = popped {
+            let popped = self.shared.queue.lock().ok().and_then(|mut q| {
+                q.pop()
+                    .map(|(lane, waiting)| (q.waiting(&lane), lane, waiting))
+            });
+            if let Some((behind, lane, waiting)) = popped {
                 self.shared.room.notify_one();
-                return Some((slot, waiting.msg));
+                let before = match self.shared.in_flight.lock() {
+                    Ok(mut flying) => flying.start(&lane),
+                    Err(_) => 0,
+                };
+                let held = LaneHeld {
+                    shared: self.shared.clone(),
+                    lane,
+                };
+                let pace = Pace::of(behind + before);
+                return Some((slot.holding(held), waiting.msg, pace));
             }
             if self.shared.ended.load(std::sync::atomic::Ordering::Acquire) {
                 return None;

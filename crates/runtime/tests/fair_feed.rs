@@ -60,8 +60,10 @@ async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
     tokio::time::sleep(ACK_WAIT * 3).await;
     let workers = Workers::new(1);
     let mut tenants = Vec::new();
+    let mut paces = Vec::new();
     for _ in 0..4 {
-        let (slot, msg) = feed.next(&workers).await.expect("a delivery");
+        let (slot, msg, pace) = feed.next(&workers).await.expect("a delivery");
+        paces.push(pace);
         let info = msg.info().expect("info");
         assert_eq!(info.delivered, 1, "kept in progress while it waited");
         tenants.push(parse_task(&msg.subject).expect("a task").tenant.to_string());
@@ -69,6 +71,14 @@ async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
         drop(slot);
     }
     assert_eq!(tenants, ["acme", "globex", "acme", "globex"], "turns");
+    // The noisy tenant's backlog goes out on the shared connection, the quiet one's on the
+    // light lane.
+    use kedge_core::fairness::Pace;
+    assert_eq!(
+        paces,
+        [Pace::Backlogged, Pace::Light, Pace::Backlogged, Pace::Light],
+        "paces"
+    );
 
     let waiting = NOISY + QUIET - 4;
     let handed = feed.hand_back().await;
