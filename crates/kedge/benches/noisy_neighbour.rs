@@ -8,7 +8,7 @@
 //! KEDGE_BENCH_NOISY_RUNS=500 cargo bench -p kedge --bench noisy_neighbour
 //! KEDGE_BIN=/path/to/old/kedge cargo bench -p kedge --bench noisy_neighbour -- --quick
 //! cargo bench -p kedge --bench noisy_neighbour -- --quick --concurrency 16
-//! KEDGE_ADAPTIVE_CONCURRENCY=0 cargo bench -p kedge --bench noisy_neighbour -- --quick
+//! KEDGE_LIGHT_LANE=0 cargo bench -p kedge --bench noisy_neighbour -- --quick
 //! KEDGE_BENCH_SERVE_LOG=warn,kedge_runtime::admission=debug cargo bench -p kedge --bench noisy_neighbour
 //! ```
 //!
@@ -35,9 +35,10 @@
 //! pass/fail test: it prints numbers (and checks every run succeeded).
 //!
 //! `KEDGE_BIN=<path>` runs another `kedge` binary as the service (a build from before the fair
-//! feed: the same bench measures arrival order). The serve process inherits the bench's
-//! environment: `KEDGE_ADAPTIVE_CONCURRENCY=0` measures the configured concurrency without
-//! adaptive admission.
+//! feed: the same bench measures arrival order). The serve process gets
+//! `KEDGE_ADAPTIVE_CONCURRENCY`, `KEDGE_LIGHT_LANE` and `KEDGE_METRICS_ADDR` from the bench's
+//! environment (no other `KEDGE_*` variable): `KEDGE_LIGHT_LANE=0` measures one connection per
+//! process, `KEDGE_ADAPTIVE_CONCURRENCY=1` adaptive admission.
 
 #![allow(clippy::unwrap_used)]
 
@@ -67,6 +68,12 @@ const AGENT: &str = "noisy-bench";
 const MODEL: &str = "noisy-bench";
 const A: &str = "acme";
 const B: &str = "globex";
+/// Variables of the bench's environment passed on to `kedge serve all`.
+const PASSED_ON: &[&str] = &[
+    "KEDGE_ADAPTIVE_CONCURRENCY",
+    "KEDGE_LIGHT_LANE",
+    "KEDGE_METRICS_ADDR",
+];
 /// Tasks of A's burst whose broker acks are awaited at once.
 const PUBLISH_IN_FLIGHT: usize = 512;
 
@@ -492,6 +499,13 @@ async fn bench(o: Opts) {
     if let Ok(filter) = std::env::var("KEDGE_BENCH_SERVE_LOG") {
         env.push(("KEDGE_LOG".into(), filter));
     }
+    // The settings an A/B of this bench turns, passed on to the serve process (which gets no
+    // other `KEDGE_*` variable of the bench's environment).
+    for var in PASSED_ON {
+        if let Ok(v) = std::env::var(var) {
+            env.push(((*var).to_owned(), v));
+        }
+    }
     if let Some(n) = o.concurrency {
         let file = deployed.dir.path().join("kedge.json");
         let config = json!({"step_concurrency": n, "tool_concurrency": n});
@@ -520,9 +534,10 @@ async fn bench(o: Opts) {
         o.concurrency
             .map(|n| format!(", step and tool concurrency {n}"))
             .unwrap_or_default(),
-        std::env::var("KEDGE_ADAPTIVE_CONCURRENCY")
-            .map(|v| format!(", KEDGE_ADAPTIVE_CONCURRENCY={v}"))
-            .unwrap_or_default(),
+        PASSED_ON
+            .iter()
+            .filter_map(|var| std::env::var(var).ok().map(|v| format!(", {var}={v}")))
+            .collect::<String>(),
         std::env::var("KEDGE_BIN")
             .map(|b| format!(" ({b})"))
             .unwrap_or_default(),

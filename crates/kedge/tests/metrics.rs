@@ -476,6 +476,19 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         get(&after, "kedge_dead_letters_total", &[("consumer", "step")]),
         0.0
     );
+    // A tenant with one run has no backlog: its task, its drives and its tool operation went
+    // out on the light lane, none on the connection backlogs share.
+    for consumer in ["intake", "step", "tool"] {
+        let on = |lane| {
+            get(
+                &after,
+                "kedge_lane_work_total",
+                &[("consumer", consumer), ("lane", lane)],
+            )
+        };
+        assert!(on("light") >= 1.0, "{consumer}'s work on the light lane");
+        assert_eq!(on("shared"), 0.0, "{consumer}'s work on the shared one");
+    }
     // The projector folded the run from the decisions it was delivered, fetching what lay
     // between them by the links of the run-wide checks: no batched read of the run's subjects
     // (one read per pass walked every message stored since, however many other runs').

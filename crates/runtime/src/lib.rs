@@ -116,6 +116,49 @@ pub struct Runtime {
     quotas: Arc<tokio::sync::OnceCell<quota::Quotas>>,
     /// The key run ids are derived with, read on first use ([`Runtime::run_ids`]).
     run_ids: Arc<tokio::sync::OnceCell<run_ids::RunIdKey>>,
+    /// This process's second connection, for the work of tenants with no backlog, opened by the
+    /// first service that needs it ([`Runtime::light_lane`]) and shared by the others.
+    light: Arc<tokio::sync::OnceCell<LightLane>>,
+    /// The light lane's own threads, for the light lane's runtime ([`Runtime::executor`]).
+    executor: Option<tokio::runtime::Handle>,
+}
+
+/// The light lane of a process ([`Runtime::light_lane`]): its runtime, and the signal that
+/// stops its threads once the last runtime of the process is dropped.
+#[derive(Debug)]
+struct LightLane {
+    rt: Box<Runtime>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+/// Starts the light lane's threads: a Tokio runtime of its own, as many worker threads as the
+/// process's, run until `stop` is dropped.
+fn light_threads()
+-> Result<(tokio::runtime::Handle, tokio::sync::oneshot::Sender<()>), RuntimeError> {
+    let failed = |e: std::io::Error| {
+        RuntimeError::Config(ConfigError::Invalid {
+            field: "light_lane",
+            reason: format!("cannot start the light lane's threads: {e}"),
+        })
+    };
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("kedge-light")
+        .enable_all()
+        .build()
+        .map_err(failed)?;
+    let handle = runtime.handle().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("kedge-light".into())
+        .spawn(move || {
+            runtime.block_on(async {
+                let _ = stopped.await;
+            });
+        })
+        .map_err(failed)?;
+    Ok((handle, stop))
 }
 
 impl Runtime {
@@ -220,6 +263,51 @@ impl Runtime {
             .cloned()
     }
 
+    /// The runtime of this process's light lane, for the work of tenants with no backlog
+    /// (docs/ARCHITECTURE.md "Fairness across tenants"): a second connection to the broker and
+    /// threads of its own. A connection's messages are handled in order on both sides, and a
+    /// Tokio runtime's ready tasks in turn, so a tenant with a few runs would otherwise wait
+    /// behind another tenant's thousands at every operation. Opened on first use with the same
+    /// settings (credentials, TLS, inbox prefix) and shared by every clone and service of the
+    /// process; it shares this runtime's configuration, failure detector, provider view, quota
+    /// counts and run-id key. Its work is spawned with [`Runtime::executor`]. `None` when
+    /// `light_lane` is off, and for the light lane itself.
+    pub async fn light_lane(&self) -> Result<Option<Runtime>, RuntimeError> {
+        if !self.config.light_lane || self.executor.is_some() {
+            return Ok(None);
+        }
+        let light = self
+            .light
+            .get_or_try_init(|| async {
+                let (executor, stop) = light_threads()?;
+                // The connection's own task runs on the lane's threads.
+                let config = self.config.clone();
+                let client = executor
+                    .spawn(async move { connect_client(&config).await })
+                    .await
+                    .map_err(|e| RuntimeError::broker("connect the light lane", e))??;
+                let mut light = Self::stores(self.config.clone(), client).await?;
+                light.seal = self.seal.clone();
+                light.liveness = self.liveness.clone();
+                light.providers = self.providers.clone();
+                light.quotas = self.quotas.clone();
+                light.run_ids = self.run_ids.clone();
+                light.executor = Some(executor);
+                Ok::<_, RuntimeError>(LightLane {
+                    rt: Box::new(light),
+                    _stop: stop,
+                })
+            })
+            .await?;
+        Ok(Some(Runtime::clone(&light.rt)))
+    }
+
+    /// Where this runtime's work is spawned: the light lane's own threads for the light lane
+    /// ([`Runtime::light_lane`]), else `None` (the caller's Tokio runtime).
+    pub fn executor(&self) -> Option<&tokio::runtime::Handle> {
+        self.executor.as_ref()
+    }
+
     /// Connects ([`connect_client`]: credentials, TLS, inbox prefix from `config.nats`), checks
     /// (and creates where missing) the broker layout, and opens the stores.
     pub async fn connect(config: Config) -> Result<Runtime, RuntimeError> {
@@ -265,6 +353,26 @@ impl Runtime {
                 tracing::warn!(error = %e, "cannot ensure the run-id key");
             }
         }
+        let mut rt = Self::stores(Arc::new(config), client).await?;
+        rt.seal =
+            match &rt.config.seal_key {
+                Some(hex) => Some(seal::SealKey::from_hex(hex.expose()).map_err(|e| {
+                    ConfigError::Invalid {
+                        field: "seal_key",
+                        reason: e.to_string(),
+                    }
+                })?),
+                None => None,
+            };
+        Ok(rt)
+    }
+
+    /// The journal and stores over `client`, with nothing shared and no seal key yet.
+    async fn stores(
+        config: Arc<Config>,
+        client: async_nats::Client,
+    ) -> Result<Runtime, RuntimeError> {
+        let js = jetstream::new(client.clone());
         let kv = |bucket: &'static str| {
             let js = js.clone();
             async move {
@@ -279,29 +387,21 @@ impl Runtime {
             idempotency::IdempotencyStore::new(kv(subjects::IDEMPOTENCY_BUCKET).await?)
                 .with_blobs(journal.blobs().clone());
         let leases = Leases::new(client.clone());
-        let seal =
-            match &config.seal_key {
-                Some(hex) => Some(seal::SealKey::from_hex(hex.expose()).map_err(|e| {
-                    ConfigError::Invalid {
-                        field: "seal_key",
-                        reason: e.to_string(),
-                    }
-                })?),
-                None => None,
-            };
         Ok(Runtime {
             journal,
-            seal,
+            seal: None,
             leases,
             agents,
             idempotency,
             js,
             client,
-            config: Arc::new(config),
+            config,
             liveness: Arc::default(),
             providers: Arc::default(),
             quotas: Arc::default(),
             run_ids: Arc::default(),
+            light: Arc::default(),
+            executor: None,
         })
     }
 }

@@ -81,6 +81,8 @@ metrics_table! {
         "Steps this process completed (step.completed journaled), reused responses included.";
     STEP_READS = "kedge_step_reads_total", Counter, ["how"],
         "Reads of what landed on a run since the step's state of it, by how: chained (the two messages the tool service linked with run-wide checks, read by sequence), linked (a state read back from its wake to its run.created by the links: a first drive's wake is that, no request), batched (a batched direct get of the run's subjects).";
+    LANE_WORK = "kedge_lane_work_total", Counter, ["consumer", "lane"],
+        "Work of the intake, step and tool services (a delivery, or an adopted run) by the lane it went out on: light (the process's second connection and threads, for a tenant with fewer than 8 other deliveries waiting or handled in that service), shared (the connection and threads every backlog uses).";
     PROJECTOR_READS = "kedge_projector_reads_total", Counter, ["how"],
         "Reads of a run's new events by the projector, by how: linked (from the decisions delivered, back to its fold by the run-wide checks' links, what it lacked fetched by sequence), batched (a batched direct get of the run's subjects).";
     MODEL_CALLS = "kedge_model_calls_total", Counter, ["outcome"],
@@ -431,6 +433,12 @@ pub fn step_read(how: StepRead) {
         StepRead::Batched => "batched",
     };
     counter!(STEP_READS, "how" => how).increment(1);
+}
+
+/// A delivery's work went out on the light lane or the shared connection ([`LANE_WORK`]).
+pub fn lane_work(consumer: Durable, light: bool) {
+    let lane = if light { "light" } else { "shared" };
+    counter!(LANE_WORK, "consumer" => consumer.name(), "lane" => lane).increment(1);
 }
 
 /// How the projector read what landed on a run ([`PROJECTOR_READS`]).

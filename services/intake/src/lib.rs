@@ -109,18 +109,23 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 .await;
         }
     });
+    // The second connection, for tenants with no backlog (docs/ARCHITECTURE.md "Fairness
+    // across tenants").
+    let light = rt.light_lane().await?;
     tracing::info!(worker = %rt.config.worker_id, "intake service started");
     tokio::pin!(shutdown);
     loop {
-        let (slot, msg) = tokio::select! {
+        let (slot, msg, pace) = tokio::select! {
             _ = &mut shutdown => break,
             next = feed.next(&workers) => match next {
                 Some(next) => next,
                 None => break,
             },
         };
-        let rt = rt.clone();
-        workers.run(slot, async move {
+        // A tenant with no backlog has its task handled over the light lane.
+        let rt = fair::lane(CONSUMER, pace, &rt, light.as_ref()).clone();
+        let on = rt.executor().cloned();
+        workers.run_on(on.as_ref(), slot, async move {
             // A panic while handling one task (a bug) is contained: the task is handed back
             // (bounded by the consumer's max_deliver; one that panics at its last delivery
             // is a dead letter).

@@ -46,6 +46,7 @@ use std::panic::AssertUnwindSafe;
 
 use async_nats::jetstream::{AckKind, Message};
 use futures::FutureExt;
+use kedge_core::fairness::Pace;
 use kedge_core::ids::RunId;
 use kedge_core::subjects::Durable;
 use kedge_model::ModelClient;
@@ -169,8 +170,12 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
     let (readopt, mut readopts) = tokio::sync::mpsc::unbounded_channel();
+    let driver = drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness);
     let drives = Drives {
-        driver: drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness),
+        // The second connection, for the runs of tenants with no backlog (docs/ARCHITECTURE.md
+        // "Fairness across tenants").
+        light: rt.light_lane().await?.map(|light| driver.on(light)),
+        driver,
         active: Arc::default(),
         workers: consumer::Workers::adaptive(
             rt.config.step_concurrency,
@@ -200,7 +205,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                         for run in death.held.runs {
                             drives.driver.adopting(&run, last_heard);
                             tracing::info!(run_id = %run, worker = %death.worker, "adopting a run of a gone worker");
-                            drives.start(run, Wake::Adopted { tries: 0 }, None).await;
+                            drives.start(run, Wake::Adopted { tries: 0 }, None, Pace::Backlogged).await;
                         }
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
@@ -211,7 +216,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 continue;
             }
             Some((run, tries)) = readopts.recv() => {
-                drives.start(run, Wake::Adopted { tries }, None).await;
+                drives.start(run, Wake::Adopted { tries }, None, Pace::Backlogged).await;
                 continue;
             }
             next = feed.next(&drives.workers) => match next {
@@ -219,14 +224,19 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 None => break,
             },
         };
-        let (slot, msg) = msg;
+        let (slot, msg, pace) = msg;
         let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) else {
             tracing::warn!(subject = %msg.subject, "not a journal event subject; terminating it");
             let _ = msg.ack_with(AckKind::Term).await;
             continue;
         };
         drives
-            .start(parsed.run_id, Wake::Delivered(Box::new(msg)), Some(slot))
+            .start(
+                parsed.run_id,
+                Wake::Delivered(Box::new(msg)),
+                Some(slot),
+                pace,
+            )
             .await;
     }
     // Drain: hand back the wakes pulled and not started, then wait for every in-flight drive.
@@ -255,6 +265,9 @@ enum Wake {
 /// into that drive), at most `step_concurrency` at once.
 struct Drives {
     driver: drive::Driver,
+    /// The driver over the light lane, when the process has one: drives of a tenant with no
+    /// backlog (its wake's [`Pace`]).
+    light: Option<drive::Driver>,
     active: Active,
     workers: consumer::Workers,
     js: async_nats::jetstream::Context,
@@ -264,8 +277,8 @@ struct Drives {
 
 impl Drives {
     /// Drives `run_id` for `wake`; on `slot` when one is reserved already, else on the next
-    /// free one.
-    async fn start(&self, run_id: RunId, wake: Wake, slot: Option<consumer::Slot>) {
+    /// free one; over the light lane when the wake's tenant has no backlog (`pace`).
+    async fn start(&self, run_id: RunId, wake: Wake, slot: Option<consumer::Slot>, pace: Pace) {
         let (msg, tries) = match wake {
             Wake::Delivered(msg) => (Some(*msg), 0),
             Wake::Adopted { tries } => (None, tries),
@@ -308,7 +321,7 @@ impl Drives {
             }
             return;
         }
-        let driver = self.driver.clone();
+        let driver = fair::lane(CONSUMER, pace, &self.driver, self.light.as_ref()).clone();
         let active = self.active.clone();
         let js = self.js.clone();
         let readopt = self.readopt.clone();
@@ -316,7 +329,8 @@ impl Drives {
             Some(slot) => slot,
             None => self.workers.slot().await,
         };
-        self.workers.run(slot, async move {
+        let on = driver.executor();
+        self.workers.run_on(on.as_ref(), slot, async move {
                 let mut through = seq;
                 let mut latest = None;
                 let result = loop {

@@ -46,7 +46,9 @@ const RETRY_MAX: Duration = Duration::from_secs(30);
 /// gone, attempts are bounded), so this is only a backstop.
 const MAX_KEPT: u32 = 1_000;
 
-/// Everything a tool handler needs.
+/// Everything a tool handler needs. Cheap to clone: one per connection of the process (the
+/// light lane's, [`Ctx::on`]), sharing everything but the runtime.
+#[derive(Clone)]
 pub(crate) struct Ctx {
     pub(crate) rt: Runtime,
     pub(crate) env: builtin::Env,
@@ -58,15 +60,39 @@ pub(crate) struct Ctx {
     pub(crate) liveness: Liveness,
     /// Operations adopted from a runner found gone, and when it was last heard: the takeover's
     /// latency ([`kedge_runtime::metrics::TAKEOVER_SECONDS`]) once the record is taken over.
-    pub(crate) adopted: Mutex<HashMap<OperationId, std::time::Instant>>,
+    pub(crate) adopted: Arc<Mutex<HashMap<OperationId, std::time::Instant>>>,
     /// Where kept requests go back to be handled anew (the service's loop).
     again: mpsc::UnboundedSender<Again>,
     /// Turns true when the service stops: kept requests are handed back to the broker.
     pub(crate) stopping: watch::Receiver<bool>,
-    /// One clone per kept request (the service waits for them on shutdown).
-    keeping: Arc<()>,
+    /// The requests kept now (the service waits for them on shutdown), across both lanes.
+    keeping: Keeping,
     /// Results not journaled yet, kept on this host's disk ([`held`]).
     pub(crate) held: held::HeldResults,
+}
+
+/// How many requests are kept ([`keep`]): each holds a [`Kept`] until it is handed back.
+#[derive(Clone, Default)]
+struct Keeping(Arc<std::sync::atomic::AtomicUsize>);
+
+/// One kept request, counted in [`Keeping`] while it lives.
+struct Kept(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Keeping {
+    fn hold(&self) -> Kept {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Kept(self.0.clone())
+    }
+
+    fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// Work kept for a while ([`keep`]) and handed back to the service's loop, with how many times
@@ -79,6 +105,13 @@ enum Again {
 }
 
 impl Ctx {
+    /// This context over another runtime of the process, its light lane (docs/ARCHITECTURE.md
+    /// "Fairness across tenants"): the operations of a tenant with no backlog go out on that
+    /// runtime's connection.
+    fn on(&self, rt: Runtime) -> Ctx {
+        Ctx { rt, ..self.clone() }
+    }
+
     /// The context of a service on `rt`, with what [`run`] set up before its loop.
     fn new(
         rt: &Runtime,
@@ -100,10 +133,10 @@ impl Ctx {
             mcp: sandbox::mcp_pool(&rt.config),
             running,
             liveness,
-            adopted: Mutex::default(),
+            adopted: Arc::default(),
             again,
             stopping,
-            keeping: Arc::new(()),
+            keeping: Keeping::default(),
             held: held::HeldResults::new(&rt.config.workspace_root),
             rt: rt.clone(),
         }
@@ -146,6 +179,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let (again, mut kept) = mpsc::unbounded_channel::<Again>();
     let (stop, stopping) = watch::channel(false);
     let ctx = Arc::new(Ctx::new(&rt, sandbox, running, liveness, again, stopping));
+    // The second connection, for the operations of tenants with no backlog
+    // (docs/ARCHITECTURE.md "Fairness across tenants").
+    let light = rt.light_lane().await?.map(|light| Arc::new(ctx.on(light)));
     // Results an earlier process on this workspace root held and could not journal.
     tokio::spawn(redeliver_held(ctx.clone()));
     let workers = consumer::Workers::adaptive(
@@ -169,7 +205,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     tracing::info!(worker = %rt.config.worker_id, "tool service started");
     tokio::pin!(shutdown);
     loop {
-        let (slot, msg) = tokio::select! {
+        let (slot, msg, pace) = tokio::select! {
             _ = &mut shutdown => break,
             death = deaths.recv() => {
                 // A runner that held operations is gone: take them over now (confirm query
@@ -202,8 +238,9 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 None => break,
             },
         };
-        let ctx = ctx.clone();
-        workers.run(slot, async move { handle(&ctx, msg, 0).await });
+        let ctx = fair::lane(CONSUMER, pace, &ctx, light.as_ref()).clone();
+        let on = ctx.rt.executor().cloned();
+        workers.run_on(on.as_ref(), slot, async move { handle(&ctx, msg, 0).await });
     }
     wind_down(&ctx, feed, &stop, &workers, kept, sweeper).await;
     let _ = answering.await;
@@ -288,7 +325,7 @@ async fn wind_down(
         }
     }
     let waited = Instant::now();
-    while Arc::strong_count(&ctx.keeping) > 1 && waited.elapsed() < Duration::from_secs(2) {
+    while ctx.keeping.count() > 0 && waited.elapsed() < Duration::from_secs(2) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     sweeper.abort();
@@ -510,7 +547,7 @@ async fn keep(
         msg.ack_with(AckKind::Progress).await?;
     }
     let again = ctx.again.clone();
-    let keeping = ctx.keeping.clone();
+    let keeping = ctx.keeping.hold();
     let hold = ctx.liveness.hold_op(op).await;
     let beat = (ctx.rt.config.timeouts.tool_ack_wait() / 3).max(Duration::from_millis(50));
     tokio::spawn(async move {

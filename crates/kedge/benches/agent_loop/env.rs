@@ -251,6 +251,10 @@ impl Env {
             if !park {
                 env.push(("KEDGE_PARK_LEASES".into(), "0".into()));
             }
+            // One connection per process instead of two, for an A/B in one build.
+            if let Ok(v) = std::env::var("KEDGE_LIGHT_LANE") {
+                env.push(("KEDGE_LIGHT_LANE".into(), v));
+            }
             let pid = procs.serve(&format!("serve-{name}"), &services, &env);
             serves.push((name, pid));
         }

@@ -7,6 +7,7 @@
 //! cargo bench -p kedge --bench agent_loop -- --split               # one `kedge serve <service>` process per service
 //! cargo bench -p kedge --bench agent_loop -- --in-process          # the services in this process (diagnostic: op costs)
 //! KEDGE_BENCH_SERVICES="intake step tool" cargo bench -p kedge --bench agent_loop -- --quick   # `serve` with only those (diagnostic)
+//! KEDGE_LIGHT_LANE=0 cargo bench -p kedge --bench agent_loop -- --quick   # one connection per serve process (A/B)
 //! cargo bench -p kedge --bench agent_loop -- --quick               # fewer runs and iterations
 //! cargo bench -p kedge --bench agent_loop -- --runs 20 --default-only
 //! cargo bench -p kedge --bench agent_loop -- --sync-always-only --no-trace

@@ -113,6 +113,11 @@ pub struct Config {
     /// backlog for that backlog's throughput (docs/ARCHITECTURE.md "Fairness across tenants").
     /// Off: the configured concurrency always.
     pub adaptive_concurrency: bool,
+    /// Open a second connection to the broker for the intake, step and tool work of tenants
+    /// with no backlog (`KEDGE_LIGHT_LANE`, default on), so that their operations do not wait
+    /// behind a backlogged tenant's in one connection's queue (docs/ARCHITECTURE.md "Fairness
+    /// across tenants"). Off: one connection per process.
+    pub light_lane: bool,
     /// Largest tool result kept inline in the journal, in bytes; longer output is truncated with
     /// a note.
     pub max_tool_output_bytes: usize,
@@ -187,6 +192,7 @@ impl Default for Config {
             step_concurrency: 256,
             tool_concurrency: 64,
             adaptive_concurrency: false,
+            light_lane: true,
             max_tool_output_bytes: 64 * 1024,
             timeouts: Timeouts::default(),
             mcp_servers: Default::default(),
@@ -223,6 +229,7 @@ impl std::fmt::Debug for Config {
             step_concurrency,
             tool_concurrency,
             adaptive_concurrency,
+            light_lane,
             max_tool_output_bytes,
             timeouts,
             mcp_servers,
@@ -255,6 +262,7 @@ impl std::fmt::Debug for Config {
             .field("step_concurrency", step_concurrency)
             .field("tool_concurrency", tool_concurrency)
             .field("adaptive_concurrency", adaptive_concurrency)
+            .field("light_lane", light_lane)
             .field("max_tool_output_bytes", max_tool_output_bytes)
             .field("timeouts", timeouts)
             .field("mcp_servers", mcp_servers)

@@ -63,6 +63,9 @@ impl Config {
         if let Some(v) = get("KEDGE_ADAPTIVE_CONCURRENCY") {
             self.adaptive_concurrency = flag("KEDGE_ADAPTIVE_CONCURRENCY", &v)?;
         }
+        if let Some(v) = get("KEDGE_LIGHT_LANE") {
+            self.light_lane = flag("KEDGE_LIGHT_LANE", &v)?;
+        }
         if let Some(v) = get("KEDGE_SANDBOX") {
             self.sandbox = v.parse().map_err(|reason| ConfigError::Env {
                 var: "KEDGE_SANDBOX",

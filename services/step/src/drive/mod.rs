@@ -188,6 +188,22 @@ impl Driver {
         }
     }
 
+    /// This driver over another runtime of the process, its light lane (docs/ARCHITECTURE.md
+    /// "Fairness across tenants"): the same states, parked leases and adopted runs, its
+    /// broker operations on that runtime's connection.
+    pub fn on(&self, rt: Runtime) -> Self {
+        Self {
+            rt: Arc::new(rt),
+            ..self.clone()
+        }
+    }
+
+    /// Where this driver's drives are spawned ([`Runtime::executor`]: the light lane's threads
+    /// for a driver on it).
+    pub fn executor(&self) -> Option<tokio::runtime::Handle> {
+        self.rt.executor().cloned()
+    }
+
     /// Drives `run` until it is idle. `msg` is the wake being handled (marked in progress while
     /// the model runs).
     ///
