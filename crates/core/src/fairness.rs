@@ -23,30 +23,30 @@ pub enum Lane {
     Shared,
 }
 
-/// How much else of its tenant's work a service holds when it takes an item from a lane
-/// ([`FairQueue::pop`]): waiting behind it, and handed out before it and not finished
-/// ([`InFlight`]). It tells the service which of its two connections to the broker the item's
-/// work goes out on (docs/ARCHITECTURE.md "Fairness across tenants").
+/// Which of its two lanes to the broker a service sends an item's work on (docs/ARCHITECTURE.md
+/// "Fairness across tenants"), from what else it holds when it takes the item from its lane
+/// ([`FairQueue::pop`]): the tenant's own items (waiting behind it, or handed out before it and
+/// not finished, [`InFlight`]) and other tenants'.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pace {
-    /// Less than [`BACKLOG_FROM`] other items: a tenant keeping up, whose next operations
-    /// should not queue behind another tenant's thousands.
+    /// Fewer than [`BACKLOG_FROM`] items of its own while others hold at least that many: a
+    /// tenant keeping up, whose next operations should not queue behind another's backlog.
     Light,
-    /// A backlog: its work shares the connection every backlog uses.
-    Backlogged,
+    /// A backlog of its own, or none of others' to pass: the lane everyone shares.
+    Shared,
 }
 
-/// Other items of a lane (waiting or in flight) from which its tenant is backlogged.
+/// Items held (waiting or in flight) from which a tenant has a backlog.
 pub const BACKLOG_FROM: usize = 8;
 
 impl Pace {
-    /// The pace of a lane with `others` items besides the one taken (waiting behind it or in
-    /// flight).
-    pub fn of(others: usize) -> Pace {
-        if others < BACKLOG_FROM {
+    /// The pace of an item whose tenant has `own` other items held and the other tenants
+    /// `others`.
+    pub fn of(own: usize, others: usize) -> Pace {
+        if own < BACKLOG_FROM && others >= BACKLOG_FROM {
             Pace::Light
         } else {
-            Pace::Backlogged
+            Pace::Shared
         }
     }
 }
@@ -55,6 +55,7 @@ impl Pace {
 #[derive(Debug, Default)]
 pub struct InFlight {
     by_lane: HashMap<Lane, usize>,
+    total: usize,
 }
 
 impl InFlight {
@@ -62,6 +63,7 @@ impl InFlight {
     pub fn start(&mut self, lane: &Lane) -> usize {
         let n = self.by_lane.entry(lane.clone()).or_insert(0);
         *n += 1;
+        self.total += 1;
         *n - 1
     }
 
@@ -69,6 +71,7 @@ impl InFlight {
     pub fn end(&mut self, lane: &Lane) {
         if let Some(n) = self.by_lane.get_mut(lane) {
             *n = n.saturating_sub(1);
+            self.total = self.total.saturating_sub(1);
             if *n == 0 {
                 self.by_lane.remove(lane);
             }
@@ -78,6 +81,22 @@ impl InFlight {
     /// How many items of `lane` are in flight.
     pub fn of(&self, lane: &Lane) -> usize {
         self.by_lane.get(lane).copied().unwrap_or(0)
+    }
+
+    /// How many items of every lane are in flight.
+    pub fn total(&self) -> usize {
+        self.total
+    }
+
+    /// Counts an item of `lane` just taken from a queue as in flight, and tells its pace:
+    /// `behind` items of its lane and `waiting` in all are left in the queue.
+    pub fn take(&mut self, lane: &Lane, behind: usize, waiting: usize) -> Pace {
+        let before = self.start(lane);
+        let others_flying = self.total - self.of(lane);
+        Pace::of(
+            behind + before,
+            waiting.saturating_sub(behind) + others_flying,
+        )
     }
 }
 
@@ -243,14 +262,19 @@ mod tests {
     }
 
     #[test]
-    fn a_lane_is_backlogged_from_the_threshold_on_and_light_below_it() {
-        assert_eq!(Pace::of(0), Pace::Light);
-        assert_eq!(Pace::of(BACKLOG_FROM - 1), Pace::Light);
-        assert_eq!(Pace::of(BACKLOG_FROM), Pace::Backlogged);
-        assert_eq!(Pace::of(10_000), Pace::Backlogged);
-        // What a service sees after each pop: a burst's lane stays backlogged until its last
-        // few items, a trickle's lane is light.
+    fn a_tenant_is_light_when_it_holds_little_and_others_hold_a_backlog() {
+        assert_eq!(Pace::of(0, BACKLOG_FROM), Pace::Light);
+        assert_eq!(Pace::of(BACKLOG_FROM - 1, 10_000), Pace::Light);
+        // A backlog of its own.
+        assert_eq!(Pace::of(BACKLOG_FROM, 10_000), Pace::Shared);
+        // Nothing of others' to pass: one lane serves everyone (a lone tenant, however busy).
+        assert_eq!(Pace::of(0, BACKLOG_FROM - 1), Pace::Shared);
+        assert_eq!(Pace::of(10_000, 0), Pace::Shared);
+
+        // What a service sees after each pop, as the fair feed counts: a burst's items go on
+        // the shared lane, a trickle's beside it on the light one.
         let mut q = FairQueue::new(100, Weights::default());
+        let mut flying = InFlight::default();
         let (a, b) = (t("a"), t("b"));
         for i in 0..20 {
             q.push(a.clone(), i).expect("room");
@@ -258,26 +282,9 @@ mod tests {
         q.push(b.clone(), 100).expect("room");
         let mut paces = Vec::new();
         while let Some((lane, _)) = q.pop() {
-            paces.push((lane.clone(), Pace::of(q.waiting(&lane))));
+            let pace = flying.take(&lane, q.waiting(&lane), q.len());
+            paces.push((lane.clone(), pace));
         }
-        // Work in flight counts as much as work waiting: a tenant whose queue empties as fast
-        // as it fills but holds many handlers is backlogged; its finished work no longer counts.
-        let mut flying = InFlight::default();
-        for _ in 0..BACKLOG_FROM {
-            flying.start(&a);
-        }
-        assert_eq!(Pace::of(flying.start(&a)), Pace::Backlogged);
-        assert_eq!(Pace::of(flying.start(&b)), Pace::Light);
-        for _ in 0..3 {
-            flying.end(&a);
-        }
-        assert_eq!(flying.of(&a), BACKLOG_FROM - 2);
-        assert_eq!(Pace::of(flying.of(&a)), Pace::Light);
-        for _ in 0..100 {
-            flying.end(&a);
-        }
-        assert_eq!(flying.of(&a), 0);
-        assert_eq!(flying.start(&a), 0, "a lane with none left starts over");
         let of = |l: &Lane| {
             paces
                 .iter()
@@ -285,19 +292,39 @@ mod tests {
                 .map(|(_, p)| *p)
                 .collect::<Vec<_>>()
         };
-        assert_eq!(of(&b), vec![Pace::Light]);
-        let a_paces = of(&a);
-        assert_eq!(a_paces.len(), 20);
+        assert_eq!(of(&b), vec![Pace::Light], "b passes a's backlog");
         assert!(
-            a_paces[..20 - BACKLOG_FROM]
-                .iter()
-                .all(|p| *p == Pace::Backlogged)
+            of(&a).iter().all(|p| *p == Pace::Shared),
+            "a's burst shares"
         );
-        assert!(
-            a_paces[20 - BACKLOG_FROM..]
-                .iter()
-                .all(|p| *p == Pace::Light)
+
+        // Work in flight counts as much as work waiting, until it ends.
+        let mut flying = InFlight::default();
+        for _ in 0..BACKLOG_FROM {
+            flying.start(&a);
+        }
+        assert_eq!(flying.total(), BACKLOG_FROM);
+        assert_eq!(
+            flying.take(&b, 0, 0),
+            Pace::Light,
+            "a's in flight are a backlog"
         );
+        for _ in 0..3 {
+            flying.end(&a);
+        }
+        assert_eq!(
+            (flying.of(&a), flying.total()),
+            (BACKLOG_FROM - 3, BACKLOG_FROM - 2)
+        );
+        for _ in 0..100 {
+            flying.end(&a);
+        }
+        assert_eq!(
+            (flying.of(&a), flying.total()),
+            (0, 1),
+            "b's is still in flight"
+        );
+        assert_eq!(flying.start(&a), 0, "a lane with none left starts over");
     }
 
     #[test]

@@ -52,13 +52,13 @@ impl Tenancy {
 }
 
 /// What a delivery's work goes out on: `light` (the process's light lane, when it has one:
-/// [`crate::Runtime::light_lane`]) for a tenant with no backlog behind it, else `shared` (the
-/// connection every backlog uses); counted in [`crate::metrics::LANE_WORK`]
+/// [`crate::Runtime::light_lane`]) for a [`Pace::Light`] delivery, else `shared` (the
+/// connection and threads everyone else uses); counted in [`crate::metrics::LANE_WORK`]
 /// (docs/ARCHITECTURE.md "Fairness across tenants").
 pub fn lane<'a, T>(consumer: Durable, pace: Pace, shared: &'a T, light: Option<&'a T>) -> &'a T {
     let picked = match (pace, light) {
         (Pace::Light, Some(light)) => Some(light),
-        (Pace::Light | Pace::Backlogged, _) => None,
+        (Pace::Light | Pace::Shared, _) => None,
     };
     crate::metrics::lane_work(consumer, picked.is_some());
     picked.unwrap_or(shared)
@@ -157,9 +157,9 @@ impl FairFeed {
     }
 
     /// The next delivery in fair order, with a free slot of `workers` to handle it (taken first,
-    /// like [`Workers::next`]) and its tenant's [`Pace`]: whether the tenant has a backlog here
-    /// (deliveries waiting behind it or handled now, counted until their slots are freed),
-    /// which tells the connection its work goes out on ([`lane`]). Cancel-safe (for
+    /// like [`Workers::next`]) and its [`Pace`]: light when its tenant has no backlog here
+    /// while others have one (deliveries waiting in the window or handled now, counted until
+    /// their slots are freed), which tells the lane its work goes out on ([`lane`]). Cancel-safe (for
     /// `select!`). `None` once the consumer's stream has ended and the window is empty.
     pub async fn next(&self, workers: &Workers) -> Option<(Slot, Message, Pace)> {
         let slot = workers.slot().await;
@@ -169,19 +169,18 @@ impl FairFeed {
             ready.as_mut().enable();
             let popped = self.shared.queue.lock().ok().and_then(|mut q| {
                 q.pop()
-                    .map(|(lane, waiting)| (q.waiting(&lane), lane, waiting))
+                    .map(|(lane, waiting)| (q.waiting(&lane), q.len(), lane, waiting))
             });
-            if let Some((behind, lane, waiting)) = popped {
+            if let Some((behind, left, lane, waiting)) = popped {
                 self.shared.room.notify_one();
-                let before = match self.shared.in_flight.lock() {
-                    Ok(mut flying) => flying.start(&lane),
-                    Err(_) => 0,
+                let pace = match self.shared.in_flight.lock() {
+                    Ok(mut flying) => flying.take(&lane, behind, left),
+                    Err(_) => Pace::Shared,
                 };
                 let held = LaneHeld {
                     shared: self.shared.clone(),
                     lane,
                 };
-                let pace = Pace::of(behind + before);
                 return Some((slot.holding(held), waiting.msg, pace));
             }
             if self.shared.ended.load(std::sync::atomic::Ordering::Acquire) {

@@ -82,7 +82,7 @@ metrics_table! {
     STEP_READS = "kedge_step_reads_total", Counter, ["how"],
         "Reads of what landed on a run since the step's state of it, by how: chained (the two messages the tool service linked with run-wide checks, read by sequence), linked (a state read back from its wake to its run.created by the links: a first drive's wake is that, no request), batched (a batched direct get of the run's subjects).";
     LANE_WORK = "kedge_lane_work_total", Counter, ["consumer", "lane"],
-        "Work of the intake, step and tool services (a delivery, or an adopted run) by the lane it went out on: light (the process's second connection and threads, for a tenant with fewer than 8 other deliveries waiting or handled in that service), shared (the connection and threads every backlog uses).";
+        "Work of the intake, step and tool services (a delivery, or an adopted run) by the lane it went out on: light (the process's second connection and threads, for a tenant with fewer than 8 other deliveries waiting or handled in that service while other tenants have at least 8), shared (the connection and threads everyone else uses).";
     PROJECTOR_READS = "kedge_projector_reads_total", Counter, ["how"],
         "Reads of a run's new events by the projector, by how: linked (from the decisions delivered, back to its fold by the run-wide checks' links, what it lacked fetched by sequence), batched (a batched direct get of the run's subjects).";
     MODEL_CALLS = "kedge_model_calls_total", Counter, ["outcome"],

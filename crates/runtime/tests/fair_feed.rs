@@ -76,7 +76,7 @@ async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
     use kedge_core::fairness::Pace;
     assert_eq!(
         paces,
-        [Pace::Backlogged, Pace::Light, Pace::Backlogged, Pace::Light],
+        [Pace::Shared, Pace::Light, Pace::Shared, Pace::Light],
         "paces"
     );
 

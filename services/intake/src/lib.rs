@@ -109,7 +109,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 .await;
         }
     });
-    // The second connection, for tenants with no backlog (docs/ARCHITECTURE.md "Fairness
+    // The light lane, for tenants passing another's backlog (docs/ARCHITECTURE.md "Fairness
     // across tenants").
     let light = rt.light_lane().await?;
     tracing::info!(worker = %rt.config.worker_id, "intake service started");
@@ -122,7 +122,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 None => break,
             },
         };
-        // A tenant with no backlog has its task handled over the light lane.
+        // A tenant passing another's backlog has its task handled on the light lane.
         let rt = fair::lane(CONSUMER, pace, &rt, light.as_ref()).clone();
         let on = rt.executor().cloned();
         workers.run_on(on.as_ref(), slot, async move {

@@ -172,8 +172,8 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let (readopt, mut readopts) = tokio::sync::mpsc::unbounded_channel();
     let driver = drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness);
     let drives = Drives {
-        // The second connection, for the runs of tenants with no backlog (docs/ARCHITECTURE.md
-        // "Fairness across tenants").
+        // The light lane, for the runs of tenants passing another's backlog
+        // (docs/ARCHITECTURE.md "Fairness across tenants").
         light: rt.light_lane().await?.map(|light| driver.on(light)),
         driver,
         active: Arc::default(),
@@ -205,7 +205,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                         for run in death.held.runs {
                             drives.driver.adopting(&run, last_heard);
                             tracing::info!(run_id = %run, worker = %death.worker, "adopting a run of a gone worker");
-                            drives.start(run, Wake::Adopted { tries: 0 }, None, Pace::Backlogged).await;
+                            drives.start(run, Wake::Adopted { tries: 0 }, None, Pace::Shared).await;
                         }
                     }
                     Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
@@ -216,7 +216,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 continue;
             }
             Some((run, tries)) = readopts.recv() => {
-                drives.start(run, Wake::Adopted { tries }, None, Pace::Backlogged).await;
+                drives.start(run, Wake::Adopted { tries }, None, Pace::Shared).await;
                 continue;
             }
             next = feed.next(&drives.workers) => match next {
@@ -266,7 +266,7 @@ enum Wake {
 struct Drives {
     driver: drive::Driver,
     /// The driver over the light lane, when the process has one: drives of a tenant with no
-    /// backlog (its wake's [`Pace`]).
+    /// backlog while others have one (its wake's [`Pace`]).
     light: Option<drive::Driver>,
     active: Active,
     workers: consumer::Workers,
@@ -277,7 +277,7 @@ struct Drives {
 
 impl Drives {
     /// Drives `run_id` for `wake`; on `slot` when one is reserved already, else on the next
-    /// free one; over the light lane when the wake's tenant has no backlog (`pace`).
+    /// free one; over the light lane when the wake's `pace` says so.
     async fn start(&self, run_id: RunId, wake: Wake, slot: Option<consumer::Slot>, pace: Pace) {
         let (msg, tries) = match wake {
             Wake::Delivered(msg) => (Some(*msg), 0),

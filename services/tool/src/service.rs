@@ -106,7 +106,7 @@ enum Again {
 
 impl Ctx {
     /// This context over another runtime of the process, its light lane (docs/ARCHITECTURE.md
-    /// "Fairness across tenants"): the operations of a tenant with no backlog go out on that
+    /// "Fairness across tenants"): the operations of a tenant passing another's backlog go out on that
     /// runtime's connection.
     fn on(&self, rt: Runtime) -> Ctx {
         Ctx { rt, ..self.clone() }
@@ -179,7 +179,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let (again, mut kept) = mpsc::unbounded_channel::<Again>();
     let (stop, stopping) = watch::channel(false);
     let ctx = Arc::new(Ctx::new(&rt, sandbox, running, liveness, again, stopping));
-    // The second connection, for the operations of tenants with no backlog
+    // The light lane, for the operations of tenants passing another's backlog
     // (docs/ARCHITECTURE.md "Fairness across tenants").
     let light = rt.light_lane().await?.map(|light| Arc::new(ctx.on(light)));
     // Results an earlier process on this workspace root held and could not journal.

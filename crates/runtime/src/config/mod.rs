@@ -113,10 +113,11 @@ pub struct Config {
     /// backlog for that backlog's throughput (docs/ARCHITECTURE.md "Fairness across tenants").
     /// Off: the configured concurrency always.
     pub adaptive_concurrency: bool,
-    /// Open a second connection to the broker for the intake, step and tool work of tenants
-    /// with no backlog (`KEDGE_LIGHT_LANE`, default on), so that their operations do not wait
-    /// behind a backlogged tenant's in one connection's queue (docs/ARCHITECTURE.md "Fairness
-    /// across tenants"). Off: one connection per process.
+    /// Open a light lane (a second connection to the broker, and threads of its own) for the
+    /// intake, step and tool work of a tenant with no backlog while others have one
+    /// (`KEDGE_LIGHT_LANE`, default on), so that its operations do not wait behind theirs in
+    /// one connection's queue and one set of threads (docs/ARCHITECTURE.md "Fairness across
+    /// tenants"). Off: one connection per process.
     pub light_lane: bool,
     /// Largest tool result kept inline in the journal, in bytes; longer output is truncated with
     /// a note.
