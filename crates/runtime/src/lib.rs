@@ -132,8 +132,9 @@ struct LightLane {
 }
 
 /// Starts the light lane's threads: a Tokio runtime of its own, as many worker threads as the
-/// process's, run until `stop` is dropped.
-fn light_threads()
+/// process's, built and run by a thread of its own (never dropped in an async context) until
+/// `stop` is dropped.
+async fn light_threads()
 -> Result<(tokio::runtime::Handle, tokio::sync::oneshot::Sender<()>), RuntimeError> {
     let failed = |e: std::io::Error| {
         RuntimeError::Config(ConfigError::Invalid {
@@ -142,21 +143,32 @@ fn light_threads()
         })
     };
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads)
-        .thread_name("kedge-light")
-        .enable_all()
-        .build()
-        .map_err(failed)?;
-    let handle = runtime.handle().clone();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (started, handle) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("kedge-light".into())
         .spawn(move || {
-            runtime.block_on(async {
-                let _ = stopped.await;
-            });
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(threads)
+                .thread_name("kedge-light")
+                .enable_all()
+                .build();
+            match runtime {
+                Ok(runtime) => {
+                    let _ = started.send(Ok(runtime.handle().clone()));
+                    runtime.block_on(async {
+                        let _ = stopped.await;
+                    });
+                }
+                Err(e) => {
+                    let _ = started.send(Err(e));
+                }
+            }
         })
+        .map_err(failed)?;
+    let handle = handle
+        .await
+        .map_err(|_| failed(std::io::Error::other("its thread ended")))?
         .map_err(failed)?;
     Ok((handle, stop))
 }
@@ -279,7 +291,7 @@ impl Runtime {
         let light = self
             .light
             .get_or_try_init(|| async {
-                let (executor, stop) = light_threads()?;
+                let (executor, stop) = light_threads().await?;
                 // The connection's own task runs on the lane's threads.
                 let config = self.config.clone();
                 let client = executor
