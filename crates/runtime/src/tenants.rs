@@ -15,10 +15,10 @@
 //! finds the runs the step service saw created. (A run id is derived from its tenant,
 //! docs/SECURITY.md "Run ids", so two brokers' runs of one id are one tenant's.)
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_nats::jetstream::Message;
+use kedge_core::bounded::Bounded;
 use kedge_core::event::{Event, EventType};
 use kedge_core::fairness::Lane;
 use kedge_core::ids::{RunId, TenantId};
@@ -41,51 +41,15 @@ impl std::fmt::Debug for RunTenants {
     }
 }
 
-/// A bounded map: lookups promote from `old` to `young`; when `young` holds `half`, it becomes
-/// `old` (the previous `old` is forgotten).
-#[derive(Debug, Default)]
-struct Generations {
-    young: HashMap<RunId, TenantId>,
-    old: HashMap<RunId, TenantId>,
-    half: usize,
-}
-
-impl Generations {
-    fn new(capacity: usize) -> Self {
-        Self {
-            half: (capacity / 2).max(1),
-            ..Self::default()
-        }
-    }
-
-    fn get(&mut self, run: &RunId) -> Option<TenantId> {
-        if let Some(t) = self.young.get(run) {
-            return Some(t.clone());
-        }
-        let t = self.old.remove(run)?;
-        self.insert(run.clone(), t.clone());
-        Some(t)
-    }
-
-    fn insert(&mut self, run: RunId, tenant: TenantId) {
-        if self.young.len() >= self.half && !self.young.contains_key(&run) {
-            self.old = std::mem::take(&mut self.young);
-        }
-        self.young.insert(run, tenant);
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.young.len() + self.old.len()
-    }
-}
+/// The cache ([`kedge_core::bounded`]: two generations, what is used kept).
+type Generations = Bounded<RunId, TenantId>;
 
 impl RunTenants {
     /// Reads misses through `journal`; the cache is the process's.
     pub fn new(journal: Journal) -> Self {
         static CACHE: std::sync::OnceLock<Arc<Mutex<Generations>>> = std::sync::OnceLock::new();
         let cache = CACHE
-            .get_or_init(|| Arc::new(Mutex::new(Generations::new(CACHED_RUNS))))
+            .get_or_init(|| Arc::new(Mutex::new(Bounded::new(CACHED_RUNS))))
             .clone();
         Self { journal, cache }
     }
@@ -98,7 +62,7 @@ impl RunTenants {
     }
 
     fn cached(&self, run: &RunId) -> Option<TenantId> {
-        self.cache.lock().ok()?.get(run)
+        self.cache.lock().ok()?.get(run).cloned()
     }
 
     /// The lane of a delivery of the journal stream: its run's tenant, or [`Lane::Shared`].
@@ -166,12 +130,12 @@ mod tests {
         for i in 5..10 {
             g.insert(run(i), acme.clone());
         }
-        assert_eq!(g.get(&run(0)), Some(acme.clone()));
+        assert_eq!(g.get(&run(0)), Some(&acme));
         for i in 10..14 {
             g.insert(run(i), acme.clone());
         }
         assert!(g.len() <= 10, "{}", g.len());
-        assert_eq!(g.get(&run(0)), Some(acme.clone()));
+        assert_eq!(g.get(&run(0)), Some(&acme));
         assert_eq!(g.get(&run(1)), None, "forgotten");
         for i in 0..1000 {
             g.insert(run(i), acme.clone());

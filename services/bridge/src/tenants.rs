@@ -1,11 +1,11 @@
 //! Which tenant a run belongs to: the `tenant` of its `run.created`, which never changes, so it is
-//! cached per process (bounded; the cache is cleared when full). A miss reads the run's
+//! cached per process (bounded: the runs it stopped using make room, `kedge_core::bounded`). A miss reads the run's
 //! `run.created` alone ([`Journal::read_type`], with the journal's leader-checked consistency).
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kedge_core::EventType;
+use kedge_core::bounded::Bounded;
 use kedge_core::event::Event;
 use kedge_core::ids::{RunId, TenantId};
 use kedge_journal::{Journal, JournalError};
@@ -16,27 +16,27 @@ const MAX_ENTRIES: usize = 100_000;
 #[derive(Debug, Clone)]
 pub struct TenantCache {
     journal: Journal,
-    map: Arc<Mutex<HashMap<RunId, TenantId>>>,
+    map: Arc<Mutex<Bounded<RunId, TenantId>>>,
 }
 
 impl TenantCache {
     pub fn new(rt: &Runtime) -> Self {
         Self {
             journal: rt.journal.clone(),
-            map: Arc::default(),
+            map: Arc::new(Mutex::new(Bounded::new(MAX_ENTRIES))),
         }
     }
 
     /// Remembers a run's tenant learned elsewhere (from a full journal read).
     pub fn remember(&self, run: &RunId, tenant: &TenantId) {
         if let Ok(mut map) = self.map.lock() {
-            kedge_core::bounded::insert(&mut map, run.clone(), tenant.clone(), MAX_ENTRIES);
+            map.insert(run.clone(), tenant.clone());
         }
     }
 
     /// The run's tenant; `None` when the run does not exist.
     pub async fn get(&self, run: &RunId) -> Result<Option<TenantId>, JournalError> {
-        if let Ok(map) = self.map.lock()
+        if let Ok(mut map) = self.map.lock()
             && let Some(t) = map.get(run)
         {
             return Ok(Some(t.clone()));

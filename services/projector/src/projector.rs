@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::Message;
 use kedge_core::EventType;
+use kedge_core::bounded::Bounded;
 use kedge_core::ids::RunId;
 use kedge_core::subjects::{self, Durable};
 use kedge_journal::Delivered;
@@ -312,23 +313,29 @@ impl<M> Inbox<M> {
 /// sequence needs no broker request at all (a journal read folds every decision there is, so
 /// a backlog of a run's decisions, a fresh projector over a journal that grew without one,
 /// costs one read, not one per decision), and the next write of the run is a compare-and-set
-/// on the revision it left, with no read of the key. Bounded like the step's cache of states:
-/// when full, one run makes room for another.
-#[derive(Debug, Clone, Default)]
-pub(super) struct Projected(Arc<Mutex<HashMap<RunId, Known>>>);
+/// on the revision it left, with no read of the key. Bounded like the step's cache of states
+/// ([`Bounded`]: the runs it stopped using make room).
+#[derive(Debug, Clone)]
+pub(super) struct Projected(Arc<Mutex<Bounded<RunId, Known>>>);
 
-/// Runs [`Projected`] remembers before it starts over.
+/// Runs [`Projected`] remembers at most.
 const PROJECTED_RUNS: usize = 10_000;
+
+impl Default for Projected {
+    fn default() -> Self {
+        Self(Arc::new(Mutex::new(Bounded::new(PROJECTED_RUNS))))
+    }
+}
 
 impl Projected {
     pub(super) fn covers(&self, run: &RunId, seq: u64) -> bool {
         self.0
             .lock()
-            .is_ok_and(|m| m.get(run).is_some_and(|k| k.seq >= seq))
+            .is_ok_and(|mut m| m.get(run).is_some_and(|k| k.seq >= seq))
     }
 
     pub(super) fn get(&self, run: &RunId) -> Option<Known> {
-        self.0.lock().ok().and_then(|m| m.get(run).cloned())
+        self.0.lock().ok().and_then(|mut m| m.get(run).cloned())
     }
 
     pub(super) fn note(&self, run: &RunId, known: Known) {
@@ -337,7 +344,7 @@ impl Projected {
                 Some(k) if (k.seq, k.revision) >= (known.seq, known.revision) => {}
                 Some(k) => *k = known,
                 None => {
-                    kedge_core::bounded::insert(&mut m, run.clone(), known, PROJECTED_RUNS);
+                    m.insert(run.clone(), known);
                 }
             }
         }
@@ -348,9 +355,15 @@ impl Projected {
 /// decision costs a read of what is new, not of its whole journal (which made every loop of a
 /// run cost a read of everything before it). A run is kept only while it is not finished: a
 /// finished run's journal may be purged by retention, and a run revived later is folded anew
-/// from its journal. Bounded: when full, one kept fold makes room for the next.
-#[derive(Debug, Default)]
-struct Folds(Mutex<HashMap<RunId, Folded>>);
+/// from its journal. Bounded ([`Bounded`]: the folds it stopped using make room).
+#[derive(Debug)]
+struct Folds(Mutex<Bounded<RunId, Folded>>);
+
+impl Default for Folds {
+    fn default() -> Self {
+        Self(Mutex::new(Bounded::new(FOLDED_RUNS)))
+    }
+}
 
 /// Runs [`Folds`] keeps (each with its transcript so far).
 const FOLDED_RUNS: usize = 4_096;
@@ -362,7 +375,7 @@ impl Folds {
 
     fn keep(&self, run: &RunId, folded: Folded) {
         if let Ok(mut m) = self.0.lock() {
-            kedge_core::bounded::insert(&mut m, run.clone(), folded, FOLDED_RUNS);
+            m.insert(run.clone(), folded);
         }
     }
 }

@@ -4,11 +4,11 @@
 //! state up to date: batched, or by a wake's chain (docs/ARCHITECTURE.md "The step service",
 //! "Chained wakes").
 
-use std::collections::HashMap;
-use std::hash::Hash;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::Message;
+use kedge_core::bounded::Bounded;
 use kedge_core::decide::{Next, decide};
 use kedge_core::fold::{FoldError, RunState};
 use kedge_core::ids::RunId;
@@ -99,11 +99,11 @@ fn stored_long_ago(published: time::OffsetDateTime, now: time::OffsetDateTime) -
     now - published > time::Duration::try_from(BACKLOG_AGE).unwrap_or(time::Duration::MAX)
 }
 
-/// Notes `value` for `key` in one of this process's per-run memories, which hold at most
-/// [`CACHE_RUNS`] runs: when full, one of them makes room (not all: a burst of more runs than
-/// that would forget every run at once, and with it, e.g., that nobody else held their leases).
-pub(super) fn remember<K: Eq + Hash + Clone, V>(map: &mut HashMap<K, V>, key: K, value: V) {
-    kedge_core::bounded::insert(map, key, value, CACHE_RUNS);
+/// One of this process's per-run memories, which hold at most [`CACHE_RUNS`] runs: when full,
+/// the runs it stopped using make room ([`Bounded`]; not all at once: a burst of more runs than
+/// that would forget every run, and with it, e.g., that nobody else held their leases).
+pub(super) fn per_run<V>() -> Arc<std::sync::Mutex<Bounded<RunId, V>>> {
+    Arc::new(std::sync::Mutex::new(Bounded::new(CACHE_RUNS)))
 }
 
 /// The sequences between `after` and `seq` (both excluded), when there are any: what a state
@@ -337,7 +337,7 @@ impl Driver {
         if let Ok(mut cache) = self.cache.lock()
             && (!state.status.is_terminal() || !state.pending_messages.is_empty())
         {
-            remember(&mut cache, state.run_id.clone(), (state, skipped));
+            cache.insert(state.run_id.clone(), (state, skipped));
         }
     }
 }
@@ -443,24 +443,38 @@ mod tests {
     }
 
     #[test]
-    fn a_full_per_run_memory_makes_room_for_one_run_at_a_time() {
-        let mut small = HashMap::new();
-        remember(&mut small, "a", 1);
-        remember(&mut small, "b", 2);
-        remember(&mut small, "a", 3);
+    fn a_full_per_run_memory_makes_room_for_new_runs_and_keeps_the_used_ones() {
+        let run = |i: usize| -> RunId { format!("run_{i:032x}").parse().expect("run id") };
+        let small = per_run::<u32>();
+        let mut small = small.lock().expect("lock");
+        small.insert(run(0), 1);
+        small.insert(run(1), 2);
+        small.insert(run(0), 3);
         assert_eq!(small.len(), 2);
-        assert_eq!(small.get("a"), Some(&3));
-        let mut full = HashMap::new();
+        assert_eq!(small.get(&run(0)), Some(&3));
+        let full = per_run::<usize>();
+        let mut full = full.lock().expect("lock");
         for i in 0..CACHE_RUNS {
-            remember(&mut full, i, i);
+            full.insert(run(i), i);
         }
         assert_eq!(full.len(), CACHE_RUNS);
-        remember(&mut full, CACHE_RUNS, 0);
-        assert_eq!(full.len(), CACHE_RUNS, "one run made room");
-        assert_eq!(full.get(&CACHE_RUNS), Some(&0));
+        // Run 7 is still being used; the other early ones are not.
+        assert_eq!(full.get(&run(7)), Some(&7));
+        full.insert(run(CACHE_RUNS), 0);
+        assert!(full.len() <= CACHE_RUNS, "room was made");
+        assert_eq!(full.get(&run(CACHE_RUNS)), Some(&0));
+        assert_eq!(full.get(&run(7)), Some(&7), "what is used is kept");
         // A run already there is noted again in its place.
-        remember(&mut full, CACHE_RUNS, 1);
-        assert_eq!(full.len(), CACHE_RUNS);
-        assert_eq!(full.get(&CACHE_RUNS), Some(&1));
+        full.insert(run(CACHE_RUNS), 1);
+        assert_eq!(full.get(&run(CACHE_RUNS)), Some(&1));
+        // A burst of twice the bound keeps its newest runs (evicting whichever run the map
+        // yielded first kept the oldest and forgot the newest at once).
+        for i in 0..2 * CACHE_RUNS {
+            full.insert(run(100_000 + i), i);
+        }
+        assert!(full.len() <= CACHE_RUNS);
+        let newest =
+            (0..100).filter(|i| full.get(&run(100_000 + 2 * CACHE_RUNS - 1 - i)).is_some());
+        assert_eq!(newest.count(), 100);
     }
 }

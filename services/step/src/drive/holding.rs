@@ -16,7 +16,7 @@ use kedge_runtime::liveness::Hold;
 use kedge_runtime::metrics::{self, Takeover};
 use tokio::sync::{oneshot, watch};
 
-use super::cache::{CACHE_RUNS, remember};
+use super::cache::CACHE_RUNS;
 use super::{DriveError, Driver};
 
 /// How long a worker woken for a run whose lease another live worker holds waits for that
@@ -132,7 +132,7 @@ impl Driver {
     /// (for the takeover latency metric; forgotten once the lease is taken, or in bulk).
     pub fn adopting(&self, run: &RunId, last_heard: std::time::Instant) {
         if let Ok(mut adopted) = self.adopted.lock() {
-            remember(&mut adopted, run.clone(), last_heard);
+            adopted.insert(run.clone(), last_heard);
         }
     }
 
@@ -142,7 +142,7 @@ impl Driver {
         match self.rt.leases.release(lease).await {
             Ok(marker) => {
                 if let Ok(mut released) = self.released.lock() {
-                    remember(&mut released, run, marker);
+                    released.insert(run, marker);
                 }
             }
             Err(e) => {
@@ -331,7 +331,7 @@ impl Driver {
                         .or_else(|| owner.and_then(|o| self.liveness.last_heard(o)))
                         .unwrap_or_else(std::time::Instant::now);
                     if let Ok(mut taken) = self.taken_from.lock() {
-                        remember(&mut taken, run.clone(), last);
+                        taken.insert(run.clone(), last);
                     }
                 }
                 Ok(fresh(lease))

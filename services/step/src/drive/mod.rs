@@ -54,9 +54,10 @@ use kedge_runtime::provider::ProviderError;
 use tokio::sync::watch;
 use tracing::Instrument;
 
-use cache::{Read, Skipped, delivered, is_backlog};
+use cache::{Read, Skipped, delivered, is_backlog, per_run};
 use commit::Writing;
 use holding::{Keeper, Parked};
+use kedge_core::bounded::Bounded;
 
 /// How a drive ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -133,20 +134,20 @@ pub struct Driver {
     /// Folded states of runs this process drove, so that a drive reads only what was appended
     /// since (the journal is append-only, so a cached state plus the events after it is exact),
     /// each with the sequences its appends skipped ([`Skipped`]).
-    cache: Arc<std::sync::Mutex<std::collections::HashMap<RunId, (RunState, Skipped)>>>,
+    cache: Arc<std::sync::Mutex<Bounded<RunId, (RunState, Skipped)>>>,
     /// The release markers this process left on runs' leases: the next acquire of such a run
     /// tries to take over its own marker first (one round trip instead of two).
-    released: Arc<std::sync::Mutex<std::collections::HashMap<RunId, Released>>>,
+    released: Arc<std::sync::Mutex<Bounded<RunId, Released>>>,
     /// The failure detector: a lease held by a process that is gone is taken over at once, and
     /// the runs this process holds are announced in its heartbeats.
     liveness: Liveness,
     /// Runs adopted from a worker found gone, and when that worker was last heard: the
     /// takeover's latency ([`kedge_runtime::metrics::TAKEOVER_SECONDS`]) once the lease is taken.
-    adopted: Arc<std::sync::Mutex<std::collections::HashMap<RunId, std::time::Instant>>>,
+    adopted: Arc<std::sync::Mutex<Bounded<RunId, std::time::Instant>>>,
     /// Runs this process took over from a worker found gone, and when that worker was last
     /// heard: an attempt it left unfinished may still have its answer stored within
     /// `reconnect_grace` of then ([`Driver::await_interrupted_answer`]).
-    taken_from: Arc<std::sync::Mutex<std::collections::HashMap<RunId, std::time::Instant>>>,
+    taken_from: Arc<std::sync::Mutex<Bounded<RunId, std::time::Instant>>>,
     /// Child runs this process made sure exist (their `run.created` is journaled): not written
     /// again on the parent's next drives.
     children: Arc<std::sync::Mutex<std::collections::HashSet<RunId>>>,
@@ -177,10 +178,10 @@ impl Driver {
             model,
             cancels,
             liveness,
-            cache: Arc::default(),
-            released: Arc::default(),
-            adopted: Arc::default(),
-            taken_from: Arc::default(),
+            cache: per_run(),
+            released: per_run(),
+            adopted: per_run(),
+            taken_from: per_run(),
             children: Arc::default(),
             parked: Arc::default(),
             park_ids: Arc::default(),

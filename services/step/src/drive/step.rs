@@ -475,7 +475,7 @@ impl Driver {
             .taken_from
             .lock()
             .ok()
-            .and_then(|t| t.get(&state.run_id).copied());
+            .and_then(|mut t| t.get(&state.run_id).copied());
         let Some(until) = heard.map(|h| h + self.rt.config.timeouts.reconnect_grace()) else {
             return Ok(Interrupted::NoAnswer);
         };
