@@ -24,15 +24,15 @@ pub enum Lane {
 }
 
 /// Which of its two lanes to the broker a service sends an item's work on (docs/ARCHITECTURE.md
-/// "Fairness across tenants"), from what else it holds when it takes the item from its lane
-/// ([`FairQueue::pop`]): the tenant's own items (waiting behind it, or handed out before it and
-/// not finished, [`InFlight`]) and other tenants'.
+/// "Fairness across tenants"), from what its tenant holds when the item is taken from its lane
+/// ([`FairQueue::pop`], [`FairQueue::pop_light`]): its other items waiting behind it, or handed
+/// out before it and not finished ([`InFlight`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pace {
-    /// Fewer than [`BACKLOG_FROM`] items of its own while others hold at least that many: a
-    /// tenant keeping up, whose next operations should not queue behind another's backlog.
+    /// Fewer than [`BACKLOG_FROM`] other items of its own: a tenant keeping up, whose next
+    /// operations must not queue behind anyone's backlog.
     Light,
-    /// A backlog of its own, or none of others' to pass: the lane everyone shares.
+    /// A backlog of its own: the lane every backlog shares.
     Shared,
 }
 
@@ -40,10 +40,9 @@ pub enum Pace {
 pub const BACKLOG_FROM: usize = 8;
 
 impl Pace {
-    /// The pace of an item whose tenant has `own` other items held and the other tenants
-    /// `others`.
-    pub fn of(own: usize, others: usize) -> Pace {
-        if own < BACKLOG_FROM && others >= BACKLOG_FROM {
+    /// The pace of an item whose tenant holds `own` other items.
+    pub fn of(own: usize) -> Pace {
+        if own < BACKLOG_FROM {
             Pace::Light
         } else {
             Pace::Shared
@@ -89,14 +88,10 @@ impl InFlight {
     }
 
     /// Counts an item of `lane` just taken from a queue as in flight, and tells its pace:
-    /// `behind` items of its lane and `waiting` in all are left in the queue.
-    pub fn take(&mut self, lane: &Lane, behind: usize, waiting: usize) -> Pace {
+    /// `behind` items of its lane are left in the queue.
+    pub fn take(&mut self, lane: &Lane, behind: usize) -> Pace {
         let before = self.start(lane);
-        let others_flying = self.total - self.of(lane);
-        Pace::of(
-            behind + before,
-            waiting.saturating_sub(behind) + others_flying,
-        )
+        Pace::of(behind + before)
     }
 }
 
@@ -224,6 +219,29 @@ impl<T> FairQueue<T> {
         Some((lane, item))
     }
 
+    /// The next item of the first lane, in turn order, whose item would be [`Pace::Light`] if
+    /// taken now (its tenant holds fewer than [`BACKLOG_FROM`] others, waiting here or in
+    /// `flying`), counted in `flying` as [`InFlight::take`] counts it: what a light lane's own
+    /// taker takes ahead of the round robin. Taking it leaves every lane's turn as it was.
+    /// `None` when no lane is light.
+    pub fn pop_light(&mut self, flying: &mut InFlight) -> Option<(Lane, T)> {
+        let light = self.ring.iter().position(|lane| {
+            // Its tenant's others: those waiting behind it, and those in flight.
+            let own = self.waiting(lane).saturating_sub(1) + flying.of(lane);
+            Pace::of(own) == Pace::Light
+        })?;
+        let lane = self.ring.get(light)?.clone();
+        let queue = self.lanes.get_mut(&lane)?;
+        let item = queue.items.pop_front()?;
+        self.len -= 1;
+        if queue.items.is_empty() {
+            self.lanes.remove(&lane);
+            self.ring.remove(light);
+        }
+        flying.start(&lane);
+        Some((lane, item))
+    }
+
     /// Every waiting item, for the shell to look at (e.g. how long each has waited).
     pub fn items_mut(&mut self) -> impl Iterator<Item = &mut T> {
         self.lanes.values_mut().flat_map(|l| l.items.iter_mut())
@@ -262,27 +280,57 @@ mod tests {
     }
 
     #[test]
-    fn a_tenant_is_light_when_it_holds_little_and_others_hold_a_backlog() {
-        assert_eq!(Pace::of(0, BACKLOG_FROM), Pace::Light);
-        assert_eq!(Pace::of(BACKLOG_FROM - 1, 10_000), Pace::Light);
-        // A backlog of its own.
-        assert_eq!(Pace::of(BACKLOG_FROM, 10_000), Pace::Shared);
-        // Nothing of others' to pass: one lane serves everyone (a lone tenant, however busy).
-        assert_eq!(Pace::of(0, BACKLOG_FROM - 1), Pace::Shared);
-        assert_eq!(Pace::of(10_000, 0), Pace::Shared);
+    fn the_light_taker_takes_only_a_tenant_without_a_backlog_and_leaves_the_turns() {
+        let (a, b, c) = (t("a"), t("b"), t("c"));
+        let mut q = FairQueue::new(100, Weights::default());
+        let mut flying = InFlight::default();
+        // A backlog is never taken light.
+        for i in 0..20 {
+            q.push(a.clone(), ('a', i)).expect("room");
+        }
+        assert!(q.pop_light(&mut flying).is_none());
+        // b's two behind a's backlog (turn order: a, then b) are taken ahead of a's.
+        q.push(b.clone(), ('b', 0)).expect("room");
+        q.push(b.clone(), ('b', 1)).expect("room");
+        assert_eq!(q.pop_light(&mut flying), Some((b.clone(), ('b', 0))));
+        assert_eq!(flying.of(&b), 1, "counted in flight");
+        assert_eq!(q.pop_light(&mut flying), Some((b.clone(), ('b', 1))));
+        assert_eq!(q.waiting(&b), 0);
+        assert!(q.pop_light(&mut flying).is_none(), "a is not light");
+        assert_eq!(q.len(), 20);
+        // b's items in flight count as its own: with seven, an eighth held is a backlog.
+        for _ in 0..5 {
+            flying.start(&b);
+        }
+        q.push(b.clone(), ('b', 2)).expect("room");
+        assert_eq!(q.pop_light(&mut flying), Some((b.clone(), ('b', 2))));
+        q.push(b.clone(), ('b', 3)).expect("room");
+        assert!(q.pop_light(&mut flying).is_none(), "b holds eight");
+        // Another quiet tenant is found behind it; the round robin's turns are untouched.
+        q.push(c.clone(), ('c', 0)).expect("room");
+        assert_eq!(q.pop_light(&mut flying), Some((c.clone(), ('c', 0))));
+        assert_eq!(order(&mut q), format!("ab{}", "a".repeat(19)));
+    }
+
+    #[test]
+    fn a_tenant_is_light_while_it_holds_less_than_a_backlog() {
+        assert_eq!(Pace::of(0), Pace::Light);
+        assert_eq!(Pace::of(BACKLOG_FROM - 1), Pace::Light);
+        assert_eq!(Pace::of(BACKLOG_FROM), Pace::Shared);
+        assert_eq!(Pace::of(10_000), Pace::Shared);
 
         // What a service sees after each pop, as the fair feed counts: a burst's items go on
         // the shared lane, a trickle's beside it on the light one.
         let mut q = FairQueue::new(100, Weights::default());
         let mut flying = InFlight::default();
-        let (a, b) = (t("a"), t("b"));
+        let (a, b, c) = (t("a"), t("b"), t("c"));
         for i in 0..20 {
             q.push(a.clone(), i).expect("room");
         }
         q.push(b.clone(), 100).expect("room");
         let mut paces = Vec::new();
         while let Some((lane, _)) = q.pop() {
-            let pace = flying.take(&lane, q.waiting(&lane), q.len());
+            let pace = flying.take(&lane, q.waiting(&lane));
             paces.push((lane.clone(), pace));
         }
         let of = |l: &Lane| {
@@ -297,6 +345,14 @@ mod tests {
             of(&a).iter().all(|p| *p == Pace::Shared),
             "a's burst shares"
         );
+        // A tenant alone with a few items is light too (it stays beside whatever comes).
+        for i in 0..3 {
+            q.push(c.clone(), i).expect("room");
+        }
+        let mut flying = InFlight::default();
+        while let Some((lane, _)) = q.pop() {
+            assert_eq!(flying.take(&lane, q.waiting(&lane)), Pace::Light);
+        }
 
         // Work in flight counts as much as work waiting, until it ends.
         let mut flying = InFlight::default();
@@ -305,17 +361,19 @@ mod tests {
         }
         assert_eq!(flying.total(), BACKLOG_FROM);
         assert_eq!(
-            flying.take(&b, 0, 0),
-            Pace::Light,
+            flying.take(&a, 0),
+            Pace::Shared,
             "a's in flight are a backlog"
         );
+        assert_eq!(flying.take(&b, 0), Pace::Light, "b's own are none");
         for _ in 0..3 {
             flying.end(&a);
         }
         assert_eq!(
             (flying.of(&a), flying.total()),
-            (BACKLOG_FROM - 3, BACKLOG_FROM - 2)
+            (BACKLOG_FROM - 2, BACKLOG_FROM - 1)
         );
+        assert_eq!(flying.take(&a, 0), Pace::Light, "a's backlog has gone");
         for _ in 0..100 {
             flying.end(&a);
         }

@@ -14,12 +14,17 @@
 //!   bounds it too (deliveries waiting here count as pending).
 //! - On a stop, [`FairFeed::hand_back`] hands back (NAK, no delay) what the client pulled and
 //!   what waits in the window: another process takes it at once.
+//! - Opened with [`FairFeed::open`], the deliveries come over the process's light lane
+//!   ([`crate::Runtime::light_lane`]) and are read on its threads, and a light taker
+//!   ([`FairFeed::take_light`]) hands the deliveries of a tenant without a backlog to slots of
+//!   its own, ahead of the round robin: none of a quiet tenant's steps waits in the connection,
+//!   the threads or the slots another tenant's backlog fills.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, Message};
-use kedge_core::fairness::{FairQueue, InFlight, Lane, Pace, Weights};
+use kedge_core::fairness::{BACKLOG_FROM, FairQueue, InFlight, Lane, Pace, Weights};
 use kedge_core::subjects::{self, Durable};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
@@ -80,8 +85,16 @@ impl std::fmt::Debug for LaneHeld {
 
 impl Drop for LaneHeld {
     fn drop(&mut self) {
-        if let Ok(mut flying) = self.shared.in_flight.lock() {
-            flying.end(&self.lane);
+        let held = match self.shared.in_flight.lock() {
+            Ok(mut flying) => {
+                flying.end(&self.lane);
+                flying.of(&self.lane)
+            }
+            Err(_) => return,
+        };
+        if held < BACKLOG_FROM {
+            // Its lane's next delivery may be light now.
+            self.shared.light_ready.notify_one();
         }
     }
 }
@@ -100,6 +113,9 @@ struct Shared {
     ready: Notify,
     /// Signalled when a delivery leaves the window.
     room: Notify,
+    /// Signalled when a delivery the light taker may take is queued, or a lane's work in
+    /// flight ends ([`FairFeed::take_light`]).
+    light_ready: Notify,
     ended: std::sync::atomic::AtomicBool,
 }
 
@@ -109,6 +125,8 @@ pub struct FairFeed {
     consumer: Durable,
     stop: watch::Sender<bool>,
     reader: tokio::task::JoinHandle<Deliveries>,
+    /// The light takers' loops ([`FairFeed::take_light`]), ended by the stop.
+    light: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for FairFeed {
@@ -138,29 +156,112 @@ impl FairFeed {
         tenancy: Tenancy,
         ack_wait: Duration,
     ) -> Self {
+        Self::start_on(None, None, messages, window, weights, tenancy, ack_wait)
+    }
+
+    /// Opens the deliveries of `consumer` and starts their feed ([`FairFeed::start`]), each in
+    /// the lane `tenancy` finds (given the runtime the feed reads with). With a light lane
+    /// ([`crate::Runtime::light_lane`]) the deliveries come over its connection and are read on
+    /// its threads: they do not wait behind the replies to a backlog's operations on the first
+    /// connection, nor their reader behind the backlog's tasks (docs/ARCHITECTURE.md "Fairness
+    /// across tenants"). They are still settled over `rt`'s connection, where the acks of a
+    /// backlog's work go out together with its other writes (from the light lane's idle
+    /// connection each would be a write of its own to the broker).
+    pub async fn open(
+        rt: &crate::Runtime,
+        consumer: Durable,
+        ack_wait: Duration,
+        window: usize,
+        tenancy: impl FnOnce(&crate::Runtime) -> Tenancy,
+    ) -> Result<Self, crate::RuntimeError> {
+        let feeder = rt.light_lane().await?.unwrap_or_else(|| rt.clone());
+        let js = feeder.js.clone();
+        let open = async move { Deliveries::open(&js, consumer, ack_wait).await };
+        let messages = match feeder.executor() {
+            Some(on) => on
+                .spawn(open)
+                .await
+                .map_err(|e| crate::RuntimeError::broker(format!("consumer {consumer}"), e))??,
+            None => open.await?,
+        };
+        Ok(Self::start_on(
+            feeder.executor(),
+            Some(rt.js.clone()),
+            messages,
+            window,
+            rt.config.fairness.weights(),
+            tenancy(&feeder),
+            ack_wait,
+        ))
+    }
+
+    /// [`FairFeed::start`], reading on `on`'s threads (else the caller's runtime), each delivery
+    /// settled over `settle` (else the connection it came on).
+    fn start_on(
+        on: Option<&tokio::runtime::Handle>,
+        settle: Option<async_nats::jetstream::Context>,
+        messages: Deliveries,
+        window: usize,
+        weights: Weights,
+        tenancy: Tenancy,
+        ack_wait: Duration,
+    ) -> Self {
         let shared = Arc::new(Shared {
             queue: Mutex::new(FairQueue::new(window, weights)),
             in_flight: Mutex::default(),
             ready: Notify::new(),
             room: Notify::new(),
+            light_ready: Notify::new(),
             ended: std::sync::atomic::AtomicBool::new(false),
         });
         let (stop, stopped) = watch::channel(false);
         let consumer = messages.name();
-        let reader = tokio::spawn(read(messages, shared.clone(), tenancy, ack_wait, stopped));
+        let reading = read(messages, shared.clone(), tenancy, settle, ack_wait, stopped);
+        let reader = match on {
+            Some(on) => on.spawn(reading),
+            None => tokio::spawn(reading),
+        };
         Self {
             shared,
             consumer,
             stop,
             reader,
+            light: Mutex::default(),
+        }
+    }
+
+    /// Starts the feed's light taker on `on` (the light lane's threads,
+    /// [`crate::Runtime::executor`]): it takes, ahead of the round robin, each delivery whose
+    /// pace is light ([`FairQueue::pop_light`]) as soon as one of `workers` (the light lane's
+    /// own slots, [`light_workers`]) is free, and gives it to `take` with its slot (which picks
+    /// the light lane with [`lane`], as for any [`Pace::Light`] delivery). What it
+    /// does not take (its slots all busy) the round robin of [`FairFeed::next`] hands out, with
+    /// the same pace. Stops with [`FairFeed::hand_back`]; the caller drains `workers` after it.
+    pub fn take_light<F, Fut>(&self, on: &tokio::runtime::Handle, workers: Workers, mut take: F)
+    where
+        F: FnMut(Slot, Message) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let mut taker = LightTaker {
+            shared: self.shared.clone(),
+            stopped: self.stop.subscribe(),
+        };
+        let taking = on.spawn(async move {
+            while let Some((slot, msg)) = taker.next(&workers).await {
+                take(slot, msg).await;
+            }
+        });
+        if let Ok(mut light) = self.light.lock() {
+            light.push(taking);
         }
     }
 
     /// The next delivery in fair order, with a free slot of `workers` to handle it (taken first,
     /// like [`Workers::next`]) and its [`Pace`]: light when its tenant has no backlog here
-    /// while others have one (deliveries waiting in the window or handled now, counted until
-    /// their slots are freed), which tells the lane its work goes out on ([`lane`]). Cancel-safe (for
-    /// `select!`). `None` once the consumer's stream has ended and the window is empty.
+    /// (fewer than [`BACKLOG_FROM`] other deliveries waiting in the window or handled now,
+    /// counted until their slots are freed), which tells the lane its work goes out on
+    /// ([`lane`]). Cancel-safe (for `select!`). `None` once the consumer's stream has ended and
+    /// the window is empty.
     pub async fn next(&self, workers: &Workers) -> Option<(Slot, Message, Pace)> {
         let slot = workers.slot().await;
         loop {
@@ -169,12 +270,12 @@ impl FairFeed {
             ready.as_mut().enable();
             let popped = self.shared.queue.lock().ok().and_then(|mut q| {
                 q.pop()
-                    .map(|(lane, waiting)| (q.waiting(&lane), q.len(), lane, waiting))
+                    .map(|(lane, waiting)| (q.waiting(&lane), lane, waiting))
             });
-            if let Some((behind, left, lane, waiting)) = popped {
+            if let Some((behind, lane, waiting)) = popped {
                 self.shared.room.notify_one();
                 let pace = match self.shared.in_flight.lock() {
-                    Ok(mut flying) => flying.take(&lane, behind, left),
+                    Ok(mut flying) => flying.take(&lane, behind),
                     Err(_) => Pace::Shared,
                 };
                 let held = LaneHeld {
@@ -190,11 +291,18 @@ impl FairFeed {
         }
     }
 
-    /// Stops taking deliveries and hands back (NAK, no delay) what the client pulled and what
-    /// waits in the window, so another process takes it at once (bounded like
-    /// [`Deliveries::hand_back`]). Returns how many were handed back.
+    /// Stops taking deliveries (the light takers end first) and hands back (NAK, no delay) what
+    /// the client pulled and what waits in the window, so another process takes it at once
+    /// (bounded like [`Deliveries::hand_back`]). Returns how many were handed back.
     pub async fn hand_back(self) -> usize {
         let _ = self.stop.send(true);
+        let takers = match self.light.lock() {
+            Ok(mut light) => std::mem::take(&mut *light),
+            Err(_) => Vec::new(),
+        };
+        for taker in takers {
+            let _ = taker.await;
+        }
         let mut handed = match self.reader.await {
             // The stream is dropped inside before any NAK (a handed-back delivery cannot come
             // back here).
@@ -218,12 +326,62 @@ impl FairFeed {
     }
 }
 
+/// The light lane's own slots for a service of `concurrency` handlers
+/// ([`FairFeed::take_light`]): a quarter as many, at least [`BACKLOG_FROM`].
+pub fn light_workers(concurrency: usize) -> Workers {
+    Workers::new((concurrency / 4).max(BACKLOG_FROM))
+}
+
+/// The light taker of a feed ([`FairFeed::take_light`]).
+struct LightTaker {
+    shared: Arc<Shared>,
+    stopped: watch::Receiver<bool>,
+}
+
+impl LightTaker {
+    /// The next light delivery, with a free slot of `workers`; `None` once the feed stops or
+    /// its consumer's stream has ended.
+    async fn next(&mut self, workers: &Workers) -> Option<(Slot, Message)> {
+        let slot = tokio::select! {
+            slot = workers.slot() => slot,
+            _ = self.stopped.wait_for(|stop| *stop) => return None,
+        };
+        loop {
+            let ready = self.shared.light_ready.notified();
+            tokio::pin!(ready);
+            ready.as_mut().enable();
+            if *self.stopped.borrow()
+                || self.shared.ended.load(std::sync::atomic::Ordering::Acquire)
+            {
+                return None;
+            }
+            let popped = self.shared.queue.lock().ok().and_then(|mut q| {
+                let mut flying = self.shared.in_flight.lock().ok()?;
+                q.pop_light(&mut flying)
+            });
+            if let Some((lane, waiting)) = popped {
+                self.shared.room.notify_one();
+                let held = LaneHeld {
+                    shared: self.shared.clone(),
+                    lane,
+                };
+                return Some((slot.holding(held), waiting.msg));
+            }
+            tokio::select! {
+                _ = ready => {}
+                _ = self.stopped.wait_for(|stop| *stop) => return None,
+            }
+        }
+    }
+}
+
 /// The feed's reader: takes deliveries into the window while it has room, keeps those waiting
 /// long alive; returns the stream when told to stop.
 async fn read(
     mut messages: Deliveries,
     shared: Arc<Shared>,
     tenancy: Tenancy,
+    settle: Option<async_nats::jetstream::Context>,
     ack_wait: Duration,
     mut stopped: watch::Receiver<bool>,
 ) -> Deliveries {
@@ -251,16 +409,25 @@ async fn read(
             _ = stopped.changed() => break,
             _ = tick.tick() => keep_alive(&shared, consumer, keep_alive_after).await,
             msg = next => match msg {
-                Some(msg) => {
+                Some(mut msg) => {
+                    if let Some(js) = &settle {
+                        msg.context = js.clone();
+                    }
                     let lane = tenancy.lane(&msg).await;
                     let waiting = Waiting { msg, since: Instant::now() };
-                    let refused = shared.queue.lock().ok().and_then(|mut q| q.push(lane, waiting).err());
-                    if let Some(w) = refused {
+                    match push(&shared, lane, waiting) {
+                        Ok(light) => {
+                            shared.ready.notify_one();
+                            if light {
+                                shared.light_ready.notify_one();
+                            }
+                        }
                         // Not reached (room was checked and only this task pushes); handed
                         // back rather than held.
-                        let _ = w.msg.ack_with(AckKind::Nak(None)).await;
+                        Err(w) => {
+                            let _ = w.msg.ack_with(AckKind::Nak(None)).await;
+                        }
                     }
-                    shared.ready.notify_one();
                 }
                 None => {
                     shared.ended.store(true, std::sync::atomic::Ordering::Release);
@@ -278,6 +445,18 @@ async fn read(
         }
     }
     messages
+}
+
+/// Queues `waiting` in `lane`; returns whether the light taker may want it (its tenant held
+/// fewer than [`BACKLOG_FROM`] deliveries here), or hands it back when the window is full.
+fn push(shared: &Shared, lane: Lane, waiting: Waiting) -> Result<bool, Box<Waiting>> {
+    let Ok(mut queue) = shared.queue.lock() else {
+        return Err(Box::new(waiting));
+    };
+    let flying = shared.in_flight.lock().map_or(0, |f| f.of(&lane));
+    let own = queue.waiting(&lane) + flying;
+    queue.push(lane, waiting).map_err(Box::new)?;
+    Ok(own < BACKLOG_FROM)
 }
 
 /// Tells the server that the deliveries waiting longer than `after` are in progress.

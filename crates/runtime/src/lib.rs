@@ -116,7 +116,7 @@ pub struct Runtime {
     quotas: Arc<tokio::sync::OnceCell<quota::Quotas>>,
     /// The key run ids are derived with, read on first use ([`Runtime::run_ids`]).
     run_ids: Arc<tokio::sync::OnceCell<run_ids::RunIdKey>>,
-    /// This process's light lane, for the work of tenants passing another's backlog, opened by
+    /// This process's light lane, for the work of tenants without a backlog, opened by
     /// the first service that needs it ([`Runtime::light_lane`]) and shared by the others.
     light: Arc<tokio::sync::OnceCell<LightLane>>,
     /// The light lane's own threads, for the light lane's runtime ([`Runtime::executor`]).
@@ -275,11 +275,12 @@ impl Runtime {
             .cloned()
     }
 
-    /// The runtime of this process's light lane, for the work of tenants passing another's
-    /// backlog (docs/ARCHITECTURE.md "Fairness across tenants"): a second connection to the
-    /// broker and threads of its own. A connection's messages are handled in order on both
-    /// sides, and a Tokio runtime's ready tasks in turn, so a tenant with a few runs would
-    /// otherwise wait behind another tenant's thousands at every operation. Opened on first use
+    /// The runtime of this process's light lane, for the deliveries of the intake, step and
+    /// tool consumers and the work of tenants without a backlog (docs/ARCHITECTURE.md
+    /// "Fairness across tenants"): a second connection to the broker and threads of its own. A
+    /// connection's messages are handled in order on both sides, and a Tokio runtime's ready
+    /// tasks in turn, so a tenant with a few runs would otherwise wait behind another tenant's
+    /// thousands at every operation. Opened on first use
     /// with the same settings (credentials, TLS, inbox prefix) and shared by every clone and
     /// service of the process; it shares this runtime's configuration, failure detector,
     /// provider view, quota counts and run-id key. Its work is spawned with

@@ -19,8 +19,9 @@ const ACK_WAIT: Duration = Duration::from_secs(3);
 const NOISY: usize = 30;
 const QUIET: usize = 2;
 
-#[tokio::test]
-async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
+/// A server with a stream of `NOISY` tasks of acme, then `QUIET` of globex, its durable
+/// consumer and a fair feed of it (a window of 100).
+async fn feed_of_tasks() -> (NatsServer, jetstream::consumer::PullConsumer, FairFeed) {
     let server = NatsServer::start().await;
     let client = async_nats::connect(server.url()).await.expect("connects");
     let js = jetstream::new(client);
@@ -56,6 +57,58 @@ async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
         .await
         .expect("messages");
     let feed = FairFeed::start(messages, 100, Weights::default(), Tenancy::Task, ACK_WAIT);
+    (server, consumer, feed)
+}
+
+#[tokio::test]
+async fn the_light_taker_takes_a_quiet_tenants_work_ahead_of_a_backlog_and_stops_with_the_feed() {
+    let (_server, _consumer, feed) = feed_of_tasks().await;
+    let (taken, mut took) = tokio::sync::mpsc::unbounded_channel();
+    feed.take_light(
+        &tokio::runtime::Handle::current(),
+        Workers::new(4),
+        move |slot, msg| {
+            let _ = taken.send((slot, msg));
+            std::future::ready(())
+        },
+    );
+    // Globex's two, behind acme's thirty in the stream, are taken by the light taker; none of
+    // acme's.
+    let mut quiet = Vec::new();
+    for _ in 0..QUIET {
+        let (slot, msg) = tokio::time::timeout(Duration::from_secs(30), took.recv())
+            .await
+            .expect("taken in time")
+            .expect("a delivery");
+        let tenant = parse_task(&msg.subject).expect("a task").tenant.to_string();
+        msg.ack().await.expect("ack");
+        quiet.push((tenant, slot));
+    }
+    assert!(quiet.iter().all(|(t, _)| t == "globex"), "{quiet:?}");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), took.recv())
+            .await
+            .is_err(),
+        "the backlog is not light"
+    );
+    // The round robin hands out the rest (here: acme's, shared).
+    let workers = Workers::new(1);
+    let (slot, msg, pace) = feed.next(&workers).await.expect("a delivery");
+    assert_eq!(
+        parse_task(&msg.subject).expect("a task").tenant.to_string(),
+        "acme"
+    );
+    assert_eq!(pace, kedge_core::fairness::Pace::Shared);
+    msg.ack().await.expect("ack");
+    drop(slot);
+    // The stop ends the taker (its sender is dropped) and hands back the rest.
+    assert_eq!(feed.hand_back().await, NOISY - 1);
+    assert!(took.recv().await.is_none(), "the taker stopped");
+}
+
+#[tokio::test]
+async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
+    let (_server, consumer, feed) = feed_of_tasks().await;
     // Everything is in the window, then held there three ack waits.
     tokio::time::sleep(ACK_WAIT * 3).await;
     let workers = Workers::new(1);

@@ -51,6 +51,7 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::Message;
 use futures::FutureExt;
 use kedge_core::event::{Draft, Event, RunCreated, Timestamp};
+use kedge_core::fairness::Pace;
 use kedge_core::ids::{RunId, TenantId};
 use kedge_core::subjects::{self, Durable, TaskSubject};
 use kedge_core::task::{TaskRejection, TaskSubmission};
@@ -82,18 +83,18 @@ const BACKOFF: Backoff = Backoff {
 
 /// Runs intake until `shutdown` resolves.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let messages = consumer::Deliveries::open(&rt.js, CONSUMER, ACK_WAIT).await?;
     let workers =
         consumer::Workers::adaptive(WORKERS, rt.admission_probe("intake", false), "intake");
     // Tasks are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
     // tenants"): the tenant is the subject's.
-    let feed = FairFeed::start(
-        messages,
-        fair::window(WORKERS, consumer::max_ack_pending(CONSUMER)),
-        rt.config.fairness.weights(),
-        Tenancy::Task,
+    let feed = FairFeed::open(
+        &rt,
+        CONSUMER,
         ACK_WAIT,
-    );
+        fair::window(WORKERS, consumer::max_ack_pending(CONSUMER)),
+        |_| Tenancy::Task,
+    )
+    .await?;
     // Callbacks are answered beside the tasks, and stop with them: when this function returns
     // (a stop, or an error the supervisor restarts it for), `stop` is dropped.
     let callbacks = subscribe_callbacks(&rt).await?;
@@ -109,9 +110,20 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 .await;
         }
     });
-    // The light lane, for tenants passing another's backlog (docs/ARCHITECTURE.md "Fairness
+    // The light lane, for tenants without a backlog (docs/ARCHITECTURE.md "Fairness
     // across tenants").
     let light = rt.light_lane().await?;
+    let light_workers = fair::light_workers(WORKERS);
+    if let Some(light) = &light
+        && let Some(on) = light.executor()
+    {
+        let (rt, light, workers) = (rt.clone(), light.clone(), light_workers.clone());
+        feed.take_light(on, light_workers.clone(), move |slot, msg| {
+            let rt = fair::lane(CONSUMER, Pace::Light, &rt, Some(&light)).clone();
+            run_task(&workers, slot, rt, msg);
+            std::future::ready(())
+        });
+    }
     tracing::info!(worker = %rt.config.worker_id, "intake service started");
     tokio::pin!(shutdown);
     loop {
@@ -122,28 +134,35 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
                 None => break,
             },
         };
-        // A tenant passing another's backlog has its task handled on the light lane.
+        // A tenant without a backlog has its task handled on the light lane.
         let rt = fair::lane(CONSUMER, pace, &rt, light.as_ref()).clone();
-        let on = rt.executor().cloned();
-        workers.run_on(on.as_ref(), slot, async move {
-            // A panic while handling one task (a bug) is contained: the task is handed back
-            // (bounded by the consumer's max_deliver; one that panics at its last delivery
-            // is a dead letter).
-            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
-            if let Err(panic) = AssertUnwindSafe(handle(&rt, &msg)).catch_unwind().await {
-                let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
-                tracing::error!(seq, panic = %reason, "handling a task panicked; handing it back");
-                let verdict = Verdict::Retry(format!("panicked: {reason}"), BACKOFF);
-                consumer::settle(&rt.js, CONSUMER, &msg, verdict).await;
-            }
-        });
+        run_task(&workers, slot, rt, msg);
     }
     feed.hand_back().await;
     workers.drain().await;
+    light_workers.drain().await;
     drop(stop);
     let _ = answering.await;
     tracing::info!("intake service stopped");
     Ok(())
+}
+
+/// Handles the task `msg` on `slot` with `rt` (the process's runtime, or its light lane's) on
+/// that runtime's threads.
+fn run_task(workers: &consumer::Workers, slot: consumer::Slot, rt: Runtime, msg: Message) {
+    let on = rt.executor().cloned();
+    workers.run_on(on.as_ref(), slot, async move {
+        // A panic while handling one task (a bug) is contained: the task is handed back
+        // (bounded by the consumer's max_deliver; one that panics at its last delivery is a
+        // dead letter).
+        let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+        if let Err(panic) = AssertUnwindSafe(handle(&rt, &msg)).catch_unwind().await {
+            let reason = kedge_runtime::failpoint::panic_message(panic.as_ref());
+            tracing::error!(seq, panic = %reason, "handling a task panicked; handing it back");
+            let verdict = Verdict::Retry(format!("panicked: {reason}"), BACKOFF);
+            consumer::settle(&rt.js, CONSUMER, &msg, verdict).await;
+        }
+    });
 }
 
 /// Header carrying a callback delivery's id (a webhook's own id), for deduplication.

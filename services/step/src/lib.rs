@@ -144,20 +144,20 @@ async fn answer_yields(
 
 /// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-    let messages =
-        consumer::Deliveries::open(&rt.js, CONSUMER, rt.config.timeouts.step_ack_wait()).await?;
+    let light = rt.light_lane().await?;
     // Wakes are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
     // tenants"): a run's tenant is read from its run.created.
-    let feed = FairFeed::start(
-        messages,
+    let feed = FairFeed::open(
+        &rt,
+        CONSUMER,
+        rt.config.timeouts.step_ack_wait(),
         fair::window(
             rt.config.step_concurrency,
             consumer::max_ack_pending(CONSUMER),
         ),
-        rt.config.fairness.weights(),
-        Tenancy::Run(Box::new(RunTenants::new(rt.journal.clone()))),
-        rt.config.timeouts.step_ack_wait(),
-    );
+        |feeder| Tenancy::Run(Box::new(RunTenants::new(feeder.journal.clone()))),
+    )
+    .await?;
     let (cancels, _) = tokio::sync::broadcast::channel(1024);
     // In-flight model calls of a cancelled run are aborted at once (a missed notification only
     // lets the call run to its end; the commit after it still sees the cancel).
@@ -171,10 +171,12 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let mut deaths = liveness.deaths();
     let (readopt, mut readopts) = tokio::sync::mpsc::unbounded_channel();
     let driver = drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness);
-    let drives = Drives {
-        // The light lane, for the runs of tenants passing another's backlog
+    let light_workers = fair::light_workers(rt.config.step_concurrency);
+    let light_on = light.as_ref().and_then(|l| l.executor().cloned());
+    let drives = Arc::new(Drives {
+        // The light lane, for the runs of tenants without a backlog
         // (docs/ARCHITECTURE.md "Fairness across tenants").
-        light: rt.light_lane().await?.map(|light| driver.on(light)),
+        light: light.map(|light| driver.on(light)),
         driver,
         active: Arc::default(),
         workers: consumer::Workers::adaptive(
@@ -184,7 +186,14 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         ),
         js: rt.js.clone(),
         readopt,
-    };
+    });
+    if let Some(on) = &light_on {
+        let drives = drives.clone();
+        feed.take_light(on, light_workers.clone(), move |slot, msg| {
+            let drives = drives.clone();
+            async move { drives.wake(slot, msg, Pace::Light).await }
+        });
+    }
     let yields = answer_yields(&rt, drives.driver.clone()).await?;
     // Releases the runs waiting on a model provider when the fleet may call it again
     // (docs/ARCHITECTURE.md "Provider trouble"); one process per endpoint does, by its lead.
@@ -225,23 +234,12 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             },
         };
         let (slot, msg, pace) = msg;
-        let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) else {
-            tracing::warn!(subject = %msg.subject, "not a journal event subject; terminating it");
-            let _ = msg.ack_with(AckKind::Term).await;
-            continue;
-        };
-        drives
-            .start(
-                parsed.run_id,
-                Wake::Delivered(Box::new(msg)),
-                Some(slot),
-                pace,
-            )
-            .await;
+        drives.wake(slot, msg, pace).await;
     }
     // Drain: hand back the wakes pulled and not started, then wait for every in-flight drive.
     feed.hand_back().await;
     drives.workers.drain().await;
+    light_workers.drain().await;
     yields.abort();
     releaser.abort();
     watching.abort();
@@ -265,8 +263,8 @@ enum Wake {
 /// into that drive), at most `step_concurrency` at once.
 struct Drives {
     driver: drive::Driver,
-    /// The driver over the light lane, when the process has one: drives of a tenant with no
-    /// backlog while others have one (its wake's [`Pace`]).
+    /// The driver over the light lane, when the process has one: drives of a tenant without a
+    /// backlog (its wake's [`Pace`]).
     light: Option<drive::Driver>,
     active: Active,
     workers: consumer::Workers,
@@ -276,6 +274,17 @@ struct Drives {
 }
 
 impl Drives {
+    /// Drives the run of the delivered wake `msg` on `slot` ([`Drives::start`]).
+    async fn wake(&self, slot: consumer::Slot, msg: Message, pace: Pace) {
+        let Some(parsed) = kedge_core::subjects::parse_event(&msg.subject) else {
+            tracing::warn!(subject = %msg.subject, "not a journal event subject; terminating it");
+            let _ = msg.ack_with(AckKind::Term).await;
+            return;
+        };
+        let wake = Wake::Delivered(Box::new(msg));
+        self.start(parsed.run_id, wake, Some(slot), pace).await;
+    }
+
     /// Drives `run_id` for `wake`; on `slot` when one is reserved already, else on the next
     /// free one; over the light lane when the wake's `pace` says so.
     async fn start(&self, run_id: RunId, wake: Wake, slot: Option<consumer::Slot>, pace: Pace) {

@@ -14,6 +14,7 @@ use crate::verify::CheckError;
 use async_nats::jetstream::{AckKind, Message};
 use futures::{FutureExt, StreamExt};
 use kedge_core::event::ToolRequested;
+use kedge_core::fairness::Pace;
 use kedge_core::fold::handled_by_step;
 use kedge_core::ids::{OperationId, RunId};
 use kedge_core::subjects::Durable;
@@ -106,7 +107,7 @@ enum Again {
 
 impl Ctx {
     /// This context over another runtime of the process, its light lane (docs/ARCHITECTURE.md
-    /// "Fairness across tenants"): the operations of a tenant passing another's backlog go out on that
+    /// "Fairness across tenants"): the operations of a tenant without a backlog go out on that
     /// runtime's connection.
     fn on(&self, rt: Runtime) -> Ctx {
         Ctx { rt, ..self.clone() }
@@ -152,7 +153,6 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             reason: e.to_string(),
         }
     })?;
-    let consumer = consumer::durable(&rt.js, CONSUMER, rt.config.timeouts.tool_ack_wait()).await?;
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
     let running = Running::default();
@@ -162,26 +162,39 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let watching = rt
         .on_cancel_requests(move |run| stopping.stop_run(&run))
         .await?;
-    let messages = consumer::Deliveries::of(consumer, CONSUMER).await?;
+    let light_rt = rt.light_lane().await?;
     // Requests are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
     // tenants"): a run's tenant is read from its run.created.
-    let feed = FairFeed::start(
-        messages,
+    let feed = FairFeed::open(
+        &rt,
+        CONSUMER,
+        rt.config.timeouts.tool_ack_wait(),
         fair::window(
             rt.config.tool_concurrency,
             consumer::max_ack_pending(CONSUMER),
         ),
-        rt.config.fairness.weights(),
-        Tenancy::Run(Box::new(RunTenants::new(rt.journal.clone()))),
-        rt.config.timeouts.tool_ack_wait(),
-    );
+        |feeder| Tenancy::Run(Box::new(RunTenants::new(feeder.journal.clone()))),
+    )
+    .await?;
     // Kept requests come back here; the service's stop hands them back to the broker.
     let (again, mut kept) = mpsc::unbounded_channel::<Again>();
     let (stop, stopping) = watch::channel(false);
     let ctx = Arc::new(Ctx::new(&rt, sandbox, running, liveness, again, stopping));
-    // The light lane, for the operations of tenants passing another's backlog
+    // The light lane, for the operations of tenants without a backlog
     // (docs/ARCHITECTURE.md "Fairness across tenants").
-    let light = rt.light_lane().await?.map(|light| Arc::new(ctx.on(light)));
+    let light = light_rt.map(|light| Arc::new(ctx.on(light)));
+    let light_workers = fair::light_workers(rt.config.tool_concurrency);
+    if let Some(light) = &light
+        && let Some(on) = light.rt.executor()
+    {
+        let (shared, light, workers) = (ctx.clone(), light.clone(), light_workers.clone());
+        feed.take_light(on, light_workers.clone(), move |slot, msg| {
+            let ctx = fair::lane(CONSUMER, Pace::Light, &shared, Some(&light)).clone();
+            let on = ctx.rt.executor().cloned();
+            workers.run_on(on.as_ref(), slot, async move { handle(&ctx, msg, 0).await });
+            std::future::ready(())
+        });
+    }
     // Results an earlier process on this workspace root held and could not journal.
     tokio::spawn(redeliver_held(ctx.clone()));
     let workers = consumer::Workers::adaptive(
@@ -242,7 +255,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         let on = ctx.rt.executor().cloned();
         workers.run_on(on.as_ref(), slot, async move { handle(&ctx, msg, 0).await });
     }
-    wind_down(&ctx, feed, &stop, &workers, kept, sweeper).await;
+    wind_down(&ctx, feed, &stop, [&workers, &light_workers], kept, sweeper).await;
     let _ = answering.await;
     watching.abort();
     tracing::info!("tool service stopped");
@@ -309,7 +322,7 @@ async fn wind_down(
     ctx: &Ctx,
     feed: FairFeed,
     stop: &watch::Sender<bool>,
-    workers: &consumer::Workers,
+    workers: [&consumer::Workers; 2],
     mut kept: mpsc::UnboundedReceiver<Again>,
     sweeper: tokio::task::JoinHandle<()>,
 ) {
@@ -317,7 +330,9 @@ async fn wind_down(
     // Kept requests go back to the broker with the rest of their wait (a handler that keeps one
     // from now on hands it back at once), as do those waiting to be handled anew.
     let _ = stop.send(true);
-    workers.drain().await;
+    for workers in workers {
+        workers.drain().await;
+    }
     kept.close();
     while let Some(again) = kept.recv().await {
         if let Again::Request(msg, _) = again {
