@@ -260,7 +260,8 @@ enum Wake {
 }
 
 /// Starts drives: at most one per run in this process (a wake for a run being driven is folded
-/// into that drive), at most `step_concurrency` at once.
+/// into that drive), at most `step_concurrency` at once, and beside them the light taker's
+/// drives on slots of its own ([`fair::light_workers`]).
 struct Drives {
     driver: drive::Driver,
     /// The driver over the light lane, when the process has one: drives of a tenant without a
