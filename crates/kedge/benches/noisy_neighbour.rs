@@ -393,9 +393,18 @@ async fn drain_a(
     }
 }
 
+/// A hop's gaps over B's runs, in ms: the median, the 90th and the 99th percentile (where a
+/// tail comes from).
+#[derive(Clone, Copy)]
+struct Gaps {
+    p50: f64,
+    p90: f64,
+    p99: f64,
+}
+
 /// Where B's runs spent their time: for each pair of consecutive events of a run's journal
-/// (in the order first seen), the median gap between their times, in ms, over `runs`.
-async fn hops(journal: &Journal, runs: &[(Instant, RunId)]) -> Vec<(String, f64)> {
+/// (in the order first seen), the gaps between their times over `runs`.
+async fn hops(journal: &Journal, runs: &[(Instant, RunId)]) -> Vec<(String, Gaps)> {
     let mut order: Vec<String> = Vec::new();
     let mut gaps: HashMap<String, Vec<Duration>> = HashMap::new();
     for (_, run) in runs {
@@ -417,20 +426,30 @@ async fn hops(journal: &Journal, runs: &[(Instant, RunId)]) -> Vec<(String, f64)
         .map(|hop| {
             let mut g = gaps.remove(&hop).unwrap_or_default();
             g.sort();
-            (hop, pct(&g, 0.5))
+            let gaps = Gaps {
+                p50: pct(&g, 0.5),
+                p90: pct(&g, 0.9),
+                p99: pct(&g, 0.99),
+            };
+            (hop, gaps)
         })
         .collect()
 }
 
 /// B's hops idle and busy, side by side.
-fn print_hops(idle: &[(String, f64)], busy: &[(String, f64)]) {
-    println!("  B's journal, median gap between consecutive events (idle → with A's backlog):");
-    for (hop, busy_ms) in busy {
+fn print_hops(idle: &[(String, Gaps)], busy: &[(String, Gaps)]) {
+    println!(
+        "  B's journal, median gap between consecutive events (idle → with A's backlog; its p90 / p99 then):"
+    );
+    for (hop, busy) in busy {
         let idle_ms = idle
             .iter()
             .find(|(h, _)| h == hop)
-            .map_or(f64::NAN, |(_, ms)| *ms);
-        println!("    {hop:<44} {idle_ms:>8.1} ms → {busy_ms:>8.1} ms");
+            .map_or(f64::NAN, |(_, g)| g.p50);
+        println!(
+            "    {hop:<44} {idle_ms:>8.1} ms → {:>8.1} ms  ({:.1} / {:.1})",
+            busy.p50, busy.p90, busy.p99
+        );
     }
 }
 
