@@ -288,6 +288,14 @@ async fn scrape_until(
     }
 }
 
+/// Starts `kedge serve all` as worker `worker` with its metrics on a free address; that address
+/// and a client to scrape it.
+fn serve_all_with_metrics(h: &mut Harness, worker: &str) -> (String, reqwest::Client) {
+    let addr = free_addr();
+    h.spawn_process_with_env("all", worker, "", &[("KEDGE_METRICS_ADDR", addr.clone())]);
+    (addr, reqwest::Client::new())
+}
+
 /// Tenant `globex` has 12 runs in their model calls (3 s each) when tenant `acme` submits one:
 /// the step service drives acme's on the light lane (docs/ARCHITECTURE.md "Fairness across
 /// tenants"), and globex's, once it holds a backlog (8), on the shared one.
@@ -297,14 +305,7 @@ async fn a_quiet_tenants_drive_passes_another_tenants_backlog_on_the_light_lane(
     let script = json!({"models": {"m": {"default": {"text": "done", "delay_ms": 3000}}}});
     let mut h = Harness::start(script, &[]).await;
     h.agent("lanes", "m").await;
-    let addr = free_addr();
-    h.spawn_process_with_env(
-        "all",
-        "w-lanes",
-        "",
-        &[("KEDGE_METRICS_ADDR", addr.clone())],
-    );
-    let http = reqwest::Client::new();
+    let (addr, http) = serve_all_with_metrics(&mut h, "w-lanes");
     scrape_until(&http, &addr, "the process up", |s| {
         present(s, "kedge_consumer_pending", &[("consumer", "step")])
     })
@@ -377,14 +378,7 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         .expect("price"),
     );
     h.rt.agents.put(&def).await.expect("priced agent stored");
-    let addr = free_addr();
-    h.spawn_process_with_env(
-        "all",
-        "w-metrics",
-        "",
-        &[("KEDGE_METRICS_ADDR", addr.clone())],
-    );
-    let http = reqwest::Client::new();
+    let (addr, http) = serve_all_with_metrics(&mut h, "w-metrics");
 
     // Up: every metric is described, the consumers it runs report their lag.
     let idle = scrape_until(&http, &addr, "the consumers' lag", |s| {

@@ -82,7 +82,7 @@ metrics_table! {
     STEP_READS = "kedge_step_reads_total", Counter, ["how"],
         "Reads of what landed on a run since the step's state of it, by how: chained (the two messages the tool service linked with run-wide checks, read by sequence), linked (a state read back from its wake to its run.created by the links: a first drive's wake is that, no request), batched (a batched direct get of the run's subjects).";
     LANE_WORK = "kedge_lane_work_total", Counter, ["consumer", "lane"],
-        "Work of the intake, step and tool services (a delivery, or an adopted run) by the lane it went out on: light (the process's second connection and threads, for a tenant with fewer than 8 other deliveries waiting or handled in that service while other tenants have at least 8), shared (the connection and threads everyone else uses).";
+        "Work of the intake, step and tool services (a delivery, or an adopted run) by the lane it went out on: light (the process's second connection and threads, for a tenant with fewer than 8 other deliveries waiting or handled in that service), shared (the first connection and threads, for a tenant with a backlog there, and the process's other services).";
     PROJECTOR_READS = "kedge_projector_reads_total", Counter, ["how"],
         "Reads of a run's new events by the projector, by how: linked (from the decisions delivered, back to its fold by the run-wide checks' links, what it lacked fetched by sequence), batched (a batched direct get of the run's subjects).";
     MODEL_CALLS = "kedge_model_calls_total", Counter, ["outcome"],
@@ -735,7 +735,8 @@ mod tests {
     }
 
     /// docs/RUNBOOK.md "Metrics" has a row `| name | type | labels | meaning |` for every
-    /// metric, with the same type and labels, and no row for a metric that does not exist.
+    /// metric, with the same type and labels and a meaning that starts with the metric's help
+    /// (the runbook may say more), and no row for a metric that does not exist.
     #[test]
     fn the_runbook_documents_every_metric() {
         let runbook = include_str!("../../../docs/RUNBOOK.md");
@@ -767,6 +768,13 @@ mod tests {
                 labels.join(", ")
             };
             assert_eq!(row[2], labels, "{}: labels", m.name);
+            assert!(
+                row.get(3)
+                    .is_some_and(|meaning| meaning.starts_with(m.help)),
+                "{}: the runbook's meaning does not start with the help {:?}",
+                m.name,
+                m.help
+            );
         }
         for row in &rows {
             assert!(

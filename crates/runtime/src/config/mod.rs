@@ -114,10 +114,10 @@ pub struct Config {
     /// Off: the configured concurrency always.
     pub adaptive_concurrency: bool,
     /// Open a light lane (a second connection to the broker, and threads of its own) for the
-    /// intake, step and tool work of a tenant with no backlog while others have one
-    /// (`KEDGE_LIGHT_LANE`, default on), so that its operations do not wait behind theirs in
-    /// one connection's queue and one set of threads (docs/ARCHITECTURE.md "Fairness across
-    /// tenants"). Off: one connection per process.
+    /// intake, step and tool consumers' deliveries and the work of a tenant without a backlog
+    /// (`KEDGE_LIGHT_LANE`, default on), so that its operations do not wait behind another
+    /// tenant's backlog in one connection's queue, one set of threads and one set of handler
+    /// slots (docs/ARCHITECTURE.md "Fairness across tenants"). Off: one connection per process.
     pub light_lane: bool,
     /// Largest tool result kept inline in the journal, in bytes; longer output is truncated with
     /// a note.
