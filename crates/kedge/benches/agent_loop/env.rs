@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::DeliverPolicy;
 use futures::StreamExt;
+use kedge_core::event::EventType;
 use kedge_core::ids::RunId;
 use kedge_core::task::TaskSubmission;
 use kedge_mock_llm::{MockHandle, Scripts};
@@ -522,18 +523,16 @@ fn start_services(config: &Config, projector: bool) -> kedge_serve::TransientKed
     services
 }
 
-/// The terminal watcher: an ordered consumer over every run's terminal decision subjects,
-/// feeding [`Terminals`].
+/// The terminal watcher: an ordered consumer over every run's `run.*` decisions (one filter
+/// subject: with several, nats-server walks the stream's whole subject index whenever the
+/// consumer's next message lies past a filled block, docs/ARCHITECTURE.md "The broker's cost
+/// per run"), feeding [`Terminals`] the terminal ones.
 async fn watch_terminals(rt: &Runtime) -> (Arc<Terminals>, tokio::task::JoinHandle<()>) {
     let terminals = Arc::new(Terminals::default());
     let stream = rt.js.get_stream("KEDGE_RUNS").await.expect("KEDGE_RUNS");
     let consumer = stream
         .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig {
-            filter_subjects: vec![
-                "agent.run.*.d.run.succeeded".into(),
-                "agent.run.*.d.run.failed".into(),
-                "agent.run.*.d.run.cancelled".into(),
-            ],
+            filter_subject: "agent.run.*.d.run.*".into(),
             deliver_policy: DeliverPolicy::New,
             ..Default::default()
         })
@@ -545,7 +544,12 @@ async fn watch_terminals(rt: &Runtime) -> (Arc<Terminals>, tokio::task::JoinHand
         while let Some(m) = messages.next().await {
             let Ok(m) = m else { continue };
             let at = Instant::now();
-            if let Some(p) = kedge_core::subjects::parse_event(&m.subject) {
+            if let Some(p) = kedge_core::subjects::parse_event(&m.subject)
+                && matches!(
+                    p.event_type,
+                    EventType::RunSucceeded | EventType::RunFailed | EventType::RunCancelled
+                )
+            {
                 t.seen(p.run_id.as_str(), p.event_type.as_str(), at);
             }
         }
