@@ -502,6 +502,49 @@ async fn hops(
         .collect()
 }
 
+/// The `n` slowest of `runs` (their latencies `took`, in the same order): when each was
+/// submitted (since the first), how long it took, and its longest gap between two events (a
+/// tail that clusters in time points at the broker or the host, one spread out at a hop).
+async fn slowest(
+    journal: &Journal,
+    runs: &[(Instant, RunId)],
+    took: &[Duration],
+    n: usize,
+) -> Vec<String> {
+    let Some(first) = runs.iter().map(|(t0, _)| *t0).min() else {
+        return Vec::new();
+    };
+    let mut order: Vec<usize> = (0..runs.len().min(took.len())).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(took[i]));
+    let mut out = Vec::new();
+    for &i in order.iter().take(n) {
+        let (t0, run) = &runs[i];
+        let longest = match journal.read(run, 0).await {
+            Ok(events) => events
+                .windows(2)
+                .map(|w| {
+                    let gap = (w[1].envelope.at.0 - w[0].envelope.at.0).unsigned_abs();
+                    let hop = format!(
+                        "{} → {}",
+                        w[0].envelope.event_type(),
+                        w[1].envelope.event_type()
+                    );
+                    (gap, hop)
+                })
+                .max_by_key(|(gap, _)| *gap)
+                .map(|(gap, hop)| format!("{hop} {:.1} ms", gap.as_secs_f64() * 1e3))
+                .unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        out.push(format!(
+            "+{:>6.2} s  {:>6.1} ms  {longest}",
+            t0.duration_since(first).as_secs_f64(),
+            took[i].as_secs_f64() * 1e3
+        ));
+    }
+    out
+}
+
 /// B's hops idle and busy, side by side.
 fn print_hops(idle: &[(String, Gaps)], busy: &[(String, Gaps)]) {
     println!(
@@ -677,6 +720,7 @@ async fn bench(o: Opts) {
     let _ = stop_tx.send(true);
     let runs = b.await.expect("the trickle");
     let mut busy = latencies(&view, &runs, o.cap, children).await;
+    let slowest = slowest(&rt.journal, &runs, &busy, 5).await;
     busy.sort();
     println!(
         "3. A + B: A {mixed:.1} runs/s; B {} runs, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms \
@@ -688,6 +732,10 @@ async fn bench(o: Opts) {
         loadavg()
     );
     println!("  CPU ms per run of A (B's few runs included): {mixed_cpu}");
+    println!("  B's slowest runs (submitted at, since B's first; took; their longest hop):");
+    for line in slowest {
+        println!("    {line}");
+    }
     print_hops(&idle_hops, &hops(&rt.js, &rt.journal, &view, &runs).await);
 
     // 4. A alone again: A's throughput beside B is judged against both bursts around it (a
