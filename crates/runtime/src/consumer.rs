@@ -87,6 +87,8 @@ pub async fn durable(
 /// again this often, and a request the server lost without a word is asked again after this
 /// and 5 s more (the client's own rule).
 const PULL_EXPIRES: Duration = Duration::from_secs(10);
+/// Messages a service's consumer asks for per pull request (the client's default).
+pub const PULL_BATCH: usize = 200;
 /// The server's sign of life on an idle pull request (below half of `PULL_EXPIRES`, as the
 /// server requires).
 const PULL_HEARTBEAT: Duration = Duration::from_secs(3);
@@ -112,6 +114,8 @@ const DRAIN_AT_MOST: usize = 10_000;
 pub struct Deliveries {
     consumer: PullConsumer,
     name: Durable,
+    /// Messages asked for per pull request ([`PULL_BATCH`] unless [`Deliveries::batched`]).
+    batch: usize,
     stream: Option<pull::Stream>,
     /// Taken from a stream closed to be opened again; handed out before anything new.
     buffered: std::collections::VecDeque<async_nats::jetstream::Message>,
@@ -139,18 +143,42 @@ impl Deliveries {
         name: Durable,
         ack_wait: Duration,
     ) -> Result<Self, RuntimeError> {
+        Self::open_batched(js, name, ack_wait, PULL_BATCH).await
+    }
+
+    /// [`Deliveries::open`] with `batch` messages per pull request ([`Deliveries::batched`]).
+    pub async fn open_batched(
+        js: &Context,
+        name: Durable,
+        ack_wait: Duration,
+        batch: usize,
+    ) -> Result<Self, RuntimeError> {
         let consumer = durable(js, name, ack_wait).await?;
-        Self::of(consumer, name).await
+        Self::batched(consumer, name, batch).await
     }
 
     /// The deliveries of `consumer`, reported as `name`'s.
     pub async fn of(consumer: PullConsumer, name: Durable) -> Result<Self, RuntimeError> {
-        let stream = pull_stream(&consumer)
+        Self::batched(consumer, name, PULL_BATCH).await
+    }
+
+    /// [`Deliveries::of`], asking for `batch` messages per pull request (at least 1). The
+    /// client asks again once half of a batch is taken, one request at a time, so a backlog is
+    /// read at about half a batch per round trip: a fair feed reads far ahead with a larger
+    /// one ([`crate::fair::PULL_BATCH`]).
+    pub async fn batched(
+        consumer: PullConsumer,
+        name: Durable,
+        batch: usize,
+    ) -> Result<Self, RuntimeError> {
+        let batch = batch.max(1);
+        let stream = pull_stream(&consumer, batch)
             .await
             .map_err(|e| RuntimeError::broker(format!("consumer {name}"), e))?;
         Ok(Self {
             consumer,
             name,
+            batch,
             stream: Some(stream),
             buffered: std::collections::VecDeque::new(),
             reopen_at: None,
@@ -178,7 +206,7 @@ impl Deliveries {
                 if let Some(at) = self.reopen_at {
                     tokio::time::sleep_until(at).await;
                 }
-                match pull_stream(&self.consumer).await {
+                match pull_stream(&self.consumer, self.batch).await {
                     Ok(stream) => {
                         self.stream = Some(stream);
                         self.reopen_at = None;
@@ -237,7 +265,8 @@ impl Deliveries {
     }
 
     /// On a graceful stop, hands back at once what was pulled and not handed out: the client
-    /// pulls in batches (200 messages per request), so a stopping process may hold wakes or
+    /// pulls in batches ([`PULL_BATCH`] messages per request, or the feed's), so a stopping
+    /// process may hold wakes or
     /// operation requests no handler took. Each is NAKed without delay, so another process
     /// gets it now instead of after the ack wait (30 s for the step, 90 s for the tool).
     ///
@@ -285,13 +314,15 @@ impl Deliveries {
     }
 }
 
-/// A pull stream of a service's consumer (the server's default batch, `PULL_EXPIRES`,
-/// `PULL_HEARTBEAT`).
+/// A pull stream of a service's consumer: `batch` messages per request, `PULL_EXPIRES`,
+/// `PULL_HEARTBEAT`.
 async fn pull_stream(
     consumer: &PullConsumer,
+    batch: usize,
 ) -> Result<pull::Stream, async_nats::jetstream::consumer::StreamError> {
     consumer
         .stream()
+        .max_messages_per_batch(batch)
         .expires(PULL_EXPIRES)
         .heartbeat(PULL_HEARTBEAT)
         .messages()

@@ -1,9 +1,11 @@
 //! A service's deliveries against a real nats-server: a pull request no server could serve
 //! (the consumer not there yet, as on a cluster still electing its leaders) is asked again at
-//! once, not after the client's own expiry rule (the request's expiry and 5 s more).
+//! once, not after the client's own expiry rule (the request's expiry and 5 s more); a fair
+//! feed's deliveries ask for its larger batch per pull request.
 
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use kedge_core::subjects::Durable;
 use kedge_runtime::consumer::Deliveries;
@@ -127,4 +129,81 @@ async fn a_hand_back_is_confirmed_and_the_message_comes_back_after_its_delay() {
         settled_in.as_millis(),
         settling.elapsed().as_millis()
     );
+}
+
+/// How many deliveries the server handed the client after it took one message of `stored`,
+/// reading with `open` (the consumer's acks pending: pulled, whether taken or not).
+async fn pulled_after_one(
+    stored: usize,
+    open: impl AsyncFnOnce(PullConsumer) -> Deliveries,
+) -> u64 {
+    let server = NatsServer::start().await;
+    let client = async_nats::connect(server.url()).await.expect("connects");
+    let js = jetstream::new(client);
+    let stream = js
+        .create_stream(stream::Config {
+            name: "BATCHES".into(),
+            subjects: vec!["bt.>".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+    let mut acks = Vec::with_capacity(stored);
+    for i in 0..stored {
+        acks.push(
+            js.publish(format!("bt.{i}"), "x".into())
+                .await
+                .expect("publish"),
+        );
+    }
+    for ack in acks {
+        ack.await.expect("stored");
+    }
+    let consumer = stream
+        .create_consumer(pull::Config {
+            durable_name: Some("work".into()),
+            ack_wait: Duration::from_secs(60),
+            ..Default::default()
+        })
+        .await
+        .expect("consumer");
+    let mut deliveries = open(consumer.clone()).await;
+    deliveries.next().await.expect("a message");
+    // The client's first pull request is served whole; the second goes out only once half of
+    // it is taken, which this test never does: what the server handed out settles at one batch.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut consumer = consumer;
+    let mut last = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let pending = consumer
+            .info()
+            .await
+            .expect("consumer info")
+            .num_ack_pending as u64;
+        if (pending > 0 && pending == last) || Instant::now() > deadline {
+            return pending;
+        }
+        last = pending;
+    }
+}
+
+#[tokio::test]
+async fn a_batched_feed_asks_for_its_batch_per_pull_request() {
+    // The default: the client's 200 per request.
+    let default = pulled_after_one(2_000, async |c| {
+        Deliveries::of(c, Durable::Intake)
+            .await
+            .expect("deliveries")
+    })
+    .await;
+    assert_eq!(default, kedge_runtime::consumer::PULL_BATCH as u64);
+    // A fair feed's batch: a backlog read five times faster per round trip.
+    let batched = pulled_after_one(2_000, async |c| {
+        Deliveries::batched(c, Durable::Intake, kedge_runtime::fair::PULL_BATCH)
+            .await
+            .expect("deliveries")
+    })
+    .await;
+    assert_eq!(batched, kedge_runtime::fair::PULL_BATCH as u64);
 }
