@@ -266,9 +266,9 @@ impl Deliveries {
 
     /// On a graceful stop, hands back at once what was pulled and not handed out: the client
     /// pulls in batches ([`PULL_BATCH`] messages per request, or the feed's), so a stopping
-    /// process may hold wakes or
-    /// operation requests no handler took. Each is NAKed without delay, so another process
-    /// gets it now instead of after the ack wait (30 s for the step, 90 s for the tool).
+    /// process may hold wakes or operation requests no handler took. Each is NAKed without
+    /// delay, so another process gets it now instead of after the ack wait (30 s for the step,
+    /// 90 s for the tool).
     ///
     /// The buffered messages are taken first and the stream (with its subscription, so its
     /// open pull request finds no interest) is dropped before any NAK: a handed-back message
