@@ -190,8 +190,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
         let (shared, light, workers) = (ctx.clone(), light.clone(), light_workers.clone());
         feed.take_light(on, light_workers.clone(), move |slot, msg| {
             let ctx = fair::lane(CONSUMER, Pace::Light, &shared, Some(&light)).clone();
-            let on = ctx.rt.executor().cloned();
-            workers.run_on(on.as_ref(), slot, async move { handle(&ctx, msg, 0).await });
+            run_request(&workers, slot, ctx, msg);
             std::future::ready(())
         });
     }
@@ -252,8 +251,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             },
         };
         let ctx = fair::lane(CONSUMER, pace, &ctx, light.as_ref()).clone();
-        let on = ctx.rt.executor().cloned();
-        workers.run_on(on.as_ref(), slot, async move { handle(&ctx, msg, 0).await });
+        run_request(&workers, slot, ctx, msg);
     }
     wind_down(&ctx, feed, &stop, [&workers, &light_workers], kept, sweeper).await;
     let _ = answering.await;
@@ -354,6 +352,13 @@ struct Checked {
     op: OperationId,
     req: ToolRequested,
     requested_at: Option<u64>,
+}
+
+/// Handles the delivered request `msg` on `slot` with `ctx` (over the process's runtime, or
+/// its light lane's) on that runtime's threads.
+fn run_request(workers: &consumer::Workers, slot: consumer::Slot, ctx: Arc<Ctx>, msg: Message) {
+    let on = ctx.rt.executor().cloned();
+    workers.run_on(on.as_ref(), slot, async move { handle(&ctx, msg, 0).await });
 }
 
 /// Handles a delivered request; `kept`: how many times this delivery was kept already.
