@@ -54,7 +54,6 @@ impl Pace {
 #[derive(Debug, Default)]
 pub struct InFlight {
     by_lane: HashMap<Lane, usize>,
-    total: usize,
 }
 
 impl InFlight {
@@ -62,7 +61,6 @@ impl InFlight {
     pub fn start(&mut self, lane: &Lane) -> usize {
         let n = self.by_lane.entry(lane.clone()).or_insert(0);
         *n += 1;
-        self.total += 1;
         *n - 1
     }
 
@@ -70,7 +68,6 @@ impl InFlight {
     pub fn end(&mut self, lane: &Lane) {
         if let Some(n) = self.by_lane.get_mut(lane) {
             *n = n.saturating_sub(1);
-            self.total = self.total.saturating_sub(1);
             if *n == 0 {
                 self.by_lane.remove(lane);
             }
@@ -84,7 +81,7 @@ impl InFlight {
 
     /// How many items of every lane are in flight.
     pub fn total(&self) -> usize {
-        self.total
+        self.by_lane.values().sum()
     }
 
     /// Counts an item of `lane` just taken from a queue as in flight, and tells its pace:
@@ -200,21 +197,32 @@ impl<T> FairQueue<T> {
 
     /// The next item in fair order, with its lane; `None` when empty.
     pub fn pop(&mut self) -> Option<(Lane, T)> {
-        let lane = self.ring.front()?.clone();
+        let (lane, item) = self.take_at(0)?;
         let weight = self.weights.of(&lane);
-        let queue = self.lanes.get_mut(&lane)?;
-        if queue.credit == 0 {
-            queue.credit = weight;
+        // A lane still waiting spends one of its turn's credit; with none left it goes to the
+        // back of the ring.
+        if let Some(queue) = self.lanes.get_mut(&lane) {
+            if queue.credit == 0 {
+                queue.credit = weight;
+            }
+            queue.credit = queue.credit.saturating_sub(1);
+            if queue.credit == 0 {
+                self.ring.rotate_left(1);
+            }
         }
+        Some((lane, item))
+    }
+
+    /// The front item of the lane at position `at` of the ring; a lane it empties leaves the
+    /// ring and forgets its turn (no credit is saved up).
+    fn take_at(&mut self, at: usize) -> Option<(Lane, T)> {
+        let lane = self.ring.get(at)?.clone();
+        let queue = self.lanes.get_mut(&lane)?;
         let item = queue.items.pop_front()?;
-        queue.credit -= 1;
         self.len -= 1;
         if queue.items.is_empty() {
-            // An emptied lane leaves the ring and forgets its turn (no credit is saved up).
             self.lanes.remove(&lane);
-            self.ring.pop_front();
-        } else if queue.credit == 0 {
-            self.ring.rotate_left(1);
+            self.ring.remove(at);
         }
         Some((lane, item))
     }
@@ -230,14 +238,7 @@ impl<T> FairQueue<T> {
             let own = self.waiting(lane).saturating_sub(1) + flying.of(lane);
             Pace::of(own) == Pace::Light
         })?;
-        let lane = self.ring.get(light)?.clone();
-        let queue = self.lanes.get_mut(&lane)?;
-        let item = queue.items.pop_front()?;
-        self.len -= 1;
-        if queue.items.is_empty() {
-            self.lanes.remove(&lane);
-            self.ring.remove(light);
-        }
+        let (lane, item) = self.take_at(light)?;
         flying.start(&lane);
         Some((lane, item))
     }
