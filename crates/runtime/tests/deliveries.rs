@@ -15,19 +15,29 @@ use kedge_testkit::NatsServer;
 /// that tells a stream opened again from one left waiting, not a timing goal.
 const BOUND: Duration = Duration::from_secs(12);
 
-#[tokio::test]
-async fn a_pull_request_no_server_could_serve_is_asked_again_at_once() {
-    let server = NatsServer::start().await;
+/// A client of `server` and a stream `name` on `subjects`, made on it.
+async fn stream_on(
+    server: &NatsServer,
+    name: &str,
+    subjects: &str,
+) -> (jetstream::Context, jetstream::stream::Stream) {
     let client = async_nats::connect(server.url()).await.expect("connects");
     let js = jetstream::new(client);
     let stream = js
         .create_stream(stream::Config {
-            name: "DELIVERIES".into(),
-            subjects: vec!["dl.>".into()],
+            name: name.into(),
+            subjects: vec![subjects.into()],
             ..Default::default()
         })
         .await
         .expect("stream");
+    (js, stream)
+}
+
+#[tokio::test]
+async fn a_pull_request_no_server_could_serve_is_asked_again_at_once() {
+    let server = NatsServer::start().await;
+    let (js, stream) = stream_on(&server, "DELIVERIES", "dl.>").await;
     let config = pull::Config {
         durable_name: Some("work".into()),
         ack_wait: Duration::from_secs(60),
@@ -76,16 +86,7 @@ async fn a_pull_request_no_server_could_serve_is_asked_again_at_once() {
 async fn a_hand_back_is_confirmed_and_the_message_comes_back_after_its_delay() {
     use kedge_runtime::consumer::{Verdict, settle};
     let server = NatsServer::start().await;
-    let client = async_nats::connect(server.url()).await.expect("connects");
-    let js = jetstream::new(client);
-    let stream = js
-        .create_stream(stream::Config {
-            name: "HANDEDBACK".into(),
-            subjects: vec!["hb.>".into()],
-            ..Default::default()
-        })
-        .await
-        .expect("stream");
+    let (js, stream) = stream_on(&server, "HANDEDBACK", "hb.>").await;
     let consumer = stream
         .create_consumer(pull::Config {
             durable_name: Some("work".into()),
@@ -138,16 +139,7 @@ async fn pulled_after_one(
     open: impl AsyncFnOnce(PullConsumer) -> Deliveries,
 ) -> u64 {
     let server = NatsServer::start().await;
-    let client = async_nats::connect(server.url()).await.expect("connects");
-    let js = jetstream::new(client);
-    let stream = js
-        .create_stream(stream::Config {
-            name: "BATCHES".into(),
-            subjects: vec!["bt.>".into()],
-            ..Default::default()
-        })
-        .await
-        .expect("stream");
+    let (js, stream) = stream_on(&server, "BATCHES", "bt.>").await;
     let mut acks = Vec::with_capacity(stored);
     for i in 0..stored {
         acks.push(
