@@ -185,10 +185,10 @@ const ENDS: [EventType; 3] = [
 async fn observe(js: async_nats::jetstream::Context, journal: Journal, view: Shared) {
     // One filter subject, not one per event type: on a stream holding fewer than a million
     // subjects, nats-server (2.14–2.15) walks the stream's whole subject index for a consumer
-    // with several filters each time its next message lies past a filled block, which made the
-    // bench's own observer most of the broker's cost by the third burst (docs/ARCHITECTURE.md
-    // "The broker's cost per run"). The run.* decisions it does not need are passed over.
-    let filters = vec![WATCHED.to_owned()];
+    // with several filters each time its next message lies past a filled block: with four, the
+    // bench's own observer took about a quarter of the broker's CPU by the third burst
+    // (docs/ARCHITECTURE.md "The broker's cost per run"). The run.* decisions it does not need
+    // are passed over.
     loop {
         let start = lock(&view).last_seq + 1;
         let Ok(stream) = js.get_stream_no_info(RUNS_STREAM).await else {
@@ -196,7 +196,7 @@ async fn observe(js: async_nats::jetstream::Context, journal: Journal, view: Sha
             continue;
         };
         let config = OrderedConfig {
-            filter_subjects: filters.clone(),
+            filter_subject: WATCHED.to_owned(),
             deliver_policy: DeliverPolicy::ByStartSequence {
                 start_sequence: start,
             },
