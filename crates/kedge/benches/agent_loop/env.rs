@@ -219,6 +219,9 @@ impl Env {
     /// only connects as a client.
     pub async fn start_deployed(sync_always: bool, park: bool, split: bool) -> Env {
         let mut procs = Deployed::start(sync_always, None).await;
+        // `KEDGE_BIN`: another build for `kedge serve` and `kedge mock-llm` (a copy of the
+        // binary before a change).
+        procs.children.set_bin(std::env::var_os("KEDGE_BIN"));
         let mock_url = procs.start_mock(&script()).await;
         let mock_pid = procs.children.pid("mock-llm").expect("mock-llm started");
         let mut config = Config {
@@ -252,9 +255,12 @@ impl Env {
             if !park {
                 env.push(("KEDGE_PARK_LEASES".into(), "0".into()));
             }
-            // One connection per process instead of two, for an A/B in one build.
-            if let Ok(v) = std::env::var("KEDGE_LIGHT_LANE") {
-                env.push(("KEDGE_LIGHT_LANE".into(), v));
+            // For an A/B in one build: one connection per process instead of two
+            // (`KEDGE_LIGHT_LANE=0`), how often the runs list is written.
+            for var in ["KEDGE_LIGHT_LANE", "KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS"] {
+                if let Ok(v) = std::env::var(var) {
+                    env.push((var.into(), v));
+                }
             }
             let pid = procs.serve(&format!("serve-{name}"), &services, &env);
             serves.push((name, pid));

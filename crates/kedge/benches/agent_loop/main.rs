@@ -8,6 +8,8 @@
 //! cargo bench -p kedge --bench agent_loop -- --in-process          # the services in this process (diagnostic: op costs)
 //! KEDGE_BENCH_SERVICES="intake step tool" cargo bench -p kedge --bench agent_loop -- --quick   # `serve` with only those (diagnostic)
 //! KEDGE_LIGHT_LANE=0 cargo bench -p kedge --bench agent_loop -- --quick   # one connection per serve process (A/B)
+//! KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS=1000 cargo bench -p kedge --bench agent_loop -- --quick   # the runs list written less often (A/B)
+//! KEDGE_BIN=/tmp/kedge-before cargo bench -p kedge --bench agent_loop -- --quick   # another build as the `kedge` processes (A/B)
 //! cargo bench -p kedge --bench agent_loop -- --quick               # fewer runs and iterations
 //! cargo bench -p kedge --bench agent_loop -- --runs 20 --default-only
 //! cargo bench -p kedge --bench agent_loop -- --sync-always-only --no-trace
@@ -71,7 +73,10 @@
 //! ends), counted over a window after a ramp (`--sustain`, default 10 s, 6 s with `--quick`):
 //! what the Restate peer's throughput mode measures, and the "actions/s at 64 runs" of the
 //! comparison. Its actions are counted by the ledger (two per line: the model call that asked for
-//! the tool and the tool call).
+//! the tool and the tool call). In the window the journal's durable consumers are sampled every
+//! half second (consumer info: the most each held unacknowledged and had left to deliver), and
+//! after the loop the bench waits for the projector to catch up and prints how long that took
+//! and its CPU: work a projector that trails the stream defers past the window.
 //!
 //! Timing sources:
 //! - **journal stamps** (`envelope.at`, set by the writer just before it appends) define the

@@ -10,7 +10,8 @@ use crate::costs::op_costs;
 use crate::env::{Env, RunTiming};
 use crate::measure::{Cpu, loadavg, ms, stats};
 use crate::phases::{
-    ConcRound, Sustained, check_ledger, conc_round, model_calls_per_step, sustained,
+    ConcRound, Sustained, check_ledger, conc_round, model_calls_per_step, projector_catch_up,
+    sustained,
 };
 use crate::readback::{Collected, collect};
 use crate::report::{
@@ -252,6 +253,20 @@ async fn closed_loop(
         s.runs,
         s.drain_s
     );
+    if !s.backlog.is_empty() {
+        let parts: Vec<String> = s.backlog.iter().map(ToString::to_string).collect();
+        println!(
+            "  Journal consumers in the window, at most: {}",
+            parts.join("; ")
+        );
+    }
+    if let Some((secs, cpu)) = projector_catch_up(env).await {
+        println!(
+            "  Runs list: the projector caught up {secs:.1} s after the last run ended; CPU ms meanwhile: {} (per action of the window: {:.3} in all)",
+            cpu.describe(),
+            cpu.total() / s.actions.max(1) as f64
+        );
+    }
     Some(s)
 }
 

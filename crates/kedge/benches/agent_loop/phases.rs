@@ -129,6 +129,91 @@ pub struct Sustained {
     pub runs: usize,
     /// From the end of the window until every loop's last run ended, s.
     pub drain_s: f64,
+    /// The journal's consumers sampled in the window ([`Backlog`]).
+    pub backlog: Vec<Backlog>,
+}
+
+/// The most one durable consumer of the journal held unacknowledged and had left to deliver,
+/// sampled every half second in the closed loop's window (consumer info, one request each). A
+/// consumer held at its `max_ack_pending` falls behind the stream, and nats-server then finds
+/// its next message the expensive way (see docs/PERFORMANCE.md, "The runs list in the agent
+/// loop").
+pub struct Backlog {
+    pub consumer: &'static str,
+    pub max_ack_pending: usize,
+    pub max_unacked: usize,
+    pub max_behind: u64,
+    /// Left to deliver at the last sample, at the window's end.
+    pub end_behind: u64,
+}
+
+impl std::fmt::Display for Backlog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} unacked (bound {}), {} behind ({} at the end)",
+            self.consumer, self.max_unacked, self.max_ack_pending, self.max_behind, self.end_behind
+        )
+    }
+}
+
+/// Samples the journal's durable consumers every half second until `until` (see [`Backlog`]);
+/// a consumer the deployment does not run is left out.
+async fn sample_backlog(env: &Env, until: Instant) -> Vec<Backlog> {
+    use kedge_core::subjects::{Durable, RUNS_STREAM};
+    let mut out: Vec<Backlog> = Vec::new();
+    let stream = env.rt.js.get_stream(RUNS_STREAM).await.ok();
+    loop {
+        let now = Instant::now();
+        if now >= until {
+            return out;
+        }
+        tokio::time::sleep((until - now).min(Duration::from_millis(500))).await;
+        let Some(stream) = &stream else { continue };
+        for d in Durable::ALL
+            .into_iter()
+            .filter(|d| d.stream() == RUNS_STREAM)
+        {
+            let Ok(info) = stream.consumer_info(d.name()).await else {
+                continue;
+            };
+            let at = match out.iter().position(|b| b.consumer == d.name()) {
+                Some(at) => at,
+                None => {
+                    out.push(Backlog {
+                        consumer: d.name(),
+                        max_ack_pending: usize::try_from(info.config.max_ack_pending).unwrap_or(0),
+                        max_unacked: 0,
+                        max_behind: 0,
+                        end_behind: 0,
+                    });
+                    out.len() - 1
+                }
+            };
+            let b = &mut out[at];
+            b.max_unacked = b.max_unacked.max(info.num_ack_pending);
+            b.max_behind = b.max_behind.max(info.num_pending);
+            b.end_behind = info.num_pending;
+        }
+    }
+}
+
+/// How long after the closed loop's last run the projector (the runs list) took to catch up
+/// (nothing left to deliver or unacknowledged), and the CPU spent meanwhile: work a projector
+/// that trails the stream defers past the measured window. `None` when the deployment runs no
+/// projector or it did not catch up within two minutes.
+pub async fn projector_catch_up(env: &Env) -> Option<(f64, Cpu)> {
+    use kedge_core::subjects::{Durable, RUNS_STREAM};
+    let stream = env.rt.js.get_stream(RUNS_STREAM).await.ok()?;
+    let (cpu0, t0) = (env.cpu_mark(), Instant::now());
+    while t0.elapsed() < Duration::from_secs(120) {
+        let info = stream.consumer_info(Durable::Projector.name()).await.ok()?;
+        if info.num_pending == 0 && info.num_ack_pending == 0 {
+            return Some((t0.elapsed().as_secs_f64(), env.cpu_since(&cpu0)));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
 }
 
 /// Lines of the ledger file so far: one per tool call of the `ledger_append` built-in.
@@ -160,16 +245,22 @@ pub async fn sustained(
     let measure = async {
         tokio::time::sleep(ramp).await;
         let (lines0, cpu0, t0) = (ledger_lines(env_ref), env_ref.cpu_mark(), Instant::now());
-        tokio::time::sleep(window).await;
+        let backlog = sample_backlog(env_ref, t0 + window).await;
         let (lines1, cpu, secs) = (
             ledger_lines(env_ref),
             env_ref.cpu_since(&cpu0),
             t0.elapsed().as_secs_f64(),
         );
         stop_ref.store(true, std::sync::atomic::Ordering::Relaxed);
-        (2 * lines1.saturating_sub(lines0), cpu, secs, Instant::now())
+        (
+            2 * lines1.saturating_sub(lines0),
+            cpu,
+            secs,
+            Instant::now(),
+            backlog,
+        )
     };
-    let (runs, (actions, cpu, secs, stopped)) = futures::join!(loops, measure);
+    let (runs, (actions, cpu, secs, stopped, backlog)) = futures::join!(loops, measure);
     let drain_s = stopped.elapsed().as_secs_f64();
     let runs: Vec<RunId> = runs.into_iter().flatten().collect();
     env.submitted += runs.len();
@@ -184,5 +275,6 @@ pub async fn sustained(
         cpu: cpu.per(per),
         runs: count,
         drain_s,
+        backlog,
     }
 }
