@@ -674,6 +674,24 @@ mod tests {
     }
 
     #[test]
+    fn the_projector_can_hold_what_its_resting_runs_gather() {
+        // A resting run holds its decisions unacknowledged for the interval, so the bound caps
+        // what the projector follows at about `max_ack_pending / interval` decisions a second.
+        // At 1,000 that was 4,000 a second, below what one busy node stores (an agent loop of
+        // 64 runs makes ~5,800), and the list fell behind without end.
+        let c = config(Durable::Projector, Duration::from_secs(30)).expect("parses");
+        let interval_s = crate::config::Config::default()
+            .bridge
+            .runs_list_interval_ms as f64
+            / 1e3;
+        let followed = c.max_ack_pending as f64 / interval_s;
+        assert!(
+            followed >= 40_000.0,
+            "the projector follows at most {followed:.0} decisions/s"
+        );
+    }
+
+    #[test]
     fn every_consumer_file_parses() {
         assert_eq!(FILES.len(), Durable::ALL.len(), "one file per durable");
         for name in Durable::ALL {

@@ -23,7 +23,12 @@ use super::summary::Folded;
 /// The projector's durable consumer (`nats/consumers/KEDGE_RUNS/projector.json`).
 pub const PROJECTOR: Durable = Durable::Projector;
 /// Runs projected at once. Each is a journal read and a write, a few round trips mostly spent
-/// waiting on the broker; the consumer's `max_ack_pending` (1,000) bounds the deliveries held.
+/// waiting on the broker; the consumer's `max_ack_pending` (20,000) bounds the deliveries held,
+/// those of resting runs included. A resting run holds the decisions of one
+/// `runs_list_interval_ms`, so the bound caps what the projector can follow at about
+/// `max_ack_pending / runs_list_interval_ms` decisions a second: at 1,000 that was 4,000, less
+/// than one busy node stores, and the list fell behind without end (docs/ARCHITECTURE.md "The
+/// bridge and the runs projection").
 const PROJECTING: usize = 64;
 
 /// Runs the projector until `shutdown` resolves.
