@@ -45,7 +45,9 @@
 //! feed: the same bench measures arrival order). The serve process gets
 //! `KEDGE_ADAPTIVE_CONCURRENCY`, `KEDGE_LIGHT_LANE` and `KEDGE_METRICS_ADDR` from the bench's
 //! environment (no other `KEDGE_*` variable): `KEDGE_LIGHT_LANE=0` measures one connection per
-//! process, `KEDGE_ADAPTIVE_CONCURRENCY=1` adaptive admission.
+//! process, `KEDGE_ADAPTIVE_CONCURRENCY=1` adaptive admission. `KEDGE_BENCH_SERVICES="intake step
+//! tool"` runs `kedge serve` with only those services instead of `all` (a diagnostic: what the
+//! others cost the burst).
 
 #![allow(clippy::unwrap_used)]
 
@@ -640,7 +642,14 @@ async fn bench(o: Opts) {
         std::fs::write(&file, config.to_string()).unwrap();
         env.push(("KEDGE_CONFIG".into(), file.to_string_lossy().into_owned()));
     }
-    let serve = deployed.serve("serve", &["all"], &env);
+    // A diagnostic: `KEDGE_BENCH_SERVICES="intake step tool"` leaves the others out, to price
+    // what an always-on service costs the burst.
+    let services_var = std::env::var("KEDGE_BENCH_SERVICES").unwrap_or_default();
+    let mut services: Vec<&str> = services_var.split_whitespace().collect();
+    if services.is_empty() {
+        services.push("all");
+    }
+    let serve = deployed.serve("serve", &services, &env);
     let pids: Vec<(&'static str, u32)> = [
         ("nats-server", deployed.server_pid()),
         ("kedge serve", Some(serve)),
