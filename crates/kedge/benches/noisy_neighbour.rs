@@ -24,7 +24,7 @@
 //! task every `--every-ms` (100) and waits for intake's answer. B's latency is submit → its
 //! terminal decision seen.
 //!
-//! Three phases in one sitting, on one `kedge serve all`:
+//! Four phases in one sitting, on one `kedge serve all`:
 //! 1. **B idle**: B alone for `--idle-secs` (10; 5 with `--quick`): B's p50/p99.
 //! 2. **A alone**: A's burst: A's throughput = N / (burst → A's last run ended).
 //! 3. **A + B**: A's burst again while B submits until A's last run ended: B's p50/p99 and A's
@@ -35,7 +35,9 @@
 //!
 //! For B's runs it prints each hop between consecutive events of the journal (their stamps),
 //! the client's own two (submit → `run.created`, the terminal decision → seen), and how long
-//! after its stamp the broker stored each event (where an append waited).
+//! after its stamp the broker stored each event (where an append waited). After each burst it
+//! prints how far the runs list (the projector's consumer) trails the journal: its backlog
+//! carries into the next phase.
 //!
 //! Goals: B's p50 within 1.5× of idle, p99 within 3×, A's throughput within 10 % of A alone.
 //! The machine's load average is printed beside them (a shared machine's noise). Not a
@@ -595,6 +597,23 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)].as_secs_f64() * 1000.0
 }
 
+/// How far the runs list trails the journal as a phase ends: the projector's consumer's
+/// messages left to deliver and held unacknowledged (nothing when `kedge serve` runs no
+/// projector). Its backlog carries into the next phase.
+async fn runs_list_lag(js: &async_nats::jetstream::Context) -> String {
+    use kedge_core::subjects::{Durable, RUNS_STREAM};
+    let Ok(stream) = js.get_stream(RUNS_STREAM).await else {
+        return String::new();
+    };
+    match stream.consumer_info(Durable::Projector.name()).await {
+        Ok(info) => format!(
+            "\n  runs list: the projector {} messages behind, {} unacknowledged, as the phase ended",
+            info.num_pending, info.num_ack_pending
+        ),
+        Err(_) => String::new(),
+    }
+}
+
 fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .unwrap_or_default()
@@ -715,9 +734,10 @@ async fn bench(o: Opts) {
     let before = cpu_ticks(&pids);
     let alone = drain_a(&rt.client, &view, o.runs, "alone", o.cap, children).await;
     println!(
-        "2. A alone: {alone:.1} runs/s; CPU ms per run: {} (load {})",
+        "2. A alone: {alone:.1} runs/s; CPU ms per run: {} (load {}){}",
         cpu_per_run(&pids, &before, o.runs),
-        loadavg()
+        loadavg(),
+        runs_list_lag(&rt.js).await
     );
 
     // 3. A + B.
@@ -726,6 +746,7 @@ async fn bench(o: Opts) {
     let before = cpu_ticks(&pids);
     let mixed = drain_a(&rt.client, &view, o.runs, "mixed", o.cap, children).await;
     let mixed_cpu = cpu_per_run(&pids, &before, o.runs);
+    let mixed_lag = runs_list_lag(&rt.js).await;
     let _ = stop_tx.send(true);
     let runs = b.await.expect("the trickle");
     let mut busy = latencies(&view, &runs, o.cap, children).await;
@@ -740,7 +761,7 @@ async fn bench(o: Opts) {
         pct(&busy, 1.0),
         loadavg()
     );
-    println!("  CPU ms per run of A (B's few runs included): {mixed_cpu}");
+    println!("  CPU ms per run of A (B's few runs included): {mixed_cpu}{mixed_lag}");
     println!("  B's slowest runs (submitted at, since B's first; took; their longest hop):");
     for line in slowest {
         println!("    {line}");
@@ -752,10 +773,11 @@ async fn bench(o: Opts) {
     let before = cpu_ticks(&pids);
     let again = drain_a(&rt.client, &view, o.runs, "again", o.cap, children).await;
     println!(
-        "4. A alone again: {again:.1} runs/s (×{:.2} of the first); CPU ms per run: {} (load {})",
+        "4. A alone again: {again:.1} runs/s (×{:.2} of the first); CPU ms per run: {} (load {}){}",
         again / alone,
         cpu_per_run(&pids, &before, o.runs),
-        loadavg()
+        loadavg(),
+        runs_list_lag(&rt.js).await
     );
     let (p50, p99, thr) = (
         pct(&busy, 0.5) / pct(&idle, 0.5),
