@@ -27,8 +27,9 @@ pub const PROJECTOR: Durable = Durable::Projector;
 /// those of resting runs included. A resting run holds the decisions of one
 /// `runs_list_interval_ms`, so the bound caps what the projector can follow at about
 /// `max_ack_pending / runs_list_interval_ms` decisions a second: at 1,000 that was 4,000, less
-/// than one busy node stores, and the list fell behind without end (docs/ARCHITECTURE.md "The
-/// bridge and the runs projection").
+/// than one busy node stores, and the list fell behind without end. The bound is also the
+/// memory the held deliveries' payloads may take (docs/ARCHITECTURE.md "The bridge and the runs
+/// projection").
 const PROJECTING: usize = 64;
 
 /// Runs the projector until `shutdown` resolves.
