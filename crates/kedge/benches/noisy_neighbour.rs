@@ -601,16 +601,12 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 /// messages left to deliver and held unacknowledged (nothing when `kedge serve` runs no
 /// projector). Its backlog carries into the next phase.
 async fn runs_list_lag(js: &async_nats::jetstream::Context) -> String {
-    use kedge_core::subjects::{Durable, RUNS_STREAM};
-    let Ok(stream) = js.get_stream(RUNS_STREAM).await else {
-        return String::new();
-    };
-    match stream.consumer_info(Durable::Projector.name()).await {
-        Ok(info) => format!(
+    match support::deployed::journal_consumer(js, kedge_core::subjects::Durable::Projector).await {
+        Some(info) => format!(
             "\n  runs list: the projector {} messages behind, {} unacknowledged, as the phase ended",
             info.num_pending, info.num_ack_pending
         ),
-        Err(_) => String::new(),
+        None => String::new(),
     }
 }
 
@@ -661,14 +657,7 @@ async fn bench(o: Opts) {
         std::fs::write(&file, config.to_string()).unwrap();
         env.push(("KEDGE_CONFIG".into(), file.to_string_lossy().into_owned()));
     }
-    // A diagnostic: `KEDGE_BENCH_SERVICES="intake step tool"` leaves the others out, to price
-    // what an always-on service costs the burst.
-    let services_var = std::env::var("KEDGE_BENCH_SERVICES").unwrap_or_default();
-    let mut services: Vec<&str> = services_var.split_whitespace().collect();
-    if services.is_empty() {
-        services.push("all");
-    }
-    let serve = deployed.serve("serve", &services, &env);
+    let serve = deployed.serve("serve", &support::deployed::services_from_env(), &env);
     let pids: Vec<(&'static str, u32)> = [
         ("nats-server", deployed.server_pid()),
         ("kedge serve", Some(serve)),

@@ -21,7 +21,7 @@ use kedge_testkit::tls::Pki;
 use kedge_testkit::{NatsCluster, NatsServer, ServerOptions};
 
 use crate::measure::{Cpu, ProcsMark, ms, start_mock};
-use crate::support::deployed::Deployed;
+use crate::support::deployed::{Deployed, services_from_env};
 use crate::workload::{agent_definition, bench_config, script};
 use crate::{AGENT, RUN_TIMEOUT};
 
@@ -237,16 +237,13 @@ impl Env {
             .put(&agent_definition(&mock_url))
             .await
             .expect("agent stored");
-        let groups: Vec<(String, Vec<&str>)> = if split {
-            SPLIT.iter().map(|s| ((*s).to_owned(), vec![*s])).collect()
+        let groups: Vec<(String, Vec<String>)> = if split {
+            SPLIT
+                .iter()
+                .map(|s| ((*s).to_owned(), vec![(*s).to_owned()]))
+                .collect()
         } else {
-            // A diagnostic: `KEDGE_BENCH_SERVICES="intake step tool"` leaves the others out, to
-            // price what each always-on service costs per action.
-            let services: Vec<&str> = match services_var() {
-                Some(list) => list.split_whitespace().collect(),
-                None => vec!["all"],
-            };
-            vec![("all".to_owned(), services)]
+            vec![("all".to_owned(), services_from_env())]
         };
         let mut serves = Vec::new();
         for (name, services) in groups {
@@ -569,16 +566,4 @@ pub struct RunTiming {
     pub submit: f64,
     /// Submit → terminal event seen, ms.
     pub wall: f64,
-}
-
-/// `KEDGE_BENCH_SERVICES`, read once and kept for the bench's life (the services `kedge serve`
-/// runs instead of `all`).
-fn services_var() -> Option<&'static str> {
-    static VAR: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
-    VAR.get_or_init(|| {
-        std::env::var("KEDGE_BENCH_SERVICES")
-            .ok()
-            .filter(|s| !s.trim().is_empty())
-    })
-    .as_deref()
 }

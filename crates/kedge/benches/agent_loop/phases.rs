@@ -10,6 +10,7 @@ use kedge_core::ids::RunId;
 use crate::env::{Env, RunTiming};
 use crate::measure::{Cpu, ms};
 use crate::readback::{Collected, collect};
+use crate::support::deployed::journal_consumer;
 use crate::{ACTIONS, K};
 
 /// One concurrency round: (runs, elapsed ms, actions/s, what was collected, CPU ms per action
@@ -203,11 +204,10 @@ async fn sample_backlog(env: &Env, until: Instant) -> Vec<Backlog> {
 /// that trails the stream defers past the measured window. `None` when the deployment runs no
 /// projector or it did not catch up within two minutes.
 pub async fn projector_catch_up(env: &Env) -> Option<(f64, Cpu)> {
-    use kedge_core::subjects::{Durable, RUNS_STREAM};
-    let stream = env.rt.js.get_stream(RUNS_STREAM).await.ok()?;
+    use kedge_core::subjects::Durable;
     let (cpu0, t0) = (env.cpu_mark(), Instant::now());
     while t0.elapsed() < Duration::from_secs(120) {
-        let info = stream.consumer_info(Durable::Projector.name()).await.ok()?;
+        let info = journal_consumer(&env.rt.js, Durable::Projector).await?;
         if info.num_pending == 0 && info.num_ack_pending == 0 {
             return Some((t0.elapsed().as_secs_f64(), env.cpu_since(&cpu0)));
         }

@@ -238,9 +238,14 @@ impl Deployed {
     }
 
     /// `kedge serve <services>` as process `name` with `env`; its pid.
-    pub fn serve(&mut self, name: &str, services: &[&str], env: &[(String, String)]) -> u32 {
+    pub fn serve<S: AsRef<str>>(
+        &mut self,
+        name: &str,
+        services: &[S],
+        env: &[(String, String)],
+    ) -> u32 {
         let args: Vec<&str> = std::iter::once("serve")
-            .chain(services.iter().copied())
+            .chain(services.iter().map(AsRef::as_ref))
             .collect();
         self.children.spawn(name, &args, env, false);
         self.children.pid(name).expect("just started")
@@ -250,4 +255,32 @@ impl Deployed {
     pub fn server_pid(&self) -> Option<u32> {
         self.server.pid()
     }
+}
+
+/// The services `kedge serve` runs: `KEDGE_BENCH_SERVICES` (a diagnostic, e.g. `"intake step
+/// tool"` leaves the others out, to price what an always-on service costs), else `all`.
+pub fn services_from_env() -> Vec<String> {
+    let listed: Vec<String> = std::env::var("KEDGE_BENCH_SERVICES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    if listed.is_empty() {
+        vec!["all".to_owned()]
+    } else {
+        listed
+    }
+}
+
+/// The state of one durable consumer of the journal (`KEDGE_RUNS`); `None` when the
+/// deployment runs no such consumer or the broker does not answer.
+pub async fn journal_consumer(
+    js: &async_nats::jetstream::Context,
+    durable: kedge_core::subjects::Durable,
+) -> Option<async_nats::jetstream::consumer::Info> {
+    let stream = js
+        .get_stream(kedge_core::subjects::RUNS_STREAM)
+        .await
+        .ok()?;
+    stream.consumer_info(durable.name()).await.ok()
 }
