@@ -343,7 +343,7 @@ impl Drives {
         self.workers.run_on(on.as_ref(), slot, async move {
                 let mut through = seq;
                 let mut latest = None;
-                let result = loop {
+                let (result, owed) = loop {
                     // A panic in a drive (a bug) is contained: this run's wake is handed back
                     // (bounded, like any failure), the process and its other drives go on.
                     let drive = driver.drive(&run_id, msg.clone(), through, latest.take());
@@ -355,30 +355,40 @@ impl Drives {
                             tracing::error!(run_id = %run_id, panic = %reason, "drive panicked; the wake is handed back");
                             Err(DriveError::Panicked(reason))
                         });
-                    let again = match active.lock() {
+                    let next = match active.lock() {
                         Ok(mut map) => match map.get_mut(&run_id) {
-                            Some(dirty) if dirty.is_some() && result.is_ok() => {
-                                let absorbed = dirty.take();
-                                through = absorbed.as_ref().map(|a| a.through).filter(|seq| *seq > 0);
-                                latest = absorbed.and_then(|a| a.wake);
-                                true
+                            Some(dirty) => {
+                                let next = after_drive(dirty.take(), result.is_ok());
+                                if !matches!(next, AfterDrive::Again(_)) {
+                                    map.remove(&run_id);
+                                }
+                                next
                             }
-                            _ => {
-                                map.remove(&run_id);
-                                false
-                            }
+                            None => AfterDrive::Done { owed: false },
                         },
-                        Err(_) => false,
+                        Err(_) => AfterDrive::Done { owed: false },
                     };
-                    if !again {
-                        break result;
+                    match next {
+                        AfterDrive::Again(absorbed) => {
+                            through = Some(absorbed.through).filter(|seq| *seq > 0);
+                            latest = absorbed.wake;
+                        }
+                        AfterDrive::Done { owed } => break (result, owed),
                     }
                 };
                 match msg {
-                    Some(msg) => settle(&js, &run_id, &msg, result).await,
+                    Some(msg) => {
+                        // Wakes this failed drive absorbed were acknowledged; the redelivery
+                        // of `msg` may read the run only through its own event (a backlog
+                        // look), so the run is driven again from here, as an adopted one.
+                        if let (true, Err(e)) = (owed, &result) {
+                            drive_later(readopt, run_id.clone(), 0, e, "absorbed wakes of a failed drive");
+                        }
+                        settle(&js, &run_id, &msg, result).await;
+                    }
                     None => {
                         if let Err(e) = result {
-                            readopt_later(readopt, run_id, tries, &e);
+                            drive_later(readopt, run_id, tries, &e, "adopted run not driven");
                         }
                     }
                 }
@@ -386,20 +396,44 @@ impl Drives {
     }
 }
 
-/// Drives an adopted run again after its drive failed (`tries` failed before), after a delay
-/// growing per try; past [`ADOPT_TRIES`] the reconciler's nudge covers it.
-fn readopt_later(
+/// What follows a drive of a run, from the wakes it absorbed meanwhile ([`Absorbed`], the
+/// newest) and whether it succeeded.
+enum AfterDrive {
+    /// Drive the run again at once, reading through the newest absorbed wake.
+    Again(Absorbed),
+    /// The drive is over. `owed`: wakes it absorbed (and acknowledged) were not read by a
+    /// drive that succeeded, so the run is owed one.
+    Done { owed: bool },
+}
+
+/// Decides [`AfterDrive`]: a drive that succeeded with wakes absorbed goes again (to read
+/// them); one that failed leaves them owed, for a failed drive is retried by its own wake's
+/// redelivery, which need not read past that wake's event (docs/ARCHITECTURE.md "Chained
+/// wakes").
+fn after_drive(absorbed: Option<Absorbed>, succeeded: bool) -> AfterDrive {
+    match (absorbed, succeeded) {
+        (Some(absorbed), true) => AfterDrive::Again(absorbed),
+        (Some(_), false) => AfterDrive::Done { owed: true },
+        (None, _) => AfterDrive::Done { owed: false },
+    }
+}
+
+/// Drives a run again from this process after a drive of it failed (`tries` failed before;
+/// `why` says which), with no wake of its own: after a delay growing per try; past
+/// [`ADOPT_TRIES`] the reconciler's nudge covers it.
+fn drive_later(
     readopt: tokio::sync::mpsc::UnboundedSender<(RunId, u32)>,
     run_id: RunId,
     tries: u32,
     error: &DriveError,
+    why: &'static str,
 ) {
     if tries >= ADOPT_TRIES {
-        tracing::warn!(run_id = %run_id, %error, tries, "adopted run not driven; left to the reconciler's nudge");
+        tracing::warn!(run_id = %run_id, %error, tries, "{why}; left to the reconciler's nudge");
         return;
     }
     let delay = consumer::retry_delay(i64::from(tries) + 1, RETRY_DELAY, RETRY_MAX);
-    tracing::warn!(run_id = %run_id, %error, retry_in_ms = delay.as_millis() as u64, "adopted run not driven; driving it again");
+    tracing::warn!(run_id = %run_id, %error, retry_in_ms = delay.as_millis() as u64, "{why}; driving the run again");
     tokio::spawn(async move {
         tokio::time::sleep(delay).await;
         // Closed: the service is stopping (the run's lease lapses for another worker).
@@ -444,4 +478,48 @@ async fn settle(
         }
     };
     consumer::settle(js, CONSUMER, msg, verdict).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn absorbed(through: u64) -> Option<Absorbed> {
+        Some(Absorbed {
+            through,
+            wake: None,
+        })
+    }
+
+    #[test]
+    fn a_drive_that_succeeded_reads_the_wakes_it_absorbed_at_once() {
+        match after_drive(absorbed(42), true) {
+            AfterDrive::Again(a) => assert_eq!(a.through, 42),
+            AfterDrive::Done { .. } => panic!("the absorbed wakes were not read"),
+        }
+    }
+
+    #[test]
+    fn a_drive_that_failed_leaves_the_run_owed_a_drive_for_the_wakes_it_absorbed() {
+        // Those wakes were acknowledged when absorbed, and the failed drive's own wake, when
+        // redelivered, may read the run only through its own event.
+        assert!(matches!(
+            after_drive(absorbed(42), false),
+            AfterDrive::Done { owed: true }
+        ));
+        assert!(matches!(
+            after_drive(absorbed(0), false),
+            AfterDrive::Done { owed: true }
+        ));
+    }
+
+    #[test]
+    fn a_drive_that_absorbed_nothing_is_over() {
+        for succeeded in [true, false] {
+            assert!(matches!(
+                after_drive(None, succeeded),
+                AfterDrive::Done { owed: false }
+            ));
+        }
+    }
 }
