@@ -9,6 +9,7 @@
 //! KEDGE_BIN=/path/to/old/kedge cargo bench -p kedge --bench noisy_neighbour -- --quick
 //! cargo bench -p kedge --bench noisy_neighbour -- --quick --concurrency 16
 //! KEDGE_LIGHT_LANE=0 cargo bench -p kedge --bench noisy_neighbour -- --quick
+//! KEDGE_SHARED_NICE=0 cargo bench -p kedge --bench noisy_neighbour   # shared threads at the light lane's priority
 //! KEDGE_BENCH_SERVE_LOG=warn,kedge_runtime::admission=debug cargo bench -p kedge --bench noisy_neighbour
 //! ```
 //!
@@ -45,9 +46,10 @@
 //!
 //! `KEDGE_BIN=<path>` runs another `kedge` binary as the service (a build from before the fair
 //! feed: the same bench measures arrival order). The serve process gets
-//! `KEDGE_ADAPTIVE_CONCURRENCY`, `KEDGE_LIGHT_LANE` and `KEDGE_METRICS_ADDR` from the bench's
-//! environment (no other `KEDGE_*` variable): `KEDGE_LIGHT_LANE=0` measures one connection per
-//! process, `KEDGE_ADAPTIVE_CONCURRENCY=1` adaptive admission. `KEDGE_BENCH_SERVICES="intake step
+//! `KEDGE_ADAPTIVE_CONCURRENCY`, `KEDGE_LIGHT_LANE`, `KEDGE_SHARED_NICE` and `KEDGE_METRICS_ADDR`
+//! from the bench's environment (no other `KEDGE_*` variable): `KEDGE_LIGHT_LANE=0` measures one
+//! connection per process, `KEDGE_SHARED_NICE=0` the shared threads at the light lane's
+//! priority, `KEDGE_ADAPTIVE_CONCURRENCY=1` adaptive admission. `KEDGE_BENCH_SERVICES="intake step
 //! tool"` runs `kedge serve` with only those services instead of `all` (a diagnostic: what the
 //! others cost the burst).
 
@@ -84,6 +86,7 @@ const PASSED_ON: &[&str] = &[
     "KEDGE_ADAPTIVE_CONCURRENCY",
     "KEDGE_LIGHT_LANE",
     "KEDGE_METRICS_ADDR",
+    "KEDGE_SHARED_NICE",
 ];
 /// Tasks of A's burst whose broker acks are awaited at once.
 const PUBLISH_IN_FLIGHT: usize = 512;

@@ -22,6 +22,9 @@ fn main() -> ExitCode {
     let traces = init_tracing(&args);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        // Its threads yield the cores to the light lane's (docs/ARCHITECTURE.md "Fairness
+        // across tenants").
+        .on_thread_unpark(kedge_runtime::lower_shared_thread)
         .build()
     {
         Ok(rt) => rt,

@@ -101,3 +101,84 @@ async fn readiness_follows_the_broker_and_sigterm_ends_within_the_drain_time() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The nice value of each thread of process `pid`, by thread name.
+#[cfg(target_os = "linux")]
+fn thread_priorities(pid: u32) -> Vec<(String, i64)> {
+    let mut out = Vec::new();
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        // The fields after the name in parentheses: state is the 3rd field, nice the 19th.
+        let nice = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(16))
+            .and_then(|n| n.parse().ok());
+        if let Some(nice) = nice {
+            out.push((comm.trim().to_owned(), nice));
+        }
+    }
+    out
+}
+
+/// With the light lane open, the shared runtime's worker threads run at `shared_nice` (10 by
+/// default) and the lane's own threads at the process's priority, so the work of a tenant
+/// without a backlog gets a core first (docs/ARCHITECTURE.md "Fairness across tenants").
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shared_threads_give_the_cores_to_the_light_lanes() {
+    let nats = NatsServer::start().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_kedge"))
+        .args(["serve", "all"])
+        .env("KEDGE_NATS_URL", nats.url())
+        .env("KEDGE_METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .env("KEDGE_WORKSPACE_ROOT", dir.path())
+        .env("KEDGE_WORKER_ID", "w-nice")
+        .env_remove("KEDGE_CONFIG")
+        .env_remove("KEDGE_SHARED_NICE")
+        .env_remove("KEDGE_LIGHT_LANE")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kedge serve");
+    let serve = Serve { child };
+    until(
+        &format!("http://127.0.0.1:{port}/readyz"),
+        "ready",
+        |c, _| c == 200,
+    )
+    .await;
+    let pid = serve.child.id();
+    // A worker lowers itself as it next wakes: at once in a process that serves.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let threads = loop {
+        let threads = thread_priorities(pid);
+        let lowered = threads
+            .iter()
+            .filter(|(name, nice)| name == "tokio-rt-worker" && *nice == 10)
+            .count();
+        if lowered >= 2 || Instant::now() > deadline {
+            break threads;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let light: Vec<_> = threads.iter().filter(|(n, _)| n == "kedge-light").collect();
+    assert!(!light.is_empty(), "no light lane threads: {threads:?}");
+    assert!(
+        light.iter().all(|(_, nice)| *nice == 0),
+        "the light lane's threads keep the process's priority: {threads:?}"
+    );
+    let lowered = threads
+        .iter()
+        .filter(|(name, nice)| name == "tokio-rt-worker" && *nice == 10)
+        .count();
+    assert!(
+        lowered >= 2,
+        "the shared runtime's workers run at nice 10: {threads:?}"
+    );
+}

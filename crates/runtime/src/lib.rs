@@ -173,6 +173,44 @@ async fn light_threads()
     Ok((handle, stop))
 }
 
+/// The nice value of the process's shared threads (`shared_nice`), set once its light lane's
+/// threads exist; 0 until then (and with no lane).
+static SHARED_NICE: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+thread_local! {
+    /// Whether this thread's priority was set ([`lower_shared_thread`]).
+    static LOWERED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Lowers the calling thread's CPU priority to `shared_nice` once the process's light lane
+/// has threads (docs/ARCHITECTURE.md "Fairness across tenants"): the hook a shared Tokio
+/// runtime calls on each of its worker threads as it wakes (the `kedge` binary's does). The
+/// lane's threads are made by one of those threads and inherit its priority, which an
+/// unprivileged process cannot raise again; so a thread is lowered only after they exist. A
+/// thread the lowered one makes later (the shared runtime's blocking pool) inherits it.
+pub fn lower_shared_thread() {
+    let nice = SHARED_NICE.load(std::sync::atomic::Ordering::Acquire);
+    if nice == 0 || LOWERED.get() {
+        return;
+    }
+    LOWERED.set(true);
+    set_thread_nice(nice);
+}
+
+#[cfg(target_os = "linux")]
+fn set_thread_nice(nice: i32) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    // On Linux a thread id names one thread to setpriority.
+    if let Err(e) = rustix::process::setpriority_process(Some(rustix::thread::gettid()), nice)
+        && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        tracing::warn!(error = %e, nice, "cannot lower the shared threads' priority; the light lane's work competes with the rest for the cores");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn set_thread_nice(_nice: i32) {}
+
 impl Runtime {
     /// Calls `on_cancel` with the run of every `cancel.requested` input as it is published
     /// (core NATS sees every journal message, [`kedge_journal::Journal::watch_inputs`]): how the
@@ -306,6 +344,11 @@ impl Runtime {
                 light.quotas = self.quotas.clone();
                 light.run_ids = self.run_ids.clone();
                 light.executor = Some(executor);
+                // From now on the shared threads give way to the lane's.
+                SHARED_NICE.store(
+                    i32::from(self.config.shared_nice),
+                    std::sync::atomic::Ordering::Release,
+                );
                 Ok::<_, RuntimeError>(LightLane {
                     rt: Box::new(light),
                     _stop: stop,

@@ -253,8 +253,13 @@ impl Env {
                 env.push(("KEDGE_PARK_LEASES".into(), "0".into()));
             }
             // For an A/B in one build: one connection per process instead of two
-            // (`KEDGE_LIGHT_LANE=0`), how often the runs list is written.
-            for var in ["KEDGE_LIGHT_LANE", "KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS"] {
+            // (`KEDGE_LIGHT_LANE=0`), the shared threads' priority, how often the runs list
+            // is written.
+            for var in [
+                "KEDGE_LIGHT_LANE",
+                "KEDGE_SHARED_NICE",
+                "KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS",
+            ] {
                 if let Ok(v) = std::env::var(var) {
                     env.push((var.into(), v));
                 }

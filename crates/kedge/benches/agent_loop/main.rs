@@ -8,6 +8,7 @@
 //! cargo bench -p kedge --bench agent_loop -- --in-process          # the services in this process (diagnostic: op costs)
 //! KEDGE_BENCH_SERVICES="intake step tool" cargo bench -p kedge --bench agent_loop -- --quick   # `serve` with only those (diagnostic)
 //! KEDGE_LIGHT_LANE=0 cargo bench -p kedge --bench agent_loop -- --quick   # one connection per serve process (A/B)
+//! KEDGE_SHARED_NICE=0 cargo bench -p kedge --bench agent_loop -- --quick  # shared threads at the light lane's priority (A/B)
 //! KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS=1000 cargo bench -p kedge --bench agent_loop -- --quick   # the runs list written less often (A/B)
 //! KEDGE_BIN=/tmp/kedge-before cargo bench -p kedge --bench agent_loop -- --quick   # another build as the `kedge` processes (A/B)
 //! cargo bench -p kedge --bench agent_loop -- --quick               # fewer runs and iterations

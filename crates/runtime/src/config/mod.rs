@@ -119,6 +119,12 @@ pub struct Config {
     /// tenant's backlog in one connection's queue, one set of threads and one set of handler
     /// slots (docs/ARCHITECTURE.md "Fairness across tenants"). Off: one connection per process.
     pub light_lane: bool,
+    /// The CPU priority (a nice value, 0 to 19) of the process's shared Tokio threads while
+    /// its light lane is open (`KEDGE_SHARED_NICE`, default 10): the light lane's threads keep
+    /// the process's own, so the work of a tenant without a backlog gets a core ahead of the
+    /// backlog's (docs/ARCHITECTURE.md "Fairness across tenants"). 0: the same priority.
+    /// Linux only, and only in the `kedge` binary (its shared runtime calls the hook).
+    pub shared_nice: u8,
     /// Largest tool result kept inline in the journal, in bytes; longer output is truncated with
     /// a note.
     pub max_tool_output_bytes: usize,
@@ -194,6 +200,7 @@ impl Default for Config {
             tool_concurrency: 64,
             adaptive_concurrency: false,
             light_lane: true,
+            shared_nice: 10,
             max_tool_output_bytes: 64 * 1024,
             timeouts: Timeouts::default(),
             mcp_servers: Default::default(),
@@ -231,6 +238,7 @@ impl std::fmt::Debug for Config {
             tool_concurrency,
             adaptive_concurrency,
             light_lane,
+            shared_nice,
             max_tool_output_bytes,
             timeouts,
             mcp_servers,
@@ -264,6 +272,7 @@ impl std::fmt::Debug for Config {
             .field("tool_concurrency", tool_concurrency)
             .field("adaptive_concurrency", adaptive_concurrency)
             .field("light_lane", light_lane)
+            .field("shared_nice", shared_nice)
             .field("max_tool_output_bytes", max_tool_output_bytes)
             .field("timeouts", timeouts)
             .field("mcp_servers", mcp_servers)

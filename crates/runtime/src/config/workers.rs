@@ -66,6 +66,9 @@ impl Config {
         if let Some(v) = get("KEDGE_LIGHT_LANE") {
             self.light_lane = flag("KEDGE_LIGHT_LANE", &v)?;
         }
+        if let Some(v) = get("KEDGE_SHARED_NICE") {
+            self.shared_nice = num("KEDGE_SHARED_NICE", &v)?;
+        }
         if let Some(v) = get("KEDGE_SANDBOX") {
             self.sandbox = v.parse().map_err(|reason| ConfigError::Env {
                 var: "KEDGE_SANDBOX",
@@ -83,6 +86,12 @@ impl Config {
                 reason: format!("{} is not between 1 and 5", self.replicas),
             });
         }
+        if self.shared_nice > 19 {
+            return Err(ConfigError::Invalid {
+                field: "shared_nice",
+                reason: format!("{} is not a nice value between 0 and 19", self.shared_nice),
+            });
+        }
         if self.step_concurrency == 0 || self.tool_concurrency == 0 {
             return Err(ConfigError::Invalid {
                 field: "step_concurrency/tool_concurrency",
@@ -97,6 +106,24 @@ impl Config {
 mod tests {
     use super::*;
     use crate::config::tests::env_of;
+
+    #[test]
+    fn the_shared_threads_nice_value_is_between_0_and_19() {
+        let mut c = Config::default();
+        assert_eq!(c.shared_nice, 10, "lowered by default");
+        c.apply_workers_env(&env_of(&[("KEDGE_SHARED_NICE", "0".into())]))
+            .expect("a nice value");
+        assert_eq!(c.shared_nice, 0);
+        c.check_workers().expect("0 is valid");
+        c.apply_workers_env(&env_of(&[("KEDGE_SHARED_NICE", "20".into())]))
+            .expect("a number");
+        let err = c.check_workers().expect_err("20 is not a nice value");
+        assert!(err.to_string().contains("shared_nice"), "{err}");
+        let err = c
+            .apply_workers_env(&env_of(&[("KEDGE_SHARED_NICE", "-5".into())]))
+            .expect_err("not a u8");
+        assert!(err.to_string().contains("KEDGE_SHARED_NICE"), "{err}");
+    }
 
     #[test]
     fn a_worker_id_is_a_subject_token_from_the_environment_and_from_a_file() {
