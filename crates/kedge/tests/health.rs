@@ -1,6 +1,8 @@
 //! Liveness, readiness and a bounded drain of `kedge serve`: `/readyz` says
 //! ready only when the process is connected with its consumers bound, and says why not while the
 //! broker is away; `/healthz` answers throughout; SIGTERM ends the process within its drain time.
+//! And how its threads share the cores: the light lane's at the process's priority, the shared
+//! runtime's lowered (docs/ARCHITECTURE.md "Fairness across tenants").
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -9,6 +11,35 @@ use kedge_testkit::{NatsServer, free_port};
 
 struct Serve {
     child: Child,
+}
+
+impl Serve {
+    /// `kedge serve all` on the broker at `url`, its metrics and probes on `port`, configured
+    /// by these variables and `env` (no configuration file, the light lane and the shared
+    /// threads' priority as defaulted unless `env` sets them).
+    fn all(
+        url: &str,
+        workspace: &std::path::Path,
+        port: u16,
+        worker: &str,
+        env: &[(&str, &str)],
+    ) -> Serve {
+        let child = Command::new(env!("CARGO_BIN_EXE_kedge"))
+            .args(["serve", "all"])
+            .env("KEDGE_NATS_URL", url)
+            .env("KEDGE_METRICS_ADDR", format!("127.0.0.1:{port}"))
+            .env("KEDGE_WORKSPACE_ROOT", workspace)
+            .env("KEDGE_WORKER_ID", worker)
+            .env_remove("KEDGE_CONFIG")
+            .env_remove("KEDGE_LIGHT_LANE")
+            .env_remove("KEDGE_SHARED_NICE")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kedge serve");
+        Serve { child }
+    }
 }
 
 impl Drop for Serve {
@@ -48,19 +79,13 @@ async fn readiness_follows_the_broker_and_sigterm_ends_within_the_drain_time() {
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let child = Command::new(env!("CARGO_BIN_EXE_kedge"))
-        .args(["serve", "all"])
-        .env("KEDGE_NATS_URL", nats.url())
-        .env("KEDGE_METRICS_ADDR", format!("127.0.0.1:{port}"))
-        .env("KEDGE_WORKSPACE_ROOT", dir.path())
-        .env("KEDGE_WORKER_ID", "w-health")
-        .env("KEDGE_DRAIN_MS", "2000")
-        .env_remove("KEDGE_CONFIG")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kedge serve");
-    let mut serve = Serve { child };
+    let mut serve = Serve::all(
+        &nats.url(),
+        dir.path(),
+        port,
+        "w-health",
+        &[("KEDGE_DRAIN_MS", "2000")],
+    );
 
     let ready = until(&format!("{base}/readyz"), "ready", |c, _| c == 200).await;
     let ready: serde_json::Value = serde_json::from_str(&ready).expect("json");
@@ -133,20 +158,8 @@ async fn the_shared_threads_give_the_cores_to_the_light_lanes() {
     let nats = NatsServer::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_kedge"))
-        .args(["serve", "all"])
-        .env("KEDGE_NATS_URL", nats.url())
-        .env("KEDGE_METRICS_ADDR", format!("127.0.0.1:{port}"))
-        .env("KEDGE_WORKSPACE_ROOT", dir.path())
-        .env("KEDGE_WORKER_ID", "w-nice")
-        .env_remove("KEDGE_CONFIG")
-        .env_remove("KEDGE_SHARED_NICE")
-        .env_remove("KEDGE_LIGHT_LANE")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kedge serve");
-    let serve = Serve { child };
+    // Defaults: the light lane on, `shared_nice` 10 (`Serve::all` passes no other setting).
+    let serve = Serve::all(&nats.url(), dir.path(), port, "w-nice", &[]);
     until(
         &format!("http://127.0.0.1:{port}/readyz"),
         "ready",

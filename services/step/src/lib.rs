@@ -176,7 +176,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let drives = Arc::new(Drives {
         // The light lane, for the runs of tenants without a backlog
         // (docs/ARCHITECTURE.md "Fairness across tenants").
-        light: light.map(|light| driver.on(light)),
+        light: light.map(|light| driver.on(light, ModelClient::new())),
         driver,
         active: Arc::default(),
         workers: consumer::Workers::adaptive(

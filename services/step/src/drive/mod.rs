@@ -191,10 +191,14 @@ impl Driver {
 
     /// This driver over another runtime of the process, its light lane (docs/ARCHITECTURE.md
     /// "Fairness across tenants"): the same states, parked leases and adopted runs, its
-    /// broker operations on that runtime's connection.
-    pub fn on(&self, rt: Runtime) -> Self {
+    /// broker operations on that runtime's connection, its model calls on `model`'s
+    /// connections. A pooled HTTP connection is read by the threads of the runtime that opened
+    /// it, so the lane needs a client of its own: over the shared one its calls would mostly
+    /// ride connections the backlog's drives opened, read by the shared threads.
+    pub fn on(&self, rt: Runtime, model: ModelClient) -> Self {
         Self {
             rt: Arc::new(rt),
+            model,
             ..self.clone()
         }
     }
