@@ -408,8 +408,8 @@ enum AfterDrive {
 
 /// Decides [`AfterDrive`]: a drive that succeeded with wakes absorbed goes again (to read
 /// them); one that failed leaves them owed, for a failed drive is retried by its own wake's
-/// redelivery, which need not read past that wake's event (docs/ARCHITECTURE.md "Chained
-/// wakes").
+/// redelivery, which need not read past that wake's event (docs/ARCHITECTURE.md "The step
+/// service", "Chained wakes").
 fn after_drive(absorbed: Option<Absorbed>, succeeded: bool) -> AfterDrive {
     match (absorbed, succeeded) {
         (Some(absorbed), true) => AfterDrive::Again(absorbed),
