@@ -187,7 +187,9 @@ thread_local! {
 /// runtime calls on each of its worker threads as it wakes (the `kedge` binary's does). The
 /// lane's threads are made by one of those threads and inherit its priority, which an
 /// unprivileged process cannot raise again; so a thread is lowered only after they exist. A
-/// thread the lowered one makes later (the shared runtime's blocking pool) inherits it.
+/// thread the lowered one makes later (the shared runtime's blocking pool) inherits it, and so
+/// would a second light lane opened by another `Runtime` of the process afterwards (`kedge
+/// serve` has one runtime, one lane: a service restarted by its supervisor keeps both).
 pub fn lower_shared_thread() {
     let nice = SHARED_NICE.load(std::sync::atomic::Ordering::Acquire);
     if nice == 0 || LOWERED.get() {
