@@ -11,6 +11,7 @@
 //! KEDGE_LIGHT_LANE=0 cargo bench -p kedge --bench noisy_neighbour -- --quick
 //! KEDGE_SHARED_NICE=0 cargo bench -p kedge --bench noisy_neighbour   # shared threads at the light lane's priority
 //! KEDGE_BENCH_SERVE_LOG=warn,kedge_runtime::admission=debug cargo bench -p kedge --bench noisy_neighbour
+//! KEDGE_BENCH_NATS_CONFIG='prof_port: 18222' cargo bench -p kedge --bench noisy_neighbour   # with scripts/journal_stalls.py 18222 …
 //! ```
 //!
 //! Setup (black-box, like the outage bench): one nats-server (kedge-testkit: free port,

@@ -79,6 +79,7 @@ const IN_FLIGHT: usize = 1024;
 /// The consumers `kedge serve all` runs (stream, name).
 const CONSUMERS: &[(&str, &str)] = &[
     ("KEDGE_RUNS", "step"),
+    ("KEDGE_RUNS", "step-created"),
     ("KEDGE_RUNS", "tool"),
     ("KEDGE_RUNS", "timer"),
     ("KEDGE_RUNS", "projector"),

@@ -56,6 +56,7 @@ const WRITERS: usize = 32;
 /// The consumers `kedge serve all` runs (stream, name).
 const CONSUMERS: &[(&str, &str)] = &[
     ("KEDGE_RUNS", "step"),
+    ("KEDGE_RUNS", "step-created"),
     ("KEDGE_RUNS", "tool"),
     ("KEDGE_RUNS", "timer"),
     ("KEDGE_RUNS", "projector"),

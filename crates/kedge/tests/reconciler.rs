@@ -25,10 +25,11 @@ async fn a_run_whose_wake_was_acked_but_never_acted_on_is_nudged_and_completes()
     .await;
     h.agent("rn", "rn").await;
     let run = h.submit("rn", "go", "rn-1").await;
-    // Inject the failure: the step consumer's wake is taken and acked, and nothing acts on it.
+    // Inject the failure: the step's wake (a new run's, on its own consumer) is taken and
+    // acked, and nothing acts on it.
     let consumer = kedge_runtime::consumer::durable(
         &h.rt.js,
-        kedge_core::subjects::Durable::Step,
+        kedge_core::subjects::Durable::StepCreated,
         Duration::from_secs(3),
     )
     .await

@@ -124,7 +124,7 @@ pub struct FairFeed {
     shared: Arc<Shared>,
     consumer: Durable,
     stop: watch::Sender<bool>,
-    reader: tokio::task::JoinHandle<Deliveries>,
+    reader: tokio::task::JoinHandle<Sources>,
     /// The light takers' loops ([`FairFeed::take_light`]), ended by the stop.
     light: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
@@ -164,7 +164,36 @@ impl FairFeed {
         tenancy: Tenancy,
         ack_wait: Duration,
     ) -> Self {
-        Self::start_on(None, None, messages, window, weights, tenancy, ack_wait)
+        Self::start_many(
+            vec![messages],
+            |_| false,
+            window,
+            weights,
+            tenancy,
+            ack_wait,
+        )
+    }
+
+    /// [`FairFeed::start`] over several consumers' deliveries, passing over (acknowledging as
+    /// they are read) those `passed_over` says ([`FairFeed::open_many`]).
+    pub fn start_many(
+        sources: Vec<Deliveries>,
+        passed_over: fn(&Message) -> bool,
+        window: usize,
+        weights: Weights,
+        tenancy: Tenancy,
+        ack_wait: Duration,
+    ) -> Self {
+        Self::start_on(
+            None,
+            None,
+            sources,
+            passed_over,
+            window,
+            weights,
+            tenancy,
+            ack_wait,
+        )
     }
 
     /// Opens the deliveries of `consumer` and starts their feed ([`FairFeed::start`]), each in
@@ -182,21 +211,43 @@ impl FairFeed {
         window: usize,
         tenancy: impl FnOnce(&crate::Runtime) -> Tenancy,
     ) -> Result<Self, crate::RuntimeError> {
+        Self::open_many(rt, &[consumer], |_| false, ack_wait, window, tenancy).await
+    }
+
+    /// [`FairFeed::open`] over the deliveries of several `consumers` (of one service, with the
+    /// same ack wait) taken into one window, each delivery in the lane of its tenant whichever
+    /// consumer it came from. A delivery `passed_over` says the service has no work in is
+    /// acknowledged as it is read, and neither queued nor handed out: the step's consumer of
+    /// inputs has one wildcard filter subject and so also delivers inputs that do not wake a
+    /// run (docs/ARCHITECTURE.md "The broker's cost per run").
+    pub async fn open_many(
+        rt: &crate::Runtime,
+        consumers: &[Durable],
+        passed_over: fn(&Message) -> bool,
+        ack_wait: Duration,
+        window: usize,
+        tenancy: impl FnOnce(&crate::Runtime) -> Tenancy,
+    ) -> Result<Self, crate::RuntimeError> {
         let feeder = rt.light_lane().await?.unwrap_or_else(|| rt.clone());
-        let js = feeder.js.clone();
         let batch = PULL_BATCH.min(window);
-        let open = async move { Deliveries::open_batched(&js, consumer, ack_wait, batch).await };
-        let messages = match feeder.executor() {
-            Some(on) => on
-                .spawn(open)
-                .await
-                .map_err(|e| crate::RuntimeError::broker(format!("consumer {consumer}"), e))??,
-            None => open.await?,
-        };
+        let mut sources = Vec::with_capacity(consumers.len());
+        for &consumer in consumers {
+            let js = feeder.js.clone();
+            let open =
+                async move { Deliveries::open_batched(&js, consumer, ack_wait, batch).await };
+            let messages = match feeder.executor() {
+                Some(on) => on.spawn(open).await.map_err(|e| {
+                    crate::RuntimeError::broker(format!("consumer {consumer}"), e)
+                })??,
+                None => open.await?,
+            };
+            sources.push(messages);
+        }
         Ok(Self::start_on(
             feeder.executor(),
             Some(rt.js.clone()),
-            messages,
+            sources,
+            passed_over,
             window,
             rt.config.fairness.weights(),
             tenancy(&feeder),
@@ -206,10 +257,12 @@ impl FairFeed {
 
     /// [`FairFeed::start`], reading on `on`'s threads (else the caller's runtime), each delivery
     /// settled over `settle` (else the connection it came on).
+    #[allow(clippy::too_many_arguments)]
     fn start_on(
         on: Option<&tokio::runtime::Handle>,
         settle: Option<async_nats::jetstream::Context>,
-        messages: Deliveries,
+        sources: Vec<Deliveries>,
+        passed_over: fn(&Message) -> bool,
         window: usize,
         weights: Weights,
         tenancy: Tenancy,
@@ -224,8 +277,18 @@ impl FairFeed {
             ended: std::sync::atomic::AtomicBool::new(false),
         });
         let (stop, stopped) = watch::channel(false);
-        let consumer = messages.name();
-        let reading = read(messages, shared.clone(), tenancy, settle, ack_wait, stopped);
+        let consumer = sources.first().map_or(Durable::Intake, Deliveries::name);
+        let reading = read(
+            Sources(sources),
+            shared.clone(),
+            Reading {
+                tenancy,
+                passed_over,
+                settle,
+                ack_wait,
+            },
+            stopped,
+        );
         let reader = match on {
             Some(on) => on.spawn(reading),
             None => tokio::spawn(reading),
@@ -315,7 +378,13 @@ impl FairFeed {
         let mut handed = match self.reader.await {
             // The stream is dropped inside before any NAK (a handed-back delivery cannot come
             // back here).
-            Ok(messages) => messages.hand_back().await,
+            Ok(sources) => {
+                let mut handed = 0;
+                for messages in sources.0 {
+                    handed += messages.hand_back().await;
+                }
+                handed
+            }
             Err(_) => 0,
         };
         let waiting = match self.shared.queue.lock() {
@@ -384,17 +453,48 @@ impl LightTaker {
     }
 }
 
-/// The feed's reader: takes deliveries into the window while it has room, keeps those waiting
-/// long alive; returns the stream when told to stop.
-async fn read(
-    mut messages: Deliveries,
-    shared: Arc<Shared>,
+/// The consumers a feed reads.
+struct Sources(Vec<Deliveries>);
+
+impl Sources {
+    /// The next delivery of any of them (whichever has one first; cancel-safe like
+    /// [`Deliveries::next`]). `None` once one of their streams has ended (its consumer was
+    /// deleted), as for a feed of one.
+    async fn next(&mut self) -> Option<Message> {
+        match self.0.as_mut_slice() {
+            [] => None,
+            [one] => one.next().await,
+            many => {
+                let nexts = many.iter_mut().map(|d| Box::pin(d.next()));
+                futures::future::select_all(nexts).await.0
+            }
+        }
+    }
+}
+
+/// What the reader of a feed does with a delivery.
+struct Reading {
     tenancy: Tenancy,
+    passed_over: fn(&Message) -> bool,
     settle: Option<async_nats::jetstream::Context>,
     ack_wait: Duration,
+}
+
+/// The feed's reader: takes deliveries into the window while it has room, keeps those waiting
+/// long alive; returns the sources when told to stop.
+async fn read(
+    mut messages: Sources,
+    shared: Arc<Shared>,
+    reading: Reading,
     mut stopped: watch::Receiver<bool>,
-) -> Deliveries {
-    let consumer = messages.name();
+) -> Sources {
+    let Reading {
+        tenancy,
+        passed_over,
+        settle,
+        ack_wait,
+    } = reading;
+    let consumer = messages.0.first().map_or(Durable::Intake, Deliveries::name);
     let keep_alive_after = ack_wait / 3;
     let mut tick = tokio::time::interval((ack_wait / 6).max(Duration::from_millis(100)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -421,6 +521,13 @@ async fn read(
                 Some(mut msg) => {
                     if let Some(js) = &settle {
                         msg.context = js.clone();
+                    }
+                    if passed_over(&msg) {
+                        // Nothing to do: a lost ack only brings it back to be passed over.
+                        if let Err(e) = msg.ack().await {
+                            tracing::debug!(%consumer, error = %e, "could not acknowledge a delivery passed over; it is redelivered after the ack wait");
+                        }
+                        continue;
                     }
                     let lane = tenancy.lane(&msg).await;
                     let waiting = Waiting { msg, since: Instant::now() };

@@ -157,3 +157,98 @@ async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
     }
     assert_eq!(got, waiting, "none lost");
 }
+
+#[tokio::test]
+async fn a_feed_of_two_consumers_hands_out_both_and_acknowledges_what_it_passes_over() {
+    let server = NatsServer::start().await;
+    let client = async_nats::connect(server.url()).await.expect("connects");
+    let js = jetstream::new(client);
+    let stream = js
+        .create_stream(stream::Config {
+            name: "FAIRFEED".into(),
+            subjects: vec![TASKS_ALL.into()],
+            ..Default::default()
+        })
+        .await
+        .expect("stream");
+    // acme's tasks of agents `wake` and `pass` on one consumer, globex's of `born` on another.
+    for (agent, tenant, n) in [
+        ("wake", "acme", 3),
+        ("pass", "acme", 3),
+        ("born", "globex", 2),
+    ] {
+        let subject = task_for(
+            &agent.parse().expect("agent"),
+            &tenant.parse().expect("tenant"),
+        );
+        for _ in 0..n {
+            js.publish(subject.clone(), "x".into())
+                .await
+                .expect("publish")
+                .await
+                .expect("ack");
+        }
+    }
+    let mut consumers = Vec::new();
+    let mut sources = Vec::new();
+    for (name, filter) in [
+        ("inputs", "agent.task.*.acme"),
+        ("created", "agent.task.*.globex"),
+    ] {
+        let consumer = stream
+            .create_consumer(pull::Config {
+                durable_name: Some(name.into()),
+                filter_subject: filter.into(),
+                ack_wait: ACK_WAIT,
+                max_deliver: 20,
+                ..Default::default()
+            })
+            .await
+            .expect("consumer");
+        sources.push(
+            Deliveries::of(consumer.clone(), Durable::Intake)
+                .await
+                .expect("messages"),
+        );
+        consumers.push(consumer);
+    }
+    let passed_over = |msg: &async_nats::jetstream::Message| {
+        parse_task(&msg.subject).is_ok_and(|t| t.agent.as_str() == "pass")
+    };
+    let feed = FairFeed::start_many(
+        sources,
+        passed_over,
+        100,
+        Weights::default(),
+        Tenancy::Task,
+        ACK_WAIT,
+    );
+    let workers = Workers::new(1);
+    let mut got = Vec::new();
+    for _ in 0..5 {
+        let (slot, msg, _) = tokio::time::timeout(Duration::from_secs(30), feed.next(&workers))
+            .await
+            .expect("handed out in time")
+            .expect("a delivery");
+        got.push(parse_task(&msg.subject).expect("a task").agent.to_string());
+        msg.ack().await.expect("ack");
+        drop(slot);
+    }
+    got.sort();
+    assert_eq!(got, ["born", "born", "wake", "wake", "wake"]);
+    // The passed-over ones were acknowledged (nothing pending on either consumer), and nothing
+    // is left to hand back.
+    for mut consumer in consumers {
+        let mut pending = u64::MAX;
+        for _ in 0..50 {
+            let info = consumer.info().await.expect("info");
+            pending = info.num_ack_pending as u64 + info.num_pending;
+            if pending == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(pending, 0, "every delivery settled");
+    }
+    assert_eq!(feed.hand_back().await, 0);
+}

@@ -151,7 +151,7 @@ async fn run_supervised<R: Clone + Send + 'static>(
 pub fn durables_of(service: &str) -> &'static [&'static str] {
     match service {
         "intake" => &["intake"],
-        "step" => &["step"],
+        "step" => &["step", "step-created"],
         "tool" => &["tool"],
         "timer" => &["timer", "timer-fired"],
         "projector" => &["projector"],

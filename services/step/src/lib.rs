@@ -146,10 +146,13 @@ async fn answer_yields(
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     let light = rt.light_lane().await?;
     // Wakes are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
-    // tenants"): a run's tenant is read from its run.created.
-    let feed = FairFeed::open(
+    // tenants"): a run's tenant is read from its run.created. New runs come on one consumer,
+    // their inputs on another, each with one filter subject (docs/ARCHITECTURE.md "The
+    // broker's cost per run"); a dead letter of either is the step's.
+    let feed = FairFeed::open_many(
         &rt,
-        CONSUMER,
+        &[CONSUMER, Durable::StepCreated],
+        passed_over,
         rt.config.timeouts.step_ack_wait(),
         fair::window(
             rt.config.step_concurrency,
@@ -246,6 +249,13 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     drives.driver.release_parked().await;
     tracing::info!("step service stopped");
     Ok(())
+}
+
+/// A delivery that does not wake a run: an input that does not change what it does next
+/// ([`kedge_core::event::EventType::wakes_step`]). A subject that is not an event's is not
+/// passed over: its handler sets it aside.
+fn passed_over(msg: &Message) -> bool {
+    kedge_core::subjects::parse_event(&msg.subject).is_some_and(|p| !p.event_type.wakes_step())
 }
 
 /// Why a run is driven.

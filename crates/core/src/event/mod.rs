@@ -336,6 +336,22 @@ impl Event {
     }
 }
 
+impl EventType {
+    /// Whether the step service drives a run when this event of it is stored: its creation
+    /// and every input that can change what the run does next. Not the start of a tool
+    /// attempt (`tool.started`) nor a failed attempt that will be retried (`tool.attempt`):
+    /// the step's consumer delivers them too (one wildcard over the inputs,
+    /// docs/ARCHITECTURE.md "The broker's cost per run") and the step acknowledges them
+    /// unread.
+    pub fn wakes_step(self) -> bool {
+        match self {
+            EventType::RunCreated => true,
+            EventType::ToolStarted | EventType::ToolAttempt => false,
+            other => other.kind() == EventKind::Input,
+        }
+    }
+}
+
 impl fmt::Display for EventType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

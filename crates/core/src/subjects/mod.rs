@@ -26,8 +26,13 @@ pub const ANY_TAIL: &str = ">";
 pub enum Durable {
     /// Tasks into runs (intake), on [`TASKS_STREAM`].
     Intake,
-    /// Work for the step service, on the journal.
+    /// Work for the step service, on the journal: every run's inputs (one wildcard filter; the
+    /// step passes over those that do not wake a run, [`crate::event::EventType::wakes_step`]).
+    /// Each journal consumer has a single filter subject (docs/ARCHITECTURE.md "The broker's
+    /// cost per run").
     Step,
+    /// Work for the step service, on the journal: every new run's `run.created`.
+    StepCreated,
     /// Work for the tool service, on the journal.
     Tool,
     /// The runs projection (the projector service), on the journal.
@@ -39,9 +44,10 @@ pub enum Durable {
 }
 
 impl Durable {
-    pub const ALL: [Durable; 6] = [
+    pub const ALL: [Durable; 7] = [
         Durable::Intake,
         Durable::Step,
+        Durable::StepCreated,
         Durable::Tool,
         Durable::Projector,
         Durable::Timer,
@@ -53,6 +59,7 @@ impl Durable {
         match self {
             Durable::Intake => "intake",
             Durable::Step => "step",
+            Durable::StepCreated => "step-created",
             Durable::Tool => "tool",
             Durable::Projector => "projector",
             Durable::Timer => "timer",
@@ -64,7 +71,11 @@ impl Durable {
     pub const fn stream(self) -> &'static str {
         match self {
             Durable::Intake => TASKS_STREAM,
-            Durable::Step | Durable::Tool | Durable::Projector | Durable::Timer => RUNS_STREAM,
+            Durable::Step
+            | Durable::StepCreated
+            | Durable::Tool
+            | Durable::Projector
+            | Durable::Timer => RUNS_STREAM,
             Durable::TimerFired => TIMERS_STREAM,
         }
     }

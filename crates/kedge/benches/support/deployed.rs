@@ -191,6 +191,9 @@ impl Deployed {
     pub async fn start(sync_always: bool, log_dir: Option<PathBuf>) -> Deployed {
         let server = NatsServer::start_with(ServerOptions {
             sync_always,
+            // Diagnostics: extra top-level lines for the bench's nats-server (a `prof_port`
+            // to read its goroutines during a burst, for example).
+            extra_config: std::env::var("KEDGE_BENCH_NATS_CONFIG").unwrap_or_default(),
             ..Default::default()
         })
         .await;

@@ -247,7 +247,7 @@ fn step() -> KindRules {
              run's result to its parent (and a run_agent refusal) and a cancelling parent's \
              cancel of its children"
         ),
-        durables: vec![Durable::Step],
+        durables: vec![Durable::Step, Durable::StepCreated],
         lift: vec![OBJECTS_ALL.to_owned()],
         publish,
         subscribe: vec![all_runs(EventType::CancelRequested), LIVE_ALL.to_owned()],
