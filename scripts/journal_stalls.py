@@ -14,7 +14,8 @@ It finds the bench's server by its profiling port in the config of the newest
 `/tmp/kedge-nats-*` directory, writes `lat.txt` (monotonic time, ms) and `dump_<time>_<ms>.txt`
 to the output directory, and prints a summary when the server goes away. Standard library only;
 each dump stops the server's world briefly, so judge latencies from a sitting without dumps
-(a threshold of `inf`).
+(a threshold of `inf`). In the noisy-neighbour bench the server has reset the probe's connection
+50-100 s in (the cause is not known yet), so it covers the bench's first two bursts.
 """
 import glob
 import os
