@@ -184,16 +184,13 @@ impl FairFeed {
         tenancy: Tenancy,
         ack_wait: Duration,
     ) -> Self {
-        Self::start_on(
-            None,
-            None,
-            sources,
-            passed_over,
-            window,
-            weights,
+        let reading = Reading {
             tenancy,
+            passed_over,
+            settle: None,
             ack_wait,
-        )
+        };
+        Self::start_on(None, sources, window, weights, reading)
     }
 
     /// Opens the deliveries of `consumer` and starts their feed ([`FairFeed::start`]), each in
@@ -243,30 +240,29 @@ impl FairFeed {
             };
             sources.push(messages);
         }
+        let reading = Reading {
+            tenancy: tenancy(&feeder),
+            passed_over,
+            settle: Some(rt.js.clone()),
+            ack_wait,
+        };
         Ok(Self::start_on(
             feeder.executor(),
-            Some(rt.js.clone()),
             sources,
-            passed_over,
             window,
             rt.config.fairness.weights(),
-            tenancy(&feeder),
-            ack_wait,
+            reading,
         ))
     }
 
-    /// [`FairFeed::start`], reading on `on`'s threads (else the caller's runtime), each delivery
-    /// settled over `settle` (else the connection it came on).
-    #[allow(clippy::too_many_arguments)]
+    /// [`FairFeed::start`], reading on `on`'s threads (else the caller's runtime) as `reading`
+    /// says.
     fn start_on(
         on: Option<&tokio::runtime::Handle>,
-        settle: Option<async_nats::jetstream::Context>,
         sources: Vec<Deliveries>,
-        passed_over: fn(&Message) -> bool,
         window: usize,
         weights: Weights,
-        tenancy: Tenancy,
-        ack_wait: Duration,
+        reading: Reading,
     ) -> Self {
         let shared = Arc::new(Shared {
             queue: Mutex::new(FairQueue::new(window, weights)),
@@ -278,17 +274,7 @@ impl FairFeed {
         });
         let (stop, stopped) = watch::channel(false);
         let consumer = sources.first().map_or(Durable::Intake, Deliveries::name);
-        let reading = read(
-            Sources(sources),
-            shared.clone(),
-            Reading {
-                tenancy,
-                passed_over,
-                settle,
-                ack_wait,
-            },
-            stopped,
-        );
+        let reading = read(Sources::of(sources), shared.clone(), reading, stopped);
         let reader = match on {
             Some(on) => on.spawn(reading),
             None => tokio::spawn(reading),
@@ -453,26 +439,36 @@ impl LightTaker {
     }
 }
 
-/// The consumers a feed reads.
-struct Sources(Vec<Deliveries>);
+/// The consumers a feed reads, and which of them is asked first next time.
+struct Sources(Vec<Deliveries>, usize);
 
 impl Sources {
-    /// The next delivery of any of them (whichever has one first; cancel-safe like
-    /// [`Deliveries::next`]). `None` once one of their streams has ended (its consumer was
-    /// deleted), as for a feed of one.
+    fn of(sources: Vec<Deliveries>) -> Self {
+        Self(sources, 0)
+    }
+
+    /// The next delivery of any of them: whichever has one first, the first asked taking turns
+    /// (so a consumer with a backlog does not keep the other's deliveries waiting: the step's
+    /// inputs do not hold back new runs). Cancel-safe like [`Deliveries::next`]. `None` once
+    /// one of their streams has ended (its consumer was deleted), as for a feed of one.
     async fn next(&mut self) -> Option<Message> {
+        let turn = self.1;
         match self.0.as_mut_slice() {
             [] => None,
             [one] => one.next().await,
             many => {
-                let nexts = many.iter_mut().map(|d| Box::pin(d.next()));
+                let n = many.len();
+                self.1 = (turn + 1) % n;
+                let mut nexts: Vec<_> = many.iter_mut().map(|d| Box::pin(d.next())).collect();
+                nexts.rotate_left(turn % n);
                 futures::future::select_all(nexts).await.0
             }
         }
     }
 }
 
-/// What the reader of a feed does with a delivery.
+/// What the reader of a feed does with a delivery: finds its lane, passes it over, settles it
+/// over `settle` (else the connection it came on), keeps it alive by the ack wait.
 struct Reading {
     tenancy: Tenancy,
     passed_over: fn(&Message) -> bool,

@@ -19,9 +19,8 @@ const ACK_WAIT: Duration = Duration::from_secs(3);
 const NOISY: usize = 30;
 const QUIET: usize = 2;
 
-/// A server with a stream of `NOISY` tasks of acme, then `QUIET` of globex, its durable
-/// consumer and a fair feed of it (a window of 100).
-async fn feed_of_tasks() -> (NatsServer, jetstream::consumer::PullConsumer, FairFeed) {
+/// A server with an empty stream of tasks.
+async fn tasks_stream() -> (NatsServer, jetstream::Context, jetstream::stream::Stream) {
     let server = NatsServer::start().await;
     let client = async_nats::connect(server.url()).await.expect("connects");
     let js = jetstream::new(client);
@@ -33,6 +32,13 @@ async fn feed_of_tasks() -> (NatsServer, jetstream::consumer::PullConsumer, Fair
         })
         .await
         .expect("stream");
+    (server, js, stream)
+}
+
+/// A server with a stream of `NOISY` tasks of acme, then `QUIET` of globex, its durable
+/// consumer and a fair feed of it (a window of 100).
+async fn feed_of_tasks() -> (NatsServer, jetstream::consumer::PullConsumer, FairFeed) {
+    let (server, js, stream) = tasks_stream().await;
     let agent = "fair".parse().expect("agent");
     for (tenant, n) in [("acme", NOISY), ("globex", QUIET)] {
         let subject = task_for(&agent, &tenant.parse().expect("tenant"));
@@ -160,17 +166,7 @@ async fn tenants_take_turns_and_a_stop_hands_back_what_waits() {
 
 #[tokio::test]
 async fn a_feed_of_two_consumers_hands_out_both_and_acknowledges_what_it_passes_over() {
-    let server = NatsServer::start().await;
-    let client = async_nats::connect(server.url()).await.expect("connects");
-    let js = jetstream::new(client);
-    let stream = js
-        .create_stream(stream::Config {
-            name: "FAIRFEED".into(),
-            subjects: vec![TASKS_ALL.into()],
-            ..Default::default()
-        })
-        .await
-        .expect("stream");
+    let (_server, js, stream) = tasks_stream().await;
     // acme's tasks of agents `wake` and `pass` on one consumer, globex's of `born` on another.
     for (agent, tenant, n) in [
         ("wake", "acme", 3),
