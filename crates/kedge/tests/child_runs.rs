@@ -425,30 +425,19 @@ async fn a_child_result_lost_with_its_wake_is_recovered_by_the_reconciler() {
     // The worst case the step's own repair cannot see: the wake that would have been
     // redelivered is taken and acked, and nothing acts on it (on either of the step's
     // consumers: a new run's wake or an input's).
-    let mut consumers = Vec::new();
-    for durable in [
-        kedge_core::subjects::Durable::Step,
-        kedge_core::subjects::Durable::StepCreated,
-    ] {
-        let consumer = kedge_runtime::consumer::durable(&h.rt.js, durable, Duration::from_secs(3))
-            .await
-            .expect("step consumer");
-        consumers.push(consumer);
-    }
     let mut acked = 0;
     for _ in 0..5 {
-        for consumer in &consumers {
-            let mut batch = consumer
-                .fetch()
-                .max_messages(10)
-                .expires(Duration::from_secs(1))
-                .messages()
-                .await
-                .expect("fetch");
-            while let Some(Ok(msg)) = futures::StreamExt::next(&mut batch).await {
-                msg.double_ack().await.expect("ack");
-                acked += 1;
-            }
+        for durable in [
+            kedge_core::subjects::Durable::Step,
+            kedge_core::subjects::Durable::StepCreated,
+        ] {
+            acked += common::swallow(
+                &h.rt.js,
+                durable,
+                Duration::from_secs(3),
+                Duration::from_secs(1),
+            )
+            .await;
         }
         if acked > 0 {
             break;

@@ -207,25 +207,13 @@ async fn a_resolve_request_with_other_arguments_or_another_dispatch_runs_nothing
     let (op, _) = state.ops.iter().next().expect("one op");
     let op = op.clone();
     // The request never reaches a runner (a lost delivery); only resolve requests do.
-    let consumer = kedge_runtime::consumer::durable(
+    let taken = common::swallow(
         &h.rt.js,
         kedge_core::subjects::Durable::Tool,
         h.config.timeouts.tool_ack_wait(),
+        Duration::from_secs(1),
     )
-    .await
-    .expect("tool consumer");
-    let mut batch = consumer
-        .fetch()
-        .max_messages(10)
-        .expires(Duration::from_secs(1))
-        .messages()
-        .await
-        .expect("fetch");
-    let mut taken = 0;
-    while let Some(Ok(msg)) = batch.next().await {
-        msg.double_ack().await.expect("ack");
-        taken += 1;
-    }
+    .await;
     assert_eq!(taken, 1, "the one tool.requested");
     h.spawn_service(Svc::Tool, "w-tool");
     let journaled = h

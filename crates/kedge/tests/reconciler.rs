@@ -6,7 +6,6 @@ use crate::common;
 use std::time::Duration;
 
 use common::{Harness, Svc};
-use futures::StreamExt;
 use kedge_core::RunStatus;
 use kedge_core::event::Event;
 use serde_json::json;
@@ -27,25 +26,13 @@ async fn a_run_whose_wake_was_acked_but_never_acted_on_is_nudged_and_completes()
     let run = h.submit("rn", "go", "rn-1").await;
     // Inject the failure: the step's wake (a new run's, on its own consumer) is taken and
     // acked, and nothing acts on it.
-    let consumer = kedge_runtime::consumer::durable(
+    let acked = common::swallow(
         &h.rt.js,
         kedge_core::subjects::Durable::StepCreated,
         Duration::from_secs(3),
+        Duration::from_secs(1),
     )
-    .await
-    .expect("step consumer");
-    let mut batch = consumer
-        .fetch()
-        .max_messages(10)
-        .expires(Duration::from_secs(1))
-        .messages()
-        .await
-        .expect("fetch");
-    let mut acked = 0;
-    while let Some(Ok(msg)) = batch.next().await {
-        msg.double_ack().await.expect("ack");
-        acked += 1;
-    }
+    .await;
     assert_eq!(acked, 1, "the run.created wake");
     h.spawn_service(Svc::Step, "w-step");
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -274,7 +274,13 @@ impl FairFeed {
         });
         let (stop, stopped) = watch::channel(false);
         let consumer = sources.first().map_or(Durable::Intake, Deliveries::name);
-        let reading = read(Sources::of(sources), shared.clone(), reading, stopped);
+        let reading = read(
+            Sources::of(sources),
+            consumer,
+            shared.clone(),
+            reading,
+            stopped,
+        );
         let reader = match on {
             Some(on) => on.spawn(reading),
             None => tokio::spawn(reading),
@@ -477,9 +483,11 @@ struct Reading {
 }
 
 /// The feed's reader: takes deliveries into the window while it has room, keeps those waiting
-/// long alive; returns the sources when told to stop.
+/// long alive; returns the sources when told to stop. `consumer` names the feed in its logs
+/// (its first consumer's name).
 async fn read(
     mut messages: Sources,
+    consumer: Durable,
     shared: Arc<Shared>,
     reading: Reading,
     mut stopped: watch::Receiver<bool>,
@@ -490,7 +498,6 @@ async fn read(
         settle,
         ack_wait,
     } = reading;
-    let consumer = messages.0.first().map_or(Durable::Intake, Deliveries::name);
     let keep_alive_after = ack_wait / 3;
     let mut tick = tokio::time::interval((ack_wait / 6).max(Duration::from_millis(100)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

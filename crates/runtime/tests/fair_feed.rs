@@ -35,20 +35,27 @@ async fn tasks_stream() -> (NatsServer, jetstream::Context, jetstream::stream::S
     (server, js, stream)
 }
 
+/// Publishes `n` tasks of `agent` for `tenant`, each acknowledged.
+async fn publish_tasks(js: &jetstream::Context, agent: &str, tenant: &str, n: usize) {
+    let subject = task_for(
+        &agent.parse().expect("agent"),
+        &tenant.parse().expect("tenant"),
+    );
+    for _ in 0..n {
+        js.publish(subject.clone(), "x".into())
+            .await
+            .expect("publish")
+            .await
+            .expect("ack");
+    }
+}
+
 /// A server with a stream of `NOISY` tasks of acme, then `QUIET` of globex, its durable
 /// consumer and a fair feed of it (a window of 100).
 async fn feed_of_tasks() -> (NatsServer, jetstream::consumer::PullConsumer, FairFeed) {
     let (server, js, stream) = tasks_stream().await;
-    let agent = "fair".parse().expect("agent");
     for (tenant, n) in [("acme", NOISY), ("globex", QUIET)] {
-        let subject = task_for(&agent, &tenant.parse().expect("tenant"));
-        for _ in 0..n {
-            js.publish(subject.clone(), "x".into())
-                .await
-                .expect("publish")
-                .await
-                .expect("ack");
-        }
+        publish_tasks(&js, "fair", tenant, n).await;
     }
     let consumer = stream
         .create_consumer(pull::Config {
@@ -173,17 +180,7 @@ async fn a_feed_of_two_consumers_hands_out_both_and_acknowledges_what_it_passes_
         ("pass", "acme", 3),
         ("born", "globex", 2),
     ] {
-        let subject = task_for(
-            &agent.parse().expect("agent"),
-            &tenant.parse().expect("tenant"),
-        );
-        for _ in 0..n {
-            js.publish(subject.clone(), "x".into())
-                .await
-                .expect("publish")
-                .await
-                .expect("ack");
-        }
+        publish_tasks(&js, agent, tenant, n).await;
     }
     let mut consumers = Vec::new();
     let mut sources = Vec::new();

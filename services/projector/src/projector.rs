@@ -27,8 +27,9 @@ pub const PROJECTOR: Durable = Durable::Projector;
 /// that only joins a run being projected), so this bounds how fast the projector reads: at 64,
 /// in a 10,000-run burst under load it fell 40,000 messages behind in the first burst and
 /// 120,000 by the third (the list tens of seconds stale); at 256 it stays within a few
-/// thousand, at no cost to the burst (docs/ARCHITECTURE.md "Scale with history"). The consumer's `max_ack_pending` (20,000) bounds the deliveries held,
-/// those of resting runs included. A resting run holds the decisions of one
+/// thousand, at no cost to the burst (docs/ARCHITECTURE.md "Scale with history"). The
+/// consumer's `max_ack_pending` (20,000) bounds the deliveries held, those of resting runs
+/// included. A resting run holds the decisions of one
 /// `runs_list_interval_ms`, so the bound caps what the projector can follow at about
 /// `max_ack_pending / runs_list_interval_ms` decisions a second: at 1,000 that was 4,000, less
 /// than one busy node stores, and the list fell behind without end. The bound is also the

@@ -613,3 +613,31 @@ pub fn assert_schema_valid(events: &[Recorded]) {
 pub fn statuses(state: &RunState) -> RunStatus {
     state.status
 }
+
+/// Takes up to 10 deliveries `durable` (ack wait `ack_wait`) holds now, waiting at most
+/// `expires`, and acknowledges them unread: a wake or a request lost after its delivery. How
+/// many were taken.
+pub async fn swallow(
+    js: &async_nats::jetstream::Context,
+    durable: kedge_core::subjects::Durable,
+    ack_wait: Duration,
+    expires: Duration,
+) -> usize {
+    use futures::StreamExt as _;
+    let consumer = kedge_runtime::consumer::durable(js, durable, ack_wait)
+        .await
+        .expect("the durable consumer");
+    let mut batch = consumer
+        .fetch()
+        .max_messages(10)
+        .expires(expires)
+        .messages()
+        .await
+        .expect("fetch");
+    let mut taken = 0;
+    while let Some(Ok(msg)) = batch.next().await {
+        msg.double_ack().await.expect("ack");
+        taken += 1;
+    }
+    taken
+}
