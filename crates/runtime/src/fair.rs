@@ -320,6 +320,11 @@ impl FairFeed {
         }
     }
 
+    /// How many deliveries wait in the window now (read, not yet handed out).
+    pub fn waiting(&self) -> usize {
+        self.shared.queue.lock().map_or(0, |q| q.len())
+    }
+
     /// The next delivery in fair order, with a free slot of `workers` to handle it (taken first,
     /// like [`Workers::next`]) and its [`Pace`]: light when its tenant has no backlog here
     /// (fewer than [`BACKLOG_FROM`] other deliveries waiting in the window or handled now,

@@ -76,6 +76,17 @@ async fn feed_of_tasks() -> (NatsServer, jetstream::consumer::PullConsumer, Fair
 #[tokio::test]
 async fn the_light_taker_takes_a_quiet_tenants_work_ahead_of_a_backlog_and_stops_with_the_feed() {
     let (_server, _consumer, feed) = feed_of_tasks().await;
+    // Started once the whole stream is in the window: a tenant's first deliveries are light
+    // until its backlog has been read (fewer than `BACKLOG_FROM` of its own), so a taker
+    // started earlier may rightly take the first of acme's.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while feed.waiting() < NOISY + QUIET {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stream read into the window"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let (taken, mut took) = tokio::sync::mpsc::unbounded_channel();
     feed.take_light(
         &tokio::runtime::Handle::current(),
