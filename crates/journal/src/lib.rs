@@ -42,7 +42,7 @@ pub use blob::{BlobError, BlobRef, Blobs};
 pub use error::{ErrorKind, JournalError};
 pub use journal::{
     Appended, DecisionMsgId, DecisionWriter, Delivered, Delivery, InputAppended, Journal,
-    LastEvent, Latest, ReadPage, Recorded, RunCreator, SetAside, TRACEPARENT_HEADER,
+    LastEvent, Latest, ReadPage, Recorded, RunCreator, Scanned, SetAside, TRACEPARENT_HEADER,
     decision_msg_id, parse_decision_msg_id, purge,
 };
 pub use layout::{LAYOUT, LayoutError, LayoutOptions, LayoutReport, ensure_layout, verify_layout};

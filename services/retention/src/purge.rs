@@ -361,7 +361,8 @@ pub struct Policy {
     pub finished_after: Duration,
     /// Archive each journal to `kedge_blobs` first.
     pub archive: bool,
-    /// Terminal events handled between two saves of the cursor.
+    /// Run-level decisions scanned (the terminal ones among them handled) between two saves
+    /// of the cursor.
     pub batch: usize,
 }
 
@@ -423,9 +424,13 @@ pub async fn apply_policy(rt: &Runtime, policy: Policy) -> Result<PassReport, Re
             None => (0, None),
         };
         report.through = through;
-        let (batch, more) = terminal_events(rt, through, policy.batch, horizon).await?;
+        let kedge_journal::Scanned {
+            events: batch,
+            through: scanned,
+            more,
+        } = terminal_events(rt, through, policy.batch, horizon).await?;
         report.read += batch.len();
-        if batch.is_empty() {
+        if scanned <= through {
             return Ok(report);
         }
         let results: Vec<_> = futures::stream::iter(batch)
@@ -479,6 +484,11 @@ pub async fn apply_policy(rt: &Runtime, policy: Policy) -> Result<PassReport, Re
                 stopped = true;
             }
         }
+        // Every terminal event scanned was handled: what lay between them and after the last
+        // (other decisions of the runs) is passed too.
+        if !stopped {
+            advanced = scanned;
+        }
         if advanced > through {
             let value = serde_json::to_vec(&Cursor {
                 through: advanced,
@@ -511,14 +521,15 @@ pub async fn apply_policy(rt: &Runtime, policy: Policy) -> Result<PassReport, Re
     }
 }
 
-/// Up to `max` terminal events after journal sequence `after` stored before `horizon`, as
-/// (sequence, run), in stream order; and whether more may follow (the batch was full).
+/// The terminal events among the next `max` run-level decisions after journal sequence
+/// `after` stored before `horizon`, as (sequence, run) in stream order, with the last
+/// sequence scanned and whether more may follow ([`kedge_journal::Scanned`]).
 async fn terminal_events(
     rt: &Runtime,
     after: u64,
     max: usize,
     horizon: time::OffsetDateTime,
-) -> Result<(Vec<(u64, RunId)>, bool), RetentionError> {
+) -> Result<kedge_journal::Scanned, RetentionError> {
     rt.journal
         .runs_with_events(&TERMINAL, after, max, horizon)
         .await

@@ -320,6 +320,39 @@ pub fn event_all_runs(event_type: EventType) -> String {
     )
 }
 
+/// One filter subject that covers every run's events of all of `types`: theirs token by token,
+/// `*` where they differ, `>` from where their lengths differ (e.g. `run.succeeded`,
+/// `run.failed` and `run.cancelled`: `agent.run.*.d.run.*`). It may cover other types too:
+/// a reader of it keeps only the types it wants. One filter, because nats-server walks its
+/// whole subject index for a consumer of several, once per block it reads
+/// (docs/ARCHITECTURE.md "The broker's cost per run, and the journal's stalls").
+pub fn events_all_runs(types: &[EventType]) -> String {
+    let subjects: Vec<String> = types.iter().map(|t| event_all_runs(*t)).collect();
+    let Some((first, rest)) = subjects.split_first() else {
+        return JOURNAL_ALL.to_owned();
+    };
+    let mut tokens: Vec<&str> = first.split('.').collect();
+    for subject in rest {
+        let other: Vec<&str> = subject.split('.').collect();
+        if other.len() != tokens.len() {
+            let common = tokens
+                .iter()
+                .zip(&other)
+                .take_while(|(a, b)| a == b)
+                .count();
+            tokens.truncate(common);
+            tokens.push(">");
+            break;
+        }
+        for (mine, theirs) in tokens.iter_mut().zip(&other) {
+            if mine != theirs {
+                *mine = "*";
+            }
+        }
+    }
+    tokens.join(".")
+}
+
 /// Request subject of approval decisions for run `run` (`agent.approval.<run>`; the approval
 /// service answers).
 pub fn approval(run: &RunId) -> String {
@@ -550,6 +583,48 @@ pub fn gateway_import(tenant: &str, tail: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_filter_covers_several_types_and_is_as_narrow_as_their_subjects_allow() {
+        use EventType as T;
+        let terminal = [T::RunSucceeded, T::RunFailed, T::RunCancelled];
+        assert_eq!(events_all_runs(&terminal), "agent.run.*.d.run.*");
+        assert_eq!(
+            events_all_runs(&[T::RunCreated]),
+            "agent.run.*.d.run.created"
+        );
+        // A decision and an input differ in their kind's token.
+        assert_eq!(
+            events_all_runs(&[T::StepStarted, T::ToolResult]),
+            "agent.run.*.*.*.*"
+        );
+        assert_eq!(events_all_runs(&[]), JOURNAL_ALL);
+        // Whatever the types, every one of their subjects is covered.
+        for types in [
+            &terminal[..],
+            &[T::RunCreated, T::ToolResult, T::StepCompleted],
+        ] {
+            let filter = events_all_runs(types);
+            let run: RunId = "run_abc".parse().expect("valid");
+            for t in types {
+                assert!(covers(&filter, &event(&run, *t)), "{filter} {t:?}");
+            }
+        }
+    }
+
+    /// Whether NATS filter `filter` matches subject `subject` (`*` one token, `>` the rest).
+    fn covers(filter: &str, subject: &str) -> bool {
+        let (mut f, mut s) = (filter.split('.'), subject.split('.'));
+        loop {
+            match (f.next(), s.next()) {
+                (Some(">"), Some(_)) => return true,
+                (Some("*"), Some(_)) => {}
+                (Some(a), Some(b)) if a == b => {}
+                (None, None) => return true,
+                _ => return false,
+            }
+        }
+    }
 
     #[test]
     fn event_subjects_parse_back() {

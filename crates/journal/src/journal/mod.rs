@@ -61,7 +61,7 @@ pub use append::{
 };
 pub use decode::{Delivered, Delivery, Recorded, SetAside};
 pub use read::ReadPage;
-pub use scan::{LastEvent, Latest, purge};
+pub use scan::{LastEvent, Latest, Scanned, purge};
 
 /// Default timeout of one broker request. A cluster failover makes requests fail fast with "no
 /// responders" for a few seconds, which is reported as retryable, so this only bounds a broker

@@ -43,6 +43,18 @@ pub struct LastEvent {
     pub envelope: Option<Envelope>,
 }
 
+/// What a scan for some types of events found ([`Journal::runs_with_events`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scanned {
+    /// Each event of the types, as (sequence, run), in stream order.
+    pub events: Vec<(u64, RunId)>,
+    /// The last sequence looked at (the scan's `after` when none was): everything of the
+    /// types through it is in `events`.
+    pub through: u64,
+    /// More may follow: as many messages as asked for were looked at, none too young.
+    pub more: bool,
+}
+
 impl Journal {
     /// The latest message of each subject of `stream` under `filter` (wildcards allowed):
     /// e.g. every entry of a KV bucket under a key prefix, for a stream that keeps one message
@@ -171,17 +183,19 @@ impl Journal {
         Ok(info["state"]["last_seq"].as_u64().unwrap_or(0))
     }
 
-    /// Up to `max` events of the given types (any run) after sequence `after`, published before
-    /// `before`, as (sequence, run) in stream order; and whether more may follow (the batch was
-    /// full, none younger was met). Headers only, one short-lived consumer: the retention
-    /// service's scan for terminal runs.
+    /// The events of the given types (any run) among the next `max` messages of their subjects
+    /// after sequence `after` published before `before` ([`Scanned`]): one short-lived
+    /// consumer of one filter subject covering the types ([`subjects::events_all_runs`]; a
+    /// consumer of several would make nats-server walk its whole subject index once per block
+    /// read), headers only, the other types passed over here. The retention service's scan for
+    /// terminal runs.
     pub async fn runs_with_events(
         &self,
         types: &[EventType],
         after: u64,
         max: usize,
         before: time::OffsetDateTime,
-    ) -> Result<(Vec<(u64, RunId)>, bool), JournalError> {
+    ) -> Result<Scanned, JournalError> {
         use async_nats::jetstream::consumer::{AckPolicy, pull};
         let op = "runs with events";
         let unavailable = |e: &dyn std::fmt::Display| JournalError::Unavailable {
@@ -195,7 +209,7 @@ impl Journal {
             .map_err(|e| unavailable(&e))?;
         let consumer = stream
             .create_consumer(pull::Config {
-                filter_subjects: types.iter().map(|t| subjects::event_all_runs(*t)).collect(),
+                filter_subject: subjects::events_all_runs(types),
                 deliver_policy: DeliverPolicy::ByStartSequence {
                     start_sequence: after.saturating_add(1),
                 },
@@ -213,8 +227,11 @@ impl Journal {
             .messages()
             .await
             .map_err(|e| unavailable(&e))?;
-        let mut found = Vec::new();
-        let mut young = false;
+        let mut scanned = Scanned {
+            through: after,
+            ..Scanned::default()
+        };
+        let (mut read, mut young) = (0, false);
         while let Some(msg) = messages.next().await {
             let msg = msg.map_err(|e| unavailable(&e))?;
             let info = msg.info().map_err(|e| unavailable(&e))?;
@@ -222,8 +239,12 @@ impl Journal {
                 young = true;
                 break;
             }
-            if let Some(parsed) = subjects::parse_event(&msg.subject) {
-                found.push((info.stream_sequence, parsed.run_id));
+            read += 1;
+            scanned.through = info.stream_sequence;
+            if let Some(parsed) = subjects::parse_event(&msg.subject)
+                && types.contains(&parsed.event_type)
+            {
+                scanned.events.push((info.stream_sequence, parsed.run_id));
             }
         }
         drop(messages);
@@ -231,8 +252,8 @@ impl Journal {
         // stream's consumer count low between scans.
         let name = consumer.cached_info().name.clone();
         let _ = stream.delete_consumer(&name).await;
-        let more = !young && found.len() >= max;
-        Ok((found, more))
+        scanned.more = !young && read >= max;
+        Ok(scanned)
     }
 
     /// The runs with at least one message in the journal after sequence `after`, and the

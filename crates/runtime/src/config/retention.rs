@@ -35,7 +35,8 @@ pub struct RetentionConfig {
     /// here: `kedge runs purge` purges too.
     #[serde(with = "duration_text")]
     pub workspace_sweep: std::time::Duration,
-    /// Runs purged between two saves of the retention cursor (default 256).
+    /// Run-level decisions scanned between two saves of the retention cursor, the runs that
+    /// ended among them purged (default 256).
     pub batch: usize,
 }
 
