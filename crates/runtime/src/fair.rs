@@ -377,7 +377,7 @@ impl FairFeed {
             // back here).
             Ok(sources) => {
                 let mut handed = 0;
-                for messages in sources.0 {
+                for messages in sources.all {
                     handed += messages.hand_back().await;
                 }
                 handed
@@ -451,11 +451,15 @@ impl LightTaker {
 }
 
 /// The consumers a feed reads, and which of them is asked first next time.
-struct Sources(Vec<Deliveries>, usize);
+struct Sources {
+    all: Vec<Deliveries>,
+    /// Index in `all` of the one asked first next time (always below its length).
+    first: usize,
+}
 
 impl Sources {
-    fn of(sources: Vec<Deliveries>) -> Self {
-        Self(sources, 0)
+    fn of(all: Vec<Deliveries>) -> Self {
+        Self { all, first: 0 }
     }
 
     /// The next delivery of any of them: whichever has one first, the first asked taking turns
@@ -463,15 +467,14 @@ impl Sources {
     /// inputs do not hold back new runs). Cancel-safe like [`Deliveries::next`]. `None` once
     /// one of their streams has ended (its consumer was deleted), as for a feed of one.
     async fn next(&mut self) -> Option<Message> {
-        let turn = self.1;
-        match self.0.as_mut_slice() {
+        let first = self.first;
+        match self.all.as_mut_slice() {
             [] => None,
             [one] => one.next().await,
             many => {
-                let n = many.len();
-                self.1 = (turn + 1) % n;
+                self.first = (first + 1) % many.len();
                 let mut nexts: Vec<_> = many.iter_mut().map(|d| Box::pin(d.next())).collect();
-                nexts.rotate_left(turn % n);
+                nexts.rotate_left(first);
                 futures::future::select_all(nexts).await.0
             }
         }

@@ -341,12 +341,12 @@ pub fn events_all_runs(types: &[EventType]) -> String {
                 .take_while(|(a, b)| a == b)
                 .count();
             tokens.truncate(common);
-            tokens.push(">");
+            tokens.push(ANY_TAIL);
             break;
         }
         for (mine, theirs) in tokens.iter_mut().zip(&other) {
             if mine != theirs {
-                *mine = "*";
+                *mine = ONE_TOKEN;
             }
         }
     }
@@ -617,8 +617,8 @@ mod tests {
         let (mut f, mut s) = (filter.split('.'), subject.split('.'));
         loop {
             match (f.next(), s.next()) {
-                (Some(">"), Some(_)) => return true,
-                (Some("*"), Some(_)) => {}
+                (Some(ANY_TAIL), Some(_)) => return true,
+                (Some(ONE_TOKEN), Some(_)) => {}
                 (Some(a), Some(b)) if a == b => {}
                 (None, None) => return true,
                 _ => return false,
