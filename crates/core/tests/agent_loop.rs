@@ -415,6 +415,13 @@ fn recorded_journals_replay_through_the_current_machine() {
             serde_json::from_str(&std::fs::read_to_string(&expect_path).expect("expect file"))
                 .expect("json");
         assert_eq!(summary(&state), expected, "{}", path.display());
+        // The run's last change is its last event's time, its creation its first's.
+        assert_eq!(
+            (state.created_at, state.updated_at),
+            (events[0].1.at, events[events.len() - 1].1.at),
+            "{}",
+            path.display()
+        );
         assert_eq!(
             decide(&state),
             Next::Idle(Idle::Terminal),

@@ -550,13 +550,31 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         assert!(on("light") >= 1.0, "{consumer}'s work on the light lane");
         assert_eq!(on("shared"), 0.0, "{consumer}'s work on the shared one");
     }
-    // The projector folded the run from the decisions it was delivered, fetching what lay
-    // between them by the links of the run-wide checks: no batched read of the run's subjects
-    // (one read per pass walked every message stored since, however many other runs').
-    let projected = scrape_until(&http, &addr, "the run's end projected by links", |s| {
-        get(s, "kedge_projector_reads_total", &[("how", "linked")]) >= 2.0
+    // The step service wrote the run's summaries to the runs list from its own fold: the busy
+    // run's coalesced, its end at once. So the projector, delivered the run's run-level
+    // decisions, found its later passes covered by what was stored (one KV get each), and
+    // never read the run's subjects (one read per pass walked every message stored since,
+    // however many other runs').
+    let projected = scrape_until(&http, &addr, "the run's end listed", |s| {
+        get(s, "kedge_step_list_writes_total", &[("when", "at_once")]) >= 1.0
+            && get(s, "kedge_projector_reads_total", &[("how", "covered")]) >= 1.0
     })
     .await;
+    assert!(
+        get(
+            &projected,
+            "kedge_step_list_writes_total",
+            &[("when", "coalesced")]
+        ) >= 1.0
+    );
+    assert_eq!(
+        get(
+            &projected,
+            "kedge_step_list_writes_total",
+            &[("when", "failed")]
+        ),
+        0.0
+    );
     assert_eq!(
         get(
             &projected,

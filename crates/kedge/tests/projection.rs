@@ -451,3 +451,87 @@ async fn a_stopped_projector_leaves_no_decision_unprojected() {
         wait_projected(&h, &chat.run).await;
     }
 }
+
+/// The stored summary of `run` once `pred` holds for it (the runs list as the bridge reads it).
+async fn wait_listed(h: &Harness, run: &RunId, pred: impl Fn(&RunSummary) -> bool) -> RunSummary {
+    let list = kedge_runtime::projection::Projection::open(&h.rt)
+        .await
+        .expect("the runs list");
+    let tenant = created().tenant;
+    let started = Instant::now();
+    loop {
+        let stored = list.get(&tenant, run).await.expect("kv get");
+        if let Some(summary) = stored.as_ref().filter(|s| pred(s)) {
+            return summary.clone();
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "the run was never listed as expected: {stored:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// With no projector running, the step service keeps the runs list itself from the fold it
+/// holds after each drive: a run waiting on a person is listed as such (written at once, before
+/// the drive let go of the run), and a run that ended is listed with its end, its steps and its
+/// usage, folded through its last event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_step_service_lists_the_runs_it_drives() {
+    let model = "listed";
+    let h = Harness::start_with(
+        json!({"models": {model: {"steps": [
+            {"text": "paying", "tool_calls": [{"name": "ledger_append", "arguments": {"text": "pay 100"}}]},
+            {"text": "finished"}
+        ]}}}),
+        &[
+            common::Svc::Intake,
+            common::Svc::Step,
+            common::Svc::Tool,
+            common::Svc::Approval,
+        ],
+        |c| {
+            c.approvers.insert("tok-alice".into(), "alice".into());
+        },
+    )
+    .await;
+    h.agent_with_policy(
+        model,
+        model,
+        json!({"ledger_append": {"approval": "always", "risk": "high"}}),
+    )
+    .await;
+    let run = h.submit(model, "pay the invoice", "listed-1").await;
+    let waiting = h
+        .wait_for(&run, WAIT, |s| s.status == RunStatus::WaitingApproval)
+        .await;
+    let listed = wait_listed(&h, &run, |s| s.status == RunStatus::WaitingApproval).await;
+    assert!(listed.seq >= waiting.last_seq, "folded through its wait");
+    assert_eq!(listed.step, waiting.step.get());
+    assert_eq!(listed.usage, waiting.usage);
+
+    let (id, approval) = waiting.approvals.iter().next().expect("an approval");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Authorization", "Bearer tok-alice");
+    h.rt.client
+        .request_with_headers(
+            format!("agent.approval.{run}"),
+            headers,
+            json!({"approval_id": id, "verdict": "approve", "args_digest": approval.request.args_digest})
+                .to_string()
+                .into(),
+        )
+        .await
+        .expect("approval service answered");
+    let end = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(end.status, RunStatus::Succeeded);
+    let listed = wait_listed(&h, &run, |s| s.finished).await;
+    let last = h.events(&run).await.last().map(|r| r.seq);
+    assert_eq!(Some(listed.seq), last, "folded through its last event");
+    assert_eq!(listed.status, RunStatus::Succeeded);
+    assert_eq!(listed.step, end.step.get());
+    assert_eq!(listed.usage, end.usage);
+    assert!(listed.usage.output_tokens > 0, "its usage is listed");
+    // The summary is the fold of the run's whole journal, as a projector's would be.
+    assert_eq!(listed, folds(&h, std::slice::from_ref(&run)).await[&run]);
+}

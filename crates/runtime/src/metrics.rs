@@ -84,7 +84,9 @@ metrics_table! {
     LANE_WORK = "kedge_lane_work_total", Counter, ["consumer", "lane"],
         "Work of the intake, step and tool services (a delivery, or an adopted run) by the lane it went out on: light (the process's second connection and threads, for a tenant with fewer than 8 other deliveries waiting or handled in that service), shared (the first connection and threads, for a tenant with a backlog there, and the process's other services).";
     PROJECTOR_READS = "kedge_projector_reads_total", Counter, ["how"],
-        "Reads of a run's new events by the projector, by how: linked (from the decisions delivered, back to its fold by the run-wide checks' links, what it lacked fetched by sequence), batched (a batched direct get of the run's subjects).";
+        "Reads of a run's new events by the projector, by how: covered (none: the summary stored, by the step service after a drive, covered the decisions delivered), linked (from the decisions delivered, back to its fold by the run-wide checks' links, what it lacked fetched by sequence), batched (a batched direct get of the run's subjects).";
+    LIST_WRITES = "kedge_step_list_writes_total", Counter, ["when"],
+        "Summaries the step service wrote to the runs list (kedge_runs) from its fold after a drive, by when: at_once (the run is not busy: waiting on a person, a timer, a slot or its provider, or ended; written before the drive let go of the run), coalesced (a busy run: at most once per bridge.runs_list_interval_ms), failed (not written; the next drive or the projector writes the run).";
     MODEL_CALLS = "kedge_model_calls_total", Counter, ["outcome"],
         "Model call attempts by outcome: ok, error, cancelled.";
     MODEL_ERRORS = "kedge_model_errors_total", Counter, ["class", "kind"],
@@ -444,6 +446,7 @@ pub fn lane_work(consumer: Durable, light: bool) {
 /// How the projector read what landed on a run ([`PROJECTOR_READS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProjectorRead {
+    Covered,
     Linked,
     Batched,
 }
@@ -451,10 +454,29 @@ pub enum ProjectorRead {
 /// The projector read a run's new events `how`.
 pub fn projector_read(how: ProjectorRead) {
     let how = match how {
+        ProjectorRead::Covered => "covered",
         ProjectorRead::Linked => "linked",
         ProjectorRead::Batched => "batched",
     };
     counter!(PROJECTOR_READS, "how" => how).increment(1);
+}
+
+/// When the step service wrote a run's summary to the list ([`LIST_WRITES`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListWrite {
+    AtOnce,
+    Coalesced,
+    Failed,
+}
+
+/// The step service wrote a summary (or failed to), `when`.
+pub fn list_write(when: ListWrite) {
+    let when = match when {
+        ListWrite::AtOnce => "at_once",
+        ListWrite::Coalesced => "coalesced",
+        ListWrite::Failed => "failed",
+    };
+    counter!(LIST_WRITES, "when" => when).increment(1);
 }
 
 /// How a model call attempt ended.

@@ -12,32 +12,39 @@
 //!   `kedge runs rebuild` command) recomputes every entry from the journal.
 //! - **Stale never wins.** A write is a compare-and-set on the key's KV revision, and is made only
 //!   when the summary's `seq` is newer than the stored one; a lost race re-reads and compares
-//!   again. So two projectors, a slow one and a fast one, or a projector and a rebuild, converge
-//!   on the newest fold whatever the order their writes arrive in.
-//! - **Nobody waits on it.** The step service never reads it; the bridge uses it only to list runs
-//!   (`GET /v1/runs`), and answers everything about one run from the journal itself. A run that is
-//!   a moment old may be missing from the list: the list is eventually consistent.
+//!   again. So two projectors, a slow one and a fast one, a projector and a step service, or a
+//!   projector and a rebuild, converge on the newest fold whatever the order their writes
+//!   arrive in.
+//! - **Nobody waits on it.** The step service decides from the journal, never from a summary
+//!   (it reads a stored one only to compare-and-set its own); the bridge uses it only to list
+//!   runs (`GET /v1/runs`), and answers everything about one run from its journal itself. A
+//!   run that is a moment old may be missing from the list: the list is eventually consistent.
 //!
-//! The projector is a durable consumer (`projector`, `nats/consumers/KEDGE_RUNS/projector.json`)
-//! on the runs' decisions (`agent.run.*.d.>`; only decisions change a summary). It projects many
-//! runs at once and one run at a time: the decisions of a run delivered while it is being
-//! projected are covered by one more read, fold and store, and a decision at or before a summary
-//! it already stored costs no request at all (so a burst or a backlog of a run's decisions
-//! costs one journal read). A write starts from what the process last stored for the run (a
-//! compare-and-set on that revision, or a create for a run first seen by its `run.created`), so
-//! it is usually one request; a wrong guess falls back to reading the key. It keeps the fold of
-//! each unfinished run it follows (bounded), so a decision costs a read of the events after the
-//! last one folded, not of the whole journal again: that made every loop of a run cost a read
-//! and fold of everything before it (agent_loop `--with-projector`: 400 → 1,450 actions/s).
-//! That read follows the links of the decisions it was delivered back to the fold, fetching
-//! only the messages between them by sequence ([`kedge_journal::Journal::read_linked`]), and
-//! reads the run's subjects only when a link is missing (docs/ARCHITECTURE.md "The bridge and
-//! the runs projection").
-//! And it writes a run at most once per `bridge.runs_list_interval_ms` (250 ms): after a
-//! projection the run rests, holding no slot, and the decisions delivered meanwhile gather in
-//! its inbox entry for the next pass, so a busy agent loop costs a read and a write per
-//! interval instead of per decision (its first decision is projected at once; a stop projects
-//! what resting runs gathered before it returns).
+//! Two services write it. The step service, the runs' decision writer, writes a run's summary
+//! from the fold it holds after each drive (a run that is not busy at once, before it lets go
+//! of the run; a busy one at most once per `bridge.runs_list_interval_ms`): that is how a
+//! run's progress reaches the list. The projector is the net under it and the list's
+//! rebuild: a durable consumer (`projector`, `nats/consumers/KEDGE_RUNS/projector.json`) of the
+//! runs' run-level decisions only (`agent.run.*.d.run.*`: `run.created` from intake, a run's
+//! start, waits, revivals and ends; one filter subject), so it costs nothing per step of a
+//! run. For each run it first reads the stored summary's `seq` (one KV get): when the step
+//! service stored the run through the decisions delivered, that is all. Otherwise (the step
+//! process died between its append and its write, an older step service that does not write
+//! the list) it reads, folds and stores the run as before. It projects many runs at once
+//! and one run at a time: the decisions of a run delivered while it is being projected are
+//! covered by one more read, fold and store, and a decision at or before a summary it
+//! already stored costs no request at all. A write starts from what the process last stored
+//! for the run (a compare-and-set on that revision, or a create for a run first seen by its
+//! `run.created`), so it is usually one request; a wrong guess falls back to reading the key.
+//! It keeps the fold of each unfinished run it follows (bounded), so a read covers only the
+//! events after the last one folded; that read follows the links of the decisions it was
+//! delivered back to the fold, fetching only the messages between them by sequence
+//! ([`kedge_journal::Journal::read_linked`]), and reads the run's subjects only when a link
+//! is missing (docs/ARCHITECTURE.md "The bridge and the runs projection"). And it writes a
+//! run at most once per `bridge.runs_list_interval_ms` (250 ms): after a projection the run
+//! rests, holding no slot, and the decisions delivered meanwhile gather in its inbox entry
+//! for the next pass (its first decision is projected at once; a stop projects what resting
+//! runs gathered before it returns).
 //!
 //! [`RunSummary`]: kedge_runtime::projection::RunSummary
 
@@ -48,15 +55,8 @@ mod summary;
 #[cfg(test)]
 mod tests;
 
+pub use kedge_runtime::projection::Stored;
 pub use projector::{PROJECTOR, run};
 pub use rebuild::{RebuildReport, rebuild};
 pub use store::Writer;
 pub use summary::summarize;
-
-/// What a write did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stored {
-    Written,
-    /// The stored summary was as new or newer; nothing written.
-    Stale,
-}

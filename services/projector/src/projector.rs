@@ -17,8 +17,9 @@ use kedge_runtime::{Runtime, RuntimeError, consumer, failpoint};
 use tokio::sync::{mpsc, watch};
 
 use super::Writer;
-use super::store::{Hint, Known};
 use super::summary::Folded;
+use kedge_runtime::metrics::{self, ProjectorRead};
+use kedge_runtime::projection::{Hint, Known};
 
 /// The projector's durable consumer (`nats/consumers/KEDGE_RUNS/projector.json`).
 pub const PROJECTOR: Durable = Durable::Projector;
@@ -96,13 +97,24 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
             projector.settle(&msg, &Verdict::Ack).await;
             continue;
         }
+        let created = is_run_created(&msg);
         if !projector.inbox.add(&run, msg) {
             // Joins the projection of the run in flight or resting; the slot is not needed.
             continue;
         }
         let projector = projector.clone();
         let held = held.clone();
-        workers.run(slot, async move { projector.project_run(run, held).await });
+        if created || projector.interval.is_zero() {
+            // A new run is listed at once.
+            workers.run(slot, async move { projector.project_run(run, held).await });
+        } else {
+            // A later decision rests first: the step service that journaled it writes the
+            // run's summary itself, at once for a decision that leaves the run not busy, so
+            // the pass after the rest usually finds it stored and reads nothing (projected at
+            // once, it would race that write and often read the run's journal for nothing).
+            drop(slot);
+            tokio::spawn(projector.rest(run, held));
+        }
     }
     messages.hand_back().await;
     // Resting runs are projected at once, with what they hold.
@@ -199,14 +211,48 @@ impl Projector {
         if known.as_ref().is_some_and(|k| k.seq >= through) {
             return Verdict::Ack;
         }
-        // What is stored, as far as this process knows: its own last write of the run, else
-        // nothing when the run's first decision is among these (a run is projected first when
-        // its `run.created` is delivered), else unknown (the store reads the key).
-        let hint = match known {
-            Some(k) => Hint::Stored(k),
-            None if batch.iter().any(is_run_created) => Hint::Absent,
-            None => Hint::Unknown,
+        // What is stored: nothing when the run's first decision is among these (a run is
+        // projected first when its `run.created` is delivered); else read, since the step
+        // service writes a run's summary from its own fold after each drive: a summary it
+        // stored through these decisions already needs no journal read, fold or write here
+        // (docs/ARCHITECTURE.md "The bridge and the runs projection").
+        let hint = if known.is_none() && batch.iter().any(is_run_created) {
+            Hint::Absent
+        } else {
+            let Some(tenant) = known.map(|k| k.tenant).or_else(|| self.tenant_of(run)) else {
+                return self.project_read(run, through, batch, Hint::Unknown).await;
+            };
+            match self.projection.store.known(&tenant, run).await {
+                Ok(Some(stored)) if stored.seq >= through => {
+                    metrics::projector_read(ProjectorRead::Covered);
+                    self.projected.note(run, stored);
+                    // A fold kept of the run is behind what is stored: a later pass that
+                    // reads starts over rather than keep it.
+                    drop(self.folds.take(run));
+                    return Verdict::Ack;
+                }
+                Ok(Some(stored)) => Hint::Stored(stored),
+                Ok(None) => Hint::Absent,
+                Err(e) => return Verdict::Retry(format!("run {run}: {e}"), self.backoff()),
+            }
         };
+        self.project_read(run, through, batch, hint).await
+    }
+
+    /// The tenant of `run`, when this process holds its fold.
+    fn tenant_of(&self, run: &RunId) -> Option<kedge_core::ids::TenantId> {
+        self.folds.tenant(run)
+    }
+
+    /// Projects `run` through `through` from its journal: the events after the fold this
+    /// process keeps of it (or all), folded and stored starting from `hint`.
+    async fn project_read(
+        &self,
+        run: &RunId,
+        through: u64,
+        batch: &[Message],
+        hint: Hint,
+    ) -> Verdict {
         // Taken out while the run is projected (one handler at a time projects a run), put back
         // once its summary is stored.
         let folded = self.folds.take(run);
@@ -388,5 +434,10 @@ impl Folds {
         if let Ok(mut m) = self.0.lock() {
             m.insert(run.clone(), folded);
         }
+    }
+
+    fn tenant(&self, run: &RunId) -> Option<kedge_core::ids::TenantId> {
+        let mut m = self.0.lock().ok()?;
+        m.get(run).map(|f| f.state.bundle.tenant.clone())
     }
 }

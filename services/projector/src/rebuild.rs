@@ -1,6 +1,5 @@
 //! Recomputing `kedge_runs` from the journal ([`rebuild`], `kedge runs rebuild`).
 
-use futures::StreamExt;
 use kedge_runtime::Runtime;
 use kedge_runtime::projection::{ProjectionError, key};
 use serde::Serialize;
@@ -56,18 +55,13 @@ pub async fn rebuild(rt: &Runtime) -> Result<RebuildReport, ProjectionError> {
             Err(e) => return Err(e),
         }
     }
-    let mut existing = projection
-        .kv
+    let stale_keys: Vec<String> = projection
+        .store
         .keys()
-        .await
-        .map_err(|e| ProjectionError::Kv(e.to_string()))?;
-    let mut stale_keys = Vec::new();
-    while let Some(k) = existing.next().await {
-        let k = k.map_err(|e| ProjectionError::Kv(e.to_string()))?;
-        if !keys.contains(&k) {
-            stale_keys.push(k);
-        }
-    }
+        .await?
+        .into_iter()
+        .filter(|k| !keys.contains(k))
+        .collect();
     for k in stale_keys {
         projection.remove(&k).await?;
         report.removed += 1;

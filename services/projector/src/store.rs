@@ -1,41 +1,29 @@
-//! The write side of the `kedge_runs` bucket: [`Writer`] (a compare-and-set store that never
-//! lets a stale summary win, project a run). The read side (get, list) is
-//! [`kedge_runtime::projection::Projection`], which the writer reads through.
+//! The projector's writes to the `kedge_runs` bucket: [`Writer`] (project a run: read, fold,
+//! store through [`Store`], the compare-and-set that never lets a stale summary win). The
+//! read side (get, list) is [`kedge_runtime::projection::Projection`].
 
 use async_nats::jetstream::Context;
-use async_nats::jetstream::kv;
-use kedge_core::ids::{RunId, TenantId};
-use kedge_core::subjects::RUNS_BUCKET;
+use kedge_core::ids::RunId;
 use kedge_journal::{Delivered, Journal, Recorded};
 use kedge_runtime::metrics::{self, ProjectorRead};
-use kedge_runtime::projection::{Projection, ProjectionError, RunSummary, key};
+use kedge_runtime::projection::{Hint, Known, ProjectionError, RunSummary, Store, Stored};
 use kedge_runtime::{Runtime, RuntimeError};
 
+use super::summarize;
 use super::summary::Folded;
-use super::{Stored, summarize};
 
 /// Write handle on the `kedge_runs` bucket.
 #[derive(Debug, Clone)]
 pub struct Writer {
-    pub(super) kv: kv::Store,
+    pub(super) store: Store,
     pub(super) js: Context,
     journal: Journal,
-    /// The read side, on the same bucket.
-    read: Projection,
 }
-
-const CAS_TRIES: usize = 16;
 
 impl Writer {
     pub async fn open(rt: &Runtime) -> Result<Writer, RuntimeError> {
-        let kv = rt
-            .js
-            .get_key_value(RUNS_BUCKET)
-            .await
-            .map_err(|e| RuntimeError::broker(format!("open bucket {RUNS_BUCKET}"), e))?;
         Ok(Writer {
-            read: Projection::on(kv.clone(), rt.journal.clone()),
-            kv,
+            store: Store::open(rt).await?,
             js: rt.js.clone(),
             journal: rt.journal.clone(),
         })
@@ -48,74 +36,10 @@ impl Writer {
         overwrite_equal: bool,
     ) -> Result<Stored, ProjectionError> {
         Ok(self
-            .store_hinted(summary, overwrite_equal, Hint::Unknown)
+            .store
+            .store(summary, overwrite_equal, Hint::Unknown)
             .await?
             .0)
-    }
-
-    /// [`Writer::store`], starting from what the caller believes is stored: with a right
-    /// guess the write is one request (a compare-and-set on the believed revision, or a create),
-    /// with a wrong one the compare-and-set fails and the write goes on as without a guess (read
-    /// the key, compare, compare-and-set). Returns what is stored afterwards.
-    async fn store_hinted(
-        &self,
-        summary: &RunSummary,
-        overwrite_equal: bool,
-        hint: Hint,
-    ) -> Result<(Stored, Known), ProjectionError> {
-        let key = key(&summary.tenant, &summary.run_id);
-        let value: bytes::Bytes = serde_json::to_vec(summary)
-            .map_err(|e| ProjectionError::Kv(e.to_string()))?
-            .into();
-        let known = |seq: u64, revision: u64| Known {
-            seq,
-            revision,
-            tenant: summary.tenant.clone(),
-        };
-        let guess = match hint {
-            Hint::Unknown => None,
-            Hint::Absent => Some(0),
-            Hint::Stored(k) if k.tenant == summary.tenant => {
-                if k.seq > summary.seq || (k.seq == summary.seq && !overwrite_equal) {
-                    // Stored by this projector; a later write by anyone is newer still.
-                    return Ok((Stored::Stale, k));
-                }
-                Some(k.revision)
-            }
-            Hint::Stored(_) => None,
-        };
-        if let Some(revision) = guess {
-            // Revision 0: only if the key has never been written (a `create` without the
-            // client's follow-up read on failure: the loop below reads anyway).
-            match self.kv.update(&key, value.clone(), revision).await {
-                Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
-                Err(e) => return Err(ProjectionError::Kv(e.to_string())),
-            }
-        }
-        for _ in 0..CAS_TRIES {
-            match self.read.entry(&key).await? {
-                None => match self.kv.create(&key, value.clone()).await {
-                    Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
-                    Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => continue,
-                    Err(e) => return Err(ProjectionError::Kv(e.to_string())),
-                },
-                Some((revision, stored)) => {
-                    let stored_seq = stored.map_or(0, |s| s.seq);
-                    if stored_seq > summary.seq || (stored_seq == summary.seq && !overwrite_equal) {
-                        return Ok((Stored::Stale, known(stored_seq, revision)));
-                    }
-                    match self.kv.update(&key, value.clone(), revision).await {
-                        Ok(revision) => return Ok((Stored::Written, known(summary.seq, revision))),
-                        Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
-                        Err(e) => return Err(ProjectionError::Kv(e.to_string())),
-                    }
-                }
-            }
-        }
-        Err(ProjectionError::Kv(format!(
-            "{key}: lost {CAS_TRIES} compare-and-set races in a row"
-        )))
     }
 
     /// Reads and folds a run and stores its summary. `Ok(None)` for a run with no events.
@@ -174,7 +98,7 @@ impl Writer {
             return Ok(None);
         };
         let summary = folded.summary();
-        let (stored, known) = self.store_hinted(&summary, false, hint).await?;
+        let (stored, known) = self.store.store(&summary, false, hint).await?;
         Ok(Some((summary, stored, known, folded)))
     }
 
@@ -220,35 +144,12 @@ impl Writer {
         else {
             return Ok(None);
         };
-        let (stored, known) = self.store_hinted(&summary, overwrite_equal, hint).await?;
+        let (stored, known) = self.store.store(&summary, overwrite_equal, hint).await?;
         Ok(Some((summary, stored, known)))
     }
 
     /// Removes a run's summary (rebuild, for runs no longer in the journal).
     pub(super) async fn remove(&self, key: &str) -> Result<(), ProjectionError> {
-        self.kv
-            .delete(key)
-            .await
-            .map_err(|e| ProjectionError::Kv(e.to_string()))
+        self.store.remove(key).await
     }
-}
-
-/// What is stored for a run, as far as one process knows: the sequence its summary was folded
-/// through, the KV revision holding it, and the run's tenant (its key).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct Known {
-    pub(super) seq: u64,
-    pub(super) revision: u64,
-    pub(super) tenant: TenantId,
-}
-
-/// What a store starts from (see [`Writer::store_hinted`]).
-#[derive(Debug, Clone)]
-pub(super) enum Hint {
-    /// Read the key first.
-    Unknown,
-    /// Probably never written: create it.
-    Absent,
-    /// Probably this (this process stored or found it): compare-and-set on its revision.
-    Stored(Known),
 }

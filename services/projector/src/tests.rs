@@ -1,13 +1,13 @@
 //! Unit tests of the projection's fold and the projector's bookkeeping.
 
 use super::projector::{Inbox, Projected};
-use super::store::Known;
 use super::summary::Folded;
 use super::*;
 use kedge_app::view;
 use kedge_core::RunStatus;
 use kedge_core::ids::{RunId, TenantId};
 use kedge_journal::Recorded;
+use kedge_runtime::projection::Known;
 
 fn run() -> RunId {
     RunId::generate()

@@ -247,6 +247,7 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     releaser.abort();
     watching.abort();
     drives.driver.release_parked().await;
+    drives.driver.flush_list().await;
     tracing::info!("step service stopped");
     Ok(())
 }

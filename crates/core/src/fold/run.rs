@@ -137,6 +137,9 @@ pub struct RunState {
     pub bundle: RunCreated,
     /// When `run.created` was journaled (the run deadline counts from it).
     pub created_at: Timestamp,
+    /// When the last event folded was journaled (its envelope's time; what the runs list shows
+    /// as the run's last change).
+    pub updated_at: Timestamp,
     pub turn: u32,
     /// Sequence of the last event folded.
     pub last_seq: u64,
@@ -212,6 +215,7 @@ impl RunState {
             status,
             bundle: (**created).clone(),
             created_at: env.at,
+            updated_at: env.at,
             turn: 1,
             last_seq: seq,
             last_decision_seq: DecisionSeq::at(seq),
@@ -286,6 +290,7 @@ impl RunState {
             }
         }
         self.last_seq = seq;
+        self.updated_at = env.at;
         Ok(())
     }
 

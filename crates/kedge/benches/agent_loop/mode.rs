@@ -10,8 +10,7 @@ use crate::costs::op_costs;
 use crate::env::{Env, RunTiming};
 use crate::measure::{Cpu, loadavg, ms, stats};
 use crate::phases::{
-    ConcRound, Sustained, check_ledger, conc_round, model_calls_per_step, projector_catch_up,
-    sustained,
+    ConcRound, Sustained, check_ledger, conc_round, list_catch_up, model_calls_per_step, sustained,
 };
 use crate::readback::{Collected, collect};
 use crate::report::{
@@ -260,12 +259,15 @@ async fn closed_loop(
             parts.join("; ")
         );
     }
-    if let Some((secs, cpu)) = projector_catch_up(env).await {
-        println!(
-            "  Runs list: the projector caught up {secs:.1} s after the last run ended; CPU ms meanwhile: {} (per action of the window: {:.3} in all)",
+    match list_catch_up(env, all_runs).await {
+        Some((secs, cpu)) => println!(
+            "  Runs list: every run listed as ended {secs:.1} s after the last one ended; CPU ms meanwhile: {} (per action of the window: {:.3} in all)",
             cpu.describe(),
             cpu.total() / s.actions.max(1) as f64
-        );
+        ),
+        None => println!(
+            "  Runs list: some runs not listed as ended two minutes after the last one ended"
+        ),
     }
     Some(s)
 }

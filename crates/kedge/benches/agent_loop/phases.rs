@@ -199,19 +199,36 @@ async fn sample_backlog(env: &Env, until: Instant) -> Vec<Backlog> {
     }
 }
 
-/// How long after the closed loop's last run the projector (the runs list) took to catch up
-/// (nothing left to deliver or unacknowledged), and the CPU spent meanwhile: work a projector
-/// that trails the stream defers past the measured window. `None` when the deployment runs no
-/// projector or it did not catch up within two minutes.
-pub async fn projector_catch_up(env: &Env) -> Option<(f64, Cpu)> {
+/// How long after the closed loop's last run the runs list took to catch up: every run of
+/// `runs` listed as finished (the step service writes a run's end as it journals it), and the
+/// projector's consumer (when the deployment runs one) with nothing left to deliver or
+/// unacknowledged; and the CPU spent meanwhile: work a list that trails defers past the
+/// measured window. `None` when it did not catch up within two minutes.
+pub async fn list_catch_up(env: &Env, runs: &[RunId]) -> Option<(f64, Cpu)> {
     use kedge_core::subjects::Durable;
+    let list = kedge_runtime::projection::Projection::open(&env.rt)
+        .await
+        .ok()?;
+    let tenant: kedge_core::ids::TenantId = "bench".parse().ok()?;
     let (cpu0, t0) = (env.cpu_mark(), Instant::now());
     while t0.elapsed() < Duration::from_secs(120) {
-        let info = journal_consumer(&env.rt.js, Durable::Projector).await?;
-        if info.num_pending == 0 && info.num_ack_pending == 0 {
+        let drained = match journal_consumer(&env.rt.js, Durable::Projector).await {
+            Some(info) => info.num_pending == 0 && info.num_ack_pending == 0,
+            None => true,
+        };
+        let listed = drained
+            && list.list(&tenant).await.is_ok_and(|summaries| {
+                let ended: std::collections::HashSet<&RunId> = summaries
+                    .iter()
+                    .filter(|s| s.finished)
+                    .map(|s| &s.run_id)
+                    .collect();
+                runs.iter().all(|r| ended.contains(r))
+            });
+        if listed {
             return Some((t0.elapsed().as_secs_f64(), env.cpu_since(&cpu0)));
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     None
 }

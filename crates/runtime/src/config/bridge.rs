@@ -46,10 +46,11 @@ pub struct BridgeConfig {
     /// How long a request other than an SSE stream may take; slower ones are answered 503
     /// (`KEDGE_BRIDGE_REQUEST_TIMEOUT_MS`).
     pub request_timeout_ms: u64,
-    /// The projector rewrites a run's entry in the runs list (`kedge_runs`) at most once per
-    /// this interval while the run makes decisions (its first decision is projected at once):
-    /// the list, and the `max_active_runs` count read from it, trail a run by up to this long.
-    /// 0: every decision is projected as it is delivered (`KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS`).
+    /// The step service rewrites a busy run's entry in the runs list (`kedge_runs`: running,
+    /// waiting on its tools) at most once per this interval, and the projector a run's from
+    /// its run-level decisions (its first decision at once): the list, and the
+    /// `max_active_runs` count read from it, trail a run by up to this long. 0: every drive's
+    /// summary, every decision delivered, written at once (`KEDGE_BRIDGE_RUNS_LIST_INTERVAL_MS`).
     pub runs_list_interval_ms: u64,
 }
 

@@ -233,6 +233,7 @@ fn step() -> KindRules {
         subjects::kv_all(SLOTS_BUCKET),
         all_runs(EventType::SlotGranted),
         subjects::kv_all(QUOTAS_BUCKET),
+        subjects::kv_all(RUNS_BUCKET),
     ];
     publish.extend(watch(PROVIDERS_STREAM));
     publish.push(LIVE_ALL.to_owned());
@@ -242,7 +243,8 @@ fn step() -> KindRules {
             "the single writer of a run's decisions: leases, model calls, stored responses, token \
              deltas, target checks, liveness heartbeats and pings, the fleet's view of each model \
              endpoint ({PROVIDERS_BUCKET}), the slots of concurrency keys ({SLOTS_BUCKET}), \
-             the tenants' model usage and ended runs ({QUOTAS_BUCKET}); of inputs only a run's \
+             the tenants' model usage and ended runs ({QUOTAS_BUCKET}), the summaries of the \
+             runs it drives in the runs list ({RUNS_BUCKET}); of inputs only a run's \
              release from its wait on the provider, a slot handed to a waiting run, a child \
              run's result to its parent (and a run_agent refusal) and a cancelling parent's \
              cancel of its children"

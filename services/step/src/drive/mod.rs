@@ -16,13 +16,15 @@
 //! - `model`: the model call itself, what it is counted as, and its retry delay;
 //! - `provider`: where the call goes, and how a run waits on its provider;
 //! - `context`: compacting the model's context to fit its window;
-//! - `children`: the child runs of `run_agent` operations, and a child's result to its parent.
+//! - `children`: the child runs of `run_agent` operations, and a child's result to its parent;
+//! - `listing`: the run's summary in the runs list, written from the fold the drive left.
 
 mod cache;
 mod children;
 mod commit;
 mod context;
 mod holding;
+mod listing;
 mod model;
 mod precondition;
 mod provider;
@@ -156,6 +158,8 @@ pub struct Driver {
     park_ids: Arc<AtomicU64>,
     /// The slots of concurrency keys (`kedge_slots`), opened on first use.
     slots: Arc<tokio::sync::OnceCell<kedge_runtime::slots::Slots>>,
+    /// The runs' summaries this process writes to the runs list after its drives.
+    listing: listing::Listing,
 }
 
 impl std::fmt::Debug for Driver {
@@ -173,6 +177,7 @@ impl Driver {
         cancels: tokio::sync::broadcast::Sender<RunId>,
         liveness: Liveness,
     ) -> Self {
+        let list_interval = rt.config.bridge.runs_list_interval_ms;
         Self {
             rt: Arc::new(rt),
             model,
@@ -186,6 +191,7 @@ impl Driver {
             parked: Arc::default(),
             park_ids: Arc::default(),
             slots: Arc::default(),
+            listing: listing::Listing::new(std::time::Duration::from_millis(list_interval)),
         }
     }
 
@@ -201,6 +207,11 @@ impl Driver {
             model,
             ..self.clone()
         }
+    }
+
+    /// Writes the runs' summaries still waiting for their turn (the service is stopping).
+    pub async fn flush_list(&self) {
+        self.listing.flush(&self.rt).await;
     }
 
     /// Where this driver's drives are spawned ([`Runtime::executor`]: the light lane's threads
@@ -339,6 +350,9 @@ impl Driver {
         };
         let result = self.drive_state(&mut state, w, lost).await;
         if result.is_ok() {
+            // Before the lease is let go (docs/ARCHITECTURE.md "The bridge and the runs
+            // projection").
+            self.listing.after_drive(&self.rt, &state).await;
             self.keep(state, std::mem::take(&mut w.skipped));
         }
         result.map(Some)
