@@ -103,6 +103,8 @@ impl Listing {
 
     /// Writes (or plans the write of) the summary of `state`, a run's fold after a drive.
     pub(super) async fn after_drive(&self, rt: &Runtime, state: &RunState) {
+        // The ticker also forgets the runs written here a while ago, busy or not.
+        self.start_ticker(rt);
         let summary = RunSummary::of(state);
         let known = {
             let mut runs = self.0.lock();
@@ -111,8 +113,6 @@ impl Listing {
                 Plan::Nothing => return,
                 Plan::Coalesce => {
                     entry.pending = Some(summary);
-                    drop(runs);
-                    self.start_ticker(rt);
                     return;
                 }
                 Plan::AtOnce => {
