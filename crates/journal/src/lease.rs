@@ -269,19 +269,47 @@ impl Leases {
 
     /// Takes the lease on `run` for `owner` if nobody holds it (never used, expired or released).
     /// [`LeaseError::Held`] names the holder otherwise (also when it is `owner` itself).
+    ///
+    /// The first look may come from a replica, which can lag: a `Held` answer may name a
+    /// holder that has since lost the lease or let it go. Fine for a caller that is asked again
+    /// (a wake is redelivered); see [`Leases::acquire_confirmed`] for one that is not.
     pub async fn acquire(
         &self,
         run: &RunId,
         owner: &WorkerId,
         ttl: Duration,
     ) -> Result<Lease, LeaseError> {
+        self.acquire_reading(run, owner, ttl, false).await
+    }
+
+    /// [`Leases::acquire`] with every look at the lease asked of the stream's leader, so that a
+    /// `Held` answer names the holder of now, not one a lagging replica still shows (e.g. a
+    /// holder that was taken over while that replica was cut off). For a caller that acts on
+    /// `Held` once, with nothing to ask it again: a run adopted from a gone worker. One round
+    /// trip like the other, through the leader.
+    pub async fn acquire_confirmed(
+        &self,
+        run: &RunId,
+        owner: &WorkerId,
+        ttl: Duration,
+    ) -> Result<Lease, LeaseError> {
+        self.acquire_reading(run, owner, ttl, true).await
+    }
+
+    /// [`Leases::acquire`], its first look at the leader's copy when `leader`.
+    async fn acquire_reading(
+        &self,
+        run: &RunId,
+        owner: &WorkerId,
+        ttl: Duration,
+        mut leader: bool,
+    ) -> Result<Lease, LeaseError> {
         let secs = ttl_secs(ttl)?;
         let value = LeaseValue {
             owner: owner.to_string(),
             ttl_secs: secs,
         };
-        // The first look may come from a replica; after losing a race, ask the leader.
-        let mut leader = false;
+        // After losing a race, the leader is asked (a replica's look may lag the write that won).
         for _ in 0..ACQUIRE_ATTEMPTS {
             let expected = match self.last(run, leader).await? {
                 None => 0,

@@ -397,11 +397,13 @@ impl Drives {
                         }
                         settle(&js, &run_id, &msg, result).await;
                     }
-                    None => {
-                        if let Err(e) = result {
-                            drive_later(readopt, run_id, tries, &e, "adopted run not driven");
-                        }
-                    }
+                    None => match result {
+                        Err(e) => drive_later(readopt, run_id, tries, &e, "adopted run not driven"),
+                        // Its lease, read from the leader, is another live worker's: that worker
+                        // drives the run and reads its journal before it lets go.
+                        Ok(Outcome::Busy) => tracing::debug!(run_id = %run_id, "adopted run held by another live worker; left to it"),
+                        Ok(Outcome::Idle) => {}
+                    },
                 }
             });
     }

@@ -220,8 +220,16 @@ impl Driver {
         }
     }
 
-    /// Takes the run's lease: `None` when another live worker holds it.
-    pub(super) async fn acquire(&self, run: &RunId) -> Result<Option<Holding>, DriveError> {
+    /// Takes the run's lease: `None` when another live worker holds it. `adopted`: the run has
+    /// no wake of its own (adopted from a gone worker, or driven again after such a drive), so
+    /// a `None` is final here: the lease is read from the stream's leader, never from a replica
+    /// that may still name the gone worker or a holder since taken over (docs/ARCHITECTURE.md
+    /// "Takeover").
+    pub(super) async fn acquire(
+        &self,
+        run: &RunId,
+        adopted: bool,
+    ) -> Result<Option<Holding>, DriveError> {
         let cfg = &self.rt.config;
         // A lease this process parked after the run's last drive: taken back without a write.
         let parked = self.parked.lock().ok().and_then(|mut p| p.remove(run));
@@ -264,7 +272,15 @@ impl Driver {
                 continuous: true,
             }));
         }
-        match self.rt.leases.acquire(run, &cfg.worker_id, ttl).await {
+        let acquired = if adopted {
+            self.rt
+                .leases
+                .acquire_confirmed(run, &cfg.worker_id, ttl)
+                .await
+        } else {
+            self.rt.leases.acquire(run, &cfg.worker_id, ttl).await
+        };
+        match acquired {
             Ok(lease) => Ok(fresh(lease)),
             Err(LeaseError::Held { owner, revision }) => {
                 self.held_by(run, &owner, revision, at).await

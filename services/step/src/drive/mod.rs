@@ -225,7 +225,8 @@ impl Driver {
     ///
     /// `through` is the stream sequence of the newest wake being handled (an event of the run
     /// the broker has acknowledged): the run is read up to it without asking the stream leader
-    /// where the run ends. `None` (an adopted run) reads with the leader's check. `absorbed`:
+    /// where the run ends. `msg` `None` (an adopted run) reads with the leader's check, and its
+    /// lease from the leader (`Driver::acquire`). `absorbed`:
     /// that newest wake, when it is not `msg` but one a drive in progress absorbed (its chain
     /// may be read, see `Driver::refresh`).
     pub async fn drive(
@@ -250,7 +251,7 @@ impl Driver {
         // stale by another holder's appends meets the concurrency check and is read again.
         let (lease, read) = match looked {
             Some(state) => (
-                self.acquire(run).await,
+                self.acquire(run, false).await,
                 Ok(Some(Read {
                     state,
                     skipped: Skipped::new(),
@@ -262,7 +263,10 @@ impl Driver {
                     .as_deref()
                     .or(msg.as_deref())
                     .and_then(|m| delivered(m, through));
-                futures::join!(self.acquire(run), self.read_state(run, through, wake))
+                futures::join!(
+                    self.acquire(run, msg.is_none()),
+                    self.read_state(run, through, wake)
+                )
             }
         };
         let holding = match lease {
