@@ -37,6 +37,10 @@ const FLUSH_WITHIN: Duration = Duration::from_secs(2);
 /// How long a run written and not driven since is remembered (its revision: the next write is
 /// one compare-and-set, no read of the key).
 const REMEMBERED: Duration = Duration::from_secs(60);
+/// How often the runs written are swept of those remembered long enough: the ticker's other
+/// work looks only at the pending summaries, so a process that wrote 100k waiting runs does not
+/// walk them every tick.
+const SWEEP_EVERY: Duration = Duration::from_secs(15);
 
 /// The step service's writes to the runs list. Cheap to clone; shared by a process's drivers.
 #[derive(Clone)]
@@ -45,18 +49,28 @@ pub(super) struct Listing(Arc<Inner>);
 struct Inner {
     interval: Duration,
     store: OnceCell<Store>,
-    runs: Mutex<HashMap<RunId, Entry>>,
+    runs: Mutex<Runs>,
     ticker: std::sync::Once,
     /// Whether a failure was logged (the next are only counted).
     warned: std::sync::atomic::AtomicBool,
 }
 
-/// What this process wrote of a run, and the busy summary it has yet to write.
-#[derive(Debug, Default)]
-struct Entry {
-    known: Option<Known>,
-    written_at: Option<Instant>,
-    pending: Option<RunSummary>,
+/// What this process knows of the runs it lists.
+#[derive(Debug)]
+struct Runs {
+    /// What it stored of each run it wrote lately, and when.
+    written: HashMap<RunId, Written>,
+    /// The newest busy summary of each run, not written yet.
+    pending: HashMap<RunId, RunSummary>,
+    /// When `written` was last swept ([`SWEEP_EVERY`]).
+    swept: Instant,
+}
+
+/// What this process stored of a run, and when.
+#[derive(Debug)]
+struct Written {
+    known: Known,
+    at: Instant,
 }
 
 /// What to do with a run's summary after a drive.
@@ -81,13 +95,10 @@ fn plan(known: Option<&Known>, summary: &RunSummary) -> Plan {
     }
 }
 
-/// Whether a pending write is due: the interval passed since the run's last write here (or it
+/// Whether a run's pending write is due: the interval passed since its last write here (or it
 /// had none).
-fn due(entry: &Entry, now: Instant, interval: Duration) -> bool {
-    entry.pending.is_some()
-        && entry
-            .written_at
-            .is_none_or(|at| now.saturating_duration_since(at) >= interval)
+fn due(written: Option<&Written>, now: Instant, interval: Duration) -> bool {
+    written.is_none_or(|w| now.saturating_duration_since(w.at) >= interval)
 }
 
 impl Listing {
@@ -95,7 +106,11 @@ impl Listing {
         Listing(Arc::new(Inner {
             interval,
             store: OnceCell::new(),
-            runs: Mutex::default(),
+            runs: Mutex::new(Runs {
+                written: HashMap::new(),
+                pending: HashMap::new(),
+                swept: Instant::now(),
+            }),
             ticker: std::sync::Once::new(),
             warned: Default::default(),
         }))
@@ -108,17 +123,18 @@ impl Listing {
         let summary = RunSummary::of(state);
         let known = {
             let mut runs = self.0.lock();
-            let entry = runs.entry(summary.run_id.clone()).or_default();
-            match plan(entry.known.as_ref(), &summary) {
+            let known = runs.written.get(&summary.run_id).map(|w| &w.known);
+            match plan(known, &summary) {
                 Plan::Nothing => return,
                 Plan::Coalesce => {
-                    entry.pending = Some(summary);
+                    runs.pending.insert(summary.run_id.clone(), summary);
                     return;
                 }
                 Plan::AtOnce => {
+                    let known = known.cloned();
                     // Written now; an older busy summary waiting is superseded.
-                    entry.pending = None;
-                    entry.known.clone()
+                    runs.pending.remove(&summary.run_id);
+                    known
                 }
             }
         };
@@ -129,7 +145,7 @@ impl Listing {
     /// [`FLUSH_WITHIN`]: a broker that does not answer does not hold up the stop (what is left
     /// is written by the run's next drive, here or elsewhere).
     pub(super) async fn flush(&self, rt: &Runtime) {
-        let pending = self.0.take(|entry| entry.pending.is_some());
+        let pending = self.0.take(|_| true);
         let count = pending.len();
         if tokio::time::timeout(FLUSH_WITHIN, self.0.write_all(rt, pending))
             .await
@@ -166,37 +182,42 @@ async fn tick(inner: Weak<Inner>, rt: Runtime) {
         };
         let now = Instant::now();
         let interval = inner.interval;
-        inner.forget(now);
-        let due = inner.take(|entry| due(entry, now, interval));
+        inner.sweep(now);
+        let due = inner.take(|written| due(written, now, interval));
         inner.write_all(&rt, due).await;
     }
 }
 
 impl Inner {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RunId, Entry>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Runs> {
         // Nothing panics holding it; a poisoned map is still whole.
         self.runs
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Takes the pending summaries of the entries `pick` chooses, with what is known of each.
-    fn take(&self, pick: impl Fn(&Entry) -> bool) -> Vec<(RunSummary, Option<Known>)> {
-        self.lock()
-            .values_mut()
-            .filter(|entry| pick(entry))
-            .filter_map(|entry| Some((entry.pending.take()?, entry.known.clone())))
+    /// Takes the pending summaries of the runs `pick` chooses by what was written of them,
+    /// with what is known of each.
+    fn take(&self, pick: impl Fn(Option<&Written>) -> bool) -> Vec<(RunSummary, Option<Known>)> {
+        let mut runs = self.lock();
+        let Runs {
+            written, pending, ..
+        } = &mut *runs;
+        pending
+            .extract_if(|run, _| pick(written.get(run)))
+            .map(|(run, summary)| (summary, written.get(&run).map(|w| w.known.clone())))
             .collect()
     }
 
-    /// Forgets the runs with nothing pending not written here for a while.
-    fn forget(&self, now: Instant) {
-        self.lock().retain(|_, entry| {
-            entry.pending.is_some()
-                || entry
-                    .written_at
-                    .is_some_and(|at| now.saturating_duration_since(at) < REMEMBERED)
-        });
+    /// Forgets, every [`SWEEP_EVERY`], the runs not written here for [`REMEMBERED`].
+    fn sweep(&self, now: Instant) {
+        let mut runs = self.lock();
+        if now.saturating_duration_since(runs.swept) < SWEEP_EVERY {
+            return;
+        }
+        runs.swept = now;
+        runs.written
+            .retain(|_, w| now.saturating_duration_since(w.at) < REMEMBERED);
     }
 
     async fn write_all(&self, rt: &Runtime, summaries: Vec<(RunSummary, Option<Known>)>) {
@@ -230,18 +251,25 @@ impl Inner {
                 let mut runs = self.lock();
                 if summary.finished {
                     // Ended: nothing more to write unless it is revived (then read again).
-                    runs.remove(run);
+                    runs.written.remove(run);
+                    if runs.pending.get(run).is_some_and(|p| p.seq <= summary.seq) {
+                        runs.pending.remove(run);
+                    }
                     return;
                 }
-                let entry = runs.entry(run.clone()).or_default();
-                if entry
-                    .known
-                    .as_ref()
-                    .is_none_or(|k| (k.seq, k.revision) < (stored.seq, stored.revision))
-                {
-                    entry.known = Some(stored);
-                }
-                entry.written_at = Some(Instant::now());
+                let now = Instant::now();
+                runs.written
+                    .entry(run.clone())
+                    .and_modify(|w| {
+                        if (w.known.seq, w.known.revision) < (stored.seq, stored.revision) {
+                            w.known = stored.clone();
+                        }
+                        w.at = now;
+                    })
+                    .or_insert(Written {
+                        known: stored,
+                        at: now,
+                    });
             }
             Err(e) => {
                 metrics::list_write(ListWrite::Failed);
@@ -326,16 +354,62 @@ mod tests {
     fn a_pending_write_is_due_an_interval_after_the_last() {
         let interval = Duration::from_millis(250);
         let now = Instant::now();
-        let mut entry = Entry {
-            known: None,
-            written_at: None,
-            pending: None,
+        assert!(due(None, now, interval), "never written here: at once");
+        let written = Written {
+            known: known(3),
+            at: now,
         };
-        assert!(!due(&entry, now, interval), "nothing pending");
-        entry.pending = Some(summary(RunStatus::Running, 3));
-        assert!(due(&entry, now, interval), "never written here: at once");
-        entry.written_at = Some(now);
-        assert!(!due(&entry, now + Duration::from_millis(100), interval));
-        assert!(due(&entry, now + interval, interval));
+        assert!(!due(
+            Some(&written),
+            now + Duration::from_millis(100),
+            interval
+        ));
+        assert!(due(Some(&written), now + interval, interval));
+    }
+
+    #[test]
+    fn the_ticker_takes_only_due_pending_summaries_and_sweeps_on_its_own_clock() {
+        let interval = Duration::from_millis(250);
+        let listing = Listing::new(interval);
+        let inner = &listing.0;
+        let now = Instant::now();
+        let (fresh, stale, idle) = (
+            summary(RunStatus::Running, 5),
+            summary(RunStatus::Running, 6),
+            summary(RunStatus::WaitingApproval, 7),
+        );
+        {
+            let mut runs = inner.lock();
+            // `fresh` was written just now, `stale` an interval ago, `idle` long ago (nothing
+            // pending for it).
+            for (s, at) in [
+                (&fresh, now),
+                (&stale, now - interval),
+                (&idle, now - REMEMBERED),
+            ] {
+                runs.written.insert(
+                    s.run_id.clone(),
+                    Written {
+                        known: known(s.seq - 1),
+                        at,
+                    },
+                );
+            }
+            runs.pending.insert(fresh.run_id.clone(), fresh.clone());
+            runs.pending.insert(stale.run_id.clone(), stale.clone());
+        }
+        let taken = inner.take(|w| due(w, now, interval));
+        assert_eq!(taken.len(), 1);
+        assert_eq!(taken[0].0.run_id, stale.run_id);
+        assert_eq!(taken[0].1.as_ref().map(|k| k.seq), Some(5));
+        assert_eq!(inner.lock().pending.len(), 1, "the fresh one waits");
+        // Not swept before its clock: every run written is still known.
+        inner.sweep(now);
+        assert_eq!(inner.lock().written.len(), 3);
+        inner.sweep(now + SWEEP_EVERY);
+        let runs = inner.lock();
+        assert!(!runs.written.contains_key(&idle.run_id), "forgotten");
+        assert!(runs.written.contains_key(&fresh.run_id));
+        assert!(runs.written.contains_key(&stale.run_id));
     }
 }
