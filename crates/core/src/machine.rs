@@ -87,6 +87,28 @@ impl RunStatus {
         }
     }
 
+    /// Whether a run in this status is busy: running, or waiting on its tools (which answer in
+    /// a moment, its lease kept), so a newer state follows soon anyway. Every other status (a
+    /// run waiting on a person, a timer, a slot, its provider, or ended) may stay as it is for
+    /// long: what lists runs writes such a state as soon as it is folded, a busy one at most
+    /// once per interval (docs/ARCHITECTURE.md "The bridge and the runs projection").
+    pub fn is_busy(self) -> bool {
+        match self {
+            RunStatus::Running | RunStatus::WaitingTool => true,
+            RunStatus::Queued
+            | RunStatus::WaitingUser
+            | RunStatus::WaitingApproval
+            | RunStatus::WaitingExternal
+            | RunStatus::WaitingProvider
+            | RunStatus::Cancelling
+            | RunStatus::Compensating
+            | RunStatus::Unknown
+            | RunStatus::Succeeded
+            | RunStatus::Failed
+            | RunStatus::Cancelled => false,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             RunStatus::Queued => "queued",
@@ -474,6 +496,15 @@ mod tests {
             apply(Some(RunStatus::Running), EventType::RunCreated, None),
             Err(TransitionError::AlreadyCreated { .. })
         ));
+    }
+
+    #[test]
+    fn a_busy_status_is_never_terminal_nor_waiting_on_anything_slow() {
+        for &status in RunStatus::ALL {
+            let busy = matches!(status, RunStatus::Running | RunStatus::WaitingTool);
+            assert_eq!(status.is_busy(), busy, "{status}");
+            assert!(!(status.is_busy() && status.is_terminal()), "{status}");
+        }
     }
 
     #[test]

@@ -74,28 +74,6 @@ impl RunSummary {
             seq: state.last_seq,
         }
     }
-
-    /// Whether the list may show this summary late: the run is busy (running, or waiting on
-    /// its tools, which answer in a moment, its lease kept), so a newer summary follows soon
-    /// anyway. A summary that is not (a run waiting on a person, a timer, a slot, its
-    /// provider, or ended) is written as soon as it is folded, before its writer lets go of
-    /// the run (docs/ARCHITECTURE.md "The bridge and the runs projection").
-    pub fn is_busy(&self) -> bool {
-        match self.status {
-            RunStatus::Running | RunStatus::WaitingTool => true,
-            RunStatus::Queued
-            | RunStatus::WaitingUser
-            | RunStatus::WaitingApproval
-            | RunStatus::WaitingExternal
-            | RunStatus::WaitingProvider
-            | RunStatus::Cancelling
-            | RunStatus::Compensating
-            | RunStatus::Unknown
-            | RunStatus::Succeeded
-            | RunStatus::Failed
-            | RunStatus::Cancelled => false,
-        }
-    }
 }
 
 /// Why a projection operation failed.

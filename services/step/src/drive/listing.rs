@@ -3,7 +3,7 @@
 //! were checked, and writes the run's summary to `kedge_runs` from it, so the projector reads
 //! nothing for the run's progress.
 //!
-//! - A summary that is not busy ([`RunSummary::is_busy`]: the run waits on a person, a timer, a
+//! - A summary that is not busy ([`kedge_core::RunStatus::is_busy`]: the run waits on a person, a timer, a
 //!   slot or its provider, or ended) is written at once, and the drive waits for the write
 //!   before it lets go of the run's lease: a process killed before the write held the lease,
 //!   and the process that adopts the run drives it and writes its summary.
@@ -88,7 +88,7 @@ enum Plan {
 fn plan(known: Option<&Known>, summary: &RunSummary) -> Plan {
     if known.is_some_and(|k| k.seq >= summary.seq) {
         Plan::Nothing
-    } else if summary.is_busy() {
+    } else if summary.status.is_busy() {
         Plan::Coalesce
     } else {
         Plan::AtOnce
