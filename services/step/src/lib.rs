@@ -401,7 +401,9 @@ impl Drives {
                         Err(e) => drive_later(readopt, run_id, tries, &e, "adopted run not driven"),
                         // Its lease, read from the leader, is another live worker's: that worker
                         // drives the run and reads its journal before it lets go.
-                        Ok(Outcome::Busy) => tracing::debug!(run_id = %run_id, "adopted run held by another live worker; left to it"),
+                        Ok(Outcome::Busy) => {
+                            tracing::debug!(run_id = %run_id, "adopted run held by another live worker; left to it");
+                        }
                         Ok(Outcome::Idle) => {}
                     },
                 }

@@ -3,10 +3,10 @@
 //! were checked, and writes the run's summary to `kedge_runs` from it, so the projector reads
 //! nothing for the run's progress.
 //!
-//! - A summary that is not busy ([`kedge_core::RunStatus::is_busy`]: the run waits on a person, a timer, a
-//!   slot or its provider, or ended) is written at once, and the drive waits for the write
-//!   before it lets go of the run's lease: a process killed before the write held the lease,
-//!   and the process that adopts the run drives it and writes its summary.
+//! - A summary that is not busy ([`kedge_core::RunStatus::is_busy`]: the run waits on a
+//!   person, a timer, a slot or its provider, or ended) is written at once, and the drive waits
+//!   for the write before it lets go of the run's lease: a process killed before the write held
+//!   the lease, and the process that adopts the run drives it and writes its summary.
 //! - A busy one (running, waiting on its tools) is written at most once per `interval`
 //!   (`bridge.runs_list_interval_ms`) per run: the newest one, by a ticker, the interval after
 //!   the run's last write (at once for the run's first here). A busy run is driven again in a
