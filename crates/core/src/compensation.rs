@@ -377,6 +377,7 @@ mod tests {
             failed_attempts: 0,
             reversibility: None,
             compensates: None,
+            inline: false,
         }
     }
 

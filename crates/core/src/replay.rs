@@ -317,6 +317,9 @@ fn compare(seq: u64, want: Draft<Decision>, found: &Envelope) -> Result<(), Dive
     if let (Event::StepStarted(w), Event::StepStarted(f)) = (&mut want.event, &found.event) {
         w.model = f.model.clone();
     }
+    // Whether an operation is run inside the drive or by the tool service is where the
+    // writer's process runs it (docs/ARCHITECTURE.md "Inline tools"), not a decision.
+    want.inline = found.inline;
     let mut expected = comparable(&want);
     let mut recorded = comparable(found);
     align_instants(&mut expected, &mut recorded);

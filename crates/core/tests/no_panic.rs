@@ -779,6 +779,7 @@ fn run_journal(start: &Start, actions: &[Action], contract: &Contract) {
                     step: input.step,
                     attempt: input.attempt,
                     op: input.op.clone(),
+                    inline: false,
                 };
                 if !push(&mut journal, Envelope::new(run(), input.at, draft), *gap) {
                     return;

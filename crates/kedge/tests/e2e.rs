@@ -40,6 +40,7 @@ mod forged;
 mod gates;
 mod health;
 mod hostile;
+mod inline_tools;
 mod leases;
 mod mcp;
 mod metrics;

@@ -150,7 +150,7 @@ async fn a_parked_lease_goes_to_another_step_worker_that_asks_for_it() {
     let rt = Runtime::connect(config).await.expect("second runtime");
     let liveness = rt.liveness().await.expect("liveness");
     let (cancels, _) = tokio::sync::broadcast::channel(16);
-    let other = Driver::new(rt, ModelClient::new(), cancels, liveness);
+    let other = Driver::new(rt, ModelClient::new(), cancels, liveness, None);
     let outcome = other.drive(&run, None, None, None).await.expect("drive");
     assert_eq!(outcome, Outcome::Idle);
     // It parked the lease in turn.

@@ -483,16 +483,22 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         get(
             &during,
             "kedge_consumer_deliveries_total",
-            &[("consumer", "step")]
+            &[("consumer", "step-created")]
         ) >= 1.0
     );
-    assert!(
-        get(
-            &during,
-            "kedge_consumer_deliveries_total",
-            &[("consumer", "tool")]
-        ) >= 1.0
-    );
+    // The built-in tool ran inside the step's drive (docs/ARCHITECTURE.md "Inline tools"): no
+    // tool worker was delivered its request, and its start and result woke no step.
+    for c in ["tool", "step"] {
+        assert_eq!(
+            get(
+                &during,
+                "kedge_consumer_deliveries_total",
+                &[("consumer", c)]
+            ),
+            0.0,
+            "{c}"
+        );
+    }
     assert!(
         get(
             &during,
@@ -518,11 +524,12 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         "the second call took the mock's 3 s"
     );
     assert_eq!(get(&after, "kedge_model_responses_reused_total", &[]), 0.0);
-    // The tool's result woke the run, and the step read it and its tool.started by the links the
-    // tool service wrote (by sequence), not by a batched read of the run's subjects.
+    // The tool ran inside the drive (docs/ARCHITECTURE.md "Inline tools"): nothing woke the run
+    // for its result, and the drive folded its tool.started and tool.result as they landed,
+    // each stored on the message before it: no read of the run, chained or batched.
     assert_eq!(
         get(&after, "kedge_step_reads_total", &[("how", "chained")]),
-        1.0
+        0.0
     );
     // Its first drive folded the run.created that woke it, with no read.
     assert_eq!(
@@ -537,9 +544,9 @@ async fn a_run_moves_the_counters_of_the_process_that_served_it() {
         get(&after, "kedge_dead_letters_total", &[("consumer", "step")]),
         0.0
     );
-    // A lone run is no backlog: its task, its drives and its tool operation went out on the
-    // light lane, where its deliveries came, none on the lane backlogs share.
-    for consumer in ["intake", "step", "tool"] {
+    // A lone run is no backlog: its task and its drive (its tool operation inside it) went out
+    // on the light lane, where its deliveries came, none on the lane backlogs share.
+    for consumer in ["intake", "step"] {
         let on = |lane| {
             get(
                 &after,

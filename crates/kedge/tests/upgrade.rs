@@ -77,6 +77,7 @@ async fn restore(h: &Harness, events: &[(u64, Envelope)], mut def: AgentDefiniti
                     step: env.step,
                     attempt: env.attempt,
                     op: env.op.clone(),
+                    inline: env.inline,
                 },
             );
         }

@@ -44,7 +44,13 @@ pub async fn serve(
     if wanted(Service::Intake) {
         start("intake", |rt, stop| boxed(kedge_intake::run(rt, stop)));
     }
-    if wanted(Service::Step) {
+    if wanted(Service::Step) && wanted(Service::Tool) {
+        // Built-in tools run inside the step's drives (`inline_tools`, docs/ARCHITECTURE.md
+        // "Inline tools"): this process has the tool service's sandbox and workspace root.
+        start("step", |rt, stop| {
+            boxed(kedge_step::run_with(rt, stop, kedge_step::Tools::Inline))
+        });
+    } else if wanted(Service::Step) {
         start("step", |rt, stop| boxed(kedge_step::run(rt, stop)));
     }
     if wanted(Service::Tool) {

@@ -15,6 +15,10 @@
 //!   an unfinished earlier attempt first looks for that attempt's stored response and reuses it,
 //!   so a worker killed after the model answered costs no second call.
 //!
+//! In a process that runs the tool service too (`Tools::Inline`), built-in tools are run inside
+//! the drive that requested them, which goes on with their results: the whole agent loop of a
+//! run is one drive (docs/ARCHITECTURE.md "Inline tools").
+//!
 //! Wakes for a run this process is already driving are folded into the running drive (it reads
 //! the journal again before letting go), so a burst of inputs costs one drive, not one each.
 //! A drive that leaves its run waiting on its tools keeps the lease parked for the next drive
@@ -142,8 +146,29 @@ async fn answer_yields(
     }))
 }
 
-/// Runs the step service until `shutdown` resolves, then lets in-flight drives finish.
+/// Runs the step service until `shutdown` resolves, then lets in-flight drives finish. Every
+/// operation goes to the tool service.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+    run_with(rt, shutdown, Tools::Service).await
+}
+
+/// Where the operations a run's drive requests are run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tools {
+    /// By the tool service, whatever their tool.
+    Service,
+    /// Built-in tools inside the drive itself, when `inline_tools` is on: for a process that
+    /// runs the tool service too, whose sandbox, workspace root and permissions they need
+    /// (docs/ARCHITECTURE.md "Inline tools"); the others by the tool service.
+    Inline,
+}
+
+/// [`run`], with the operations run as `tools` says.
+pub async fn run_with(
+    rt: Runtime,
+    shutdown: impl Future<Output = ()>,
+    tools: Tools,
+) -> Result<(), RuntimeError> {
     let light = rt.light_lane().await?;
     // Wakes are taken in fair order across tenants (docs/ARCHITECTURE.md "Fairness across
     // tenants"): a run's tenant is read from its run.created. New runs come on one consumer,
@@ -173,7 +198,11 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
     let (readopt, mut readopts) = tokio::sync::mpsc::unbounded_channel();
-    let driver = drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness);
+    let inline = match tools {
+        Tools::Inline if rt.config.inline_tools => Some(kedge_tool::Inline::open(&rt).await?),
+        Tools::Inline | Tools::Service => None,
+    };
+    let driver = drive::Driver::new(rt.clone(), ModelClient::new(), cancels, liveness, inline);
     let light_workers = fair::light_workers(rt.config.step_concurrency);
     let light_on = light.as_ref().and_then(|l| l.executor().cloned());
     let drives = Arc::new(Drives {

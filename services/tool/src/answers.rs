@@ -59,7 +59,7 @@ async fn resolve(ctx: &Ctx, claimed: Envelope) -> ResolveReply {
         return failed("handled by the step service, not a tool runner".into());
     }
     tracing::Span::current().record("tool", req.tool.as_str());
-    match execute(ctx, &op, &req, None, None).await {
+    match execute(ctx, &op, &req, None, None, None).await {
         Ok(handled) => {
             tracing::info!(?handled, "resolved at the reconciler's request");
             ResolveReply::Handled(handled)

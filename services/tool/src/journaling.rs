@@ -22,6 +22,40 @@ use crate::claim::millis;
 use crate::service::Ctx;
 use crate::{ToolError, held};
 
+/// An input an inline handling appended checked on the run's message before it: nothing of
+/// the run lies between `after` and `seq` (docs/ARCHITECTURE.md "Inline tools"). The step's
+/// drive folds such a chain as it landed instead of reading the run again.
+#[derive(Debug, Clone)]
+pub struct Chained {
+    pub after: u64,
+    pub seq: u64,
+    pub envelope: InputEnvelope,
+}
+
+/// Where a handling notes the inputs it appended chained ([`Chained`]), when its caller wants
+/// them.
+pub(crate) type Landed = std::sync::Mutex<Vec<Chained>>;
+
+/// Notes `envelope`, appended as `appended` checked on `after`, in `landed` when it landed
+/// chained (not a repeat of an earlier append).
+pub(crate) fn note_chained(
+    landed: Option<&Landed>,
+    after: Option<u64>,
+    appended: &kedge_journal::InputAppended,
+    envelope: &InputEnvelope,
+) {
+    if let (Some(landed), Some(after), true, false) =
+        (landed, after, appended.chained, appended.duplicate)
+        && let Ok(mut landed) = landed.lock()
+    {
+        landed.push(Chained {
+            after,
+            seq: appended.seq,
+            envelope: envelope.clone(),
+        });
+    }
+}
+
 /// Journals an operation's result; its msg id makes a repeat a no-op.
 pub(crate) async fn journal_result(
     rt: &Runtime,
@@ -29,32 +63,36 @@ pub(crate) async fn journal_result(
     out: Output,
     stopped: bool,
 ) -> Result<(), ToolError> {
-    journal_result_after(rt, op, out, stopped, None).await
+    journal_result_after(rt, op, out, stopped, None, None).await
 }
 
 /// [`journal_result`], checked run-wide on `after` (the operation's `tool.started`, when that
 /// was chained on its `tool.requested`): the link the step reads the run by
-/// ([`kedge_journal::Journal::read_chained`]).
+/// ([`kedge_journal::Journal::read_chained`]). `inline`: on the run's inline subject, for the
+/// step's drive that runs the operation, noted there when chained (docs/ARCHITECTURE.md
+/// "Inline tools").
 pub(crate) async fn journal_result_after(
     rt: &Runtime,
     op: &OperationId,
     out: Output,
     stopped: bool,
     after: Option<u64>,
+    inline: Option<&Landed>,
 ) -> Result<(), ToolError> {
     let result = ToolResult {
         content: out.content,
         is_error: out.is_error,
         stopped,
     };
-    journal_input(
-        rt,
-        op,
-        Input::ToolResult(result),
-        InputId::tool_result(op),
-        after,
-    )
-    .await
+    let draft = inline_if(inline.is_some(), Draft::new(Input::ToolResult(result)));
+    let (appended, input) = append(rt, op, draft, InputId::tool_result(op), after).await?;
+    note_chained(inline, after, &appended, &input);
+    Ok(())
+}
+
+/// `draft` marked inline when `inline` (docs/ARCHITECTURE.md "Inline tools").
+pub(crate) fn inline_if(inline: bool, draft: Draft<Input>) -> Draft<Input> {
+    if inline { draft.inline() } else { draft }
 }
 
 /// Journals the result a confirm query found, as `outcome.confirmed` (the history says how it
@@ -73,7 +111,7 @@ pub(crate) async fn journal_confirmed(
     journal_input(
         rt,
         op,
-        Input::OutcomeConfirmed(confirmed),
+        Draft::new(Input::OutcomeConfirmed(confirmed)),
         InputId::tool_result(op),
         None,
     )
@@ -91,7 +129,7 @@ pub(crate) async fn journal_ambiguous(
     journal_input(
         rt,
         op,
-        Input::OutcomeAmbiguous(ambiguous),
+        Draft::new(Input::OutcomeAmbiguous(ambiguous)),
         InputId::outcome_ambiguous(op, dispatch),
         None,
     )
@@ -120,7 +158,7 @@ pub(crate) async fn journal_attempt(
     journal_input(
         rt,
         op,
-        Input::ToolAttempt(data),
+        Draft::new(Input::ToolAttempt(data)),
         InputId::tool_attempt(op, dispatch, attempt),
         None,
     )
@@ -142,7 +180,7 @@ pub(crate) async fn journal_moved(
     journal_input(
         rt,
         op,
-        Input::TargetMoved(moved),
+        Draft::new(Input::TargetMoved(moved)),
         InputId::target_moved(op, dispatch),
         None,
     )
@@ -154,17 +192,28 @@ pub(crate) async fn journal_moved(
 async fn journal_input(
     rt: &Runtime,
     op: &OperationId,
-    input: Input,
+    input: Draft<Input>,
     key: InputId,
     after: Option<u64>,
 ) -> Result<(), ToolError> {
+    append(rt, op, input, key, after).await.map(|_| ())
+}
+
+/// [`journal_input`], with where it landed and what.
+async fn append(
+    rt: &Runtime,
+    op: &OperationId,
+    input: Draft<Input>,
+    key: InputId,
+    after: Option<u64>,
+) -> Result<(kedge_journal::InputAppended, InputEnvelope), ToolError> {
     let input = InputEnvelope::new(
         op.run().clone(),
         Timestamp::now(),
-        Draft::new(input).step(op.step()).op(op.clone()),
+        input.step(op.step()).op(op.clone()),
     );
-    rt.journal.append_input_after(&key, &input, after).await?;
-    Ok(())
+    let appended = rt.journal.append_input_after(&key, &input, after).await?;
+    Ok((appended, input))
 }
 
 /// Completes the record of an operation this runner holds (revision from its claim) with its

@@ -57,6 +57,10 @@
 //! exists and a tool its agent declares. A refused delivery is terminated (never redelivered), a
 //! refused resolve is answered `{"handled":"refused","reason":…}`; both are logged at warn.
 //!
+//! In a process that runs the step service too, built-in tools are run inside the step's drives
+//! instead ([`Inline`], docs/ARCHITECTURE.md "Inline tools"): the same handling, their requests
+//! on the runs' inline subject, which this consumer does not take.
+//!
 //! `ask_user` and `wait` are not executed here: the step service journals the question or the
 //! timer, and the answer or the timer's firing is the operation's result.
 //!
@@ -78,6 +82,7 @@ pub mod workspaces;
 
 mod answers;
 mod claim;
+mod inline;
 mod journaling;
 mod running;
 mod service;
@@ -86,6 +91,8 @@ mod takeover;
 use kedge_journal::JournalError;
 use kedge_runtime::idempotency::IdempotencyError;
 
+pub use inline::{Inline, InlineError, InlineRun};
+pub use journaling::Chained;
 pub use kedge_core::answers::Handled;
 pub use service::run;
 

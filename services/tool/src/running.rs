@@ -21,8 +21,8 @@ use tokio::sync::watch;
 use crate::builtin::Output;
 use crate::claim::{self, Claimed, Look, millis};
 use crate::journaling::{
-    journal_ambiguous, journal_attempt, journal_moved, journal_result, journal_result_after,
-    keep_trying, record,
+    Landed, inline_if, journal_ambiguous, journal_attempt, journal_moved, journal_result,
+    journal_result_after, keep_trying, note_chained, record,
 };
 use crate::service::Ctx;
 use crate::target::{Ran, Target};
@@ -85,6 +85,8 @@ pub(crate) struct Handling<'a> {
     /// The request carries a retry policy: attempts are numbered, each claiming the record
     /// under its own number.
     pub(crate) retried: bool,
+    /// Where the inputs appended chained are noted (an inline handling's).
+    pub(crate) landed: Option<&'a Landed>,
 }
 
 /// Handles one request of `op`; `looked`: the journal's [`look`], if the caller took it.
@@ -97,12 +99,15 @@ pub(crate) struct Handling<'a> {
 /// ([`finish`]).
 ///
 /// [`look`]: crate::claim::look
+///
+/// `landed`: where an inline handling notes the inputs it appended chained (`Chained`).
 pub(crate) async fn execute(
     ctx: &Ctx,
     op: &OperationId,
     req: &ToolRequested,
     looked: Option<Look>,
     requested_at: Option<u64>,
+    landed: Option<&Landed>,
 ) -> Result<Handled, ToolError> {
     let runner = &ctx.rt.config.worker_id;
     let target = Target::of(&req.tool, &ctx.mcp);
@@ -119,6 +124,7 @@ pub(crate) async fn execute(
         target,
         abandoned_after: ctx.rt.config.timeouts.op_abandoned_after(),
         retried: req.limits.retry.is_some(),
+        landed,
     };
     let Claimed {
         claim,
@@ -210,12 +216,15 @@ async fn start_and_run(
     let started = InputEnvelope::new(
         op.run().clone(),
         Timestamp::now(),
-        Draft::new(Input::ToolStarted(ToolStarted {
-            runner: runner.to_string(),
-            attempt,
-        }))
-        .step(op.step())
-        .op(op.clone()),
+        inline_if(
+            ctx.inline,
+            Draft::new(Input::ToolStarted(ToolStarted {
+                runner: runner.to_string(),
+                attempt,
+            }))
+            .step(op.step())
+            .op(op.clone()),
+        ),
     );
     // A compensation is not stopped by the run's cancel (it is what the cancel asked for).
     let (_unstopped, never) = watch::channel(false);
@@ -236,7 +245,7 @@ async fn start_and_run(
     // step reads the run by those links ([`kedge_journal::Journal::read_chained`]).
     let chain_on = requested_at.filter(|_| attempt == 1);
     let appended = rt.journal.append_input_after(&key, &started, chain_on);
-    let (started, ran) = futures::join!(appended, async {
+    let (appended, ran) = futures::join!(appended, async {
         let began = std::time::Instant::now();
         let ran = match &arguments {
             Ok(arguments) => h.target.run(&limited, &ctx.mcp, op, arguments, stop).await,
@@ -249,9 +258,12 @@ async fn start_and_run(
         ran
     });
     ctx.running.unregister(op);
-    let chained = match started {
+    let chained = match appended {
         // A repeat (a redelivered request of the same claim) is not chained.
-        Ok(started) => started.chained.then_some(started.seq),
+        Ok(appended) => {
+            note_chained(h.landed, chain_on, &appended, &started);
+            appended.chained.then_some(appended.seq)
+        }
         Err(e) => {
             // The tool ran: its record and result still go in (and a failure there is retried;
             // the record then answers without running it again).
@@ -387,6 +399,7 @@ async fn finish(
 ) -> Result<Handled, ToolError> {
     let (ctx, op, req, runner) = (h.ctx, h.op, h.req, h.runner);
     let rt = &ctx.rt;
+    let landed = h.landed.filter(|_| ctx.inline);
     let (how, outcome) = settled(stopped, out.is_error);
     // The record and the result go out together (one round trip, not two, before the run
     // moves on). A result journaled before its record is finished (a crash in between, or a
@@ -414,7 +427,7 @@ async fn finish(
                 stopped,
             };
             keep_trying(ctx, "its result", Some(&held), || {
-                journal_result_after(rt, op, out.clone(), stopped, chained)
+                journal_result_after(rt, op, out.clone(), stopped, chained, landed)
             })
             .await
         }

@@ -70,6 +70,9 @@ pub(crate) struct Ctx {
     keeping: Keeping,
     /// Results not journaled yet, kept on this host's disk ([`held`]).
     pub(crate) held: held::HeldResults,
+    /// Operations are run inside a step's drive ([`crate::Inline`]): their `tool.started` and
+    /// `tool.result` go on the run's inline subjects.
+    pub(crate) inline: bool,
 }
 
 /// How many requests are kept ([`keep`]): each holds a [`Kept`] until it is handed back.
@@ -98,7 +101,7 @@ impl Drop for Kept {
 
 /// Work kept for a while ([`keep`]) and handed back to the service's loop, with how many times
 /// it was kept.
-enum Again {
+pub(crate) enum Again {
     /// A delivered request.
     Request(Box<Message>, u32),
     /// An operation adopted from a runner that is gone (there is no delivery to keep).
@@ -109,12 +112,12 @@ impl Ctx {
     /// This context over another runtime of the process, its light lane (docs/ARCHITECTURE.md
     /// "Fairness across tenants"): the operations of a tenant without a backlog go out on that
     /// runtime's connection.
-    fn on(&self, rt: Runtime) -> Ctx {
+    pub(crate) fn on(&self, rt: Runtime) -> Ctx {
         Ctx { rt, ..self.clone() }
     }
 
     /// The context of a service on `rt`, with what [`run`] set up before its loop.
-    fn new(
+    pub(crate) fn new(
         rt: &Runtime,
         sandbox: Arc<dyn sandbox::Sandbox>,
         running: Running,
@@ -139,6 +142,7 @@ impl Ctx {
             stopping,
             keeping: Keeping::default(),
             held: held::HeldResults::new(&rt.config.workspace_root),
+            inline: false,
             rt: rt.clone(),
         }
     }
@@ -379,14 +383,15 @@ async fn handle(ctx: &Ctx, msg: Message, kept: u32) {
     let (span, looked) = span_of(ctx, &msg, &run_id, &op, &req).await;
     // A panic while handling it (a bug) is contained: it counts as a failed delivery (handed
     // back, and a dead letter at the last one); the service and its other operations go on.
-    let result = AssertUnwindSafe(execute(ctx, &op, &req, looked, requested_at).instrument(span))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|panic| {
-            let reason = failpoint::panic_message(panic.as_ref());
-            tracing::error!(op = %op, panic = %reason, "handling a tool operation panicked");
-            Err(ToolError::Panicked(reason))
-        });
+    let result =
+        AssertUnwindSafe(execute(ctx, &op, &req, looked, requested_at, None).instrument(span))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| {
+                let reason = failpoint::panic_message(panic.as_ref());
+                tracing::error!(op = %op, panic = %reason, "handling a tool operation panicked");
+                Err(ToolError::Panicked(reason))
+            });
     settle_delivery(ctx, msg, kept, &op, result).await;
 }
 
@@ -625,7 +630,7 @@ async fn adopt(ctx: &Ctx, op: OperationId, kept: u32) {
         if handled_by_step(&req.tool) {
             return;
         }
-        match execute(ctx, &op, &req, None, None).await {
+        match execute(ctx, &op, &req, None, None, None).await {
             Ok(Handled::Busy { retry_in_ms } | Handled::Retrying { retry_in_ms, .. }) => {
                 tracing::info!(retry_in_ms, "adopted operation not due yet; kept until then");
                 let wait = Duration::from_millis(retry_in_ms.max(1));

@@ -17,6 +17,8 @@ pub struct Draft<E = Event> {
     pub step: Option<StepNo>,
     pub attempt: Option<Attempt>,
     pub op: Option<OperationId>,
+    /// Journaled on the operation's inline subject ([`Envelope::inline`]).
+    pub inline: bool,
 }
 
 impl<E> Draft<E> {
@@ -26,6 +28,7 @@ impl<E> Draft<E> {
             step: None,
             attempt: None,
             op: None,
+            inline: false,
         }
     }
     pub fn step(mut self, step: StepNo) -> Self {
@@ -40,6 +43,12 @@ impl<E> Draft<E> {
         self.op = Some(op);
         self
     }
+    /// Marks the draft as an event of an operation its run's drive runs itself
+    /// ([`Envelope::inline`]).
+    pub fn inline(mut self) -> Self {
+        self.inline = true;
+        self
+    }
 }
 
 impl<E: Into<Event>> Draft<E> {
@@ -50,6 +59,7 @@ impl<E: Into<Event>> Draft<E> {
             step: self.step,
             attempt: self.attempt,
             op: self.op,
+            inline: self.inline,
         }
     }
 }
@@ -115,7 +125,8 @@ kinded_envelope!(
     Input
 );
 
-/// The journal envelope: what one message on `agent.run.<run_id>.{d,i}.<type>` carries.
+/// The journal envelope: what one message on `agent.run.<run_id>.{d,i}.<type>` carries (or, for
+/// an operation run inline, on its inline subject: [`Envelope::inline`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Envelope {
     pub run_id: RunId,
@@ -126,6 +137,13 @@ pub struct Envelope {
     pub attempt: Option<Attempt>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub op: Option<OperationId>,
+    /// An event of an operation the run's drive runs itself, inline (docs/ARCHITECTURE.md
+    /// "Inline tools"): its `tool.requested` is journaled on `agent.run.<run_id>.d.inline.<type>`
+    /// (a decision no tool service takes) and its `tool.started` and `tool.result` on
+    /// `agent.run.<run_id>.inline.<type>` (inputs that wake no step). Only those three types
+    /// may be inline ([`EventType::may_be_inline`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub inline: bool,
     #[serde(flatten)]
     pub event: Event,
     /// SHA-256 of `data` in canonical JSON.
@@ -156,6 +174,7 @@ impl Envelope {
             step: draft.step,
             attempt: draft.attempt,
             op: draft.op,
+            inline: draft.inline,
             event: draft.event,
             digest,
         }
@@ -169,9 +188,14 @@ impl Envelope {
         self.event.kind()
     }
 
-    /// The subject this event is journaled on: `agent.run.<run_id>.<d|i>.<type>`.
+    /// The subject this event is journaled on: `agent.run.<run_id>.<d|i>.<type>`, or its inline
+    /// subject ([`Envelope::inline`]).
     pub fn subject(&self) -> String {
-        crate::subjects::event(&self.run_id, self.event_type())
+        if self.inline {
+            crate::subjects::inline_event(&self.run_id, self.event_type())
+        } else {
+            crate::subjects::event(&self.run_id, self.event_type())
+        }
     }
 
     pub fn to_json_bytes(&self) -> Vec<u8> {
@@ -196,6 +220,8 @@ impl Envelope {
             attempt: Option<Attempt>,
             #[serde(default)]
             op: Option<OperationId>,
+            #[serde(default)]
+            inline: bool,
             #[serde(rename = "type", borrow)]
             event_type: Cow<'a, str>,
             #[serde(borrow)]
@@ -213,6 +239,7 @@ impl Envelope {
             step: wire.step,
             attempt: wire.attempt,
             op: wire.op,
+            inline: wire.inline,
             event: Event::from_parts(event_type, wire.data)?,
             digest: wire.digest,
         };

@@ -350,6 +350,18 @@ impl EventType {
             other => other.kind() == EventKind::Input,
         }
     }
+
+    /// Whether an event of this type may be journaled on its operation's inline subject
+    /// ([`Envelope::inline`]): the request of an operation its run's drive runs itself, the
+    /// start of an attempt and the result. Every other event of such an operation (a retried
+    /// attempt, a confirmed or ambiguous outcome, a moved target) is journaled as any other,
+    /// and wakes the step as any other.
+    pub fn may_be_inline(self) -> bool {
+        matches!(
+            self,
+            EventType::ToolRequested | EventType::ToolStarted | EventType::ToolResult
+        )
+    }
 }
 
 impl fmt::Display for EventType {

@@ -85,11 +85,14 @@ pub struct ToolOp {
     pub reversibility: Option<crate::event::Reversibility>,
     /// For a compensation: the operation it compensates.
     pub compensates: Option<OperationId>,
+    /// Its current dispatch was requested inline: the run's drive runs it itself, no tool
+    /// service is asked (docs/ARCHITECTURE.md "Inline tools").
+    pub inline: bool,
 }
 
 impl ToolOp {
     /// A first dispatch (`tool.requested`): requested, no runner has started it.
-    fn requested(op: OperationId, req: &ToolRequested, at: Timestamp) -> ToolOp {
+    fn requested(op: OperationId, req: &ToolRequested, at: Timestamp, inline: bool) -> ToolOp {
         ToolOp {
             op,
             call: ToolCall {
@@ -107,6 +110,7 @@ impl ToolOp {
             failed_attempts: 0,
             reversibility: req.reversibility.clone(),
             compensates: req.compensates.clone(),
+            inline,
         }
     }
 
@@ -130,13 +134,15 @@ impl ToolOp {
             failed_attempts: 0,
             reversibility: req.reversibility.clone(),
             compensates: None,
+            inline: false,
         }
     }
 
     /// A re-dispatch under the same operation id (`tool.requested` after `outcome.not_found`
     /// or a person's `retry`).
-    fn redispatch(&mut self, at: Timestamp) {
+    fn redispatch(&mut self, at: Timestamp, inline: bool) {
         self.status = OpStatus::Requested;
+        self.inline = inline;
         self.dispatches = self.dispatches.saturating_add(1);
         self.since = at;
         self.failed_attempts = 0;
@@ -267,7 +273,7 @@ impl RunState {
         match self.ops.get_mut(&op) {
             // A re-dispatch under the same operation id (after `outcome.not_found` or a
             // person's `retry`).
-            Some(existing) if existing.result.is_none() => existing.redispatch(env.at),
+            Some(existing) if existing.result.is_none() => existing.redispatch(env.at, env.inline),
             Some(_) => {
                 return Err(Self::inconsistent(
                     seq,
@@ -276,7 +282,7 @@ impl RunState {
                 ));
             }
             None => {
-                let tool = ToolOp::requested(op.clone(), req, env.at);
+                let tool = ToolOp::requested(op.clone(), req, env.at, env.inline);
                 self.ops.insert(op, tool);
             }
         }

@@ -249,6 +249,26 @@ pub fn event(run: &RunId, event_type: EventType) -> String {
     )
 }
 
+/// The token that marks an inline subject (docs/ARCHITECTURE.md "Inline tools").
+const INLINE: &str = "inline";
+
+/// Where an event of an operation its run's drive runs itself is journaled
+/// ([`crate::event::Envelope::inline`]): a decision at `agent.run.<run_id>.d.inline.<type>`
+/// (within the run's decisions, `d.>`, outside every consumer's `d.<type>` filter) and an input
+/// at `agent.run.<run_id>.inline.<type>` (outside the inputs, `i.>`: it wakes no step).
+pub fn inline_event(run: &RunId, event_type: EventType) -> String {
+    match event_type.kind() {
+        EventKind::Decision => format!("agent.run.{run}.d.{INLINE}.{}", event_type.as_str()),
+        EventKind::Input => format!("agent.run.{run}.{INLINE}.{}", event_type.as_str()),
+    }
+}
+
+/// Every run's inline inputs (`agent.run.*.inline.>`): what a step service that runs tools
+/// inline publishes besides its decisions.
+pub fn inline_inputs_all_runs() -> String {
+    format!("agent.run.*.{INLINE}.{ANY_TAIL}")
+}
+
 /// `agent.delta.<run_id>`: core-NATS token deltas, never journaled.
 pub fn delta(run: &RunId) -> String {
     format!("agent.delta.{run}")
@@ -260,27 +280,35 @@ pub struct EventSubject {
     pub run_id: RunId,
     pub kind: EventKind,
     pub event_type: EventType,
+    /// On the event's inline subject ([`inline_event`]).
+    pub inline: bool,
 }
 
-/// Parses `agent.run.<run_id>.<d|i>.<type>`; `None` for anything else, including a type filed
-/// under the wrong kind.
+/// Parses `agent.run.<run_id>.<d|i>.<type>` and the inline subjects ([`inline_event`]); `None`
+/// for anything else, including a type filed under the wrong kind and a type that is never
+/// inline on an inline subject.
 pub fn parse_event(subject: &str) -> Option<EventSubject> {
     let rest = subject.strip_prefix("agent.run.")?;
     let (run, rest) = rest.split_once('.')?;
     let (kind, ty) = rest.split_once('.')?;
-    let kind = match kind {
-        "d" => EventKind::Decision,
-        "i" => EventKind::Input,
+    let (kind, ty, inline) = match kind {
+        "d" => match ty.strip_prefix("inline.") {
+            Some(ty) => (EventKind::Decision, ty, true),
+            None => (EventKind::Decision, ty, false),
+        },
+        "i" => (EventKind::Input, ty, false),
+        INLINE => (EventKind::Input, ty, true),
         _ => return None,
     };
     let event_type: EventType = ty.parse().ok()?;
-    if event_type.kind() != kind {
+    if event_type.kind() != kind || (inline && !event_type.may_be_inline()) {
         return None;
     }
     Some(EventSubject {
         run_id: run.parse().ok()?,
         kind,
         event_type,
+        inline,
     })
 }
 
@@ -639,6 +667,60 @@ mod tests {
         assert_eq!(parse_event("agent.run.run_abc.i.run.created"), None);
         assert_eq!(parse_event("agent.task.x"), None);
         assert_eq!(run_decisions(&run), "agent.run.run_abc.d.>");
+    }
+
+    #[test]
+    fn inline_subjects_parse_back_and_stay_out_of_the_consumers_filters() {
+        let run: RunId = "run_abc".parse().expect("valid");
+        let inline: Vec<_> = EventType::ALL
+            .iter()
+            .filter(|t| t.may_be_inline())
+            .collect();
+        assert_eq!(
+            inline,
+            [
+                &EventType::ToolRequested,
+                &EventType::ToolStarted,
+                &EventType::ToolResult
+            ]
+        );
+        for t in inline {
+            let s = inline_event(&run, *t);
+            let parsed = parse_event(&s).expect("parses");
+            assert_eq!(
+                (parsed.run_id.as_str(), parsed.event_type, parsed.kind),
+                ("run_abc", *t, t.kind())
+            );
+            assert!(parsed.inline, "{s}");
+            // In the run's tree, its decision within the run's decisions; never on a filter of
+            // a consumer that acts on it (the tool service's requests, the step's wakes).
+            assert!(covers(&run_all(&run), &s), "{s}");
+            assert_eq!(
+                covers(&run_decisions(&run), &s),
+                t.kind() == EventKind::Decision
+            );
+            assert!(!covers(&event_all_runs(*t), &s), "{s}");
+            assert!(!covers(&kind_all_runs(EventKind::Input), &s), "{s}");
+            assert!(covers(&inline_inputs_all_runs(), &s) || t.kind() == EventKind::Decision);
+        }
+        assert_eq!(
+            inline_event(&run, EventType::ToolRequested),
+            "agent.run.run_abc.d.inline.tool.requested"
+        );
+        assert_eq!(
+            inline_event(&run, EventType::ToolResult),
+            "agent.run.run_abc.inline.tool.result"
+        );
+        // Only an operation's request, start and result are ever inline, each under its kind.
+        for bad in [
+            "agent.run.run_abc.d.inline.run.succeeded",
+            "agent.run.run_abc.inline.user.message",
+            "agent.run.run_abc.d.inline.tool.result",
+            "agent.run.run_abc.inline.tool.requested",
+            "agent.run.run_abc.i.inline.tool.result",
+        ] {
+            assert_eq!(parse_event(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -109,9 +109,11 @@ pub(super) fn decode(run: &RunId, m: StoredMessage) -> Decoded {
             format!("subject `{}` is not in {run}'s journal", m.subject),
         );
     };
+    // An inline input (`agent.run.<run>.inline.<type>`, docs/ARCHITECTURE.md "Inline tools")
+    // is an input like any other; an inline decision is under `d.`.
     let kind = if rest.starts_with("d.") {
         EventKind::Decision
-    } else if rest.starts_with("i.") {
+    } else if rest.starts_with("i.") || rest.starts_with("inline.") {
         EventKind::Input
     } else {
         return Decoded::Skip;
@@ -121,6 +123,9 @@ pub(super) fn decode(run: &RunId, m: StoredMessage) -> Decoded {
         Err(_) if blob::reference_of(&m.payload).is_some() => return Decoded::ByReference(m),
         Err(e) => return set_aside(kind, format!("not an event envelope: {e}")),
     };
+    if envelope.inline && !envelope.event_type().may_be_inline() {
+        return set_aside(kind, format!("`{}` is never inline", envelope.event_type()));
+    }
     if envelope.run_id != *run || envelope.subject() != m.subject {
         return set_aside(
             kind,
@@ -485,5 +490,52 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_inline_event_is_read_on_its_inline_subject_only() {
+        let r = run();
+        let op = kedge_core::ids::OperationId::new(&r, kedge_core::StepNo(1), 0);
+        let result = |inline: bool| {
+            let draft = Draft::new(Event::ToolResult(kedge_core::event::ToolResult {
+                content: "ok".into(),
+                is_error: false,
+                stopped: false,
+            }))
+            .op(op.clone());
+            let draft = if inline { draft.inline() } else { draft };
+            Envelope::new(r.clone(), Timestamp::now(), draft)
+        };
+        let inline = result(true);
+        assert_eq!(inline.subject(), "agent.run.run_j1.inline.tool.result");
+        match decode(&r, stored(3, &inline.subject(), inline.to_json_bytes())) {
+            Decoded::Event(rec) => assert!(rec.envelope.inline && rec.seq == 3),
+            other => panic!("{other:?}"),
+        }
+        // Either shape on the other's subject is set aside.
+        let plain = result(false);
+        for (seq, subject, bytes) in [
+            (4, plain.subject(), inline.to_json_bytes()),
+            (5, inline.subject(), plain.to_json_bytes()),
+        ] {
+            assert_eq!(
+                set_aside_at(decode(&r, stored(seq, &subject, bytes))),
+                Some((seq, EventKind::Input))
+            );
+        }
+        // A type that is never inline, on the subject its envelope names.
+        let mut message = Envelope::new(
+            r.clone(),
+            Timestamp::now(),
+            Draft::new(Event::UserMessage(UserMessage { text: "hi".into() })),
+        );
+        message.inline = true;
+        assert_eq!(
+            set_aside_at(decode(
+                &r,
+                stored(6, &message.subject(), message.to_json_bytes())
+            )),
+            Some((6, EventKind::Input))
+        );
     }
 }

@@ -258,7 +258,8 @@ impl Journal {
             .await
     }
 
-    /// Exactly the run's events of one type (`agent.run.<id>.<d|i>.<type>`), in order, with
+    /// Exactly the run's events of one type (`agent.run.<id>.<d|i>.<type>`, and for a type
+    /// that may be inline its inline subject too, `subjects::inline_event`), in order, with
     /// the same consistency as [`Journal::read`]; costs what those events cost, not the whole
     /// journal. E.g. the `tool.requested` decisions of a run, or its `run.created` (none: the
     /// run does not exist).
@@ -268,10 +269,20 @@ impl Journal {
         event_type: EventType,
     ) -> Result<Vec<Recorded>, JournalError> {
         let filter = subjects::event(run, event_type);
-        Ok(self
+        let mut events = self
             .read_filtered(run, &filter, 0, usize::MAX, None)
             .await?
-            .events)
+            .events;
+        if event_type.may_be_inline() {
+            let inline = subjects::inline_event(run, event_type);
+            events.extend(
+                self.read_filtered(run, &inline, 0, usize::MAX, None)
+                    .await?
+                    .events,
+            );
+            events.sort_by_key(|r| r.seq);
+        }
+        Ok(events)
     }
 
     /// [`Journal::read_at_most`] over `filter`, a subject filter inside the run's tree.

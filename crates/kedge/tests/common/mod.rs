@@ -269,6 +269,17 @@ impl Harness {
         self.services.start(config, &[svc.service()]);
     }
 
+    /// Runs several services in this process as one `kedge serve <svc>…` runs them (one
+    /// connection, as the user of every service, `all`), as worker `worker`: a step service
+    /// beside the tool service runs built-in tools inline (docs/ARCHITECTURE.md "Inline
+    /// tools").
+    pub fn spawn_services(&mut self, svcs: &[Svc], worker: &str) {
+        let mut config = as_kind(&self.config, Kind::All);
+        config.worker_id = worker.parse().expect("worker id");
+        let services: Vec<Service> = svcs.iter().map(|s| s.service()).collect();
+        self.services.start(config, &services);
+    }
+
     /// Runs `kedge serve <svc>` as a separate process, with failpoints armed (e.g.
     /// [`STORED_NOT_COMMITTED`]).
     pub fn spawn_process(&mut self, svc: &str, worker: &str, failpoints: &str) -> usize {

@@ -103,6 +103,11 @@ pub struct Config {
     /// releases it after every drive, as builds before parking did; worth it while step workers
     /// of such a build (which do not ask a holder to yield) run beside this one.
     pub park_leases: bool,
+    /// Run built-in tools inside the step's drive when the process runs the tool service too
+    /// (`KEDGE_INLINE_TOOLS`, default on): the drive that requests such an operation runs it
+    /// and goes on with its result, instead of a tool worker's delivery and a wake of the run
+    /// (docs/ARCHITECTURE.md "Inline tools"). Off: every operation goes to the tool service.
+    pub inline_tools: bool,
     /// Runs a step worker drives at once.
     pub step_concurrency: usize,
     /// Tool operations a tool worker runs at once.
@@ -196,6 +201,7 @@ impl Default for Config {
             sandbox: SandboxKind::Bwrap,
             ledger_tool: false,
             park_leases: true,
+            inline_tools: true,
             step_concurrency: 256,
             tool_concurrency: 64,
             adaptive_concurrency: false,
@@ -234,6 +240,7 @@ impl std::fmt::Debug for Config {
             sandbox,
             ledger_tool,
             park_leases,
+            inline_tools,
             step_concurrency,
             tool_concurrency,
             adaptive_concurrency,
@@ -268,6 +275,7 @@ impl std::fmt::Debug for Config {
             .field("sandbox", sandbox)
             .field("ledger_tool", ledger_tool)
             .field("park_leases", park_leases)
+            .field("inline_tools", inline_tools)
             .field("step_concurrency", step_concurrency)
             .field("tool_concurrency", tool_concurrency)
             .field("adaptive_concurrency", adaptive_concurrency)

@@ -33,7 +33,7 @@ impl std::str::FromStr for SandboxKind {
 
 impl Config {
     /// Applies `KEDGE_REPLICAS`, `KEDGE_WORKER_ID`, `KEDGE_WORKSPACE_ROOT`, `KEDGE_LEDGER_TOOL`,
-    /// `KEDGE_PARK_LEASES`, `KEDGE_ADAPTIVE_CONCURRENCY` and `KEDGE_SANDBOX`.
+    /// `KEDGE_PARK_LEASES`, `KEDGE_INLINE_TOOLS`, `KEDGE_ADAPTIVE_CONCURRENCY` and `KEDGE_SANDBOX`.
     pub(super) fn apply_workers_env(
         &mut self,
         get: &impl Fn(&'static str) -> Option<String>,
@@ -59,6 +59,9 @@ impl Config {
         }
         if let Some(v) = get("KEDGE_PARK_LEASES") {
             self.park_leases = flag("KEDGE_PARK_LEASES", &v)?;
+        }
+        if let Some(v) = get("KEDGE_INLINE_TOOLS") {
+            self.inline_tools = flag("KEDGE_INLINE_TOOLS", &v)?;
         }
         if let Some(v) = get("KEDGE_ADAPTIVE_CONCURRENCY") {
             self.adaptive_concurrency = flag("KEDGE_ADAPTIVE_CONCURRENCY", &v)?;

@@ -270,13 +270,17 @@ fn tool() -> KindRules {
     .into_iter()
     .map(all_runs)
     .collect();
+    // An operation's start and result journaled by the tool code inside a step's drive
+    // (docs/ARCHITECTURE.md "Inline tools"; its request is the step's decision).
+    publish.push(subjects::inline_inputs_all_runs());
     publish.push(subjects::kv_all(IDEMPOTENCY_BUCKET));
     publish.push(subjects::dead_letter(Durable::Tool));
     publish.push(LIVE_ALL.to_owned());
     publish.extend(blobs());
     KindRules {
-        about: "runs tool operations the journal decided; records them; answers resolve and \
-                inspect requests; liveness heartbeats and pings"
+        about: "runs tool operations the journal decided (in a process that also runs the step \
+                service, built-in tools inside the step's drive, on the runs' inline subjects); \
+                records them; answers resolve and inspect requests; liveness heartbeats and pings"
             .to_owned(),
         durables: vec![Durable::Tool],
         lift: vec![OBJECTS_ALL.to_owned()],

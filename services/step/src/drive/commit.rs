@@ -23,6 +23,10 @@ pub(super) struct Writing<'a> {
     pub(super) stale_through: Option<u64>,
     /// What the state's appends skipped since it was last read.
     pub(super) skipped: Skipped,
+    /// The inline requests appended and not run yet (`Driver::run_inline`).
+    pub(super) inline: Vec<super::inline::Requested>,
+    /// How many more operations this drive may run inline (`inline::INLINE_PER_DRIVE`).
+    pub(super) inline_budget: u32,
 }
 
 impl Driver {
@@ -109,7 +113,9 @@ impl Driver {
         let now = Timestamp::now();
         let mut expected = state.last_decision_seq;
         let count = drafts.len();
-        for (index, draft) in drafts.into_iter().enumerate() {
+        for (index, mut draft) in drafts.into_iter().enumerate() {
+            self.mark_inline(w, &mut draft);
+            let inline = draft.inline.then(|| draft.clone());
             let event = DecisionEnvelope::new(state.run_id.clone(), now, draft);
             let journal = &self.rt.journal;
             let mut current = w.stale_through.is_none();
@@ -137,6 +143,14 @@ impl Driver {
                 result = journal
                     .append_decisions(w.writer, expected, std::slice::from_ref(&event))
                     .await;
+            }
+            let landed = match &result {
+                Ok(appended) => Some(appended.last_seq),
+                Err(JournalError::Duplicate { seq }) => Some(*seq),
+                Err(_) => None,
+            };
+            if let (Some(seq), Some(draft)) = (landed, &inline) {
+                Self::landed_inline(w, draft, seq);
             }
             match result {
                 // Nothing of the run was stored in between, says the run-wide check: folded as

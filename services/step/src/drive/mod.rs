@@ -17,6 +17,7 @@
 //! - `provider`: where the call goes, and how a run waits on its provider;
 //! - `context`: compacting the model's context to fit its window;
 //! - `children`: the child runs of `run_agent` operations, and a child's result to its parent;
+//! - `inline`: built-in tools the drive runs itself (docs/ARCHITECTURE.md "Inline tools");
 //! - `listing`: the run's summary in the runs list, written from the fold the drive left.
 
 mod cache;
@@ -24,6 +25,7 @@ mod children;
 mod commit;
 mod context;
 mod holding;
+mod inline;
 mod listing;
 mod model;
 mod precondition;
@@ -95,6 +97,10 @@ pub enum DriveError {
     /// `kedge_slots` (the slots of concurrency keys) could not be read or written now.
     #[error(transparent)]
     Slots(#[from] kedge_runtime::slots::SlotError),
+    /// An operation run inside the drive did not come to an answer (broker trouble, a request
+    /// the journal does not hold).
+    #[error(transparent)]
+    Inline(kedge_tool::InlineError),
     /// The drive panicked (a bug): contained by the service, retried a bounded number of times.
     #[error("the drive panicked: {0}")]
     Panicked(String),
@@ -114,6 +120,7 @@ impl DriveError {
             DriveError::NoRun => true,
             DriveError::Precondition { .. } => true,
             DriveError::Slots(kedge_runtime::slots::SlotError::Unavailable(_)) => true,
+            DriveError::Inline(e) => e.retryable,
             DriveError::Lease(_)
             | DriveError::Fold(_)
             | DriveError::Idempotency(_)
@@ -160,6 +167,9 @@ pub struct Driver {
     slots: Arc<tokio::sync::OnceCell<kedge_runtime::slots::Slots>>,
     /// The runs' summaries this process writes to the runs list after its drives.
     listing: listing::Listing,
+    /// Built-in tools run inside the drives, when this process runs the tool service too
+    /// (docs/ARCHITECTURE.md "Inline tools").
+    inline: Option<kedge_tool::Inline>,
 }
 
 impl std::fmt::Debug for Driver {
@@ -176,6 +186,7 @@ impl Driver {
         model: ModelClient,
         cancels: tokio::sync::broadcast::Sender<RunId>,
         liveness: Liveness,
+        inline: Option<kedge_tool::Inline>,
     ) -> Self {
         let list_interval = rt.config.bridge.runs_list_interval_ms;
         Self {
@@ -192,6 +203,7 @@ impl Driver {
             park_ids: Arc::default(),
             slots: Arc::default(),
             listing: listing::Listing::new(std::time::Duration::from_millis(list_interval)),
+            inline,
         }
     }
 
@@ -203,6 +215,7 @@ impl Driver {
     /// ride connections the backlog's drives opened, read by the shared threads.
     pub fn on(&self, rt: Runtime, model: ModelClient) -> Self {
         Self {
+            inline: self.inline.as_ref().map(|i| i.on(rt.clone())),
             rt: Arc::new(rt),
             model,
             ..self.clone()
@@ -310,6 +323,8 @@ impl Driver {
             writer: &writer,
             stale_through: None,
             skipped,
+            inline: Vec::new(),
+            inline_budget: inline::INLINE_PER_DRIVE,
         };
         let keeper = Keeper::start(&self.rt, holding.lease, holding.written, msg);
         let mut lost = keeper.lost.clone();
@@ -381,6 +396,9 @@ impl Driver {
                 return Err(DriveError::LeaseLost);
             }
             match decide(state) {
+                // Built-in tools run here, and the run goes on with their results.
+                Next::Idle(Idle::WaitingTools { .. })
+                    if self.run_inline(state, w, lost).await? => {}
                 Next::Idle(why) => {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
                     if why == Idle::Terminal {

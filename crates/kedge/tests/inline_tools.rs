@@ -1,0 +1,124 @@
+//! Built-in tools run inside the step's drive when the process runs the tool service too
+//! (docs/ARCHITECTURE.md "Inline tools"): the whole agent loop of a run in one drive, no tool
+//! worker's delivery and no wake of the run per operation; and a process killed in the middle
+//! of an inline operation repeats no effect.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::{Harness, Svc, assert_schema_valid};
+use kedge_core::RunStatus;
+use kedge_core::event::{Event, EventType};
+use serde_json::json;
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn call(name: &str, args: serde_json::Value) -> serde_json::Value {
+    json!({"name": name, "arguments": args})
+}
+
+/// Two steps with a ledger entry each (a built-in tool with a side effect), then the answer.
+fn two_payments(model: &str) -> serde_json::Value {
+    json!({"models": {model: {"steps": [
+        {"text": "paying", "tool_calls": [call("ledger_append", json!({"text": "pay 5"}))]},
+        {"text": "paying again", "tool_calls": [
+            call("ledger_append", json!({"text": "pay 7"})),
+            call("write_file", json!({"path": "receipt.txt", "content": "12"}))
+        ]},
+        {"text": "paid"}
+    ]}}})
+}
+
+/// How many messages a consumer of the journal was delivered so far.
+async fn delivered(h: &Harness, consumer: &str) -> u64 {
+    let mut c: async_nats::jetstream::consumer::PullConsumer =
+        h.rt.js
+            .get_consumer_from_stream(consumer, "KEDGE_RUNS")
+            .await
+            .expect("consumer");
+    c.info()
+        .await
+        .expect("consumer info")
+        .delivered
+        .consumer_sequence
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_beside_the_tool_service_runs_built_in_tools_in_its_drive() {
+    let mut h = Harness::start(two_payments("mi"), &[Svc::Intake]).await;
+    h.agent("payer", "mi").await;
+    h.spawn_services(&[Svc::Step, Svc::Tool], "w-both");
+    let run = h.submit("payer", "go", "task-inline").await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded);
+    let ledger = h.ledger();
+    assert_eq!(ledger.len(), 2, "one entry per operation: {ledger:?}");
+    let events = h.events(&run).await;
+    let of = |t: EventType| -> Vec<bool> {
+        events
+            .iter()
+            .filter(|r| r.envelope.event_type() == t)
+            .map(|r| r.envelope.inline)
+            .collect()
+    };
+    // Every request, start and result of the three operations is on its inline subject.
+    for t in [
+        EventType::ToolRequested,
+        EventType::ToolStarted,
+        EventType::ToolResult,
+    ] {
+        assert_eq!(of(t), [true, true, true], "{t}");
+    }
+    let receipt = events.iter().find_map(|r| match &r.envelope.event {
+        Event::ToolResult(res) if res.content.contains("receipt.txt") => Some(res),
+        _ => None,
+    });
+    assert!(receipt.is_some_and(|r| !r.is_error), "{receipt:?}");
+    // No tool worker was asked, and no tool event woke the run: the only inputs the step
+    // consumer saw are none (the run was started by its `run.created`, on the other consumer).
+    assert_eq!(delivered(&h, "tool").await, 0, "the tool consumer");
+    assert_eq!(delivered(&h, "step").await, 0, "the step's inputs consumer");
+    assert_schema_valid(&events);
+    h.check_replay(&run, "a-run-whose-tools-ran-inline").await;
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_killed_in_an_inline_operation_repeats_no_effect() {
+    // After the effect (the record still `running`: the next drive's claim takes it over and
+    // the ledger's confirm query finds the entry); after the record and the result.
+    for failpoint in ["tool.after_effect", "tool.after_record"] {
+        let script = json!({"models": {"mk": {"steps": [
+            {"text": "paying", "tool_calls": [call("ledger_append", json!({"text": "pay 5"}))]},
+            {"text": "paid"}
+        ]}}});
+        let mut h = Harness::start(script, &[]).await;
+        h.agent("ledger", "mk").await;
+        let doomed = h.spawn_process("all", "w-all-doomed", failpoint);
+        let run = h.submit("ledger", "go", "task-inline-kill").await;
+        assert!(
+            h.wait_exit(doomed, WAIT).await,
+            "{failpoint}: the process should abort in the step's drive"
+        );
+        assert_eq!(h.ledger().len(), 1, "{failpoint}: the effect happened once");
+        let requested = h
+            .events(&run)
+            .await
+            .into_iter()
+            .find(|r| r.envelope.event_type() == EventType::ToolRequested)
+            .expect("the request was journaled");
+        assert!(requested.envelope.inline, "{failpoint}: requested inline");
+        h.spawn_process("all", "w-all-fresh", "");
+        let state = h.wait_terminal(&run, WAIT).await;
+        assert_eq!(state.status, RunStatus::Succeeded, "{failpoint}");
+        let ledger = h.ledger();
+        assert_eq!(
+            ledger.len(),
+            1,
+            "{failpoint}: the effect must not repeat: {ledger:?}"
+        );
+        assert_schema_valid(&h.events(&run).await);
+        h.shutdown().await;
+    }
+}
