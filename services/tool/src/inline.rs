@@ -27,8 +27,8 @@ use crate::builtin::Builtin;
 use crate::claim::Look;
 use crate::journaling::{Chained, Landed};
 use crate::running::{Running, execute};
-use crate::service::Ctx;
-use crate::{Handled, sandbox, verify};
+use crate::service::{Ctx, configured_sandbox};
+use crate::{Handled, verify};
 
 /// Runs built-in tools for a step's drives. Cheap to clone.
 #[derive(Clone)]
@@ -81,12 +81,7 @@ impl Inline {
     /// process's failure detector, and the run's cancel listened to (an operation running when
     /// its run's cancel is requested is stopped, as in the tool service).
     pub async fn open(rt: &Runtime) -> Result<Inline, RuntimeError> {
-        let sandbox = sandbox::from_config(rt.config.sandbox).await.map_err(|e| {
-            kedge_runtime::ConfigError::Invalid {
-                field: "sandbox",
-                reason: e.to_string(),
-            }
-        })?;
+        let sandbox = configured_sandbox(rt).await?;
         let liveness = rt.liveness().await?;
         let running = Running::default();
         let stopping = running.clone();

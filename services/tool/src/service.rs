@@ -151,12 +151,7 @@ impl Ctx {
 /// Runs the tool service until `shutdown` resolves, then lets in-flight operations finish.
 pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
     // No sandbox, no service (unless `unconfined` was chosen).
-    let sandbox = sandbox::from_config(rt.config.sandbox).await.map_err(|e| {
-        kedge_runtime::ConfigError::Invalid {
-            field: "sandbox",
-            reason: e.to_string(),
-        }
-    })?;
+    let sandbox = configured_sandbox(&rt).await?;
     let liveness = rt.liveness().await?;
     let mut deaths = liveness.deaths();
     let running = Running::default();
@@ -262,6 +257,20 @@ pub async fn run(rt: Runtime, shutdown: impl Future<Output = ()>) -> Result<(), 
     watching.abort();
     tracing::info!("tool service stopped");
     Ok(())
+}
+
+/// The sandbox `rt`'s configuration asks for ([`sandbox::from_config`]); one that does not
+/// work here is a configuration error.
+pub(crate) async fn configured_sandbox(
+    rt: &Runtime,
+) -> Result<Arc<dyn sandbox::Sandbox>, RuntimeError> {
+    sandbox::from_config(rt.config.sandbox).await.map_err(|e| {
+        kedge_runtime::ConfigError::Invalid {
+            field: "sandbox",
+            reason: e.to_string(),
+        }
+        .into()
+    })
 }
 
 /// Precondition queries answered at once by one tool process (more wait in the subscription).
