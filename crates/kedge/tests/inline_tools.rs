@@ -122,3 +122,57 @@ async fn a_process_killed_in_an_inline_operation_repeats_no_effect() {
         h.shutdown().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_stops_an_inline_tool_and_ends_the_run() {
+    let script = json!({"models": {"mc": {"steps": [
+        {"text": "sleeping", "tool_calls": [
+            call("shell", json!({"command": "sleep", "args": ["20"]})),
+            call("write_file", json!({"path": "x", "content": "y"}))]},
+        {"text": "never"}
+    ]}}});
+    let mut h = Harness::start_with(script, &[Svc::Intake], |c| {
+        c.timeouts.tool_timeout_ms = 30_000;
+        c.timeouts.tool_ack_wait_ms = 45_000;
+    })
+    .await;
+    h.agent("sleeper", "mc").await;
+    h.spawn_services(&[Svc::Step, Svc::Tool], "w-both");
+    let run = h.submit("sleeper", "go", "task-inline-cancel").await;
+    h.wait_for(&run, WAIT, |s| {
+        s.ops.values().any(|o| {
+            o.call.name == "shell" && matches!(o.status, kedge_core::fold::OpStatus::Started { .. })
+        })
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    h.input(
+        &run,
+        Event::CancelRequested(kedge_core::event::CancelRequested {
+            reason: "test".into(),
+            by: Some("tester".into()),
+        }),
+        &format!("cancel:{run}"),
+    )
+    .await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Cancelled);
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "the sleep was stopped, not waited for"
+    );
+    let events = h.events(&run).await;
+    let results: Vec<(bool, bool)> = events
+        .iter()
+        .filter_map(|r| match &r.envelope.event {
+            Event::ToolResult(res) => Some((r.envelope.inline, res.stopped)),
+            _ => None,
+        })
+        .collect();
+    // Both ran inline; the shell was stopped by the cancel, the write was not.
+    let mut stopped: Vec<bool> = results.iter().map(|(_, s)| *s).collect();
+    stopped.sort();
+    assert_eq!(stopped, [false, true], "{results:?}");
+    assert!(results.iter().all(|(inline, _)| *inline), "{results:?}");
+    h.shutdown().await;
+}

@@ -396,9 +396,11 @@ impl Driver {
                 return Err(DriveError::LeaseLost);
             }
             match decide(state) {
-                // Built-in tools run here, and the run goes on with their results.
-                Next::Idle(Idle::WaitingTools { .. })
-                    if self.run_inline(state, w, lost).await? => {}
+                // Built-in tools run here, and the run goes on with their results: while it
+                // waits on its tools, and in any other wait an unfinished inline operation
+                // would hold up (a cancelling run's, whose result says it was not run).
+                Next::Idle(why)
+                    if why != Idle::Terminal && self.run_inline(state, w, lost).await? => {}
                 Next::Idle(why) => {
                     tracing::debug!(run_id = %run, ?why, status = %state.status, "idle");
                     if why == Idle::Terminal {
