@@ -61,9 +61,10 @@ impl Driver {
 
     /// Runs the run's unfinished inline operations: those this drive just requested, and any
     /// another drive left unfinished (its process died, or the broker failed it mid-way). All
-    /// at once; then the state is read again. Whether anything was journaled (the caller
-    /// decides again); `false` when nothing was to run, or every operation is held by another
-    /// runner (which journals its result, waking the run).
+    /// at once; then what they journaled is folded: as it landed for one operation whose start
+    /// and result are chained ([`fold_chain`]), else by reading the run again. Whether anything
+    /// was journaled (the caller decides again); `false` when nothing was to run, or every
+    /// operation is held by another runner (which journals its result, waking the run).
     pub(super) async fn run_inline(
         &self,
         state: &mut RunState,
