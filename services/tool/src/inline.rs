@@ -92,8 +92,7 @@ impl Inline {
         // drive's.
         let (again, _) = mpsc::unbounded_channel();
         let (stop, stopped) = watch::channel(false);
-        let mut ctx = Ctx::new(rt, sandbox, running, liveness, again, stopped);
-        ctx.inline = true;
+        let ctx = Ctx::new(rt, sandbox, running, liveness, again, stopped);
         Ok(Inline {
             ctx: Arc::new(ctx),
             _kept: Arc::new(Kept {

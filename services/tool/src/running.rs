@@ -85,7 +85,8 @@ pub(crate) struct Handling<'a> {
     /// The request carries a retry policy: attempts are numbered, each claiming the record
     /// under its own number.
     pub(crate) retried: bool,
-    /// Where the inputs appended chained are noted (an inline handling's).
+    /// Set for a handling inside a step's drive: where the inputs appended chained are noted
+    /// (and its start and result go on the run's inline subjects).
     pub(crate) landed: Option<&'a Landed>,
 }
 
@@ -100,7 +101,9 @@ pub(crate) struct Handling<'a> {
 ///
 /// [`look`]: crate::claim::look
 ///
-/// `landed`: where an inline handling notes the inputs it appended chained (`Chained`).
+/// `landed`: set for a handling inside a step's drive ([`crate::Inline`]): its `tool.started`
+/// and `tool.result` go on the run's inline subjects, and what of them landed chained is noted
+/// there (`Chained`).
 pub(crate) async fn execute(
     ctx: &Ctx,
     op: &OperationId,
@@ -217,7 +220,7 @@ async fn start_and_run(
         op.run().clone(),
         Timestamp::now(),
         inline_if(
-            ctx.inline,
+            h.landed.is_some(),
             Draft::new(Input::ToolStarted(ToolStarted {
                 runner: runner.to_string(),
                 attempt,
@@ -399,7 +402,6 @@ async fn finish(
 ) -> Result<Handled, ToolError> {
     let (ctx, op, req, runner) = (h.ctx, h.op, h.req, h.runner);
     let rt = &ctx.rt;
-    let landed = h.landed.filter(|_| ctx.inline);
     let (how, outcome) = settled(stopped, out.is_error);
     // The record and the result go out together (one round trip, not two, before the run
     // moves on). A result journaled before its record is finished (a crash in between, or a
@@ -427,7 +429,7 @@ async fn finish(
                 stopped,
             };
             keep_trying(ctx, "its result", Some(&held), || {
-                journal_result_after(rt, op, out.clone(), stopped, chained, landed)
+                journal_result_after(rt, op, out.clone(), stopped, chained, h.landed)
             })
             .await
         }

@@ -70,9 +70,6 @@ pub(crate) struct Ctx {
     keeping: Keeping,
     /// Results not journaled yet, kept on this host's disk ([`held`]).
     pub(crate) held: held::HeldResults,
-    /// Operations are run inside a step's drive ([`crate::Inline`]): their `tool.started` and
-    /// `tool.result` go on the run's inline subjects.
-    pub(crate) inline: bool,
 }
 
 /// How many requests are kept ([`keep`]): each holds a [`Kept`] until it is handed back.
@@ -142,7 +139,6 @@ impl Ctx {
             stopping,
             keeping: Keeping::default(),
             held: held::HeldResults::new(&rt.config.workspace_root),
-            inline: false,
             rt: rt.clone(),
         }
     }

@@ -269,19 +269,21 @@ impl Journal {
         event_type: EventType,
     ) -> Result<Vec<Recorded>, JournalError> {
         let filter = subjects::event(run, event_type);
-        let mut events = self
-            .read_filtered(run, &filter, 0, usize::MAX, None)
-            .await?
-            .events;
-        if event_type.may_be_inline() {
-            let inline = subjects::inline_event(run, event_type);
-            events.extend(
-                self.read_filtered(run, &inline, 0, usize::MAX, None)
-                    .await?
-                    .events,
-            );
-            events.sort_by_key(|r| r.seq);
+        if !event_type.may_be_inline() {
+            return Ok(self
+                .read_filtered(run, &filter, 0, usize::MAX, None)
+                .await?
+                .events);
         }
+        // Both subjects at once: one round trip's wait, not two.
+        let inline = subjects::inline_event(run, event_type);
+        let (plain, inline) = futures::try_join!(
+            self.read_filtered(run, &filter, 0, usize::MAX, None),
+            self.read_filtered(run, &inline, 0, usize::MAX, None)
+        )?;
+        let mut events = plain.events;
+        events.extend(inline.events);
+        events.sort_by_key(|r| r.seq);
         Ok(events)
     }
 

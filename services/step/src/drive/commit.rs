@@ -114,8 +114,7 @@ impl Driver {
         let mut expected = state.last_decision_seq;
         let count = drafts.len();
         for (index, mut draft) in drafts.into_iter().enumerate() {
-            self.mark_inline(w, &mut draft);
-            let inline = draft.inline.then(|| draft.clone());
+            let inline = self.mark_inline(w, &mut draft);
             let event = DecisionEnvelope::new(state.run_id.clone(), now, draft);
             let journal = &self.rt.journal;
             let mut current = w.stale_through.is_none();
@@ -149,8 +148,9 @@ impl Driver {
                 Err(JournalError::Duplicate { seq }) => Some(*seq),
                 Err(_) => None,
             };
-            if let (Some(seq), Some(draft)) = (landed, &inline) {
-                Self::landed_inline(w, draft, seq);
+            if let (Some(seq), Some(mut requested)) = (landed, inline) {
+                requested.seq = seq;
+                w.inline.push(requested);
             }
             match result {
                 // Nothing of the run was stored in between, says the run-wide check: folded as

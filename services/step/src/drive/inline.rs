@@ -22,7 +22,8 @@ pub(super) const INLINE_PER_DRIVE: u32 = 256;
 pub(super) struct Requested {
     op: OperationId,
     req: ToolRequested,
-    seq: u64,
+    /// Where it landed (set once it has).
+    pub(super) seq: u64,
     /// The span of the step that requested it (exported spans only): the tool's span nests
     /// under it, as under a tool worker (the `traceparent` header of its `tool.requested`).
     traceparent: Option<String>,
@@ -30,33 +31,29 @@ pub(super) struct Requested {
 
 impl Driver {
     /// Marks `draft` inline when it requests a built-in tool and this drive may still run one
-    /// (`w.inline_budget`); counted against the budget.
-    pub(super) fn mark_inline(&self, w: &mut Writing<'_>, draft: &mut Draft<Decision>) {
-        let Some(inline) = &self.inline else {
-            return;
+    /// (`w.inline_budget`, counted against it); the request to note in `w.inline` once it has
+    /// landed (its `seq` set), for [`Driver::run_inline`].
+    pub(super) fn mark_inline(
+        &self,
+        w: &mut Writing<'_>,
+        draft: &mut Draft<Decision>,
+    ) -> Option<Requested> {
+        let inline = self.inline.as_ref()?;
+        let (Decision::ToolRequested(req), Some(op)) = (&draft.event, &draft.op) else {
+            return None;
         };
-        if let Decision::ToolRequested(req) = &draft.event
-            && draft.op.is_some()
-            && w.inline_budget > 0
-            && inline.runs(&req.tool)
-        {
-            draft.inline = true;
-            w.inline_budget -= 1;
+        if w.inline_budget == 0 || !inline.runs(&req.tool) {
+            return None;
         }
-    }
-
-    /// Notes an inline request that landed at `seq`: run by [`Driver::run_inline`].
-    pub(super) fn landed_inline(w: &mut Writing<'_>, draft: &Draft<Decision>, seq: u64) {
-        if let (true, Decision::ToolRequested(req), Some(op)) =
-            (draft.inline, &draft.event, &draft.op)
-        {
-            w.inline.push(Requested {
-                op: op.clone(),
-                req: req.clone(),
-                seq,
-                traceparent: kedge_runtime::trace::current(),
-            });
-        }
+        w.inline_budget -= 1;
+        let requested = Requested {
+            op: op.clone(),
+            req: req.clone(),
+            seq: 0,
+            traceparent: kedge_runtime::trace::current(),
+        };
+        draft.inline = true;
+        Some(requested)
     }
 
     /// Runs the run's unfinished inline operations: those this drive just requested, and any
