@@ -1,7 +1,8 @@
 //! Built-in tools run inside the step's drive when the process runs the tool service too
 //! (docs/ARCHITECTURE.md "Inline tools"): the whole agent loop of a run in one drive, no tool
-//! worker's delivery and no wake of the run per operation; and a process killed in the middle
-//! of an inline operation repeats no effect.
+//! worker's delivery and no wake of the run per operation; past one drive's budget the tool
+//! service runs the rest; and a process killed in the middle of an inline operation repeats no
+//! effect.
 
 use crate::common;
 
@@ -81,6 +82,55 @@ async fn a_step_beside_the_tool_service_runs_built_in_tools_in_its_drive() {
     assert_eq!(delivered(&h, "step").await, 0, "the step's inputs consumer");
     assert_schema_valid(&events);
     h.check_replay(&run, "a-run-whose-tools-ran-inline").await;
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_a_drives_inline_budget_go_to_the_tool_service() {
+    // One step asks for more built-in calls than one drive may run inline: the drive runs its
+    // budget's worth, the rest are journaled as ordinary requests and the tool service (here in
+    // the same process) runs them; every call has its one effect and one result.
+    let budget = kedge_step::INLINE_PER_DRIVE as usize;
+    let calls: Vec<serde_json::Value> = (0..budget + 4)
+        .map(|i| call("ledger_append", json!({"text": format!("entry {i}")})))
+        .collect();
+    let script = json!({"models": {"mb": {"steps": [
+        {"text": "many", "tool_calls": calls},
+        {"text": "done"}
+    ]}}});
+    let mut h = Harness::start(script, &[Svc::Intake]).await;
+    h.agent("many", "mb").await;
+    h.spawn_services(&[Svc::Step, Svc::Tool], "w-both");
+    let run = h.submit("many", "go", "task-inline-budget").await;
+    let state = h.wait_terminal(&run, Duration::from_secs(180)).await;
+    assert_eq!(state.status, RunStatus::Succeeded);
+    let mut ledger = h.ledger();
+    assert_eq!(ledger.len(), budget + 4, "one entry per call");
+    ledger.sort();
+    ledger.dedup();
+    assert_eq!(ledger.len(), budget + 4, "no entry twice");
+    let events = h.events(&run).await;
+    let inline_of = |t: EventType| -> (usize, usize) {
+        let flags: Vec<bool> = events
+            .iter()
+            .filter(|r| r.envelope.event_type() == t)
+            .map(|r| r.envelope.inline)
+            .collect();
+        let inline = flags.iter().filter(|i| **i).count();
+        (inline, flags.len() - inline)
+    };
+    // The budget's requests inline, with their starts and results; the rest on the tool
+    // service's subjects.
+    for t in [
+        EventType::ToolRequested,
+        EventType::ToolStarted,
+        EventType::ToolResult,
+    ] {
+        assert_eq!(inline_of(t), (budget, 4), "{t}: (inline, not)");
+    }
+    assert_eq!(delivered(&h, "tool").await, 4, "the tool consumer");
+    assert_schema_valid(&events);
+    h.check_replay(&run, "a-run-past-its-inline-budget").await;
     h.shutdown().await;
 }
 

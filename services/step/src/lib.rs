@@ -60,7 +60,7 @@ use kedge_runtime::responder::{self, Busy, Listen, Responder};
 use kedge_runtime::tenants::RunTenants;
 use kedge_runtime::{Runtime, RuntimeError, consumer};
 
-pub use drive::{DriveError, Driver, Outcome};
+pub use drive::{DriveError, Driver, INLINE_PER_DRIVE, Outcome};
 
 /// Redelivery delay of a wake whose run is leased by another worker (doubled per delivery up to
 /// [`BUSY_MAX`]).

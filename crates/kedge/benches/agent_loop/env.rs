@@ -1,10 +1,10 @@
 //! The topology of one environment and the client that drives it. As deployed (the default): a
-//! nats-server of its own, `kedge mock-llm` and `kedge serve all` (or, `--split`, one `kedge
-//! serve <service>` per service) as processes of their own, this process only a client. In
-//! process (`--in-process`): a nats-server of its own (or a three-node cluster), the mock model
-//! on a thread, intake + step + tool (and the projector with `--with-projector`) as tasks of
-//! this process, each on its own connection. Either way a watcher of terminal events (an
-//! ordered consumer, as a client follows runs).
+//! nats-server of its own (or a three-node cluster, `--cluster`), `kedge mock-llm` and `kedge
+//! serve all` (or, `--split`, one `kedge serve <service>` per service) as processes of their
+//! own, this process only a client. In process (`--in-process`): a nats-server of its own (or
+//! a three-node cluster), the mock model on a thread, intake + step + tool (and the projector
+//! with `--with-projector`) as tasks of this process, each on its own connection. Either way a
+//! watcher of terminal events (an ordered consumer, as a client follows runs).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,11 +17,11 @@ use kedge_core::ids::RunId;
 use kedge_core::task::TaskSubmission;
 use kedge_mock_llm::{MockHandle, Scripts};
 use kedge_runtime::{Config, Runtime};
+use kedge_testkit::ServerOptions;
 use kedge_testkit::tls::Pki;
-use kedge_testkit::{NatsCluster, NatsServer, ServerOptions};
 
 use crate::measure::{Cpu, ProcsMark, ms, start_mock};
-use crate::support::deployed::{Deployed, services_from_env};
+use crate::support::deployed::{Broker, Deployed, services_from_env};
 use crate::workload::{agent_definition, bench_config, script};
 use crate::{AGENT, RUN_TIMEOUT};
 
@@ -65,50 +65,24 @@ impl Terminals {
     }
 }
 
-/// The broker of one environment: one server, or a three-node cluster (`--cluster`).
-pub enum Broker {
-    Single(Box<NatsServer>),
-    Cluster(NatsCluster),
-}
-
-impl Broker {
-    /// One server, or a three-node cluster, with the durability setting, TLS and extra
-    /// configuration of the environment.
-    async fn start(
-        sync_always: bool,
-        tls: Option<&Pki>,
-        extra_config: &str,
-        cluster: bool,
-    ) -> Broker {
-        let mut server_config = extra_config.to_owned();
-        if let Some(pki) = tls {
-            server_config.push_str(&pki.server_config());
-        }
-        let options = ServerOptions {
-            sync_always,
-            extra_config: server_config,
-            ..Default::default()
-        };
-        if cluster {
-            Broker::Cluster(NatsCluster::start_with(options).await)
-        } else {
-            Broker::Single(Box::new(NatsServer::start_with(options).await))
-        }
+/// The in-process broker: the durability setting, TLS and extra configuration of the
+/// environment on one server, or on each node of a three-node cluster (`--cluster`).
+async fn start_broker(
+    sync_always: bool,
+    tls: Option<&Pki>,
+    extra_config: &str,
+    cluster: bool,
+) -> Broker {
+    let mut server_config = extra_config.to_owned();
+    if let Some(pki) = tls {
+        server_config.push_str(&pki.server_config());
     }
-
-    pub fn urls(&self) -> Vec<String> {
-        match self {
-            Broker::Single(s) => vec![s.url()],
-            Broker::Cluster(c) => c.urls(),
-        }
-    }
-
-    pub fn pids(&self) -> Vec<u32> {
-        match self {
-            Broker::Single(s) => s.pid().into_iter().collect(),
-            Broker::Cluster(c) => (0..NatsCluster::SIZE).filter_map(|n| c.pid(n)).collect(),
-        }
-    }
+    let options = ServerOptions {
+        sync_always,
+        extra_config: server_config,
+        ..Default::default()
+    };
+    Broker::start(options, cluster).await
 }
 
 /// Where Kedge runs: in this process (`--in-process`) or as deployed (the default).
@@ -173,7 +147,7 @@ impl Env {
         park: bool,
         projector: bool,
     ) -> Env {
-        let nats = Broker::start(sync_always, tls, extra_config, cluster).await;
+        let nats = start_broker(sync_always, tls, extra_config, cluster).await;
         let mock = start_mock(Scripts::from_value(script()).expect("valid script"));
         let dir = tempfile::tempdir().expect("temp dir");
         let urls = nats.urls();
@@ -217,15 +191,16 @@ impl Env {
     /// default settings but for what the workload needs (the ledger tool, the model's key, the
     /// workspace root, a worker id; `park: false` adds `KEDGE_PARK_LEASES=0`). This process
     /// only connects as a client.
-    pub async fn start_deployed(sync_always: bool, park: bool, split: bool) -> Env {
-        let mut procs = Deployed::start(sync_always, None).await;
+    pub async fn start_deployed(sync_always: bool, park: bool, split: bool, cluster: bool) -> Env {
+        let mut procs = Deployed::start_on(sync_always, None, cluster).await;
         // `KEDGE_BIN`: another build for `kedge serve` and `kedge mock-llm` (a copy of the
         // binary before a change).
         procs.children.set_bin(std::env::var_os("KEDGE_BIN"));
         let mock_url = procs.start_mock(&script()).await;
         let mock_pid = procs.children.pid("mock-llm").expect("mock-llm started");
         let mut config = Config {
-            nats_urls: vec![procs.server.url()],
+            nats_urls: procs.broker.urls(),
+            replicas: procs.broker.replicas(),
             workspace_root: procs.workspace.clone(),
             worker_id: "w-bench-client".parse().expect("worker id"),
             ..Config::default()
@@ -308,8 +283,10 @@ impl Env {
                     serves.join(", "),
                     d.mock_pid,
                     self.server_pids()
-                        .first()
-                        .map_or_else(|| "?".to_owned(), u32::to_string)
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )
             }
         }
@@ -318,14 +295,14 @@ impl Env {
     pub fn urls(&self) -> Vec<String> {
         match &self.topology {
             Topology::InProcess { nats, .. } => nats.urls(),
-            Topology::Deployed(d) => vec![d.procs.server.url()],
+            Topology::Deployed(d) => d.procs.broker.urls(),
         }
     }
 
     pub fn server_pids(&self) -> Vec<u32> {
         match &self.topology {
             Topology::InProcess { nats, .. } => nats.pids(),
-            Topology::Deployed(d) => d.procs.server_pid().into_iter().collect(),
+            Topology::Deployed(d) => d.procs.broker.pids(),
         }
     }
 

@@ -18,7 +18,7 @@
 //! cargo bench -p kedge --bench agent_loop -- --tls-compare --tls-reps 6 --runs 20
 //! cargo bench -p kedge --bench agent_loop -- --json FILE         # also write the key figures as JSON
 //! cargo bench -p kedge --bench agent_loop -- --sustain 15        # closed-loop window, s (0: none)
-//! cargo bench -p kedge --bench agent_loop -- --cluster           # a 3-node cluster, R3 streams (in process)
+//! cargo bench -p kedge --bench agent_loop -- --cluster           # a 3-node cluster on this machine, R3 streams
 //! cargo bench -p kedge --bench agent_loop -- --no-park           # leases released after every drive
 //! cargo bench -p kedge --bench agent_loop -- --with-projector    # in process, the projector too
 //! scripts/bench-vs-restate.sh [--quick]         # Restate first, then this bench: one table, ratios
@@ -49,7 +49,9 @@
 //! mode): intake + step + tool run as tasks of this process, the mock model on a thread. The
 //! throughput figures are not comparable between the two: in process, the services and the
 //! client share one process and one allocator, and the projector does not run (unless
-//! `--with-projector`). `--cluster`, `--tls-compare` and `--with-projector` run in process.
+//! `--with-projector`). `--tls-compare` and `--with-projector` run in process. `--cluster`
+//! (three nodes on this machine, every stream and bucket with three replicas: `KEDGE_REPLICAS=3`
+//! for `kedge serve`) runs in either topology.
 //!
 //! **Side by side with Restate**: `scripts/bench-vs-restate.sh` runs the Restate peer (not part of
 //! this repository: the directory `RESTATE_PEER_SRC` names, which the script requires unless
@@ -265,9 +267,8 @@ fn opts() -> Opts {
     if let Some(s) = sustain {
         o.sustain_s = s;
     }
-    // What only the in-process topology has: a cluster, TLS, the projector left out.
+    // What only the in-process topology has: TLS, the projector left out.
     let needs_in_process = [
-        (o.cluster, "--cluster"),
         (o.tls_compare, "--tls-compare"),
         (o.projector, "--with-projector"),
     ];

@@ -65,12 +65,12 @@ pub async fn run_mode(label: &'static str, sync_always: bool, o: &Opts) -> ModeR
         (env, "in process")
     } else if o.split {
         (
-            Env::start_deployed(sync_always, !o.no_park, true).await,
+            Env::start_deployed(sync_always, !o.no_park, true, o.cluster).await,
             "deployed, split",
         )
     } else {
         (
-            Env::start_deployed(sync_always, !o.no_park, false).await,
+            Env::start_deployed(sync_always, !o.no_park, false, o.cluster).await,
             "deployed",
         )
     };

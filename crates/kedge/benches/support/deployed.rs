@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kedge_testkit::{NatsServer, ServerOptions};
+use kedge_testkit::{NatsCluster, NatsServer, ServerOptions};
 
 /// The variable naming the mock model's API key, in every bench's agent definitions; its value
 /// is given to the serve processes ([`Deployed::serve_env`]).
@@ -173,13 +173,55 @@ pub async fn start_mock(children: &mut Children, script_file: &Path) -> String {
     }
 }
 
-/// One deployment: the server, the processes, a temporary directory (the server's store is the
+/// The broker of one deployment: one server, or a three-node cluster on this machine (streams
+/// and buckets with three replicas).
+pub enum Broker {
+    Single(Box<NatsServer>),
+    Cluster(NatsCluster),
+}
+
+impl Broker {
+    /// One server or a three-node cluster, each node started with `options`.
+    pub async fn start(options: ServerOptions, cluster: bool) -> Broker {
+        if cluster {
+            Broker::Cluster(NatsCluster::start_with(options).await)
+        } else {
+            Broker::Single(Box::new(NatsServer::start_with(options).await))
+        }
+    }
+
+    /// The client URLs: one, or one per node.
+    pub fn urls(&self) -> Vec<String> {
+        match self {
+            Broker::Single(s) => vec![s.url()],
+            Broker::Cluster(c) => c.urls(),
+        }
+    }
+
+    /// The nats-server pids (one per node).
+    pub fn pids(&self) -> Vec<u32> {
+        match self {
+            Broker::Single(s) => s.pid().into_iter().collect(),
+            Broker::Cluster(c) => (0..NatsCluster::SIZE).filter_map(|n| c.pid(n)).collect(),
+        }
+    }
+
+    /// The replicas of every stream and bucket Kedge creates on this broker.
+    pub fn replicas(&self) -> usize {
+        match self {
+            Broker::Single(_) => 1,
+            Broker::Cluster(_) => NatsCluster::SIZE,
+        }
+    }
+}
+
+/// One deployment: the broker, the processes, a temporary directory (the server's store is the
 /// testkit's; here the mock's script, the workspaces and, unless given, the logs).
 ///
-/// Fields drop in order: the processes are killed before the server stops.
+/// Fields drop in order: the processes are killed before the broker stops.
 pub struct Deployed {
     pub children: Children,
-    pub server: NatsServer,
+    pub broker: Broker,
     /// `KEDGE_WORKSPACE_ROOT` of every serve process ([`Deployed::serve_env`]).
     pub workspace: PathBuf,
     pub dir: tempfile::TempDir,
@@ -189,21 +231,27 @@ impl Deployed {
     /// A nats-server (`sync_always`: `jetstream { sync_interval: always }`) and no process yet;
     /// logs in `log_dir` (none: `logs/` in the temporary directory).
     pub async fn start(sync_always: bool, log_dir: Option<PathBuf>) -> Deployed {
-        let server = NatsServer::start_with(ServerOptions {
+        Self::start_on(sync_always, log_dir, false).await
+    }
+
+    /// As [`Deployed::start`]; with `cluster`, a three-node cluster instead of one server, and
+    /// every serve process told to create its streams and buckets with three replicas.
+    pub async fn start_on(sync_always: bool, log_dir: Option<PathBuf>, cluster: bool) -> Deployed {
+        let options = ServerOptions {
             sync_always,
             // Diagnostics: extra top-level lines for the bench's nats-server (a `prof_port`
             // to read its goroutines during a burst, for example).
             extra_config: std::env::var("KEDGE_BENCH_NATS_CONFIG").unwrap_or_default(),
             ..Default::default()
-        })
-        .await;
+        };
+        let broker = Broker::start(options, cluster).await;
         let dir = tempfile::tempdir().expect("a temporary directory");
         let children = Children::new(log_dir.unwrap_or_else(|| dir.path().join("logs")));
         let workspace = dir.path().join("workspaces");
         std::fs::create_dir_all(&workspace).expect("the workspace root");
         Deployed {
             children,
-            server,
+            broker,
             workspace,
             dir,
         }
@@ -211,7 +259,16 @@ impl Deployed {
 
     /// The bench's own runtime on the server (worker `bench-writer`): the client.
     pub async fn client_runtime(&self) -> kedge_runtime::Runtime {
-        super::writer_runtime(&self.server, self.dir.path()).await
+        let config = kedge_runtime::Config {
+            nats_urls: self.broker.urls(),
+            replicas: self.broker.replicas(),
+            workspace_root: self.dir.path().join("ws"),
+            worker_id: "bench-writer".parse().expect("worker id"),
+            ..kedge_runtime::Config::default()
+        };
+        kedge_runtime::Runtime::connect(config)
+            .await
+            .expect("the bench's runtime")
     }
 
     /// `kedge mock-llm` with `script` (written to the temporary directory): its base URL.
@@ -221,11 +278,12 @@ impl Deployed {
         start_mock(&mut self.children, &file).await
     }
 
-    /// What every serve process is given: the server, `worker` as its worker id, the workspace
-    /// root, the mock model's key ([`MODEL_KEY_VAR`]) and `KEDGE_LOG=warn`.
+    /// What every serve process is given: the broker's URLs and replicas, `worker` as its worker
+    /// id, the workspace root, the mock model's key ([`MODEL_KEY_VAR`]) and `KEDGE_LOG=warn`.
     pub fn serve_env(&self, worker: &str) -> Vec<(String, String)> {
         [
-            ("KEDGE_NATS_URL", self.server.url()),
+            ("KEDGE_NATS_URL", self.broker.urls().join(",")),
+            ("KEDGE_REPLICAS", self.broker.replicas().to_string()),
             ("KEDGE_WORKER_ID", worker.to_owned()),
             (
                 "KEDGE_WORKSPACE_ROOT",
@@ -254,9 +312,9 @@ impl Deployed {
         self.children.pid(name).expect("just started")
     }
 
-    /// The server's pid.
+    /// The (first) nats-server's pid.
     pub fn server_pid(&self) -> Option<u32> {
-        self.server.pid()
+        self.broker.pids().first().copied()
     }
 }
 

@@ -16,7 +16,7 @@ use super::{DriveError, Driver};
 /// Most inline operations one drive runs: past them its requests go to the tool service, and
 /// the run's next drive is woken by their results like any other's. A run whose agent loop
 /// takes every step inline would otherwise hold one of the service's slots for its whole life.
-pub(super) const INLINE_PER_DRIVE: u32 = 256;
+pub const INLINE_PER_DRIVE: u32 = 256;
 
 /// An inline request this drive journaled: its operation, request and stream sequence.
 pub(super) struct Requested {

@@ -35,6 +35,8 @@ mod set_aside;
 mod slots;
 mod step;
 
+pub use inline::INLINE_PER_DRIVE;
+
 use kedge_core::Decision;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
