@@ -174,6 +174,76 @@ async fn a_process_killed_in_an_inline_operation_repeats_no_effect() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_run_left_with_an_unfinished_inline_operation_ends() {
+    // The process dies with an inline operation unfinished, and the run's cancel comes
+    // meanwhile; the next process's drive finds the run cancelling. An operation only
+    // requested (`step.before_inline_run`) never started: the run ends without it, the effect
+    // never runs. One whose effect ran (`tool.after_effect`, started and not recorded) must be
+    // finished by that drive (taken over, confirmed, the outcome journaled) for the run to end:
+    // not left waiting for the reconciler's nudge (`stall_after`, set longer than this test
+    // waits).
+    for (failpoint, effects, answered) in [
+        ("step.before_inline_run", 0, vec![]),
+        // Taken over from the gone runner and confirmed by the ledger's query.
+        ("tool.after_effect", 1, vec![EventType::OutcomeConfirmed]),
+    ] {
+        let script = json!({"models": {"mx": {"steps": [
+            {"text": "paying", "tool_calls": [call("ledger_append", json!({"text": "pay 5"}))]},
+            {"text": "never"}
+        ]}}});
+        // The reconciler's nudge of a stalled run (which hands a stuck operation to the tool
+        // service) out of this test's reach: the drive alone must finish it.
+        let mut h = Harness::start_with(script, &[], |c| {
+            c.timeouts.stall_after_ms = 300_000;
+        })
+        .await;
+        h.agent("payer", "mx").await;
+        let doomed = h.spawn_process("all", "w-all-doomed", failpoint);
+        let run = h.submit("payer", "go", "task-inline-unfinished").await;
+        assert!(
+            h.wait_exit(doomed, WAIT).await,
+            "{failpoint}: the process should abort in its drive"
+        );
+        let requested = h
+            .events(&run)
+            .await
+            .into_iter()
+            .find(|r| r.envelope.event_type() == EventType::ToolRequested)
+            .expect("the request was journaled");
+        assert!(requested.envelope.inline, "{failpoint}: requested inline");
+        h.input(
+            &run,
+            Event::CancelRequested(kedge_core::event::CancelRequested {
+                reason: "test".into(),
+                by: Some("tester".into()),
+            }),
+            &format!("cancel:{run}"),
+        )
+        .await;
+        h.spawn_process("all", "w-all-fresh", "");
+        let state = h.wait_terminal(&run, WAIT).await;
+        assert_eq!(state.status, RunStatus::Cancelled, "{failpoint}");
+        assert_eq!(h.ledger().len(), effects, "{failpoint}: effects");
+        let events = h.events(&run).await;
+        let answers: Vec<EventType> = events
+            .iter()
+            .map(|r| r.envelope.event_type())
+            .filter(|t| {
+                matches!(
+                    t,
+                    EventType::ToolResult
+                        | EventType::OutcomeConfirmed
+                        | EventType::OutcomeAmbiguous
+                )
+            })
+            .collect();
+        assert_eq!(answers, answered, "{failpoint}: the operation's answers");
+        assert_schema_valid(&events);
+        h.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_stops_an_inline_tool_and_ends_the_run() {
     let script = json!({"models": {"mc": {"steps": [
         {"text": "sleeping", "tool_calls": [

@@ -6,6 +6,7 @@ use kedge_core::Decision;
 use kedge_core::event::{Draft, ToolRequested};
 use kedge_core::fold::{OpStatus, RunState};
 use kedge_core::ids::OperationId;
+use kedge_runtime::failpoint;
 use kedge_tool::{Chained, Handled, Inline, InlineRun};
 use tokio::sync::watch;
 
@@ -85,6 +86,7 @@ impl Driver {
         if unfinished.is_empty() || *lost.borrow() {
             return Ok(false);
         }
+        failpoint::hit("step.before_inline_run");
         let cancel = state.cancel_requested.is_some();
         let mut runs = Vec::with_capacity(unfinished.len());
         for op in unfinished {
