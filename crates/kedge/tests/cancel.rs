@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::{Harness, Svc};
 use kedge_core::RunStatus;
-use kedge_core::event::{CancelRequested, Event, OpFate};
-use kedge_core::ids::RunId;
+use kedge_core::event::{Event, OpFate};
 use kedge_journal::Recorded;
 use serde_json::json;
 
@@ -16,18 +15,6 @@ const WAIT: Duration = Duration::from_secs(30);
 
 fn call(name: &str, args: serde_json::Value) -> serde_json::Value {
     json!({"name": name, "arguments": args})
-}
-
-async fn cancel(h: &Harness, run: &RunId) -> u64 {
-    h.input(
-        run,
-        Event::CancelRequested(CancelRequested {
-            reason: "test".into(),
-            by: Some("tester".into()),
-        }),
-        &format!("cancel:{run}"),
-    )
-    .await
 }
 
 /// The invariants every cancelled run must show.
@@ -67,7 +54,7 @@ async fn cancel_while_queued() {
     h.agent("cq", "cq").await;
     let run = h.submit("cq", "go", "cq-1").await;
     assert_eq!(h.state(&run).await.status, RunStatus::Queued);
-    let seq = cancel(&h, &run).await;
+    let seq = h.cancel(&run).await;
     h.spawn_service(Svc::Step, "w-late");
     let state = h.wait_terminal(&run, WAIT).await;
     assert_eq!(state.status, RunStatus::Cancelled);
@@ -87,7 +74,7 @@ async fn cancel_mid_model_call_aborts_the_call_and_dispatches_nothing() {
     let run = h.submit("cm", "go", "cm-1").await;
     h.wait_for(&run, WAIT, |s| s.open_step.is_some()).await;
     let asked = Instant::now();
-    let seq = cancel(&h, &run).await;
+    let seq = h.cancel(&run).await;
     let state = h.wait_terminal(&run, WAIT).await;
     assert_eq!(state.status, RunStatus::Cancelled);
     assert!(
@@ -127,7 +114,7 @@ async fn cancel_mid_tool_call_stops_the_running_tool() {
     })
     .await;
     let asked = Instant::now();
-    let seq = cancel(&h, &run).await;
+    let seq = h.cancel(&run).await;
     let state = h.wait_terminal(&run, WAIT).await;
     assert_eq!(state.status, RunStatus::Cancelled);
     assert!(
@@ -164,7 +151,7 @@ async fn cancel_while_waiting_for_the_user_or_a_timer() {
         h.agent(model, model).await;
         let run = h.submit(model, "go", &format!("{model}-1")).await;
         h.wait_for(&run, WAIT, |s| s.status == waiting).await;
-        let seq = cancel(&h, &run).await;
+        let seq = h.cancel(&run).await;
         let state = h.wait_terminal(&run, WAIT).await;
         assert_eq!(state.status, RunStatus::Cancelled, "{tool}");
         let fates = assert_cancelled_once(&h.events(&run).await, seq);

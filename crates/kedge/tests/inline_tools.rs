@@ -211,15 +211,7 @@ async fn a_cancelled_run_left_with_an_unfinished_inline_operation_ends() {
             .find(|r| r.envelope.event_type() == EventType::ToolRequested)
             .expect("the request was journaled");
         assert!(requested.envelope.inline, "{failpoint}: requested inline");
-        h.input(
-            &run,
-            Event::CancelRequested(kedge_core::event::CancelRequested {
-                reason: "test".into(),
-                by: Some("tester".into()),
-            }),
-            &format!("cancel:{run}"),
-        )
-        .await;
+        h.cancel(&run).await;
         h.spawn_process("all", "w-all-fresh", "");
         let state = h.wait_terminal(&run, WAIT).await;
         assert_eq!(state.status, RunStatus::Cancelled, "{failpoint}");
@@ -266,15 +258,7 @@ async fn a_cancel_stops_an_inline_tool_and_ends_the_run() {
     })
     .await;
     let asked = std::time::Instant::now();
-    h.input(
-        &run,
-        Event::CancelRequested(kedge_core::event::CancelRequested {
-            reason: "test".into(),
-            by: Some("tester".into()),
-        }),
-        &format!("cancel:{run}"),
-    )
-    .await;
+    h.cancel(&run).await;
     let state = h.wait_terminal(&run, WAIT).await;
     assert_eq!(state.status, RunStatus::Cancelled);
     assert!(

@@ -639,15 +639,7 @@ async fn a_cancelled_run_does_not_wait_for_an_operation_between_attempts() {
     })
     .await;
     let asked = std::time::Instant::now();
-    h.input(
-        &run,
-        Event::CancelRequested(kedge_core::event::CancelRequested {
-            reason: "test".into(),
-            by: Some("tester".into()),
-        }),
-        &format!("cancel:{run}"),
-    )
-    .await;
+    h.cancel(&run).await;
     let done = h.wait_terminal(&run, Duration::from_secs(10)).await;
     assert_eq!(done.status, RunStatus::Cancelled);
     assert!(

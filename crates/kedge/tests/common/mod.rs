@@ -525,6 +525,20 @@ impl Harness {
             .seq
     }
 
+    /// Asks for `run`'s cancel (by "tester", reason "test", as a client's input with its key
+    /// `cancel:<run>`); the input's sequence.
+    pub async fn cancel(&self, run: &RunId) -> u64 {
+        self.input(
+            run,
+            Event::CancelRequested(kedge_core::event::CancelRequested {
+                reason: "test".into(),
+                by: Some("tester".into()),
+            }),
+            &format!("cancel:{run}"),
+        )
+        .await
+    }
+
     pub fn ledger(&self) -> Vec<String> {
         std::fs::read_to_string(self.config.workspace_root.join("ledger.log"))
             .unwrap_or_default()
