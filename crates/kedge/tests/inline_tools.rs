@@ -31,6 +31,17 @@ fn two_payments(model: &str) -> serde_json::Value {
     ]}}})
 }
 
+/// The run's (first) tool request was journaled, inline.
+async fn assert_requested_inline(h: &Harness, run: &kedge_core::ids::RunId, case: &str) {
+    let requested = h
+        .events(run)
+        .await
+        .into_iter()
+        .find(|r| r.envelope.event_type() == EventType::ToolRequested)
+        .expect("the request was journaled");
+    assert!(requested.envelope.inline, "{case}: requested inline");
+}
+
 /// How many messages a consumer of the journal was delivered so far.
 async fn delivered(h: &Harness, consumer: &str) -> u64 {
     let mut c: async_nats::jetstream::consumer::PullConsumer =
@@ -152,13 +163,7 @@ async fn a_process_killed_in_an_inline_operation_repeats_no_effect() {
             "{failpoint}: the process should abort in the step's drive"
         );
         assert_eq!(h.ledger().len(), 1, "{failpoint}: the effect happened once");
-        let requested = h
-            .events(&run)
-            .await
-            .into_iter()
-            .find(|r| r.envelope.event_type() == EventType::ToolRequested)
-            .expect("the request was journaled");
-        assert!(requested.envelope.inline, "{failpoint}: requested inline");
+        assert_requested_inline(&h, &run, failpoint).await;
         h.spawn_process("all", "w-all-fresh", "");
         let state = h.wait_terminal(&run, WAIT).await;
         assert_eq!(state.status, RunStatus::Succeeded, "{failpoint}");
@@ -204,13 +209,7 @@ async fn a_cancelled_run_left_with_an_unfinished_inline_operation_ends() {
             h.wait_exit(doomed, WAIT).await,
             "{failpoint}: the process should abort in its drive"
         );
-        let requested = h
-            .events(&run)
-            .await
-            .into_iter()
-            .find(|r| r.envelope.event_type() == EventType::ToolRequested)
-            .expect("the request was journaled");
-        assert!(requested.envelope.inline, "{failpoint}: requested inline");
+        assert_requested_inline(&h, &run, failpoint).await;
         h.cancel(&run).await;
         h.spawn_process("all", "w-all-fresh", "");
         let state = h.wait_terminal(&run, WAIT).await;
