@@ -3,7 +3,8 @@
 //! the shapes it could have. No Kedge service runs: 64 writers (one per "run") each publish an
 //! iteration's writes one after the other, waiting for each acknowledgement, as a run's drive
 //! does: `journal` messages on the run's subject of a journal stream, then `kv` writes on a key
-//! of its own of an ops-like stream (history 1, as the ops bucket). What it shows is the
+//! of its own of an ops-like stream (history 1, as the ops bucket; plain writes, without the
+//! compare-and-set check of the claim and the finish). What it shows is the
 //! broker's share of the limit (its CPU and its serial fsyncs), with the whole machine for it;
 //! the agent-loop bench measures Kedge with it.
 //!
@@ -17,7 +18,7 @@
 //! of the run on the journal stream: `step.started`, `step.completed`, `tool.requested`,
 //! `tool.started`, `tool.result`; two op-record writes: the claim and the finish), the step group
 //! as one message (four), that and no `tool.started` (three), and the same spread over four
-//! journal streams (runs hashed to a stream). An iteration is two actions (a model step and a
+//! journal streams (the runs dealt out to them in turn). An iteration is two actions (a model step and a
 //! tool step), so actions/s = 2 x iterations/s, the figure the agent-loop bench and Restate print.
 
 use std::time::{Duration, Instant};
