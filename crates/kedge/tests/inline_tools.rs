@@ -1,8 +1,8 @@
 //! Built-in tools run inside the step's drive when the process runs the tool service too
 //! (docs/ARCHITECTURE.md "Inline tools"): the whole agent loop of a run in one drive, no tool
 //! worker's delivery and no wake of the run per operation; past one drive's budget the tool
-//! service runs the rest; and a process killed in the middle of an inline operation repeats no
-//! effect.
+//! service runs the rest; a process killed in the middle of an inline operation repeats no
+//! effect; and a run cancelled meanwhile still ends.
 
 use crate::common;
 
