@@ -59,7 +59,7 @@
 #[path = "support/mod.rs"]
 mod support;
 use support::deployed::{Children, Deployed, MODEL_KEY_VAR as KEY_VAR};
-use support::{read_proc, run_bench};
+use support::{loadavg, read_proc, run_bench};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -612,15 +612,6 @@ async fn runs_list_lag(js: &async_nats::jetstream::Context) -> String {
         ),
         None => String::new(),
     }
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -85,6 +85,14 @@ struct Opts {
     cluster: bool,
 }
 
+/// The positive number `flag` was given.
+fn positive<T: std::str::FromStr + PartialOrd + Default>(value: Option<String>, flag: &str) -> T {
+    value
+        .and_then(|v| v.parse().ok())
+        .filter(|v: &T| *v > T::default())
+        .unwrap_or_else(|| panic!("{flag} takes a positive number"))
+}
+
 fn opts() -> Opts {
     let mut o = Opts {
         seconds: 5.0,
@@ -94,20 +102,8 @@ fn opts() -> Opts {
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         match arg.as_str() {
-            "--seconds" => {
-                o.seconds = it
-                    .next()
-                    .and_then(|s| s.parse().ok())
-                    .filter(|s: &f64| *s > 0.0)
-                    .expect("--seconds takes a positive number")
-            }
-            "--concurrency" => {
-                o.concurrency = it
-                    .next()
-                    .and_then(|s| s.parse().ok())
-                    .filter(|c: &usize| *c > 0)
-                    .expect("--concurrency takes a positive number")
-            }
+            "--seconds" => o.seconds = positive(it.next(), "--seconds"),
+            "--concurrency" => o.concurrency = positive(it.next(), "--concurrency"),
             "--cluster" => o.cluster = true,
             // `cargo bench` passes `--bench`.
             "--bench" => {}
@@ -115,15 +111,6 @@ fn opts() -> Opts {
         }
     }
     o
-}
-
-/// The broker's CPU (all its nodes) so far, in clock ticks.
-fn broker_cpu_ticks(broker: &Broker) -> u64 {
-    broker
-        .pids()
-        .iter()
-        .filter_map(|p| kedge_testkit::cpu_ticks(&format!("/proc/{p}/stat")))
-        .sum()
 }
 
 struct Measured {
@@ -167,7 +154,7 @@ async fn measure(broker: &Broker, shape: Shape, o: &Opts) -> Measured {
     .expect("the ops stream");
 
     let window = Duration::from_secs_f64(o.seconds);
-    let cpu_before = broker_cpu_ticks(broker);
+    let cpu_before = support::cpu_ticks_of(&broker.pids());
     let started = Instant::now();
     let mut writers = Vec::new();
     for run in 0..o.concurrency {
@@ -194,7 +181,7 @@ async fn measure(broker: &Broker, shape: Shape, o: &Opts) -> Measured {
         iterations += w.await.expect("a writer");
     }
     let elapsed = started.elapsed().as_secs_f64();
-    let cpu_ms = broker_cpu_ticks(broker).saturating_sub(cpu_before) as f64 * 1e3
+    let cpu_ms = support::cpu_ticks_of(&broker.pids()).saturating_sub(cpu_before) as f64 * 1e3
         / kedge_testkit::clock_ticks();
     let actions = 2.0 * iterations as f64;
     Measured {
@@ -218,9 +205,7 @@ async fn bench(o: Opts) {
         o.concurrency,
         o.seconds,
         kedge_testkit::nats_server_binary().display(),
-        std::fs::read_to_string("/proc/loadavg")
-            .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-            .unwrap_or_default()
+        support::loadavg()
     );
     let mut brokers = vec![(false, false), (true, false)];
     if o.cluster {
@@ -271,11 +256,8 @@ async fn bench(o: Opts) {
 
 fn main() {
     let o = opts();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime");
-    runtime.block_on(async move {
+    // Interrupted, the bench's future is dropped: the servers it started are killed by pid.
+    support::run_bench(async move {
         tokio::select! {
             () = bench(o) => {}
             _ = tokio::signal::ctrl_c() => eprintln!("interrupted: stopping the servers"),

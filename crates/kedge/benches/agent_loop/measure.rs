@@ -111,7 +111,7 @@ pub struct CpuMark {
 
 pub fn cpu_mark(server_pids: &[u32]) -> CpuMark {
     CpuMark {
-        server: server_pids.iter().filter_map(|p| cpu_ticks(*p)).sum(),
+        server: crate::support::cpu_ticks_of(server_pids),
         me: cpu_ticks(std::process::id()).unwrap_or(0),
         mock: mock_ticks(),
     }
@@ -266,9 +266,4 @@ pub fn mock_cpu_since(from: CpuMark) -> f64 {
     mock_ticks().saturating_sub(from.mock) as f64 * tick_ms()
 }
 
-/// The machine's load (other processes share these cores: read the numbers with it).
-pub fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
+pub use crate::support::loadavg;

@@ -259,16 +259,7 @@ impl Deployed {
 
     /// The bench's own runtime on the server (worker `bench-writer`): the client.
     pub async fn client_runtime(&self) -> kedge_runtime::Runtime {
-        let config = kedge_runtime::Config {
-            nats_urls: self.broker.urls(),
-            replicas: self.broker.replicas(),
-            workspace_root: self.dir.path().join("ws"),
-            worker_id: "bench-writer".parse().expect("worker id"),
-            ..kedge_runtime::Config::default()
-        };
-        kedge_runtime::Runtime::connect(config)
-            .await
-            .expect("the bench's runtime")
+        super::writer_runtime_on(self.broker.urls(), self.broker.replicas(), self.dir.path()).await
     }
 
     /// `kedge mock-llm` with `script` (written to the temporary directory): its base URL.

@@ -27,8 +27,18 @@ pub async fn writer_runtime(
     server: &kedge_testkit::NatsServer,
     dir: &std::path::Path,
 ) -> kedge_runtime::Runtime {
+    writer_runtime_on(vec![server.url()], 1, dir).await
+}
+
+/// [`writer_runtime`] on a broker of these URLs, creating what it creates with `replicas`.
+pub async fn writer_runtime_on(
+    nats_urls: Vec<String>,
+    replicas: usize,
+    dir: &std::path::Path,
+) -> kedge_runtime::Runtime {
     let config = kedge_runtime::Config {
-        nats_urls: vec![server.url()],
+        nats_urls,
+        replicas,
         workspace_root: dir.join("ws"),
         worker_id: "bench-writer".parse().expect("worker id"),
         ..kedge_runtime::Config::default()
@@ -95,6 +105,21 @@ pub fn read_proc(pid: u32) -> Proc {
         threads: field("Threads:"),
         cpu_ticks: kedge_testkit::cpu_ticks(&format!("/proc/{pid}/stat")).unwrap_or(0),
     }
+}
+
+/// The CPU time (utime + stime, clock ticks) the processes `pids` have spent so far.
+pub fn cpu_ticks_of(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|p| kedge_testkit::cpu_ticks(&format!("/proc/{p}/stat")))
+        .sum()
+}
+
+/// The machine's load averages over 1, 5 and 15 minutes (other processes share these cores:
+/// read a bench's numbers with it).
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 /// Kills a process this bench started and reaps it.
