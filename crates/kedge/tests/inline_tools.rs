@@ -146,6 +146,44 @@ async fn requests_past_a_drives_inline_budget_go_to_the_tool_service() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_operations_run_at_most_tool_concurrency_at_once() {
+    // A step asks for six calls at once; the process runs two operations at a time
+    // (`tool_concurrency`), inline as on a tool worker: no two starts and results of more than
+    // two operations overlap.
+    let calls: Vec<serde_json::Value> = (0..6)
+        .map(|_| call("shell", json!({"command": "sleep", "args": ["0.3"]})))
+        .collect();
+    let script = json!({"models": {"mt": {"steps": [
+        {"text": "six", "tool_calls": calls},
+        {"text": "done"}
+    ]}}});
+    let mut h = Harness::start_with(script, &[Svc::Intake], |c| c.tool_concurrency = 2).await;
+    h.agent("six", "mt").await;
+    h.spawn_services(&[Svc::Step, Svc::Tool], "w-both");
+    let run = h.submit("six", "go", "task-inline-bound").await;
+    let state = h.wait_terminal(&run, WAIT).await;
+    assert_eq!(state.status, RunStatus::Succeeded);
+    let events = h.events(&run).await;
+    // +1 at each start, -1 at each result, in journal order (a start is journaled after its
+    // slot is taken, a result before it is given back).
+    let mut running = 0i32;
+    let mut most = 0;
+    for r in &events {
+        match r.envelope.event_type() {
+            EventType::ToolStarted => {
+                assert!(r.envelope.inline, "started inline");
+                running += 1;
+                most = most.max(running);
+            }
+            EventType::ToolResult => running -= 1,
+            _ => {}
+        }
+    }
+    assert_eq!(most, 2, "operations running at once");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_killed_in_an_inline_operation_repeats_no_effect() {
     // After the effect (the record still `running`: the next drive's claim takes it over and
     // the ledger's confirm query finds the entry); after the record and the result.

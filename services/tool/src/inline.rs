@@ -20,7 +20,7 @@ use kedge_core::event::ToolRequested;
 use kedge_core::fold::handled_by_step;
 use kedge_core::ids::OperationId;
 use kedge_runtime::{Runtime, RuntimeError};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tracing::Instrument;
 
 use crate::builtin::Builtin;
@@ -34,6 +34,10 @@ use crate::{Handled, verify};
 #[derive(Clone)]
 pub struct Inline {
     ctx: Arc<Ctx>,
+    /// At most `tool_concurrency` operations of this process's drives run at once (shared by
+    /// every clone): the bound the tool service keeps on its deliveries, which one step asking
+    /// for hundreds of calls would otherwise pass, one drive running them all at once.
+    slots: Arc<Semaphore>,
     /// Held for as long as any clone lives: the stop signal [`Ctx`] reads (never sent), and
     /// the subscription that stops the operations of a cancelled run.
     _kept: Arc<Kept>,
@@ -95,6 +99,7 @@ impl Inline {
         let ctx = Ctx::new(rt, sandbox, running, liveness, again, stopped);
         Ok(Inline {
             ctx: Arc::new(ctx),
+            slots: Arc::new(Semaphore::new(rt.config.tool_concurrency.max(1))),
             _kept: Arc::new(Kept {
                 _stop: stop,
                 watching,
@@ -106,6 +111,7 @@ impl Inline {
     pub fn on(&self, rt: Runtime) -> Inline {
         Inline {
             ctx: Arc::new(self.ctx.on(rt)),
+            slots: self.slots.clone(),
             _kept: self._kept.clone(),
         }
     }
@@ -164,6 +170,13 @@ impl Inline {
         if traceparent.is_some() {
             kedge_runtime::trace::set_parent(&span, traceparent);
         }
+        // Held from the claim to the result; a retry's backoff, waited for by the drive, holds
+        // none.
+        let _slot = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|e| failed(true, e.to_string()))?;
         let landed = Landed::default();
         let handled = execute(&self.ctx, op, req, looked, requested_at, Some(&landed))
             .instrument(span)
